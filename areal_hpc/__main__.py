@@ -1,0 +1,5 @@
+"""``python -m areal_hpc`` is the same as the ``areal-hpc`` command."""
+
+from areal_hpc.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,275 @@
+"""Typed run configuration: one dataclass per component, merged by OmegaConf from YAML + overrides.
+
+``load_config("configs/quickstart.yaml", ["actor.lr=1e-4"])`` returns a validated ``RunConfig``.
+An unknown key, a value of the wrong type or a value outside what a field allows is a ``UserError``
+naming the key, the value and what would be valid (the nearest key for a misspelling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from areal_hpc.errors import UserError, closest
+
+
+def spec(default: Any, help: str, *, choices=None, ge=None, gt=None, le=None):
+    """A dataclass field carrying its help text and the constraints ``validate`` enforces."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    return field(default=default, metadata=meta)
+
+
+def section(cls):
+    return field(default_factory=cls)
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = spec("quickstart", "experiment name: the folder under cluster.fileroot")
+    trial: str = spec("trial0", "trial name: the folder under the experiment")
+    seed: int = spec(1, "seed for data order, initialisation and sampling", ge=0)
+
+
+@dataclass
+class ClusterConfig:
+    fileroot: str = spec("runs", "root of all run outputs (a shared filesystem on a cluster)")
+    device: str = spec("auto", "accelerator to use", choices=["auto", "cpu", "cuda", "npu"])
+
+
+@dataclass
+class ModelConfig:
+    path: str = spec("", "local Hugging Face model folder; empty builds a fresh model from `preset`")
+    preset: str = spec("tiny", "architecture used when `path` is empty", choices=["tiny", "small"])
+    dtype: str = spec("float32", "parameter dtype", choices=["float32", "bfloat16", "float16"])
+    attn_impl: str = spec("sdpa", "attention implementation", choices=["sdpa", "eager", "flash_attention_2"])
+
+
+@dataclass
+class TokenizerConfig:
+    path: str = spec("", "local tokenizer folder; empty means the model's folder")
+
+
+@dataclass
+class ArithmeticConfig:
+    min_digits: int = spec(1, "fewest digits per operand", ge=1)
+    max_digits: int = spec(3, "most digits per operand", ge=1, le=18)
+    ops: str = spec("+", "operators to draw from, e.g. '+-*'")
+
+
+@dataclass
+class CountdownConfig:
+    num_count: int = spec(3, "how many numbers are given", ge=2, le=6)
+    max_number: int = spec(20, "largest given number", ge=2)
+
+
+@dataclass
+class DatasetConfig:
+    task: str = spec("arithmetic", "task with a verifiable reward", choices=["arithmetic", "countdown", "gsm8k"])
+    path: str = spec("", "GSM8K-format JSONL (question, answer '... #### N'); empty uses the shipped sample")
+    eval_path: str = spec("", "held-out GSM8K-format JSONL; empty holds out part of `path`")
+    seed: int = spec(0, "seed of the task generator and of the train/eval split", ge=0)
+    train_size: int = spec(20000, "training problems to generate", ge=1)
+    eval_size: int = spec(200, "held-out problems used for accuracy", ge=1)
+    arithmetic: ArithmeticConfig = section(ArithmeticConfig)
+    countdown: CountdownConfig = section(CountdownConfig)
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = spec("adamw", "optimizer", choices=["adamw"])
+    weight_decay: float = spec(0.01, "decoupled weight decay", ge=0.0)
+    beta1: float = spec(0.9, "Adam beta1", ge=0.0, le=1.0)
+    beta2: float = spec(0.999, "Adam beta2", ge=0.0, le=1.0)
+    eps: float = spec(1e-8, "Adam epsilon", gt=0.0)
+    lr_scheduler_type: str = spec("cosine", "learning-rate schedule", choices=["constant", "linear", "cosine"])
+    warmup_steps_proportion: float = spec(0.05, "fraction of steps with linear warm-up", ge=0.0, le=1.0)
+    min_lr_ratio: float = spec(0.0, "final learning rate as a fraction of the peak", ge=0.0, le=1.0)
+    gradient_clipping: float = spec(1.0, "max global grad norm; 0 disables clipping", ge=0.0)
+
+
+@dataclass
+class SFTConfig:
+    lr: float = spec(2e-3, "peak learning rate of supervised fine-tuning", gt=0.0)
+    total_train_steps: int = spec(300, "optimizer steps", ge=1)
+    batch_size: int = spec(64, "sequences per optimizer step", ge=1)
+    max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)
+    eval_every_steps: int = spec(100, "steps between evaluations; 0 evaluates only before and after", ge=0)
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = spec("embedded", "rollout server backend", choices=["embedded", "sglang"])
+    n_servers: int = spec(1, "rollout servers to start", ge=1)
+    max_concurrent_rollouts: int = spec(64, "episodes in flight at most", ge=1)
+    max_head_offpolicyness: int = spec(2, "staleness bound eta: versions a trajectory may lag", ge=0)
+    consumer_batch_size: int = spec(16, "prompts per training batch", ge=1)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = spec(1e-4, "peak learning rate of the RL actor", gt=0.0)
+    eps_clip: float = spec(0.2, "PPO clip range", gt=0.0)
+    behav_imp_weight_cap: float = spec(5.0, "cap of the behaviour importance weight (decoupled PPO)", gt=0.0)
+    ppo_n_minibatches: int = spec(1, "PPO minibatches per training step", ge=1)
+    kl_ctl: float = spec(0.0, "KL penalty coefficient to the reference model", ge=0.0)
+
+
+@dataclass
+class GenerationConfig:
+    n_samples: int = spec(8, "samples per prompt (the GRPO group size)", ge=1)
+    max_new_tokens: int = spec(16, "generated tokens at most", ge=1)
+    temperature: float = spec(1.0, "sampling temperature", gt=0.0)
+    top_p: float = spec(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
+    top_k: int = spec(-1, "top-k sampling; -1 disables", ge=-1)
+    greedy: bool = spec(False, "greedy decoding instead of sampling")
+
+
+@dataclass
+class SaverConfig:
+    freq_steps: int = spec(0, "steps between checkpoints; 0 saves only the final model", ge=0)
+
+
+@dataclass
+class StatsConfig:
+    tensorboard: bool = spec(True, "write TensorBoard event files")
+    plot: bool = spec(True, "write PNG curves at the end of a run")
+
+
+@dataclass
+class RunConfig:
+    experiment: ExperimentConfig = section(ExperimentConfig)
+    cluster: ClusterConfig = section(ClusterConfig)
+    model: ModelConfig = section(ModelConfig)
+    tokenizer: TokenizerConfig = section(TokenizerConfig)
+    dataset: DatasetConfig = section(DatasetConfig)
+    optimizer: OptimizerConfig = section(OptimizerConfig)
+    sft: SFTConfig = section(SFTConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    actor: ActorConfig = section(ActorConfig)
+    gconfig: GenerationConfig = section(GenerationConfig)
+    saver: SaverConfig = section(SaverConfig)
+    stats: StatsConfig = section(StatsConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        """Where everything this run writes lives: <fileroot>/<experiment>/<trial>/."""
+        return Path(self.cluster.fileroot) / self.experiment.name / self.experiment.trial
+
+
+def _walk(cls, prefix: str = ""):
+    """Yield (dotted path, type, is_section) for every field of a config dataclass, depth first."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path, kind = prefix + f.name, hints[f.name]
+        is_section = dataclasses.is_dataclass(kind)
+        yield path, kind, is_section
+        if is_section:
+            yield from _walk(kind, path + ".")
+
+
+LEAF_TYPES = {path: kind for path, kind, is_section in _walk(RunConfig) if not is_section}
+SECTIONS = {path for path, _, is_section in _walk(RunConfig) if is_section}
+
+
+def _unknown_key(key: str, where: str) -> UserError:
+    return UserError(f"unknown config key '{key}' {where}{closest(key, [*LEAF_TYPES, *SECTIONS])}")
+
+
+def _not_a_section_value(key: str, where: str) -> UserError:
+    example = next(p for p in LEAF_TYPES if p.startswith(key + "."))
+    return UserError(f"config key '{key}' {where} is a section, not a value; set its keys, e.g. {example}=...")
+
+
+def _check_keys(tree: dict, where: str, prefix: str = "") -> None:
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if path in SECTIONS:
+            if not isinstance(value, dict):
+                raise _not_a_section_value(path, where)
+            _check_keys(value, where, path + ".")
+        elif path not in LEAF_TYPES:
+            raise _unknown_key(path, where)
+
+
+def _read_yaml(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections, got {type(tree).__name__}")
+    _check_keys(tree, f"in {path}")
+    return tree
+
+
+def _parse_overrides(overrides: list[str]) -> list[str]:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override '{item}' is not of the form key=value (e.g. actor.lr=1e-4)")
+        if key in SECTIONS:
+            raise _not_a_section_value(key, "on the command line")
+        if key not in LEAF_TYPES:
+            raise _unknown_key(key, "on the command line")
+    return overrides
+
+
+def _type_error(exc: OmegaConfBaseException) -> UserError:
+    key = getattr(exc, "full_key", "") or "?"
+    expected = LEAF_TYPES[key].__name__ if key in LEAF_TYPES else "a valid value"
+    value = str(exc).splitlines()[0]
+    return UserError(f"config key '{key}': {value} (expected {expected})")
+
+
+def validate(cfg, prefix: str = "") -> None:
+    """Check every field against the choices and bounds declared with ``spec``."""
+    for f in dataclasses.fields(cfg):
+        value, path = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            validate(value, path + ".")
+            continue
+        meta = f.metadata
+        if meta.get("choices") and value not in meta["choices"]:
+            allowed = ", ".join(map(str, meta["choices"]))
+            raise UserError(f"config key '{path}': {value!r} is not one of {allowed}")
+        for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                                ("le", lambda v, b: v <= b, "<=")):
+            if meta.get(bound) is not None and not ok(value, meta[bound]):
+                raise UserError(f"config key '{path}': {value!r} must be {word} {meta[bound]}")
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Merge defaults <- YAML file <- ``key=value`` overrides into a validated RunConfig."""
+    layers = [OmegaConf.structured(RunConfig)]
+    if path:
+        layers.append(OmegaConf.create(_read_yaml(path)))
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(_parse_overrides(list(overrides))))
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
+    except OmegaConfBaseException as exc:
+        raise _type_error(exc) from None
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_resolved(cfg: RunConfig) -> Path:
+    """Write the resolved config next to the run's outputs, so every run says how it was made."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    out = cfg.run_dir / "config.yaml"
+    out.write_text(to_yaml(cfg))
+    return out

@@ -1,0 +1,1 @@
+"""Models: the tiny offline Qwen2 model and tokenizer, and the local Hugging Face loader."""

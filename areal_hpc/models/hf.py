@@ -1,0 +1,40 @@
+"""Load Hugging Face causal LMs (the tiny model, Qwen2/2.5/3 checkpoints) from local folders only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from areal_hpc.errors import UserError
+
+# Nothing is ever fetched from a model hub at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_model_dir(path: str | Path) -> Path:
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"model folder {path} has no config.json (expected a local Hugging Face model folder; "
+                        "make one with: areal-hpc init-model --out DIR)")
+    return folder
+
+
+def load_model(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa",
+               device: torch.device | str = "cpu") -> PreTrainedModel:
+    folder = _check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=DTYPES[dtype], attn_implementation=attn_impl, local_files_only=True
+    )
+    return model.to(device)
+
+
+def load_tokenizer(path: str | Path):
+    tokenizer = AutoTokenizer.from_pretrained(_check_model_dir(path), local_files_only=True)
+    if tokenizer.pad_token is None:  # Qwen checkpoints ship one; others may not
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

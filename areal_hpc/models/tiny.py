@@ -1,0 +1,50 @@
+"""Tiny Qwen2-architecture causal LMs built offline, for CPU runs, CI and the demo.
+
+``areal-hpc init-model --out DIR --preset tiny`` writes config.json, model.safetensors and the
+tokenizer files; ``AutoModelForCausalLM.from_pretrained(DIR)`` loads them with HF_HUB_OFFLINE=1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from areal_hpc.models.tokenizer import IM_END, PAD, build_tokenizer
+
+# hidden, layers, heads, kv heads, MLP width; "tiny" learns 1-3 digit addition in minutes on 2 cores.
+PRESETS = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512),
+    "small": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1024),
+}
+
+
+def init_model(out: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Write a freshly initialised model and its tokenizer to ``out`` in Hugging Face format."""
+    out = Path(out)
+    tokenizer = build_tokenizer(seed=seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        bos_token_id=None,
+        use_cache=True,
+        **PRESETS[preset],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

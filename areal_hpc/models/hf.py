@@ -38,3 +38,18 @@ def load_tokenizer(path: str | Path):
     if tokenizer.pad_token is None:  # Qwen checkpoints ship one; others may not
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def save_model(model: PreTrainedModel, tokenizer, folder: str | Path) -> Path:
+    """Save in Hugging Face format atomically: written beside the target, then renamed into place."""
+    import shutil
+
+    folder = Path(folder)
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if folder.exists():
+        shutil.rmtree(folder)
+    staging.rename(folder)
+    return folder

@@ -1,0 +1,32 @@
+# Two commands for a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# Both create or refresh .venv first; `make venv` does only that.
+# CPU machines pin torch through constraints/cpu.txt so no multi-GB CUDA build is pulled in.
+# Where the CPU wheel is not on a local wheel path, point pip at a CPU wheel index:
+#   make demo TORCH_INDEX_URL=<your PyTorch CPU wheel index>
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CONSTRAINTS ?= constraints/cpu.txt
+TORCH_INDEX_URL ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) torch $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/areal-hpc sft --config configs/sft_tiny.yaml
+
+test: venv
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf runs

@@ -1,0 +1,60 @@
+"""Micro-batches without padding: first-fit-decreasing allocation under a token budget, 1D packing.
+
+Packed sequences restart their position ids, which the Hugging Face attention masks turn into a
+block-diagonal causal mask, so a packed forward equals one forward per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def allocate_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices so each group holds at most ``max_tokens`` tokens (first-fit decreasing).
+
+    A sequence longer than the budget gets a group of its own rather than being dropped.
+    """
+    groups: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for g, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                groups[g].append(i)
+                loads[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            loads.append(lengths[i])
+    return groups
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [1, T] all sequences back to back
+    position_ids: torch.Tensor  # [1, T] restarting at 0 for every sequence
+    target_mask: torch.Tensor  # [T] True where token t+1 is a trained target (never across sequences)
+    cu_seqlens: torch.Tensor  # [n + 1] sequence boundaries
+
+    @property
+    def n_targets(self) -> int:
+        return int(self.target_mask.sum())
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.target_mask,
+                                                    self.cu_seqlens)))
+
+
+def pack(sequences: list[list[int]], loss_masks: list[list[int]]) -> PackedBatch:
+    """Pack token sequences into one row; ``loss_masks[i][t]`` marks token t of sequence i as a target."""
+    lengths = torch.tensor([len(s) for s in sequences])
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    ids = torch.tensor([tok for s in sequences for tok in s], dtype=torch.long)
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+    mask = torch.tensor([bool(m) for ms in loss_masks for m in ms])
+    # Position t predicts token t+1: shift the mask left; the last token of a sequence predicts nothing.
+    target_mask = torch.zeros_like(mask)
+    target_mask[:-1] = mask[1:]
+    target_mask[cu_seqlens[1:] - 1] = False
+    return PackedBatch(ids[None], positions[None], target_mask, cu_seqlens)

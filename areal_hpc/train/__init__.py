@@ -1,0 +1,1 @@
+"""Training: the SFT trainer, optimiser and schedule, evaluation, metrics (RL engines next)."""

@@ -1,0 +1,22 @@
+"""Reward functions that misbehave on purpose; module-level so reward worker processes can import them."""
+
+import os
+import time
+
+
+def hangs(completion, example):
+    if completion == "hang":
+        time.sleep(3600)
+    return 1.0
+
+
+def raises(completion, example):
+    if completion == "boom":
+        raise ValueError("bad reward code")
+    return 1.0
+
+
+def exits(completion, example):
+    if completion == "die":
+        os._exit(1)
+    return 1.0

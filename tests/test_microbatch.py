@@ -16,9 +16,11 @@ def test_ffd_assigns_every_sequence_once_within_budget(lengths, budget):
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for g in groups:
         assert len(g) == 1 or sum(lengths[i] for i in g) <= budget
-    # first-fit decreasing never needs more than 11/9 OPT + 1 bins; OPT >= total / budget
-    fitting = [n for n in lengths if n <= budget]
-    assert len(groups) - (len(lengths) - len(fitting)) <= 11 / 9 * (sum(fitting) / budget) + 1 + 1e-9
+    loads = [sum(lengths[i] for i in g) for g in groups]
+    for j, group in enumerate(groups):
+        assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)  # decreasing
+        # first fit: every sequence of a later group did not fit into any earlier one
+        assert all(loads[i] + min(lengths[k] for k in group) > budget for i in range(j))
 
 
 def test_target_mask_never_crosses_sequences():

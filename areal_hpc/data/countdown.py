@@ -49,15 +49,17 @@ def draw_problem(rng: random.Random, num_count: int, max_number: int) -> Example
                    numbers=tuple(numbers))
 
 
-def evaluate_expression(text: str) -> tuple[Fraction, list[int]] | None:
-    """Exact value and the integers used, or None when the text is not a + - * / expression."""
+def evaluate_expression(text: str) -> tuple[Fraction | None, list[int]] | None:
+    """Exact value and the integers used; None when the text is not a + - * / expression over
+    integers. The value is None for a well-formed expression that divides by zero."""
     if len(text) > MAX_EXPRESSION_CHARS or not _EXPRESSION_CHARS.match(text):
         return None
+    used: list[int] = []
     try:
-        tree = ast.parse(text.strip(), mode="eval").body
-        used: list[int] = []
-        return _eval_node(tree, used), used
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
+        return _eval_node(ast.parse(text.strip(), mode="eval").body, used), used
+    except ZeroDivisionError:
+        return None, used
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
 
 
@@ -78,7 +80,7 @@ def reward(completion: str, example: Example) -> float:
     if result is None:
         return 0.0
     value, used = result
-    correct = sorted(used) == sorted(example.numbers) and value == int(example.answer)
+    correct = value is not None and value == int(example.answer) and sorted(used) == sorted(example.numbers)
     return 1.0 if correct else 0.1
 
 

@@ -8,6 +8,7 @@ naming the key, the value and what would be valid (the nearest key for a misspel
 from __future__ import annotations
 
 import dataclasses
+import operator
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,9 +243,8 @@ def validate(cfg, prefix: str = "") -> None:
         if meta.get("choices") and value not in meta["choices"]:
             allowed = ", ".join(map(str, meta["choices"]))
             raise UserError(f"config key '{path}': {value!r} is not one of {allowed}")
-        for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                                ("le", lambda v, b: v <= b, "<=")):
-            if meta.get(bound) is not None and not ok(value, meta[bound]):
+        for bound, holds, word in (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<=")):
+            if meta.get(bound) is not None and not holds(value, meta[bound]):
                 raise UserError(f"config key '{path}': {value!r} must be {word} {meta[bound]}")
 
 

@@ -90,7 +90,8 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     task = build_task(cfg.dataset)
     train = [sft_sequence(tokenizer, ex) for ex in task.train]
     console.print(f"[bold]SFT[/] {task.name}: {len(task.train)} train / {len(task.eval)} eval problems, "
-                  f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}")
+                  f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}",
+                  soft_wrap=True)
 
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.sft.lr)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.sft.total_train_steps)
@@ -105,7 +106,7 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
 
     try:
         before = after = run_eval(0)
-        console.print(f"eval accuracy before SFT: [bold]{before.summary()}[/]")
+        console.print(f"eval accuracy before SFT: [bold]{before.summary()}[/]", soft_wrap=True)
         columns = [TextColumn("[bold]sft"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("loss {task.fields[loss]:.3f}  acc {task.fields[acc]}  {task.fields[tps]:.0f} tok/s")]
         with Progress(*columns, console=console) as progress:
@@ -123,7 +124,7 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                 last = step == cfg.sft.total_train_steps
                 if last or (cfg.sft.eval_every_steps and step % cfg.sft.eval_every_steps == 0):
                     after = run_eval(step)
-                    progress.console.print(f"step {step}: eval accuracy {after.summary()}")
+                    progress.console.print(f"step {step}: eval accuracy {after.summary()}", soft_wrap=True)
                 if cfg.saver.freq_steps and step % cfg.saver.freq_steps == 0 and not last:
                     save_model(model, tokenizer, cfg.run_dir / "checkpoints" / f"step{step}")
                 progress.update(bar, advance=1, loss=stats["train/loss"], acc=after.summary(),

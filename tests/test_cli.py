@@ -57,3 +57,11 @@ def test_init_model_then_eval_reports_accuracy(tmp_path):
     assert out.returncode == 0, out.stderr
     assert '"n": 5' in out.stdout and '"accuracy": 0.0' in out.stdout  # an untrained model solves nothing
     assert (REPO / "configs").is_dir()
+
+
+def test_missing_gsm8k_file_is_reported_before_anything_is_written(tmp_path):
+    out = run_cli("sft", "--config", "configs/sft_tiny.yaml", f"cluster.fileroot={tmp_path}",
+                  "dataset.task=gsm8k", f"dataset.path={tmp_path}/absent.jsonl")
+    assert out.returncode == 2
+    assert "absent.jsonl" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "sft_tiny" / "trial0" / "config.yaml").exists()

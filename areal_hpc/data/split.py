@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Callable
 
 from areal_hpc.data.tasks import Example
@@ -16,25 +17,28 @@ def generate_split(draw: Callable[[random.Random], Example], seed: int, train_si
     Stops early when the problem space is exhausted rather than looping forever.
     """
     eval_rng, train_rng = random.Random(f"{name}-{seed}-eval"), random.Random(f"{name}-{seed}-train")
-    eval_set, seen = [], set()
-    for _ in range(eval_size * 20):
-        if len(eval_set) == eval_size:
-            break
-        ex = draw(eval_rng)
-        if ex.prompt not in seen:
-            seen.add(ex.prompt)
-            eval_set.append(ex)
-    train = []
-    for _ in range(train_size * 20):
-        if len(train) == train_size:
-            break
-        ex = draw(train_rng)
-        if ex.prompt not in seen:
-            train.append(ex)
+    eval_prompts: set[str] = set()
+    eval_set = _draw_up_to(draw, eval_rng, eval_size, excluded=eval_prompts, unique=True)
+    train = _draw_up_to(draw, train_rng, train_size, excluded=eval_prompts, unique=False)
     return _with_uids(train, name, "train"), _with_uids(eval_set, name, "eval")
 
 
-def _with_uids(examples: list[Example], name: str, split: str) -> list[Example]:
-    from dataclasses import replace
+def _draw_up_to(draw, rng: random.Random, n: int, excluded: set[str], unique: bool) -> list[Example]:
+    """Up to n problems whose prompt is not in ``excluded`` (``unique`` adds each kept prompt to it).
 
+    Gives up after 20 n draws, so a problem space smaller than n yields fewer problems, not a hang.
+    """
+    kept = []
+    for _ in range(20 * n):
+        if len(kept) == n:
+            break
+        ex = draw(rng)
+        if ex.prompt not in excluded:
+            kept.append(ex)
+            if unique:
+                excluded.add(ex.prompt)
+    return kept
+
+
+def _with_uids(examples: list[Example], name: str, split: str) -> list[Example]:
     return [replace(ex, uid=f"{name}/{split}/{i}") for i, ex in enumerate(examples)]

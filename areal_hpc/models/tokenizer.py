@@ -11,6 +11,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from areal_hpc.data.tasks import corpus_for_tokenizer
+
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 # Rendered with whitespace trimming, so every newline is written explicitly.
@@ -20,13 +22,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-def _training_corpus(seed: int) -> list[str]:
-    """Text the BPE merges are learned from: every task's prompts and answers plus chat roles."""
-    from areal_hpc.data.tasks import corpus_for_tokenizer
-
-    return corpus_for_tokenizer(seed) + ["system", "user", "assistant"]
 
 
 def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Qwen2Tokenizer:
@@ -44,7 +39,8 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Qwen2Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_training_corpus(seed), trainer=trainer)
+    # merges fit the text the model will see: every task's prompts and answers, plus the chat roles
+    bpe.train_from_iterator(corpus_for_tokenizer(seed) + ["system", "user", "assistant"], trainer=trainer)
     trained = json.loads(bpe.to_str())["model"]
     vocab, merges = trained["vocab"], [tuple(m) for m in trained["merges"]]
     tokenizer = Qwen2Tokenizer(

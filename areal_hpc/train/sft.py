@@ -82,13 +82,13 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     console = console or Console()
     started = time.time()
     torch.manual_seed(cfg.experiment.seed)
-    save_resolved(cfg)
     device = resolve_device(cfg.cluster.device)
     model_dir = prepare_model_dir(cfg)
     model = load_model(model_dir, cfg.model.dtype, cfg.model.attn_impl, device)
     tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
     task = build_task(cfg.dataset)
     train = [sft_sequence(tokenizer, ex) for ex in task.train]
+    save_resolved(cfg)  # only once every input has been checked: a bad one leaves the folder as it was
     console.print(f"[bold]SFT[/] {task.name}: {len(task.train)} train / {len(task.eval)} eval problems, "
                   f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}",
                   soft_wrap=True)

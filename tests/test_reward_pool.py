@@ -17,7 +17,7 @@ from . import rewards_for_tests as bad
 def test_failures_are_recorded_and_other_items_still_score(reward_fn, poison, error):
     pairs = [("ok", None), (poison, None), ("ok", None), ("ok", None)]
     started = time.monotonic()
-    with RewardPool(reward_fn, workers=2, timeout_s=1.0) as pool:
+    with RewardPool(reward_fn, workers=2, timeout_s=2.0) as pool:  # margin for spawn start-up
         outcomes = pool.score(pairs)
         assert [o.value for o in outcomes] == [1.0, 0.0, 1.0, 1.0]
         assert error in outcomes[1].error

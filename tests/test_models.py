@@ -1,5 +1,6 @@
 """Tiny model and tokenizer: built offline, loadable by plain transformers, identical after a round trip."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -60,17 +61,14 @@ def test_chat_template_renders_turns_with_explicit_newlines(tiny_model_dir):
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=80))
 def test_encode_decode_round_trip_preserves_any_text(tiny_model_dir, text):
-    tokenizer = _cached_tokenizer(tiny_model_dir)
+    tokenizer = _cached_tokenizer(str(tiny_model_dir))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     import unicodedata
 
     assert tokenizer.decode(ids) == unicodedata.normalize("NFC", text)
 
 
-_TOKENIZERS = {}
 
-
-def _cached_tokenizer(path):
-    if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = load_tokenizer(path)
-    return _TOKENIZERS[path]
+@functools.lru_cache
+def _cached_tokenizer(path: str):
+    return load_tokenizer(path)

@@ -6,7 +6,7 @@ block-diagonal causal mask, so a packed forward equals one forward per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -42,8 +42,7 @@ class PackedBatch:
         return int(self.target_mask.sum())
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(*(t.to(device) for t in (self.input_ids, self.position_ids, self.target_mask,
-                                                    self.cu_seqlens)))
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def pack(sequences: list[list[int]], loss_masks: list[list[int]]) -> PackedBatch:

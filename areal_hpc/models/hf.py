@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -42,8 +43,6 @@ def load_tokenizer(path: str | Path):
 
 def save_model(model: PreTrainedModel, tokenizer, folder: str | Path) -> Path:
     """Save in Hugging Face format atomically: written beside the target, then renamed into place."""
-    import shutil
-
     folder = Path(folder)
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

@@ -1,1 +1,1 @@
-"""Data: tasks with verifiable rewards (arithmetic, Countdown, GSM8K) and, next, trajectory shards."""
+"""Data: tasks with verifiable rewards (arithmetic, Countdown, GSM8K), the trajectory record and its HDF5 shards."""

@@ -1,0 +1,206 @@
+"""Read trajectory shards: one file or a whole store directory, finalised, live or left by a dead writer.
+
+Only committed records are ever returned (see ``format.py``); each is checked against its CRC32.
+Files are opened in SWMR mode, so a reader can tail shards that another process is still writing:
+call ``refresh()`` to see what has been committed since.
+
+    with TrajectoryStore(run_dir / "shards") as store:
+        for traj in store.trajectories(TrajectoryFilter(tenant="team-a", eligible_only=True)):
+            ...
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from areal_hpc.data.shards.format import (COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, checksum, decode,
+                                          open_shard, reward_from_row, shard_stem)
+from areal_hpc.data.trajectory import Reward, Trajectory
+from areal_hpc.errors import UserError
+
+
+class ShardDamageError(UserError):
+    """A committed record whose bytes no longer match its checksum (disk or copy damage)."""
+
+
+@dataclass(frozen=True)
+class TrajectoryFilter:
+    """Select records by tenant, policy-version range of their output tokens, training eligibility."""
+
+    tenant: str | None = None
+    min_version: int | None = None  # the oldest output token is at least this version
+    max_version: int | None = None  # the newest output token is at most this version
+    eligible_only: bool = False
+
+    def mask(self, index: np.ndarray) -> np.ndarray:
+        keep = np.ones(len(index), dtype=bool)
+        if self.tenant is not None:
+            keep &= index["tenant"] == self.tenant.encode()
+        if self.min_version is not None:
+            keep &= index["version_min"] >= self.min_version
+        if self.max_version is not None:
+            keep &= index["version_max"] <= self.max_version
+        if self.eligible_only:
+            keep &= index["eligible"] == 1
+        return keep
+
+
+class ShardFile:
+    """One shard: its committed index and reward rows (read incrementally) and record reads."""
+
+    def __init__(self, path: Path):
+        self.path, self.stem = path, shard_stem(path)
+        self._file = open_shard(path)
+        self.experiment = str(self._file.attrs["experiment"])
+        self.trial = str(self._file.attrs["trial"])
+        self.index = np.empty(0, dtype=INDEX_DTYPE)
+        self.rewards = np.empty(0, dtype=REWARD_DTYPE)
+        self.torn_records = 0
+        self.refresh()
+
+    @property
+    def live(self) -> bool:
+        """True until the writer finalises the shard (also true for a shard whose writer died)."""
+        return self.path.name.endswith(LIVE_SUFFIX)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.index["token_count"].sum())
+
+    def refresh(self) -> np.ndarray:
+        """Pick up newly committed rows; returns the reward rows that arrived since the last call."""
+        state_ds = self._file["state"]
+        state_ds.refresh()
+        state = state_ds[:]
+        committed = dict(zip(COUNTED, state[:len(COUNTED)].tolist()))
+        intended = dict(zip(COUNTED, state[len(COUNTED):].tolist()))
+        self.torn_records = (intended["index"] - committed["index"]) + (intended["rewards"] - committed["rewards"])
+        self.index = self._extend(self.index, "index", committed["index"])
+        before = len(self.rewards)
+        self.rewards = self._extend(self.rewards, "rewards", committed["rewards"])
+        return self.rewards[before:]
+
+    def read(self, rows: Sequence[int], rewards_for) -> list[Trajectory]:
+        """Decode committed rows (sorted or not), reading each run of consecutive rows in one go."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) == 0:
+            return []
+        out: dict[int, Trajectory] = {}
+        ordered = np.sort(rows)
+        for run in np.split(ordered, np.flatnonzero(np.diff(ordered) != 1) + 1):
+            first, last = self.index[run[0]], self.index[run[-1]]
+            tokens = self._slice("tokens", first["token_start"], last["token_start"] + last["token_count"])
+            headers = self._slice("headers", first["header_start"], last["header_start"] + last["header_count"])
+            for r in run:
+                row = self.index[r]
+                t0, h0 = row["token_start"] - first["token_start"], row["header_start"] - first["header_start"]
+                tok, head = tokens[t0:t0 + row["token_count"]], headers[h0:h0 + row["header_count"]]
+                self._check(int(r), tok, head)
+                traj = decode(row, tok, head, self.experiment, self.trial, rewards_for(row["id"].decode()))
+                if traj.id != row["id"].decode() or traj.tenant != row["tenant"].decode():
+                    raise ShardDamageError(f"{self.path} row {r}: index and record disagree on id/tenant")
+                out[int(r)] = traj
+        return [out[int(r)] for r in rows]
+
+    def damaged_rows(self) -> list[int]:
+        """Committed rows whose bytes do not match their CRC32 (reads everything once)."""
+        bad = []
+        for r, row in enumerate(self.index):
+            tokens = self._slice("tokens", row["token_start"], row["token_start"] + row["token_count"])
+            headers = self._slice("headers", row["header_start"], row["header_start"] + row["header_count"])
+            if checksum(tokens, headers) != row["crc32"]:
+                bad.append(r)
+        return bad
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _extend(self, have: np.ndarray, name: str, committed: int) -> np.ndarray:
+        if committed <= len(have):
+            return have
+        return np.concatenate([have, self._slice(name, len(have), committed)])
+
+    def _slice(self, name: str, start: int, end: int) -> np.ndarray:
+        dataset = self._file[name]
+        dataset.refresh()
+        if end > dataset.shape[0]:
+            raise ShardDamageError(f"{self.path}: committed {name} rows end at {end} but the dataset "
+                                   f"holds {dataset.shape[0]} (truncated file?)")
+        return dataset[int(start):int(end)]
+
+    def _check(self, r: int, tokens: np.ndarray, headers: np.ndarray) -> None:
+        if checksum(tokens, headers) != self.index[r]["crc32"]:
+            raise ShardDamageError(f"{self.path} row {r} fails its checksum; "
+                                   f"run 'areal-hpc shards verify {self.path}'")
+
+
+class TrajectoryStore:
+    """All shards under a directory (or one shard file); ``refresh()`` picks up new shards and rows."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise UserError(f"no such file or directory: {self.path}")
+        self.shards: dict[str, ShardFile] = {}
+        self._rewards: dict[str, list[Reward]] = defaultdict(list)
+        self.refresh()
+
+    def refresh(self) -> None:
+        for path in self._shard_paths():
+            stem = shard_stem(path)
+            if stem in self.shards:
+                self.shards[stem].path = path  # renamed live -> final; the open handle stays valid
+                new_rewards = self.shards[stem].refresh()
+            else:
+                self.shards[stem] = ShardFile(path)
+                new_rewards = self.shards[stem].rewards
+            for row in new_rewards:
+                self._rewards[row["id"].decode()].append(reward_from_row(row))
+        self.shards = dict(sorted(self.shards.items()))
+
+    def rewards_for(self, trajectory_id: str) -> list[Reward]:
+        return list(self._rewards.get(trajectory_id, ()))
+
+    def has_reward(self, trajectory_id: str) -> bool:
+        return trajectory_id in self._rewards
+
+    def ids(self) -> set[str]:
+        return {i.decode() for shard in self.shards.values() for i in shard.index["id"]}
+
+    def __len__(self) -> int:
+        return sum(len(shard.index) for shard in self.shards.values())
+
+    def trajectories(self, where: TrajectoryFilter | None = None, batch: int = 256) -> Iterator[Trajectory]:
+        """Every committed record (optionally filtered), shard by shard in commit order."""
+        for shard in self.shards.values():
+            rows = np.flatnonzero((where or TrajectoryFilter()).mask(shard.index))
+            for start in range(0, len(rows), batch):
+                yield from shard.read(rows[start:start + batch], self.rewards_for)
+
+    def sample(self, n: int, rng: np.random.Generator, where: TrajectoryFilter | None = None) -> list[Trajectory]:
+        """``n`` distinct records drawn uniformly from those matching ``where`` (fewer if fewer exist)."""
+        where = where or TrajectoryFilter()
+        candidates = [(stem, r) for stem, shard in self.shards.items()
+                      for r in np.flatnonzero(where.mask(shard.index))]
+        picked = rng.choice(len(candidates), size=min(n, len(candidates)), replace=False)
+        return [self.shards[candidates[i][0]].read([candidates[i][1]], self.rewards_for)[0] for i in picked]
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            shard.close()
+
+    def __enter__(self) -> "TrajectoryStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _shard_paths(self) -> list[Path]:
+        if self.path.is_file():
+            return [self.path]
+        return sorted(p for p in self.path.glob("*.h5") if not p.name.startswith("."))

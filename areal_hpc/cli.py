@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from areal_hpc.errors import UserError
 
@@ -74,6 +76,46 @@ def _eval(args) -> int:
     return 0
 
 
+def _shards_inspect(args) -> int:
+    from areal_hpc.data.shards.report import inspect, open_store
+
+    with open_store(args.path) as store:
+        print(inspect(store))
+    return 0
+
+
+def _shards_verify(args) -> int:
+    from areal_hpc.data.shards.report import open_store, verify
+
+    with open_store(args.path) as store:
+        damage, notes = verify(store)
+        for line in notes:
+            print(f"note: {line}")
+        for line in damage:
+            print(f"DAMAGE: {line}")
+        records = len(store)
+    print(f"{args.path}: {'damage found' if damage else 'ok'}, {records:,} committed records checked")
+    return 1 if damage else 0
+
+
+def _shards_export(args) -> int:
+    from areal_hpc.data.shards.reader import TrajectoryFilter
+    from areal_hpc.data.shards.report import export_jsonl, open_store
+
+    where = TrajectoryFilter(tenant=args.tenant, min_version=args.min_version, max_version=args.max_version,
+                             eligible_only=args.eligible_only)
+    with open_store(args.path) as store:
+        if args.output is None:
+            export_jsonl(store, sys.stdout, where)
+            return 0
+        staging = Path(f"{args.output}.partial")  # a failed export never leaves a half-written file
+        with open(staging, "w") as out:
+            n = export_jsonl(store, out, where)
+        staging.replace(args.output)
+    print(f"wrote {n:,} trajectories to {args.output}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="areal-hpc",
                            description="Asynchronous RL of LLMs on Slurm clusters (AReaL, packaged for HPC).")
@@ -107,6 +149,26 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     with_config(ev, required=False)
     ev.set_defaults(handler=_eval)
+
+    shards = commands.add_parser("shards", help="inspect, verify and export trajectory shards")
+    shard_commands = shards.add_subparsers(dest="action", metavar="ACTION", parser_class=OneLineParser,
+                                           required=True)
+    path_help = "a shard file (.h5) or a folder of shards, e.g. <fileroot>/<experiment>/<trial>/shards"
+    inspect = shard_commands.add_parser("inspect", help="summary: trajectories, tokens, rewards, versions, tenants")
+    inspect.add_argument("path", metavar="PATH", help=path_help)
+    inspect.set_defaults(handler=_shards_inspect)
+    verify = shard_commands.add_parser("verify", help="check checksums, torn tails and manifests (exit 1 on damage)")
+    verify.add_argument("path", metavar="PATH", help=path_help)
+    verify.set_defaults(handler=_shards_verify)
+    export = shard_commands.add_parser("export", help="write the trajectories as JSON lines")
+    export.add_argument("path", metavar="PATH", help=path_help)
+    export.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format (default: jsonl)")
+    export.add_argument("--output", metavar="FILE", help="write here instead of standard output")
+    export.add_argument("--tenant", help="only this tenant's trajectories")
+    export.add_argument("--eligible-only", action="store_true", help="only trajectories eligible for training")
+    export.add_argument("--min-version", type=int, metavar="V", help="oldest output token at least policy version V")
+    export.add_argument("--max-version", type=int, metavar="V", help="newest output token at most policy version V")
+    export.set_defaults(handler=_shards_export)
     return parser
 
 
@@ -117,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"areal-hpc: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("areal-hpc: interrupted", file=sys.stderr)
         return 130

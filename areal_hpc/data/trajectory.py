@@ -112,11 +112,16 @@ class Trajectory:
 
     @property
     def reward(self) -> float | None:
-        """Total reward: the latest event of each step, summed; None while no reward is bound."""
-        latest: dict[int, Reward] = {}
-        for event in sorted(self.rewards, key=lambda r: r.time):
-            latest[event.step] = event
-        return sum(r.value for r in latest.values()) if latest else None
+        """Total reward (see :func:`total_reward`); None while no reward is bound."""
+        return total_reward(self.rewards)
+
+
+def total_reward(events: list[Reward]) -> float | None:
+    """The latest event of each step, summed; None while no reward is bound."""
+    latest: dict[int, Reward] = {}
+    for event in sorted(events, key=lambda r: r.time):
+        latest[event.step] = event
+    return sum(r.value for r in latest.values()) if latest else None
 
 
 def check_name(what: str, value: str, max_bytes: int, allow_empty: bool = True) -> None:

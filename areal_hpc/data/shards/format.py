@@ -41,7 +41,7 @@ INDEX_DTYPE = np.dtype([
 ])
 REWARD_DTYPE = np.dtype([("id", f"S{MAX_ID_BYTES}"), ("step", "<i4"), ("value", "<f8"),
                          ("source", f"S{MAX_SOURCE_BYTES}"), ("time", "<f8")])
-DATASETS = {"tokens": (TOKEN_DTYPE, 1 << 16), "headers": (np.dtype("u1"), 1 << 16),
+DATASETS = {"tokens": (TOKEN_DTYPE, 1 << 14), "headers": (np.dtype("u1"), 1 << 14),
             "index": (INDEX_DTYPE, 256), "rewards": (REWARD_DTYPE, 256)}
 COUNTED = ("index", "tokens", "headers", "rewards")  # order of the counts in the state dataset
 # Raw chunk writes bypass HDF5's chunk cache: with it, every flush rewrites whole cached chunks.

@@ -1,0 +1,147 @@
+"""What ``areal-hpc shards inspect|verify|export`` print: a store summary, a damage check, JSONL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
+from areal_hpc.data.trajectory import Trajectory, total_reward
+from areal_hpc.errors import UserError
+from areal_hpc.fsio import file_sha256
+
+BAR_WIDTH = 30
+
+
+def open_store(path: str | Path) -> TrajectoryStore:
+    store = TrajectoryStore(path)
+    if not store.shards:
+        store.close()
+        raise UserError(f"{path} holds no trajectory shards (*.h5)")
+    return store
+
+
+def inspect(store: TrajectoryStore) -> str:
+    """Human summary: totals, one line per shard, tenants, reward and version histograms, torn tails."""
+    shards = list(store.shards.values())
+    index = np.concatenate([s.index for s in shards])
+    rewards = [total_reward(store.rewards_for(i.decode())) for i in index["id"]]
+    scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
+    size = sum(s.path.stat().st_size for s in shards)
+    n_live = sum(s.live for s in shards)
+    runs = sorted({f"{s.experiment}/{s.trial}" for s in shards})
+    lines = [f"{store.path}: {len(shards)} shards ({len(shards) - n_live} finalised, {n_live} live), "
+             f"{len(index):,} trajectories, {int(index['token_count'].sum()):,} tokens "
+             f"({int(index['n_output'].sum()):,} output), {_bytes(size)}; runs: {', '.join(runs)}", ""]
+    lines.append(f"{'shard':<28} {'state':<10} {'trajectories':>12} {'tokens':>12} {'rewards':>8} {'size':>10} "
+                 f"{'torn':>5}")
+    for s in shards:
+        lines.append(f"{s.path.name:<28} {'live' if s.live else 'finalised':<10} {len(s.index):>12,} "
+                     f"{s.n_tokens:>12,} {len(s.rewards):>8,} {_bytes(s.path.stat().st_size):>10} "
+                     f"{s.torn_records:>5}")
+    tenants, counts = np.unique(index["tenant"], return_counts=True)
+    lines += ["", "tenants: " + ", ".join(f"{t.decode()} {c:,}" for t, c in zip(tenants, counts))]
+    if len(index):
+        lengths = index["n_output"]
+        lines.append(f"output tokens per trajectory: min {lengths.min():,}, median {int(np.median(lengths)):,}, "
+                     f"max {lengths.max():,}")
+    lines += ["", f"reward ({len(scored):,} scored, {len(index) - len(scored):,} awaiting a reward):"]
+    lines += _histogram(scored)
+    lines += ["", "policy version of the newest output token:"]
+    lines += _histogram(index["version_max"][index["version_max"] >= 0], integer=True)
+    torn = [s for s in shards if s.torn_records]
+    lines += ["", "torn tails: " + ("none" if not torn else "; ".join(
+        f"{s.path.name}: {s.torn_records} records of an interrupted commit (ignored)" for s in torn))]
+    return "\n".join(lines)
+
+
+def verify(store: TrajectoryStore) -> tuple[list[str], list[str]]:
+    """Check every committed record's CRC32, torn tails and the manifests. Returns (damage, notes)."""
+    damage, notes = [], []
+    shards = list(store.shards.values())
+    columns = [TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TextColumn("records")]
+    with Progress(*columns, transient=True) as progress:
+        bar = progress.add_task("verify", total=sum(len(s.index) for s in shards))
+        for s in shards:
+            damage += [f"{s.path.name} row {r}: checksum mismatch" for r in s.damaged_rows()]
+            progress.advance(bar, len(s.index))
+            if s.torn_records:
+                damage.append(f"{s.path.name}: torn tail, {s.torn_records} records of an interrupted commit")
+            if s.live:
+                notes.append(f"{s.path.name}: live (its writer is still writing, or stopped without finalising)")
+    listed = set()
+    for manifest_path in _manifests(store.path):
+        for entry in json.loads(manifest_path.read_text())["shards"]:
+            if store.path.is_file() and entry["name"] != store.path.name:
+                continue
+            listed.add(entry["name"])
+            damage += _check_manifest_entry(store, manifest_path, entry)
+    notes += [f"{s.path.name}: finalised but in no manifest (writer stopped before recording it)"
+              for s in shards if not s.live and s.path.name not in listed and store.path.is_dir()]
+    return damage, notes
+
+
+def export_jsonl(store: TrajectoryStore, out: TextIO, where: TrajectoryFilter) -> int:
+    n = 0
+    for traj in store.trajectories(where):
+        out.write(json.dumps(trajectory_to_json(traj)) + "\n")
+        n += 1
+    return n
+
+
+def trajectory_to_json(traj: Trajectory) -> dict:
+    return {
+        "id": traj.id, "experiment": traj.experiment, "trial": traj.trial, "task": traj.task,
+        "group_id": traj.group_id, "session_id": traj.session_id, "tenant": traj.tenant,
+        "eligible": traj.eligible, "created": traj.created, "reward": traj.reward,
+        "rewards": [{"step": r.step, "value": r.value, "source": r.source, "time": r.time} for r in traj.rewards],
+        "segments": [{"input_ids": s.input_ids.tolist(), "output_ids": s.output_ids.tolist(),
+                      "output_logprobs": s.output_logprobs.tolist(), "output_versions": s.output_versions.tolist(),
+                      "loss_mask": s.loss_mask.tolist()} for s in traj.segments],
+        "metadata": traj.metadata, "redactions": traj.redactions,
+    }
+
+
+def _check_manifest_entry(store: TrajectoryStore, manifest_path: Path, entry: dict) -> list[str]:
+    path = manifest_path.parent / entry["name"]
+    if not path.exists():
+        return [f"{entry['name']}: listed in {manifest_path.name} but missing"]
+    if file_sha256(path) != entry["sha256"]:
+        return [f"{entry['name']}: SHA-256 differs from {manifest_path.name} (file changed after finalising)"]
+    shard = next((s for s in store.shards.values() if s.path == path), None)
+    if shard is not None and (len(shard.index), shard.n_tokens) != (entry["trajectories"], entry["tokens"]):
+        return [f"{entry['name']}: holds {len(shard.index)} trajectories / {shard.n_tokens} tokens, "
+                f"{manifest_path.name} says {entry['trajectories']} / {entry['tokens']}"]
+    return []
+
+
+def _manifests(path: Path) -> list[Path]:
+    folder = path if path.is_dir() else path.parent
+    return sorted(folder.glob("manifest-*.json"))
+
+
+def _histogram(values: np.ndarray, integer: bool = False, bins: int = 10) -> list[str]:
+    if len(values) == 0:
+        return ["  (none)"]
+    if integer and values.max() - values.min() < 2 * bins:
+        labels, counts = np.unique(values, return_counts=True)
+        labels = [f"v{v}" for v in labels]
+    else:
+        counts, edges = np.histogram(values, bins=bins if values.max() > values.min() else 1)
+        labels = [f"[{lo:.3g}, {hi:.3g})" for lo, hi in zip(edges[:-1], edges[1:])]
+    width = max(len(label) for label in labels)
+    top = max(counts)
+    return [f"  {label:>{width}} {'#' * max(1, round(BAR_WIDTH * c / top)) if c else '':<{BAR_WIDTH}} {c:,}"
+            for label, c in zip(labels, counts)]
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

@@ -60,13 +60,21 @@ class ShardFile:
         self.trial = str(self._file.attrs["trial"])
         self.index = np.empty(0, dtype=INDEX_DTYPE)
         self.rewards = np.empty(0, dtype=REWARD_DTYPE)
-        self.torn_records = 0
+        self.torn_trajectories = self.torn_rewards = 0  # written by a commit that never finished
         self.refresh()
 
     @property
     def live(self) -> bool:
         """True until the writer finalises the shard (also true for a shard whose writer died)."""
         return self.path.name.endswith(LIVE_SUFFIX)
+
+    @property
+    def torn(self) -> str:
+        """What an interrupted commit left behind (ignored by every read), or "" when nothing."""
+        if not (self.torn_trajectories or self.torn_rewards):
+            return ""
+        return (f"an interrupted commit of {self.torn_trajectories} trajectories and {self.torn_rewards} "
+                f"rewards (ignored)")
 
     @property
     def n_tokens(self) -> int:
@@ -79,7 +87,8 @@ class ShardFile:
         state = state_ds[:]
         committed = dict(zip(COUNTED, state[:len(COUNTED)].tolist()))
         intended = dict(zip(COUNTED, state[len(COUNTED):].tolist()))
-        self.torn_records = (intended["index"] - committed["index"]) + (intended["rewards"] - committed["rewards"])
+        self.torn_trajectories = intended["index"] - committed["index"]
+        self.torn_rewards = intended["rewards"] - committed["rewards"]
         self.index = self._extend(self.index, "index", committed["index"])
         before = len(self.rewards)
         self.rewards = self._extend(self.rewards, "rewards", committed["rewards"])

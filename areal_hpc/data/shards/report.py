@@ -42,7 +42,7 @@ def inspect(store: TrajectoryStore) -> str:
     for s in shards:
         lines.append(f"{s.path.name:<28} {'live' if s.live else 'finalised':<10} {len(s.index):>12,} "
                      f"{s.n_tokens:>12,} {len(s.rewards):>8,} {_bytes(s.path.stat().st_size):>10} "
-                     f"{s.torn_records:>5}")
+                     f"{s.torn_trajectories:>5}")
     tenants, counts = np.unique(index["tenant"], return_counts=True)
     lines += ["", "tenants: " + ", ".join(f"{t.decode()} {c:,}" for t, c in zip(tenants, counts))]
     if len(index):
@@ -53,9 +53,8 @@ def inspect(store: TrajectoryStore) -> str:
     lines += _histogram(scored)
     lines += ["", "policy version of the newest output token:"]
     lines += _histogram(index["version_max"][index["version_max"] >= 0], integer=True)
-    torn = [s for s in shards if s.torn_records]
-    lines += ["", "torn tails: " + ("none" if not torn else "; ".join(
-        f"{s.path.name}: {s.torn_records} records of an interrupted commit (ignored)" for s in torn))]
+    torn = [f"{s.path.name}: {s.torn}" for s in shards if s.torn]
+    lines += ["", "torn tails: " + ("; ".join(torn) or "none")]
     return "\n".join(lines)
 
 
@@ -69,8 +68,8 @@ def verify(store: TrajectoryStore) -> tuple[list[str], list[str]]:
         for s in shards:
             damage += [f"{s.path.name} row {r}: checksum mismatch" for r in s.damaged_rows()]
             progress.advance(bar, len(s.index))
-            if s.torn_records:
-                damage.append(f"{s.path.name}: torn tail, {s.torn_records} records of an interrupted commit")
+            if s.torn:
+                damage.append(f"{s.path.name}: torn tail, {s.torn}")
             if s.live:
                 notes.append(f"{s.path.name}: live (its writer is still writing, or stopped without finalising)")
     listed = set()

@@ -1,8 +1,7 @@
-"""File writes that survive a crash on a shared filesystem: atomic JSON replace, file checksums."""
+"""File writes that survive a crash on a shared filesystem."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -17,10 +16,3 @@ def atomic_write_json(path: Path, obj) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
 
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -52,16 +52,16 @@ def write(args) -> None:
 
 def _die_after_data_of_record(k: int) -> None:
     """SIGKILL this process in the middle of committing record k: data written, counts not yet."""
-    real_write_at, seen = writer_module._write_at, {"index": 0}
+    real_write, seen = writer_module._Column.write, {"index": 0}
 
-    def write_at(dataset, start, values):
-        real_write_at(dataset, start, values)
-        if dataset.name == "/index":
+    def write(column, start, values):
+        real_write(column, start, values)
+        if column.dataset.name == "/index":
             seen["index"] += len(values)
             if seen["index"] > k:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    writer_module._write_at = write_at
+    writer_module._Column.write = write
 
 
 def consume(args) -> None:

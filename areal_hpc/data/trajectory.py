@@ -137,7 +137,7 @@ def version_runs(versions: np.ndarray) -> list[list[int]]:
     """Run-length form of per-token versions: [[first index, version], ...] (versions change rarely)."""
     if len(versions) == 0:
         return []
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(versions)) + 1])
+    starts = np.concatenate([[0], np.flatnonzero(versions[1:] != versions[:-1]) + 1])
     return [[int(i), int(versions[i])] for i in starts]
 
 

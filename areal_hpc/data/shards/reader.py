@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.data.shards.format import (COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, checksum, decode,
-                                          open_shard, reward_from_row, shard_stem)
+from areal_hpc.data.shards.format import (COLUMNS, COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, TOKEN_COLUMNS,
+                                          checksum, decode, open_shard, reward_from_row, shard_stem)
 from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.errors import UserError
 
@@ -103,14 +103,19 @@ class ShardFile:
         ordered = np.sort(rows)
         for run in np.split(ordered, np.flatnonzero(np.diff(ordered) != 1) + 1):
             first, last = self.index[run[0]], self.index[run[-1]]
-            tokens = self._slice("tokens", first["token_start"], last["token_start"] + last["token_count"])
-            headers = self._slice("headers", first["header_start"], last["header_start"] + last["header_count"])
+            token_base, header_base = first["token_start"], first["header_start"]
+            tokens = {name: self._slice(name, token_base, last["token_start"] + last["token_count"])
+                      for name in TOKEN_COLUMNS}
+            headers = self._slice("headers", header_base, last["header_start"] + last["header_count"])
             for r in run:
                 row = self.index[r]
-                t0, h0 = row["token_start"] - first["token_start"], row["header_start"] - first["header_start"]
-                tok, head = tokens[t0:t0 + row["token_count"]], headers[h0:h0 + row["header_count"]]
-                self._check(int(r), tok, head)
-                traj = decode(row, tok, head, self.experiment, self.trial, rewards_for(row["id"].decode()))
+                t0, h0 = row["token_start"] - token_base, row["header_start"] - header_base
+                columns = {name: values[t0:t0 + row["token_count"]] for name, values in tokens.items()}
+                header = headers[h0:h0 + row["header_count"]]
+                if checksum([*columns.values(), header]) != row["crc32"]:
+                    raise ShardDamageError(f"{self.path} row {r} fails its checksum; "
+                                           f"run 'areal-hpc shards verify {self.path}'")
+                traj = decode(row, columns, header, self.experiment, self.trial, rewards_for(row["id"].decode()))
                 if traj.id != row["id"].decode() or traj.tenant != row["tenant"].decode():
                     raise ShardDamageError(f"{self.path} row {r}: index and record disagree on id/tenant")
                 out[int(r)] = traj
@@ -120,9 +125,10 @@ class ShardFile:
         """Committed rows whose bytes do not match their CRC32 (reads everything once)."""
         bad = []
         for r, row in enumerate(self.index):
-            tokens = self._slice("tokens", row["token_start"], row["token_start"] + row["token_count"])
-            headers = self._slice("headers", row["header_start"], row["header_start"] + row["header_count"])
-            if checksum(tokens, headers) != row["crc32"]:
+            end = row["token_start"] + row["token_count"]
+            columns = {name: self._slice(name, row["token_start"], end) for name in TOKEN_COLUMNS}
+            header = self._slice("headers", row["header_start"], row["header_start"] + row["header_count"])
+            if checksum([*columns.values(), header]) != row["crc32"]:
                 bad.append(r)
         return bad
 
@@ -135,17 +141,15 @@ class ShardFile:
         return np.concatenate([have, self._slice(name, len(have), committed)])
 
     def _slice(self, name: str, start: int, end: int) -> np.ndarray:
-        dataset = self._file[name]
+        """Entries [start, end) of a column (record rows are stored as bytes: viewed back as records)."""
+        column, dataset = COLUMNS[name], self._file[name]
+        scale = column.dtype.itemsize if column.as_bytes else 1
         dataset.refresh()
-        if end > dataset.shape[0]:
-            raise ShardDamageError(f"{self.path}: committed {name} rows end at {end} but the dataset "
-                                   f"holds {dataset.shape[0]} (truncated file?)")
-        return dataset[int(start):int(end)]
-
-    def _check(self, r: int, tokens: np.ndarray, headers: np.ndarray) -> None:
-        if checksum(tokens, headers) != self.index[r]["crc32"]:
-            raise ShardDamageError(f"{self.path} row {r} fails its checksum; "
-                                   f"run 'areal-hpc shards verify {self.path}'")
+        if end * scale > dataset.shape[0]:
+            raise ShardDamageError(f"{self.path}: committed {name} entries end at {end} but the dataset "
+                                   f"holds {dataset.shape[0] // scale} (truncated file?)")
+        values = dataset[int(start) * scale:int(end) * scale]
+        return values.view(column.dtype) if column.as_bytes else values
 
 
 class TrajectoryStore:
@@ -165,9 +169,16 @@ class TrajectoryStore:
             if stem in self.shards:
                 self.shards[stem].path = path  # renamed live -> final; the open handle stays valid
                 new_rewards = self.shards[stem].refresh()
-            else:
-                self.shards[stem] = ShardFile(path)
+            elif path.exists():
+                try:
+                    self.shards[stem] = ShardFile(path)
+                except UserError:
+                    if path.exists():
+                        raise
+                    continue  # finalised (renamed) while we looked: found under its new name next time
                 new_rewards = self.shards[stem].rewards
+            else:
+                continue
             for row in new_rewards:
                 self._rewards[row["id"].decode()].append(reward_from_row(row))
         self.shards = dict(sorted(self.shards.items()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import TextIO
 
@@ -12,7 +13,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.trajectory import Trajectory, total_reward
 from areal_hpc.errors import UserError
-from areal_hpc.fsio import file_sha256
 
 BAR_WIDTH = 30
 
@@ -106,16 +106,15 @@ def trajectory_to_json(traj: Trajectory) -> dict:
 
 
 def _check_manifest_entry(store: TrajectoryStore, manifest_path: Path, entry: dict) -> list[str]:
-    path = manifest_path.parent / entry["name"]
-    if not path.exists():
-        return [f"{entry['name']}: listed in {manifest_path.name} but missing"]
-    if file_sha256(path) != entry["sha256"]:
-        return [f"{entry['name']}: SHA-256 differs from {manifest_path.name} (file changed after finalising)"]
+    path, name = manifest_path.parent / entry["name"], entry["name"]
     shard = next((s for s in store.shards.values() if s.path == path), None)
-    if shard is not None and (len(shard.index), shard.n_tokens) != (entry["trajectories"], entry["tokens"]):
-        return [f"{entry['name']}: holds {len(shard.index)} trajectories / {shard.n_tokens} tokens, "
-                f"{manifest_path.name} says {entry['trajectories']} / {entry['tokens']}"]
-    return []
+    if shard is None:
+        return [f"{name}: listed in {manifest_path.name} but missing"]
+    found = {"trajectories": len(shard.index), "tokens": shard.n_tokens, "rewards": len(shard.rewards),
+             "bytes": path.stat().st_size, "index_crc32": zlib.crc32(shard.index),
+             "rewards_crc32": zlib.crc32(shard.rewards)}
+    return [f"{name}: {key} is {value}, {manifest_path.name} recorded {entry[key]} (changed after finalising)"
+            for key, value in found.items() if value != entry[key]]
 
 
 def _manifests(path: Path) -> list[Path]:

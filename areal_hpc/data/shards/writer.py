@@ -2,8 +2,9 @@
 
 Each flush is a commit (see ``format.py``): a writer killed at any moment loses only what it had not
 flushed, and a reader never sees half a record. Shards rotate by size or count; a full shard is
-closed, renamed from ``<writer>-<seq>.live.h5`` to ``<writer>-<seq>.h5`` and listed, with counts and
-its SHA-256, in ``manifest-<writer>.json``.
+closed, renamed from ``<writer>-<seq>.live.h5`` to ``<writer>-<seq>.h5`` and listed, with counts, size
+and CRC32s of its index and reward rows (kept as it writes: nothing is re-read), in
+``manifest-<writer>.json``.
 
     with TrajectoryShardWriter(run_dir / "shards", "rollout0", experiment="gsm8k", trial="t0") as w:
         w.append(trajectory)                 # flushed now (flush_every=1)
@@ -16,17 +17,19 @@ import json
 import os
 import re
 import time
+import zlib
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from areal_hpc.data.shards.format import (COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX, create_shard,
-                                          encode, reward_row, shard_stem)
+from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX,
+                                          REWARD_DTYPE, TOKEN_COLUMNS, create_shard, encode, reward_row,
+                                          shard_stem)
 from areal_hpc.data.shards.reader import TrajectoryStore
 from areal_hpc.data.trajectory import MAX_ID_BYTES, MAX_SOURCE_BYTES, Reward, Trajectory, check_name
 from areal_hpc.errors import UserError
-from areal_hpc.fsio import atomic_write_json, file_sha256
+from areal_hpc.fsio import atomic_write_json
 
 WRITER_ID = re.compile(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*")
 
@@ -53,6 +56,7 @@ class TrajectoryShardWriter:
         self._seq = self._next_sequence()
         self._file: h5py.File | None = None
         self._path: Path | None = None
+        self._columns: dict[str, _Column] | None = None
         self._counts = dict.fromkeys(COUNTED, 0)
         self._pending_records: list[tuple[np.ndarray, np.ndarray, np.void]] = []
         self._pending_rewards: list[np.ndarray] = []
@@ -125,52 +129,55 @@ class TrajectoryShardWriter:
         self._path = self.directory / f"{self.writer_id}-{self._seq:06d}{LIVE_SUFFIX}"
         self._seq += 1
         self._file = create_shard(self._path, self.experiment, self.trial, self.writer_id)
+        self._columns = {name: _Column(self._file[name], column.dtype) for name, column in COLUMNS.items()}
+        self._columns["state"] = _Column(self._file["state"], np.dtype("<i8"))
         self._counts = dict.fromkeys(COUNTED, 0)
+        self._index_crc = self._rewards_crc = 0  # running checksums of every committed row, for the manifest
 
     def _commit(self) -> None:
-        """Intended counts, flush, data, flush, committed counts, flush (see format.py)."""
-        f, start = self._file, dict(self._counts)
-        tokens = [t for t, _, _ in self._pending_records]
-        headers = [h for _, h, _ in self._pending_records]
-        rows = np.array([r for _, _, r in self._pending_records], dtype=INDEX_DTYPE)
-        token_starts = start["tokens"] + np.cumsum([0] + [len(t) for t in tokens[:-1]], dtype=np.int64)
-        header_starts = start["headers"] + np.cumsum([0] + [len(h) for h in headers[:-1]], dtype=np.int64)
-        if len(rows):
-            rows["token_start"], rows["header_start"] = token_starts, header_starts
-        new = {"index": rows, "tokens": _concat(tokens), "headers": _concat(headers),
-               "rewards": _concat(self._pending_rewards)}
-        end = {name: start[name] + len(new[name]) for name in COUNTED}
+        """Intended counts, data, metadata flush, committed counts (see format.py)."""
+        start, records = dict(self._counts), self._pending_records
+        rows = _concat([row for _, _, row in records], INDEX_DTYPE)
+        token_counts, header_counts = rows["token_count"].tolist(), rows["header_count"].tolist()
+        rows["token_start"] = _starts(start["tokens"], token_counts)
+        rows["header_start"] = _starts(start["headers"], header_counts)
+        new = {name: _concat([piece for parts, _, _ in records for piece in parts[name]], COLUMNS[name].dtype)
+               for name in TOKEN_COLUMNS}
+        new.update(headers=_concat([header for _, header, _ in records], np.dtype("u1")), index=rows,
+                   rewards=_concat(self._pending_rewards, REWARD_DTYPE))
+        end = {"index": start["index"] + len(rows), "tokens": start["tokens"] + sum(token_counts),
+               "headers": start["headers"] + sum(header_counts), "rewards": start["rewards"] + len(new["rewards"])}
         self._write_state(start, end)
-        f.flush()
-        for name in COUNTED:
-            if len(new[name]):
-                _write_at(f[name], start[name], new[name])
-        f.flush()
+        for name, values in new.items():
+            if len(values):
+                self._columns[name].write(start[COLUMNS[name].counter], values)
+        self._file.flush()
         self._write_state(end, end)
-        f.flush()
         self._counts = end
+        self._index_crc = zlib.crc32(rows, self._index_crc)
+        self._rewards_crc = zlib.crc32(new["rewards"], self._rewards_crc)
         self._pending_records, self._pending_rewards = [], []
 
     def _write_state(self, committed: dict, intended: dict) -> None:
-        self._file["state"][:] = [committed[n] for n in COUNTED] + [intended[n] for n in COUNTED]
+        state = np.array([committed[n] for n in COUNTED] + [intended[n] for n in COUNTED], dtype="<i8")
+        self._columns["state"].write(0, state)
 
     def _bytes_written(self) -> int:
-        return sum(self._counts[name] * self._file[name].dtype.itemsize for name in COUNTED)
+        return sum(self._counts[c.counter] * c.dtype.itemsize for c in COLUMNS.values())
 
     def _finalize(self) -> None:
         counts = dict(self._counts)
         self._file.close()
-        digest = file_sha256(self._path)
         final = self._path.with_name(shard_stem(self._path) + FINAL_SUFFIX)
         os.replace(self._path, final)
         manifest = (json.loads(self.manifest_path.read_text()) if self.manifest_path.exists()
                     else {"writer": self.writer_id, "shards": []})
         manifest["shards"].append({"name": final.name, "trajectories": counts["index"],
                                    "tokens": counts["tokens"], "rewards": counts["rewards"],
-                                   "bytes": final.stat().st_size, "sha256": digest,
-                                   "finalized": time.time()})
+                                   "bytes": final.stat().st_size, "index_crc32": self._index_crc,
+                                   "rewards_crc32": self._rewards_crc, "finalized": time.time()})
         atomic_write_json(self.manifest_path, manifest)
-        self._file = self._path = None
+        self._file = self._path = self._columns = None
 
     def _is_known(self, trajectory_id: str) -> bool:
         if trajectory_id in self._known_ids:
@@ -182,16 +189,35 @@ class TrajectoryShardWriter:
         return trajectory_id in self._known_ids
 
 
-def _concat(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.empty(0)
+def _starts(first: int, lengths: list[int]) -> np.ndarray:
+    """Where each of several back-to-back pieces begins."""
+    return first + np.cumsum([0, *lengths], dtype=np.int64)[:-1]
 
 
-def _write_at(dataset: h5py.Dataset, start: int, values: np.ndarray) -> None:
-    """Write rows at ``start`` through the low-level API (the high-level one costs ~4x per call)."""
-    end = start + len(values)
-    if end > dataset.shape[0]:
-        dataset.id.set_extent((max(end, 2 * dataset.shape[0]),))  # grow geometrically
-    file_space = dataset.id.get_space()
-    file_space.select_hyperslab((start,), (len(values),))
-    dataset.id.write(h5py.h5s.create_simple((len(values),)), file_space, np.ascontiguousarray(values))
+def _concat(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    if len(arrays) == 1:
+        return arrays[0]  # the common case with per-record flushes: no copy
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype)
 
+
+class _Column:
+    """A dataset open for appends, its HDF5 type, dataspace and capacity cached (h5py's per-call
+    look-ups cost more than writing a trajectory's tokens). Record rows are written as their bytes."""
+
+    def __init__(self, dataset: h5py.Dataset, dtype: np.dtype):
+        self.dataset, self.scale = dataset, dtype.itemsize if dtype.names else 1
+        self.file_type = dataset.id.get_type()
+        self.space = dataset.id.get_space()
+        self.capacity = dataset.shape[0]
+
+    def write(self, start: int, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values)
+        if self.scale > 1:
+            values, start = values.view(np.uint8), start * self.scale
+        end = start + len(values)
+        if end > self.capacity:
+            self.capacity = max(end, 2 * self.capacity)  # grow geometrically; unwritten chunks take no space
+            self.dataset.id.set_extent((self.capacity,))
+            self.space = self.dataset.id.get_space()
+        self.space.select_hyperslab((start,), (len(values),))
+        self.dataset.id.write(h5py.h5s.create_simple((len(values),)), self.space, values, mtype=self.file_type)

@@ -180,7 +180,7 @@ def test_damaged_bytes_are_reported_never_returned(tmp_path):
     write_all(tmp_path, [make_trajectory(4, i) for i in range(3)])
     shard = tmp_path / "w0-000000.h5"
     with h5py.File(shard, "r") as f:
-        offset = f["token_ids"].id.get_chunk_info(0).byte_offset
+        offset = f["tokens"].id.get_chunk_info(0).byte_offset
     with open(shard, "r+b") as fh:  # flip bytes inside the first record's tokens
         fh.seek(offset + 20)
         fh.write(b"\xff\xff\xff\xff")

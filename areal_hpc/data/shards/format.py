@@ -1,14 +1,15 @@
 """On-disk layout of a trajectory shard (one HDF5 file) and the record <-> arrays codec.
 
 Datasets (all 1-D, chunked, extendible, created before SWMR mode starts):
-  token_ids, logprobs, loss_mask   one entry per token: every trajectory's segments back to back
-                                   (input tokens carry logprob 0 and mask 0)
+  tokens   (id i4, logprob f4, loss_mask u1) per token: every trajectory's segments back to back
+           (input tokens carry logprob 0 and mask 0)
   headers  u1: one JSON object per trajectory (ids, segments, version runs, metadata, redactions)
   index    one fixed-width row per trajectory: where its tokens and header are, CRC32, filter columns
   rewards  one row per reward event, keyed by trajectory id (late rewards land in any live shard)
   state    i8[8]: committed counts of (index, tokens, headers, rewards), then the intended counts
-``index`` and ``rewards`` rows are stored as their bytes (numpy layout in the ``row_dtype``
-attribute): HDF5 spends ~20 us converting a compound type on every write, more than the write.
+``tokens``, ``index`` and ``rewards`` rows are stored as their bytes (numpy layout in the ``row_dtype``
+attribute): HDF5 spends ~20 us converting a compound type on every write, more than the write, and
+one packed token write per commit instead of one per field keeps per-trajectory flushes cheap.
 
 A commit writes the intended counts, the data, flushes HDF5 metadata, then writes the committed
 counts. Raw data bypasses HDF5's buffers, so each step is in the file before the next begins: a
@@ -37,6 +38,7 @@ SCHEMA_VERSION = 1
 LIVE_SUFFIX = ".live.h5"  # a shard its writer still appends to (or a writer that died)
 FINAL_SUFFIX = ".h5"
 
+TOKEN_DTYPE = np.dtype([("id", "<i4"), ("logprob", "<f4"), ("loss_mask", "u1")])
 INDEX_DTYPE = np.dtype([
     ("id", f"S{MAX_ID_BYTES}"), ("tenant", f"S{MAX_ID_BYTES}"),
     ("token_start", "<i8"), ("token_count", "<i8"), ("header_start", "<i8"), ("header_count", "<i8"),
@@ -62,14 +64,11 @@ class Column:
 
 
 COLUMNS = {
-    "token_ids": Column(np.dtype("<i4"), "tokens", 1 << 14),
-    "logprobs": Column(np.dtype("<f4"), "tokens", 1 << 14),
-    "loss_mask": Column(np.dtype("u1"), "tokens", 1 << 14),
+    "tokens": Column(TOKEN_DTYPE, "tokens", 1 << 14),
     "headers": Column(np.dtype("u1"), "headers", 1 << 16),
     "index": Column(INDEX_DTYPE, "index", 256),
     "rewards": Column(REWARD_DTYPE, "rewards", 256),
 }
-TOKEN_COLUMNS = ("token_ids", "logprobs", "loss_mask")
 
 
 def shard_stem(path: Path) -> str:
@@ -131,16 +130,16 @@ def open_shard(path: Path) -> h5py.File:
 
 
 def encode(traj: Trajectory) -> tuple[dict[str, list[np.ndarray]], np.ndarray, np.ndarray]:
-    """Per-token column pieces, header bytes and the index row (offsets left to the writer).
+    """Token field pieces, header bytes and the index row (offsets left to the writer).
 
-    Pieces rather than joined arrays: the writer joins every pending record's pieces in one copy.
+    Pieces rather than packed rows: the writer packs every pending record's pieces in one copy.
     """
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_COLUMNS}
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_DTYPE.names}
     runs = []
     for seg in traj.segments:
         n_in = len(seg.input_ids)
-        parts["token_ids"] += [seg.input_ids, seg.output_ids]
-        parts["logprobs"] += [np.zeros(n_in, np.float32), seg.output_logprobs]
+        parts["id"] += [seg.input_ids, seg.output_ids]
+        parts["logprob"] += [np.zeros(n_in, np.float32), seg.output_logprobs]
         parts["loss_mask"] += [np.zeros(n_in, np.uint8), seg.loss_mask]
         runs.append(version_runs(seg.output_versions))
     header = np.frombuffer(json.dumps({
@@ -150,22 +149,33 @@ def encode(traj: Trajectory) -> tuple[dict[str, list[np.ndarray]], np.ndarray, n
         "metadata": traj.metadata, "redactions": traj.redactions,
     }, separators=(",", ":")).encode(), dtype=np.uint8)
     versions = [v for segment_runs in runs for _, v in segment_runs] or [-1]
-    crc = checksum([piece for name in TOKEN_COLUMNS for piece in parts[name]] + [header])
+    crc = checksum([piece for name in TOKEN_DTYPE.names for piece in parts[name]] + [header])
     row = np.array([(traj.id.encode(), traj.tenant.encode(), 0, traj.n_tokens, 0, len(header), crc, traj.created,
                      min(versions), max(versions), traj.n_output_tokens, traj.eligible)], dtype=INDEX_DTYPE)
     return parts, header, row
 
 
-def decode(row: np.void, columns: dict[str, np.ndarray], header: np.ndarray, experiment: str, trial: str,
+def pack_tokens(parts: list[dict[str, list[np.ndarray]]], n_tokens: int) -> np.ndarray:
+    """Token rows of several records' pieces, back to back."""
+    tokens = np.empty(n_tokens, dtype=TOKEN_DTYPE)
+    for name in TOKEN_DTYPE.names:
+        position = 0
+        for record in parts:
+            for piece in record[name]:
+                tokens[name][position:position + len(piece)] = piece
+                position += len(piece)
+    return tokens
+
+
+def decode(row: np.void, tokens: np.ndarray, header: np.ndarray, experiment: str, trial: str,
            rewards: list[Reward]) -> Trajectory:
-    """Rebuild a record from its index row, token columns and header bytes (already checksummed)."""
+    """Rebuild a record from its index row, token rows and header bytes (already checksummed)."""
     meta = json.loads(header.tobytes())
-    ids, logprobs, mask = (columns[name] for name in TOKEN_COLUMNS)
     segments, position = [], 0
     for n_in, n_out, runs in meta["segments"]:
-        out = slice(position + n_in, position + n_in + n_out)
-        segments.append(Segment(input_ids=ids[position:position + n_in], output_ids=ids[out],
-                                output_logprobs=logprobs[out], loss_mask=mask[out],
+        out = tokens[position + n_in: position + n_in + n_out]
+        segments.append(Segment(input_ids=tokens["id"][position:position + n_in], output_ids=out["id"],
+                                output_logprobs=out["logprob"], loss_mask=out["loss_mask"],
                                 output_versions=expand_version_runs(runs, n_out)))
         position += n_in + n_out
     return Trajectory(segments=segments, id=meta["id"], task=meta["task"], group_id=meta["group_id"],
@@ -173,6 +183,11 @@ def decode(row: np.void, columns: dict[str, np.ndarray], header: np.ndarray, exp
                       metadata=meta["metadata"], eligible=bool(row["eligible"]),
                       redactions=meta["redactions"], experiment=experiment, trial=trial,
                       created=meta["created"])
+
+
+def record_checksum(tokens: np.ndarray, header: np.ndarray) -> int:
+    """The CRC32 ``encode`` computed, recomputed from stored token rows and header bytes."""
+    return checksum([np.ascontiguousarray(tokens[name]) for name in TOKEN_DTYPE.names] + [header])
 
 
 def checksum(arrays: list[np.ndarray]) -> int:

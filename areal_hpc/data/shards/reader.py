@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.data.shards.format import (COLUMNS, COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, TOKEN_COLUMNS,
-                                          checksum, decode, open_shard, reward_from_row, shard_stem)
+from areal_hpc.data.shards.format import (COLUMNS, COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, decode,
+                                          open_shard, record_checksum, reward_from_row, shard_stem)
 from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.errors import UserError
 
@@ -104,18 +104,16 @@ class ShardFile:
         for run in np.split(ordered, np.flatnonzero(np.diff(ordered) != 1) + 1):
             first, last = self.index[run[0]], self.index[run[-1]]
             token_base, header_base = first["token_start"], first["header_start"]
-            tokens = {name: self._slice(name, token_base, last["token_start"] + last["token_count"])
-                      for name in TOKEN_COLUMNS}
+            tokens = self._slice("tokens", token_base, last["token_start"] + last["token_count"])
             headers = self._slice("headers", header_base, last["header_start"] + last["header_count"])
             for r in run:
                 row = self.index[r]
                 t0, h0 = row["token_start"] - token_base, row["header_start"] - header_base
-                columns = {name: values[t0:t0 + row["token_count"]] for name, values in tokens.items()}
-                header = headers[h0:h0 + row["header_count"]]
-                if checksum([*columns.values(), header]) != row["crc32"]:
+                token_rows, header = tokens[t0:t0 + row["token_count"]], headers[h0:h0 + row["header_count"]]
+                if record_checksum(token_rows, header) != row["crc32"]:
                     raise ShardDamageError(f"{self.path} row {r} fails its checksum; "
                                            f"run 'areal-hpc shards verify {self.path}'")
-                traj = decode(row, columns, header, self.experiment, self.trial, rewards_for(row["id"].decode()))
+                traj = decode(row, token_rows, header, self.experiment, self.trial, rewards_for(row["id"].decode()))
                 if traj.id != row["id"].decode() or traj.tenant != row["tenant"].decode():
                     raise ShardDamageError(f"{self.path} row {r}: index and record disagree on id/tenant")
                 out[int(r)] = traj
@@ -125,10 +123,9 @@ class ShardFile:
         """Committed rows whose bytes do not match their CRC32 (reads everything once)."""
         bad = []
         for r, row in enumerate(self.index):
-            end = row["token_start"] + row["token_count"]
-            columns = {name: self._slice(name, row["token_start"], end) for name in TOKEN_COLUMNS}
+            tokens = self._slice("tokens", row["token_start"], row["token_start"] + row["token_count"])
             header = self._slice("headers", row["header_start"], row["header_start"] + row["header_count"])
-            if checksum([*columns.values(), header]) != row["crc32"]:
+            if record_checksum(tokens, header) != row["crc32"]:
                 bad.append(r)
         return bad
 

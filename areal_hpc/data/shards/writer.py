@@ -13,6 +13,7 @@ and CRC32s of its index and reward rows (kept as it writes: nothing is re-read),
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -24,7 +25,7 @@ import h5py
 import numpy as np
 
 from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX,
-                                          REWARD_DTYPE, TOKEN_COLUMNS, create_shard, encode, reward_row,
+                                          REWARD_DTYPE, create_shard, encode, pack_tokens, reward_row,
                                           shard_stem)
 from areal_hpc.data.shards.reader import TrajectoryStore
 from areal_hpc.data.trajectory import MAX_ID_BYTES, MAX_SOURCE_BYTES, Reward, Trajectory, check_name
@@ -141,10 +142,9 @@ class TrajectoryShardWriter:
         token_counts, header_counts = rows["token_count"].tolist(), rows["header_count"].tolist()
         rows["token_start"] = _starts(start["tokens"], token_counts)
         rows["header_start"] = _starts(start["headers"], header_counts)
-        new = {name: _concat([piece for parts, _, _ in records for piece in parts[name]], COLUMNS[name].dtype)
-               for name in TOKEN_COLUMNS}
-        new.update(headers=_concat([header for _, header, _ in records], np.dtype("u1")), index=rows,
-                   rewards=_concat(self._pending_rewards, REWARD_DTYPE))
+        new = {"tokens": pack_tokens([parts for parts, _, _ in records], sum(token_counts)),
+               "headers": _concat([header for _, header, _ in records], np.dtype("u1")), "index": rows,
+               "rewards": _concat(self._pending_rewards, REWARD_DTYPE)}
         end = {"index": start["index"] + len(rows), "tokens": start["tokens"] + sum(token_counts),
                "headers": start["headers"] + sum(header_counts), "rewards": start["rewards"] + len(new["rewards"])}
         self._write_state(start, end)
@@ -220,4 +220,9 @@ class _Column:
             self.dataset.id.set_extent((self.capacity,))
             self.space = self.dataset.id.get_space()
         self.space.select_hyperslab((start,), (len(values),))
-        self.dataset.id.write(h5py.h5s.create_simple((len(values),)), self.space, values, mtype=self.file_type)
+        self.dataset.id.write(_memory_space(len(values)), self.space, values, mtype=self.file_type)
+
+
+@functools.lru_cache(maxsize=64)
+def _memory_space(length: int) -> h5py.h5s.SpaceID:
+    return h5py.h5s.create_simple((length,))

@@ -1,6 +1,7 @@
 """Trajectory shards: round trip, filters, late rewards, rotation, manifests, tailing, damage, the CLI."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.data.shards import (ConsumerCursor, ShardDamageError, TrajectoryConsumer, TrajectoryFilter,
                                    TrajectoryShardWriter, TrajectoryStore, UnknownTrajectoryError)
-from areal_hpc.data.shards.format import SCHEMA_VERSION
+from areal_hpc.data.shards.format import INDEX_DTYPE, SCHEMA_VERSION
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory, expand_version_runs, version_runs
 from areal_hpc.errors import UserError
 from tests.conftest import REPO, run_cli
@@ -190,6 +191,26 @@ def test_damaged_bytes_are_reported_never_returned(tmp_path):
     assert result.returncode == 1
     assert "w0-000000.h5 row 0: checksum mismatch" in result.stdout
     assert "index_crc32" not in result.stdout  # the index itself is intact: only row 0's tokens changed
+
+
+def test_verify_checks_finalised_shards_against_their_manifest(tmp_path):
+    write_all(tmp_path, [make_trajectory(8, i) for i in range(6)], max_shard_trajectories=2)
+    first = tmp_path / "w0-000000.h5"
+    with h5py.File(first, "r") as f:
+        offset = f["index"].id.get_chunk_info(0).byte_offset + INDEX_DTYPE.fields["eligible"][1]
+    with open(first, "r+b") as fh:  # governance flag flipped behind the store's back
+        fh.seek(offset)
+        fh.write(b"\x00")
+    (tmp_path / "w0-000001.h5").unlink()
+    third = tmp_path / "w0-000002.h5"
+    os.truncate(third, third.stat().st_size // 2)  # a copy cut short
+    result = run_cli("shards", "verify", str(tmp_path))
+    assert result.returncode == 1
+    assert "DAMAGE: w0-000000.h5: index_crc32 is" in result.stdout
+    assert "DAMAGE: w0-000001.h5: listed in manifest-w0.json but missing" in result.stdout
+    assert f"DAMAGE: {third}: HDF5 cannot open it (Unable to synchronously open file (truncated file" in result.stdout
+    inspect = run_cli("shards", "inspect", str(tmp_path))
+    assert inspect.returncode == 0 and f"UNREADABLE: {third}" in inspect.stdout
 
 
 def test_inspect_and_export_of_a_test_run(tmp_path):

@@ -71,6 +71,10 @@ COLUMNS = {
 }
 
 
+class ShardDamageError(UserError):
+    """A shard whose bytes are damaged: unopenable, truncated, or a record failing its checksum."""
+
+
 def shard_stem(path: Path) -> str:
     """The name a shard keeps from live to finalised (``rollout0-000003``)."""
     name = path.name
@@ -112,12 +116,25 @@ def _unbuffered_access() -> h5py.h5p.PropFAID:
 
 
 def open_shard(path: Path) -> h5py.File:
-    """Open a shard read-only (SWMR, so live and crashed shards read too), or say clearly why not."""
+    """Open a shard read-only, or say clearly why not.
+
+    Live shards (and those a dead writer left) open in SWMR mode so they can be tailed. Finalised
+    ones open normally: HDF5 then checks the file end, which SWMR skips, so a truncated copy is
+    refused at once instead of reading as zeros (or retrying metadata reads for minutes).
+    """
     if not path.exists():
         raise UserError(f"no such file or directory: {path}")
     if not h5py.is_hdf5(path):
         raise UserError(f"{path} is not an HDF5 file")
-    f = h5py.File(path, "r", swmr=True, locking="best-effort")
+    try:
+        try:
+            f = h5py.File(path, "r", swmr=path.name.endswith(LIVE_SUFFIX), locking="best-effort")
+        except OSError as exc:
+            if "already open for write" not in str(exc):
+                raise
+            f = h5py.File(path, "r", swmr=True, locking="best-effort")  # a live shard renamed by hand
+    except OSError as exc:  # truncated or damaged beyond HDF5's own structure, or gone meanwhile
+        raise ShardDamageError(f"{path}: HDF5 cannot open it ({str(exc).splitlines()[0]})") from exc
     if f.attrs.get("format") != FORMAT:
         f.close()
         raise UserError(f"{path} is an HDF5 file but not an areal-hpc trajectory shard")

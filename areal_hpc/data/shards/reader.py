@@ -18,14 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.data.shards.format import (COLUMNS, COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, decode,
-                                          open_shard, record_checksum, reward_from_row, shard_stem)
+from areal_hpc.data.shards.format import (COLUMNS, COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, ShardDamageError,
+                                          decode, open_shard, record_checksum, reward_from_row, shard_stem)
 from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.errors import UserError
-
-
-class ShardDamageError(UserError):
-    """A committed record whose bytes no longer match its checksum (disk or copy damage)."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +106,8 @@ class ShardFile:
                 row = self.index[r]
                 t0, h0 = row["token_start"] - token_base, row["header_start"] - header_base
                 token_rows, header = tokens[t0:t0 + row["token_count"]], headers[h0:h0 + row["header_count"]]
-                if record_checksum(token_rows, header) != row["crc32"]:
+                # every record has a JSON header, so an all-zero row (a zeroed block) is damage too
+                if row["header_count"] == 0 or record_checksum(token_rows, header) != row["crc32"]:
                     raise ShardDamageError(f"{self.path} row {r} fails its checksum; "
                                            f"run 'areal-hpc shards verify {self.path}'")
                 traj = decode(row, token_rows, header, self.experiment, self.trial, rewards_for(row["id"].decode()))
@@ -120,12 +117,12 @@ class ShardFile:
         return [out[int(r)] for r in rows]
 
     def damaged_rows(self) -> list[int]:
-        """Committed rows whose bytes do not match their CRC32 (reads everything once)."""
+        """Committed rows that fail the checks a read makes (reads every record once)."""
         bad = []
-        for r, row in enumerate(self.index):
-            tokens = self._slice("tokens", row["token_start"], row["token_start"] + row["token_count"])
-            header = self._slice("headers", row["header_start"], row["header_start"] + row["header_count"])
-            if record_checksum(tokens, header) != row["crc32"]:
+        for r in range(len(self.index)):
+            try:
+                self.read([r], lambda _: [])
+            except ShardDamageError:
                 bad.append(r)
         return bad
 
@@ -152,10 +149,13 @@ class ShardFile:
 class TrajectoryStore:
     """All shards under a directory (or one shard file); ``refresh()`` picks up new shards and rows."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, skip_unreadable: bool = False):
+        """``skip_unreadable``: list shards HDF5 cannot open in ``unreadable`` instead of raising."""
         self.path = Path(path)
         if not self.path.exists():
             raise UserError(f"no such file or directory: {self.path}")
+        self.skip_unreadable = skip_unreadable
+        self.unreadable: dict[Path, str] = {}
         self.shards: dict[str, ShardFile] = {}
         self._rewards: dict[str, list[Reward]] = defaultdict(list)
         self.refresh()
@@ -166,14 +166,11 @@ class TrajectoryStore:
             if stem in self.shards:
                 self.shards[stem].path = path  # renamed live -> final; the open handle stays valid
                 new_rewards = self.shards[stem].refresh()
-            elif path.exists():
-                try:
-                    self.shards[stem] = ShardFile(path)
-                except UserError:
-                    if path.exists():
-                        raise
-                    continue  # finalised (renamed) while we looked: found under its new name next time
-                new_rewards = self.shards[stem].rewards
+            elif path in self.unreadable:
+                continue
+            elif (shard := self._open_unless_renamed(path)) is not None:
+                self.shards[stem] = shard
+                new_rewards = shard.rewards
             else:
                 continue
             for row in new_rewards:
@@ -217,7 +214,22 @@ class TrajectoryStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _open_unless_renamed(self, path: Path) -> ShardFile | None:
+        """Open a shard found by a directory listing; None if its writer finalised (renamed) it since
+        or, with ``skip_unreadable``, if it is damaged beyond opening."""
+        try:
+            return ShardFile(path)
+        except ShardDamageError as exc:
+            if not self.skip_unreadable:
+                raise
+            self.unreadable[path] = str(exc)
+        except UserError:
+            if path.exists():
+                raise
+        return None
+
     def _shard_paths(self) -> list[Path]:
         if self.path.is_file():
             return [self.path]
         return sorted(p for p in self.path.glob("*.h5") if not p.name.startswith("."))
+

@@ -10,6 +10,7 @@ from typing import TextIO
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from areal_hpc.data.shards.format import INDEX_DTYPE
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.trajectory import Trajectory, total_reward
 from areal_hpc.errors import UserError
@@ -18,8 +19,9 @@ BAR_WIDTH = 30
 
 
 def open_store(path: str | Path) -> TrajectoryStore:
-    store = TrajectoryStore(path)
-    if not store.shards:
+    """The store the CLI reports on: a shard HDF5 cannot open is listed, not fatal."""
+    store = TrajectoryStore(path, skip_unreadable=True)
+    if not store.shards and not store.unreadable:
         store.close()
         raise UserError(f"{path} holds no trajectory shards (*.h5)")
     return store
@@ -28,7 +30,7 @@ def open_store(path: str | Path) -> TrajectoryStore:
 def inspect(store: TrajectoryStore) -> str:
     """Human summary: totals, one line per shard, tenants, reward and version histograms, torn tails."""
     shards = list(store.shards.values())
-    index = np.concatenate([s.index for s in shards])
+    index = np.concatenate([s.index for s in shards] or [np.empty(0, dtype=INDEX_DTYPE)])
     rewards = [total_reward(store.rewards_for(i.decode())) for i in index["id"]]
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
     size = sum(s.path.stat().st_size for s in shards)
@@ -55,12 +57,13 @@ def inspect(store: TrajectoryStore) -> str:
     lines += _histogram(index["version_max"][index["version_max"] >= 0], integer=True)
     torn = [f"{s.path.name}: {s.torn}" for s in shards if s.torn]
     lines += ["", "torn tails: " + ("; ".join(torn) or "none")]
+    lines += [f"UNREADABLE: {reason}" for reason in store.unreadable.values()]
     return "\n".join(lines)
 
 
 def verify(store: TrajectoryStore) -> tuple[list[str], list[str]]:
     """Check every committed record's CRC32, torn tails and the manifests. Returns (damage, notes)."""
-    damage, notes = [], []
+    damage, notes = list(store.unreadable.values()), []
     shards = list(store.shards.values())
     columns = [TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TextColumn("records")]
     with Progress(*columns, transient=True) as progress:
@@ -108,6 +111,8 @@ def trajectory_to_json(traj: Trajectory) -> dict:
 def _check_manifest_entry(store: TrajectoryStore, manifest_path: Path, entry: dict) -> list[str]:
     path, name = manifest_path.parent / entry["name"], entry["name"]
     shard = next((s for s in store.shards.values() if s.path == path), None)
+    if path in store.unreadable:
+        return []  # already reported
     if shard is None:
         return [f"{name}: listed in {manifest_path.name} but missing"]
     found = {"trajectories": len(shard.index), "tokens": shard.n_tokens, "rewards": len(shard.rewards),

@@ -54,7 +54,7 @@ def inspect(store: TrajectoryStore) -> str:
     lines += ["", f"reward ({len(scored):,} scored, {len(index) - len(scored):,} awaiting a reward):"]
     lines += _histogram(scored)
     lines += ["", "policy version of the newest output token:"]
-    lines += _histogram(index["version_max"][index["version_max"] >= 0], integer=True)
+    lines += _histogram(index["version_max"][index["version_max"] >= 0], label=lambda v: f"v{v}")
     torn = [f"{s.path.name}: {s.torn}" for s in shards if s.torn]
     lines += ["", "torn tails: " + ("; ".join(torn) or "none")]
     lines += [f"UNREADABLE: {reason}" for reason in store.unreadable.values()]
@@ -127,19 +127,20 @@ def _manifests(path: Path) -> list[Path]:
     return sorted(folder.glob("manifest-*.json"))
 
 
-def _histogram(values: np.ndarray, integer: bool = False, bins: int = 10) -> list[str]:
+def _histogram(values: np.ndarray, label=lambda v: f"{v:g}", bins: int = 10) -> list[str]:
+    """Text bars: one per distinct value when there are few (0/1 rewards, versions), else ``bins``."""
     if len(values) == 0:
         return ["  (none)"]
-    if integer and values.max() - values.min() < 2 * bins:
-        labels, counts = np.unique(values, return_counts=True)
-        labels = [f"v{v}" for v in labels]
+    distinct, counts = np.unique(values, return_counts=True)
+    if len(distinct) <= 2 * bins:
+        labels = [label(v) for v in distinct]
     else:
-        counts, edges = np.histogram(values, bins=bins if values.max() > values.min() else 1)
+        counts, edges = np.histogram(values, bins=bins)
         labels = [f"[{lo:.3g}, {hi:.3g})" for lo, hi in zip(edges[:-1], edges[1:])]
-    width = max(len(label) for label in labels)
+    width = max(len(text) for text in labels)
     top = max(counts)
-    return [f"  {label:>{width}} {'#' * max(1, round(BAR_WIDTH * c / top)) if c else '':<{BAR_WIDTH}} {c:,}"
-            for label, c in zip(labels, counts)]
+    return [f"  {text:>{width}} {'#' * max(1, round(BAR_WIDTH * c / top)) if c else '':<{BAR_WIDTH}} {c:,}"
+            for text, c in zip(labels, counts)]
 
 
 def _bytes(n: float) -> str:

@@ -123,6 +123,17 @@ def test_rotation_manifest_and_restart_never_overwrite(tmp_path):
     assert run_cli("shards", "verify", str(tmp_path)).returncode == 0
 
 
+def test_two_writers_with_one_id_are_refused_not_clobbered(tmp_path):
+    # two processes started together with the same id: both would write w0-000000.live.h5
+    first, second = TrajectoryShardWriter(tmp_path, "w0"), TrajectoryShardWriter(tmp_path, "w0")
+    first.append(make_trajectory(10, 0))
+    with pytest.raises(UserError, match="is another writer using id 'w0' in this folder"):
+        second.append(make_trajectory(10, 1))
+    first.close()
+    with TrajectoryStore(tmp_path) as store:
+        assert [t.id for t in store.trajectories()] == ["s10-t0"]
+
+
 def test_rotation_by_size(tmp_path):
     records = [make_trajectory(3, i) for i in range(6)]
     write_all(tmp_path, records, max_shard_bytes=1)  # every commit fills a shard

@@ -116,6 +116,31 @@ def _shards_export(args) -> int:
     return 0
 
 
+# `areal-hpc serve backend=embedded model.path=DIR port=N`: the server's own words for its settings.
+SERVE_ALIASES = {"backend": "rollout.backend", "host": "rollout.host", "port": "rollout.port"}
+
+
+def _serve(args) -> int:
+    from areal_hpc.config import load_config
+
+    overrides = [_serve_alias(item) for item in args.overrides]
+    cfg = load_config(args.config, overrides)
+    if not cfg.model.path:
+        raise UserError("serve needs model.path=DIR (a local Hugging Face model folder)")
+    if cfg.rollout.backend == "embedded":
+        from areal_hpc.rollout.server import serve_embedded
+        serve_embedded(cfg)
+    else:
+        from areal_hpc.rollout.sglang_server import serve_sglang
+        serve_sglang(cfg)
+    return 0
+
+
+def _serve_alias(item: str) -> str:
+    key, sep, value = item.partition("=")
+    return f"{SERVE_ALIASES.get(key, key)}{sep}{value}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="areal-hpc",
                            description="Asynchronous RL of LLMs on Slurm clusters (AReaL, packaged for HPC).")
@@ -149,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     with_config(ev, required=False)
     ev.set_defaults(handler=_eval)
+
+    serve = commands.add_parser("serve", help="run a rollout server (embedded engine or SGLang) with SGLang's HTTP API")
+    with_config(serve, required=False)
+    serve.set_defaults(handler=_serve)
 
     shards = commands.add_parser("shards", help="inspect, verify and export trajectory shards")
     shard_commands = shards.add_subparsers(dest="action", metavar="ACTION", parser_class=OneLineParser,

@@ -111,6 +111,15 @@ class RolloutConfig:
     max_concurrent_rollouts: int = spec(64, "episodes in flight at most", ge=1)
     max_head_offpolicyness: int = spec(2, "staleness bound eta: versions a trajectory may lag", ge=0)
     consumer_batch_size: int = spec(16, "prompts per training batch", ge=1)
+    host: str = spec("127.0.0.1", "address a rollout server binds (0.0.0.0 on a cluster node)")
+    port: int = spec(0, "port a rollout server listens on; 0 picks a free one", ge=0, le=65535)
+    max_running_requests: int = spec(64, "embedded engine: sequences decoded together (KV slots)", ge=1)
+    context_length: int = spec(0, "embedded engine: tokens per sequence; 0 takes the model's maximum", ge=0)
+    launch_timeout_s: float = spec(300.0, "seconds a server may take to answer /health", gt=0.0)
+    request_timeout_s: float = spec(600.0, "seconds one /generate call may take before it is retried", gt=0.0)
+    tp_size: int = spec(1, "sglang: tensor-parallel size per server", ge=1)
+    dp_size: int = spec(1, "sglang: data-parallel replicas per server", ge=1)
+    mem_fraction_static: float = spec(0.8, "sglang: GPU memory fraction for weights and KV cache", gt=0.0, le=1.0)
 
 
 @dataclass

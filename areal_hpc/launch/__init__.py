@@ -1,0 +1,1 @@
+"""Launching: name-resolve on the shared filesystem, server supervision, (next) local and Slurm launchers."""

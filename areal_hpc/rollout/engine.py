@@ -1,0 +1,259 @@
+"""The embedded rollout engine: continuous batching on CPU (or one GPU) behind SGLang's contract.
+
+One thread owns the model. Between decode steps it runs queued commands (pause, weight updates),
+admits waiting requests into free KV slots (prefill) and retires finished ones, so requests join
+and leave the running batch at every step. Every output token is tagged with the weight version
+that produced it; a pause in abort mode returns in-flight requests at once with what they have.
+Logprobs are those of the sampling distribution at the request's temperature (before top-p/top-k),
+i.e. the behaviour policy decoupled PPO needs; at temperature 1 they equal a teacher-forced pass.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from areal_hpc.rollout.decoder import SlotDecoder
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (the server answers 400 with this message)."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_json(cls, obj) -> "SamplingParams":
+        """Check field names, types and ranges; the message names the field and what is valid."""
+        if obj is None:
+            return cls()
+        if not isinstance(obj, dict):
+            raise RequestError(f"sampling_params must be an object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise RequestError(f"unknown sampling_params {unknown}; valid: {sorted(cls.__dataclass_fields__)}")
+        params = cls(**obj)
+        checks = [("max_new_tokens", int, lambda v: v >= 0, "an integer >= 0"),
+                  ("temperature", (int, float), lambda v: v >= 0, "a number >= 0"),
+                  ("top_p", (int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                  ("top_k", int, lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"),
+                  ("ignore_eos", bool, lambda v: True, "true or false")]
+        for name, kind, in_range, valid in checks:
+            value = getattr(params, name)
+            wrong_type = not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)
+            if wrong_type or not in_range(value):
+                raise RequestError(f"sampling_params.{name} = {value!r}; it must be {valid}")
+        if not isinstance(params.stop_token_ids, list) or not all(type(t) is int for t in params.stop_token_ids):
+            raise RequestError(f"sampling_params.stop_token_ids = {params.stop_token_ids!r}; it must be a list of ints")
+        return params
+
+
+@dataclass
+class Result:
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]  # weight version of every output token
+    finish_reason: str  # "stop", "length" or "abort"
+    matched_stop: int | None
+    prompt_tokens: int
+    weight_version: int
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[[Result], None]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    slot: int | None = None
+
+
+class EmbeddedEngine:
+    """Serve generation requests from one model with continuous batching; thread-safe entry points."""
+
+    def __init__(self, model: torch.nn.Module, *, slots: int = 32, context_length: int | None = None,
+                 seed: int = 0, eos_token_ids: list[int] | None = None):
+        self.model = model.eval()
+        self.context_length = context_length or model.config.max_position_embeddings
+        self.decoder = SlotDecoder(model, slots, self.context_length)
+        eos = eos_token_ids if eos_token_ids is not None else model.config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.version = 0
+        self.paused = False
+        self._generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+        self._free = list(range(slots - 1, -1, -1))
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, Request] = {}
+        self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+        self._thread.start()
+
+    # -- entry points (any thread) -------------------------------------------------------------
+    def check(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a prompt this engine cannot serve (before anything is queued)."""
+        vocab = self.model.config.vocab_size
+        if not input_ids:
+            raise RequestError("input_ids is empty")
+        if max(input_ids) >= vocab:
+            raise RequestError(f"input_ids hold token {max(input_ids)}; the vocabulary has {vocab} tokens")
+        if len(input_ids) + params.max_new_tokens > self.context_length:
+            raise RequestError(f"too many tokens: {len(input_ids)} prompt + {params.max_new_tokens} "
+                               f"max_new_tokens > context length {self.context_length}")
+
+    def submit(self, request: Request) -> None:
+        self.check(request.input_ids, request.params)
+        with self._wake:
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between two decode steps (weights change only there)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def pause(self) -> concurrent.futures.Future:
+        """Abort mode: in-flight and queued requests return now with their partial output."""
+        def pause():
+            self.paused = True
+            self._abort(lambda r: True)
+        return self.call(pause)
+
+    def resume(self) -> concurrent.futures.Future:
+        def resume():
+            self.paused = False
+        return self.call(resume)
+
+    def abort(self, rid: str | None) -> concurrent.futures.Future:
+        """Abort one request (or all when ``rid`` is None); it returns with finish reason ``abort``."""
+        return self.call(lambda: self._abort(lambda r: rid is None or r.rid == rid))
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int | None) -> None:
+        """Engine thread only (via ``call``): copy new weights in and move to the next version."""
+        self.model.load_state_dict(state_dict, strict=False)
+        self.version = self.version + 1 if version is None else version
+
+    def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> concurrent.futures.Future:
+        from areal_hpc.models.hf import load_model
+
+        new = load_model(path, dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
+        return self.call(lambda: self.load_weights(new.state_dict(), version))
+
+    @property
+    def load(self) -> int:
+        return len(self._running) + len(self._waiting)
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._stopped or self._commands or self._running
+                                    or (self._waiting and not self.paused))
+                if self._stopped:
+                    return
+                commands, self._commands = list(self._commands), deque()
+            for fn, future in commands:
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # reported to the caller (the HTTP handler), engine carries on
+                    future.set_exception(exc)
+            self._admit()
+            if self._running:
+                self._step()
+
+    def _admit(self) -> None:
+        while not self.paused and self._free:
+            with self._wake:
+                if not self._waiting:
+                    return
+                request = self._waiting.popleft()
+            if request.params.max_new_tokens == 0:
+                self._finish(request, "length")
+                continue
+            request.slot = self._free.pop()
+            self._running[request.slot] = request
+            logits = self.decoder.prefill(request.slot, request.input_ids)
+            self._record(logits[None], [request])
+
+    def _step(self) -> None:
+        requests = list(self._running.values())
+        logits = self.decoder.decode([r.slot for r in requests], [r.output_ids[-1] for r in requests],
+                                     [len(r.input_ids) + len(r.output_ids) - 1 for r in requests])
+        self._record(logits, requests)
+
+    def _record(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        tokens, logprobs = self._sample(logits, [r.params for r in requests])
+        for request, token, logprob in zip(requests, tokens, logprobs):
+            request.output_ids.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(self.version)
+            params = request.params
+            if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+                self._finish(request, "stop", matched=token)
+            elif (len(request.output_ids) >= params.max_new_tokens
+                  or len(request.input_ids) + len(request.output_ids) >= self.context_length):
+                self._finish(request, "length")
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list[float]]:
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)[:, None]
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        tokens = logprobs.argmax(dim=-1)
+        for row, p in enumerate(params):
+            if p.temperature > 0:
+                tokens[row] = self._draw(logprobs[row], p)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        return tokens.tolist(), chosen.tolist()
+
+    def _draw(self, logprobs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        probs = logprobs.exp()
+        if p.top_k > 0:
+            probs[probs < torch.topk(probs, min(p.top_k, len(probs))).values[-1]] = 0
+        if p.top_p < 1:
+            ordered, order = probs.sort(descending=True)
+            outside = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest prefix reaching top_p
+            probs[order[outside]] = 0
+        return torch.multinomial(probs, 1, generator=self._generator)[0]
+
+    def _abort(self, which: Callable[[Request], bool]) -> None:
+        for request in [r for r in self._running.values() if which(r)]:
+            self._finish(request, "abort")
+        with self._wake:
+            aborted = [r for r in self._waiting if which(r)]
+            self._waiting = deque(r for r in self._waiting if not which(r))
+        for request in aborted:
+            self._finish(request, "abort")
+
+    def _finish(self, request: Request, reason: str, matched: int | None = None) -> None:
+        if request.slot is not None:
+            del self._running[request.slot]
+            self._free.append(request.slot)
+            request.slot = None
+        request.on_done(Result(request.rid, request.output_ids, request.logprobs, request.versions, reason,
+                               matched, len(request.input_ids), self.version))

@@ -1,0 +1,236 @@
+"""HTTP front of the embedded engine: SGLang's native routes and response shapes, on aiohttp.
+
+    areal-hpc serve backend=embedded model.path=DIR port=30000
+
+Bad requests get a 4xx JSON body ``{"error": {"message": ..., "code": ...}}`` and the server keeps
+serving. The address is registered in name-resolve (``rollout/servers/<host:port>``) while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+from areal_hpc.rollout.engine import EmbeddedEngine, Request, RequestError, Result, SamplingParams
+from areal_hpc.rollout.weight_sync import UpdateGroup, join_update_group, receive_state
+
+GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream"}
+ENGINE = web.AppKey("engine", EmbeddedEngine)
+STATE = web.AppKey("state", dict)
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})")
+    if not isinstance(body, dict):
+        raise RequestError(f"body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return error(400, str(exc))
+    except web.HTTPException as exc:  # aiohttp's own 404/405/413: same JSON shape
+        return error(exc.status, exc.reason)
+
+
+async def generate(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    unknown = sorted(set(body) - GENERATE_FIELDS)
+    if "text" in body:
+        raise RequestError("text prompts are not supported: send input_ids (tokenize on the client)")
+    if unknown:
+        raise RequestError(f"unknown fields {unknown}; /generate takes {sorted(GENERATE_FIELDS)}")
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported by the embedded engine")
+    prompts, batched = _prompts(body.get("input_ids"))
+    params = SamplingParams.from_json(body.get("sampling_params"))
+    rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
+    rids = [rids] if isinstance(rids, str) else rids
+    if not isinstance(rids, list) or len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids):
+        raise RequestError("rid must be a string (or a list of strings, one per prompt)")
+    engine = request.app[ENGINE]
+    for prompt in prompts:  # all or nothing: refuse the batch before any prompt is queued
+        engine.check(prompt, params)
+    results = await asyncio.gather(*(_run(engine, rid, ids, params) for rid, ids in zip(rids, prompts)))
+    out = [_sglang_response(r, request.app[STATE]["tokenizer"], bool(body.get("return_logprob"))) for r in results]
+    return web.json_response(out if batched else out[0])
+
+
+def _prompts(input_ids) -> tuple[list[list[int]], bool]:
+    if isinstance(input_ids, list) and input_ids and all(isinstance(p, list) for p in input_ids):
+        prompts, batched = input_ids, True
+    else:
+        prompts, batched = [input_ids], False
+    for prompt in prompts:
+        if not isinstance(prompt, list) or not all(type(t) is int and t >= 0 for t in prompt):
+            raise RequestError("input_ids must be a list of non-negative integers (or a list of such lists)")
+    return prompts, batched
+
+
+async def _run(engine: EmbeddedEngine, rid: str, input_ids: list[int], params: SamplingParams) -> Result:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    engine.submit(Request(rid, input_ids, params, lambda result: loop.call_soon_threadsafe(done.set_result, result)))
+    return await done
+
+
+def _sglang_response(result: Result, tokenizer, return_logprob: bool) -> dict:
+    finish = {"type": result.finish_reason}
+    if result.finish_reason == "stop":
+        finish["matched"] = result.matched_stop
+    elif result.finish_reason == "length":
+        finish["length"] = len(result.output_ids)
+    meta = {"id": result.rid, "finish_reason": finish, "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": len(result.output_ids), "cached_tokens": 0,
+            "weight_version": str(result.weight_version), "output_token_versions": result.versions}
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids)]
+    text = tokenizer.decode(result.output_ids) if tokenizer is not None else ""
+    return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    engine, state = request.app[ENGINE], request.app[STATE]
+    return web.json_response({"model_path": state["model_path"], "is_generation": True,
+                              "weight_version": str(engine.version), "context_length": engine.context_length,
+                              "max_running_requests": engine.decoder.slots, "paused": engine.paused})
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    mode = (await read_json(request)).get("mode", "abort")
+    if mode != "abort":
+        raise RequestError(f"pause mode {mode!r} is not supported; the embedded engine pauses with mode 'abort'")
+    await asyncio.wrap_future(request.app[ENGINE].pause())
+    return web.json_response({"success": True})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await asyncio.wrap_future(request.app[ENGINE].resume())
+    return web.json_response({"success": True})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    if not body.get("abort_all") and not isinstance(body.get("rid"), str):
+        raise RequestError("give rid (a string) or abort_all=true")
+    await asyncio.wrap_future(request.app[ENGINE].abort(None if body.get("abort_all") else body["rid"]))
+    return web.json_response({"success": True})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    return web.json_response({"success": True})  # slots are reset per request: no prefix cache to drop
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    path, version = body.get("model_path"), _version(body)
+    if not isinstance(path, str) or not Path(path, "config.json").exists():
+        raise RequestError(f"model_path {path!r} is not a Hugging Face model folder (no config.json)")
+    engine = request.app[ENGINE]
+    try:
+        await asyncio.wrap_future(await asyncio.to_thread(engine.update_weights_from_disk, path, version))
+    except (RuntimeError, OSError, ValueError) as exc:  # another architecture, unreadable files
+        raise RequestError(f"could not load weights from {path}: {str(exc).splitlines()[0]}") from exc
+    return web.json_response({"success": True, "message": f"loaded {path}", "weight_version": str(engine.version)})
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    try:
+        args = dict(backend=body.get("backend", "gloo"), master_address=body["master_address"],
+                    master_port=int(body["master_port"]), rank=int(body["rank_offset"]),
+                    world_size=int(body["world_size"]), group_name=body.get("group_name", "weight_update"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset, "
+                           f"world_size ({exc})")
+    request.app[STATE]["update_group"] = await asyncio.to_thread(join_update_group, **args)
+    return web.json_response({"success": True, "message": f"joined {args['group_name']} as rank {args['rank']}"})
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    group: UpdateGroup | None = request.app[STATE].get("update_group")
+    if group is None:
+        raise RequestError("call /init_weights_update_group first")
+    engine, version = request.app[ENGINE], _version(body)
+    device = next(engine.model.parameters()).device
+
+    def receive_and_load():
+        engine.load_weights(receive_state(group, body.get("names", []), body.get("dtypes", []),
+                                          body.get("shapes", []), device), version)
+
+    await asyncio.wrap_future(engine.call(receive_and_load))
+    return web.json_response({"success": True, "weight_version": str(engine.version)})
+
+
+def _version(body: dict) -> int | None:
+    version = body.get("weight_version")
+    try:
+        return None if version is None else int(version)
+    except (TypeError, ValueError):
+        raise RequestError(f"weight_version {version!r} must be an integer") from None
+
+
+def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None) -> web.Application:
+    app = web.Application(middlewares=[errors_as_json], client_max_size=64 << 20)
+    app[ENGINE], app[STATE] = engine, {"model_path": model_path, "tokenizer": tokenizer}
+    app.add_routes([
+        web.post("/generate", generate), web.get("/health", health), web.get("/health_generate", health),
+        web.get("/get_model_info", model_info), web.post("/pause_generation", pause_generation),
+        web.post("/continue_generation", continue_generation), web.post("/abort_request", abort_request),
+        web.post("/flush_cache", flush_cache), web.post("/update_weights_from_disk", update_weights_from_disk),
+        web.post("/init_weights_update_group", init_weights_update_group),
+        web.post("/update_weights_from_distributed", update_weights_from_distributed),
+    ])
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0 picks a free one); binding first lets us print the real address."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve_embedded(cfg) -> None:
+    """Load the model, start the engine, listen, register in name-resolve; run until SIGINT/SIGTERM."""
+    from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
+    from areal_hpc.models.hf import load_model, load_tokenizer
+    from areal_hpc.parallel.device import resolve_device
+
+    model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
+    engine = EmbeddedEngine(model, slots=cfg.rollout.max_running_requests,
+                            context_length=cfg.rollout.context_length or None, seed=cfg.experiment.seed)
+    sock = bind(cfg.rollout.host, cfg.rollout.port)
+    host = socket.gethostname() if cfg.rollout.host in ("0.0.0.0", "") else cfg.rollout.host
+    address = f"{host}:{sock.getsockname()[1]}"
+    names = NameResolve(cfg.run_dir / "name_resolve")
+    names.add(f"{ROLLOUT_SERVERS}/{address}", address)
+    print(f"embedded rollout server for {cfg.model.path} on http://{address} "
+          f"({engine.decoder.slots} slots, context {engine.context_length})", flush=True)
+    try:
+        web.run_app(build_app(engine, str(cfg.model.path), load_tokenizer(cfg.model.path)), sock=sock,
+                    print=None, handle_signals=True)
+    finally:
+        names.delete(f"{ROLLOUT_SERVERS}/{address}")
+        engine.stop()

@@ -1,0 +1,62 @@
+"""Weight-update process groups between a trainer (rank 0) and rollout servers (ranks 1..n).
+
+The group is standalone (its own TCPStore, not the default process group), so a trainer that
+already runs data-parallel training can broadcast to servers without touching its training group.
+gloo on CPU, NCCL on GPU, the same calls on both sides as SGLang's ``init_weights_update_group`` /
+``update_weights_from_distributed``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from areal_hpc.rollout.engine import RequestError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class UpdateGroup:
+    """A process group plus the store it lives on (the store must outlive the group)."""
+
+    group: dist.ProcessGroup
+    store: dist.Store
+    rank: int
+
+
+def join_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+                      group_name: str, timeout_s: float = 300.0) -> UpdateGroup:
+    """Blocks until all ``world_size`` ranks have joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    elif backend == "nccl":
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    else:
+        raise RequestError(f"backend {backend!r} is not one of gloo, nccl")
+    return UpdateGroup(group, store, rank)
+
+
+def broadcast_tensor(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0 sends ``tensor``; every other rank receives into it (same shape and dtype)."""
+    group.group.broadcast([tensor], 0).wait()
+    return tensor
+
+
+def receive_state(group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Server side of one update: the tensors rank 0 broadcasts, in ``names`` order."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise RequestError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    unknown = sorted(set(dtypes) - DTYPES.keys())
+    if unknown:
+        raise RequestError(f"dtypes {unknown} are not among {sorted(DTYPES)}")
+    return {name: broadcast_tensor(group, torch.empty(shape, dtype=DTYPES[dtype], device=device))
+            for name, dtype, shape in zip(names, dtypes, shapes)}

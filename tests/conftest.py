@@ -1,8 +1,11 @@
-"""Shared fixtures: one tiny model built per test session, and a runner for the real CLI."""
+"""Shared fixtures: one tiny model built per test session, runners for the real CLI and rollout servers."""
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,3 +25,26 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.Co
     """Run ``areal-hpc`` as a user would: a separate process, its exit code and its output."""
     return subprocess.run([sys.executable, "-m", "areal_hpc", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+@contextlib.contextmanager
+def embedded_server(model_dir: Path, fileroot: Path, *extra: str):
+    """A real ``areal-hpc serve`` process on a free loopback port; yields its host:port, then stops it."""
+    from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
+
+    trial = uuid.uuid4().hex[:8]
+    process = subprocess.Popen([sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={model_dir}",
+                                "port=0", f"cluster.fileroot={fileroot}", f"experiment.trial={trial}", *extra],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        names = NameResolve(fileroot / "quickstart" / trial / "name_resolve")
+        deadline = time.monotonic() + 120
+        while not names.values(ROLLOUT_SERVERS):
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+            time.sleep(0.1)
+        yield process, names.values(ROLLOUT_SERVERS)[0]
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=30)
+        process.stdout.close()

@@ -46,7 +46,9 @@ def join_update_group(backend: str, master_address: str, master_port: int, rank:
 
 def broadcast_tensor(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0 sends ``tensor``; every other rank receives into it (same shape and dtype)."""
-    group.group.broadcast([tensor], 0).wait()
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.group.broadcast([tensor], options).wait()
     return tensor
 
 

@@ -1,0 +1,110 @@
+"""The rollout controller: AReaL's asynchrony. Episodes keep running while the trainer trains,
+as many as the staleness gate allows; the trainer takes batches of finished episodes, oldest first.
+
+    controller = RolloutController(client, workflow, gate, examples)
+    await controller.start()
+    batch = await controller.prepare_batch(B)     # B episodes, none more than eta versions stale
+    await controller.pause(); ...update weights...; controller.set_version(v + 1); await controller.resume()
+
+A failing episode (a reward error is not one: it is recorded in the trajectory) frees its slot and
+is counted in ``failures``; if every server is gone, ``prepare_batch`` raises instead of waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from areal_hpc.data.tasks import Example
+from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.rollout.client import NoServerError, RolloutClient
+from areal_hpc.rollout.staleness import StalenessGate
+
+
+@dataclass
+class Episode:
+    trajectories: list[Trajectory]
+    version: int  # trainer version when the episode started (its oldest possible token)
+
+
+class RolloutController:
+    def __init__(self, client: RolloutClient, workflow, gate: StalenessGate, examples: Iterable[Example],
+                 on_accept: Callable[[Episode], None] | None = None,
+                 accept: Callable[[list[Trajectory]], bool] = lambda group: True):
+        self.client, self.workflow, self.gate = client, workflow, gate
+        self.on_accept, self.accept = on_accept, accept
+        self._examples = itertools.cycle(examples)
+        self._ready: asyncio.Queue[Episode] = asyncio.Queue()
+        self._changed = asyncio.Event()
+        self._paused = False
+        self._tasks: set[asyncio.Task] = set()
+        self._fatal: asyncio.Future | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.failures: list[str] = []
+
+    async def start(self) -> None:
+        self._fatal = asyncio.get_running_loop().create_future()
+        self._loop_task = asyncio.create_task(self._submit_loop())
+
+    async def prepare_batch(self, size: int) -> list[Episode]:
+        """Wait for ``size`` finished episodes and return them in the order they finished."""
+        batch = []
+        while len(batch) < size:
+            get = asyncio.ensure_future(self._ready.get())
+            await asyncio.wait([get, self._fatal], return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                raise self._fatal.exception()
+            batch.append(get.result())
+        return batch
+
+    async def pause(self) -> None:
+        """Stop starting episodes and abort in-flight generation (it resumes after ``resume``)."""
+        self._paused = True
+        await self.client.pause()
+
+    async def resume(self) -> None:
+        await self.client.resume()
+        self._paused = False
+        self._changed.set()
+
+    def set_version(self, version: int) -> None:
+        self.gate.set_version(version)
+        self._changed.set()
+
+    async def stop(self) -> None:
+        for task in [self._loop_task, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*[t for t in [self._loop_task, *self._tasks] if t is not None], return_exceptions=True)
+
+    async def _submit_loop(self) -> None:
+        while True:
+            while not self._paused and self.gate.capacity() > 0:
+                self.gate.start()
+                task = asyncio.create_task(self._episode(next(self._examples), self.gate.version))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def _episode(self, example: Example, version: int) -> None:
+        accepted = False
+        try:
+            trajectories = await self.workflow.run(self.client, example)
+            accepted = self.accept(trajectories)
+            if accepted:
+                episode = Episode(trajectories, version)
+                if self.on_accept is not None:
+                    self.on_accept(episode)
+                self._ready.put_nowait(episode)
+        except NoServerError as exc:
+            if not self._fatal.done():
+                self._fatal.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - one bad episode must not stop the others
+            self.failures.append(f"{example.uid}: {type(exc).__name__}: {exc}")
+        finally:
+            self.gate.finish(accepted)
+            self._changed.set()

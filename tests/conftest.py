@@ -29,22 +29,25 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.Co
 
 @contextlib.contextmanager
 def embedded_server(model_dir: Path, fileroot: Path, *extra: str):
-    """A real ``areal-hpc serve`` process on a free loopback port; yields its host:port, then stops it."""
+    """A real ``areal-hpc serve`` process on a free loopback port; yields (process, host:port), then stops it."""
     from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
 
     trial = uuid.uuid4().hex[:8]
+    names = NameResolve(fileroot / "quickstart" / trial / "name_resolve")
+    names.root.mkdir(parents=True)
+    log = open(names.root.parent / "server.log", "w")  # a file, not a pipe: a full pipe would block the server
     process = subprocess.Popen([sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={model_dir}",
                                 "port=0", f"cluster.fileroot={fileroot}", f"experiment.trial={trial}", *extra],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        names = NameResolve(fileroot / "quickstart" / trial / "name_resolve")
         deadline = time.monotonic() + 120
         while not names.values(ROLLOUT_SERVERS):
-            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not register: {Path(log.name).read_text()[-2000:]}")
             time.sleep(0.1)
         yield process, names.values(ROLLOUT_SERVERS)[0]
     finally:
         if process.poll() is None:
             process.terminate()
             process.wait(timeout=30)
-        process.stdout.close()
+        log.close()

@@ -1,5 +1,6 @@
 """The rollout controller: AReaL's asynchrony. Episodes keep running while the trainer trains,
-as many as the staleness gate allows; the trainer takes batches of finished episodes, oldest first.
+as many as the staleness gate allows; the trainer takes batches of finished episodes, oldest first
+(see ``staleness.py``: stragglers that would exceed eta are dropped and counted in ``dropped``).
 
     controller = RolloutController(client, workflow, gate, examples)
     await controller.start()
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.rollout.client import NoServerError, RolloutClient
-from areal_hpc.rollout.staleness import StalenessGate
+from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
 
 
 @dataclass
@@ -36,28 +37,37 @@ class RolloutController:
         self.client, self.workflow, self.gate = client, workflow, gate
         self.on_accept, self.accept = on_accept, accept
         self._examples = itertools.cycle(examples)
-        self._ready: asyncio.Queue[Episode] = asyncio.Queue()
+        self._ready = ReadyQueue()
+        self._arrived = asyncio.Event()
         self._changed = asyncio.Event()
         self._paused = False
         self._tasks: set[asyncio.Task] = set()
         self._fatal: asyncio.Future | None = None
         self._loop_task: asyncio.Task | None = None
         self.failures: list[str] = []
+        self.dropped = 0  # episodes that finished too late to train within eta
 
     async def start(self) -> None:
         self._fatal = asyncio.get_running_loop().create_future()
         self._loop_task = asyncio.create_task(self._submit_loop())
 
     async def prepare_batch(self, size: int) -> list[Episode]:
-        """Wait for ``size`` finished episodes and return them in the order they finished."""
-        batch = []
+        """Wait for ``size`` finished episodes no more than eta versions behind, oldest first."""
+        batch: list[Episode] = []
         while len(batch) < size:
-            get = asyncio.ensure_future(self._ready.get())
-            await asyncio.wait([get, self._fatal], return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                raise self._fatal.exception()
-            batch.append(get.result())
+            taken, dropped = self._ready.take(size - len(batch), self.gate.version, self.gate.max_staleness)
+            batch += taken
+            if dropped:
+                self.gate.drop(dropped)
+                self.dropped += dropped
+                self._changed.set()
+            if len(batch) < size:
+                arrived = asyncio.ensure_future(self._arrived.wait())
+                await asyncio.wait([arrived, self._fatal], return_when=asyncio.FIRST_COMPLETED)
+                if self._fatal.done():
+                    arrived.cancel()
+                    raise self._fatal.exception()
+                self._arrived.clear()
         return batch
 
     async def pause(self) -> None:
@@ -99,7 +109,8 @@ class RolloutController:
                 episode = Episode(trajectories, version)
                 if self.on_accept is not None:
                     self.on_accept(episode)
-                self._ready.put_nowait(episode)
+                self._ready.put(version, episode)
+                self._arrived.set()
         except NoServerError as exc:
             if not self._fatal.done():
                 self._fatal.set_exception(exc)

@@ -1,0 +1,157 @@
+"""Staleness gate (property test), server failover, and the controller driving real embedded servers."""
+
+import asyncio
+import heapq
+import signal
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.tasks import Example
+from areal_hpc.models.hf import load_tokenizer
+from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.rollout.controller import RolloutController
+from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
+from areal_hpc.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, Sampling, Scorer
+from tests import rewards_for_tests
+from tests.conftest import embedded_server
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.integers(1, 6), eta=st.integers(0, 3), concurrent=st.integers(1, 40), steps=st.integers(1, 6),
+       seed=st.integers(0, 10**6), durations=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=50))
+def test_no_trained_episode_lags_more_than_eta_versions(batch, eta, concurrent, steps, seed, durations):
+    """Event simulation of the controller's bookkeeping: episodes finish in random order after random
+    times; the trainer fills each batch from the ready queue (oldest first, too-stale ones dropped),
+    trains for a random time and moves to the next version."""
+    gate, ready = StalenessGate(batch, eta, concurrent), ReadyQueue()
+    clock, running, filling, trained, dropped = 0.0, [], [], [], 0  # running: heap of (finish, id, version)
+    next_id, train_done = 0, None
+    while len(trained) < steps * batch:
+        while gate.capacity() > 0:
+            gate.start()
+            heapq.heappush(running, (clock + durations[(next_id * 7 + seed) % len(durations)], next_id, gate.version))
+            next_id += 1
+        assert gate.running <= concurrent
+        if train_done is None:
+            taken, n_dropped = ready.take(batch - len(filling), gate.version, eta)
+            filling, dropped = filling + taken, dropped + n_dropped
+            gate.drop(n_dropped)
+            if len(filling) == batch:
+                trained += [(gate.version, started) for started in filling]
+                filling, train_done = [], clock + durations[(gate.version + seed) % len(durations)]
+            if n_dropped:
+                continue  # places opened: start episodes before time moves on
+        clock = min(t for t in (running[0][0] if running else None, train_done) if t is not None)
+        if clock == train_done:
+            gate.set_version(gate.version + 1)
+            train_done = None
+        else:
+            _, _, started = heapq.heappop(running)
+            gate.finish(accepted=True)
+            ready.put(started, started)
+    assert all(0 <= version - started <= eta for version, started in trained)
+    if eta == 0:  # synchronous: every batch comes from the weights it is trained on, nothing wasted
+        assert dropped == 0 and all(version == started for version, started in trained)
+
+
+def test_resumed_gate_counts_earlier_batches_as_accepted():
+    gate = StalenessGate.resumed(batch_size=4, max_staleness=1, max_concurrent=100, version=3)
+    assert gate.accepted == 12 and gate.capacity() == (1 + 3 + 1) * 4 - 12
+
+
+def test_requests_survive_a_server_killed_mid_run(tiny_model_dir, tmp_path):
+    async def run(addresses, victim):
+        async with RolloutClient(addresses) as client:
+            jobs = [asyncio.create_task(client.generate([3, 4, 5, i], {"max_new_tokens": 1000, "ignore_eos": True}))
+                    for i in range(8)]
+            await asyncio.sleep(0.7)
+            victim.send_signal(signal.SIGKILL)
+            return await asyncio.gather(*jobs), client.alive
+
+    with embedded_server(tiny_model_dir, tmp_path) as (first, a), embedded_server(tiny_model_dir, tmp_path) as (_, b):
+        generations, alive = asyncio.run(run([a, b], first))
+    assert alive == [b]
+    assert all(len(g.output_ids) == 1000 and g.finish_reason == "length" for g in generations)
+    moved = [g for g in generations if g.interruptions]
+    assert moved and all(g.server == b for g in moved)  # the dead server's requests finished on the other
+
+
+def examples(n: int) -> list[Example]:
+    return [Example(f"e{i}", f"{i} + {i} = ?", str(2 * i), str(2 * i)) for i in range(n)]
+
+
+def test_controller_batches_respect_eta_across_weight_updates(tiny_model_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    eta, batch = 1, 3
+
+    async def run(address):
+        async with RolloutClient([address]) as client:
+            with RewardPool(rewards_for_tests.exact_answer) as pool:
+                workflow = RLVRWorkflow(tokenizer, Sampling(max_new_tokens=24), n_samples=2, scorer=Scorer(pool),
+                                        task_name="arithmetic")
+                gate = StalenessGate(batch, eta, max_concurrent=8)
+                written = []
+                controller = RolloutController(client, workflow, gate, examples(20), on_accept=written.append)
+                await controller.start()
+                consumed = []
+                for version in range(3):
+                    episodes = await controller.prepare_batch(batch)
+                    consumed += [(version, e) for e in episodes]
+                    await controller.pause()
+                    await client.update_weights_from_disk(str(tiny_model_dir), version + 1)
+                    controller.set_version(version + 1)
+                    await controller.resume()
+                await controller.stop()
+                return consumed, written, controller.failures
+
+    with embedded_server(tiny_model_dir, tmp_path) as (_, address):
+        consumed, written, failures = asyncio.run(run(address))
+    assert not failures
+    assert len(consumed) == 3 * batch and len(written) >= len(consumed)
+    for version, episode in consumed:
+        assert version - episode.version <= eta
+        assert len(episode.trajectories) == 2 and len({t.group_id for t in episode.trajectories}) == 1
+        for traj in episode.trajectories:
+            tokens = [v for s in traj.segments for v in s.output_versions]
+            assert min(tokens) >= episode.version and traj.reward in (0.0, 1.0)
+            assert len(traj.segments[0].output_logprobs) == len(traj.segments[0].output_ids) > 0
+
+
+def test_multi_turn_episode_is_token_in_token_out_with_turn_rewards(tiny_model_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_model_dir)
+
+    async def run(address):
+        async with RolloutClient([address]) as client:
+            with RewardPool(rewards_for_tests.exact_answer) as pool:
+                workflow = MultiTurnWorkflow(tokenizer, Sampling(max_new_tokens=6, temperature=0.0),
+                                             Scorer(pool), task_name="arithmetic", max_turns=3)
+                return await workflow.run(client, examples(2)[1])
+
+    with embedded_server(tiny_model_dir, tmp_path) as (_, address):
+        [traj] = asyncio.run(run(address))
+    assert [r.step for r in traj.rewards] == list(range(len(traj.segments)))
+    assert len(traj.segments) == 3 and all(r.value == 0.0 for r in traj.rewards)  # untrained model: wrong x3
+    retry = tokenizer.decode(traj.segments[1].input_ids)
+    assert "not correct" in retry and retry.rstrip().endswith("assistant")
+
+
+def test_a_hanging_reward_is_a_recorded_failure_not_a_stall(tiny_model_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_model_dir)
+
+    async def run(address):
+        async with RolloutClient([address]) as client:
+            with RewardPool(rewards_for_tests.hangs_always, timeout_s=1.0) as pool:
+                workflow = RLVRWorkflow(tokenizer, Sampling(max_new_tokens=4), n_samples=2, scorer=Scorer(pool),
+                                        task_name="arithmetic")
+                controller = RolloutController(client, workflow, StalenessGate(2, 0, 4), examples(4))
+                await controller.start()
+                episodes = await asyncio.wait_for(controller.prepare_batch(2), timeout=120)
+                await controller.stop()
+                return episodes
+
+    with embedded_server(tiny_model_dir, tmp_path) as (_, address):
+        episodes = asyncio.run(run(address))
+    for traj in (t for e in episodes for t in e.trajectories):
+        assert traj.reward == 0.0 and "timed out" in traj.metadata["reward_error"][0]

@@ -1,0 +1,73 @@
+"""Start a server process, wait until it answers /health, and stop it (and its children) cleanly.
+
+When a server dies or never becomes healthy, the error says so with the tail of its log, so
+"server launch failed" always comes with its cause (a CUDA OOM, a missing model file, a port in use).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from areal_hpc.errors import UserError
+
+LOG_TAIL_LINES = 20
+
+
+class ServerLaunchError(UserError):
+    """A server exited or stayed unhealthy; the message ends with its log tail."""
+
+
+class ServerProcess:
+    def __init__(self, name: str, command: list[str], log_path: Path, env: dict | None = None):
+        self.name, self.command, self.log_path = name, command, Path(log_path)
+        self.env = env
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **(self.env or {})}, start_new_session=True)
+        return self
+
+    def wait_healthy(self, address: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise self._failure(f"exited with code {self.process.returncode} before answering /health")
+            try:
+                with urllib.request.urlopen(f"http://{address}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise self._failure(f"did not answer http://{address}/health within {timeout_s:g} s")
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the whole process group (SGLang starts scheduler children), SIGKILL after ``grace_s``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def log_tail(self) -> str:
+        if not self.log_path.exists():
+            return "(no log written)"
+        lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        return "\n".join(f"  | {line}" for line in lines) or "  | (log is empty)"
+
+    def _failure(self, what: str) -> ServerLaunchError:
+        return ServerLaunchError(f"{self.name} {what}; last lines of {self.log_path}:\n{self.log_tail()}")

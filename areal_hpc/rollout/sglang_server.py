@@ -1,0 +1,60 @@
+"""The SGLang backend: the ``python -m sglang.launch_server`` command built from our config, run
+under the supervisor (health wait, log tail on failure) and registered in name-resolve.
+
+    areal-hpc serve backend=sglang model.path=/models/Qwen2.5-7B rollout.tp_size=2 port=30000
+
+The controller and the weight sync talk to it exactly as to the embedded engine (same routes).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+
+from areal_hpc.extras import require
+from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
+from areal_hpc.launch.supervisor import ServerProcess
+
+SGLANG_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
+    """The launch command for one server of ``cfg.rollout`` on ``port``."""
+    rollout = cfg.rollout
+    command = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model.path),
+               "--host", rollout.host, "--port", str(port), "--tp-size", str(rollout.tp_size),
+               "--dp-size", str(rollout.dp_size), "--dtype", SGLANG_DTYPES[cfg.model.dtype],
+               "--mem-fraction-static", str(rollout.mem_fraction_static),
+               "--max-running-requests", str(rollout.max_running_requests),
+               "--random-seed", str(cfg.experiment.seed),
+               "--skip-tokenizer-init"]  # the controller sends token ids and reads token ids back
+    if rollout.context_length:
+        command += ["--context-length", str(rollout.context_length)]
+    return command
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def serve_sglang(cfg) -> None:
+    """Run one SGLang server in the foreground until it exits or we are stopped."""
+    require("sglang")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops SGLang's process group
+    port = cfg.rollout.port or free_port(cfg.rollout.host)
+    host = socket.gethostname() if cfg.rollout.host in ("0.0.0.0", "") else cfg.rollout.host
+    address = f"{host}:{port}"
+    server = ServerProcess(f"SGLang server {address}", sglang_command(cfg, port),
+                           cfg.run_dir / "logs" / f"sglang-{host}-{port}.log").start()
+    names = NameResolve(cfg.run_dir / "name_resolve")
+    try:
+        server.wait_healthy(address, cfg.rollout.launch_timeout_s)
+        names.add(f"{ROLLOUT_SERVERS}/{address}", address)
+        print(f"SGLang rollout server for {cfg.model.path} on http://{address} (log: {server.log_path})", flush=True)
+        server.process.wait()
+    finally:
+        names.delete(f"{ROLLOUT_SERVERS}/{address}")
+        server.stop()

@@ -66,7 +66,9 @@ def test_requests_survive_a_server_killed_mid_run(tiny_model_dir, tmp_path):
         async with RolloutClient(addresses) as client:
             jobs = [asyncio.create_task(client.generate([3, 4, 5, i], {"max_new_tokens": 1000, "ignore_eos": True}))
                     for i in range(8)]
-            await asyncio.sleep(0.7)
+            while client.outstanding[addresses[0]] == 0:  # the victim has work in flight
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
             victim.send_signal(signal.SIGKILL)
             return await asyncio.gather(*jobs), client.alive
 

@@ -1,10 +1,11 @@
 """Batched decoding over a slot KV cache for Qwen2/Qwen2.5/Qwen3 models loaded with transformers.
 
 The embedded engine needs what ``generate()`` cannot give: sequences of different lengths joining and
-leaving one running batch at every step. Each running sequence owns a slot of a preallocated KV
-cache and its own position; a decode step runs all active slots at once with a per-slot mask. The
-layers' own modules (norms, projections, MLP, rotary embedding) do the maths, so logits match the
-HF forward pass; only the attention over the cache is ours.
+leaving one running batch at every step. Each running sequence owns a row (slot) of a preallocated
+KV cache and its own position. Running sequences are kept in rows 0..n-1 (the engine moves the last
+one into a finished one's row), so a decode step attends over a view of the cache, never a copy.
+The layers' own modules (norms, projections, MLP, rotary embedding) do the maths, so logits match
+the HF forward pass; only the attention over the cache is ours.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ SUPPORTED = ("qwen2", "qwen3")
 
 
 class SlotDecoder:
-    """Prefill one sequence into a slot, or advance many slots by one token, returning logits."""
+    """Prefill new sequences into rows, advance rows 0..n-1 by one token, move a row: logits out."""
 
     def __init__(self, model: torch.nn.Module, slots: int, context_length: int):
         config = model.config
@@ -27,46 +28,53 @@ class SlotDecoder:
             raise UserError(f"the embedded engine decodes {', '.join(SUPPORTED)} models; "
                             f"{config.model_type!r} needs backend=sglang")
         self.model, self.slots, self.context_length = model, slots, context_length
-        self.n_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         param = next(model.parameters())
-        shape = (slots, self.n_kv_heads, context_length, self.head_dim)
+        shape = (slots, config.num_key_value_heads, context_length, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.model.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
+        self.device = param.device
 
     @torch.no_grad()
-    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
-        """Run a whole prompt into ``slot`` (positions 0..n-1); logits of its last position, shape [V]."""
-        device = self.keys[0].device
-        tokens = torch.tensor([token_ids], device=device)
-        positions = torch.arange(len(token_ids), device=device)[None]
-        slots = torch.tensor([slot], device=device)
-        return self._forward(tokens, positions, slots, causal=True)[0, -1]
+    def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Run prompts into rows first_row.. (right-padded, one forward); logits at each prompt's end.
+
+        Padding writes keys past a prompt's end; they are overwritten before anything attends to them,
+        since decoding writes a position before reading it.
+        """
+        width = max(len(p) for p in prompts)
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        logits = self._forward(tokens, positions, first_row)
+        return logits[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]
 
     @torch.no_grad()
-    def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Feed one token per slot at its position; next-token logits, shape [len(slots), V]."""
-        device = self.keys[0].device
-        return self._forward(torch.tensor(token_ids, device=device)[:, None],
-                             torch.tensor(positions, device=device)[:, None],
-                             torch.tensor(slots, device=device), causal=False)[:, -1]
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Feed one token to each of rows 0..n-1 at its position; next-token logits, shape [n, V]."""
+        return self._forward(torch.tensor(token_ids, device=self.device)[:, None],
+                             torch.tensor(positions, device=self.device)[:, None], 0)[:, -1]
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 causal: bool) -> torch.Tensor:
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy a sequence's cache (its first ``length`` positions) to another row."""
+        for cache in (*self.keys, *self.values):
+            cache[target, :, :length] = cache[source, :, :length]
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int) -> torch.Tensor:
         body = self.model.model
         hidden = body.embed_tokens(tokens)
         cos, sin = body.rotary_emb(hidden, positions)
         span = int(positions.max()) + 1  # cache columns any row attends to
-        # A row attends to its cache up to its own position (earlier columns may hold a previous tenant).
-        visible = torch.arange(span, device=tokens.device)[None, None, :] <= positions[:, :, None]
-        mask = visible[:, None]  # [B, 1, T, span]
+        # A row attends to its cache up to its own position (later columns may hold a previous tenant).
+        mask = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+        rows = slice(first_row, first_row + len(tokens))
+        index = torch.arange(len(tokens), device=self.device)[:, None].expand_as(positions)
         for layer, keys, values in zip(body.layers, self.keys, self.values):
-            hidden = hidden + self._attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin,
-                                              positions, slots, keys, values, span, mask)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(body.norm(hidden)).float()
+            hidden = hidden + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, hidden), cos, sin,
+                                              index, positions, keys[rows], values[rows], span, mask)
+            hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
+        return self.model.lm_head(_rms_norm(body.norm, hidden)).float()
 
-    def _attention(self, attn, x, cos, sin, positions, slots, keys, values, span, mask) -> torch.Tensor:
+    def _attention(self, attn, x, cos, sin, index, positions, keys, values, span, mask) -> torch.Tensor:
         batch, length, _ = x.shape
         q = attn.q_proj(x).view(batch, length, -1, self.head_dim)
         k = attn.k_proj(x).view(batch, length, -1, self.head_dim)
@@ -74,9 +82,13 @@ class SlotDecoder:
         if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        rows = slots[:, None].expand(batch, length)
-        keys[rows, :, positions] = k.transpose(1, 2)  # [B, T, H, D] scattered into each slot's columns
-        values[rows, :, positions] = v
-        out = F.scaled_dot_product_attention(q, keys[slots, :, :span], values[slots, :, :span], attn_mask=mask,
+        keys[index, :, positions] = k.transpose(1, 2)  # [B, T, H, D] scattered into each row's columns
+        values[index, :, positions] = v
+        out = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=mask,
                                              scale=attn.scaling, enable_gqa=True)
         return attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm as torch's fused op (computed in float32 like HF's): one op instead of seven."""
+    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.variance_epsilon).to(x.dtype)

@@ -1,8 +1,8 @@
 """The embedded rollout engine: continuous batching on CPU (or one GPU) behind SGLang's contract.
 
 One thread owns the model. Between decode steps it runs queued commands (pause, weight updates),
-admits waiting requests into free KV slots (prefill) and retires finished ones, so requests join
-and leave the running batch at every step. Every output token is tagged with the weight version
+admits waiting requests into free KV rows (one batched prefill) and retires finished ones, so
+requests join and leave the running batch at every step. Every output token is tagged with the weight version
 that produced it; a pause in abort mode returns in-flight requests at once with what they have.
 Logprobs are those of the sampling distribution at the request's temperature (before top-p/top-k),
 i.e. the behaviour policy decoupled PPO needs; at temperature 1 they equal a teacher-forced pass.
@@ -82,25 +82,26 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    slot: int | None = None
 
 
 class EmbeddedEngine:
     """Serve generation requests from one model with continuous batching; thread-safe entry points."""
 
     def __init__(self, model: torch.nn.Module, *, slots: int = 32, context_length: int | None = None,
-                 seed: int = 0, eos_token_ids: list[int] | None = None):
+                 seed: int = 0, eos_token_ids: list[int] | None = None, min_prefill_batch: int | None = None):
+        """``min_prefill_batch``: while sequences are decoding, admit waiting ones only once this many
+        rows are free (default slots // 8), since on CPU a prefill costs as much as a decode step."""
         self.model = model.eval()
         self.context_length = context_length or model.config.max_position_embeddings
         self.decoder = SlotDecoder(model, slots, self.context_length)
         eos = eos_token_ids if eos_token_ids is not None else model.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.min_prefill_batch = min_prefill_batch or max(1, slots // 8)
         self.version = 0
         self.paused = False
         self._generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-        self._free = list(range(slots - 1, -1, -1))
         self._waiting: deque[Request] = deque()
-        self._running: dict[int, Request] = {}
+        self._running: list[Request] = []  # row i of the KV cache holds self._running[i]
         self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
         self._stopped = False
@@ -189,71 +190,87 @@ class EmbeddedEngine:
                 self._step()
 
     def _admit(self) -> None:
-        while not self.paused and self._free:
-            with self._wake:
-                if not self._waiting:
-                    return
-                request = self._waiting.popleft()
-            if request.params.max_new_tokens == 0:
-                self._finish(request, "length")
-                continue
-            request.slot = self._free.pop()
-            self._running[request.slot] = request
-            logits = self.decoder.prefill(request.slot, request.input_ids)
-            self._record(logits[None], [request])
+        """Move waiting requests into free rows, prefilled together in one forward pass."""
+        if self.paused:
+            return
+        with self._wake:
+            n = min(self.decoder.slots - len(self._running), len(self._waiting))
+            if n < min(self.min_prefill_batch, len(self._waiting)) and self._running:
+                return  # a prefill costs a decode step: wait until it can serve several requests
+            batch = [self._waiting.popleft() for _ in range(n)]
+        for request in [r for r in batch if r.params.max_new_tokens == 0]:
+            self._reply(request, "length")
+        batch = [r for r in batch if r.params.max_new_tokens > 0]
+        if batch:
+            first = len(self._running)
+            self._running += batch
+            self._record(self.decoder.prefill(first, [r.input_ids for r in batch]), batch)
 
     def _step(self) -> None:
-        requests = list(self._running.values())
-        logits = self.decoder.decode([r.slot for r in requests], [r.output_ids[-1] for r in requests],
-                                     [len(r.input_ids) + len(r.output_ids) - 1 for r in requests])
-        self._record(logits, requests)
+        running = self._running
+        logits = self.decoder.decode([r.output_ids[-1] for r in running],
+                                     [len(r.input_ids) + len(r.output_ids) - 1 for r in running])
+        self._record(logits, running)
 
     def _record(self, logits: torch.Tensor, requests: list[Request]) -> None:
         tokens, logprobs = self._sample(logits, [r.params for r in requests])
+        finished = []
         for request, token, logprob in zip(requests, tokens, logprobs):
             request.output_ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(self.version)
             params = request.params
             if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-                self._finish(request, "stop", matched=token)
+                finished.append((request, "stop", token))
             elif (len(request.output_ids) >= params.max_new_tokens
                   or len(request.input_ids) + len(request.output_ids) >= self.context_length):
-                self._finish(request, "length")
+                finished.append((request, "length", None))
+        self._retire(finished)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list[float]]:
         temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)[:, None]
         logprobs = torch.log_softmax(logits / temperature, dim=-1)
         tokens = logprobs.argmax(dim=-1)
-        for row, p in enumerate(params):
-            if p.temperature > 0:
-                tokens[row] = self._draw(logprobs[row], p)
+        sampled = [row for row, p in enumerate(params) if p.temperature > 0]
+        if sampled:
+            probs = logprobs[sampled].exp()
+            for i, row in enumerate(sampled):
+                _truncate(probs[i], params[row])
+            tokens[sampled] = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
         return tokens.tolist(), chosen.tolist()
 
-    def _draw(self, logprobs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-        probs = logprobs.exp()
-        if p.top_k > 0:
-            probs[probs < torch.topk(probs, min(p.top_k, len(probs))).values[-1]] = 0
-        if p.top_p < 1:
-            ordered, order = probs.sort(descending=True)
-            outside = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest prefix reaching top_p
-            probs[order[outside]] = 0
-        return torch.multinomial(probs, 1, generator=self._generator)[0]
-
     def _abort(self, which: Callable[[Request], bool]) -> None:
-        for request in [r for r in self._running.values() if which(r)]:
-            self._finish(request, "abort")
+        self._retire([(r, "abort", None) for r in self._running if which(r)])
         with self._wake:
             aborted = [r for r in self._waiting if which(r)]
             self._waiting = deque(r for r in self._waiting if not which(r))
         for request in aborted:
-            self._finish(request, "abort")
+            self._reply(request, "abort")
 
-    def _finish(self, request: Request, reason: str, matched: int | None = None) -> None:
-        if request.slot is not None:
-            del self._running[request.slot]
-            self._free.append(request.slot)
-            request.slot = None
+    def _retire(self, finished: list[tuple[Request, str, int | None]]) -> None:
+        """Answer finished running requests and keep the rest in rows 0..n-1: the last running
+        request moves into each freed row (highest rows first, so no finished one is moved)."""
+        row_of = {id(r): row for row, r in enumerate(self._running)}
+        for request, reason, matched in sorted(finished, key=lambda f: row_of[id(f[0])], reverse=True):
+            row, last = row_of[id(request)], len(self._running) - 1
+            if row != last:
+                moved = self._running[last]
+                self.decoder.move(last, row, len(moved.input_ids) + len(moved.output_ids))
+                self._running[row] = moved
+            self._running.pop()
+            self._reply(request, reason, matched)
+
+    def _reply(self, request: Request, reason: str, matched: int | None = None) -> None:
         request.on_done(Result(request.rid, request.output_ids, request.logprobs, request.versions, reason,
                                matched, len(request.input_ids), self.version))
+
+
+def _truncate(probs: torch.Tensor, p: SamplingParams) -> None:
+    """Zero what top-k / top-p exclude (in place; multinomial renormalises)."""
+    if p.top_k > 0:
+        probs[probs < torch.topk(probs, min(p.top_k, len(probs))).values[-1]] = 0
+    if p.top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        outside = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest prefix reaching top_p
+        probs[order[outside]] = 0

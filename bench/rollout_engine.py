@@ -12,7 +12,6 @@ tokens requests asked for. Repeats alternate the two; medians (the ratio: median
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -25,11 +24,12 @@ import numpy as np
 import torch
 import transformers
 
+from recording import machine, save
+
 from areal_hpc.models.hf import load_model
 from areal_hpc.models.tiny import count_parameters, init_model
 from areal_hpc.rollout.engine import EmbeddedEngine, Request, SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -96,10 +96,6 @@ def run(args) -> dict:
             "ratio": round(statistics.median(g / e for g, e in zip(times["generate"], times["engine"])), 2)}
 
 
-def machine() -> str:
-    import os
-    return f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}, {platform.platform()}"
-
 
 def report(r: dict) -> str:
     return "\n".join([
@@ -128,10 +124,7 @@ def main() -> None:
     text = report(result)
     print(text)
     if args.save:
-        RESULTS.mkdir(exist_ok=True)
-        stem = f"rollout_engine-{result['date']}"
-        (RESULTS / f"{stem}.md").write_text(text + "\n")
-        (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+        stem = save("rollout_engine", result, text)
 
 
 if __name__ == "__main__":

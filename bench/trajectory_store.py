@@ -13,7 +13,6 @@ reads include CRC checks and building the record objects. Repeats alternate the 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import statistics
@@ -25,10 +24,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from recording import machine, save
+
 from areal_hpc.data.shards import TrajectoryShardWriter, TrajectoryStore
 from areal_hpc.data.trajectory import Segment, Trajectory
 
-RESULTS = Path(__file__).parent / "results"
 ARRAYS = ("input_ids", "output_ids", "output_logprobs", "output_versions", "loss_mask")
 
 
@@ -132,10 +132,6 @@ def run(args) -> dict:
             "rows": rows}
 
 
-def machine() -> str:
-    import os
-    return f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}, {platform.platform()}"
-
 
 def report(result: dict) -> str:
     lines = [f"# Trajectory shards vs raw numpy files ({result['date']})", "",
@@ -183,11 +179,8 @@ def main() -> None:
     text = report(result)
     print(text)
     if args.save:
-        RESULTS.mkdir(exist_ok=True)
-        stem = f"trajectory_store-{result['date']}"
-        (RESULTS / f"{stem}.md").write_text(text + "\n")
-        (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-        plot(result, RESULTS / f"{stem}.png")
+        stem = save("trajectory_store", result, text)
+        plot(result, stem.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -21,3 +21,14 @@ def save(name: str, result: dict, text: str) -> Path:
     stem.with_suffix(".md").write_text(text + "\n")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     return stem
+
+
+def run_and_record(name: str, args, run, report, plot=None) -> None:
+    """Run the benchmark, print its table, and with ``--save`` record it (and its plot, if any)."""
+    result = run(args)
+    text = report(result)
+    print(text)
+    if args.save:
+        stem = save(name, result, text)
+        if plot is not None:
+            plot(result, stem.with_suffix(".png"))

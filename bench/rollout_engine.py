@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import transformers
 
-from recording import machine, save
+from recording import machine, run_and_record
 
 from areal_hpc.models.hf import load_model
 from areal_hpc.models.tiny import count_parameters, init_model
@@ -119,13 +119,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
-    args = parser.parse_args()
-    result = run(args)
-    text = report(result)
-    print(text)
-    if args.save:
-        stem = save("rollout_engine", result, text)
-
+    run_and_record("rollout_engine", parser.parse_args(), run, report)
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from recording import machine, save
+from recording import machine, run_and_record
 
 from areal_hpc.data.shards import TrajectoryShardWriter, TrajectoryStore
 from areal_hpc.data.trajectory import Segment, Trajectory
@@ -174,14 +174,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="trajectories per flush in the batched mode")
     parser.add_argument("--dir", help="scratch folder (default: the system temp folder)")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
-    args = parser.parse_args()
-    result = run(args)
-    text = report(result)
-    print(text)
-    if args.save:
-        stem = save("trajectory_store", result, text)
-        plot(result, stem.with_suffix(".png"))
-
+    run_and_record("trajectory_store", parser.parse_args(), run, report, plot)
 
 if __name__ == "__main__":
     main()

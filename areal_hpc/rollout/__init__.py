@@ -1,3 +1,3 @@
-"""Rollout: the embedded engine with SGLang's HTTP contract, the SGLang launcher and the staleness-gated
-controller (issue 4). Empty until then; evaluation uses transformers' generate in areal_hpc.train.evaluate.
+"""Rollout: servers with SGLang's HTTP contract (the embedded engine here, SGLang on GPUs), the client
+that drives a group of them, and AReaL's staleness-gated controller with its workflows.
 """

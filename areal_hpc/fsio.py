@@ -7,12 +7,15 @@ import os
 from pathlib import Path
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    """Write JSON so that a crash leaves either the old file or the new one, never a torn one."""
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write so that a crash leaves either the old file or the new one, never a torn one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
+        fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
 
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1))

@@ -1,4 +1,4 @@
-"""Server supervision (health wait, log tail on failure) and the SGLang launch command."""
+"""Server supervision (health wait, log tail on failure), the SGLang launch command, name-resolve."""
 
 import asyncio
 import sys
@@ -6,6 +6,8 @@ import sys
 import pytest
 
 from areal_hpc.config import load_config
+from areal_hpc.errors import UserError
+from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
 from areal_hpc.launch.supervisor import ServerLaunchError, ServerProcess
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.sglang_server import free_port, sglang_command
@@ -68,3 +70,14 @@ def test_a_server_that_never_answers_is_stopped_after_the_timeout(tmp_path):
         server.wait_healthy("127.0.0.1:9", timeout_s=2)
     assert "loading weights" in str(failure.value)
     assert server.process.poll() is not None  # not left running
+
+
+def test_name_resolve_registers_lists_and_forgets_addresses(tmp_path):
+    names = NameResolve(tmp_path)
+    names.add(f"{ROLLOUT_SERVERS}/node2:30001", "node2:30001")
+    names.add(f"{ROLLOUT_SERVERS}/node1:30000", "node1:30000")
+    assert names.values(ROLLOUT_SERVERS) == ["node1:30000", "node2:30001"]
+    names.delete(f"{ROLLOUT_SERVERS}/node1:30000")
+    assert names.values(ROLLOUT_SERVERS) == ["node2:30001"] and names.values("nothing/here") == []
+    with pytest.raises(UserError, match="without '.' or '..'"):
+        names.add("../escape", "x")

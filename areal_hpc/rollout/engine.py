@@ -161,10 +161,6 @@ class EmbeddedEngine:
         new = load_model(path, dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
         return self.call(lambda: self.load_weights(new.state_dict(), version))
 
-    @property
-    def load(self) -> int:
-        return len(self._running) + len(self._waiting)
-
     def stop(self) -> None:
         with self._wake:
             self._stopped = True

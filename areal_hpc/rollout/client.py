@@ -4,8 +4,9 @@
 request comes back with finish reason ``abort`` and its partial output; it is re-submitted with
 that output appended to the prompt and ``max_new_tokens`` lowered, to the same server (request-id
 affinity), so tokens made before the update keep their old version tag. New requests go to the
-server with the fewest outstanding requests. A server that stops answering is dropped and its
-requests resume on the others from their last returned output: nothing is lost.
+server with the fewest outstanding requests. When a request's connection fails, the server's
+``/health`` decides: a server that no longer answers is dropped and its requests resume on the
+others from their last returned output (nothing is lost); a live one is simply asked again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from areal_hpc.errors import UserError
+
+
+HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
 class NoServerError(RuntimeError):
@@ -66,7 +70,8 @@ class RolloutClient:
                 try:
                     reply = await self._post(server, "/generate", body)
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
-                    self._drop(server)
+                    if not await self._healthy(server):  # a dead server, not a dropped connection
+                        self._drop(server)
                     out.interruptions += 1
                     continue
                 meta = reply["meta_info"]
@@ -110,6 +115,13 @@ class RolloutClient:
             server = min(self.alive, key=lambda s: self.outstanding[s])
             self._affinity[rid] = server
         return server
+
+    async def _healthy(self, server: str) -> bool:
+        try:
+            async with self._session.get(f"http://{server}/health", timeout=HEALTH_TIMEOUT) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     def _drop(self, server: str) -> None:
         if server in self.alive:

@@ -209,10 +209,15 @@ def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None) -> web.Ap
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0 picks a free one); binding first lets us print the real address."""
+    """A listening socket (port 0 picks a free one), so the real address is known before the app runs.
+
+    It listens at once: clients that find the address in name-resolve while the app is still starting
+    wait in the backlog instead of being refused.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(128)
     return sock
 
 

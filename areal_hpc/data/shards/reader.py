@@ -57,6 +57,7 @@ class ShardFile:
         self.index = np.empty(0, dtype=INDEX_DTYPE)
         self.rewards = np.empty(0, dtype=REWARD_DTYPE)
         self.torn_trajectories = self.torn_rewards = 0  # written by a commit that never finished
+        self.frozen = False  # read after finalisation: nothing can change any more
         self.refresh()
 
     @property
@@ -88,6 +89,7 @@ class ShardFile:
         self.index = self._extend(self.index, "index", committed["index"])
         before = len(self.rewards)
         self.rewards = self._extend(self.rewards, "rewards", committed["rewards"])
+        self.frozen = not self.live
         return self.rewards[before:]
 
     def read(self, rows: Sequence[int], rewards_for) -> list[Trajectory]:
@@ -164,6 +166,8 @@ class TrajectoryStore:
         for path in self._shard_paths():
             stem = shard_stem(path)
             if stem in self.shards:
+                if self.shards[stem].frozen:
+                    continue
                 self.shards[stem].path = path  # renamed live -> final; the open handle stays valid
                 new_rewards = self.shards[stem].refresh()
             elif path in self.unreadable:

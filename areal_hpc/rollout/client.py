@@ -21,6 +21,7 @@ from areal_hpc.errors import UserError
 
 
 HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
+RETRY_DELAY_S = 0.5
 
 
 class NoServerError(RuntimeError):
@@ -70,7 +71,9 @@ class RolloutClient:
                 try:
                     reply = await self._post(server, "/generate", body)
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
-                    if not await self._healthy(server):  # a dead server, not a dropped connection
+                    if await self._healthy(server):  # a dropped connection, not a dead server
+                        await asyncio.sleep(RETRY_DELAY_S)
+                    else:
                         self._drop(server)
                     out.interruptions += 1
                     continue

@@ -181,3 +181,14 @@ def test_unknown_route_is_a_json_404_and_health_and_model_info_answer(server):
     with urllib.request.urlopen(f"http://{server}/get_model_info", timeout=30) as response:
         info = json.loads(response.read())
     assert info["is_generation"] and info["context_length"] == 1024
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    request = urllib.request.Request(f"http://{server}/generate", method="POST", data=json.dumps(
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}).encode())
+    with pytest.raises(TimeoutError):
+        urllib.request.urlopen(request, timeout=0.5)  # gives up and closes the connection
+    time.sleep(0.3)  # far less than the ~1000 decode steps the request would still need
+    with urllib.request.urlopen(f"http://{server}/get_model_info", timeout=30) as response:
+        info = json.loads(response.read())
+    assert (info["running_requests"], info["waiting_requests"]) == (0, 0)

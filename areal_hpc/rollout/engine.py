@@ -161,6 +161,14 @@ class EmbeddedEngine:
         new = load_model(path, dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
         return self.call(lambda: self.load_weights(new.state_dict(), version))
 
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
     def stop(self) -> None:
         with self._wake:
             self._stopped = True

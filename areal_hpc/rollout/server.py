@@ -89,8 +89,17 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
 async def _run(engine: EmbeddedEngine, rid: str, input_ids: list[int], params: SamplingParams) -> Result:
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
-    engine.submit(Request(rid, input_ids, params, lambda result: loop.call_soon_threadsafe(done.set_result, result)))
-    return await done
+    engine.submit(Request(rid, input_ids, params, lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
+    try:
+        return await done
+    except asyncio.CancelledError:  # the client went away: stop spending decode steps on it
+        engine.abort(rid)
+        raise
+
+
+def _resolve(future: asyncio.Future, result: Result) -> None:
+    if not future.done():
+        future.set_result(result)
 
 
 def _sglang_response(result: Result, tokenizer, return_logprob: bool) -> dict:
@@ -116,7 +125,8 @@ async def model_info(request: web.Request) -> web.Response:
     engine, state = request.app[ENGINE], request.app[STATE]
     return web.json_response({"model_path": state["model_path"], "is_generation": True,
                               "weight_version": str(engine.version), "context_length": engine.context_length,
-                              "max_running_requests": engine.decoder.slots, "paused": engine.paused})
+                              "max_running_requests": engine.decoder.slots, "paused": engine.paused,
+                              "running_requests": engine.running, "waiting_requests": engine.waiting})
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -239,7 +249,7 @@ def serve_embedded(cfg) -> None:
           f"({engine.decoder.slots} slots, context {engine.context_length})", flush=True)
     try:
         web.run_app(build_app(engine, str(cfg.model.path), load_tokenizer(cfg.model.path)), sock=sock,
-                    print=None, handle_signals=True)
+                    print=None, handle_signals=True, handler_cancellation=True)  # disconnect -> abort
     finally:
         names.delete(f"{ROLLOUT_SERVERS}/{address}")
         engine.stop()

@@ -1,6 +1,7 @@
 """Server supervision (health wait, log tail on failure), the SGLang launch command, name-resolve."""
 
 import asyncio
+import socket
 import sys
 
 import pytest
@@ -81,3 +82,14 @@ def test_name_resolve_registers_lists_and_forgets_addresses(tmp_path):
     assert names.values(ROLLOUT_SERVERS) == ["node2:30001"] and names.values("nothing/here") == []
     with pytest.raises(UserError, match="without '.' or '..'"):
         names.add("../escape", "x")
+
+
+def test_serve_on_a_taken_port_is_one_line(tiny_model_dir, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = run_cli("serve", "backend=embedded", f"model.path={tiny_model_dir}", f"port={port}",
+                         f"cluster.fileroot={tmp_path}")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from areal_hpc.errors import UserError
 from areal_hpc.rollout.engine import EmbeddedEngine, Request, RequestError, Result, SamplingParams
 from areal_hpc.rollout.weight_sync import UpdateGroup, join_update_group, receive_state
 
@@ -226,7 +227,12 @@ def bind(host: str, port: int) -> socket.socket:
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another port=, or port=0 "
+                        "for a free one)") from None
     sock.listen(128)
     return sock
 
@@ -237,10 +243,10 @@ def serve_embedded(cfg) -> None:
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
 
+    sock = bind(cfg.rollout.host, cfg.rollout.port)  # a taken port fails before minutes of model loading
     model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
     engine = EmbeddedEngine(model, slots=cfg.rollout.max_running_requests,
                             context_length=cfg.rollout.context_length or None, seed=cfg.experiment.seed)
-    sock = bind(cfg.rollout.host, cfg.rollout.port)
     host = socket.gethostname() if cfg.rollout.host in ("0.0.0.0", "") else cfg.rollout.host
     address = f"{host}:{sock.getsockname()[1]}"
     names = NameResolve(cfg.run_dir / "name_resolve")

@@ -34,6 +34,20 @@ class SlotDecoder:
         self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.model.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.device = param.device
+        self.refresh_weights()
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Rebuild the fused projections (q|k|v and gate|up: one larger matmul each instead of
+        several small ones) from the model's weights; call after every weight update."""
+        self._qkv, self._gate_up = [], []
+        for layer in self.model.model.layers:
+            projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+            biases = [p.bias for p in projections]
+            self._qkv.append((torch.cat([p.weight for p in projections]),
+                              None if biases[0] is None else torch.cat(biases),
+                              [p.out_features for p in projections]))
+            self._gate_up.append(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
 
     @torch.no_grad()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
@@ -68,17 +82,17 @@ class SlotDecoder:
         mask = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
         rows = slice(first_row, first_row + len(tokens))
         index = torch.arange(len(tokens), device=self.device)[:, None].expand_as(positions)
-        for layer, keys, values in zip(body.layers, self.keys, self.values):
-            hidden = hidden + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, hidden), cos, sin,
-                                              index, positions, keys[rows], values[rows], span, mask)
-            hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
+        for i, (layer, keys, values) in enumerate(zip(body.layers, self.keys, self.values)):
+            hidden = hidden + self._attention(layer.self_attn, self._qkv[i], _rms_norm(layer.input_layernorm, hidden),
+                                              cos, sin, index, positions, keys[rows], values[rows], span, mask)
+            gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, hidden), self._gate_up[i]).chunk(2, dim=-1)
+            hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         return self.model.lm_head(_rms_norm(body.norm, hidden)).float()
 
-    def _attention(self, attn, x, cos, sin, index, positions, keys, values, span, mask) -> torch.Tensor:
+    def _attention(self, attn, qkv, x, cos, sin, index, positions, keys, values, span, mask) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = attn.q_proj(x).view(batch, length, -1, self.head_dim)
-        k = attn.k_proj(x).view(batch, length, -1, self.head_dim)
-        v = attn.v_proj(x).view(batch, length, -1, self.head_dim)
+        weight, bias, sizes = qkv
+        q, k, v = (t.view(batch, length, -1, self.head_dim) for t in F.linear(x, weight, bias).split(sizes, dim=-1))
         if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)

@@ -153,6 +153,7 @@ class EmbeddedEngine:
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int | None) -> None:
         """Engine thread only (via ``call``): copy new weights in and move to the next version."""
         self.model.load_state_dict(state_dict, strict=False)
+        self.decoder.refresh_weights()
         self.version = self.version + 1 if version is None else version
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> concurrent.futures.Future:

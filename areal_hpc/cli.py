@@ -109,9 +109,14 @@ def _shards_export(args) -> int:
             export_jsonl(store, sys.stdout, where)
             return 0
         staging = Path(f"{args.output}.partial")  # a failed export never leaves a half-written file
-        with open(staging, "w") as out:
-            n = export_jsonl(store, out, where)
-        staging.replace(args.output)
+        try:
+            with open(staging, "w") as out:
+                n = export_jsonl(store, out, where)
+            staging.replace(args.output)
+        except OSError as exc:
+            raise UserError(f"cannot write {args.output}: {exc.strerror}") from None
+        finally:
+            staging.unlink(missing_ok=True)
     print(f"wrote {n:,} trajectories to {args.output}", file=sys.stderr)
     return 0
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
+from areal_hpc.data.trajectory import Segment, Trajectory
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import RolloutController
@@ -157,3 +158,32 @@ def test_a_hanging_reward_is_a_recorded_failure_not_a_stall(tiny_model_dir, tmp_
         episodes = asyncio.run(run(address))
     for traj in (t for e in episodes for t in e.trajectories):
         assert traj.reward == 0.0 and "timed out" in traj.metadata["reward_error"][0]
+
+
+class CannedWorkflow:
+    """A workflow (a user extension point) that returns records without generating."""
+
+    async def run(self, client, example):
+        await asyncio.sleep(0)
+        return [Trajectory([Segment([1], [2], [-0.5], [0])], group_id=example.uid)]
+
+
+def test_a_failing_on_accept_does_not_leak_a_gate_place():
+    failed = []
+
+    def sink(episode):
+        if not failed:
+            failed.append(episode)
+            raise OSError("disk full")
+
+    async def run():
+        async with RolloutClient(["127.0.0.1:9"]) as client:  # never contacted by this workflow
+            gate = StalenessGate(2, 0, 4)
+            controller = RolloutController(client, CannedWorkflow(), gate, examples(8), on_accept=sink)
+            await controller.start()
+            batch = await asyncio.wait_for(controller.prepare_batch(2), timeout=30)
+            await controller.stop()
+            return batch, controller.failures
+
+    batch, failures = asyncio.run(run())
+    assert len(batch) == 2 and len(failures) == 1 and "disk full" in failures[0]

@@ -192,3 +192,15 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     with urllib.request.urlopen(f"http://{server}/get_model_info", timeout=30) as response:
         info = json.loads(response.read())
     assert (info["running_requests"], info["waiting_requests"]) == (0, 0)
+
+
+def test_an_engine_failure_is_a_500_and_the_server_recovers(server, tiny_model_dir, tmp_path):
+    model = load_model(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))  # tied: every logit becomes NaN, sampling fails
+    broken = save_model(model, load_tokenizer(tiny_model_dir), tmp_path / "broken")
+    assert post(server, "/update_weights_from_disk", {"model_path": str(broken)})[0] == 200
+    status, reply = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
+    assert status == 500 and "failed in the engine" in reply["error"]["message"]
+    assert post(server, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": 0})[0] == 200
+    assert len(generate(server, max_new_tokens=3)["output_ids"]) == 3

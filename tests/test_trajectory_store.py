@@ -292,3 +292,36 @@ def test_latest_reward_event_of_a_step_wins_whatever_the_write_order(tmp_path):
     write_all(tmp_path, [traj])
     with TrajectoryStore(tmp_path) as store:
         assert next(store.trajectories()).reward == 2.0
+
+
+def test_damaged_ids_and_manifests_are_reported_not_tracebacks(tmp_path):
+    write_all(tmp_path, [make_trajectory(12, i) for i in range(2)])
+    shard = tmp_path / "w0-000000.h5"
+    with h5py.File(shard, "r") as f:
+        offset = f["index"].id.get_chunk_info(0).byte_offset  # row 0 starts with its id
+    with open(shard, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(b"\xff\xfe")  # not UTF-8 any more
+    (tmp_path / "manifest-w1.json").write_text('{"shards": [{"name": "w1-000000.h5"}]}')
+    result = run_cli("shards", "verify", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    assert "w0-000000.h5 row 0: checksum mismatch" in result.stdout
+    assert "manifest-w1.json: an entry lacks" in result.stdout
+    assert run_cli("shards", "inspect", str(tmp_path)).returncode == 0
+
+
+def test_export_to_a_missing_folder_is_one_line(tmp_path):
+    write_all(tmp_path / "shards", [make_trajectory(13, 0)])
+    result = run_cli("shards", "export", str(tmp_path / "shards"), "--output", str(tmp_path / "no" / "out.jsonl"))
+    assert result.returncode == 2 and "cannot write" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_reward_for_a_record_another_writer_committed_later(tmp_path):
+    proxy = TrajectoryShardWriter(tmp_path, "proxy")
+    with pytest.raises(UnknownTrajectoryError):
+        proxy.set_reward("late", 1.0)  # unknown yet
+    write_all(tmp_path, [Trajectory([Segment([1], [2], [-0.1], [0])], id="late")])
+    proxy.set_reward("late", 1.0)
+    proxy.close()
+    with TrajectoryStore(tmp_path) as store:
+        assert next(store.trajectories()).reward == 1.0

@@ -40,7 +40,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise self._failure(f"exited with code {self.process.returncode} before answering /health")
+                raise self.failure(f"exited with code {self.process.returncode} before answering /health")
             try:
                 with urllib.request.urlopen(f"http://{address}/health", timeout=5) as response:
                     if response.status == 200:
@@ -49,19 +49,21 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise self._failure(f"did not answer http://{address}/health within {timeout_s:g} s")
+                raise self.failure(f"did not answer http://{address}/health within {timeout_s:g} s")
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the whole process group (SGLang starts scheduler children), SIGKILL after ``grace_s``."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM the whole process group (SGLang starts scheduler children, which may outlive the
+        leader), SIGKILL after ``grace_s``."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
+        _signal_group(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            pass
+        _signal_group(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def log_tail(self) -> str:
         if not self.log_path.exists():
@@ -69,5 +71,12 @@ class ServerProcess:
         lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         return "\n".join(f"  | {line}" for line in lines) or "  | (log is empty)"
 
-    def _failure(self, what: str) -> ServerLaunchError:
+    def failure(self, what: str) -> ServerLaunchError:
         return ServerLaunchError(f"{self.name} {what}; last lines of {self.log_path}:\n{self.log_tail()}")
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the whole group is already gone
+        pass

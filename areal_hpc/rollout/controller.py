@@ -63,9 +63,11 @@ class RolloutController:
                 self._changed.set()
             if len(batch) < size:
                 arrived = asyncio.ensure_future(self._arrived.wait())
-                await asyncio.wait([arrived, self._fatal], return_when=asyncio.FIRST_COMPLETED)
-                if self._fatal.done():
+                try:
+                    await asyncio.wait([arrived, self._fatal], return_when=asyncio.FIRST_COMPLETED)
+                finally:
                     arrived.cancel()
+                if self._fatal.done():
                     raise self._fatal.exception()
                 self._arrived.clear()
         return batch
@@ -91,7 +93,7 @@ class RolloutController:
         await asyncio.gather(*[t for t in [self._loop_task, *self._tasks] if t is not None], return_exceptions=True)
 
     async def _submit_loop(self) -> None:
-        while True:
+        while not self._fatal.done():  # with every server gone, starting episodes is pointless
             while not self._paused and self.gate.capacity() > 0:
                 self.gate.start()
                 task = asyncio.create_task(self._episode(next(self._examples), self.gate.version))
@@ -104,12 +106,12 @@ class RolloutController:
         accepted = False
         try:
             trajectories = await self.workflow.run(self.client, example)
-            accepted = self.accept(trajectories)
-            if accepted:
+            if self.accept(trajectories):
                 episode = Episode(trajectories, version)
                 if self.on_accept is not None:
                     self.on_accept(episode)
                 self._ready.put(version, episode)
+                accepted = True  # only once it is really queued: the gate must not count a lost one
                 self._arrived.set()
         except NoServerError as exc:
             if not self._fatal.done():

@@ -59,14 +59,14 @@ class SlotDecoder:
         width = max(len(p) for p in prompts)
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
-        logits = self._forward(tokens, positions, first_row)
-        return logits[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]
+        hidden = self._forward(tokens, positions, first_row)
+        return self._logits(hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])])
 
     @torch.no_grad()
     def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """Feed one token to each of rows 0..n-1 at its position; next-token logits, shape [n, V]."""
-        return self._forward(torch.tensor(token_ids, device=self.device)[:, None],
-                             torch.tensor(positions, device=self.device)[:, None], 0)[:, -1]
+        return self._logits(self._forward(torch.tensor(token_ids, device=self.device)[:, None],
+                                          torch.tensor(positions, device=self.device)[:, None], 0)[:, -1])
 
     def move(self, source: int, target: int, length: int) -> None:
         """Copy a sequence's cache (its first ``length`` positions) to another row."""
@@ -87,7 +87,11 @@ class SlotDecoder:
                                               cos, sin, index, positions, keys[rows], values[rows], span, mask)
             gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, hidden), self._gate_up[i]).chunk(2, dim=-1)
             hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-        return self.model.lm_head(_rms_norm(body.norm, hidden)).float()
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head, only where logits are needed (not at every prompt position)."""
+        return self.model.lm_head(_rms_norm(self.model.model.norm, hidden)).float()
 
     def _attention(self, attn, qkv, x, cos, sin, index, positions, keys, values, span, mask) -> torch.Tensor:
         batch, length, _ = x.shape

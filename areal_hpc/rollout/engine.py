@@ -11,6 +11,7 @@ i.e. the behaviour policy decoupled PPO needs; at temperature 1 they equal a tea
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -71,6 +72,7 @@ class Result:
     matched_stop: int | None
     prompt_tokens: int
     weight_version: int
+    error: str | None = None  # the engine failed this request (the server answers 500 with it)
 
 
 @dataclass
@@ -190,9 +192,13 @@ class EmbeddedEngine:
                     future.set_result(fn())
                 except Exception as exc:  # reported to the caller (the HTTP handler), engine carries on
                     future.set_exception(exc)
-            self._admit()
-            if self._running:
-                self._step()
+            try:
+                self._admit()
+                if self._running:
+                    self._step()
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: fail these requests, keep serving
+                logging.getLogger(__name__).exception("decode step failed")
+                self._retire([(r, "abort", None) for r in self._running], error=f"{type(exc).__name__}: {exc}")
 
     def _admit(self) -> None:
         """Move waiting requests into free rows, prefilled together in one forward pass."""
@@ -253,7 +259,7 @@ class EmbeddedEngine:
         for request in aborted:
             self._reply(request, "abort")
 
-    def _retire(self, finished: list[tuple[Request, str, int | None]]) -> None:
+    def _retire(self, finished: list[tuple[Request, str, int | None]], error: str | None = None) -> None:
         """Answer finished running requests and keep the rest in rows 0..n-1: the last running
         request moves into each freed row (highest rows first, so no finished one is moved)."""
         row_of = {id(r): row for row, r in enumerate(self._running)}
@@ -264,11 +270,11 @@ class EmbeddedEngine:
                 self.decoder.move(last, row, len(moved.input_ids) + len(moved.output_ids))
                 self._running[row] = moved
             self._running.pop()
-            self._reply(request, reason, matched)
+            self._reply(request, reason, matched, error)
 
-    def _reply(self, request: Request, reason: str, matched: int | None = None) -> None:
+    def _reply(self, request: Request, reason: str, matched: int | None = None, error: str | None = None) -> None:
         request.on_done(Result(request.rid, request.output_ids, request.logprobs, request.versions, reason,
-                               matched, len(request.input_ids), self.version))
+                               matched, len(request.input_ids), self.version, error))
 
 
 def _truncate(probs: torch.Tensor, p: SamplingParams) -> None:

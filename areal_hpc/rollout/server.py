@@ -92,10 +92,17 @@ async def _run(engine: EmbeddedEngine, rid: str, input_ids: list[int], params: S
     done: asyncio.Future = loop.create_future()
     engine.submit(Request(rid, input_ids, params, lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
     try:
-        return await done
+        result = await done
     except asyncio.CancelledError:  # the client went away: stop spending decode steps on it
         engine.abort(rid)
         raise
+    if result.error is not None:
+        raise EngineFailure(f"request {rid} failed in the engine: {result.error}")
+    return result
+
+
+class EngineFailure(RuntimeError):
+    """The engine could not finish a request (the middleware answers 500 with this message)."""
 
 
 def _resolve(future: asyncio.Future, result: Result) -> None:

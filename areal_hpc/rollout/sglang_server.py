@@ -54,7 +54,8 @@ def serve_sglang(cfg) -> None:
         server.wait_healthy(address, cfg.rollout.launch_timeout_s)
         names.add(f"{ROLLOUT_SERVERS}/{address}", address)
         print(f"SGLang rollout server for {cfg.model.path} on http://{address} (log: {server.log_path})", flush=True)
-        server.process.wait()
+        if server.process.wait() != 0:
+            raise server.failure(f"exited with code {server.process.returncode}")
     finally:
         names.delete(f"{ROLLOUT_SERVERS}/{address}")
         server.stop()

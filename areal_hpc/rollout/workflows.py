@@ -62,8 +62,10 @@ class RLVRWorkflow:
     async def run(self, client: RolloutClient, example: Example) -> list[Trajectory]:
         prompt = prompt_ids(self.tokenizer, example.prompt)
         group = f"{example.uid}-{uuid.uuid4().hex[:8]}"
-        generations = await asyncio.gather(*(client.generate(prompt, self.sampling.params(self.stop))
-                                             for _ in range(self.n_samples)))
+        async with asyncio.TaskGroup() as group:  # one failure cancels its siblings
+            tasks = [group.create_task(client.generate(prompt, self.sampling.params(self.stop)))
+                     for _ in range(self.n_samples)]
+        generations = [task.result() for task in tasks]
         return list(await asyncio.gather(*(self._record(g, example, group) for g in generations)))
 
     async def _record(self, generation: Generation, example: Example, group: str) -> Trajectory:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.data.shards.format import text
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
@@ -106,7 +107,7 @@ class TrajectoryConsumer:
                 row = start + int(offset)
                 if self.cursor.is_consumed(stem, row):
                     continue
-                if self.require_reward and not self.store.has_reward(fresh[offset]["id"].decode()):
+                if self.require_reward and not self.store.has_reward(text(fresh[offset]["id"])):
                     continue
                 ready.append((float(fresh[offset]["created"]), stem, row))
         ready.sort()
@@ -127,7 +128,12 @@ class TrajectoryConsumer:
         deadline = None if timeout is None else time.monotonic() + timeout
         batch: list[Trajectory] = []
         while True:
-            batch += self.poll(n - len(batch))
+            try:
+                batch += self.poll(n - len(batch))
+            except Exception:
+                if batch:  # they are marked consumed: hand them out; the error comes back next call
+                    return batch
+                raise
             if len(batch) >= n or (deadline is not None and time.monotonic() >= deadline):
                 return batch
             time.sleep(poll_interval)

@@ -77,6 +77,11 @@ class ShardDamageError(UserError):
     """A shard whose bytes are damaged: unopenable, truncated, or a record failing its checksum."""
 
 
+def text(field: bytes) -> str:
+    """A fixed-width id/name column as text; damaged bytes never raise (checks catch the mismatch)."""
+    return field.decode(errors="replace")
+
+
 def shard_stem(path: Path) -> str:
     """The name a shard keeps from live to finalised (``rollout0-000003``)."""
     name = path.name
@@ -231,5 +236,5 @@ def reward_row(trajectory_id: str, reward: Reward) -> np.ndarray:
 
 
 def reward_from_row(row: np.void) -> Reward:
-    return Reward(value=float(row["value"]), step=int(row["step"]), source=row["source"].decode(),
+    return Reward(value=float(row["value"]), step=int(row["step"]), source=text(row["source"]),
                   time=float(row["time"]))

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from areal_hpc.data.shards.format import (COLUMNS, COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, ShardDamageError,
-                                          decode, open_shard, record_checksum, reward_from_row, shard_stem)
+                                          decode, open_shard, record_checksum, reward_from_row, shard_stem, text)
 from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.errors import UserError
 
@@ -58,7 +58,11 @@ class ShardFile:
         self.rewards = np.empty(0, dtype=REWARD_DTYPE)
         self.torn_trajectories = self.torn_rewards = 0  # written by a commit that never finished
         self.frozen = False  # read after finalisation: nothing can change any more
-        self.refresh()
+        try:
+            self.refresh()
+        except Exception:
+            self._file.close()
+            raise
 
     @property
     def live(self) -> bool:
@@ -112,8 +116,8 @@ class ShardFile:
                 if row["header_count"] == 0 or record_checksum(token_rows, header) != row["crc32"]:
                     raise ShardDamageError(f"{self.path} row {r} fails its checksum; "
                                            f"run 'areal-hpc shards verify {self.path}'")
-                traj = decode(row, token_rows, header, self.experiment, self.trial, rewards_for(row["id"].decode()))
-                if traj.id != row["id"].decode() or traj.tenant != row["tenant"].decode():
+                traj = decode(row, token_rows, header, self.experiment, self.trial, rewards_for(text(row["id"])))
+                if traj.id != text(row["id"]) or traj.tenant != text(row["tenant"]):
                     raise ShardDamageError(f"{self.path} row {r}: index and record disagree on id/tenant")
                 out[int(r)] = traj
         return [out[int(r)] for r in rows]
@@ -178,7 +182,7 @@ class TrajectoryStore:
             else:
                 continue
             for row in new_rewards:
-                self._rewards[row["id"].decode()].append(reward_from_row(row))
+                self._rewards[text(row["id"])].append(reward_from_row(row))
         self.shards = dict(sorted(self.shards.items()))
 
     def rewards_for(self, trajectory_id: str) -> list[Reward]:
@@ -188,7 +192,7 @@ class TrajectoryStore:
         return trajectory_id in self._rewards
 
     def ids(self) -> set[str]:
-        return {i.decode() for shard in self.shards.values() for i in shard.index["id"]}
+        return {text(i) for shard in self.shards.values() for i in shard.index["id"]}
 
     def __len__(self) -> int:
         return sum(len(shard.index) for shard in self.shards.values())

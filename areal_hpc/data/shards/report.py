@@ -10,12 +10,13 @@ from typing import TextIO
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from areal_hpc.data.shards.format import INDEX_DTYPE
+from areal_hpc.data.shards.format import INDEX_DTYPE, text
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.trajectory import Trajectory, total_reward
 from areal_hpc.errors import UserError
 
 BAR_WIDTH = 30
+MANIFEST_KEYS = ("name", "trajectories", "tokens", "rewards", "bytes", "index_crc32", "rewards_crc32")
 
 
 def open_store(path: str | Path) -> TrajectoryStore:
@@ -31,7 +32,7 @@ def inspect(store: TrajectoryStore) -> str:
     """Human summary: totals, one line per shard, tenants, reward and version histograms, torn tails."""
     shards = list(store.shards.values())
     index = np.concatenate([s.index for s in shards] or [np.empty(0, dtype=INDEX_DTYPE)])
-    rewards = [total_reward(store.rewards_for(i.decode())) for i in index["id"]]
+    rewards = [total_reward(store.rewards_for(text(i))) for i in index["id"]]
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
     size = sum(s.path.stat().st_size for s in shards)
     n_live = sum(s.live for s in shards)
@@ -46,7 +47,7 @@ def inspect(store: TrajectoryStore) -> str:
                      f"{s.n_tokens:>12,} {len(s.rewards):>8,} {_bytes(s.path.stat().st_size):>10} "
                      f"{s.torn_trajectories:>5}")
     tenants, counts = np.unique(index["tenant"], return_counts=True)
-    lines += ["", "tenants: " + ", ".join(f"{t.decode()} {c:,}" for t, c in zip(tenants, counts))]
+    lines += ["", "tenants: " + ", ".join(f"{text(t)} {c:,}" for t, c in zip(tenants, counts))]
     if len(index):
         lengths = index["n_output"]
         lines.append(f"output tokens per trajectory: min {lengths.min():,}, median {int(np.median(lengths)):,}, "
@@ -77,7 +78,12 @@ def verify(store: TrajectoryStore) -> tuple[list[str], list[str]]:
                 notes.append(f"{s.path.name}: live (its writer is still writing, or stopped without finalising)")
     listed = set()
     for manifest_path in _manifests(store.path):
-        for entry in json.loads(manifest_path.read_text())["shards"]:
+        try:
+            entries = _manifest_entries(manifest_path)
+        except ValueError as exc:
+            damage.append(f"{manifest_path.name}: {exc}")
+            continue
+        for entry in entries:
             if store.path.is_file() and entry["name"] != store.path.name:
                 continue
             listed.add(entry["name"])
@@ -120,6 +126,19 @@ def _check_manifest_entry(store: TrajectoryStore, manifest_path: Path, entry: di
              "rewards_crc32": zlib.crc32(shard.rewards)}
     return [f"{name}: {key} is {value}, {manifest_path.name} recorded {entry[key]} (changed after finalising)"
             for key, value in found.items() if value != entry[key]]
+
+
+def _manifest_entries(path: Path) -> list[dict]:
+    """The shard entries of a manifest; ValueError saying what is wrong with a damaged one."""
+    try:
+        entries = json.loads(path.read_text())["shards"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"not a readable manifest ({type(exc).__name__}: {exc})") from None
+    for entry in entries:
+        missing = [key for key in MANIFEST_KEYS if not isinstance(entry, dict) or key not in entry]
+        if missing:
+            raise ValueError(f"an entry lacks {missing}")
+    return entries
 
 
 def _manifests(path: Path) -> list[Path]:

@@ -62,7 +62,6 @@ class TrajectoryShardWriter:
         self._pending_records: list[tuple[np.ndarray, np.ndarray, np.void]] = []
         self._pending_rewards: list[np.ndarray] = []
         self._known_ids: set[str] = set()
-        self._store_ids_loaded = False
 
     # -- public surface -------------------------------------------------------------------------
     def append(self, traj: Trajectory) -> None:
@@ -182,10 +181,8 @@ class TrajectoryShardWriter:
     def _is_known(self, trajectory_id: str) -> bool:
         if trajectory_id in self._known_ids:
             return True
-        if not self._store_ids_loaded:  # written by an earlier run or another writer of this store
-            with TrajectoryStore(self.directory) as store:
-                self._known_ids |= store.ids()
-            self._store_ids_loaded = True
+        with TrajectoryStore(self.directory) as store:  # written by an earlier run or another writer
+            self._known_ids |= store.ids()
         return trajectory_id in self._known_ids
 
 

@@ -161,7 +161,7 @@ class EmbeddedEngine:
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> concurrent.futures.Future:
         from areal_hpc.models.hf import load_model
 
-        new = load_model(path, dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."))
+        new = load_model(path)  # load_state_dict casts to the engine's dtype
         return self.call(lambda: self.load_weights(new.state_dict(), version))
 
     @property

@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import uuid
 from pathlib import Path
 
 from aiohttp import web
 
-from areal_hpc.errors import UserError
 from areal_hpc.rollout.engine import EmbeddedEngine, Request, RequestError, Result, SamplingParams
 from areal_hpc.rollout.weight_sync import UpdateGroup, join_update_group, receive_state
 
@@ -226,27 +224,9 @@ def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None) -> web.Ap
     return app
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0 picks a free one), so the real address is known before the app runs.
-
-    It listens at once: clients that find the address in name-resolve while the app is still starting
-    wait in the backlog instead of being refused.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another port=, or port=0 "
-                        "for a free one)") from None
-    sock.listen(128)
-    return sock
-
-
 def serve_embedded(cfg) -> None:
     """Load the model, start the engine, listen, register in name-resolve; run until SIGINT/SIGTERM."""
-    from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
+    from areal_hpc.launch.name_resolve import advertised_address, bind, registered_server
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
 
@@ -254,15 +234,12 @@ def serve_embedded(cfg) -> None:
     model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
     engine = EmbeddedEngine(model, slots=cfg.rollout.max_running_requests,
                             context_length=cfg.rollout.context_length or None, seed=cfg.experiment.seed)
-    host = socket.gethostname() if cfg.rollout.host in ("0.0.0.0", "") else cfg.rollout.host
-    address = f"{host}:{sock.getsockname()[1]}"
-    names = NameResolve(cfg.run_dir / "name_resolve")
-    names.add(f"{ROLLOUT_SERVERS}/{address}", address)
+    address = advertised_address(cfg.rollout.host, sock.getsockname()[1])
     print(f"embedded rollout server for {cfg.model.path} on http://{address} "
           f"({engine.decoder.slots} slots, context {engine.context_length})", flush=True)
     try:
-        web.run_app(build_app(engine, str(cfg.model.path), load_tokenizer(cfg.model.path)), sock=sock,
-                    print=None, handle_signals=True, handler_cancellation=True)  # disconnect -> abort
+        with registered_server(cfg.run_dir, address):
+            web.run_app(build_app(engine, str(cfg.model.path), load_tokenizer(cfg.model.path)), sock=sock,
+                        print=None, handle_signals=True, handler_cancellation=True)  # disconnect -> abort
     finally:
-        names.delete(f"{ROLLOUT_SERVERS}/{address}")
         engine.stop()

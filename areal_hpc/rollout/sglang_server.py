@@ -9,22 +9,18 @@ The controller and the weight sync talk to it exactly as to the embedded engine 
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 
 from areal_hpc.extras import require
-from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
+from areal_hpc.launch.name_resolve import advertised_address, bind, registered_server
 from areal_hpc.launch.supervisor import ServerProcess
-
-SGLANG_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
 
 def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
     """The launch command for one server of ``cfg.rollout`` on ``port``."""
     rollout = cfg.rollout
     command = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model.path),
                "--host", rollout.host, "--port", str(port), "--tp-size", str(rollout.tp_size),
-               "--dp-size", str(rollout.dp_size), "--dtype", SGLANG_DTYPES[cfg.model.dtype],
+               "--dp-size", str(rollout.dp_size), "--dtype", cfg.model.dtype,
                "--mem-fraction-static", str(rollout.mem_fraction_static),
                "--max-running-requests", str(rollout.max_running_requests),
                "--random-seed", str(cfg.experiment.seed),
@@ -35,8 +31,7 @@ def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
+    with bind(host, 0) as sock:
         return sock.getsockname()[1]
 
 
@@ -45,17 +40,15 @@ def serve_sglang(cfg) -> None:
     require("sglang")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops SGLang's process group
     port = cfg.rollout.port or free_port(cfg.rollout.host)
-    host = socket.gethostname() if cfg.rollout.host in ("0.0.0.0", "") else cfg.rollout.host
-    address = f"{host}:{port}"
+    address = advertised_address(cfg.rollout.host, port)
     server = ServerProcess(f"SGLang server {address}", sglang_command(cfg, port),
-                           cfg.run_dir / "logs" / f"sglang-{host}-{port}.log").start()
-    names = NameResolve(cfg.run_dir / "name_resolve")
+                           cfg.run_dir / "logs" / f"sglang-{address.replace(':', '-')}.log").start()
     try:
         server.wait_healthy(address, cfg.rollout.launch_timeout_s)
-        names.add(f"{ROLLOUT_SERVERS}/{address}", address)
-        print(f"SGLang rollout server for {cfg.model.path} on http://{address} (log: {server.log_path})", flush=True)
-        if server.process.wait() != 0:
-            raise server.failure(f"exited with code {server.process.returncode}")
+        with registered_server(cfg.run_dir, address):
+            print(f"SGLang rollout server for {cfg.model.path} on http://{address} (log: {server.log_path})",
+                  flush=True)
+            if server.process.wait() != 0:
+                raise server.failure(f"exited with code {server.process.returncode}")
     finally:
-        names.delete(f"{ROLLOUT_SERVERS}/{address}")
         server.stop()

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from areal_hpc.models.hf import DTYPES
 from areal_hpc.rollout.engine import RequestError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class UpdateGroup:

@@ -34,7 +34,8 @@ def inspect(store: TrajectoryStore) -> str:
     index = np.concatenate([s.index for s in shards] or [np.empty(0, dtype=INDEX_DTYPE)])
     rewards = [total_reward(store.rewards_for(text(i))) for i in index["id"]]
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
-    size = sum(s.path.stat().st_size for s in shards)
+    sizes = {s.stem: s.path.stat().st_size for s in shards}
+    size = sum(sizes.values())
     n_live = sum(s.live for s in shards)
     runs = sorted({f"{s.experiment}/{s.trial}" for s in shards})
     lines = [f"{store.path}: {len(shards)} shards ({len(shards) - n_live} finalised, {n_live} live), "
@@ -44,7 +45,7 @@ def inspect(store: TrajectoryStore) -> str:
                  f"{'torn':>5}")
     for s in shards:
         lines.append(f"{s.path.name:<28} {'live' if s.live else 'finalised':<10} {len(s.index):>12,} "
-                     f"{s.n_tokens:>12,} {len(s.rewards):>8,} {_bytes(s.path.stat().st_size):>10} "
+                     f"{s.n_tokens:>12,} {len(s.rewards):>8,} {_bytes(sizes[s.stem]):>10} "
                      f"{s.torn_trajectories:>5}")
     tenants, counts = np.unique(index["tenant"], return_counts=True)
     lines += ["", "tenants: " + ", ".join(f"{text(t)} {c:,}" for t, c in zip(tenants, counts))]

@@ -1,4 +1,5 @@
-"""Micro-batches without padding: first-fit-decreasing allocation under a token budget, 1D packing.
+"""Micro-batches without padding: first-fit-decreasing or AReaL's balanced allocation under a token
+budget, and 1D packing.
 
 Packed sequences restart their position ids, which the Hugging Face attention masks turn into a
 block-diagonal causal mask, so a packed forward equals one forward per sequence.
@@ -27,6 +28,27 @@ def allocate_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]
         else:
             groups.append([i])
             loads.append(lengths[i])
+    return groups
+
+
+def dynamic_microbatches(lengths: list[int], max_tokens: int, min_groups: int = 1) -> list[list[int]]:
+    """AReaL's dynamic micro-batch allocation (Alg. 1): balanced groups of at most ``max_tokens`` tokens.
+
+    Longest sequence first: open a new group while fewer than ``min_groups`` exist or when none has room,
+    otherwise join the fitting group holding the fewest sequences (the earliest on ties). A sequence longer
+    than the budget gets a group of its own.
+    """
+    groups: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fitting = [g for g, load in enumerate(loads) if load + lengths[i] <= max_tokens]
+        if len(groups) < min_groups or not fitting:
+            groups.append([i])
+            loads.append(lengths[i])
+        else:
+            g = min(fitting, key=lambda g: len(groups[g]))
+            groups[g].append(i)
+            loads[g] += lengths[i]
     return groups
 
 

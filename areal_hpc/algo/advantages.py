@@ -1,0 +1,108 @@
+"""Advantage estimators: group/batch-normalised sequence rewards (GRPO family, RLOO, REINFORCE++) and GAE.
+
+Token tensors are flat [T] over packed sequences (``cu_seqlens`` bounds); position t carries quantities
+about predicting token t+1, so only ``loss_mask`` positions are actions. Every standard deviation here
+is the population one (divide by n, ``unbiased=False``): it is defined for groups of one (0, so the
+advantage is 0 rather than NaN) and is what "normalise this batch" means for a fixed batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def _group_stats(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per element: the sum and size of its group, and the population std of its group."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if len(inverse) else 0
+    sums = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, inverse, x)
+    counts = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, inverse, torch.ones_like(x))
+    means = sums / counts
+    sq = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, inverse, (x - means[inverse]) ** 2)
+    return sums[inverse], counts[inverse], (sq / counts).sqrt()[inverse]
+
+
+def _batch_normalise(x: torch.Tensor, eps: float, centre: bool = True) -> torch.Tensor:
+    mean = x.mean() if centre else 0.0
+    return (x - mean) / (x.std(unbiased=False) + eps)
+
+
+def sequence_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str,
+                        eps: float = 1e-6) -> torch.Tensor:
+    """One advantage per sequence from its scalar reward; ``group_ids`` equal = answers to one prompt.
+
+    grpo: (r - group mean) / (group std + eps)              [DeepSeekMath GRPO]
+    dr_grpo: r - group mean                                  [Dr.GRPO: no std]
+    lite_ppo: (r - group mean) / (batch std of those + eps)  [LitePPO: group mean, batch std]
+    rloo: r - mean of the other answers of the group (0 for a group of one)
+    reinforce_pp: (r - batch mean) / (batch std + eps)       [REINFORCE++]
+    reinforce_pp_baseline: r - group mean, then batch-normalised  [REINFORCE++-baseline]
+    """
+    if estimator not in SEQUENCE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(SEQUENCE_ESTIMATORS)}")
+    r = rewards.double()
+    if estimator == "reinforce_pp":
+        return _batch_normalise(r, eps).to(rewards.dtype)
+    sums, counts, group_std = _group_stats(r, group_ids)
+    centred = r - sums / counts
+    if estimator == "grpo":
+        out = centred / (group_std + eps)
+    elif estimator == "dr_grpo":
+        out = centred
+    elif estimator == "lite_ppo":
+        out = _batch_normalise(centred, eps, centre=False)
+    elif estimator == "rloo":
+        others = counts - 1
+        out = torch.where(others > 0, r - (sums - r) / others.clamp(min=1), torch.zeros_like(r))
+    else:  # reinforce_pp_baseline
+        out = _batch_normalise(centred, eps)
+    return out.to(rewards.dtype)
+
+
+def expand_to_tokens(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[N] per-sequence values -> [T], each sequence's value on all of its positions."""
+    return torch.repeat_interleave(values, cu_seqlens.diff(), dim=0)
+
+
+def outcome_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] zeros except each sequence's reward on its last loss position (dropped if it has none)."""
+    seq_ids = expand_to_tokens(torch.arange(len(cu_seqlens) - 1), cu_seqlens)
+    positions = torch.where(loss_mask, torch.arange(len(loss_mask)), -1)
+    last = torch.full((len(cu_seqlens) - 1,), -1, dtype=torch.long).scatter_reduce_(0, seq_ids, positions, "amax")
+    out = torch.zeros(len(loss_mask), dtype=rewards.dtype)
+    has_loss = last >= 0
+    out[last[has_loss]] = rewards[has_loss]
+    return out
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+        gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each sequence's loss positions, in order.
+
+    With k indexing a sequence's loss positions: delta_k = r_k + gamma * V_{k+1} - V_k (V after the last
+    action is 0), A_k = delta_k + gamma * lam * A_{k+1}, returns R_k = A_k + V_k [Schulman et al. 2016].
+    Returns (advantages [T], returns [T]), both 0 off the mask. The recursion runs backwards over the
+    action index, vectorised across sequences.
+    """
+    positions = loss_mask.nonzero()[:, 0]
+    seq_ids = expand_to_tokens(torch.arange(len(cu_seqlens) - 1), cu_seqlens)[positions]
+    n_actions = torch.bincount(seq_ids, minlength=len(cu_seqlens) - 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), n_actions.cumsum(0)[:-1]])
+    step = torch.arange(len(positions)) - starts[seq_ids]  # index of each action within its sequence
+    width = int(n_actions.max()) if len(positions) else 0
+    # [N, width + 1] action-major grids; the extra column is the terminal V = 0, A = 0.
+    r = torch.zeros(len(n_actions), width + 1, dtype=values.dtype)
+    v = torch.zeros_like(r)
+    r[seq_ids, step] = token_rewards[positions].to(values.dtype)
+    v[seq_ids, step] = values[positions].detach()
+    adv = torch.zeros_like(r)
+    for k in range(width - 1, -1, -1):
+        delta = r[:, k] + gamma * v[:, k + 1] - v[:, k]
+        adv[:, k] = delta + gamma * lam * adv[:, k + 1]
+    advantages = torch.zeros(len(loss_mask), dtype=values.dtype)
+    advantages[positions] = adv[seq_ids, step]
+    returns = torch.zeros_like(advantages)
+    returns[positions] = advantages[positions] + values[positions].detach()
+    return advantages, returns

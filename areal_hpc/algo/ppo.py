@@ -1,0 +1,139 @@
+"""AReaL's decoupled PPO loss (behaviour weight π_prox/π_behav, clipped ratio π_θ/π_prox), GSPO's
+sequence-level ratio, the k3 KL penalty to a reference model, the clipped value loss, and the per-token
+weights that make a sum over micro-batches equal the whole-batch aggregation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from areal_hpc.algo.advantages import expand_to_tokens
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+BEHAV_CORRECTIONS = ("cap", "mask", "kpop", "none")
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class PPOLossConfig:
+    """Loss knobs; see ``decoupled_ppo_loss`` for the formula each one enters."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None  # DAPO clip-higher; None -> eps_clip
+    behav_correction: str = "cap"
+    behav_imp_weight_cap: float = 5.0
+    kpop_threshold: float = 2.0
+    importance_level: str = "token"
+    kl_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.behav_correction not in BEHAV_CORRECTIONS:
+            raise ValueError(f"behav_correction={self.behav_correction!r}; valid: {', '.join(BEHAV_CORRECTIONS)}")
+        if self.importance_level not in IMPORTANCE_LEVELS:
+            raise ValueError(f"importance_level={self.importance_level!r}; valid: {', '.join(IMPORTANCE_LEVELS)}")
+
+
+def token_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, n_tokens: int, n_seqs: int,
+                  max_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[T] weight per position so that Σ weights·loss over every micro-batch and rank is the batch aggregate.
+
+    ``n_tokens``, ``n_seqs`` are totals over the whole batch (all micro-batches, all ranks), ``max_len`` the
+    Dr.GRPO normaliser (e.g. the generation budget). token-mean: 1/n_tokens; seq-mean-token-mean:
+    1/(n_seqs·len_i) with len_i the loss tokens of sequence i; seq-mean-token-sum-norm: 1/(n_seqs·max_len).
+    0 off the mask.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+    mask = loss_mask.to(dtype)
+    if aggregation == "token-mean":
+        return mask / max(n_tokens, 1)
+    if aggregation == "seq-mean-token-sum-norm":
+        return mask / (max(n_seqs, 1) * max_len)
+    seq_ids = expand_to_tokens(torch.arange(len(cu_seqlens) - 1), cu_seqlens)
+    seq_len = torch.zeros(len(cu_seqlens) - 1, dtype=dtype).index_add_(0, seq_ids, mask)
+    return mask / (max(n_seqs, 1) * seq_len[seq_ids].clamp(min=1))
+
+
+def _binary_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(p) ‖ Bern(q)) = p·log(p/q) + (1−p)·log((1−p)/(1−q)) from log-probabilities, stable near p = 1."""
+    one_minus_p, one_minus_q = -torch.expm1(log_p), -torch.expm1(log_q)
+    return log_p.exp() * (log_p - log_q) + torch.xlogy(one_minus_p, one_minus_p) - torch.xlogy(one_minus_p, one_minus_q)
+
+
+def _behaviour_weight(raw_w, proximal_logprobs, behaviour_logprobs, mask, cfg: PPOLossConfig):
+    """(w, keep): the behaviour importance weight π_prox/π_behav after the correction, and the tokens it keeps."""
+    if cfg.behav_correction == "none":
+        return torch.ones_like(raw_w), mask
+    if cfg.behav_correction == "cap":
+        return raw_w.clamp(max=cfg.behav_imp_weight_cap), mask
+    if cfg.behav_correction == "mask":
+        return raw_w, mask & (raw_w <= cfg.behav_imp_weight_cap)
+    p, q = proximal_logprobs.detach().double(), behaviour_logprobs.detach().double()
+    return raw_w, mask & (torch.maximum(_binary_kl(p, q), _binary_kl(q, p)) <= cfg.kpop_threshold)
+
+
+def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, cu_seqlens, weights,
+                       cfg: PPOLossConfig, reference_logprobs=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_t weights_t · ℓ_t over this micro-batch, and additive statistics.
+
+    ℓ_t = −w_t · min(u_t·A_t, clip(u_t, 1−ε, 1+ε_high)·A_t) + kl_coef · k3_t   [AReaL eq. decoupled PPO]
+    u_t = exp(logp_t − logp_prox_t) (token level) or, for GSPO, s_i = exp(mean_{t∈i}(logp_t − logp_prox_t))
+    on every token of sequence i, with the gradient flowing through the mean. w_t = exp(logp_prox − logp_behav)
+    without gradient, capped at ``behav_imp_weight_cap`` ("cap"), or the token dropped when w_t exceeds the cap
+    ("mask") or when max(KL_bin(p‖q), KL_bin(q‖p)) > ``kpop_threshold`` with p, q the proximal and behaviour
+    probabilities of the token ("kpop"); "none" sets w_t = 1. k3_t = exp(logp_ref − logp) − (logp_ref − logp) − 1
+    estimates KL(π_θ ‖ π_ref). Dropped and off-mask tokens contribute exactly 0; the weights keep counting
+    dropped tokens, so the loss stays normalised by the original token count.
+
+    Statistics are this micro-batch's sums and counts over its loss tokens, to be added across micro-batches
+    and ranks (``*_max`` keys: take the max): loss_tokens, kept_tokens (not dropped by the behaviour
+    correction), clipped_tokens (kept tokens whose clipped term is the active one), capped_tokens (w above
+    the cap), behav_weight_dev_sum (Σ|w−1| before correction), behav_weight_max, ratio_max (max u),
+    approx_kl_sum (Σ ½(logp − logp_prox)², KL(prox ‖ new) to second order), ref_kl_sum (Σ k3, with a reference).
+    """
+    mask = loss_mask.bool()
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    token_log_ratio = torch.where(mask, logprobs - proximal_logprobs, 0.0)
+    log_ratio = token_log_ratio
+    if cfg.importance_level == "sequence":
+        seq_ids = expand_to_tokens(torch.arange(len(cu_seqlens) - 1), cu_seqlens)
+        sums = torch.zeros(len(cu_seqlens) - 1, dtype=log_ratio.dtype).index_add(0, seq_ids, token_log_ratio)
+        counts = torch.zeros_like(sums).index_add_(0, seq_ids, mask.to(sums.dtype)).clamp(min=1)
+        log_ratio = torch.where(mask, (sums / counts)[seq_ids], 0.0)
+    ratio = log_ratio.exp()
+    clipped_ratio = ratio.clamp(1 - cfg.eps_clip, 1 + eps_high)
+    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    raw_w = torch.where(mask, proximal_logprobs - behaviour_logprobs, 0.0).detach().exp()
+    w, keep = _behaviour_weight(raw_w, proximal_logprobs, behaviour_logprobs, mask, cfg)
+    per_token = -w * surrogate
+    ref_kl = None
+    if reference_logprobs is not None:
+        log_ref_ratio = torch.where(mask, reference_logprobs - logprobs, 0.0)
+        ref_kl = log_ref_ratio.exp() - log_ref_ratio - 1
+        per_token = per_token + cfg.kl_coef * ref_kl
+    loss = (weights * torch.where(keep, per_token, 0.0)).sum()
+
+    with torch.no_grad():
+        sums = {
+            "loss_tokens": mask.sum(),
+            "kept_tokens": keep.sum(),
+            "clipped_tokens": (keep & (clipped_ratio * advantages < ratio * advantages)).sum(),
+            "capped_tokens": (mask & (raw_w > cfg.behav_imp_weight_cap)).sum(),
+            "behav_weight_dev_sum": torch.where(mask, (raw_w - 1).abs(), 0.0).sum(),
+            "behav_weight_max": torch.where(mask, raw_w, 0.0).max(),
+            "ratio_max": torch.where(mask, ratio, 0.0).max(),
+            "approx_kl_sum": (0.5 * token_log_ratio**2).sum(),
+        }
+        if ref_kl is not None:
+            sums["ref_kl_sum"] = torch.where(mask, ref_kl, 0.0).sum()
+        stats = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))  # one device sync
+    return loss, stats
+
+
+def value_loss(values, old_values, returns, loss_mask, weights, value_clip: float = 0.2) -> torch.Tensor:
+    """Σ weights · ½·max((v − R)², (clip(v, v_old − c, v_old + c) − R)²) over loss positions (PPO value clipping)."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return (weights * torch.where(loss_mask.bool(), per_token, 0.0)).sum()

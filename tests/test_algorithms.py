@@ -1,0 +1,402 @@
+"""Advantages, decoupled PPO, value loss, aggregation weights and DAPO filters against plain float64 loops;
+micro-batch and packing invariance of the loss and its gradients.
+
+The references below are written per sequence / per group / per token in Python floats, independent of
+the vectorised code they check.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.algo.advantages import (SEQUENCE_ESTIMATORS, expand_to_tokens, gae, outcome_token_rewards,
+                                       sequence_advantages)
+from areal_hpc.algo.filters import is_informative_group, overlong_penalty
+from areal_hpc.algo.microbatch import pack
+from areal_hpc.algo.ppo import AGGREGATIONS, BEHAV_CORRECTIONS, PPOLossConfig, decoupled_ppo_loss, token_weights, value_loss
+from areal_hpc.models.hf import load_model
+from areal_hpc.train.logprobs import packed_token_logprobs
+
+FAST = settings(deadline=None, max_examples=40)
+lengths_st = st.lists(st.integers(1, 9), min_size=1, max_size=7)
+
+
+def random_batch(lengths: list[int], seed: int) -> dict:
+    """A packed float64 batch: the last position of each sequence is never a loss token; logprobs < 0."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    n_tokens = cu[-1].item()
+    mask = torch.rand(n_tokens, generator=g) < 0.7
+    mask[cu[1:] - 1] = False
+
+    def randn():
+        return torch.randn(n_tokens, generator=g, dtype=torch.float64)
+
+    behav = -3 * torch.rand(n_tokens, generator=g, dtype=torch.float64) - 1e-3
+    prox = (behav + 0.8 * randn()).clamp(max=-1e-3)
+    return dict(cu=cu, mask=mask, behav=behav, prox=prox, logp=(prox + 0.3 * randn()).clamp(max=-1e-3),
+                ref=(prox + 0.3 * randn()).clamp(max=-1e-3), adv=randn(), values=randn(), rewards=randn())
+
+
+def sequences_of(cu) -> list[range]:
+    return [range(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
+
+
+# ----------------------------------------------------------------------------------------- advantages
+
+def pstd(xs):
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def reference_sequence_advantages(rewards, groups, estimator, eps):
+    n = len(rewards)
+    members = {gid: [j for j in range(n) if groups[j] == gid] for gid in set(groups)}
+    group_mean = [sum(rewards[j] for j in members[groups[i]]) / len(members[groups[i]]) for i in range(n)]
+    centred = [rewards[i] - group_mean[i] for i in range(n)]
+    if estimator == "grpo":
+        return [centred[i] / (pstd([rewards[j] for j in members[groups[i]]]) + eps) for i in range(n)]
+    if estimator == "dr_grpo":
+        return centred
+    if estimator == "lite_ppo":
+        return [c / (pstd(centred) + eps) for c in centred]
+    if estimator == "rloo":
+        out = []
+        for i in range(n):
+            others = [rewards[j] for j in members[groups[i]] if j != i]
+            out.append(rewards[i] - sum(others) / len(others) if others else 0.0)
+        return out
+    base = rewards if estimator == "reinforce_pp" else centred
+    mean = sum(base) / n
+    return [(b - mean) / (pstd(base) + eps) for b in base]
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 0.5, 1.0, -0.3, 2.0])), min_size=1, max_size=20),
+       st.sampled_from(SEQUENCE_ESTIMATORS))
+def test_sequence_advantages_match_reference(pairs, estimator):
+    groups, rewards = [p[0] for p in pairs], [p[1] for p in pairs]
+    got = sequence_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), estimator, eps=1e-6)
+    want = reference_sequence_advantages(rewards, groups, estimator, 1e-6)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+
+
+def test_unknown_estimator_is_one_clear_error():
+    with pytest.raises(ValueError, match="valid: grpo"):
+        sequence_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), "ppo")
+
+
+@FAST
+@given(lengths_st, st.integers(0, 2**31), st.floats(0.5, 1.0), st.floats(0.0, 1.0))
+def test_gae_matches_backwards_loop(lengths, seed, gamma, lam):
+    b = random_batch(lengths, seed)
+    token_rewards = torch.where(b["mask"], b["rewards"], 0.0)
+    adv, ret = gae(token_rewards, b["values"], b["mask"], b["cu"], gamma, lam)
+    want_adv, want_ret = [0.0] * len(b["mask"]), [0.0] * len(b["mask"])
+    for seq in sequences_of(b["cu"]):
+        actions = [t for t in seq if b["mask"][t]]
+        running, next_value = 0.0, 0.0
+        for t in reversed(actions):
+            v = b["values"][t].item()
+            running = token_rewards[t].item() + gamma * next_value - v + gamma * lam * running
+            want_adv[t], want_ret[t] = running, running + v
+            next_value = v
+    torch.testing.assert_close(adv, torch.tensor(want_adv, dtype=torch.float64))
+    torch.testing.assert_close(ret, torch.tensor(want_ret, dtype=torch.float64))
+
+
+def test_outcome_reward_lands_on_last_loss_position_and_expands():
+    cu = torch.tensor([0, 4, 6, 9])
+    mask = torch.tensor([0, 1, 1, 0, 0, 0, 1, 0, 0]).bool()  # the middle sequence has no loss token
+    got = outcome_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask, cu)
+    assert got.tolist() == [0, 0, 1, 0, 0, 0, 3, 0, 0]
+    assert expand_to_tokens(torch.tensor([1, 2, 3]), cu).tolist() == [1, 1, 1, 1, 2, 2, 3, 3, 3]
+    # gamma = lam = 1 with zero values: every action's return is its sequence's outcome reward
+    _, returns = gae(got, torch.zeros(9), mask, cu, 1.0, 1.0)
+    assert returns.tolist() == [0, 1, 1, 0, 0, 0, 3, 0, 0]
+
+
+# -------------------------------------------------------------------------------- PPO loss and weights
+
+def reference_weights(mask, cu, aggregation, n_tokens, n_seqs, max_len):
+    out = [0.0] * len(mask)
+    for seq in sequences_of(cu):
+        length = sum(bool(mask[t]) for t in seq)
+        for t in seq:
+            if mask[t]:
+                out[t] = {"token-mean": 1 / n_tokens, "seq-mean-token-mean": 1 / (n_seqs * length),
+                          "seq-mean-token-sum-norm": 1 / (n_seqs * max_len)}[aggregation]
+    return out
+
+
+def binary_kl(p, q):
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def reference_loss(b, weights, cfg: PPOLossConfig) -> float:
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    total = 0.0
+    for seq in sequences_of(b["cu"]):
+        tokens = [t for t in seq if b["mask"][t]]
+        seq_log_ratio = sum(b["logp"][t].item() - b["prox"][t].item() for t in tokens) / max(len(tokens), 1)
+        for t in tokens:
+            logp, prox, behav, adv = (b[k][t].item() for k in ("logp", "prox", "behav", "adv"))
+            u = math.exp(seq_log_ratio if cfg.importance_level == "sequence" else logp - prox)
+            w = math.exp(prox - behav)
+            if cfg.behav_correction == "none":
+                w = 1.0
+            elif cfg.behav_correction == "cap":
+                w = min(w, cfg.behav_imp_weight_cap)
+            elif cfg.behav_correction == "mask" and w > cfg.behav_imp_weight_cap:
+                continue
+            elif cfg.behav_correction == "kpop":
+                p, q = math.exp(prox), math.exp(behav)
+                if max(binary_kl(p, q), binary_kl(q, p)) > cfg.kpop_threshold:
+                    continue
+            clipped = min(max(u, 1 - cfg.eps_clip), 1 + eps_high)
+            ref_log_ratio = b["ref"][t].item() - logp
+            k3 = math.exp(ref_log_ratio) - ref_log_ratio - 1
+            total += weights[t] * (-w * min(u * adv, clipped * adv) + cfg.kl_coef * k3)
+    return total
+
+
+@FAST
+@given(lengths_st, st.integers(0, 2**31), st.sampled_from(AGGREGATIONS))
+def test_token_weights_match_reference(lengths, seed, aggregation):
+    b = random_batch(lengths, seed)
+    n_tokens, n_seqs = int(b["mask"].sum()), len(lengths)
+    got = token_weights(b["mask"], b["cu"], aggregation, n_tokens, n_seqs, 16, dtype=torch.float64)
+    want = reference_weights(b["mask"], b["cu"], aggregation, n_tokens, n_seqs, 16)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
+
+
+@FAST
+@given(lengths_st, st.integers(0, 2**31), st.sampled_from(BEHAV_CORRECTIONS), st.sampled_from(["token", "sequence"]),
+       st.sampled_from([None, 0.28]), st.sampled_from([0.0, 0.1]))
+def test_decoupled_loss_matches_reference(lengths, seed, correction, level, eps_high, kl_coef):
+    b = random_batch(lengths, seed)
+    cfg = PPOLossConfig(eps_clip=0.2, eps_clip_high=eps_high, behav_correction=correction, behav_imp_weight_cap=1.5,
+                        kpop_threshold=0.05, importance_level=level, kl_coef=kl_coef)
+    weights = token_weights(b["mask"], b["cu"], "seq-mean-token-mean", 1, len(lengths), 1, dtype=torch.float64)
+    loss, stats = decoupled_ppo_loss(b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], weights, cfg,
+                                     reference_logprobs=b["ref"])
+    assert loss.item() == pytest.approx(reference_loss(b, weights.tolist(), cfg), rel=1e-9, abs=1e-12)
+    assert stats["loss_tokens"] == int(b["mask"].sum()) >= stats["kept_tokens"] >= stats["clipped_tokens"]
+
+
+def test_corrections_drop_and_cap_the_tokens_the_paper_says():
+    # token 0: w = e^2 (beyond cap 5); token 1: w = e^0.5; p = 0.95 vs q = 0.05 is a large binary KL
+    prox = torch.tensor([-1.0, -1.0, math.log(0.95), -1.0], dtype=torch.float64)
+    behav = torch.tensor([-3.0, -1.5, math.log(0.05), -1.0], dtype=torch.float64)
+    mask, cu = torch.tensor([True, True, True, False]), torch.tensor([0, 4])
+    ones = torch.ones(4, dtype=torch.float64)
+
+    def run(correction):
+        return decoupled_ppo_loss(prox, prox, behav, ones, mask, cu, ones, PPOLossConfig(behav_correction=correction))
+
+    assert run("cap")[0].item() == pytest.approx(-(5 + math.exp(0.5) + 5))  # w = e², 19 capped at 5
+    assert run("mask")[0].item() == pytest.approx(-math.exp(0.5))  # tokens 0 and 2 (w = 19) dropped
+    assert run("kpop")[0].item() == pytest.approx(-(math.exp(2) + math.exp(0.5)))  # only token 2 dropped
+    assert run("none")[0].item() == pytest.approx(-3)
+    assert binary_kl(0.95, 0.05) > 2.0 > max(binary_kl(math.exp(-1), math.exp(-3)), binary_kl(math.exp(-3), math.exp(-1)))
+    stats = run("mask")[1]
+    assert (stats["loss_tokens"], stats["kept_tokens"], stats["capped_tokens"]) == (3, 1, 2)
+    assert stats["behav_weight_max"] == pytest.approx(19)
+
+
+def test_clip_higher_only_widens_the_upper_side():
+    prox = torch.full((4,), -1.0, dtype=torch.float64)
+    logp = prox + torch.tensor([0.25, 0.25, -0.5, -0.5], dtype=torch.float64)  # u = 1.28.., 1.28.., 0.61, 0.61
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    mask, cu, ones = torch.ones(4, dtype=torch.bool), torch.tensor([0, 4]), torch.ones(4, dtype=torch.float64)
+    u_hi, u_lo = math.exp(0.25), math.exp(-0.5)
+    for eps_high, upper in ((None, 1.2), (0.3, u_hi)):
+        cfg = PPOLossConfig(eps_clip=0.2, eps_clip_high=eps_high, behav_correction="none")
+        loss, stats = decoupled_ppo_loss(logp, prox, prox, adv, mask, cu, ones, cfg)
+        # A > 0 clips at the top, A < 0 at the bottom (pessimistic min)
+        assert loss.item() == pytest.approx(-(upper - u_hi + u_lo - 0.8))
+        assert stats["clipped_tokens"] == (2 if eps_high is None else 1)
+
+
+@FAST
+@given(lengths_st, st.integers(0, 2**31))
+def test_value_loss_matches_reference(lengths, seed):
+    b = random_batch(lengths, seed)
+    old, returns, c = b["values"] + 0.3 * b["adv"], b["rewards"], 0.2
+    weights = token_weights(b["mask"], b["cu"], "token-mean", max(int(b["mask"].sum()), 1), 1, 1, dtype=torch.float64)
+    want = 0.0
+    for t in range(len(b["mask"])):
+        if b["mask"][t]:
+            v, o, r = b["values"][t].item(), old[t].item(), returns[t].item()
+            clipped = min(max(v, o - c), o + c)
+            want += weights[t].item() * 0.5 * max((v - r) ** 2, (clipped - r) ** 2)
+    got = value_loss(b["values"], old, returns, b["mask"], weights, value_clip=c)
+    assert got.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------ sanity properties
+
+def test_plain_ppo_when_behaviour_equals_proximal():
+    b = random_batch([6, 9, 4], 1)
+    mask, cu = b["mask"], b["cu"]
+    weights = token_weights(mask, cu, "token-mean", int(mask.sum()), 3, 1, dtype=torch.float64)
+    cfg = PPOLossConfig(behav_correction="none")
+    u = (b["logp"] - b["prox"]).exp()
+    plain = -(weights * torch.minimum(u * b["adv"], u.clamp(0.8, 1.2) * b["adv"])).sum()
+    loss, _ = decoupled_ppo_loss(b["logp"], b["prox"], b["behav"], b["adv"], mask, cu, weights, cfg)
+    torch.testing.assert_close(loss, plain)
+    # on-policy (logp == prox): the loss is −Σ weight·A and its gradient −weight·A
+    logp = b["prox"].clone().requires_grad_()
+    loss, _ = decoupled_ppo_loss(logp, b["prox"], b["behav"], b["adv"], mask, cu, weights, cfg)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), -(weights * b["adv"]).sum())
+    torch.testing.assert_close(logp.grad, -weights * b["adv"])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_zero_advantage_tokens_get_zero_gradient(level):
+    b = random_batch([7, 5, 8, 3], 2)
+    adv = expand_to_tokens(torch.tensor([0.0, 1.5, 0.0, -0.7], dtype=torch.float64), b["cu"]) if level == "sequence" \
+        else torch.where(torch.arange(23) % 3 == 0, 0.0, b["adv"])
+    logp = b["logp"].clone().requires_grad_()
+    weights = token_weights(b["mask"], b["cu"], "token-mean", int(b["mask"].sum()), 4, 1, dtype=torch.float64)
+    loss, _ = decoupled_ppo_loss(logp, b["prox"], b["behav"], adv, b["mask"], b["cu"], weights,
+                                 PPOLossConfig(importance_level=level))
+    loss.backward()
+    assert (logp.grad[adv == 0] == 0).all() and (logp.grad[b["mask"] & (adv != 0)] != 0).any()
+
+
+@pytest.mark.parametrize("correction", BEHAV_CORRECTIONS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_masked_and_dropped_tokens_never_change_the_loss(correction, level):
+    b = random_batch([7, 5, 8, 3], 3)
+    mask, cu = b["mask"], b["cu"]
+    cfg = PPOLossConfig(behav_correction=correction, behav_imp_weight_cap=1.5, kpop_threshold=0.05,
+                        importance_level=level, kl_coef=0.1)
+    weights = token_weights(mask, cu, "seq-mean-token-mean", int(mask.sum()), 4, 1, dtype=torch.float64)
+    garbage = torch.where(mask, 0.0, 1e4 * torch.randn(len(mask), dtype=torch.float64))
+
+    def loss_and_grad(delta):
+        logp = (b["logp"] + delta).requires_grad_()
+        loss, _ = decoupled_ppo_loss(logp, b["prox"] + delta, b["behav"] + delta, b["adv"] + delta, mask, cu,
+                                     weights, cfg, reference_logprobs=b["ref"] + delta)
+        loss.backward()
+        return loss.detach(), logp.grad
+
+    loss, grad = loss_and_grad(torch.zeros_like(garbage))
+    garbage_loss, garbage_grad = loss_and_grad(garbage)
+    torch.testing.assert_close(garbage_loss, loss)
+    torch.testing.assert_close(garbage_grad, grad)
+    assert (grad[~mask] == 0).all()
+    if level == "token" and correction in ("mask", "kpop"):  # a dropped token's own logprob does not matter
+        _, stats = decoupled_ppo_loss(b["logp"], b["prox"], b["behav"], b["adv"], mask, cu, weights, cfg)
+        assert 0 < stats["kept_tokens"] < stats["loss_tokens"]
+        dropped = mask & (grad == 0)
+        assert dropped.sum() == stats["loss_tokens"] - stats["kept_tokens"]
+
+
+# ------------------------------------------------------------------------------ micro-batch invariance
+
+def select(b: dict, seq_ids: list[int]) -> tuple[dict, torch.Tensor]:
+    """The sub-batch of the given sequences, packed, and the flat positions it came from."""
+    spans = [torch.arange(int(b["cu"][i]), int(b["cu"][i + 1])) for i in seq_ids]
+    index = torch.cat(spans)
+    sub = {k: v[index] for k, v in b.items() if k != "cu"}
+    sub["cu"] = torch.tensor([0] + [len(s) for s in spans]).cumsum(0)
+    return sub, index
+
+
+@FAST
+@given(st.lists(st.integers(1, 9), min_size=2, max_size=8), st.integers(0, 2**31), st.sampled_from(AGGREGATIONS),
+       st.sampled_from(["token", "sequence"]), st.integers(1, 4))
+def test_microbatch_sum_equals_whole_batch_loss_and_gradient(lengths, seed, aggregation, level, n_micro):
+    b = random_batch(lengths, seed)
+    cfg = PPOLossConfig(importance_level=level, behav_imp_weight_cap=1.5, kl_coef=0.05)
+    totals = dict(n_tokens=int(b["mask"].sum()), n_seqs=len(lengths), max_len=max(lengths))
+
+    def loss_of(sub, logp):
+        weights = token_weights(sub["mask"], sub["cu"], aggregation, dtype=torch.float64, **totals)
+        return decoupled_ppo_loss(logp, sub["prox"], sub["behav"], sub["adv"], sub["mask"], sub["cu"], weights, cfg,
+                                  reference_logprobs=sub["ref"])[0]
+
+    whole_logp = b["logp"].clone().requires_grad_()
+    whole = loss_of(b, whole_logp)
+    whole.backward()
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    parts = [order[i::n_micro] for i in range(n_micro) if order[i::n_micro]]
+    leaf = b["logp"].clone().requires_grad_()
+    total = 0.0
+    for part in parts:
+        sub, index = select(b, part)
+        total = total + loss_of(sub, leaf[index])
+    total.backward()
+    torch.testing.assert_close(total.detach(), whole.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(leaf.grad, whole_logp.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_packed_and_unpacked_model_gradients_equal(tiny_model_dir, level):
+    model = load_model(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 600, (n,), generator=g).tolist() for n in (9, 17, 5, 12)]
+    masks = [[0] * 3 + [1] * (len(s) - 3) for s in sequences]
+    packed = pack(sequences, masks)
+    mask, cu = packed.target_mask, packed.cu_seqlens
+    with torch.no_grad():
+        prox = packed_token_logprobs(model, packed)
+    behav = torch.where(mask, prox - 0.3 * torch.rand(len(mask), generator=g), 0.0)
+    adv = expand_to_tokens(torch.randn(4, generator=g), cu)
+    cfg = PPOLossConfig(importance_level=level, kl_coef=0.1)
+    totals = dict(n_tokens=packed.n_targets, n_seqs=4, max_len=20)
+
+    def loss_and_grads(parts):
+        model.zero_grad()
+        logps, total = [], 0.0
+        for start, end, batch in parts:
+            logp = packed_token_logprobs(model, batch)
+            span = slice(start, end)
+            weights = token_weights(batch.target_mask, batch.cu_seqlens, "seq-mean-token-mean", **totals)
+            loss, _ = decoupled_ppo_loss(logp, prox[span], behav[span], adv[span], batch.target_mask, batch.cu_seqlens,
+                                         weights, cfg, reference_logprobs=prox[span] - 0.1)
+            total, logps = total + loss, logps + [logp.detach()]
+        total.backward()
+        return torch.cat(logps), total.detach(), [p.grad.clone() for p in model.parameters()]
+
+    packed_lp, packed_loss, packed_grads = loss_and_grads([(0, len(mask), packed)])
+    singles = [(int(cu[i]), int(cu[i + 1]), pack([s], [m])) for i, (s, m) in enumerate(zip(sequences, masks))]
+    single_lp, single_loss, single_grads = loss_and_grads(singles)
+    torch.testing.assert_close(packed_lp, single_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_loss, single_loss, atol=1e-6, rtol=1e-5)
+    assert any(grad.abs().max() > 0 for grad in packed_grads)
+    for a, b in zip(packed_grads, single_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------- DAPO filters
+
+def test_dynamic_sampling_drops_all_equal_groups():
+    assert not is_informative_group([1.0, 1.0, 1.0])
+    assert not is_informative_group([0.0])
+    assert not is_informative_group([])
+    assert is_informative_group([0.0, 1.0, 0.0])
+
+
+@given(st.integers(0, 300), st.integers(1, 200), st.floats(0.1, 2.0))
+def test_overlong_penalty_is_dapos_soft_punishment(length, cache, factor):
+    max_new = 200
+    cache = min(cache, max_new)
+    got = overlong_penalty(length, max_new, cache, factor)
+    if length <= max_new - cache:
+        assert got == 0.0
+    elif length > max_new:
+        assert got == -factor
+    else:
+        assert got == pytest.approx(factor * ((max_new - cache) - length) / cache)
+    assert overlong_penalty(200, 200, 0) == 0.0 and overlong_penalty(201, 200, 0) == -1.0
+    with pytest.raises(ValueError, match="cache_length"):
+        overlong_penalty(10, 100, 101)

@@ -17,10 +17,10 @@ def _group_stats(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor
     """Per element: the sum and size of its group, and the population std of its group."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if len(inverse) else 0
-    sums = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, inverse, x)
-    counts = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, inverse, torch.ones_like(x))
+    sums = x.new_zeros(n_groups).index_add_(0, inverse, x)
+    counts = x.new_zeros(n_groups).index_add_(0, inverse, torch.ones_like(x))
     means = sums / counts
-    sq = torch.zeros(n_groups, dtype=x.dtype).index_add_(0, inverse, (x - means[inverse]) ** 2)
+    sq = x.new_zeros(n_groups).index_add_(0, inverse, (x - means[inverse]) ** 2)
     return sums[inverse], counts[inverse], (sq / counts).sqrt()[inverse]
 
 
@@ -66,12 +66,17 @@ def expand_to_tokens(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Te
     return torch.repeat_interleave(values, cu_seqlens.diff(), dim=0)
 
 
+def sequence_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] index of the sequence each position belongs to."""
+    return expand_to_tokens(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), cu_seqlens)
+
+
 def outcome_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[T] zeros except each sequence's reward on its last loss position (dropped if it has none)."""
-    seq_ids = expand_to_tokens(torch.arange(len(cu_seqlens) - 1), cu_seqlens)
-    positions = torch.where(loss_mask, torch.arange(len(loss_mask)), -1)
-    last = torch.full((len(cu_seqlens) - 1,), -1, dtype=torch.long).scatter_reduce_(0, seq_ids, positions, "amax")
-    out = torch.zeros(len(loss_mask), dtype=rewards.dtype)
+    positions = torch.where(loss_mask, torch.arange(len(loss_mask), device=loss_mask.device), -1)
+    last = positions.new_full((len(cu_seqlens) - 1,), -1)
+    last.scatter_reduce_(0, sequence_ids(cu_seqlens), positions, "amax")
+    out = rewards.new_zeros(len(loss_mask))
     has_loss = last >= 0
     out[last[has_loss]] = rewards[has_loss]
     return out
@@ -87,13 +92,13 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tens
     action index, vectorised across sequences.
     """
     positions = loss_mask.nonzero()[:, 0]
-    seq_ids = expand_to_tokens(torch.arange(len(cu_seqlens) - 1), cu_seqlens)[positions]
+    seq_ids = sequence_ids(cu_seqlens)[positions]
     n_actions = torch.bincount(seq_ids, minlength=len(cu_seqlens) - 1)
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), n_actions.cumsum(0)[:-1]])
-    step = torch.arange(len(positions)) - starts[seq_ids]  # index of each action within its sequence
+    starts = n_actions.cumsum(0) - n_actions
+    step = torch.arange(len(positions), device=positions.device) - starts[seq_ids]  # action index within its sequence
     width = int(n_actions.max()) if len(positions) else 0
     # [N, width + 1] action-major grids; the extra column is the terminal V = 0, A = 0.
-    r = torch.zeros(len(n_actions), width + 1, dtype=values.dtype)
+    r = values.new_zeros(len(n_actions), width + 1)
     v = torch.zeros_like(r)
     r[seq_ids, step] = token_rewards[positions].to(values.dtype)
     v[seq_ids, step] = values[positions].detach()
@@ -101,7 +106,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tens
     for k in range(width - 1, -1, -1):
         delta = r[:, k] + gamma * v[:, k + 1] - v[:, k]
         adv[:, k] = delta + gamma * lam * adv[:, k + 1]
-    advantages = torch.zeros(len(loss_mask), dtype=values.dtype)
+    advantages = values.new_zeros(len(loss_mask))
     advantages[positions] = adv[seq_ids, step]
     returns = torch.zeros_like(advantages)
     returns[positions] = advantages[positions] + values[positions].detach()

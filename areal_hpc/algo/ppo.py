@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areal_hpc.algo.advantages import expand_to_tokens
+from areal_hpc.algo.advantages import sequence_ids
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 BEHAV_CORRECTIONS = ("cap", "mask", "kpop", "none")
@@ -51,15 +51,17 @@ def token_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation
         return mask / max(n_tokens, 1)
     if aggregation == "seq-mean-token-sum-norm":
         return mask / (max(n_seqs, 1) * max_len)
-    seq_ids = expand_to_tokens(torch.arange(len(cu_seqlens) - 1), cu_seqlens)
-    seq_len = torch.zeros(len(cu_seqlens) - 1, dtype=dtype).index_add_(0, seq_ids, mask)
+    seq_ids = sequence_ids(cu_seqlens)
+    seq_len = torch.zeros(len(cu_seqlens) - 1, dtype=dtype, device=mask.device).index_add_(0, seq_ids, mask)
     return mask / (max(n_seqs, 1) * seq_len[seq_ids].clamp(min=1))
 
 
 def _binary_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """KL(Bern(p) ‖ Bern(q)) = p·log(p/q) + (1−p)·log((1−p)/(1−q)) from log-probabilities, stable near p = 1."""
+    """KL(Bern(p) ‖ Bern(q)) = p·log(p/q) + (1−p)·log((1−p)/(1−q)) from log-probabilities (1−p by expm1)."""
     one_minus_p, one_minus_q = -torch.expm1(log_p), -torch.expm1(log_q)
-    return log_p.exp() * (log_p - log_q) + torch.xlogy(one_minus_p, one_minus_p) - torch.xlogy(one_minus_p, one_minus_q)
+    # xlogy: 0·log 0 = 0, so p = 1 is exact rather than NaN
+    tail = torch.xlogy(one_minus_p, one_minus_p) - torch.xlogy(one_minus_p, one_minus_q)
+    return log_p.exp() * (log_p - log_q) + tail
 
 
 def _behaviour_weight(raw_w, proximal_logprobs, behaviour_logprobs, mask, cfg: PPOLossConfig):
@@ -83,9 +85,10 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     on every token of sequence i, with the gradient flowing through the mean. w_t = exp(logp_prox − logp_behav)
     without gradient, capped at ``behav_imp_weight_cap`` ("cap"), or the token dropped when w_t exceeds the cap
     ("mask") or when max(KL_bin(p‖q), KL_bin(q‖p)) > ``kpop_threshold`` with p, q the proximal and behaviour
-    probabilities of the token ("kpop"); "none" sets w_t = 1. k3_t = exp(logp_ref − logp) − (logp_ref − logp) − 1
-    estimates KL(π_θ ‖ π_ref). Dropped and off-mask tokens contribute exactly 0; the weights keep counting
-    dropped tokens, so the loss stays normalised by the original token count.
+    probabilities of the token ("kpop"); "none" sets w_t = 1.
+    k3_t = exp(logp_ref − logp) − (logp_ref − logp) − 1 estimates KL(π_θ ‖ π_ref) (Schulman's k3).
+    Dropped and off-mask tokens contribute exactly 0; the weights keep counting dropped tokens, so the loss
+    stays normalised by the original token count.
 
     Statistics are this micro-batch's sums and counts over its loss tokens, to be added across micro-batches
     and ranks (``*_max`` keys: take the max): loss_tokens, kept_tokens (not dropped by the behaviour
@@ -98,9 +101,9 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     token_log_ratio = torch.where(mask, logprobs - proximal_logprobs, 0.0)
     log_ratio = token_log_ratio
     if cfg.importance_level == "sequence":
-        seq_ids = expand_to_tokens(torch.arange(len(cu_seqlens) - 1), cu_seqlens)
-        sums = torch.zeros(len(cu_seqlens) - 1, dtype=log_ratio.dtype).index_add(0, seq_ids, token_log_ratio)
-        counts = torch.zeros_like(sums).index_add_(0, seq_ids, mask.to(sums.dtype)).clamp(min=1)
+        seq_ids = sequence_ids(cu_seqlens)
+        sums = token_log_ratio.new_zeros(len(cu_seqlens) - 1).index_add(0, seq_ids, token_log_ratio)
+        counts = sums.new_zeros(len(sums)).index_add_(0, seq_ids, mask.to(sums.dtype)).clamp(min=1)
         log_ratio = torch.where(mask, (sums / counts)[seq_ids], 0.0)
     ratio = log_ratio.exp()
     clipped_ratio = ratio.clamp(1 - cfg.eps_clip, 1 + eps_high)
@@ -116,7 +119,7 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     loss = (weights * torch.where(keep, per_token, 0.0)).sum()
 
     with torch.no_grad():
-        sums = {
+        totals = {
             "loss_tokens": mask.sum(),
             "kept_tokens": keep.sum(),
             "clipped_tokens": (keep & (clipped_ratio * advantages < ratio * advantages)).sum(),
@@ -127,13 +130,14 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
             "approx_kl_sum": (0.5 * token_log_ratio**2).sum(),
         }
         if ref_kl is not None:
-            sums["ref_kl_sum"] = torch.where(mask, ref_kl, 0.0).sum()
-        stats = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))  # one device sync
+            totals["ref_kl_sum"] = torch.where(mask, ref_kl, 0.0).sum()
+        values = torch.stack([v.double() for v in totals.values()]).tolist()  # one device sync, not one per stat
+        stats = dict(zip(totals, values))
     return loss, stats
 
 
 def value_loss(values, old_values, returns, loss_mask, weights, value_clip: float = 0.2) -> torch.Tensor:
-    """Σ weights · ½·max((v − R)², (clip(v, v_old − c, v_old + c) − R)²) over loss positions (PPO value clipping)."""
+    """Σ weights · ½·max((v − R)², (clip(v, v_old ± c) − R)²) over loss positions (PPO clipped value loss)."""
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     return (weights * torch.where(loss_mask.bool(), per_token, 0.0)).sum()

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from areal_hpc.errors import UserError
+from areal_hpc.sched.cli import add_planner_commands
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--min-version", type=int, metavar="V", help="oldest output token at least policy version V")
     export.add_argument("--max-version", type=int, metavar="V", help="newest output token at most policy version V")
     export.set_defaults(handler=_shards_export)
+    add_planner_commands(commands)  # plan, simulate, repro
     return parser
 
 

@@ -1,0 +1,192 @@
+"""``areal-hpc plan | simulate | repro``: the planner's subcommands (login-node safe: no torch).
+
+    areal-hpc plan --cluster configs/clusters/paper-8h800-24h20.yaml --model r1-distill-qwen-7b
+    areal-hpc simulate --plan plan.yaml --staleness 0
+    areal-hpc repro hex [--json]            areal-hpc repro areal-eta [--json]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from areal_hpc.errors import UserError, closest
+
+
+def add_planner_commands(commands) -> None:
+    """Register the planner's subcommands on the ``areal-hpc`` subparsers object."""
+    plan = commands.add_parser("plan", help="split a (heterogeneous) cluster between training and rollout")
+    plan.add_argument("--cluster", required=True, metavar="FILE", help="cluster YAML (see configs/clusters/)")
+    plan.add_argument("--model", required=True, metavar="NAME",
+                      help="a name under configs/models/ (e.g. r1-distill-qwen-7b) or a folder with a config.json")
+    plan.add_argument("--budget-per-hour", type=float, metavar="USD", help="spend at most this much per hour")
+    plan.add_argument("--objective", default="max-throughput", choices=["max-throughput", "min-cost"])
+    plan.add_argument("--target-throughput", type=float, metavar="TOKENS_PER_S", help="for --objective min-cost")
+    plan.add_argument("--staleness", type=int, default=4, metavar="ETA", help="max policy-version lag (0: sync RL)")
+    plan.add_argument("--sequences", type=int, default=1024, help="sequences per RL step (default: 1024)")
+    plan.add_argument("--prompt-len", type=int, default=512, help="mean prompt tokens (default: 512)")
+    plan.add_argument("--answer-len", type=int, default=4096, help="mean answer tokens (default: 4096)")
+    plan.add_argument("--efficiency", metavar="FILE", help="YAML of efficiency factors (e.g. from a calibration)")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan.add_argument("--out", metavar="FILE", help="also write the plan as YAML (input of `simulate`, the launcher)")
+    plan.add_argument("--plot", metavar="PNG", help="also draw the plan")
+    plan.set_defaults(handler=_plan)
+
+    sim = commands.add_parser("simulate", help="discrete-event simulation of asynchronous RL on a saved plan")
+    sim.add_argument("--plan", required=True, metavar="FILE", help="a plan YAML written by `areal-hpc plan --out`")
+    sim.add_argument("--staleness", type=int, metavar="ETA", help="override the plan's staleness bound")
+    sim.add_argument("--steps", type=int, default=20, help="training steps to simulate (default: 20)")
+    sim.add_argument("--spread", type=float, default=0.6, help="log-normal spread of answer lengths (0: all equal)")
+    sim.add_argument("--not-interruptible", action="store_true", help="weight updates wait for in-flight answers")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.set_defaults(handler=_simulate)
+
+    repro = commands.add_parser("repro", help="the papers' tables beside our predictions")
+    papers = repro.add_subparsers(dest="paper", metavar="PAPER", parser_class=type(repro), required=True)
+    for name, text in (("hex", "AReaL-Hex: Tables 1-4 and the same-budget ratios"),
+                       ("areal-eta", "AReaL: throughput vs staleness (Table 7)")):
+        paper = papers.add_parser(name, help=text)
+        paper.add_argument("--json", action="store_true", help="one JSON object per row")
+        paper.add_argument("--calibrate", action="store_true",
+                           help="refit the efficiency factors to the rows marked 'fit' first (minutes)")
+        if name == "hex":
+            paper.add_argument("--sequences", type=int, help="sequences per step (default: the assumed 64)")
+        paper.set_defaults(handler=_repro_hex if name == "hex" else _repro_eta)
+
+
+def _positive(value, flag: str, what: str) -> None:
+    if value is not None and not value > 0:
+        raise UserError(f"{flag} must be a positive {what}, got {value:g}")
+
+
+def _efficiency(path: str | None):
+    import yaml
+
+    from areal_hpc.sched.cost import Efficiency
+
+    if path is None:
+        return Efficiency()
+    if not Path(path).is_file():
+        raise UserError(f"efficiency file {path} does not exist")
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    known = Efficiency.__dataclass_fields__
+    for key in values:
+        if key not in known:
+            raise UserError(f"{path}: unknown efficiency factor '{key}'{closest(key, known)} (known: {', '.join(known)})")
+    return Efficiency().replace(**{k: float(v) for k, v in values.items()})
+
+
+def _plan(args) -> int:
+    import yaml
+
+    from areal_hpc.sched.cost import CostModel, Workload
+    from areal_hpc.sched.hardware import load_cluster
+    from areal_hpc.sched.model_spec import load_model_spec
+    from areal_hpc.sched.planner import HeteroPlanner
+    from areal_hpc.sched.report import plan_dict, plan_text, plot_plan
+
+    _positive(args.budget_per_hour, "--budget-per-hour", "number of dollars per hour")
+    _positive(args.target_throughput, "--target-throughput", "number of tokens/s")
+    for flag in ("sequences", "prompt_len", "answer_len"):
+        _positive(getattr(args, flag), f"--{flag.replace('_', '-')}", "whole number")
+    if args.staleness < 0:
+        raise UserError(f"--staleness must be 0 (synchronous) or more, got {args.staleness}")
+    if args.target_throughput and args.objective != "min-cost":
+        raise UserError("--target-throughput goes with --objective min-cost (max-throughput has no target)")
+    cluster, model = load_cluster(args.cluster), load_model_spec(args.model)
+    workload = Workload(prompts=args.sequences, answers=1, prompt_len=args.prompt_len, gen_mean=args.answer_len,
+                        gen_max=2 * args.answer_len)
+    planner = HeteroPlanner(cluster, CostModel(model, workload, _efficiency(args.efficiency)), args.staleness,
+                            args.budget_per_hour or math.inf, args.objective, args.target_throughput)
+    record = plan_dict(planner.plan(), cluster, model.name, workload)
+    if args.out:
+        Path(args.out).write_text(yaml.safe_dump(record, sort_keys=False))
+    if args.plot:
+        plot_plan(record, args.plot)
+    print(json.dumps(record) if args.json else plan_text(record))
+    return 0
+
+
+def _simulate(args) -> int:
+    import numpy as np
+    import yaml
+
+    from areal_hpc.sched.simulator import sample_lengths, simulator_for_plan
+
+    if not Path(args.plan).is_file():
+        raise UserError(f"plan file {args.plan} does not exist (write one with `areal-hpc plan ... --out FILE`)")
+    record = yaml.safe_load(Path(args.plan).read_text())
+    if not isinstance(record, dict) or not {"workload", "train", "rollout", "predicted"} <= set(record):
+        raise UserError(f"{args.plan} is not a plan (expected the YAML `areal-hpc plan --out` writes)")
+    if args.staleness is not None and args.staleness < 0:
+        raise UserError(f"--staleness must be 0 (synchronous) or more, got {args.staleness}")
+    _positive(args.steps, "--steps", "whole number")
+    sim = simulator_for_plan(record, args.staleness, not args.not_interruptible)
+    w = record["workload"]
+    lengths = sample_lengths(np.random.default_rng(args.seed), (args.steps + 20 + sim.staleness) * sim.batch,
+                             w["gen_mean"], w["gen_max"], args.spread)
+    result = sim.run(lengths, args.steps)
+    out = {"plan": args.plan, "staleness": sim.staleness, "interruptible": sim.interruptible,
+           "predicted_tokens_per_s": record["predicted"]["tokens_per_s"],
+           "simulated_tokens_per_s": round(result.tokens_per_s, 1), "step_s": round(result.step_s, 3),
+           "trainer_idle": round(result.trainer_idle, 3), "rollout_idle": round(result.rollout_idle, 3)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"simulated {args.steps} steps of {record['model']} on {record['cluster']} "
+              f"(staleness {sim.staleness}, {'interruptible' if sim.interruptible else 'not interruptible'}, "
+              f"answer-length spread {args.spread:g})")
+        print(f"  tokens/s: {result.tokens_per_s:,.0f} simulated vs {out['predicted_tokens_per_s']:,.0f} planned "
+              f"(the planner assumes every answer has the mean length)")
+        print(f"  step: {result.step_s:,.1f} s; trainer idle {result.trainer_idle:.0%}, "
+              f"rollout slots idle {result.rollout_idle:.0%}")
+    return 0
+
+
+def _print_rows(rows, notes: list[str], as_json: bool, header: str) -> None:
+    from areal_hpc.sched.report import table
+
+    if as_json:
+        for row in rows:
+            print(json.dumps(row.to_dict()))
+        return
+    print(header + "\n")
+    print(table(["table", "row", "paper", "ours", "ours/paper", "role"],
+                [[r.table, r.row, _fmt(r.paper, r.unit), _fmt(r.ours, r.unit), f"{r.ratio:.2f}", r.role] for r in rows]))
+    print()
+    for note in notes:
+        print(f"- {note}")
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "x":
+        return f"{value:.2f}x"
+    return f"{value:,.1f}" if unit == "s" else f"{value:,.0f}"
+
+
+def _repro_hex(args) -> int:
+    from dataclasses import replace
+
+    from areal_hpc.sched import repro_hex
+
+    _positive(args.sequences, "--sequences", "whole number")
+    workload = repro_hex.WORKLOAD if args.sequences is None else replace(repro_hex.WORKLOAD, prompts=args.sequences,
+                                                                         answers=1)
+    efficiency = repro_hex.calibrate(workload) if args.calibrate else repro_hex.CALIBRATED
+    header = (f"AReaL-Hex (arXiv 2511.00796) vs our planner; {workload.sequences} sequences/step of "
+              f"{workload.prompt_len}+{workload.gen_mean} tokens; efficiency: {repro_hex.describe(efficiency)}")
+    _print_rows(repro_hex.hex_rows(efficiency, workload), repro_hex.NOTES, args.json, header)
+    return 0
+
+
+def _repro_eta(args) -> int:
+    from areal_hpc.sched import repro_eta
+
+    overall = repro_eta.calibrate() if args.calibrate else repro_eta.OVERALL
+    header = (f"AReaL (arXiv 2505.24298) Table 7 vs our simulator; 1.5B on 8 H800, {repro_eta.WORKLOAD.sequences} "
+              f"sequences/step, answers log-normal (mean {repro_eta.WORKLOAD.gen_mean}, cut at "
+              f"{repro_eta.WORKLOAD.gen_max}); overall efficiency {overall:.3f}")
+    _print_rows(repro_eta.eta_rows(overall), repro_eta.NOTES, args.json, header)
+    return 0

@@ -1,0 +1,192 @@
+"""HexGen-style cost model: rollout replica throughput, training step time, weight sync, memory.
+
+Every speed is a roofline (peak FLOP/s or bytes/s of the device or link) times an efficiency factor
+from ``Efficiency``; ``areal_hpc.sched.calibrate`` fits those factors to measured runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+from areal_hpc.sched.hardware import NodePool
+from areal_hpc.sched.model_spec import ModelSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the rooflines that real kernels and collectives reach (the calibrated parameters)."""
+
+    train_mfu: float = 0.35      # training matmuls, of peak bf16 FLOP/s
+    prefill_mfu: float = 0.5     # rollout prefill, of peak bf16 FLOP/s
+    decode_mfu: float = 0.5      # decode compute ceiling at large batches
+    decode_hbm: float = 0.6      # decode reads of weights and KV, of HBM bandwidth
+    link: float = 0.7            # collectives and pipeline sends, of link bandwidth
+    sync: float = 0.16           # weight update (gather, send, load), of the slowest train->rollout link
+    latency_s: float = 10e-6     # fixed cost of one collective
+    overall: float = 1.0         # end-to-end share of the above a whole system keeps (scheduling gaps,
+    #                              stragglers, host overheads); scales every compute and HBM rate
+
+    def replace(self, **values) -> "Efficiency":
+        return Efficiency(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **values})
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step: ``prompts`` x ``answers`` sequences of a prompt plus a generated answer."""
+
+    prompts: int = 64
+    answers: int = 16
+    prompt_len: int = 512
+    gen_mean: int = 4096
+    gen_max: int = 8192
+    max_running: int = 256       # concurrent sequences per rollout replica (SGLang's max_running_requests)
+    micro_tokens: int = 16384    # training micro-batch, tokens
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.answers
+
+    @property
+    def seq_tokens(self) -> int:
+        return self.prompt_len + self.gen_mean
+
+    @property
+    def step_tokens(self) -> int:
+        return self.sequences * self.seq_tokens
+
+
+@dataclass(frozen=True)
+class RolloutReplica:
+    """A replica configuration ψ: ``tp`` x ``pp`` devices of one pool, ``batch`` running sequences."""
+
+    pool: str
+    tp: int
+    pp: int
+    batch: int
+    tokens_per_s: float
+    price_per_hour: float
+    step_1_s: float              # one decode iteration with a single sequence running
+    step_full_s: float           # ... and with ``batch`` running
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class TrainGroup:
+    """Training devices of one pool: dp x tp x pp, its token rate and its per-step gradient all-reduce."""
+
+    pool: str
+    dp: int
+    tp: int
+    pp: int
+    tokens_per_s: float
+    allreduce_s: float
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+class CostModel:
+    """Predicted speeds of one model and workload on any device pool."""
+
+    def __init__(self, model: ModelSpec, workload: Workload = Workload(), efficiency: Efficiency = Efficiency()):
+        self.model, self.workload, self.eff = model, workload, efficiency
+        self.rollout_replica = lru_cache(maxsize=None)(self._rollout_replica)
+        self.train_group = lru_cache(maxsize=None)(self._train_group)
+
+    def _collective_s(self, nbytes: float, ranks: int, gbs: float) -> float:
+        """Ring all-reduce of ``nbytes`` over ``ranks`` ranks on links of ``gbs`` GB/s."""
+        if ranks <= 1:
+            return 0.0
+        return 2 * (ranks - 1) / ranks * nbytes / (gbs * GB * self.eff.link) + self.eff.latency_s
+
+    def _rollout_replica(self, pool: NodePool, tp: int, pp: int, inter_gbs: float) -> RolloutReplica | None:
+        """Throughput of one rollout replica, or None when the weights leave no room for a KV cache."""
+        m, w, e, dev = self.model, self.workload, self.eff, pool.device
+        n = tp * pp
+        free = dev.memory_gb * GB * 0.9 - m.weight_bytes / n - 2 * GB  # 2 GB: activations, graphs
+        batch = min(w.max_running, int(free / (m.kv_bytes_per_token * w.seq_tokens / n)))
+        if batch < 1 or pp > m.layers:
+            return None
+        prefill_s = 2 * m.params * w.prompt_len / (n * dev.tflops * 1e12 * e.prefill_mfu * e.overall)
+        seconds = batch * prefill_s + w.gen_mean * self.decode_step_s(pool, tp, pp, batch, inter_gbs)
+        return RolloutReplica(pool.name, tp, pp, batch, batch * w.seq_tokens / seconds, n * dev.price_per_hour,
+                              self.decode_step_s(pool, tp, pp, 1, inter_gbs),
+                              self.decode_step_s(pool, tp, pp, batch, inter_gbs))
+
+    def decode_step_s(self, pool: NodePool, tp: int, pp: int, running: int, inter_gbs: float) -> float:
+        """One decode iteration of a replica with ``running`` sequences (one new token each)."""
+        m, w, e, dev = self.model, self.workload, self.eff, pool.device
+        n = tp * pp
+        context = w.prompt_len + w.gen_mean / 2
+        # Each of the pp micro-batches reads its stage's weights, so PP does not cut weight reads.
+        read = m.weight_bytes / tp + running * context * m.kv_bytes_per_token / n
+        memory_s = read / (dev.hbm_gbs * GB * e.decode_hbm * e.overall)
+        compute_s = 2 * m.params * running / n / (dev.tflops * 1e12 * e.decode_mfu * e.overall)
+        tp_s = 2 * m.layers / pp * self._collective_s(running * m.hidden * 2, tp, dev.link_gbs)
+        pp_gbs = dev.link_gbs if n <= pool.per_node else inter_gbs
+        pp_s = (pp - 1) * (running * m.hidden * 2 / (pp_gbs * GB * e.link) + e.latency_s)
+        return max(memory_s, compute_s) + tp_s + pp_s
+
+    def rollout_replicas(self, pool: NodePool, devices: int, inter_gbs: float) -> list[RolloutReplica]:
+        """Every feasible replica configuration of at most ``devices`` devices of ``pool``."""
+        found = []
+        for tp in powers_of_two(min(pool.per_node, self.model.kv_heads * 8)):
+            for pp in powers_of_two(devices // tp):
+                replica = self.rollout_replica(pool, tp, pp, inter_gbs)
+                if replica is not None:
+                    found.append(replica)
+        return found
+
+    def train_memory_fits(self, pool: NodePool, dp: int, tp: int, pp: int) -> bool:
+        """bf16 weights and grads, fp32 master + Adam (distributed optimizer), checkpointed activations."""
+        m, w = self.model, self.workload
+        states = 4 * m.params / (tp * pp) + 12 * m.params / (tp * pp * dp)
+        activations = w.micro_tokens * m.hidden * 2 * (m.layers / pp + 34 / tp) + w.micro_tokens * m.vocab * 4 / tp
+        return states + activations <= pool.device.memory_gb * GB * 0.9
+
+    def _train_group(self, pool: NodePool, devices: int, inter_gbs: float) -> TrainGroup | None:
+        """The fastest dp x tp x pp layout of exactly ``devices`` devices of ``pool`` (None: nothing fits)."""
+        m, w, e, dev = self.model, self.workload, self.eff, pool.device
+        best = None
+        for tp in powers_of_two(min(pool.per_node, m.heads)):
+            for pp in range(1, min(devices // tp, m.layers) + 1):
+                dp, rest = divmod(devices, tp * pp)
+                if rest or not self.train_memory_fits(pool, dp, tp, pp):
+                    continue
+                micro_batches = max(1.0, w.step_tokens / dp / w.micro_tokens)
+                # 8 = 6 (forward + backward) + 2 (forward that recomputes the proximal log-probs)
+                compute = 8 * m.params / (tp * pp * dev.tflops * 1e12 * e.train_mfu * e.overall) * (1 + (pp - 1) / micro_batches)
+                tp_comm = 4 * m.layers / pp * self._collective_s(m.hidden * 2, tp, dev.link_gbs)
+                pp_gbs = dev.link_gbs if tp * pp <= pool.per_node else inter_gbs
+                pp_comm = (pp > 1) * 2 * m.hidden * 2 / (pp_gbs * GB * e.link)
+                dp_gbs = dev.link_gbs if devices <= pool.per_node else inter_gbs
+                group = TrainGroup(pool.name, dp, tp, pp, dp / (compute + tp_comm + pp_comm),
+                                   self._collective_s(m.weight_bytes / (tp * pp), dp, dp_gbs))
+                if best is None or self._group_step_s(group) < self._group_step_s(best):
+                    best = group
+        return best
+
+    def _group_step_s(self, group: TrainGroup) -> float:
+        return self.workload.step_tokens / group.tokens_per_s + group.allreduce_s
+
+    def train_step_s(self, groups: list[TrainGroup], cross_gbs: float) -> float:
+        """One step over groups of different pools: tokens split so that all finish together, then
+        the groups' gradients are averaged over the slowest link between them."""
+        rate = sum(g.tokens_per_s for g in groups)
+        balanced = (self.workload.step_tokens + sum(g.allreduce_s * g.tokens_per_s for g in groups)) / rate
+        return balanced + self._collective_s(self.model.weight_bytes, len(groups), cross_gbs)
+
+    def weight_sync_s(self, slowest_gbs: float) -> float:
+        """Push bf16 weights from the trainer to every rollout replica over the slowest link between them."""
+        return self.model.weight_bytes / (slowest_gbs * GB * self.eff.sync)

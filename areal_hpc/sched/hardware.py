@@ -1,0 +1,137 @@
+"""Accelerator catalogue and cluster specs: what a planner may place work on, and what it costs.
+
+A cluster YAML lists node pools (a name, a device type, nodes, devices per node) and the bandwidth
+between machines for every pair of pools; see configs/clusters/ for the paper's clusters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from areal_hpc.errors import UserError, closest
+
+CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One device type: dense bf16 TFLOP/s, HBM bandwidth (GB/s) and size (GB), intra-node link (GB/s), $/h."""
+
+    name: str
+    tflops: float
+    hbm_gbs: float
+    memory_gb: float
+    link_gbs: float
+    price_per_hour: float
+
+
+# Vendor datasheet figures (dense bf16, no sparsity). H800 and H20 prices and link speeds are the
+# AReaL-Hex paper's; the other prices are typical 2025 cloud list prices, to be overridden per site.
+CATALOGUE = {a.name: a for a in [
+    Accelerator("H100", 989.0, 3350.0, 80.0, 450.0, 6.00),
+    Accelerator("H800", 989.0, 3350.0, 80.0, 200.0, 5.28),
+    Accelerator("H20", 148.0, 4000.0, 96.0, 450.0, 1.85),
+    Accelerator("A100", 312.0, 2039.0, 80.0, 300.0, 2.50),
+    Accelerator("L40S", 362.0, 864.0, 48.0, 32.0, 1.20),
+    Accelerator("Ascend910B", 320.0, 1600.0, 64.0, 56.0, 2.20),
+]}
+
+
+@dataclass(frozen=True)
+class NodePool:
+    """Identical machines: ``nodes`` machines with ``per_node`` devices of one type each."""
+
+    name: str
+    device: Accelerator
+    nodes: int
+    per_node: int
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Node pools plus the bandwidth between machines (GB/s) for every pair of pools."""
+
+    name: str
+    pools: tuple[NodePool, ...]
+    inter_node_gbs: dict
+
+    @property
+    def devices(self) -> int:
+        return sum(p.devices for p in self.pools)
+
+    @property
+    def price_per_hour(self) -> float:
+        return sum(p.devices * p.device.price_per_hour for p in self.pools)
+
+    def bandwidth(self, a: str, b: str) -> float:
+        """Bandwidth between a machine of pool ``a`` and one of pool ``b`` (GB/s)."""
+        return self.inter_node_gbs[frozenset((a, b))]
+
+    def summary(self) -> str:
+        return " + ".join(f"{p.devices} {p.device.name}" for p in self.pools)
+
+
+def accelerator(name: str, prices: dict | None = None) -> Accelerator:
+    """The catalogue entry for ``name`` (a price override from the cluster file applied)."""
+    if name not in CATALOGUE:
+        raise UserError(f"unknown device type '{name}'{closest(name, CATALOGUE)} "
+                        f"(known: {', '.join(CATALOGUE)})")
+    found = CATALOGUE[name]
+    price = (prices or {}).get(name)
+    return found if price is None else replace(found, price_per_hour=float(price))
+
+
+def make_cluster(name: str, pools: list[tuple[str, str, int, int]], inter_node_gbs: dict,
+                 prices: dict | None = None) -> Cluster:
+    """Build a cluster from (pool name, device type, nodes, devices per node) rows and a bandwidth table.
+
+    ``inter_node_gbs`` maps "a-b" (pool names, either order) to GB/s; a pair left out gets the slowest
+    bandwidth given, so a cluster file needs only the links it knows.
+    """
+    built = tuple(NodePool(pool, accelerator(kind, prices), int(nodes), int(per_node))
+                  for pool, kind, nodes, per_node in pools if int(nodes) > 0)
+    if not built:
+        raise UserError(f"cluster '{name}' has no devices (every pool has 0 nodes); list at least one node pool")
+    for pool in built:
+        if pool.per_node < 1:
+            raise UserError(f"pool '{pool.name}' has {pool.per_node} devices per node; it needs at least 1")
+    links = {}
+    for pair, gbs in (inter_node_gbs or {}).items():
+        a, _, b = str(pair).partition("-")
+        for end in (a, b):
+            if end not in {p.name for p in built}:
+                raise UserError(f"link '{pair}' names pool '{end}'{closest(end, [p.name for p in built])} "
+                                f"which the cluster does not have")
+        links[frozenset((a, b))] = float(gbs)
+    if not links and (len(built) > 1 or built[0].nodes > 1):
+        raise UserError(f"cluster '{name}' spans several machines but gives no inter_node_gbs "
+                        f"(e.g. inter_node_gbs: {{{built[0].name}-{built[0].name}: 5}})")
+    slowest = min(links.values(), default=0.0)
+    for a in built:
+        for b in built:
+            links.setdefault(frozenset((a.name, b.name)), slowest)
+    return Cluster(name, built, links)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster YAML (see configs/clusters/hex-8h800-24h20.yaml for the format)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"cluster file {path} does not exist (see configs/clusters/ for examples)")
+    spec = yaml.safe_load(path.read_text()) or {}
+    rows = []
+    for i, pool in enumerate(spec.get("pools") or []):
+        missing = {"device", "nodes"} - set(pool)
+        if missing:
+            raise UserError(f"{path}: pool {i} lacks {', '.join(sorted(missing))} "
+                            f"(each pool needs device, nodes and optionally name, per_node)")
+        rows.append((str(pool.get("name", pool["device"])), str(pool["device"]), pool["nodes"],
+                     pool.get("per_node", 8)))
+    return make_cluster(spec.get("name", path.stem), rows, spec.get("inter_node_gbs"), spec.get("prices"))

@@ -1,0 +1,211 @@
+"""AReaL-Hex's planner: split the devices between training and rollout, pick each side's parallelism.
+
+For a training share γ of the compute, a device split (graph partition, plus a ratio-ordered seed)
+gets its training plan by a constrained search (dp x tp x pp groups of one device type) and its
+rollout plan by the MILP; γ is binary-searched until training and rollout step times balance, then
+local moves refine the split. Small clusters are enumerated exhaustively instead (exact).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from areal_hpc.errors import UserError
+from areal_hpc.sched.cost import CostModel, TrainGroup, powers_of_two
+from areal_hpc.sched.hardware import Cluster
+from areal_hpc.sched.partition import metis_split, ratio_split
+from areal_hpc.sched.rollout_milp import RolloutMILP, RolloutPlan
+
+EXHAUSTIVE_LIMIT = 128  # device splits: enumerate them all up to this many
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement and its predicted step: step = max(train, generation) + weight sync (η = 0: their sum)."""
+
+    train: tuple[TrainGroup, ...]
+    rollout: RolloutPlan
+    train_s: float
+    generation_s: float
+    sync_s: float
+    staleness: int
+    step_tokens: int
+    train_price: float
+
+    @property
+    def step_s(self) -> float:
+        if self.staleness == 0:
+            return self.train_s + self.generation_s + self.sync_s
+        return max(self.train_s, self.generation_s) + self.sync_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.step_tokens / self.step_s
+
+    @property
+    def price_per_hour(self) -> float:
+        return self.train_price + self.rollout.price_per_hour
+
+    @property
+    def allocation(self) -> str:
+        """DESIGN.md's allocation string, e.g. ``sglang:d12t2+megatron:d1p1t8``."""
+        parts = [f"sglang:d{y}t{r.tp}" + (f"p{r.pp}" if r.pp > 1 else "") for r, y in self.rollout.replicas]
+        parts += [f"megatron:d{g.dp}p{g.pp}t{g.tp}" for g in self.train]
+        return "+".join(parts)
+
+
+class HeteroPlanner:
+    """Plans one model on one cluster; ``plan()`` returns the best ``Plan`` for the objective.
+
+    Objectives: ``max-throughput`` (optionally under ``budget`` $/h; devices left idle cost nothing)
+    or ``min-cost`` (the cheapest plan reaching ``target`` tokens/s).
+    """
+
+    def __init__(self, cluster: Cluster, cost: CostModel, staleness: int = 4, budget: float = math.inf,
+                 objective: str = "max-throughput", target: float | None = None):
+        if objective == "min-cost" and not target:
+            raise UserError("--objective min-cost needs --target-throughput TOKENS_PER_S (a positive number)")
+        self.cluster, self.cost, self.staleness = cluster, cost, staleness
+        self.budget, self.objective, self.target = budget, objective, target
+        self.pools = {p.name: p for p in cluster.pools}
+        self.evaluated: dict[tuple, Plan | None] = {}
+
+    def evaluate(self, train_counts: dict[str, int]) -> Plan | None:
+        """The plan with exactly ``train_counts`` training devices per pool (None: infeasible)."""
+        key = tuple(train_counts.get(name, 0) for name in self.pools)
+        if key not in self.evaluated:
+            self.evaluated[key] = self._evaluate(dict(zip(self.pools, key)))
+        return self.evaluated[key]
+
+    def _evaluate(self, counts: dict[str, int]) -> Plan | None:
+        cl, cost, w = self.cluster, self.cost, self.cost.workload
+        used = [name for name, n in counts.items() if n > 0]
+        groups = [cost.train_group(self.pools[name], counts[name], cl.bandwidth(name, name)) for name in used]
+        if not groups or None in groups:
+            return None
+        train_price = sum(counts[name] * self.pools[name].device.price_per_hour for name in used)
+        train_s = cost.train_step_s(groups, min(cl.bandwidth(a, b) for a in used for b in used))
+        free = {name: pool.devices - counts[name] for name, pool in self.pools.items()}
+        replicas = [r for name, n in free.items() if n > 0
+                    for r in cost.rollout_replicas(self.pools[name], n, cl.bandwidth(name, name))]
+        milp = RolloutMILP(replicas, free)
+        if self.objective == "max-throughput":
+            rollout = milp.solve(max_price=self.budget - train_price)
+        else:
+            worst_sync = cost.weight_sync_s(min([cl.bandwidth(a, b) for a in used for b in free if free[b]] or [1]))
+            window = w.step_tokens / self.target - worst_sync  # what generation may take, at worst sync
+            if self.staleness == 0:
+                window -= train_s
+            if window <= 0 or train_s > w.step_tokens / self.target - worst_sync:
+                return None
+            rollout = milp.solve(min_rate=w.step_tokens / window)
+        if rollout is None or not rollout.replicas:
+            return None
+        sync_gbs = min(cl.bandwidth(a, r.pool) for a in used for r, _ in rollout.replicas)
+        return Plan(tuple(groups), rollout, train_s, w.step_tokens / rollout.tokens_per_s,
+                    cost.weight_sync_s(sync_gbs), self.staleness, w.step_tokens, train_price)
+
+    def better(self, a: Plan | None, b: Plan | None) -> bool:
+        """Whether plan ``a`` beats plan ``b`` under the objective."""
+        if a is None:
+            return False
+        if b is None:
+            return True
+        if self.objective == "min-cost":
+            return (a.price_per_hour, -a.tokens_per_s) < (b.price_per_hour, -b.tokens_per_s)
+        return (a.tokens_per_s, -a.price_per_hour) > (b.tokens_per_s, -b.price_per_hour)
+
+    def _best(self, candidates) -> Plan | None:
+        best = None
+        for counts in candidates:
+            plan = self.evaluate(counts)
+            if self.better(plan, best):
+                best = plan
+        return best
+
+    def plan(self, exhaustive: bool | None = None) -> Plan:
+        splits = math.prod(p.devices + 1 for p in self.cluster.pools)
+        if exhaustive if exhaustive is not None else splits <= EXHAUSTIVE_LIMIT:
+            ranges = [range(p.devices + 1) for p in self.cluster.pools]
+            best = self._best(dict(zip(self.pools, c)) for c in itertools.product(*ranges))
+        else:
+            best = self._refine(self._search_share())
+        if best is None:
+            raise UserError(self._why_infeasible())
+        return best
+
+    def _search_share(self) -> Plan | None:
+        """Binary search on γ: more training compute while training is the slower side."""
+        low, high, best = 0.0, 1.0, None
+        for _ in range(14):
+            share = (low + high) / 2
+            seeds = [metis_split(self.cluster, share), ratio_split(self.cluster, share)]
+            plans = [self.evaluate(s) for s in seeds]
+            for plan in plans:
+                if self.better(plan, best):
+                    best = plan
+            if self._needs_more_training(seeds, plans):
+                low = share
+            else:
+                high = share
+        return best
+
+    def _needs_more_training(self, seeds, plans) -> bool:
+        feasible = [p for p in plans if p is not None]
+        if not feasible:  # nothing trains (too few training devices) or nothing is left for rollout
+            return any(not any(s.values()) or self._train_infeasible(s) for s in seeds)
+        plan = max(feasible, key=lambda p: p.tokens_per_s)
+        if self.objective == "min-cost":
+            return False  # feasible already: try a smaller, cheaper training share
+        return plan.train_s > plan.generation_s
+
+    def _train_infeasible(self, counts) -> bool:
+        return any(self.cost.train_group(self.pools[n], c, self.cluster.bandwidth(n, n)) is None
+                   for n, c in counts.items() if c > 0) or not any(counts.values())
+
+    def _refine(self, best: Plan | None) -> Plan | None:
+        """Hill-climb over moves of 1, 2, 4, .. devices per pool (and between two pools)."""
+        if best is None:
+            return None
+        while True:
+            counts = self._counts(best)
+            moves = [{name: d} for name, p in self.pools.items() for k in move_sizes(p) for d in (k, -k)]
+            moves += [{a: k, b: -k} for a in self.pools for b in self.pools if a != b
+                      for k in move_sizes(self.pools[a])]
+            candidates = []
+            for move in moves:
+                moved = {name: counts[name] + move.get(name, 0) for name in self.pools}
+                if all(0 <= n <= self.pools[name].devices for name, n in moved.items()):
+                    candidates.append(moved)
+            step = self._best(candidates)
+            if not self.better(step, best):
+                return best
+            best = step
+
+    def _counts(self, plan: Plan) -> dict[str, int]:
+        counts = {name: 0 for name in self.pools}
+        for group in plan.train:
+            counts[group.pool] += group.devices
+        return counts
+
+    def _why_infeasible(self) -> str:
+        m = self.cost.model
+        fits = [p.name for p in self.cluster.pools if any(
+            self.cost.train_group(p, n, self.cluster.bandwidth(p.name, p.name)) for n in range(1, p.devices + 1))]
+        if not fits:
+            return (f"model {m.name} ({m.params / 1e9:.1f}B parameters) fits on no training group of cluster "
+                    f"{self.cluster.name} ({self.cluster.summary()}); add devices or pick a smaller model")
+        if self.objective == "min-cost":
+            return (f"no plan on {self.cluster.name} reaches --target-throughput {self.target:,.0f} tokens/s; "
+                    f"lower the target or add devices")
+        if self.budget < math.inf:
+            return (f"--budget-per-hour {self.budget:g} is below the cheapest feasible plan on {self.cluster.name} "
+                    f"(one training group plus one rollout replica); raise the budget")
+        return (f"model {m.name} leaves no devices for rollout on {self.cluster.name} ({self.cluster.summary()}); "
+                f"add devices or pick a smaller model")
+
+
+def move_sizes(pool) -> set[int]:
+    return set(powers_of_two(pool.per_node)) | {pool.per_node}

@@ -150,6 +150,8 @@ class HeteroPlanner:
                 low = share
             else:
                 high = share
+        if best is None:  # no split of the searched shares works: train on one pool, at every size
+            best = self._best({name: k} for name, p in self.pools.items() for k in move_sizes(p))
         return best
 
     def _needs_more_training(self, seeds, plans) -> bool:
@@ -174,6 +176,9 @@ class HeteroPlanner:
             moves = [{name: d} for name, p in self.pools.items() for k in move_sizes(p) for d in (k, -k)]
             moves += [{a: k, b: -k} for a in self.pools for b in self.pools if a != b
                       for k in move_sizes(self.pools[a])]
+            # a pool leaves or joins training whole: drops (or adds) a cross-pool all-reduce at once
+            moves += [{name: -counts[name]} for name in self.pools] + [
+                {name: p.devices - counts[name]} for name, p in self.pools.items()]
             candidates = []
             for move in moves:
                 moved = {name: counts[name] + move.get(name, 0) for name in self.pools}
@@ -208,4 +213,5 @@ class HeteroPlanner:
 
 
 def move_sizes(pool) -> set[int]:
-    return set(powers_of_two(pool.per_node)) | {pool.per_node}
+    """Device counts to move at once: powers of two up to the pool, and one machine."""
+    return set(powers_of_two(pool.devices)) | {pool.per_node}

@@ -1,0 +1,73 @@
+"""Cost-model sanity: model sizes, monotonicity in bandwidth and devices, memory limits."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.sched.cost import CostModel, Efficiency, Workload
+from areal_hpc.sched.hardware import CATALOGUE, NodePool
+from areal_hpc.sched.model_spec import load_model_spec
+
+MODELS = ["r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "r1-distill-qwen-14b", "r1-distill-qwen-32b"]
+COSTS = {name: CostModel(load_model_spec(name), Workload(prompts=8, answers=8)) for name in MODELS}
+
+
+def pool(device: str, per_node: int = 8, nodes: int = 4) -> NodePool:
+    return NodePool(device, CATALOGUE[device], nodes, per_node)
+
+
+@pytest.mark.parametrize("name, billions", [("r1-distill-qwen-1.5b", 1.777), ("r1-distill-qwen-7b", 7.616),
+                                            ("r1-distill-qwen-14b", 14.770), ("r1-distill-qwen-32b", 32.764)])
+def test_parameter_counts_match_the_published_models(name, billions):
+    assert load_model_spec(name).params / 1e9 == pytest.approx(billions, abs=0.001)
+
+
+@settings(max_examples=40, deadline=None)
+@given(model=st.sampled_from(MODELS), device=st.sampled_from(sorted(CATALOGUE)),
+       slow=st.floats(0.5, 50), factor=st.floats(1, 20), devices=st.sampled_from([2, 4, 8, 16]))
+def test_more_bandwidth_is_never_slower(model, device, slow, factor, devices):
+    cost, p = COSTS[model], pool(device, per_node=4)
+    fast = slow * factor
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 4):
+            a, b = cost.rollout_replica(p, tp, pp, slow), cost.rollout_replica(p, tp, pp, fast)
+            assert (a is None) == (b is None)
+            assert a is None or b.tokens_per_s >= a.tokens_per_s
+    a, b = cost.train_group(p, devices, slow), cost.train_group(p, devices, fast)
+    assert (a is None) == (b is None)
+    assert a is None or cost.train_step_s([b], fast) <= cost.train_step_s([a], slow)
+    assert cost.weight_sync_s(fast) <= cost.weight_sync_s(slow)
+
+
+def test_faster_links_inside_a_machine_are_never_slower():
+    cost, base = COSTS["r1-distill-qwen-14b"], pool("H800")
+    faster = NodePool("H800", CATALOGUE["H100"], 4, 8)  # same FLOP/s and HBM, 450 instead of 200 GB/s NVLink
+    assert cost.rollout_replica(faster, 4, 1, 5).tokens_per_s >= cost.rollout_replica(base, 4, 1, 5).tokens_per_s
+    assert cost.train_group(faster, 8, 5).tokens_per_s >= cost.train_group(base, 8, 5).tokens_per_s
+
+
+@settings(max_examples=40, deadline=None)
+@given(model=st.sampled_from(MODELS), device=st.sampled_from(sorted(CATALOGUE)), devices=st.integers(1, 31))
+def test_more_devices_never_mean_fewer_feasible_plans(model, device, devices):
+    cost, p = COSTS[model], pool(device)
+    fewer = {(r.tp, r.pp) for r in cost.rollout_replicas(p, devices, 5)}
+    more = {(r.tp, r.pp) for r in cost.rollout_replicas(p, devices + 1, 5)}
+    assert fewer <= more
+    # a training group that fits on n devices also fits (pipelined further, or data-parallel) on 2n
+    if cost.train_group(p, devices, 5) is not None:
+        assert cost.train_group(p, 2 * devices, 5) is not None
+
+
+def test_memory_limits_what_fits():
+    big, small = COSTS["r1-distill-qwen-32b"], pool("L40S", per_node=1, nodes=1)
+    assert big.rollout_replica(small, 1, 1, 5) is None  # 65 GB of bf16 weights on a 48 GB card
+    assert big.train_group(small, 1, 5) is None
+    assert COSTS["r1-distill-qwen-1.5b"].train_group(pool("H100"), 1, 5) is not None
+
+
+def test_decode_is_memory_bound_on_h800_and_efficiency_scales_speed():
+    cost = COSTS["r1-distill-qwen-7b"]
+    replica = cost.rollout_replica(pool("H800"), 1, 1, 5)
+    assert replica.step_full_s > replica.step_1_s  # each running sequence adds its KV reads
+    slower = CostModel(cost.model, cost.workload, Efficiency(overall=0.5)).rollout_replica(pool("H800"), 1, 1, 5)
+    assert slower.tokens_per_s == pytest.approx(replica.tokens_per_s / 2, rel=0.05)

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from areal_hpc.errors import UserError, closest
+from areal_hpc.errors import UserError
 
 
 def add_planner_commands(commands) -> None:
@@ -61,27 +61,10 @@ def _positive(value, flag: str, what: str) -> None:
         raise UserError(f"{flag} must be a positive {what}, got {value:g}")
 
 
-def _efficiency(path: str | None):
-    import yaml
-
-    from areal_hpc.sched.cost import Efficiency
-
-    if path is None:
-        return Efficiency()
-    if not Path(path).is_file():
-        raise UserError(f"efficiency file {path} does not exist")
-    values = yaml.safe_load(Path(path).read_text()) or {}
-    known = Efficiency.__dataclass_fields__
-    for key in values:
-        if key not in known:
-            raise UserError(f"{path}: unknown efficiency factor '{key}'{closest(key, known)} (known: {', '.join(known)})")
-    return Efficiency().replace(**{k: float(v) for k, v in values.items()})
-
-
 def _plan(args) -> int:
     import yaml
 
-    from areal_hpc.sched.cost import CostModel, Workload
+    from areal_hpc.sched.cost import CostModel, Efficiency, Workload, load_efficiency
     from areal_hpc.sched.hardware import load_cluster
     from areal_hpc.sched.model_spec import load_model_spec
     from areal_hpc.sched.planner import HeteroPlanner
@@ -98,7 +81,8 @@ def _plan(args) -> int:
     cluster, model = load_cluster(args.cluster), load_model_spec(args.model)
     workload = Workload(prompts=args.sequences, answers=1, prompt_len=args.prompt_len, gen_mean=args.answer_len,
                         gen_max=2 * args.answer_len)
-    planner = HeteroPlanner(cluster, CostModel(model, workload, _efficiency(args.efficiency)), args.staleness,
+    efficiency = load_efficiency(args.efficiency) if args.efficiency else Efficiency()
+    planner = HeteroPlanner(cluster, CostModel(model, workload, efficiency), args.staleness,
                             args.budget_per_hour or math.inf, args.objective, args.target_throughput)
     record = plan_dict(planner.plan(), cluster, model.name, workload)
     if args.out:

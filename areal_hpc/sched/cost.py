@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from areal_hpc.errors import UserError, closest
 
 from areal_hpc.sched.hardware import NodePool
 from areal_hpc.sched.model_spec import ModelSpec
@@ -31,6 +36,20 @@ class Efficiency:
 
     def replace(self, **values) -> "Efficiency":
         return Efficiency(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **values})
+
+
+def load_efficiency(path: str | Path) -> Efficiency:
+    """Factors from a YAML mapping (e.g. configs/clusters/efficiency-areal-hex.yaml); the rest default."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"efficiency file {path} does not exist (see configs/clusters/efficiency-areal-hex.yaml)")
+    values = yaml.safe_load(path.read_text()) or {}
+    known = [f.name for f in fields(Efficiency)]
+    for key in values:
+        if key not in known:
+            raise UserError(f"{path}: unknown efficiency factor '{key}'{closest(str(key), known)} "
+                            f"(known: {', '.join(known)})")
+    return Efficiency().replace(**{k: float(v) for k, v in values.items()})
 
 
 @dataclass(frozen=True)

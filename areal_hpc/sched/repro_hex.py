@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from areal_hpc.sched.calibrate import Measurement, fit_efficiency
-from areal_hpc.sched.cost import CostModel, Efficiency, Workload
+from areal_hpc.sched.cost import CostModel, Efficiency, Workload, load_efficiency
 from areal_hpc.sched.hardware import CLUSTERS, load_cluster
 from areal_hpc.sched.model_spec import load_model_spec
 from areal_hpc.sched.planner import HeteroPlanner
@@ -27,8 +27,8 @@ PAPER = {  # per model: (uniform, optimised) on 24 H800, hex throughput, sync H8
     "14B": (1.29e3, 2.16e3, 2.30e3, 26.00, 112.93, 1.50, 2.29),
 }
 FITTED = ("overall", "decode_hbm", "decode_mfu", "sync")
-# Written by `areal-hpc repro hex --calibrate` (2026-11-22) from the rows marked "fit".
-CALIBRATED = Efficiency(overall=0.21, decode_hbm=0.188, decode_mfu=0.179, sync=0.191)
+# Written from `areal-hpc repro hex --calibrate` (2026-11-22), fitted to the rows marked "fit".
+CALIBRATED = load_efficiency(CLUSTERS / "efficiency-areal-hex.yaml")
 
 
 @dataclass(frozen=True)

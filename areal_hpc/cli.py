@@ -122,6 +122,12 @@ def _shards_export(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from areal_hpc.launch.local import launch
+
+    return launch(args.config, args.overrides, args.resume)
+
+
 # `areal-hpc serve backend=embedded model.path=DIR port=N`: the server's own words for its settings.
 SERVE_ALIASES = {"backend": "rollout.backend", "host": "rollout.host", "port": "rollout.port"}
 
@@ -172,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     sft = commands.add_parser("sft", help="supervised fine-tuning with held-out evaluation")
     with_config(sft)
     sft.set_defaults(handler=_sft)
+
+    train = commands.add_parser("train", help="asynchronous RL: rollout servers + trainer processes on this machine")
+    with_config(train)
+    train.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    train.set_defaults(handler=_train)
 
     ev = commands.add_parser("eval", help="greedy accuracy of a model on a task's held-out split")
     ev.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")

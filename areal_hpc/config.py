@@ -125,10 +125,41 @@ class RolloutConfig:
 @dataclass
 class ActorConfig:
     lr: float = spec(1e-4, "peak learning rate of the RL actor", gt=0.0)
+    adv_estimator: str = spec("grpo", "advantage estimator (ppo trains a critic and uses GAE)",
+                              choices=["grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp",
+                                       "reinforce_pp_baseline", "ppo"])
+    aggregation: str = spec("token-mean", "how token losses make the batch loss (Dr.GRPO: seq-mean-token-sum-norm)",
+                            choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
     eps_clip: float = spec(0.2, "PPO clip range", gt=0.0)
+    eps_clip_high: float = spec(0.0, "upper clip range (DAPO clip-higher); 0 means eps_clip", ge=0.0)
+    importance_level: str = spec("token", "importance ratio per token (PPO) or per sequence (GSPO)",
+                                 choices=["token", "sequence"])
+    behav_correction: str = spec("cap", "decoupled PPO: cap the behaviour weight, mask tokens beyond the cap, "
+                                 "mask by the KPop criterion, or none", choices=["cap", "mask", "kpop", "none"])
     behav_imp_weight_cap: float = spec(5.0, "cap of the behaviour importance weight (decoupled PPO)", gt=0.0)
+    kpop_threshold: float = spec(2.0, "KPop: mask tokens whose binary KL (either direction) exceeds this", gt=0.0)
     ppo_n_minibatches: int = spec(1, "PPO minibatches per training step", ge=1)
-    kl_ctl: float = spec(0.0, "KL penalty coefficient to the reference model", ge=0.0)
+    kl_ctl: float = spec(0.0, "KL penalty coefficient to the reference model (the starting weights)", ge=0.0)
+    max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)
+    dynamic_sampling: bool = spec(False, "DAPO: drop groups whose rewards are all equal (they carry no signal)")
+    overlong_cache_tokens: int = spec(0, "DAPO overlong penalty: length band before max_new_tokens; 0 disables", ge=0)
+    overlong_penalty: float = spec(1.0, "DAPO overlong penalty at max_new_tokens", ge=0.0)
+    gamma: float = spec(1.0, "ppo: discount", ge=0.0, le=1.0)
+    lam: float = spec(1.0, "ppo: GAE lambda", ge=0.0, le=1.0)
+    critic_lr: float = spec(1e-4, "ppo: peak learning rate of the critic", gt=0.0)
+    value_clip: float = spec(0.2, "ppo: value clip range", gt=0.0)
+
+
+@dataclass
+class RLConfig:
+    total_train_steps: int = spec(100, "policy updates (each one batch of rollout.consumer_batch_size groups)", ge=1)
+    eval_every_steps: int = spec(20, "steps between held-out evaluations; 0 evaluates only before and after", ge=0)
+    sft_warmup_steps: int = spec(0, "SFT steps (with the sft section's settings) before RL starts", ge=0)
+    weight_sync: str = spec("disk", "how new weights reach the rollout servers",
+                            choices=["disk", "distributed"])
+    weight_sync_bucket_mb: int = spec(64, "distributed weight sync: megabytes per broadcast bucket", ge=1)
+    interruptible: bool = spec(True, "a weight update interrupts generation (False: wait for episodes to finish)")
+    trainer_processes: int = spec(1, "data-parallel trainer processes (gloo on CPU, NCCL on GPU)", ge=1)
 
 
 @dataclass
@@ -163,6 +194,7 @@ class RunConfig:
     sft: SFTConfig = section(SFTConfig)
     rollout: RolloutConfig = section(RolloutConfig)
     actor: ActorConfig = section(ActorConfig)
+    rl: RLConfig = section(RLConfig)
     gconfig: GenerationConfig = section(GenerationConfig)
     saver: SaverConfig = section(SaverConfig)
     stats: StatsConfig = section(StatsConfig)

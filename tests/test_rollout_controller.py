@@ -36,7 +36,8 @@ def test_no_trained_episode_lags_more_than_eta_versions(batch, eta, concurrent, 
             next_id += 1
         assert gate.running <= concurrent
         if train_done is None:
-            taken, n_dropped = ready.take(batch - len(filling), gate.version, eta)
+            taken, stale = ready.take(batch - len(filling), gate.version, eta)
+            n_dropped = len(stale)
             filling, dropped = filling + taken, dropped + n_dropped
             gate.drop(n_dropped)
             if len(filling) == batch:

@@ -2,10 +2,12 @@
 
 When a server dies or never becomes healthy, the error says so with the tail of its log, so
 "server launch failed" always comes with its cause (a CUDA OOM, a missing model file, a port in use).
+Children ask the kernel to kill them when their parent dies (even by SIGKILL): a run leaves no orphans.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -23,17 +25,30 @@ class ServerLaunchError(UserError):
     """A server exited or stayed unhealthy; the message ends with its log tail."""
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL me when the process that started me exits."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class ServerProcess:
-    def __init__(self, name: str, command: list[str], log_path: Path, env: dict | None = None):
-        self.name, self.command, self.log_path = name, command, Path(log_path)
+    """``log_path=None`` keeps the child on this terminal (the trainer's progress line)."""
+
+    def __init__(self, name: str, command: list[str], log_path: Path | None, env: dict | None = None):
+        self.name, self.command, self.log_path = name, command, log_path and Path(log_path)
         self.env = env
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
+        options = dict(env={**os.environ, **(self.env or {})}, start_new_session=True, preexec_fn=_die_with_parent)
+        if self.log_path is None:
+            self.process = subprocess.Popen(self.command, **options)
+            return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **(self.env or {})}, start_new_session=True)
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, **options)
         return self
 
     def wait_healthy(self, address: str, timeout_s: float) -> None:
@@ -66,8 +81,10 @@ class ServerProcess:
         self.process.wait()
 
     def log_tail(self) -> str:
+        if self.log_path is None:
+            return "  | (its output went to this terminal, above)"
         if not self.log_path.exists():
-            return "(no log written)"
+            return "  | (no log written)"
         lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         return "\n".join(f"  | {line}" for line in lines) or "  | (log is empty)"
 

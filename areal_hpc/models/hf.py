@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, PreTrainedModel
 
 from areal_hpc.errors import UserError
 
@@ -31,6 +31,15 @@ def load_model(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa"
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=DTYPES[dtype], attn_implementation=attn_impl, local_files_only=True
     )
+    return model.to(device)
+
+
+def load_critic(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa",
+                device: torch.device | str = "cpu") -> PreTrainedModel:
+    """A value model for PPO: the causal LM's body with a fresh one-output head per position."""
+    model = AutoModelForTokenClassification.from_pretrained(
+        _check_model_dir(path), num_labels=1, dtype=DTYPES[dtype], attn_implementation=attn_impl,
+        local_files_only=True)
     return model.to(device)
 
 

@@ -69,7 +69,7 @@ class RolloutClient:
                 body = {"input_ids": out.input_ids + out.output_ids, "rid": rid, "return_logprob": True,
                         "sampling_params": {**sampling, "max_new_tokens": budget - len(out.output_ids)}}
                 try:
-                    reply = await self._post(server, "/generate", body)
+                    reply = await self.post(server, "/generate", body)
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
                     if await self._healthy(server):  # a dropped connection, not a dead server
                         await asyncio.sleep(RETRY_DELAY_S)
@@ -91,7 +91,7 @@ class RolloutClient:
     async def broadcast(self, route: str, body: dict | None = None) -> list[dict]:
         """POST to every live server at once (pause, continue, weight updates); dead ones are dropped."""
         servers = list(self.alive)
-        replies = await asyncio.gather(*(self._post(s, route, body or {}) for s in servers), return_exceptions=True)
+        replies = await asyncio.gather(*(self.post(s, route, body or {}) for s in servers), return_exceptions=True)
         for server, reply in zip(servers, replies):
             if isinstance(reply, (aiohttp.ClientConnectionError, asyncio.TimeoutError)):
                 self._drop(server)
@@ -130,7 +130,7 @@ class RolloutClient:
         if server in self.alive:
             self.alive.remove(server)
 
-    async def _post(self, server: str, route: str, body: dict) -> dict:
+    async def post(self, server: str, route: str, body: dict) -> dict:
         self.outstanding[server] += 1
         try:
             async with self._session.post(f"http://{server}{route}", json=body) as response:

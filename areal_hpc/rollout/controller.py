@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from areal_hpc.data.tasks import Example
@@ -29,14 +29,20 @@ class Episode:
     trajectories: list[Trajectory]
     version: int  # trainer version when the episode started (its oldest possible token)
 
+    @property
+    def ids(self) -> list[str]:
+        return [t.id for t in self.trajectories]
+
 
 class RolloutController:
     def __init__(self, client: RolloutClient, workflow, gate: StalenessGate, examples: Iterable[Example],
                  on_accept: Callable[[Episode], None] | None = None,
-                 accept: Callable[[list[Trajectory]], bool] = lambda group: True):
+                 accept: Callable[[list[Trajectory]], bool] = lambda group: True,
+                 on_drop: Callable[[Episode], None] | None = None):
         self.client, self.workflow, self.gate = client, workflow, gate
-        self.on_accept, self.accept = on_accept, accept
-        self._examples = itertools.cycle(examples)
+        self.on_accept, self.accept, self.on_drop = on_accept, accept, on_drop
+        # A list is cycled; an iterator (e.g. an endless, resumable prompt stream) is used as it is.
+        self._examples = examples if isinstance(examples, Iterator) else itertools.cycle(examples)
         self._ready = ReadyQueue()
         self._arrived = asyncio.Event()
         self._changed = asyncio.Event()
@@ -58,8 +64,11 @@ class RolloutController:
             taken, dropped = self._ready.take(size - len(batch), self.gate.version, self.gate.max_staleness)
             batch += taken
             if dropped:
-                self.gate.drop(dropped)
-                self.dropped += dropped
+                self.gate.drop(len(dropped))
+                self.dropped += len(dropped)
+                for episode in dropped:
+                    if self.on_drop is not None:
+                        self.on_drop(episode)
                 self._changed.set()
             if len(batch) < size:
                 arrived = asyncio.ensure_future(self._arrived.wait())
@@ -76,6 +85,20 @@ class RolloutController:
         """Stop starting episodes and abort in-flight generation (it resumes after ``resume``)."""
         self._paused = True
         await self.client.pause()
+
+    async def drain(self) -> None:
+        """Stop starting episodes and wait until the running ones finish: a weight update without
+        interrupting generation (AReaL's interruptible generation turned off)."""
+        self._paused = True
+        while self.gate.running:
+            await asyncio.sleep(0.01)
+
+    def restore(self, episodes: list[Episode]) -> None:
+        """Queue finished episodes from before a restart (read back from the shards) for training."""
+        for episode in episodes:
+            self._ready.put(episode.version, episode)
+        self.gate.accepted += len(episodes)
+        self._arrived.set()
 
     async def resume(self) -> None:
         await self.client.resume()

@@ -66,13 +66,13 @@ class ReadyQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def take(self, n: int, version: int, max_staleness: int) -> tuple[list[Any], int]:
-        """Up to ``n`` episodes trainable at ``version``, and how many too-stale ones were dropped."""
-        taken, dropped = [], 0
+    def take(self, n: int, version: int, max_staleness: int) -> tuple[list[Any], list[Any]]:
+        """Up to ``n`` episodes trainable at ``version``, and the too-stale ones dropped on the way."""
+        taken, dropped = [], []
         while self._heap and len(taken) < n:
             start_version, _, episode = heapq.heappop(self._heap)
             if version - start_version > max_staleness:
-                dropped += 1
+                dropped.append(episode)
             else:
                 taken.append(episode)
         return taken, dropped

@@ -61,12 +61,12 @@ class RLVRWorkflow:
 
     async def run(self, client: RolloutClient, example: Example) -> list[Trajectory]:
         prompt = prompt_ids(self.tokenizer, example.prompt)
-        group = f"{example.uid}-{uuid.uuid4().hex[:8]}"
-        async with asyncio.TaskGroup() as group:  # one failure cancels its siblings
-            tasks = [group.create_task(client.generate(prompt, self.sampling.params(self.stop)))
+        group_id = f"{example.uid}-{uuid.uuid4().hex[:8]}"
+        async with asyncio.TaskGroup() as samples:  # one failure cancels its siblings
+            tasks = [samples.create_task(client.generate(prompt, self.sampling.params(self.stop)))
                      for _ in range(self.n_samples)]
         generations = [task.result() for task in tasks]
-        return list(await asyncio.gather(*(self._record(g, example, group) for g in generations)))
+        return list(await asyncio.gather(*(self._record(g, example, group_id) for g in generations)))
 
     async def _record(self, generation: Generation, example: Example, group: str) -> Trajectory:
         outcome = await self.scorer(self.tokenizer.decode(generation.output_ids, skip_special_tokens=True), example)

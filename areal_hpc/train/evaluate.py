@@ -1,7 +1,9 @@
-"""Held-out accuracy: greedy completions of eval prompts, scored by the task's reward in workers."""
+"""Held-out accuracy: greedy completions of eval prompts (from an in-process model, or from the rollout
+servers during RL), scored by the task's reward in workers."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import torch
@@ -54,10 +56,25 @@ def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_token
     return texts
 
 
-def evaluate(model, tokenizer, examples: list[Example], rewards: RewardPool, max_new_tokens: int,
-             n_samples_kept: int = 3) -> EvalResult:
+def evaluate(model, tokenizer, examples: list[Example], rewards: RewardPool, max_new_tokens: int) -> EvalResult:
+    """Greedy accuracy of an in-process model (transformers ``generate``)."""
     completions = greedy_completions(model, tokenizer, [prompt_ids(tokenizer, ex.prompt) for ex in examples],
                                      max_new_tokens)
+    return score_completions(examples, completions, rewards)
+
+
+async def evaluate_remote(client, tokenizer, examples: list[Example], rewards: RewardPool,
+                          max_new_tokens: int) -> EvalResult:
+    """Greedy accuracy of the weights the rollout servers hold, asked over their HTTP API."""
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "stop_token_ids": [tokenizer.eos_token_id]}
+    generations = await asyncio.gather(*(client.generate(prompt_ids(tokenizer, ex.prompt), sampling)
+                                         for ex in examples))
+    completions = [tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in generations]
+    return await asyncio.to_thread(score_completions, examples, completions, rewards)
+
+
+def score_completions(examples: list[Example], completions: list[str], rewards: RewardPool,
+                      n_samples_kept: int = 3) -> EvalResult:
     outcomes = rewards.score(list(zip(completions, examples)))
     values = [o.value for o in outcomes]
     return EvalResult(

@@ -1,7 +1,8 @@
 """Run metrics: one JSON object per line in metrics.jsonl, the same scalars in TensorBoard.
 
 A run starts its metrics afresh: rerunning a trial replaces that trial's curves rather than
-interleaving two runs in one file.
+interleaving two runs in one file. A resumed run (``resume_step``) keeps the records up to the
+checkpoint it resumed from and drops the later ones, whose training was lost.
 """
 
 from __future__ import annotations
@@ -11,19 +12,28 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("w", buffering=1)  # line-buffered: a killed run keeps its metrics
         self.records: list[dict] = []
+        if resume_step is not None and self.path.exists():
+            lines = self.path.read_text().splitlines()
+            self.records = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= resume_step]
+        self._file = self.path.open("w", buffering=1)  # line-buffered: a killed run keeps its metrics
+        for record in self.records:
+            self._file.write(json.dumps(record) + "\n")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            if resume_step is None:
+                shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"),
+                                     purge_step=None if resume_step is None else resume_step + 1)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **scalars}
@@ -32,6 +42,11 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
+
+    def histogram(self, step: int, key: str, values: list[float]) -> None:
+        """A distribution (e.g. staleness of a batch): TensorBoard only; log its summary with ``log``."""
+        if self._tb is not None and values:
+            self._tb.add_histogram(key, np.asarray(values), step)
 
     def close(self) -> None:
         self._file.close()

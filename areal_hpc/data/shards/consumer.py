@@ -94,8 +94,37 @@ class TrajectoryConsumer:
 
     def poll(self, max_records: int) -> list[Trajectory]:
         """Up to ``max_records`` records committed since the last call (possibly none); no waiting."""
+        chosen = self._candidates()[:max_records]
+        records = self._read(chosen)
+        for _, stem, row, _ in chosen:
+            self.cursor.mark(stem, row)
+        return records
+
+    def pending(self) -> list[Trajectory]:
+        """Every record not consumed yet, oldest first, left unmarked: what a resumed run must still
+        train (produced before a crash, its training lost with it)."""
+        return self._read(self._candidates())
+
+    def take_ids(self, ids: list[str]) -> list[Trajectory]:
+        """Mark and return the records with these ids, in that order (a trainer that chose its batch
+        elsewhere, e.g. by staleness, still consumes through the cursor). Every id must be pending."""
+        wanted = {trajectory_id: None for trajectory_id in ids}
+        for candidate in self._candidates():
+            if candidate[3] in wanted:
+                wanted[candidate[3]] = candidate
+        missing = [trajectory_id for trajectory_id, found in wanted.items() if found is None]
+        if missing:
+            raise KeyError(f"trajectories {missing[:3]} are not committed or already consumed")
+        chosen = list(wanted.values())
+        records = self._read(chosen)
+        for _, stem, row, _ in chosen:
+            self.cursor.mark(stem, row)
+        return records
+
+    def _candidates(self) -> list[tuple[float, str, int, str]]:
+        """(created, shard, row, id) of every unconsumed record that passes the filter, oldest first."""
         self.store.refresh()
-        ready: list[tuple[float, str, int]] = []
+        ready: list[tuple[float, str, int, str]] = []
         for stem, shard in self.store.shards.items():
             start = self.cursor.next_row(stem)
             fresh = shard.index[start:]
@@ -104,24 +133,24 @@ class TrajectoryConsumer:
                 if not self.cursor.is_consumed(stem, start + int(offset)):
                     self.cursor.mark(stem, start + int(offset))
             for offset in np.flatnonzero(keep):
-                row = start + int(offset)
+                row, trajectory_id = start + int(offset), text(fresh[offset]["id"])
                 if self.cursor.is_consumed(stem, row):
                     continue
-                if self.require_reward and not self.store.has_reward(text(fresh[offset]["id"])):
+                if self.require_reward and not self.store.has_reward(trajectory_id):
                     continue
-                ready.append((float(fresh[offset]["created"]), stem, row))
+                ready.append((float(fresh[offset]["created"]), stem, row, trajectory_id))
         ready.sort()
-        chosen = ready[:max_records]
+        return ready
+
+    def _read(self, chosen: list[tuple[float, str, int, str]]) -> list[Trajectory]:
         by_shard: dict[str, list[int]] = {}
-        for _, stem, row in chosen:
+        for _, stem, row, _ in chosen:
             by_shard.setdefault(stem, []).append(row)
         records = {}
         for stem, rows in by_shard.items():
             for row, traj in zip(rows, self.store.shards[stem].read(rows, self.store.rewards_for)):
                 records[(stem, row)] = traj
-        for _, stem, row in chosen:
-            self.cursor.mark(stem, row)
-        return [records[(stem, row)] for _, stem, row in chosen]
+        return [records[(stem, row)] for _, stem, row, _ in chosen]
 
     def take(self, n: int, timeout: float | None = None, poll_interval: float = 0.05) -> list[Trajectory]:
         """Wait until ``n`` records are available (or ``timeout`` seconds pass) and return them."""

@@ -1,0 +1,86 @@
+"""One PPO update on a trainer rank: recompute the proximal policy's logprobs, (PPO) value estimates
+and GAE, then one optimizer step per minibatch with the decoupled PPO loss (and the value loss).
+
+Every rank runs ``update`` on its own part of each minibatch; gradients are summed across ranks by
+the engine, and whole-batch statistics (GAE whitening) by an all-reduce here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from areal_hpc.algo.advantages import gae, outcome_token_rewards
+from areal_hpc.algo.ppo import PPOLossConfig, decoupled_ppo_loss, value_loss
+from areal_hpc.config import ActorConfig
+from areal_hpc.train.batch import SequenceBatch
+from areal_hpc.train.engine import TorchTrainEngine, merge_stats
+
+
+def loss_config(cfg: ActorConfig) -> PPOLossConfig:
+    return PPOLossConfig(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high or None,
+                         behav_correction=cfg.behav_correction, behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+                         kpop_threshold=cfg.kpop_threshold, importance_level=cfg.importance_level,
+                         kl_coef=cfg.kl_ctl)
+
+
+class PPOActor:
+    def __init__(self, actor: TorchTrainEngine, cfg: ActorConfig, reference: TorchTrainEngine | None = None,
+                 critic: TorchTrainEngine | None = None, dp_group: dist.ProcessGroup | None = None):
+        self.actor, self.reference, self.critic, self.cfg = actor, reference, critic, cfg
+        self.loss_cfg, self.dp_group = loss_config(cfg), dp_group
+
+    def update(self, minibatches: list[SequenceBatch]) -> dict[str, float]:
+        started = time.perf_counter()
+        for mb in minibatches:  # the proximal policy is the one before this step's first update
+            if len(mb):
+                mb.fields["prox_logprobs"] = self.actor.forward(mb)
+                if self.reference is not None:
+                    mb.fields["ref_logprobs"] = self.reference.forward(mb)
+        if self.critic is not None:
+            self._estimate_advantages(minibatches)
+        recomputed = time.perf_counter()
+        steps = []
+        for mb in minibatches:
+            steps.append({f"actor/{k}": v for k, v in self.actor.train_step(mb, self._policy_loss).items()})
+            if self.critic is not None:
+                steps.append({f"critic/{k}": v for k, v in self.critic.train_step(mb, self._value_loss).items()})
+        return {**merge_stats(steps), "time/logprob": recomputed - started,
+                "time/update": time.perf_counter() - recomputed}
+
+    def _policy_loss(self, logprobs, packed, f):
+        return decoupled_ppo_loss(logprobs, f["prox_logprobs"], f["behav_logprobs"], f["advantages"],
+                                  packed.target_mask, packed.cu_seqlens, f["weights"], self.loss_cfg,
+                                  f.get("ref_logprobs"))
+
+    def _value_loss(self, values, packed, f):
+        loss = value_loss(values, f["old_values"], f["returns"], packed.target_mask, f["weights"], self.cfg.value_clip)
+        return loss, {}
+
+    def _estimate_advantages(self, minibatches: list[SequenceBatch]) -> None:
+        """PPO: GAE from the critic's values with the outcome reward on the last output token, then
+        whitened over every loss token of the batch (all minibatches, all ranks)."""
+        moments = torch.zeros(3, dtype=torch.float64)
+        for mb in minibatches:
+            if not len(mb):
+                continue
+            mb.fields["old_values"] = self.critic.forward(mb)
+            packed, f = mb.packed()
+            rewards = f["rewards"][packed.cu_seqlens[:-1]]
+            token_rewards = outcome_token_rewards(rewards, packed.target_mask, packed.cu_seqlens)
+            advantages, returns = gae(token_rewards, f["old_values"], packed.target_mask, packed.cu_seqlens,
+                                      self.cfg.gamma, self.cfg.lam)
+            mb.set_packed("advantages", advantages)
+            mb.set_packed("returns", returns)
+            trained = advantages[packed.target_mask].double()
+            moments += torch.stack([trained.sum(), (trained ** 2).sum(), torch.tensor(float(trained.numel()))])
+        if self.dp_group is not None:
+            dist.all_reduce(moments, group=self.dp_group)
+        total, squares, count = moments.tolist()
+        mean = total / max(count, 1.0)
+        std = max(squares / max(count, 1.0) - mean ** 2, 0.0) ** 0.5
+        for mb in minibatches:
+            if len(mb):
+                mb.fields["advantages"] = [(a - mean) / (std + 1e-6) for a in mb.fields["advantages"]]

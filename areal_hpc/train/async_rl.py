@@ -1,0 +1,114 @@
+"""Asynchronous RL (AReaL) on trainer rank 0: rollouts never stop while the trainer trains.
+
+    areal-hpc train --config configs/quickstart.yaml            # the launcher: servers + trainer ranks
+    python -m areal_hpc.train.async_rl --config FILE [--resume]  # what the launcher runs per trainer rank
+
+Each step: wait for a batch of finished groups no more than eta versions stale (generation and
+rewards run all along, as many episodes as the staleness gate admits), read them back from the HDF5
+shards, recompute the proximal logprobs and take the decoupled-PPO steps on every rank, then pause
+(interrupt) generation, push the new weights to every server, and continue. eta = 0 is synchronous RL.
+Simplifications on purpose: single-turn RLVR workflow; evaluation runs through the rollout servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+import torch.distributed as dist
+
+from areal_hpc.config import RunConfig, load_config
+from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.tasks import build_task
+from areal_hpc.errors import UserError
+from areal_hpc.models.hf import save_model
+from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.rollout.workflows import Scorer
+from areal_hpc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from areal_hpc.train.evaluate import evaluate_remote
+from areal_hpc.train.rl_progress import RLProgress
+from areal_hpc.train.rl_run import (PromptStream, build_controller, build_weight_sync, open_shards,
+                                    recovered_episodes, wait_for_servers)
+from areal_hpc.train.trainer_group import TrainerGroup, follow
+from areal_hpc.train.trainer_setup import build_actor, start_trainer
+
+
+async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict) -> None:
+    task, actor = build_task(cfg.dataset), group.actor.actor
+    version, total, batch_size = state["step"], cfg.rl.total_train_steps, cfg.rollout.consumer_batch_size
+    addresses = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
+    with RewardPool(task.reward) as rewards, RLProgress(cfg, version) as progress:
+        async with RolloutClient(addresses, cfg.rollout.request_timeout_s) as client:
+            sync = build_weight_sync(cfg, actor.device.type)
+            await sync.connect(client)
+            await sync.push(actor, client, version)  # the servers start from the trainer's weights
+            writer, consumer = open_shards(cfg, state.get("cursor", {}))
+            prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
+            controller = build_controller(cfg, client, actor.tokenizer, Scorer(rewards), task.name, prompts, writer,
+                                          version, on_drop=lambda e: progress.dropped(consumer.take_ids(e.ids)))
+            controller.restore(recovered_episodes(consumer))
+
+            async def evaluate(step: int) -> None:
+                result = await evaluate_remote(client, actor.tokenizer, task.eval, rewards, cfg.gconfig.max_new_tokens)
+                progress.evaluated(step, result)
+
+            if version == 0:
+                await evaluate(0)
+            await controller.start()
+            try:
+                for step in range(version, total):
+                    tick = time.perf_counter()
+                    episodes = await controller.prepare_batch(batch_size)         # gate + generate + reward
+                    waited = time.perf_counter() - tick
+                    batch = consumer.take_ids([i for e in episodes for i in e.ids])  # read back from the shards
+                    stats = await asyncio.to_thread(group.update, batch)          # recompute + PPO steps
+                    await (controller.pause() if cfg.rl.interruptible else controller.drain())
+                    stats |= await sync.push(actor, client, step + 1)             # new weights to every server
+                    controller.set_version(step + 1)
+                    await controller.resume()
+                    progress.trained(step + 1, batch, stats, waited, time.perf_counter() - tick, controller)
+                    if step + 1 == total or (cfg.rl.eval_every_steps and (step + 1) % cfg.rl.eval_every_steps == 0):
+                        await evaluate(step + 1)
+                    if step + 1 == total or (cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0):
+                        save_checkpoint(cfg.run_dir, step + 1, engines,
+                                        {"prompts_drawn": prompts.drawn, "cursor": consumer.cursor.state_dict()})
+            finally:
+                await controller.stop()
+                writer.close()
+    save_model(actor.model, actor.tokenizer, cfg.run_dir / "model")  # for `areal-hpc eval --model`
+    progress.plot()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m areal_hpc.train.async_rl", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, metavar="FILE")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        rank, device, dp_group = start_trainer(cfg)
+        actor, engines = build_actor(cfg, device, dp_group)
+        checkpoint = latest_checkpoint(cfg.run_dir) if args.resume else None
+        state = load_checkpoint(checkpoint, engines) if checkpoint else {"step": 0}
+        try:
+            if rank == 0:
+                group = TrainerGroup(actor, cfg)
+                try:
+                    asyncio.run(drive(cfg, group, engines, state))
+                finally:
+                    group.stop()
+            else:
+                follow(actor)
+        finally:
+            dist.destroy_process_group()
+    except UserError as exc:
+        print(f"areal-hpc: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

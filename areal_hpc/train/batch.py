@@ -1,0 +1,54 @@
+"""The training batch of RL: whole sequences plus per-position tensors, cut into micro-batches,
+minibatches and data-parallel parts without ever padding.
+
+Per-position tensors follow the packed layout of ``algo.microbatch.pack``: entry t of a sequence is
+about predicting token t+1 (its behaviour logprob, its advantage, its loss weight), so they line up
+with ``packed_token_logprobs`` when the sequences are packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from areal_hpc.algo.microbatch import PackedBatch, pack
+
+
+@dataclass
+class SequenceBatch:
+    sequences: list[list[int]]
+    loss_masks: list[list[int]]  # per token: 1 where the token is trained (a model output)
+    fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> one [len] tensor per sequence
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(map(len, self.sequences))
+
+    def select(self, indices: list[int]) -> "SequenceBatch":
+        return SequenceBatch([self.sequences[i] for i in indices], [self.loss_masks[i] for i in indices],
+                             {name: [values[i] for i in indices] for name, values in self.fields.items()})
+
+    def packed(self) -> tuple[PackedBatch, dict[str, torch.Tensor]]:
+        """One row of all sequences and each field concatenated in the same order."""
+        return (pack(self.sequences, self.loss_masks),
+                {name: torch.cat(values) for name, values in self.fields.items()})
+
+    def set_packed(self, name: str, values: torch.Tensor) -> None:
+        """Store a packed [T] tensor (e.g. recomputed logprobs) as a per-sequence field."""
+        self.fields[name] = list(values.split([len(s) for s in self.sequences]))
+
+
+def balanced_parts(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split sequence indices into ``parts`` groups of near-equal token counts (longest first, to the
+    lightest group), so data-parallel ranks finish a step together."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(i)
+        loads[lightest] += lengths[i]
+    return groups

@@ -1,0 +1,81 @@
+"""From trajectory records to the RL training batch: token sequences, behaviour logprobs in the packed
+layout, shaped rewards, advantages, loss weights, split into PPO minibatches and data-parallel parts.
+
+Everything here runs on trainer rank 0, which sees the whole batch (group statistics and the loss
+normaliser need it); the parts it hands to ranks are self-contained.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, expand_to_tokens, sequence_advantages
+from areal_hpc.algo.filters import overlong_penalty
+from areal_hpc.algo.ppo import token_weights
+from areal_hpc.config import ActorConfig
+from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.train.batch import SequenceBatch, balanced_parts
+
+
+def trajectory_sequence(traj: Trajectory) -> tuple[list[int], list[int], torch.Tensor]:
+    """All segments back to back: tokens, per-token loss mask, behaviour logprobs at position t-1."""
+    tokens, mask, logprobs = [], [], []
+    for seg in traj.segments:
+        tokens += seg.input_ids.tolist() + seg.output_ids.tolist()
+        mask += [0] * len(seg.input_ids) + seg.loss_mask.tolist()
+        logprobs += [0.0] * len(seg.input_ids) + seg.output_logprobs.tolist()
+    behaviour = torch.zeros(len(tokens))
+    behaviour[:-1] = torch.tensor(logprobs[1:])  # position t holds the logprob of token t+1
+    return tokens, mask, behaviour
+
+
+def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> float:
+    """The recorded reward (a missing or failed one counts 0) plus DAPO's overlong penalty when enabled."""
+    reward = traj.reward or 0.0
+    if cfg.overlong_cache_tokens:
+        reward += overlong_penalty(traj.n_output_tokens, max_new_tokens, cfg.overlong_cache_tokens,
+                                   cfg.overlong_penalty)
+    return reward
+
+
+def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens: int) -> SequenceBatch:
+    """Sequences with ``behav_logprobs``, ``rewards`` and (sequence estimators) ``advantages`` fields."""
+    sequences, masks, behaviour = zip(*map(trajectory_sequence, trajectories))
+    rewards = torch.tensor([shaped_reward(t, cfg, max_new_tokens) for t in trajectories])
+    batch = SequenceBatch(list(sequences), list(masks), {"behav_logprobs": list(behaviour)})
+    batch.fields["rewards"] = [torch.full((len(s),), float(r)) for s, r in zip(sequences, rewards)]
+    if cfg.adv_estimator in SEQUENCE_ESTIMATORS:
+        _, group_ids = np.unique([t.group_id for t in trajectories], return_inverse=True)
+        advantages = sequence_advantages(rewards, torch.as_tensor(group_ids), cfg.adv_estimator)
+        packed, _ = batch.packed()
+        batch.set_packed("advantages", expand_to_tokens(advantages, packed.cu_seqlens))
+    return batch
+
+
+def split_minibatches(batch: SequenceBatch, trajectories: list[Trajectory], cfg: ActorConfig,
+                      max_new_tokens: int) -> list[SequenceBatch]:
+    """PPO minibatches of whole groups, each with its own ``weights`` field (the loss normaliser of
+    that minibatch: each one is a separate optimizer step)."""
+    groups: dict[str, list[int]] = {}
+    for i, traj in enumerate(trajectories):
+        groups.setdefault(traj.group_id, []).append(i)
+    members = list(groups.values())
+    n = min(cfg.ppo_n_minibatches, len(members))
+    minibatches = []
+    for k in range(n):
+        mb = batch.select([i for group in members[k::n] for i in group])
+        packed, _ = mb.packed()
+        mb.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, cfg.aggregation,
+                                               n_tokens=packed.n_targets, n_seqs=len(mb), max_len=max_new_tokens))
+        minibatches.append(mb)
+    return minibatches
+
+
+def data_parallel_parts(minibatches: list[SequenceBatch], world_size: int) -> list[list[SequenceBatch]]:
+    """Rank r's share of every minibatch (balanced by tokens): ``parts[r][k]``."""
+    parts: list[list[SequenceBatch]] = [[] for _ in range(world_size)]
+    for mb in minibatches:
+        for rank, indices in enumerate(balanced_parts([len(s) for s in mb.sequences], world_size)):
+            parts[rank].append(mb.select(indices))
+    return parts

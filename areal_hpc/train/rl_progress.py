@@ -1,0 +1,79 @@
+"""What an RL run shows and records: a live progress line (step, reward, eval accuracy, staleness,
+tokens/s), metrics in JSONL and TensorBoard, the audit log of which trajectories each step trained
+(``logs/batches.jsonl``), and at the end a PNG of reward and eval accuracy against step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from areal_hpc.config import RunConfig, save_resolved
+from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.train.evaluate import EvalResult
+from areal_hpc.train.metrics import MetricsLogger
+from areal_hpc.train.plots import plot_curves
+
+LINE = ("reward {task.fields[reward]:.3f}  eval {task.fields[acc]}  staleness {task.fields[stale]:.2f}  "
+        "{task.fields[tps]:.0f} tok/s")
+
+
+class RLProgress:
+    def __init__(self, cfg: RunConfig, start_step: int, console: Console | None = None):
+        self.cfg, self.console = cfg, console or Console()
+        save_resolved(cfg)
+        self.metrics = MetricsLogger(cfg.run_dir, cfg.stats.tensorboard, resume_step=start_step or None)
+        (cfg.run_dir / "logs").mkdir(exist_ok=True)
+        self._audit = (cfg.run_dir / "logs" / "batches.jsonl").open("a", buffering=1)
+        self._progress = Progress(TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                  TextColumn(LINE), console=self.console)
+        self._bar = self._progress.add_task("rl", total=cfg.rl.total_train_steps, completed=start_step,
+                                            reward=float("nan"), acc="-", stale=0.0, tps=0.0)
+        self._started, self._trained_tokens = time.perf_counter(), 0
+
+    def __enter__(self) -> "RLProgress":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+        self._audit.close()
+        self.metrics.close()
+
+    def evaluated(self, step: int, result: EvalResult) -> None:
+        self.metrics.log(step, result.scalars())
+        self._progress.update(self._bar, acc=f"{result.accuracy:.1%}")
+        self.console.print(f"step {step}: eval accuracy {result.summary()}", soft_wrap=True)
+
+    def trained(self, step: int, batch: list[Trajectory], stats: dict[str, float], waited: float, seconds: float,
+                controller) -> None:
+        staleness = [step - 1 - t.version_range[0] for t in batch]  # trained at version step - 1
+        rewards = [t.reward or 0.0 for t in batch]
+        self._trained_tokens += int(stats["train/tokens"])
+        scalars = {**stats, "rollout/reward": float(np.mean(rewards)),
+                   "rollout/output_tokens": float(np.mean([t.n_output_tokens for t in batch])),
+                   "rollout/interruptions": float(sum(t.metadata.get("interruptions", 0) for t in batch)),
+                   "rollout/dropped_total": float(controller.dropped),
+                   "rollout/failures_total": float(len(controller.failures)),
+                   "staleness/mean": float(np.mean(staleness)), "staleness/max": float(max(staleness)),
+                   "time/generate_wait": waited, "time/step": seconds,
+                   "perf/trained_tokens_per_s": stats["train/tokens"] / seconds,
+                   "perf/trained_tokens_per_s_run": self._trained_tokens / (time.perf_counter() - self._started)}
+        self.metrics.log(step, scalars)
+        self.metrics.histogram(step, "staleness", staleness)
+        self._audit.write(json.dumps({"step": step, "trained": [t.id for t in batch]}) + "\n")
+        self._progress.update(self._bar, completed=step, reward=scalars["rollout/reward"],
+                              stale=scalars["staleness/mean"], tps=scalars["perf/trained_tokens_per_s"])
+
+    def dropped(self, batch: list[Trajectory]) -> None:
+        self._audit.write(json.dumps({"dropped": [t.id for t in batch]}) + "\n")
+
+    def plot(self) -> None:
+        if self.cfg.stats.plot:
+            out = plot_curves(self.metrics.records, {"reward": "rollout/reward", "eval accuracy": "eval/accuracy"},
+                              self.cfg.run_dir / "rl_curves.png", f"asynchronous RL on {self.cfg.dataset.task}")
+            self.console.print(f"curves: {out}")

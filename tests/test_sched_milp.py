@@ -33,15 +33,23 @@ def small_clusters(draw):
 
 def brute_force_rollout(replicas, available, max_price=float("inf")):
     """(best total rate, its replica counts) over every count vector that fits the devices and the price."""
-    best, best_counts = 0.0, ()
-    bounds = [range(available[r.pool] // r.devices + 1) for r in replicas]
-    for counts in itertools.product(*bounds):
-        used = {pool: sum(y * r.devices for y, r in zip(counts, replicas) if r.pool == pool) for pool in available}
-        price = sum(y * r.price_per_hour for y, r in zip(counts, replicas))
-        rate = sum(y * r.tokens_per_s for y, r in zip(counts, replicas))
-        if all(used[p] <= available[p] for p in available) and price <= max_price + 1e-9 and rate > best:
-            best, best_counts = rate, counts
-    return best, best_counts
+    best = (0.0, (0,) * len(replicas))
+
+    def visit(i, free, price, rate, counts):
+        nonlocal best
+        if i == len(replicas):
+            if rate > best[0]:
+                best = (rate, tuple(counts))
+            return
+        r = replicas[i]
+        y = 0
+        while y * r.devices <= free[r.pool] and price + y * r.price_per_hour <= max_price + 1e-9:
+            visit(i + 1, {**free, r.pool: free[r.pool] - y * r.devices}, price + y * r.price_per_hour,
+                  rate + y * r.tokens_per_s, counts + [y])
+            y += 1
+
+    visit(0, dict(available), 0.0, 0.0, [])
+    return best
 
 
 def brute_force_plan(cluster, cost, staleness):
@@ -69,7 +77,7 @@ def brute_force_plan(cluster, cost, staleness):
     return best
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cluster=small_clusters(), model=st.sampled_from(sorted(COSTS)), price_cap=st.floats(1, 60))
 def test_rollout_milp_equals_enumeration(cluster, model, price_cap):
     cost = COSTS[model]
@@ -81,8 +89,7 @@ def test_rollout_milp_equals_enumeration(cluster, model, price_cap):
     assert all(plan.devices(pool) <= n for pool, n in available.items())
 
 
-@pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cluster=small_clusters(), model=st.sampled_from(sorted(COSTS)), staleness=st.sampled_from([0, 4]))
 def test_planner_equals_enumeration(cluster, model, staleness):
     """Both the exhaustive path and the partition + binary search + refinement path find the optimum."""

@@ -66,10 +66,6 @@ class Cluster:
     def devices(self) -> int:
         return sum(p.devices for p in self.pools)
 
-    @property
-    def price_per_hour(self) -> float:
-        return sum(p.devices * p.device.price_per_hour for p in self.pools)
-
     def bandwidth(self, a: str, b: str) -> float:
         """Bandwidth between a machine of pool ``a`` and one of pool ``b`` (GB/s)."""
         return self.inter_node_gbs[frozenset((a, b))]

@@ -19,6 +19,7 @@ from areal_hpc.sched.partition import metis_split, ratio_split
 from areal_hpc.sched.rollout_milp import RolloutMILP, RolloutPlan
 
 EXHAUSTIVE_LIMIT = 128  # device splits: enumerate them all up to this many
+REFINE_STARTS = 4  # hill climbs, from the best distinct splits the search found
 
 
 @dataclass(frozen=True)
@@ -107,20 +108,22 @@ class HeteroPlanner:
         return Plan(tuple(groups), rollout, train_s, w.step_tokens / rollout.tokens_per_s,
                     cost.weight_sync_s(sync_gbs), self.staleness, w.step_tokens, train_price)
 
+    def score(self, plan: Plan) -> tuple:
+        """Larger is better under the objective."""
+        if self.objective == "min-cost":
+            return -plan.price_per_hour, plan.tokens_per_s
+        return plan.tokens_per_s, -plan.price_per_hour
+
     def better(self, a: Plan | None, b: Plan | None) -> bool:
         """Whether plan ``a`` beats plan ``b`` under the objective."""
-        if a is None:
-            return False
-        if b is None:
-            return True
-        if self.objective == "min-cost":
-            return (a.price_per_hour, -a.tokens_per_s) < (b.price_per_hour, -b.tokens_per_s)
-        return (a.tokens_per_s, -a.price_per_hour) > (b.tokens_per_s, -b.price_per_hour)
+        return a is not None and (b is None or self.score(a) > self.score(b))
 
     def _best(self, candidates) -> Plan | None:
+        return self._best_plan(self.evaluate(counts) for counts in candidates)
+
+    def _best_plan(self, plans) -> Plan | None:
         best = None
-        for counts in candidates:
-            plan = self.evaluate(counts)
+        for plan in plans:
             if self.better(plan, best):
                 best = plan
         return best
@@ -131,7 +134,12 @@ class HeteroPlanner:
             ranges = [range(p.devices + 1) for p in self.cluster.pools]
             best = self._best(dict(zip(self.pools, c)) for c in itertools.product(*ranges))
         else:
-            best = self._refine(self._search_share())
+            self._search_share()
+            self._seed_pools()
+            # Multi-start: splits that train on several pools pay a cross-pool all-reduce, so the
+            # landscape has several hills; climb from the best few distinct starting points.
+            starts = sorted((p for p in self.evaluated.values() if p is not None), key=self.score, reverse=True)
+            best = self._best_plan(self._refine(start) for start in starts[:REFINE_STARTS])
         if best is None:
             raise UserError(self._why_infeasible())
         return best
@@ -150,9 +158,14 @@ class HeteroPlanner:
                 low = share
             else:
                 high = share
-        if best is None:  # no split of the searched shares works: train on one pool, at every size
-            best = self._best({name: k} for name, p in self.pools.items() for k in move_sizes(p))
         return best
+
+    def _seed_pools(self) -> None:
+        """Seeds the shares can miss: one pool alone at every move size, and whole pools together."""
+        self._best({name: k} for name, p in self.pools.items() for k in move_sizes(p))
+        for size in range(2, len(self.pools) + 1):
+            self._best({name: self.pools[name].devices for name in chosen}
+                       for chosen in itertools.combinations(self.pools, size))
 
     def _needs_more_training(self, seeds, plans) -> bool:
         feasible = [p for p in plans if p is not None]

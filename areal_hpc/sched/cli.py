@@ -85,23 +85,24 @@ def _plan(args) -> int:
     planner = HeteroPlanner(cluster, CostModel(model, workload, efficiency), args.staleness,
                             args.budget_per_hour or math.inf, args.objective, args.target_throughput)
     record = plan_dict(planner.plan(), cluster, model.name, workload)
-    if args.out:
-        Path(args.out).write_text(yaml.safe_dump(record, sort_keys=False))
-    if args.plot:
-        plot_plan(record, args.plot)
     print(json.dumps(record) if args.json else plan_text(record))
+    try:
+        if args.out:
+            Path(args.out).write_text(yaml.safe_dump(record, sort_keys=False))
+        if args.plot:
+            plot_plan(record, args.plot)
+    except OSError as exc:
+        raise UserError(f"cannot write {exc.filename}: {exc.strerror}") from None
     return 0
 
 
 def _simulate(args) -> int:
     import numpy as np
-    import yaml
 
+    from areal_hpc.sched.hardware import read_yaml
     from areal_hpc.sched.simulator import sample_lengths, simulator_for_plan
 
-    if not Path(args.plan).is_file():
-        raise UserError(f"plan file {args.plan} does not exist (write one with `areal-hpc plan ... --out FILE`)")
-    record = yaml.safe_load(Path(args.plan).read_text())
+    record = read_yaml(args.plan, "plan file", "write one with `areal-hpc plan ... --out FILE`")
     if not isinstance(record, dict) or not {"workload", "train", "rollout", "predicted"} <= set(record):
         raise UserError(f"{args.plan} is not a plan (expected the YAML `areal-hpc plan --out` writes)")
     if args.staleness is not None and args.staleness < 0:

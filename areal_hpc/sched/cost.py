@@ -10,11 +10,8 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
-import yaml
-
 from areal_hpc.errors import UserError, closest
-
-from areal_hpc.sched.hardware import NodePool
+from areal_hpc.sched.hardware import NodePool, read_yaml
 from areal_hpc.sched.model_spec import ModelSpec
 
 GB = 1e9
@@ -40,10 +37,9 @@ class Efficiency:
 
 def load_efficiency(path: str | Path) -> Efficiency:
     """Factors from a YAML mapping (e.g. configs/clusters/efficiency-areal-hex.yaml); the rest default."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"efficiency file {path} does not exist (see configs/clusters/efficiency-areal-hex.yaml)")
-    values = yaml.safe_load(path.read_text()) or {}
+    values = read_yaml(path, "efficiency file", "see configs/clusters/efficiency-areal-hex.yaml") or {}
+    if not isinstance(values, dict):
+        raise UserError(f"efficiency file {path} must map factor names to numbers")
     known = [f.name for f in fields(Efficiency)]
     for key in values:
         if key not in known:
@@ -134,7 +130,7 @@ class CostModel:
         m, w, e, dev = self.model, self.workload, self.eff, pool.device
         n = tp * pp
         free = dev.memory_gb * GB * 0.9 - m.weight_bytes / n - 2 * GB  # 2 GB: activations, graphs
-        batch = min(w.max_running, int(free / (m.kv_bytes_per_token * w.seq_tokens / n)))
+        batch = min(w.max_running, int(free / (m.kv_bytes_per_token * w.seq_tokens / self._kv_shards(tp, pp))))
         if batch < 1 or pp > m.layers:
             return None
         prefill_s = 2 * m.params * w.prompt_len / (n * dev.tflops * 1e12 * e.prefill_mfu * e.overall)
@@ -149,7 +145,7 @@ class CostModel:
         n = tp * pp
         context = w.prompt_len + w.gen_mean / 2
         # Each of the pp micro-batches reads its stage's weights, so PP does not cut weight reads.
-        read = m.weight_bytes / tp + running * context * m.kv_bytes_per_token / n
+        read = m.weight_bytes / tp + running * context * m.kv_bytes_per_token / self._kv_shards(tp, pp)
         memory_s = read / (dev.hbm_gbs * GB * e.decode_hbm * e.overall)
         compute_s = 2 * m.params * running / n / (dev.tflops * 1e12 * e.decode_mfu * e.overall)
         tp_s = 2 * m.layers / pp * self._collective_s(running * m.hidden * 2, tp, dev.link_gbs)
@@ -157,10 +153,14 @@ class CostModel:
         pp_s = (pp - 1) * (running * m.hidden * 2 / (pp_gbs * GB * e.link) + e.latency_s)
         return max(memory_s, compute_s) + tp_s + pp_s
 
+    def _kv_shards(self, tp: int, pp: int) -> int:
+        """Ways the KV cache splits: by layer over pp, by KV head over tp (TP beyond the KV heads replicates)."""
+        return min(tp, self.model.kv_heads) * pp
+
     def rollout_replicas(self, pool: NodePool, devices: int, inter_gbs: float) -> list[RolloutReplica]:
         """Every feasible replica configuration of at most ``devices`` devices of ``pool``."""
         found = []
-        for tp in powers_of_two(min(pool.per_node, self.model.kv_heads * 8)):
+        for tp in powers_of_two(pool.per_node):
             for pp in powers_of_two(devices // tp):
                 replica = self.rollout_replica(pool, tp, pp, inter_gbs)
                 if replica is not None:
@@ -185,7 +185,8 @@ class CostModel:
                     continue
                 micro_batches = max(1.0, w.step_tokens / dp / w.micro_tokens)
                 # 8 = 6 (forward + backward) + 2 (forward that recomputes the proximal log-probs)
-                compute = 8 * m.params / (tp * pp * dev.tflops * 1e12 * e.train_mfu * e.overall) * (1 + (pp - 1) / micro_batches)
+                bubble = 1 + (pp - 1) / micro_batches
+                compute = 8 * m.params / (tp * pp * dev.tflops * 1e12 * e.train_mfu * e.overall) * bubble
                 tp_comm = 4 * m.layers / pp * self._collective_s(m.hidden * 2, tp, dev.link_gbs)
                 pp_gbs = dev.link_gbs if tp * pp <= pool.per_node else inter_gbs
                 pp_comm = (pp > 1) * 2 * m.hidden * 2 / (pp_gbs * GB * e.link)

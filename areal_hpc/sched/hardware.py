@@ -91,8 +91,12 @@ def make_cluster(name: str, pools: list[tuple[str, str, int, int]], inter_node_g
     ``inter_node_gbs`` maps "a-b" (pool names, either order) to GB/s; a pair left out gets the slowest
     bandwidth given, so a cluster file needs only the links it knows.
     """
-    built = tuple(NodePool(pool, accelerator(kind, prices), int(nodes), int(per_node))
-                  for pool, kind, nodes, per_node in pools if int(nodes) > 0)
+    try:
+        pools = [(pool, kind, int(nodes), int(per_node)) for pool, kind, nodes, per_node in pools]
+    except (TypeError, ValueError):
+        raise UserError(f"cluster '{name}': nodes and per_node must be whole numbers, got {pools}") from None
+    built = tuple(NodePool(pool, accelerator(kind, prices), nodes, per_node)
+                  for pool, kind, nodes, per_node in pools if nodes > 0)
     if not built:
         raise UserError(f"cluster '{name}' has no devices (every pool has 0 nodes); list at least one node pool")
     for pool in built:
@@ -110,24 +114,37 @@ def make_cluster(name: str, pools: list[tuple[str, str, int, int]], inter_node_g
         raise UserError(f"cluster '{name}' spans several machines but gives no inter_node_gbs "
                         f"(e.g. inter_node_gbs: {{{built[0].name}-{built[0].name}: 5}})")
     slowest = min(links.values(), default=0.0)
+    for pool in built:  # a pool of one machine: its training and rollout devices meet inside it
+        if pool.nodes == 1:
+            links[frozenset((pool.name,))] = pool.device.link_gbs
     for a in built:
         for b in built:
             links.setdefault(frozenset((a.name, b.name)), slowest)
     return Cluster(name, built, links)
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """Read a cluster YAML (see configs/clusters/hex-8h800-24h20.yaml for the format)."""
+def read_yaml(path: str | Path, what: str, hint: str):
+    """A YAML file's content; a missing or unparsable file is a one-line user error."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"cluster file {path} does not exist (see configs/clusters/ for examples)")
-    spec = yaml.safe_load(path.read_text()) or {}
+        raise UserError(f"{what} {path} does not exist ({hint})")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UserError(f"{what} {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster YAML (see configs/clusters/paper-8h800-24h20.yaml for the format)."""
+    spec = read_yaml(path, "cluster file", "see configs/clusters/ for examples") or {}
+    if not isinstance(spec, dict):
+        raise UserError(f"cluster file {path} must be a mapping with 'pools' (see configs/clusters/)")
     rows = []
     for i, pool in enumerate(spec.get("pools") or []):
-        missing = {"device", "nodes"} - set(pool)
+        missing = {"device", "nodes"} - set(pool if isinstance(pool, dict) else ())
         if missing:
             raise UserError(f"{path}: pool {i} lacks {', '.join(sorted(missing))} "
                             f"(each pool needs device, nodes and optionally name, per_node)")
         rows.append((str(pool.get("name", pool["device"])), str(pool["device"]), pool["nodes"],
                      pool.get("per_node", 8)))
-    return make_cluster(spec.get("name", path.stem), rows, spec.get("inter_node_gbs"), spec.get("prices"))
+    return make_cluster(spec.get("name", Path(path).stem), rows, spec.get("inter_node_gbs"), spec.get("prices"))

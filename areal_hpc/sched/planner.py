@@ -89,17 +89,18 @@ class HeteroPlanner:
         train_price = sum(counts[name] * self.pools[name].device.price_per_hour for name in used)
         train_s = cost.train_step_s(groups, min(cl.bandwidth(a, b) for a in used for b in used))
         free = {name: pool.devices - counts[name] for name, pool in self.pools.items()}
+        if not any(free.values()):
+            return None
         replicas = [r for name, n in free.items() if n > 0
                     for r in cost.rollout_replicas(self.pools[name], n, cl.bandwidth(name, name))]
         milp = RolloutMILP(replicas, free)
         if self.objective == "max-throughput":
             rollout = milp.solve(max_price=self.budget - train_price)
         else:
-            worst_sync = cost.weight_sync_s(min([cl.bandwidth(a, b) for a in used for b in free if free[b]] or [1]))
-            window = w.step_tokens / self.target - worst_sync  # what generation may take, at worst sync
-            if self.staleness == 0:
-                window -= train_s
-            if window <= 0 or train_s > w.step_tokens / self.target - worst_sync:
+            worst_sync = cost.weight_sync_s(min(cl.bandwidth(a, b) for a in used for b in free if free[b]))
+            left_s = w.step_tokens / self.target - worst_sync  # the target step, less the slowest sync
+            window = left_s - train_s if self.staleness == 0 else left_s  # what generation may take
+            if train_s > left_s or window <= 0:
                 return None
             rollout = milp.solve(min_rate=w.step_tokens / window)
         if rollout is None or not rollout.replicas:
@@ -144,21 +145,16 @@ class HeteroPlanner:
             raise UserError(self._why_infeasible())
         return best
 
-    def _search_share(self) -> Plan | None:
+    def _search_share(self) -> None:
         """Binary search on γ: more training compute while training is the slower side."""
-        low, high, best = 0.0, 1.0, None
+        low, high = 0.0, 1.0
         for _ in range(14):
             share = (low + high) / 2
             seeds = [metis_split(self.cluster, share), ratio_split(self.cluster, share)]
-            plans = [self.evaluate(s) for s in seeds]
-            for plan in plans:
-                if self.better(plan, best):
-                    best = plan
-            if self._needs_more_training(seeds, plans):
+            if self._needs_more_training(seeds, [self.evaluate(s) for s in seeds]):
                 low = share
             else:
                 high = share
-        return best
 
     def _seed_pools(self) -> None:
         """Seeds the shares can miss: one pool alone at every move size, and whole pools together."""
@@ -170,7 +166,7 @@ class HeteroPlanner:
     def _needs_more_training(self, seeds, plans) -> bool:
         feasible = [p for p in plans if p is not None]
         if not feasible:  # nothing trains (too few training devices) or nothing is left for rollout
-            return any(not any(s.values()) or self._train_infeasible(s) for s in seeds)
+            return any(self._train_infeasible(s) for s in seeds)
         plan = max(feasible, key=lambda p: p.tokens_per_s)
         if self.objective == "min-cost":
             return False  # feasible already: try a smaller, cheaper training share

@@ -7,7 +7,7 @@ prices; the RL batch grows with the cluster (64 sequences of 1k+8k tokens per 32
 plans from a cold cost model (no cached replica speeds). The paper's times (Table 5: 14.9 s, 23.1 s,
 46.7 s, 120 s at 24-56 GPUs) are quoted, not re-run; up to 56 GPUs the same run also enumerates
 every device split exhaustively, to time it and to check the search reaches its optimum.
-Also writes `repro_hex-<date>.*`: the `areal-hpc repro hex` table with the factors it used.
+Also writes `repro_hex-<date>.*` and `repro_eta-<date>.*`: the `areal-hpc repro` tables.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from importlib.metadata import version
 
 from recording import machine, run_and_record, save
 
-from areal_hpc.sched import repro_hex
+from areal_hpc.sched import repro_eta, repro_hex
 from areal_hpc.sched.cost import CostModel
 from areal_hpc.sched.hardware import make_cluster
 from areal_hpc.sched.model_spec import load_model_spec
@@ -91,21 +91,17 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def record_repro(args) -> None:
-    """The `repro hex` table, recorded beside the timing (same factors as the CLI uses)."""
-    rows = repro_hex.hex_rows()
-    result = {"date": date.today().isoformat(), "machine": machine(), "efficiency": repro_hex.describe(
-        repro_hex.CALIBRATED), "workload": repro_hex.WORKLOAD.__dict__, "rows": [row.to_dict() for row in rows],
-              "notes": repro_hex.NOTES}
-    text = ["# AReaL-Hex reproduction (`areal-hpc repro hex`, " + result["date"] + ")", "",
-            f"Efficiency: {result['efficiency']}. Workload: {repro_hex.WORKLOAD.sequences} sequences/step of "
-            f"{repro_hex.WORKLOAD.prompt_len}+{repro_hex.WORKLOAD.gen_mean} tokens.", "",
+def record_repro(args, name: str, title: str, setting: str, rows, notes) -> None:
+    """A `repro` table, recorded beside the timing (the same factors the CLI uses)."""
+    result = {"date": date.today().isoformat(), "machine": machine(), "setting": setting,
+              "rows": [row.to_dict() for row in rows], "notes": notes}
+    text = [f"# {title} ({result['date']})", "", setting, "",
             "| table | row | paper | ours | ours/paper | role |", "|---|---|---|---|---|---|"]
     text += [f"| {r.table} | {r.row} | {r.paper:.4g} | {r.ours:.4g} | {r.ratio:.2f} | {r.role} |" for r in rows]
-    text += ["", "Deviations from the paper:", ""] + [f"- {note}" for note in repro_hex.NOTES]
+    text += ["", "Deviations from the paper:", ""] + [f"- {note}" for note in notes]
     print("\n".join(text))
     if args.save:
-        save("repro_hex", result, "\n".join(text))
+        save(name, result, "\n".join(text))
 
 
 def main() -> None:
@@ -115,7 +111,15 @@ def main() -> None:
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     args = parser.parse_args()
     run_and_record("planner", args, run, report)
-    record_repro(args)
+    w = repro_hex.WORKLOAD
+    record_repro(args, "repro_hex", "AReaL-Hex reproduction (`areal-hpc repro hex`)",
+                 f"Efficiency: {repro_hex.describe(repro_hex.CALIBRATED)}. Workload: {w.sequences} sequences/step "
+                 f"of {w.prompt_len}+{w.gen_mean} tokens.", repro_hex.hex_rows(), repro_hex.NOTES)
+    w = repro_eta.WORKLOAD
+    record_repro(args, "repro_eta", "AReaL throughput vs staleness (`areal-hpc repro areal-eta`)",
+                 f"1.5B on 8 H800; overall efficiency {repro_eta.OVERALL}; {w.sequences} sequences/step, answers "
+                 f"log-normal (mean {w.gen_mean}, spread {repro_eta.SPREAD}, cut at {w.gen_max}).",
+                 repro_eta.eta_rows(), repro_eta.NOTES)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,20 @@ def test_bad_plan_input_is_one_line_exit_2(tmp_path, case, args, message):
     ("no pools at all", [], {}, "has no devices"),
     ("link to a missing pool", [{"device": "H100", "nodes": 2}], {"H100-A100": 5}, "names pool 'A100'"),
     ("several machines, no links", [{"device": "H100", "nodes": 2}], {}, "gives no inter_node_gbs"),
+    ("nodes not a number", [{"device": "H100", "nodes": "two"}], {}, "must be whole numbers"),
+    ("pool without a device", [{"nodes": 1}], {}, "lacks device"),
 ])
 def test_bad_cluster_is_one_line_exit_2(tmp_path, case, pools, links, message):
     done = run_cli("plan", "--cluster", write_cluster(tmp_path, pools, links), "--model", "r1-distill-qwen-1.5b")
     assert done.returncode == 2, case
     assert message in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_unreadable_yaml_is_one_line_exit_2(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("pools: [device: H100\n")
+    done = run_cli("plan", "--cluster", str(broken), "--model", "r1-distill-qwen-1.5b")
+    assert done.returncode == 2 and "is not valid YAML" in done.stderr and done.stderr.count("\n") == 1
 
 
 def test_missing_files_are_one_line_exit_2(tmp_path):

@@ -62,7 +62,7 @@ NOTES = [
     "the other rows are predictions of the simulator on the same plan",
     "the workload is assumed (AReaL prints the context, not the length distribution): 256-token prompts, answers "
     "log-normal with mean 4,500 and spread 0.6, cut at the 8k context (~10% cut)",
-    "eta 1 matches (+3%); eta >= 2 saturates at ~2.1x eta 0 where AReaL measured 1.8-1.9x, climbing slowly to eta 16: "
+    "eta 1 is within 5%; eta >= 2 saturates at ~2.1x eta 0 where AReaL measured 1.8-1.9x, climbing slowly to eta 16: "
     "the simulator's rollout never slows as staler data piles up (no KV-cache pressure, no queueing)",
     "non-interruptible generation is modelled as draining: no new sequence starts until every in-flight one "
     "ends, then the weights load. That idles the slots behind the longest answer, so the simulated gain of "

@@ -125,8 +125,8 @@ def _simulate(args) -> int:
               f"answer-length spread {args.spread:g})")
         print(f"  tokens/s: {result.tokens_per_s:,.0f} simulated vs {out['predicted_tokens_per_s']:,.0f} planned "
               f"(the planner assumes every answer has the mean length)")
-        print(f"  step: {result.step_s:,.1f} s; trainer idle {result.trainer_idle:.0%}, "
-              f"rollout slots idle {result.rollout_idle:.0%}")
+        print(f"  step: {result.step_s:,.1f} s; trainer idle {result.trainer_idle:.0%}; rollout: "
+              f"{result.rollout_idle:.0%} of the sequence slots the KV cache holds left unused")
     return 0
 
 

@@ -1,7 +1,8 @@
 """AReaL-Hex's published tables beside the planner's predictions (``areal-hpc repro hex``).
 
-Three global efficiency factors are fitted to the homogeneous H800 rows (Table 3 and Table 2's
-H800 column); every heterogeneous and same-budget row is then a prediction. Rows say which is which.
+Four global efficiency factors are fitted to the homogeneous H800 rows (Table 3, Table 2's H800
+column) and Table 1's generation cost ratio; every heterogeneous and same-budget row is then a
+prediction. Rows say which is which.
 """
 
 from __future__ import annotations
@@ -76,13 +77,15 @@ def cost_per_token_ratio(e: Efficiency, side: str, workload: Workload = WORKLOAD
 def measurements(w: Workload = WORKLOAD) -> list[Measurement]:
     """The rows the factors are fitted to: homogeneous H800 throughput and weight-sync times, and
     Table 1's generation cost ratio (the only published number that pins H20's decode speed)."""
-    rows = [Measurement("inference cost ratio", TABLE1["inference"], lambda e: cost_per_token_ratio(e, "inference", w))]
+    rows = [Measurement("inference cost ratio", TABLE1["inference"],
+                        lambda e: cost_per_token_ratio(e, "inference", w))]
     for size, (uniform, optimised, _, sync_h800, *_) in PAPER.items():
         rows += [Measurement(f"{size} uniform", uniform,
                              lambda e, s=size: uniform_split(planner("paper-24h800", s, e, w)).tokens_per_s),
                  Measurement(f"{size} optimised", optimised,
                              lambda e, s=size: planner("paper-24h800", s, e, w).plan().tokens_per_s),
-                 Measurement(f"{size} sync", sync_h800, lambda e, s=size: planner("paper-24h800", s, e, w).plan().sync_s)]
+                 Measurement(f"{size} sync", sync_h800,
+                             lambda e, s=size: planner("paper-24h800", s, e, w).plan().sync_s)]
     return rows
 
 
@@ -105,7 +108,8 @@ def hex_rows(e: Efficiency = CALIBRATED, w: Workload = WORKLOAD) -> list[Row]:
         h20_budget = planner("paper-48h20", size, e, w, BUDGET).plan()
         per_token = (h800.price_per_hour / h800.tokens_per_s) / (hexp.price_per_hour / hexp.tokens_per_s)
         rows += [
-            Row("3", f"{size} uniform, 24 H800", "tok/s", uniform, uniform_split(planner("paper-24h800", size, e, w)).tokens_per_s, "fit"),
+            Row("3", f"{size} uniform, 24 H800", "tok/s", uniform,
+                uniform_split(planner("paper-24h800", size, e, w)).tokens_per_s, "fit"),
             Row("3", f"{size} optimised, 24 H800", "tok/s", optimised, h800.tokens_per_s, "fit"),
             Row("2", f"{size} weight sync, 24 H800", "s", sync_h800, h800.sync_s, "fit"),
             Row("2", f"{size} weight sync, 8 H800 + 24 H20", "s", sync_hex, hexp.sync_s, "prediction"),

@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	touch $(STAMP)
 
 demo: venv
-	$(BIN)/areal-hpc sft --config configs/sft_tiny.yaml
+	$(BIN)/areal-hpc train --config configs/quickstart.yaml
 
 test: venv
 	$(BIN)/python -m pytest

@@ -266,6 +266,17 @@ def _parse_overrides(overrides: list[str]) -> list[str]:
     return overrides
 
 
+def _override_layer(overrides: list[str]):
+    """``key=value`` items as a config layer. Values of text fields stay exactly as typed: parsed as
+    YAML, a trial named ``04718e80`` or ``1e3`` would become a float and then the text ``4.718e+83``."""
+    pairs = [item.partition("=")[::2] for item in overrides]
+    layer = OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs if LEAF_TYPES[k] is not str])
+    for key, value in pairs:
+        if LEAF_TYPES[key] is str:
+            OmegaConf.update(layer, key, value, force_add=True)
+    return layer
+
+
 def _type_error(exc: OmegaConfBaseException) -> UserError:
     key = getattr(exc, "full_key", "") or "?"
     expected = LEAF_TYPES[key].__name__ if key in LEAF_TYPES else "a valid value"
@@ -295,7 +306,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
     if path:
         layers.append(OmegaConf.create(_read_yaml(path)))
     if overrides:
-        layers.append(OmegaConf.from_dotlist(_parse_overrides(list(overrides))))
+        layers.append(_override_layer(_parse_overrides(list(overrides))))
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as exc:

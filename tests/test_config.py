@@ -88,3 +88,8 @@ def test_resolved_config_is_saved_next_to_outputs_and_reloads_identically(tmp_pa
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_shipped_configs_load(name):
     load_config(str(REPO / "configs" / name))
+
+
+@pytest.mark.parametrize("trial", ["04718e80", "1e3", "007", "true", "null"])
+def test_text_overrides_stay_as_typed(trial):
+    assert load_config(None, [f"experiment.trial={trial}", "actor.lr=1e-3"]).experiment.trial == trial

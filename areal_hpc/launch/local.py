@@ -26,18 +26,21 @@ from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve, bind
 from areal_hpc.launch.supervisor import ServerProcess
 
 RUN_MARKER = "AREAL_HPC_RUN"  # in every child's environment: which run a process belongs to
+LAUNCHED_AT = "AREAL_HPC_LAUNCHED_AT"  # wall-clock launch time, so the driver can report time to first rollout
 # `-c`, not `-m areal_hpc.train.async_rl`: reward workers (spawned) would re-import a `-m` main module and its torch.
 TRAINER = "import sys; from areal_hpc.train.async_rl import main; sys.exit(main(sys.argv[1:]))"
 
 
 def check_run_folder(cfg: RunConfig, resume: bool) -> None:
-    """A fresh run never mixes with an old one's shards and checkpoints; a resume needs a checkpoint."""
+    """A fresh run never mixes with an old one's shards and checkpoints; a resume needs one of them
+    (a run killed before its first checkpoint resumes from step 0 and trains what it had stored)."""
     from areal_hpc.train.checkpoint import latest_checkpoint
 
-    has_checkpoint = latest_checkpoint(cfg.run_dir) is not None
-    if resume and not has_checkpoint:
-        raise UserError(f"--resume: no checkpoint in {cfg.run_dir / 'checkpoints'} (run without --resume to start)")
-    if not resume and (has_checkpoint or any((cfg.run_dir / "shards").glob("*.h5"))):
+    has_run = latest_checkpoint(cfg.run_dir) is not None or any((cfg.run_dir / "shards").glob("*.h5"))
+    if resume and not has_run:
+        raise UserError(f"--resume: nothing to resume in {cfg.run_dir} (no checkpoint, no shards); "
+                        f"run without --resume to start")
+    if not resume and has_run:
         raise UserError(f"{cfg.run_dir} already holds a run; pass --resume to continue it, or choose another "
                         f"experiment.trial=NAME")
 
@@ -47,14 +50,15 @@ def launch(config: str, overrides: list[str], resume: bool) -> int:
     check_run_folder(cfg, resume)
     run_dir, python = cfg.run_dir, sys.executable
     shutil.rmtree(run_dir / "name_resolve" / ROLLOUT_SERVERS, ignore_errors=True)  # addresses of a killed run
-    procs = cfg.rollout.n_servers + cfg.rl.trainer_processes
-    env = {RUN_MARKER: str(run_dir.resolve()), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // procs)),
-           "HF_HUB_OFFLINE": "1"}
+    env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), "HF_HUB_OFFLINE": "1"}
+    # Servers and trainer ranks run side by side: each gets its share of the cores. Stages run alone.
+    share = max(1, (os.cpu_count() or 1) // (cfg.rollout.n_servers + cfg.rl.trainer_processes))
+    threads = {"OMP_NUM_THREADS": str(share)}
     cli = [python, "-m", "areal_hpc"]
     started: list[ServerProcess] = []
 
     def start(name: str, command: list[str], log: Path | None, extra_env: dict | None = None) -> ServerProcess:
-        started.append(ServerProcess(name, command, log, {**env, **(extra_env or {})}).start())
+        started.append(ServerProcess(name, command, log, {**env, **threads, **(extra_env or {})}).start())
         return started[-1]
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
@@ -68,10 +72,10 @@ def launch(config: str, overrides: list[str], resume: bool) -> int:
             start(f"rollout server {i}", [*cli, "serve", *base, f"model.path={model}", "port=0"],
                   run_dir / "logs" / f"rollout-server-{i}.log")
         warm = run_dir / "sft_warmup" / "model"
-        if cfg.rl.sft_warmup_steps and not resume:
+        if cfg.rl.sft_warmup_steps and not warm.exists():
             _run_stage([*cli, "sft", *base, f"model.path={model}", f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
                         f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env)
-        start_model = warm if cfg.rl.sft_warmup_steps and warm.exists() else model
+        start_model = warm if cfg.rl.sft_warmup_steps else model
         with bind("127.0.0.1", 0) as sock:
             master_port = str(sock.getsockname()[1])
         trainer_args = [*base, f"model.path={start_model}", *(["--resume"] if resume else [])]
@@ -80,7 +84,10 @@ def launch(config: str, overrides: list[str], resume: bool) -> int:
                   None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log",
                   {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port})
-        return _supervise(started, driver=started[-cfg.rl.trainer_processes])
+        memory = RunMemory(env[RUN_MARKER])
+        code = _supervise(started[:-cfg.rl.trainer_processes], started[-cfg.rl.trainer_processes:], memory)
+        print(f"peak memory of the run's processes: {memory.peak / 2**30:.2f} GiB (PSS, sampled every second)")
+        return code
     finally:
         for proc in reversed(started):
             proc.stop(grace_s=10)
@@ -94,15 +101,41 @@ def _run_stage(command: list[str], env: dict) -> None:
         raise UserError(f"`{' '.join(command[1:4])} ...` failed with exit code {code} (its output is above)")
 
 
-def _supervise(procs: list[ServerProcess], driver: ServerProcess) -> int:
-    """Wait for the driving trainer rank; any other process exiting first is a failure."""
+class RunMemory:
+    """Peak proportional set size (shared pages split between sharers) of every process of one run,
+    this launcher included."""
+
+    def __init__(self, run: str):
+        self.marker, self.peak, self._last = f"{RUN_MARKER}={run}".encode(), 0, 0.0
+
+    def sample(self) -> None:
+        if time.monotonic() - self._last < 1.0:
+            return
+        self._last, total = time.monotonic(), 0
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and (int(proc.name) == os.getpid()
+                                            or self.marker in (proc / "environ").read_bytes().split(b"\0")):
+                    rollup = (proc / "smaps_rollup").read_text().split("\nPss:")[1]
+                    total += int(rollup.split()[0]) * 1024
+            except (OSError, IndexError):
+                continue  # exited meanwhile, or a kernel without smaps_rollup
+        self.peak = max(self.peak, total)
+
+
+def _supervise(servers: list[ServerProcess], trainers: list[ServerProcess], memory: RunMemory) -> int:
+    """Wait for trainer rank 0 (the driver). A server that exits, or another rank that fails, ends
+    the run; other ranks exit cleanly just before rank 0 when it tells them to stop."""
+    driver = trainers[0]
     while True:
+        memory.sample()
         code = driver.process.poll()
         if code is not None:
             if code:
                 print(f"areal-hpc: error: {driver.name} exited with code {code}", file=sys.stderr)
             return code
-        for proc in procs:
-            if proc is not driver and proc.process.poll() is not None:
-                raise proc.failure(f"exited with code {proc.process.returncode} during the run")
+        for proc in servers + trainers[1:]:
+            code = proc.process.poll()
+            if code is not None and (code or proc in servers):
+                raise proc.failure(f"exited with code {code} during the run")
         time.sleep(0.2)

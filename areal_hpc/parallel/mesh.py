@@ -52,16 +52,13 @@ def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> tuple[i
     A single process without the environment runs as a group of one, so one code path serves both.
     """
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        if world > 1:
-            raise UserError("WORLD_SIZE > 1 but MASTER_PORT is not set (the launcher sets it)")
-        from areal_hpc.launch.name_resolve import bind
-
-        with bind("127.0.0.1", 0) as sock:
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(BACKENDS[device.type], rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    if world == 1:  # a group of one needs no rendezvous (and no port)
+        dist.init_process_group(BACKENDS[device.type], store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return 0, 1
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise UserError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (the launcher, torchrun or srun sets them)")
+    dist.init_process_group(BACKENDS[device.type], rank=rank, world_size=world, timeout=timeout)
     return rank, world

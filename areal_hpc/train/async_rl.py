@@ -57,6 +57,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
             if version == 0:
                 await evaluate(0)
             await controller.start()
+            progress.rollouts_started()
             try:
                 for step in range(version, total):
                     tick = time.perf_counter()

@@ -78,11 +78,10 @@ class TorchTrainEngine:
         stats = merge_stats(parts)
         self._all_reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip if self.clip > 0 else float("inf"))
+        stats["grad_norm"], stats["lr"] = float(grad_norm), self.scheduler.get_last_lr()[0]  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
-        stats["grad_norm"] = float(grad_norm)
-        stats["lr"] = self.scheduler.get_last_lr()[0]
-        return dict(stats)
+        return stats
 
     def _all_reduce_grads(self) -> None:
         """Sum gradients over data-parallel ranks in one flat buffer (a rank without data adds zeros)."""

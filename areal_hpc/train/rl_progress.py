@@ -6,6 +6,7 @@ tokens/s), metrics in JSONL and TensorBoard, the audit log of which trajectories
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.launch.local import LAUNCHED_AT
 from areal_hpc.train.evaluate import EvalResult
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
@@ -43,6 +45,11 @@ class RLProgress:
         self._progress.stop()
         self._audit.close()
         self.metrics.close()
+
+    def rollouts_started(self) -> None:
+        launched = os.environ.get(LAUNCHED_AT)
+        since = f" {time.time() - float(launched):.1f} s after launch" if launched else ""
+        self.console.print(f"rollouts started{since}", soft_wrap=True)
 
     def evaluated(self, step: int, result: EvalResult) -> None:
         self.metrics.log(step, result.scalars())

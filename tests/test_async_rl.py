@@ -1,0 +1,150 @@
+"""`areal-hpc train` end to end: real rollout servers, real trainer ranks on gloo, real shards.
+
+A short asynchronous run (two trainer ranks, distributed weight sync), PPO with a critic and a KL
+penalty, a run killed with SIGKILL and resumed (no trajectory trained twice, none lost, no process
+left behind), and the one-line errors of a run folder that is already taken or has nothing to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.config import load_config
+from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
+from areal_hpc.data.shards.reader import TrajectoryStore
+from areal_hpc.launch.local import RUN_MARKER
+from areal_hpc.train.optim import lr_multiplier
+from .conftest import REPO, run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+SMALL_RUN = ["dataset.train_size=64", "dataset.eval_size=16", "rl.sft_warmup_steps=0", "rollout.consumer_batch_size=4",
+             "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
+             "rollout.max_running_requests=32", "stats.tensorboard=false"]
+
+
+def train_args(model: Path, fileroot: Path, *extra: str) -> list[str]:
+    return ["train", "--config", "configs/quickstart.yaml", f"model.path={model}", f"cluster.fileroot={fileroot}",
+            *SMALL_RUN, *extra]
+
+
+def run_dir(fileroot: Path) -> Path:
+    return fileroot / "quickstart" / "trial0"
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def processes_of(run: Path) -> list[int]:
+    """Live processes whose environment says they belong to this run (servers, trainers, reward workers)."""
+    marker = f"{RUN_MARKER}={run.resolve()}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
+                if (proc / "stat").read_text().split(") ")[1][0] != "Z":
+                    found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_async_run_with_two_trainer_ranks_and_distributed_weight_sync(tiny_model_dir, tmp_path):
+    result = run_cli(*train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=3", "rl.eval_every_steps=3",
+                                 "rl.trainer_processes=2", "rl.weight_sync=distributed",
+                                 "rollout.max_head_offpolicyness=1"), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = run_dir(tmp_path)
+    steps = [r for r in metrics(run) if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["staleness/max"] <= 1 and r["sync/bytes"] > 0 for r in steps)
+    assert [r["step"] for r in metrics(run) if "eval/accuracy" in r] == [0, 3]
+    # every trained trajectory came from the shards, and none twice
+    trained = [i for line in (run / "logs" / "batches.jsonl").read_text().splitlines()
+               for i in json.loads(line).get("trained", [])]
+    assert len(trained) == len(set(trained)) == 3 * 4 * 4
+    with TrajectoryStore(run / "shards") as store:
+        assert set(trained) <= store.ids()
+    assert run_cli("shards", "verify", str(run / "shards")).returncode == 0
+    assert (run / "rl_curves.png").stat().st_size > 0 and (run / "model" / "config.json").exists()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step000003"
+    assert processes_of(run) == []
+
+
+def test_ppo_with_a_critic_and_a_kl_penalty_trains_both_models(tiny_model_dir, tmp_path):
+    result = run_cli(*train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=2", "rl.eval_every_steps=0",
+                                 "actor.adv_estimator=ppo", "actor.kl_ctl=0.1", "actor.ppo_n_minibatches=2",
+                                 "actor.eps_clip_high=0.28"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = run_dir(tmp_path)
+    last = [r for r in metrics(run) if "rollout/reward" in r][-1]
+    assert last["critic/loss"] > 0 and "actor/ref_kl_sum" in last and last["actor/grad_norm"] > 0
+    assert (run / "checkpoints" / "step000002" / "critic" / "training_state.pt").exists()
+
+
+def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_model_dir, tmp_path):
+    args = train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=7", "rl.eval_every_steps=0",
+                      "saver.freq_steps=2", "rollout.max_head_offpolicyness=2")
+    run = run_dir(tmp_path)
+    launcher = subprocess.Popen([sys.executable, "-m", "areal_hpc", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and any(r["step"] >= 3 for r in metrics(run))):
+        assert launcher.poll() is None and time.monotonic() < deadline, "run ended or stalled before step 3"
+        time.sleep(0.1)
+    os.kill(launcher.pid, signal.SIGKILL)  # the launcher only: its children must die with it
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while processes_of(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_of(run) == [], "processes of the killed run are still alive"
+    killed_at = max(r["step"] for r in metrics(run))
+    checkpoint = int((run / "checkpoints" / "latest").read_text().strip()[len("step"):])
+    assert checkpoint in (2, killed_at - killed_at % 2)
+
+    result = run_cli(*args, "--resume", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [r for r in metrics(run) if "rollout/reward" in r]
+    assert [r["step"] for r in records] == list(range(1, 8))  # lost steps were replaced, not duplicated
+    cfg = load_config(str(REPO / "configs/quickstart.yaml"), SMALL_RUN + ["rl.total_train_steps=7"])
+    for r in records:  # the schedule continued from the checkpoint (optimizer and scheduler state restored)
+        assert r["actor/lr"] == pytest.approx(cfg.actor.lr * lr_multiplier(r["step"] - 1, 7, cfg.optimizer))
+
+    # the batches that made the final model: the last attempt of each step
+    effective: dict[int, list[str]] = {}
+    dropped: set[str] = set()
+    for line in (run / "logs" / "batches.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        if "trained" in entry:
+            effective[entry["step"]] = entry["trained"]
+        else:
+            dropped |= set(entry["dropped"])
+    trained = [i for step in sorted(effective) for i in effective[step]]
+    assert sorted(effective) == list(range(1, 8)) and len(trained) == len(set(trained))  # none twice
+    final = json.loads((run / "checkpoints" / "step000007" / "driver.json").read_text())
+    with TrajectoryStore(run / "shards") as store:
+        consumer = TrajectoryConsumer(store, ConsumerCursor.from_state_dict(final["cursor"]))
+        pending = {t.id for t in consumer.pending()}
+        consumed = store.ids() - pending
+        assert set(trained) <= consumed and consumed <= set(trained) | dropped  # none lost
+    assert processes_of(run) == []
+
+
+def test_a_taken_run_folder_and_a_missing_checkpoint_are_one_line_errors(tiny_model_dir, tmp_path):
+    resume = run_cli(*train_args(tiny_model_dir, tmp_path), "--resume")
+    assert resume.returncode == 2 and resume.stderr.count("\n") == 1 and "nothing to resume" in resume.stderr
+    (run_dir(tmp_path) / "checkpoints").mkdir(parents=True)
+    (run_dir(tmp_path) / "checkpoints" / "step000001").mkdir()
+    (run_dir(tmp_path) / "checkpoints" / "step000001" / "driver.json").write_text("{}")
+    (run_dir(tmp_path) / "checkpoints" / "latest").write_text("step000001\n")
+    again = run_cli(*train_args(tiny_model_dir, tmp_path))
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--resume" in again.stderr

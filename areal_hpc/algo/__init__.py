@@ -1,1 +1,2 @@
-"""RL algorithms and batching: micro-batch allocation and sequence packing (advantages and losses next)."""
+"""RL algorithms: advantages (GRPO family, RLOO, REINFORCE++, GAE), the decoupled PPO/GSPO loss,
+DAPO filters, and micro-batching (dynamic allocation, 1D packing). Pure torch, no engines."""

@@ -1,1 +1,2 @@
-"""Training: the SFT trainer, optimiser and schedule, evaluation, metrics (RL engines next)."""
+"""Training: the torch-native engine, the PPO actor, the asynchronous RL driver, checkpoints, weight
+sync, SFT, evaluation, metrics and plots."""

@@ -140,7 +140,8 @@ class ActorConfig:
     kpop_threshold: float = spec(2.0, "KPop: mask tokens whose binary KL (either direction) exceeds this", gt=0.0)
     ppo_n_minibatches: int = spec(1, "PPO minibatches per training step", ge=1)
     kl_ctl: float = spec(0.0, "KL penalty coefficient to the reference model (the starting weights)", ge=0.0)
-    max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)
+    max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch (on CPU, where attention over "
+                                  "a packed micro-batch is quadratic, 256-512 is faster)", ge=16)
     dynamic_sampling: bool = spec(False, "DAPO: drop groups whose rewards are all equal (they carry no signal)")
     overlong_cache_tokens: int = spec(0, "DAPO overlong penalty: length band before max_new_tokens; 0 disables", ge=0)
     overlong_penalty: float = spec(1.0, "DAPO overlong penalty at max_new_tokens", ge=0.0)

@@ -41,7 +41,21 @@ def run_dir(fileroot: Path) -> Path:
 
 
 def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """The records written so far (a line still being written is skipped)."""
+    records = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def wait_for_no_processes(run: Path, seconds: float = 20) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while processes_of(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return processes_of(run)
 
 
 def processes_of(run: Path) -> list[int]:
@@ -77,7 +91,7 @@ def test_async_run_with_two_trainer_ranks_and_distributed_weight_sync(tiny_model
     assert run_cli("shards", "verify", str(run / "shards")).returncode == 0
     assert (run / "rl_curves.png").stat().st_size > 0 and (run / "model" / "config.json").exists()
     assert (run / "checkpoints" / "latest").read_text().strip() == "step000003"
-    assert processes_of(run) == []
+    assert wait_for_no_processes(run) == []
 
 
 def test_ppo_with_a_critic_and_a_kl_penalty_trains_both_models(tiny_model_dir, tmp_path):
@@ -93,7 +107,7 @@ def test_ppo_with_a_critic_and_a_kl_penalty_trains_both_models(tiny_model_dir, t
 
 def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_model_dir, tmp_path):
     args = train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=7", "rl.eval_every_steps=0",
-                      "saver.freq_steps=2", "rollout.max_head_offpolicyness=2")
+                      "saver.freq_steps=2", "rollout.max_head_offpolicyness=2", "optimizer.lr_scheduler_type=linear")
     run = run_dir(tmp_path)
     launcher = subprocess.Popen([sys.executable, "-m", "areal_hpc", *args], cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
@@ -103,30 +117,37 @@ def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_
         time.sleep(0.1)
     os.kill(launcher.pid, signal.SIGKILL)  # the launcher only: its children must die with it
     launcher.wait()
-    deadline = time.monotonic() + 20
-    while processes_of(run) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_of(run) == [], "processes of the killed run are still alive"
+    assert wait_for_no_processes(run) == [], "processes of the killed run are still alive"
     killed_at = max(r["step"] for r in metrics(run))
     checkpoint = int((run / "checkpoints" / "latest").read_text().strip()[len("step"):])
     assert 2 <= checkpoint <= killed_at and checkpoint % 2 == 0
+    at_checkpoint = json.loads((run / "checkpoints" / f"step{checkpoint:06d}" / "driver.json").read_text())
+    with TrajectoryStore(run / "shards") as store:  # stored, but not trained by the checkpoint we resume from
+        cursor = ConsumerCursor.from_state_dict(at_checkpoint["cursor"])
+        untrained = {t.id for t in TrajectoryConsumer(store, cursor).pending()}
 
     result = run_cli(*args, "--resume", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [r for r in metrics(run) if "rollout/reward" in r]
     assert [r["step"] for r in records] == list(range(1, 8))  # lost steps were replaced, not duplicated
-    cfg = load_config(str(REPO / "configs/quickstart.yaml"), SMALL_RUN + ["rl.total_train_steps=7"])
+    cfg = load_config(str(REPO / "configs/quickstart.yaml"),
+                      SMALL_RUN + ["rl.total_train_steps=7", "optimizer.lr_scheduler_type=linear"])
     for r in records:  # the schedule continued from the checkpoint (optimizer and scheduler state restored)
         assert r["actor/lr"] == pytest.approx(cfg.actor.lr * lr_multiplier(r["step"] - 1, 7, cfg.optimizer))
 
     # the batches that made the final model: the last attempt of each step
     effective: dict[int, list[str]] = {}
     dropped: set[str] = set()
+    trained_after_resume: set[str] = set()
+    resumed = False
     for line in (run / "logs" / "batches.jsonl").read_text().splitlines():
         entry = json.loads(line)
+        resumed = resumed or "resumed_from" in entry
         if "trained" in entry:
             effective[entry["step"]] = entry["trained"]
-        else:
+            if resumed:
+                trained_after_resume |= set(entry["trained"])
+        elif "dropped" in entry:
             dropped |= set(entry["dropped"])
     trained = [i for step in sorted(effective) for i in effective[step]]
     assert sorted(effective) == list(range(1, 8)) and len(trained) == len(set(trained))  # none twice
@@ -135,8 +156,11 @@ def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_
         consumer = TrajectoryConsumer(store, ConsumerCursor.from_state_dict(final["cursor"]))
         pending = {t.id for t in consumer.pending()}
         consumed = store.ids() - pending
-        assert set(trained) <= consumed and consumed <= set(trained) | dropped  # none lost
-    assert processes_of(run) == []
+        assert set(trained) <= consumed and consumed <= set(trained) | dropped
+    assert untrained, "the kill left nothing to recover: the test did not exercise recovery"
+    assert untrained <= set(trained) | dropped | pending  # none lost
+    assert untrained & trained_after_resume  # the recovered ones were trained after the resume
+    assert wait_for_no_processes(run) == []
 
 
 def test_a_taken_run_folder_and_a_missing_checkpoint_are_one_line_errors(tiny_model_dir, tmp_path):

@@ -3,7 +3,7 @@
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m tests.trainer_processes MODEL OUT [KEY=VALUE ...]
 
 Every rank builds the same engines; rank 0 forms the batch, scatters the shares, and writes the
-updated weights and the step's statistics to OUT (a torch file) after the update.
+updated weights (actor, and critic for PPO) and the step's statistics to OUT (a torch file) after the update.
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ def synthetic_batch(vocab: int, groups: int = 4, group_size: int = 4, seed: int 
 def main(model: str, out: str, overrides: list[str]) -> None:
     cfg = load_config(None, [f"model.path={model}", "rl.total_train_steps=1", *overrides])
     rank, device, dp_group = start_trainer(cfg)
-    actor, _ = build_actor(cfg, device, dp_group)
+    actor, engines = build_actor(cfg, device, dp_group)
     if rank == 0:
         group = TrainerGroup(actor, cfg)
         stats = group.update(synthetic_batch(actor.actor.model.config.vocab_size))
         group.stop()
-        torch.save({"weights": actor.actor.model.state_dict(), "stats": stats}, out)
+        torch.save({"weights": {name: engine.model.state_dict() for name, engine in engines.items()},
+                    "stats": stats}, out)
     else:
         follow(actor)
     dist.destroy_process_group()

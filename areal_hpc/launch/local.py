@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +26,8 @@ from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve, bind
 from areal_hpc.launch.supervisor import ServerProcess
 
 RUN_MARKER = "AREAL_HPC_RUN"  # in every child's environment: which run a process belongs to
-LAUNCHED_AT = "AREAL_HPC_LAUNCHED_AT"  # wall-clock launch time, so the driver can report time to first rollout
+LAUNCHED_AT = "AREAL_HPC_LAUNCHED_AT"  # wall-clock times the driver reports its first rollout against:
+TRAINERS_AT = "AREAL_HPC_TRAINERS_AT"  # the launch, and the start of the trainer ranks (after any SFT warm-up)
 # `-c`, not `-m areal_hpc.train.async_rl`: reward workers (spawned) would re-import a `-m` main module and its torch.
 TRAINER = "import sys; from areal_hpc.train.async_rl import main; sys.exit(main(sys.argv[1:]))"
 
@@ -62,56 +63,71 @@ def launch(config: str, overrides: list[str], resume: bool) -> int:
         return started[-1]
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
+    memory = RunMemory(env[RUN_MARKER])
     try:
         model = Path(cfg.model.path) if cfg.model.path else run_dir / "init_model"
         if not cfg.model.path and not (model / "config.json").exists():
-            _run_stage([*cli, "init-model", "--out", str(model), "--preset", cfg.model.preset,
-                        "--seed", str(cfg.experiment.seed)], env)
+            _run_stage("model initialisation", [*cli, "init-model", "--out", str(model), "--preset", cfg.model.preset,
+                                                 "--seed", str(cfg.experiment.seed)], env)
         base = [f"--config={config}", *overrides]
         for i in range(cfg.rollout.n_servers):
             start(f"rollout server {i}", [*cli, "serve", *base, f"model.path={model}", "port=0"],
                   run_dir / "logs" / f"rollout-server-{i}.log")
         warm = run_dir / "sft_warmup" / "model"
         if cfg.rl.sft_warmup_steps and not warm.exists():
-            _run_stage([*cli, "sft", *base, f"model.path={model}", f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
-                        f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env)
+            _run_stage("SFT warm-up", [*cli, "sft", *base, f"model.path={model}",
+                                        f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
+                                        f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env)
         start_model = warm if cfg.rl.sft_warmup_steps else model
         with bind("127.0.0.1", 0) as sock:
             master_port = str(sock.getsockname()[1])
         trainer_args = [*base, f"model.path={start_model}", *(["--resume"] if resume else [])]
+        env[TRAINERS_AT] = str(time.time())
         for rank in range(cfg.rl.trainer_processes):
             start(f"trainer rank {rank}", [python, "-c", TRAINER, *trainer_args],
                   None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log",
                   {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port})
-        memory = RunMemory(env[RUN_MARKER])
-        code = _supervise(started[:-cfg.rl.trainer_processes], started[-cfg.rl.trainer_processes:], memory)
+        code = _supervise(started[:-cfg.rl.trainer_processes], started[-cfg.rl.trainer_processes:])
         print(f"peak memory of the run's processes: {memory.peak / 2**30:.2f} GiB (PSS, sampled every second)")
         return code
     finally:
         for proc in reversed(started):
             proc.stop(grace_s=10)
+        memory.stop()
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run_stage(command: list[str], env: dict) -> None:
-    """A preparation step (model init, SFT warm-up) in the foreground; its failure ends the launch."""
-    code = subprocess.run(command, env={**os.environ, **env}).returncode
+def _run_stage(name: str, command: list[str], env: dict) -> None:
+    """A preparation step (model init, SFT warm-up) on this terminal; it dies with the launcher, and
+    its failure ends the launch."""
+    stage = ServerProcess(name, command, None, env).start()
+    try:
+        code = stage.process.wait()
+    finally:
+        stage.stop(grace_s=10)
     if code:
-        raise UserError(f"`{' '.join(command[1:4])} ...` failed with exit code {code} (its output is above)")
+        raise UserError(f"{name} failed with exit code {code} (its output is above)")
 
 
 class RunMemory:
     """Peak proportional set size (shared pages split between sharers) of every process of one run,
-    this launcher included."""
+    this launcher included, sampled every second from the launch on by a background thread."""
 
     def __init__(self, run: str):
-        self.marker, self.peak, self._last = f"{RUN_MARKER}={run}".encode(), 0, 0.0
+        self.marker, self.peak = f"{RUN_MARKER}={run}".encode(), 0
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="run-memory", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(1.0):
+            self.sample()
 
     def sample(self) -> None:
-        if time.monotonic() - self._last < 1.0:
-            return
-        self._last, total = time.monotonic(), 0
+        total = 0
         for proc in Path("/proc").iterdir():
             try:
                 if proc.name.isdigit() and (int(proc.name) == os.getpid()
@@ -123,19 +139,20 @@ class RunMemory:
         self.peak = max(self.peak, total)
 
 
-def _supervise(servers: list[ServerProcess], trainers: list[ServerProcess], memory: RunMemory) -> int:
-    """Wait for trainer rank 0 (the driver). A server that exits, or another rank that fails, ends
-    the run; other ranks exit cleanly just before rank 0 when it tells them to stop."""
+def _supervise(servers: list[ServerProcess], trainers: list[ServerProcess]) -> int:
+    """Wait for trainer rank 0 (the driver) and return its exit code (128 + N after signal N). A
+    server that exits, or another rank that fails, ends the run with code 1; other ranks exit cleanly
+    just before rank 0 when it tells them to stop. Rank 0 prints its own errors."""
     driver = trainers[0]
     while True:
-        memory.sample()
         code = driver.process.poll()
         if code is not None:
-            if code:
-                print(f"areal-hpc: error: {driver.name} exited with code {code}", file=sys.stderr)
-            return code
+            if code < 0:
+                print(f"areal-hpc: error: {driver.name} was killed by signal {-code}", file=sys.stderr)
+            return 128 - code if code < 0 else code
         for proc in servers + trainers[1:]:
             code = proc.process.poll()
             if code is not None and (code or proc in servers):
-                raise proc.failure(f"exited with code {code} during the run")
+                print(f"areal-hpc: error: {proc.failure(f'exited with code {code} during the run')}", file=sys.stderr)
+                return 1
         time.sleep(0.2)

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, PreTrainedModel
 
 from areal_hpc.errors import UserError
 
@@ -36,10 +36,12 @@ def load_model(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa"
 
 def load_critic(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa",
                 device: torch.device | str = "cpu") -> PreTrainedModel:
-    """A value model for PPO: the causal LM's body with a fresh one-output head per position."""
-    model = AutoModelForTokenClassification.from_pretrained(
-        _check_model_dir(path), num_labels=1, dtype=DTYPES[dtype], attn_implementation=attn_impl,
-        local_files_only=True)
+    """A value model for PPO: the causal LM's body with a fresh one-output head per position (no dropout:
+    values must be deterministic)."""
+    folder = _check_model_dir(path)
+    config = AutoConfig.from_pretrained(folder, num_labels=1, classifier_dropout=0.0, local_files_only=True)
+    model = AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=DTYPES[dtype],
+                                                            attn_implementation=attn_impl, local_files_only=True)
     return model.to(device)
 
 

@@ -46,10 +46,12 @@ class ParallelDims:
         return init_device_mesh(device.type, (self.dp,), mesh_dim_names=("dp",))
 
 
-def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> tuple[int, int]:
+def init_distributed(device: torch.device, timeout_s: float = 7 * 24 * 3600.0) -> tuple[int, int]:
     """Join the default process group from the environment; returns (rank, world size).
 
     A single process without the environment runs as a group of one, so one code path serves both.
+    The timeout is long on purpose: ranks > 0 wait in a collective while rank 0 generates and
+    evaluates; if a rank dies, the launcher stops the others.
     """
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     timeout = datetime.timedelta(seconds=timeout_s)

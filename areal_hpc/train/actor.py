@@ -62,7 +62,7 @@ class PPOActor:
     def _estimate_advantages(self, minibatches: list[SequenceBatch]) -> None:
         """PPO: GAE from the critic's values with the outcome reward on the last output token, then
         whitened over every loss token of the batch (all minibatches, all ranks)."""
-        moments = torch.zeros(3, dtype=torch.float64)
+        moments = torch.zeros(3, dtype=torch.float64, device=self.critic.device)  # NCCL reduces device tensors
         for mb in minibatches:
             if not len(mb):
                 continue
@@ -75,7 +75,8 @@ class PPOActor:
             mb.set_packed("advantages", advantages)
             mb.set_packed("returns", returns)
             trained = advantages[packed.target_mask].double()
-            moments += torch.stack([trained.sum(), (trained ** 2).sum(), torch.tensor(float(trained.numel()))])
+            count = torch.tensor(float(trained.numel()), dtype=torch.float64, device=trained.device)
+            moments += torch.stack([trained.sum(), (trained ** 2).sum(), count]).to(moments.device)
         if self.dp_group is not None:
             dist.all_reduce(moments, group=self.dp_group)
         total, squares, count = moments.tolist()

@@ -48,7 +48,8 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
             prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
             controller = build_controller(cfg, client, actor.tokenizer, Scorer(rewards), task.name, prompts, writer,
                                           version, on_drop=lambda e: progress.dropped(consumer.take_ids(e.ids)))
-            controller.restore(recovered_episodes(consumer))
+            controller.restore(recovered_episodes(consumer, version))
+            controller.dropped = state.get("dropped", 0)
 
             async def evaluate(step: int) -> None:
                 result = await evaluate_remote(client, actor.tokenizer, task.eval, rewards, cfg.gconfig.max_new_tokens)
@@ -74,7 +75,8 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
                         await evaluate(step + 1)
                     if step + 1 == total or (cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0):
                         save_checkpoint(cfg.run_dir, step + 1, engines,
-                                        {"prompts_drawn": prompts.drawn, "cursor": consumer.cursor.state_dict()})
+                                        {"prompts_drawn": prompts.drawn, "dropped": controller.dropped,
+                                         "cursor": consumer.cursor.state_dict()})
             finally:
                 await controller.stop()
                 writer.close()
@@ -97,10 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if rank == 0:
                 group = TrainerGroup(actor, cfg)
-                try:
-                    asyncio.run(drive(cfg, group, engines, state))
-                finally:
-                    group.stop()
+                asyncio.run(drive(cfg, group, engines, state))
+                group.stop()  # only on success: after a failure the launcher stops the other ranks
             else:
                 follow(actor)
         finally:

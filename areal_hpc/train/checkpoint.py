@@ -35,7 +35,8 @@ def save_checkpoint(run_dir: Path, step: int, engines: dict, driver: dict) -> Pa
     root = checkpoint_root(run_dir)
     final = root / f"step{step:06d}"
     staging = final.with_name(final.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    for leftover in root.glob("step*.partial"):  # a save cut short by a kill
+        shutil.rmtree(leftover, ignore_errors=True)
     staging.mkdir(parents=True)
     for name, engine in engines.items():
         engine.save(staging / name)

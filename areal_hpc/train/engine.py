@@ -7,7 +7,7 @@ The surface every engine implements (DESIGN.md section 5), so a Megatron engine 
     engine.state_dict_for_rollout()         # Hugging Face names, what rollout servers load
     engine.save(folder); engine.load(folder)
 
-Losses are weighted sums whose weights already carry the whole batch's normaliser (see
+Losses are weighted sums whose weights already carry the normaliser of the whole minibatch (see
 ``algo.ppo.token_weights``), so summing gradients over micro-batches and ranks is exact.
 """
 
@@ -50,6 +50,16 @@ class TorchTrainEngine:
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
         self.optimizer = build_optimizer(model, optimizer, lr) if optimizer else None
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
+        self._broadcast_from_rank0()
+
+    def _broadcast_from_rank0(self) -> None:
+        """Start every data-parallel replica from rank 0's weights (a freshly initialised head, e.g. a
+        critic's, would otherwise differ between ranks)."""
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+            return
+        root = dist.get_global_rank(self.dp_group, 0)
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            dist.broadcast(tensor.data, src=root, group=self.dp_group)
 
     def _microbatches(self, batch: SequenceBatch):
         for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
@@ -59,6 +69,7 @@ class TorchTrainEngine:
     @torch.no_grad()
     def forward(self, batch: SequenceBatch) -> list[torch.Tensor]:
         """Per-sequence [len] outputs of ``forward_fn`` (in the batch's order), computed micro-batch by micro-batch."""
+        self.model.eval()  # recomputed logprobs and values are the policy's, never a dropout sample
         out: list[torch.Tensor | None] = [None] * len(batch)
         for indices, packed, _ in self._microbatches(batch):
             values = self.forward_fn(self.model, packed).float().cpu()
@@ -77,7 +88,8 @@ class TorchTrainEngine:
             parts.append({"loss": loss.item(), **mb_stats})
         stats = merge_stats(parts)
         self._all_reduce_grads()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip if self.clip > 0 else float("inf"))
+        max_norm = self.clip if self.clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         stats["grad_norm"], stats["lr"] = float(grad_norm), self.scheduler.get_last_lr()[0]  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()

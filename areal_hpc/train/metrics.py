@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.fsio import atomic_write_text
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_step: int | None = None):
@@ -21,11 +23,9 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.records: list[dict] = []
         if resume_step is not None and self.path.exists():
-            lines = self.path.read_text().splitlines()
-            self.records = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= resume_step]
-        self._file = self.path.open("w", buffering=1)  # line-buffered: a killed run keeps its metrics
-        for record in self.records:
-            self._file.write(json.dumps(record) + "\n")
+            self.records = [r for r in _read_records(self.path) if r["step"] <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        self._file = self.path.open("a" if resume_step is not None else "w", buffering=1)  # a killed run keeps them
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -52,3 +52,14 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The records of a metrics file; a line cut short by a crash is skipped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

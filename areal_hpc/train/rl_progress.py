@@ -1,6 +1,7 @@
 """What an RL run shows and records: a live progress line (step, reward, eval accuracy, staleness,
 tokens/s), metrics in JSONL and TensorBoard, the audit log of which trajectories each step trained
-(``logs/batches.jsonl``), and at the end a PNG of reward and eval accuracy against step.
+or dropped (``logs/batches.jsonl``; after a resume, a ``resumed_from`` line, and steps trained again
+after it supersede their lost attempts), and at the end a PNG of reward and eval accuracy.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.data.trajectory import Trajectory
-from areal_hpc.launch.local import LAUNCHED_AT
+from areal_hpc.launch.local import LAUNCHED_AT, TRAINERS_AT
 from areal_hpc.train.evaluate import EvalResult
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
@@ -31,6 +32,8 @@ class RLProgress:
         self.metrics = MetricsLogger(cfg.run_dir, cfg.stats.tensorboard, resume_step=start_step or None)
         (cfg.run_dir / "logs").mkdir(exist_ok=True)
         self._audit = (cfg.run_dir / "logs" / "batches.jsonl").open("a", buffering=1)
+        if start_step:  # entries after this marker replace those of the same steps before it
+            self._audit.write(json.dumps({"resumed_from": start_step}) + "\n")
         self._progress = Progress(TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TextColumn(LINE), console=self.console)
         self._bar = self._progress.add_task("rl", total=cfg.rl.total_train_steps, completed=start_step,
@@ -47,9 +50,11 @@ class RLProgress:
         self.metrics.close()
 
     def rollouts_started(self) -> None:
-        launched = os.environ.get(LAUNCHED_AT)
-        since = f" {time.time() - float(launched):.1f} s after launch" if launched else ""
-        self.console.print(f"rollouts started{since}", soft_wrap=True)
+        """When launched by ``areal-hpc train``: seconds since the launch and since the trainers started."""
+        marks = [(os.environ.get(LAUNCHED_AT), "after launch"),
+                 (os.environ.get(TRAINERS_AT), "after the trainers started")]
+        since = ", ".join(f"{time.time() - float(at):.1f} s {what}" for at, what in marks if at)
+        self.console.print(f"rollouts started{f' {since}' if since else ''}", soft_wrap=True)
 
     def evaluated(self, step: int, result: EvalResult) -> None:
         self.metrics.log(step, result.scalars())
@@ -58,9 +63,9 @@ class RLProgress:
 
     def trained(self, step: int, batch: list[Trajectory], stats: dict[str, float], waited: float, seconds: float,
                 controller) -> None:
-        staleness = [step - 1 - t.version_range[0] for t in batch]  # trained at version step - 1
+        staleness = [max(0, step - 1 - t.version_range[0]) for t in batch]  # trained at version step - 1 (0: recovered)
         rewards = [t.reward or 0.0 for t in batch]
-        self._trained_tokens += int(stats["train/tokens"])
+        self._trained_tokens += int(stats["train/trained_tokens"])
         scalars = {**stats, "rollout/reward": float(np.mean(rewards)),
                    "rollout/output_tokens": float(np.mean([t.n_output_tokens for t in batch])),
                    "rollout/interruptions": float(sum(t.metadata.get("interruptions", 0) for t in batch)),
@@ -68,7 +73,8 @@ class RLProgress:
                    "rollout/failures_total": float(len(controller.failures)),
                    "staleness/mean": float(np.mean(staleness)), "staleness/max": float(max(staleness)),
                    "time/generate_wait": waited, "time/step": seconds,
-                   "perf/trained_tokens_per_s": stats["train/tokens"] / seconds,
+                   "perf/trained_tokens_per_s": stats["train/trained_tokens"] / seconds,
+                   "perf/tokens_per_s": stats["train/tokens"] / seconds,
                    "perf/trained_tokens_per_s_run": self._trained_tokens / (time.perf_counter() - self._started)}
         self.metrics.log(step, scalars)
         self.metrics.histogram(step, "staleness", staleness)

@@ -92,9 +92,10 @@ def open_shards(cfg: RunConfig, cursor_state: dict) -> tuple[TrajectoryShardWrit
     return writer, TrajectoryConsumer(TrajectoryStore(folder), ConsumerCursor.from_state_dict(cursor_state))
 
 
-def recovered_episodes(consumer: TrajectoryConsumer) -> list[Episode]:
-    """Groups that were stored before a restart but not trained by the checkpoint we resumed from."""
+def recovered_episodes(consumer: TrajectoryConsumer, version: int) -> list[Episode]:
+    """Groups that were stored before a restart but not trained by the checkpoint we resumed from.
+    Those generated after it carry versions of a timeline that was lost: they count as ``version``."""
     groups: dict[str, list[Trajectory]] = {}
     for trajectory in consumer.pending():
         groups.setdefault(trajectory.group_id, []).append(trajectory)
-    return [Episode(group, min(t.version_range[0] for t in group)) for group in groups.values()]
+    return [Episode(group, min(version, *(t.version_range[0] for t in group))) for group in groups.values()]

@@ -44,7 +44,8 @@ class TrainerGroup:
                 stats[key] /= len(minibatches)  # the mean over the step's optimizer steps
         stats.update(ppo_fractions(stats))
         stats["time/train"] = time.perf_counter() - started
-        stats["train/tokens"] = float(batch.n_tokens)
+        stats["train/tokens"] = float(batch.n_tokens)  # every token forwarded (prompts included)
+        stats["train/trained_tokens"] = stats.get("actor/loss_tokens", 0.0)  # tokens with a loss: the outputs
         return stats
 
     def stop(self) -> None:

@@ -26,7 +26,6 @@ def start_trainer(cfg: RunConfig) -> tuple[int, torch.device, dist.ProcessGroup]
     rank, world = init_distributed(device)
     dims = ParallelDims(dp=world)
     dims.check(world)
-    torch.manual_seed(cfg.experiment.seed)  # identical replicas: same init of any new head on every rank
     return rank, device, dims.build_mesh(device)["dp"].get_group()
 
 
@@ -35,7 +34,7 @@ def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActo
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
     path, model, actor_cfg = cfg.model.path, cfg.model, cfg.actor
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
-    optimizer_steps = cfg.rl.total_train_steps * actor_cfg.ppo_n_minibatches
+    optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
 
     def engine(network, forward_fn, lr=None):
         return TorchTrainEngine(network, forward_fn, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0,
@@ -45,6 +44,7 @@ def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActo
     engines = {"actor": engine(load_model(path, model.dtype, model.attn_impl, device), packed_token_logprobs,
                                actor_cfg.lr)}
     if actor_cfg.adv_estimator == "ppo":
+        torch.manual_seed(cfg.experiment.seed)  # the value head's initialisation depends on the seed only
         engines["critic"] = engine(load_critic(path, model.dtype, model.attn_impl, device), packed_values,
                                    actor_cfg.critic_lr)
     reference = None

@@ -34,6 +34,7 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 class DiskWeightSync:
     def __init__(self, folder: Path, keep: int = 2):
         self.folder, self.keep = folder, keep
+        self._pushed: list[Path] = []  # only what this run wrote is ever removed, oldest first
         folder.mkdir(parents=True, exist_ok=True)
 
     async def connect(self, client: RolloutClient) -> None:
@@ -44,8 +45,9 @@ class DiskWeightSync:
         path = self.folder / f"v{version:06d}"
         await asyncio.to_thread(save_model, engine.model, engine.tokenizer, path)
         await client.update_weights_from_disk(str(path.resolve()), version)
-        for old in sorted(self.folder.glob("v*"))[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        self._pushed.append(path)
+        while len(self._pushed) > self.keep:
+            shutil.rmtree(self._pushed.pop(0), ignore_errors=True)
         return {"sync/bytes": float(state_bytes(engine.state_dict_for_rollout())),
                 "sync/seconds": time.perf_counter() - started}
 

@@ -39,7 +39,8 @@ def load_critic(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa
     """A value model for PPO: the causal LM's body with a fresh one-output head per position (no dropout:
     values must be deterministic)."""
     folder = _check_model_dir(path)
-    config = AutoConfig.from_pretrained(folder, num_labels=1, classifier_dropout=0.0, local_files_only=True)
+    config = AutoConfig.from_pretrained(folder, num_labels=1, local_files_only=True)
+    config.classifier_dropout = 0.0  # set on the object: transformers drops it as a from_pretrained keyword
     model = AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=DTYPES[dtype],
                                                             attn_implementation=attn_impl, local_files_only=True)
     return model.to(device)

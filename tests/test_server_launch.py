@@ -9,7 +9,7 @@ import pytest
 from areal_hpc.config import load_config
 from areal_hpc.errors import UserError
 from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
-from areal_hpc.launch.supervisor import ServerLaunchError, ServerProcess
+from areal_hpc.launch.supervisor import ServerLaunchError, SupervisedProcess
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.sglang_server import free_port, sglang_command
 from tests.conftest import run_cli
@@ -40,7 +40,7 @@ def test_supervised_server_becomes_healthy_and_serves_the_same_client(tiny_model
     port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={tiny_model_dir}",
                f"port={port}", f"cluster.fileroot={tmp_path}"]
-    server = ServerProcess("embedded server", command, tmp_path / "server.log").start()
+    server = SupervisedProcess("embedded server", command, tmp_path / "server.log").start()
     try:
         server.wait_healthy(f"127.0.0.1:{port}", timeout_s=120)
 
@@ -56,7 +56,7 @@ def test_supervised_server_becomes_healthy_and_serves_the_same_client(tiny_model
 
 def test_a_server_that_dies_at_launch_is_reported_with_its_log_tail(tmp_path):
     command = [sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={tmp_path / 'nowhere'}"]
-    server = ServerProcess("embedded server", command, tmp_path / "server.log").start()
+    server = SupervisedProcess("embedded server", command, tmp_path / "server.log").start()
     with pytest.raises(ServerLaunchError) as failure:
         server.wait_healthy("127.0.0.1:9", timeout_s=120)
     message = str(failure.value)
@@ -66,7 +66,7 @@ def test_a_server_that_dies_at_launch_is_reported_with_its_log_tail(tmp_path):
 
 def test_a_server_that_never_answers_is_stopped_after_the_timeout(tmp_path):
     command = [sys.executable, "-c", "import time; print('loading weights', flush=True); time.sleep(600)"]
-    server = ServerProcess("slow server", command, tmp_path / "server.log").start()
+    server = SupervisedProcess("slow server", command, tmp_path / "server.log").start()
     with pytest.raises(ServerLaunchError, match=r"did not answer http://127.0.0.1:9/health within 2 s") as failure:
         server.wait_healthy("127.0.0.1:9", timeout_s=2)
     assert "loading weights" in str(failure.value)

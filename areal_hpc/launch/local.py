@@ -22,8 +22,8 @@ from pathlib import Path
 
 from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve, bind
-from areal_hpc.launch.supervisor import ServerProcess
+from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, bind
+from areal_hpc.launch.supervisor import SupervisedProcess
 
 RUN_MARKER = "AREAL_HPC_RUN"  # in every child's environment: which run a process belongs to
 LAUNCHED_AT = "AREAL_HPC_LAUNCHED_AT"  # wall-clock times the driver reports its first rollout against:
@@ -56,10 +56,10 @@ def launch(config: str, overrides: list[str], resume: bool) -> int:
     share = max(1, (os.cpu_count() or 1) // (cfg.rollout.n_servers + cfg.rl.trainer_processes))
     threads = {"OMP_NUM_THREADS": str(share)}
     cli = [python, "-m", "areal_hpc"]
-    started: list[ServerProcess] = []
+    started: list[SupervisedProcess] = []
 
-    def start(name: str, command: list[str], log: Path | None, extra_env: dict | None = None) -> ServerProcess:
-        started.append(ServerProcess(name, command, log, {**env, **threads, **(extra_env or {})}).start())
+    def start(name: str, command: list[str], log: Path | None, extra_env: dict | None = None) -> SupervisedProcess:
+        started.append(SupervisedProcess(name, command, log, {**env, **threads, **(extra_env or {})}).start())
         return started[-1]
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
@@ -101,7 +101,7 @@ def launch(config: str, overrides: list[str], resume: bool) -> int:
 def _run_stage(name: str, command: list[str], env: dict) -> None:
     """A preparation step (model init, SFT warm-up) on this terminal; it dies with the launcher, and
     its failure ends the launch."""
-    stage = ServerProcess(name, command, None, env).start()
+    stage = SupervisedProcess(name, command, None, env).start()
     try:
         code = stage.process.wait()
     finally:
@@ -139,7 +139,7 @@ class RunMemory:
         self.peak = max(self.peak, total)
 
 
-def _supervise(servers: list[ServerProcess], trainers: list[ServerProcess]) -> int:
+def _supervise(servers: list[SupervisedProcess], trainers: list[SupervisedProcess]) -> int:
     """Wait for trainer rank 0 (the driver) and return its exit code (128 + N after signal N). A
     server that exits, or another rank that fails, ends the run with code 1; other ranks exit cleanly
     just before rank 0 when it tells them to stop. Rank 0 prints its own errors."""

@@ -1,4 +1,5 @@
-"""Start a server process, wait until it answers /health, and stop it (and its children) cleanly.
+"""Supervised child processes of a run (rollout servers, trainer ranks, preparation stages): start one,
+wait until a server answers /health, and stop it (and its children) cleanly.
 
 When a server dies or never becomes healthy, the error says so with the tail of its log, so
 "server launch failed" always comes with its cause (a CUDA OOM, a missing model file, a port in use).
@@ -33,7 +34,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class ServerProcess:
+class SupervisedProcess:
     """``log_path=None`` keeps the child on this terminal (the trainer's progress line)."""
 
     def __init__(self, name: str, command: list[str], log_path: Path | None, env: dict | None = None):
@@ -41,7 +42,7 @@ class ServerProcess:
         self.env = env
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> "SupervisedProcess":
         options = dict(env={**os.environ, **(self.env or {})}, start_new_session=True, preexec_fn=_die_with_parent)
         if self.log_path is None:
             self.process = subprocess.Popen(self.command, **options)

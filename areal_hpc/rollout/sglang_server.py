@@ -13,7 +13,7 @@ import sys
 
 from areal_hpc.extras import require
 from areal_hpc.launch.name_resolve import advertised_address, bind, registered_server
-from areal_hpc.launch.supervisor import ServerProcess
+from areal_hpc.launch.supervisor import SupervisedProcess
 
 def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
     """The launch command for one server of ``cfg.rollout`` on ``port``."""
@@ -41,7 +41,7 @@ def serve_sglang(cfg) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops SGLang's process group
     port = cfg.rollout.port or free_port(cfg.rollout.host)
     address = advertised_address(cfg.rollout.host, port)
-    server = ServerProcess(f"SGLang server {address}", sglang_command(cfg, port),
+    server = SupervisedProcess(f"SGLang server {address}", sglang_command(cfg, port),
                            cfg.run_dir / "logs" / f"sglang-{address.replace(':', '-')}.log").start()
     try:
         server.wait_healthy(address, cfg.rollout.launch_timeout_s)

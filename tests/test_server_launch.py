@@ -11,7 +11,8 @@ from areal_hpc.errors import UserError
 from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
 from areal_hpc.launch.supervisor import ServerLaunchError, SupervisedProcess
 from areal_hpc.rollout.client import RolloutClient
-from areal_hpc.rollout.sglang_server import free_port, sglang_command
+from areal_hpc.launch.name_resolve import free_port
+from areal_hpc.rollout.sglang_server import sglang_command
 from tests.conftest import run_cli
 
 

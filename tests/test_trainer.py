@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areal_hpc.algo.microbatch import pack
-from areal_hpc.launch.name_resolve import bind
+from areal_hpc.launch.name_resolve import free_port
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
@@ -24,8 +24,7 @@ from .conftest import REPO, embedded_server
 
 
 def run_ranks(world: int, model, out, *overrides: str) -> dict:
-    with bind("127.0.0.1", 0) as sock:
-        port = str(sock.getsockname()[1])
+    port = str(free_port("127.0.0.1"))
     ranks = [subprocess.Popen([sys.executable, "-m", "tests.trainer_processes", str(model), str(out), *overrides],
                               cwd=REPO, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})

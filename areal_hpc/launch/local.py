@@ -22,7 +22,7 @@ from pathlib import Path
 
 from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, bind
+from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, free_port
 from areal_hpc.launch.supervisor import SupervisedProcess
 
 RUN_MARKER = "AREAL_HPC_RUN"  # in every child's environment: which run a process belongs to
@@ -79,8 +79,7 @@ def launch(config: str, overrides: list[str], resume: bool) -> int:
                                         f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
                                         f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env)
         start_model = warm if cfg.rl.sft_warmup_steps else model
-        with bind("127.0.0.1", 0) as sock:
-            master_port = str(sock.getsockname()[1])
+        master_port = str(free_port("127.0.0.1"))
         trainer_args = [*base, f"model.path={start_model}", *(["--resume"] if resume else [])]
         env[TRAINERS_AT] = str(time.time())
         for rank in range(cfg.rl.trainer_processes):

@@ -62,6 +62,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def free_port(host: str) -> int:
+    """A port nobody listens on right now (for a child process or a rendezvous to take)."""
+    with bind(host, 0) as sock:
+        return sock.getsockname()[1]
+
+
 def advertised_address(bind_host: str, port: int) -> str:
     """``host:port`` other nodes can reach: the node's name when bound to every interface."""
     host = socket.gethostname() if bind_host in ("0.0.0.0", "") else bind_host

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from areal_hpc.extras import require
-from areal_hpc.launch.name_resolve import advertised_address, bind, registered_server
+from areal_hpc.launch.name_resolve import advertised_address, free_port, registered_server
 from areal_hpc.launch.supervisor import SupervisedProcess
 
 def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
@@ -28,11 +28,6 @@ def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
     if rollout.context_length:
         command += ["--context-length", str(rollout.context_length)]
     return command
-
-
-def free_port(host: str) -> int:
-    with bind(host, 0) as sock:
-        return sock.getsockname()[1]
 
 
 def serve_sglang(cfg) -> None:

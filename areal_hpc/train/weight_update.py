@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from areal_hpc.launch.name_resolve import free_port
 from areal_hpc.models.hf import DTYPES, save_model
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.weight_sync import UpdateGroup, broadcast_tensor, join_update_group
@@ -59,8 +60,6 @@ class DistributedWeightSync:
 
     async def connect(self, client: RolloutClient) -> None:
         """Trainer rank 0 is rank 0 of the update group; server i joins as rank i + 1."""
-        from areal_hpc.rollout.sglang_server import free_port
-
         port, servers = free_port(self.host), list(client.alive)
         world = len(servers) + 1
         joining = asyncio.to_thread(join_update_group, self.backend, self.host, port, 0, world, GROUP_NAME)

@@ -15,6 +15,7 @@ from areal_hpc.data.shards import (ConsumerCursor, ShardDamageError, TrajectoryC
                                    TrajectoryShardWriter, TrajectoryStore, UnknownTrajectoryError)
 from areal_hpc.data.shards.format import INDEX_DTYPE, SCHEMA_VERSION
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory, expand_version_runs, version_runs
+from tests.shard_processes import make_trajectory
 from areal_hpc.errors import UserError
 from tests.conftest import REPO, run_cli
 from tests.shard_processes import make_trajectory
@@ -325,3 +326,16 @@ def test_a_reward_for_a_record_another_writer_committed_later(tmp_path):
     proxy.close()
     with TrajectoryStore(tmp_path) as store:
         assert next(store.trajectories()).reward == 1.0
+
+
+def test_records_consumed_by_id_are_never_pending_again(tmp_path):
+    with TrajectoryShardWriter(tmp_path, "w") as writer:
+        for i in range(4):
+            writer.append(make_trajectory(3, i))
+    with TrajectoryStore(tmp_path) as store:
+        consumer = TrajectoryConsumer(store)
+        assert [t.id for t in consumer.take_ids(["s3-t2"])] == ["s3-t2"]
+        consumer.mark_ids(["s3-t0"])  # consumed without being read back
+        assert [t.id for t in consumer.pending()] == ["s3-t1", "s3-t3"]
+        with pytest.raises(KeyError):
+            consumer.mark_ids(["s3-t0"])

@@ -46,8 +46,13 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
             await sync.push(actor, client, version)  # the servers start from the trainer's weights
             writer, consumer = open_shards(cfg, state.get("cursor", {}))
             prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
+
+            def drop(episode) -> None:  # too stale to train: consumed without reading it back, and logged
+                consumer.mark_ids(episode.ids)
+                progress.dropped(episode.ids)
+
             controller = build_controller(cfg, client, actor.tokenizer, Scorer(rewards), task.name, prompts, writer,
-                                          version, on_drop=lambda e: progress.dropped(consumer.take_ids(e.ids)))
+                                          version, on_drop=drop)
             controller.restore(recovered_episodes(consumer, version))
             controller.dropped = state.get("dropped", 0)
 

@@ -82,8 +82,8 @@ class RLProgress:
         self._progress.update(self._bar, completed=step, reward=scalars["rollout/reward"],
                               stale=scalars["staleness/mean"], tps=scalars["perf/trained_tokens_per_s"])
 
-    def dropped(self, batch: list[Trajectory]) -> None:
-        self._audit.write(json.dumps({"dropped": [t.id for t in batch]}) + "\n")
+    def dropped(self, ids: list[str]) -> None:
+        self._audit.write(json.dumps({"dropped": ids}) + "\n")
 
     def plot(self) -> None:
         if self.cfg.stats.plot:

@@ -96,8 +96,7 @@ class TrajectoryConsumer:
         """Up to ``max_records`` records committed since the last call (possibly none); no waiting."""
         chosen = self._candidates()[:max_records]
         records = self._read(chosen)
-        for _, stem, row, _ in chosen:
-            self.cursor.mark(stem, row)
+        self._mark(chosen)
         return records
 
     def pending(self) -> list[Trajectory]:
@@ -108,6 +107,16 @@ class TrajectoryConsumer:
     def take_ids(self, ids: list[str]) -> list[Trajectory]:
         """Mark and return the records with these ids, in that order (a trainer that chose its batch
         elsewhere, e.g. by staleness, still consumes through the cursor). Every id must be pending."""
+        chosen = self._locate(ids)
+        records = self._read(chosen)
+        self._mark(chosen)
+        return records
+
+    def mark_ids(self, ids: list[str]) -> None:
+        """Consume these pending records without reading them (e.g. ones discarded as too stale)."""
+        self._mark(self._locate(ids))
+
+    def _locate(self, ids: list[str]) -> list[tuple[float, str, int, str]]:
         wanted = {trajectory_id: None for trajectory_id in ids}
         for candidate in self._candidates():
             if candidate[3] in wanted:
@@ -115,11 +124,11 @@ class TrajectoryConsumer:
         missing = [trajectory_id for trajectory_id, found in wanted.items() if found is None]
         if missing:
             raise KeyError(f"trajectories {missing[:3]} are not committed or already consumed")
-        chosen = list(wanted.values())
-        records = self._read(chosen)
+        return list(wanted.values())
+
+    def _mark(self, chosen: list[tuple[float, str, int, str]]) -> None:
         for _, stem, row, _ in chosen:
             self.cursor.mark(stem, row)
-        return records
 
     def _candidates(self) -> list[tuple[float, str, int, str]]:
         """(created, shard, row, id) of every unconsumed record that passes the filter, oldest first."""

@@ -15,7 +15,6 @@ from areal_hpc.data.shards import (ConsumerCursor, ShardDamageError, TrajectoryC
                                    TrajectoryShardWriter, TrajectoryStore, UnknownTrajectoryError)
 from areal_hpc.data.shards.format import INDEX_DTYPE, SCHEMA_VERSION
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory, expand_version_runs, version_runs
-from tests.shard_processes import make_trajectory
 from areal_hpc.errors import UserError
 from tests.conftest import REPO, run_cli
 from tests.shard_processes import make_trajectory

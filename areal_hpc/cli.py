@@ -32,9 +32,10 @@ def _config_show(args) -> int:
 
 def _init_model(args) -> int:
     from areal_hpc.models.hf import load_model
+    from areal_hpc.data.registry import corpus_for_tokenizer
     from areal_hpc.models.tiny import count_parameters, init_model
 
-    out = init_model(args.out, preset=args.preset, seed=args.seed)
+    out = init_model(args.out, corpus_for_tokenizer(args.seed), preset=args.preset, seed=args.seed)
     print(f"wrote {args.preset} Qwen2 model ({count_parameters(load_model(out)) / 1e6:.2f}M parameters) "
           f"and tokenizer to {out}")
     return 0
@@ -53,7 +54,7 @@ def _sft(args) -> int:
 def _eval(args) -> int:
     from areal_hpc.config import load_config
     from areal_hpc.data.rewards import RewardPool
-    from areal_hpc.data.tasks import build_task
+    from areal_hpc.data.registry import build_task
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
     from areal_hpc.train.evaluate import evaluate

@@ -27,8 +27,9 @@ import transformers
 from recording import machine, run_and_record
 
 from areal_hpc.models.hf import load_model
+from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
-from areal_hpc.rollout.engine import EmbeddedEngine, Request, SamplingParams
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams
 
 
 
@@ -73,7 +74,7 @@ def run_generate(model, requests, batch: int, pad_id: int) -> float:
 
 
 def run(args) -> dict:
-    model_dir = init_model(Path(tempfile.mkdtemp()) / "model", preset=args.preset, seed=0)
+    model_dir = init_model(Path(tempfile.mkdtemp()) / "model", corpus_for_tokenizer(0), preset=args.preset, seed=0)
     model = load_model(model_dir).eval()
     requests = workload(args.requests, model.config.vocab_size)
     useful = sum(k for _, k in requests)

@@ -16,9 +16,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
+    from areal_hpc.data.registry import corpus_for_tokenizer
     from areal_hpc.models.tiny import init_model
 
-    return init_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
+    return init_model(tmp_path_factory.mktemp("tiny") / "model", corpus_for_tokenizer(0), preset="tiny", seed=0)
 
 
 def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:

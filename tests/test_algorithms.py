@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from areal_hpc.algo.advantages import (SEQUENCE_ESTIMATORS, expand_to_tokens, gae, outcome_token_rewards,
                                        sequence_advantages)
 from areal_hpc.algo.filters import is_informative_group, overlong_penalty
-from areal_hpc.algo.microbatch import pack
+from areal_hpc.algo.packing import pack
 from areal_hpc.algo.ppo import (AGGREGATIONS, BEHAV_CORRECTIONS, PPOLossConfig, decoupled_ppo_loss, token_weights,
                                 value_loss)
 from areal_hpc.models.hf import load_model

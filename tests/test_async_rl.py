@@ -20,7 +20,7 @@ import pytest
 from areal_hpc.config import load_config
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
 from areal_hpc.data.shards.reader import TrajectoryStore
-from areal_hpc.launch.local import RUN_MARKER
+from areal_hpc.parallel.bootstrap import RUN_MARKER
 from areal_hpc.train.optim import lr_multiplier
 from .conftest import REPO, run_cli
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
-from areal_hpc.rollout.weight_sync import broadcast_tensor, join_update_group
+from areal_hpc.parallel.weight_group import broadcast_tensor, join_update_group
 from tests.conftest import embedded_server
 
 PROMPT = [5, 17, 33, 2, 9]

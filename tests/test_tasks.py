@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import DatasetConfig
 from areal_hpc.data import arithmetic, countdown, gsm8k
-from areal_hpc.data.tasks import Example, build_task
+from areal_hpc.data.registry import build_task
+from areal_hpc.data.tasks import Example
 from areal_hpc.errors import UserError
 
 TASKS = ["arithmetic", "countdown", "gsm8k"]

@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from areal_hpc.algo.microbatch import pack
+from areal_hpc.algo.packing import pack
 from areal_hpc.launch.name_resolve import free_port
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.train.engine import TorchTrainEngine
 from areal_hpc.train.logprobs import packed_token_logprobs
-from areal_hpc.train.weight_update import DiskWeightSync, DistributedWeightSync
+from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 from .conftest import REPO, embedded_server
 

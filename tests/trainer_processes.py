@@ -17,7 +17,7 @@ import torch.distributed as dist
 from areal_hpc.config import load_config
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
 from areal_hpc.train.trainer_group import TrainerGroup, follow
-from areal_hpc.train.trainer_setup import build_actor, start_trainer
+from areal_hpc.train.build import build_actor, start_trainer
 
 
 def synthetic_batch(vocab: int, groups: int = 4, group_size: int = 4, seed: int = 0) -> list[Trajectory]:

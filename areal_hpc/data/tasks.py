@@ -1,15 +1,13 @@
 """The task interface: examples with a reference answer, a train/eval split and a pure reward.
 
-``build_task(cfg.dataset)`` returns a ``Task`` whose ``reward(completion, example)`` is a module-level
-function (so it pickles into a reward worker process), never raises and is bounded in time.
+A task's ``reward(completion, example)`` is a module-level function (so it pickles into a reward
+worker process), never raises and is bounded in time. ``data.registry.build_task`` builds one by name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
-
-from areal_hpc.config import DatasetConfig
 
 
 @dataclass(frozen=True)
@@ -30,21 +28,3 @@ class Task:
     train: list[Example]
     eval: list[Example]
     reward: RewardFn
-
-
-def build_task(cfg: DatasetConfig) -> Task:
-    from areal_hpc.data import arithmetic, countdown, gsm8k
-
-    builders = {"arithmetic": arithmetic.make_task, "countdown": countdown.make_task, "gsm8k": gsm8k.make_task}
-    return builders[cfg.task](cfg)
-
-
-def corpus_for_tokenizer(seed: int) -> list[str]:
-    """Prompts and targets of every task, so the tokenizer's merges fit the text it will see."""
-    lines = []
-    for task in ("arithmetic", "countdown", "gsm8k"):
-        cfg = DatasetConfig(task=task, seed=seed, train_size=1000, eval_size=10)
-        cfg.arithmetic.ops = "+-*"
-        for ex in build_task(cfg).train:
-            lines += [ex.prompt, ex.target]
-    return lines

@@ -24,19 +24,16 @@ from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
 from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, free_port
 from areal_hpc.launch.supervisor import SupervisedProcess
+from areal_hpc.parallel.bootstrap import LAUNCHED_AT, RUN_MARKER, TRAINERS_AT
+from areal_hpc.train.checkpoint import latest_checkpoint
 
-RUN_MARKER = "AREAL_HPC_RUN"  # in every child's environment: which run a process belongs to
-LAUNCHED_AT = "AREAL_HPC_LAUNCHED_AT"  # wall-clock times the driver reports its first rollout against:
-TRAINERS_AT = "AREAL_HPC_TRAINERS_AT"  # the launch, and the start of the trainer ranks (after any SFT warm-up)
-# `-c`, not `-m areal_hpc.train.async_rl`: reward workers (spawned) would re-import a `-m` main module and its torch.
-TRAINER = "import sys; from areal_hpc.train.async_rl import main; sys.exit(main(sys.argv[1:]))"
+# `-c`, not `-m areal_hpc.train.driver`: reward workers (spawned) would re-import a `-m` main module and its torch.
+TRAINER = "import sys; from areal_hpc.train.driver import main; sys.exit(main(sys.argv[1:]))"
 
 
 def check_run_folder(cfg: RunConfig, resume: bool) -> None:
     """A fresh run never mixes with an old one's shards and checkpoints; a resume needs one of them
     (a run killed before its first checkpoint resumes from step 0 and trains what it had stored)."""
-    from areal_hpc.train.checkpoint import latest_checkpoint
-
     has_run = latest_checkpoint(cfg.run_dir) is not None or any((cfg.run_dir / "shards").glob("*.h5"))
     if resume and not has_run:
         raise UserError(f"--resume: nothing to resume in {cfg.run_dir} (no checkpoint, no shards); "

@@ -22,10 +22,11 @@ PRESETS = {
 }
 
 
-def init_model(out: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """Write a freshly initialised model and its tokenizer to ``out`` in Hugging Face format."""
+def init_model(out: str | Path, corpus: list[str], preset: str = "tiny", seed: int = 0) -> Path:
+    """Write a freshly initialised model and its tokenizer (trained on ``corpus``) to ``out`` in Hugging
+    Face format."""
     out = Path(out)
-    tokenizer = build_tokenizer(seed=seed)
+    tokenizer = build_tokenizer(corpus)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         max_position_embeddings=1024,

@@ -1,4 +1,5 @@
-"""A Qwen2-style byte-level BPE tokenizer trained offline on the tasks' own text.
+"""A Qwen2-style byte-level BPE tokenizer trained offline on the text it will see (the caller's corpus:
+the tasks' prompts and answers, see ``data.registry.corpus_for_tokenizer``).
 
 It is built in exactly the form transformers' ``Qwen2Tokenizer`` rebuilds on load (same
 pre-tokenizer regex, byte-level alphabet, NFC normaliser), so save -> load gives identical ids and
@@ -11,8 +12,6 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from areal_hpc.data.tasks import corpus_for_tokenizer
-
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 # Rendered with whitespace trimming, so every newline is written explicitly.
@@ -24,8 +23,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Qwen2Tokenizer:
-    """Train a byte-level BPE on the task corpus and wrap it as a Hugging Face Qwen2Tokenizer."""
+def build_tokenizer(corpus: list[str], vocab_size: int = 1024) -> Qwen2Tokenizer:
+    """Train a byte-level BPE on ``corpus`` and wrap it as a Hugging Face Qwen2Tokenizer."""
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
@@ -39,8 +38,7 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Qwen2Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # merges fit the text the model will see: every task's prompts and answers, plus the chat roles
-    bpe.train_from_iterator(corpus_for_tokenizer(seed) + ["system", "user", "assistant"], trainer=trainer)
+    bpe.train_from_iterator(corpus + ["system", "user", "assistant"], trainer=trainer)
     trained = json.loads(bpe.to_str())["model"]
     vocab, merges = trained["vocab"], [tuple(m) for m in trained["merges"]]
     tokenizer = Qwen2Tokenizer(

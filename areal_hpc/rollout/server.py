@@ -14,10 +14,12 @@ import logging
 import uuid
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
-from areal_hpc.rollout.engine import EmbeddedEngine, Request, RequestError, Result, SamplingParams
-from areal_hpc.rollout.weight_sync import UpdateGroup, join_update_group, receive_state
+from areal_hpc.models.hf import DTYPES
+from areal_hpc.parallel.weight_group import UpdateGroup, broadcast_tensor, join_update_group
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, RequestError, Result, SamplingParams
 
 GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream"}
 ENGINE = web.AppKey("engine", EmbeddedEngine)
@@ -182,7 +184,10 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     except (KeyError, TypeError, ValueError) as exc:
         raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset, "
                            f"world_size ({exc})")
-    request.app[STATE]["update_group"] = await asyncio.to_thread(join_update_group, **args)
+    try:
+        request.app[STATE]["update_group"] = await asyncio.to_thread(join_update_group, **args)
+    except ValueError as exc:  # an unknown backend
+        raise RequestError(str(exc)) from exc
     return web.json_response({"success": True, "message": f"joined {args['group_name']} as rank {args['rank']}"})
 
 
@@ -200,6 +205,18 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 
     await asyncio.wrap_future(engine.call(receive_and_load))
     return web.json_response({"success": True, "weight_version": str(engine.version)})
+
+
+def receive_state(group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Server side of one update: the tensors rank 0 broadcasts, in ``names`` order."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise RequestError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    unknown = sorted(set(dtypes) - DTYPES.keys())
+    if unknown:
+        raise RequestError(f"dtypes {unknown} are not among {sorted(DTYPES)}")
+    return {name: broadcast_tensor(group, torch.empty(shape, dtype=DTYPES[dtype], device=device))
+            for name, dtype, shape in zip(names, dtypes, shapes)}
 
 
 def _version(body: dict) -> int | None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from areal_hpc.algo.advantages import gae, outcome_token_rewards
 from areal_hpc.algo.ppo import PPOLossConfig, decoupled_ppo_loss, value_loss
 from areal_hpc.config import ActorConfig
-from areal_hpc.train.batch import SequenceBatch
+from areal_hpc.train.sequence_batch import SequenceBatch
 from areal_hpc.train.engine import TorchTrainEngine, merge_stats
 
 

@@ -20,10 +20,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from areal_hpc.algo.microbatch import PackedBatch, dynamic_microbatches
+from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import save_model
-from areal_hpc.train.batch import SequenceBatch
+from areal_hpc.train.sequence_batch import SequenceBatch
 from areal_hpc.train.optim import build_optimizer, build_scheduler
 
 ForwardFn = Callable[[torch.nn.Module, PackedBatch], torch.Tensor]

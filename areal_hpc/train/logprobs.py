@@ -3,7 +3,7 @@ the next token, and a critic's value estimate."""
 
 import torch
 
-from areal_hpc.algo.microbatch import PackedBatch
+from areal_hpc.algo.packing import PackedBatch
 
 
 def packed_token_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:

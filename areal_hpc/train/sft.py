@@ -18,10 +18,11 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from areal_hpc.algo.microbatch import allocate_microbatches, pack
+from areal_hpc.algo.packing import allocate_microbatches, pack
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.data.rewards import RewardPool
-from areal_hpc.data.tasks import Example, build_task
+from areal_hpc.data.registry import build_task, corpus_for_tokenizer
+from areal_hpc.data.tasks import Example
 from areal_hpc.models.chat import completion_ids, prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.models.tiny import count_parameters, init_model
@@ -75,7 +76,8 @@ def prepare_model_dir(cfg: RunConfig) -> Path:
     """The model to start from: ``model.path``, or a fresh ``model.preset`` written into the run folder."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    return init_model(cfg.run_dir / "init_model", preset=cfg.model.preset, seed=cfg.experiment.seed)
+    return init_model(cfg.run_dir / "init_model", corpus_for_tokenizer(cfg.experiment.seed), preset=cfg.model.preset,
+                      seed=cfg.experiment.seed)
 
 
 def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:

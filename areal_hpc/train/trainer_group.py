@@ -16,7 +16,7 @@ from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.engine import merge_stats
-from areal_hpc.train.rl_batch import build_batch, data_parallel_parts, split_minibatches
+from areal_hpc.train.trajectory_batch import build_batch, data_parallel_parts, split_minibatches
 
 UPDATE, STOP = "update", "stop"
 PER_STEP_KEYS = ("grad_norm", "lr")  # equal on every rank after the all-reduce: not summed over ranks

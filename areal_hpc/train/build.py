@@ -1,53 +1,76 @@
-"""What the asynchronous RL driver is made of, built from the config on trainer rank 0: rollout
-servers found in name-resolve, the prompt stream, the workflow, the shard writer and consumer, the
-staleness gate and controller, the weight sync, and resume state from the latest checkpoint.
+"""Everything a trainer rank and the asynchronous RL driver are made of, built from the config: the
+process group and mesh, the actor (with a frozen reference for the KL penalty and a critic for PPO
+when the config asks for them), rollout servers found in name-resolve, the workflow, the shard writer
+and consumer, the staleness gate and controller, the weight push, and resume state from the shards.
 
-``async_rl.py`` holds the loop itself; this module keeps the wiring out of it.
+``driver.py`` holds the loop itself; this module keeps the wiring out of it. Every rank builds the same
+engines from ``model.path``; the launcher points it at the SFT warm-up output (or the run's initial
+model) and ``--resume`` then loads the checkpoint over it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
+
+import torch
+import torch.distributed as dist
 
 from areal_hpc.algo.filters import is_informative_group
 from areal_hpc.config import RunConfig
+from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
 from areal_hpc.data.shards.reader import TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
-from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
 from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
-from areal_hpc.parallel.mesh import BACKENDS
+from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
+from areal_hpc.parallel.device import resolve_device
+from areal_hpc.parallel.mesh import BACKENDS, ParallelDims, init_distributed
 from areal_hpc.rollout.controller import Episode, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
-from areal_hpc.train.weight_update import DiskWeightSync, DistributedWeightSync
+from areal_hpc.train.actor import PPOActor
+from areal_hpc.train.engine import TorchTrainEngine
+from areal_hpc.train.logprobs import packed_token_logprobs, packed_values
+from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 SHARD_WRITER = "rollout"
 
 
-class PromptStream:
-    """Training prompts in seeded shuffled passes, endless; ``drawn`` says where to continue after a resume."""
+def start_trainer(cfg: RunConfig) -> tuple[int, torch.device, dist.ProcessGroup]:
+    """(rank, device, data-parallel group) of this process."""
+    device = resolve_device(cfg.cluster.device)
+    rank, world = init_distributed(device)
+    dims = ParallelDims(dp=world)
+    dims.check(world)
+    return rank, device, dims.build_mesh(device)["dp"].get_group()
 
-    def __init__(self, examples: list[Example], seed: int, drawn: int = 0):
-        self.examples, self.seed, self.drawn = examples, seed, 0
-        self._order: list[int] = []
-        for _ in range(drawn):
-            next(self)
 
-    def __iter__(self) -> "PromptStream":
-        return self
+def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActor, dict[str, TorchTrainEngine]]:
+    if not cfg.model.path:
+        raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
+    path, model, actor_cfg = cfg.model.path, cfg.model, cfg.actor
+    tokenizer = load_tokenizer(cfg.tokenizer.path or path)
+    optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
 
-    def __next__(self) -> Example:
-        position = self.drawn % len(self.examples)
-        if position == 0:
-            self._order = list(range(len(self.examples)))
-            random.Random(self.seed * 1_000_003 + self.drawn // len(self.examples)).shuffle(self._order)
-        self.drawn += 1
-        return self.examples[self._order[position]]
+    def engine(network, forward_fn, lr=None):
+        return TorchTrainEngine(network, forward_fn, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0,
+                                total_steps=optimizer_steps, max_tokens_per_mb=actor_cfg.max_tokens_per_mb,
+                                dp_group=dp_group, tokenizer=tokenizer)
+
+    engines = {"actor": engine(load_model(path, model.dtype, model.attn_impl, device), packed_token_logprobs,
+                               actor_cfg.lr)}
+    if actor_cfg.adv_estimator == "ppo":
+        torch.manual_seed(cfg.experiment.seed)  # the value head's initialisation depends on the seed only
+        engines["critic"] = engine(load_critic(path, model.dtype, model.attn_impl, device), packed_values,
+                                   actor_cfg.critic_lr)
+    reference = None
+    if actor_cfg.kl_ctl > 0:  # frozen starting weights; not checkpointed (it never changes)
+        reference = engine(load_model(path, model.dtype, model.attn_impl, device).requires_grad_(False),
+                           packed_token_logprobs)
+    return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"), dp_group), engines
 
 
 async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> list[str]:

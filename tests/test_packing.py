@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.algo.microbatch import allocate_microbatches, dynamic_microbatches, pack
+from areal_hpc.algo.packing import allocate_microbatches, dynamic_microbatches, pack
 from areal_hpc.models.hf import load_model
 from areal_hpc.train.logprobs import packed_token_logprobs
 

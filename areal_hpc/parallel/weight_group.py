@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areal_hpc.models.hf import DTYPES
-from areal_hpc.rollout.engine import RequestError
 
 @dataclass
 class UpdateGroup:
@@ -38,7 +36,7 @@ def join_update_group(backend: str, master_address: str, master_port: int, rank:
     elif backend == "nccl":
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
     else:
-        raise RequestError(f"backend {backend!r} is not one of gloo, nccl")
+        raise ValueError(f"backend {backend!r} is not one of gloo, nccl")
     return UpdateGroup(group, store, rank)
 
 
@@ -48,15 +46,3 @@ def broadcast_tensor(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
     options.rootRank = 0
     group.group.broadcast([tensor], options).wait()
     return tensor
-
-
-def receive_state(group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                  device: torch.device) -> dict[str, torch.Tensor]:
-    """Server side of one update: the tensors rank 0 broadcasts, in ``names`` order."""
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise RequestError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-    unknown = sorted(set(dtypes) - DTYPES.keys())
-    if unknown:
-        raise RequestError(f"dtypes {unknown} are not among {sorted(DTYPES)}")
-    return {name: broadcast_tensor(group, torch.empty(shape, dtype=DTYPES[dtype], device=device))
-            for name, dtype, shape in zip(names, dtypes, shapes)}

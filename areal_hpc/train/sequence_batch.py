@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from areal_hpc.algo.microbatch import PackedBatch, pack
+from areal_hpc.algo.packing import PackedBatch, pack
 
 
 @dataclass

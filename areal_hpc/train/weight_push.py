@@ -21,7 +21,7 @@ import torch
 from areal_hpc.launch.name_resolve import free_port
 from areal_hpc.models.hf import DTYPES, save_model
 from areal_hpc.rollout.client import RolloutClient
-from areal_hpc.rollout.weight_sync import UpdateGroup, broadcast_tensor, join_update_group
+from areal_hpc.parallel.weight_group import UpdateGroup, broadcast_tensor, join_update_group
 from areal_hpc.train.engine import TorchTrainEngine
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

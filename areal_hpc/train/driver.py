@@ -1,7 +1,7 @@
 """Asynchronous RL (AReaL) on trainer rank 0: rollouts never stop while the trainer trains.
 
     areal-hpc train --config configs/quickstart.yaml            # the launcher: servers + trainer ranks
-    python -m areal_hpc.train.async_rl --config FILE [--resume]  # what the launcher runs per trainer rank
+    python -m areal_hpc.train.driver --config FILE [--resume]    # what the launcher runs per trainer rank
 
 Each step: wait for a batch of finished groups no more than eta versions stale (generation and
 rewards run all along, as many episodes as the staleness gate admits), read them back from the HDF5
@@ -20,19 +20,19 @@ import time
 import torch.distributed as dist
 
 from areal_hpc.config import RunConfig, load_config
+from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.rewards import RewardPool
-from areal_hpc.data.tasks import build_task
+from areal_hpc.data.registry import build_task
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import save_model
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.workflows import Scorer
+from areal_hpc.train.build import (build_actor, build_controller, build_weight_sync, open_shards,
+                                   recovered_episodes, start_trainer, wait_for_servers)
 from areal_hpc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from areal_hpc.train.evaluate import evaluate_remote
-from areal_hpc.train.rl_progress import RLProgress
-from areal_hpc.train.rl_run import (PromptStream, build_controller, build_weight_sync, open_shards,
-                                    recovered_episodes, wait_for_servers)
+from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.trainer_group import TrainerGroup, follow
-from areal_hpc.train.trainer_setup import build_actor, start_trainer
 
 
 async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict) -> None:
@@ -90,7 +90,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m areal_hpc.train.async_rl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m areal_hpc.train.driver", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, metavar="FILE")
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")

@@ -25,8 +25,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 demo: venv
 	$(BIN)/areal-hpc train --config configs/quickstart.yaml
 
+# Tests run in a fresh random order every time (modules shuffled, and tests within each module); the
+# seed is printed at the top: `make test PYTEST_ARGS=--random-order-seed=N` repeats an order.
+PYTEST_ARGS ?=
 test: venv
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --random-order $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs

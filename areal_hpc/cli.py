@@ -78,35 +78,56 @@ def _eval(args) -> int:
     return 0
 
 
+def _exit_1_on_damage(handler):
+    """Shard commands: data that cannot be read (damaged, truncated) is one line on stderr and exit 1."""
+    def run(args) -> int:
+        from areal_hpc.data.shards import ShardDamageError
+
+        try:
+            return handler(args)
+        except ShardDamageError as exc:
+            print(f"areal-hpc: error: {exc}", file=sys.stderr)
+            return 1
+    return run
+
+
+@_exit_1_on_damage
 def _shards_inspect(args) -> int:
-    from areal_hpc.data.shards.report import inspect, open_store
+    from areal_hpc.data.shards.report import inspect, open_store, problems_line
 
     with open_store(args.path) as store:
-        print(inspect(store))
+        if store.shards:
+            print(inspect(store))
+        if store.problems():
+            print(f"areal-hpc: error: {problems_line(store)}", file=sys.stderr)
+            return 1
     return 0
 
 
+@_exit_1_on_damage
 def _shards_verify(args) -> int:
-    from areal_hpc.data.shards.report import open_store, verify
+    from areal_hpc.data.shards.report import verify
 
-    with open_store(args.path) as store:
-        damage, notes = verify(store)
-        for line in notes:
-            print(f"note: {line}")
-        for line in damage:
-            print(f"DAMAGE: {line}")
-        records = len(store)
+    damage, notes, records = verify(Path(args.path))
+    for line in notes:
+        print(f"note: {line}")
+    for line in damage:
+        print(f"DAMAGE: {line}")
     print(f"{args.path}: {'damage found' if damage else 'ok'}, {records:,} committed records checked")
     return 1 if damage else 0
 
 
+@_exit_1_on_damage
 def _shards_export(args) -> int:
+    from areal_hpc.data.shards import ShardDamageError
     from areal_hpc.data.shards.reader import TrajectoryFilter
-    from areal_hpc.data.shards.report import export_jsonl, open_store
+    from areal_hpc.data.shards.report import export_jsonl, open_store, problems_line
 
     where = TrajectoryFilter(tenant=args.tenant, min_version=args.min_version, max_version=args.max_version,
                              eligible_only=args.eligible_only)
     with open_store(args.path) as store:
+        if store.problems():  # an export that silently left records out would look complete
+            raise ShardDamageError(problems_line(store))
         if args.output is None:
             export_jsonl(store, sys.stdout, where)
             return 0
@@ -204,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = shard_commands.add_parser("inspect", help="summary: trajectories, tokens, rewards, versions, tenants")
     inspect.add_argument("path", metavar="PATH", help=path_help)
     inspect.set_defaults(handler=_shards_inspect)
-    verify = shard_commands.add_parser("verify", help="check checksums, torn tails and manifests (exit 1 on damage)")
+    verify = shard_commands.add_parser("verify", help="check checksums, commit counts and manifests (exit 1 on damage)")
     verify.add_argument("path", metavar="PATH", help=path_help)
     verify.set_defaults(handler=_shards_verify)
     export = shard_commands.add_parser("export", help="write the trajectories as JSON lines")

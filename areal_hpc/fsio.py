@@ -1,4 +1,8 @@
-"""File writes that survive a crash on a shared filesystem."""
+"""File writes that survive a crash on a shared filesystem: of the process, and of the node.
+
+A rename is only as durable as the data behind it and the folder holding it, so each helper fsyncs
+the data before the rename and the folder after it.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,26 @@ def atomic_write_text(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1))
+
+
+def fsync_path(path: Path) -> None:
+    """Put on disk a file's data (written through any handle) or a folder's entries (files created,
+    renamed or removed in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Every file under ``root``, then every folder bottom-up (a folder's entries after its files)."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(Path(folder, name))
+        fsync_path(Path(folder))

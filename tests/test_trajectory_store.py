@@ -196,11 +196,11 @@ def test_damaged_bytes_are_reported_never_returned(tmp_path):
     with open(shard, "r+b") as fh:  # flip bytes inside the first record's tokens
         fh.seek(offset + 20)
         fh.write(b"\xff\xff\xff\xff")
-    with TrajectoryStore(shard) as store, pytest.raises(ShardDamageError, match="row 0 fails its checksum"):
+    with TrajectoryStore(shard) as store, pytest.raises(ShardDamageError, match="row 0: record fails its checksum"):
         list(store.trajectories())
     result = run_cli("shards", "verify", str(tmp_path))
     assert result.returncode == 1
-    assert "w0-000000.h5 row 0: checksum mismatch" in result.stdout
+    assert "w0-000000.h5 row 0: record fails its checksum" in result.stdout
     assert "index_crc32" not in result.stdout  # the index itself is intact: only row 0's tokens changed
 
 
@@ -217,11 +217,13 @@ def test_verify_checks_finalised_shards_against_their_manifest(tmp_path):
     os.truncate(third, third.stat().st_size // 2)  # a copy cut short
     result = run_cli("shards", "verify", str(tmp_path))
     assert result.returncode == 1
+    assert "DAMAGE: w0-000000.h5 row 0: index row fails its checksum" in result.stdout
     assert "DAMAGE: w0-000000.h5: index_crc32 is" in result.stdout
     assert "DAMAGE: w0-000001.h5: listed in manifest-w0.json but missing" in result.stdout
     assert f"DAMAGE: {third}: HDF5 cannot open it (Unable to synchronously open file (truncated file" in result.stdout
-    inspect = run_cli("shards", "inspect", str(tmp_path))
-    assert inspect.returncode == 0 and f"UNREADABLE: {third}" in inspect.stdout
+    inspect = run_cli("shards", "inspect", str(tmp_path))  # the summary of what is readable, and exit 1
+    assert inspect.returncode == 1 and "1 shards (1 finalised, 0 live), 1 trajectories (+1 with a damaged index row)" in inspect.stdout
+    assert f"{third}: HDF5 cannot open it" in inspect.stderr and inspect.stderr.count("\n") == 1
 
 
 def test_inspect_and_export_of_a_test_run(tmp_path):
@@ -260,7 +262,8 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path):
     cases = {str(tmp_path / "missing"): "no such file or directory",
              str(not_hdf5): "is not an HDF5 file",
              str(foreign): "not an areal-hpc trajectory shard",
-             str(newer): f"uses trajectory schema version {SCHEMA_VERSION + 1}; this areal-hpc reads versions up to",
+             str(newer): f"uses trajectory schema version {SCHEMA_VERSION + 1}; this areal-hpc reads version {SCHEMA_VERSION} "
+                           "(upgrade areal-hpc to read it)",
              str(empty): "holds no trajectory shards"}
     for path, message in cases.items():
         for action in ("inspect", "verify", "export"):
@@ -305,9 +308,11 @@ def test_damaged_ids_and_manifests_are_reported_not_tracebacks(tmp_path):
     (tmp_path / "manifest-w1.json").write_text('{"shards": [{"name": "w1-000000.h5"}]}')
     result = run_cli("shards", "verify", str(tmp_path))
     assert result.returncode == 1, result.stderr
-    assert "w0-000000.h5 row 0: checksum mismatch" in result.stdout
+    assert "w0-000000.h5 row 0: index row fails its checksum" in result.stdout
     assert "manifest-w1.json: an entry lacks" in result.stdout
-    assert run_cli("shards", "inspect", str(tmp_path)).returncode == 0
+    inspect = run_cli("shards", "inspect", str(tmp_path))
+    assert inspect.returncode == 1 and "1 trajectories (+1 with a damaged index row)" in inspect.stdout
+    assert "index rows 0 fail their checksum" in inspect.stderr and inspect.stderr.count("\n") == 1
 
 
 def test_export_to_a_missing_folder_is_one_line(tmp_path):

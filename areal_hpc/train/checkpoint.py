@@ -4,9 +4,10 @@
     <run>/checkpoints/latest            -> "step000040"
 
 ``driver.json`` holds the policy version (= completed steps), the prompt-stream position and the
-trajectory-shard consumer cursor. The folder is written under a ``.partial`` name and renamed, then
-``latest`` is replaced: a run killed at any moment resumes from the last complete checkpoint, and
-the cursor in that same checkpoint decides which stored trajectories are still to be trained.
+trajectory-shard consumer cursor. The folder is written under a ``.partial`` name, fsynced, renamed,
+then ``latest`` is replaced (fsynced too): a run killed at any moment, or on a node that crashes,
+resumes from the last complete checkpoint, and the cursor in that same checkpoint decides which
+stored trajectories are still to be trained.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from areal_hpc.errors import UserError
-from areal_hpc.fsio import atomic_write_json, atomic_write_text
+from areal_hpc.fsio import atomic_write_json, atomic_write_text, fsync_path, fsync_tree
 
 KEEP = 2
 
@@ -43,8 +44,11 @@ def save_checkpoint(run_dir: Path, step: int, engines: dict, driver: dict) -> Pa
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                staging / "rng.pt")
     atomic_write_json(staging / "driver.json", {"step": step, **driver})
+    fsync_tree(staging)  # the engines' files are on disk before any name points at them
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
+    fsync_path(root)
+    fsync_path(run_dir)  # holds ``checkpoints/`` since the first save
     atomic_write_text(root / "latest", final.name + "\n")
     for old in sorted(p for p in root.glob("step*") if p.is_dir() and not p.name.endswith(".partial"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)

@@ -4,9 +4,9 @@ The ``ConsumerCursor`` records which committed rows of which shard were handed o
 the training checkpoint, in the same atomic write as the model, so a resumed run re-reads exactly
 the records whose effect was lost with the crash and none that the checkpoint already holds.
 
-    consumer = TrajectoryConsumer(TrajectoryStore(shards_dir), ConsumerCursor.from_state_dict(ckpt["cursor"]))
-    batch = consumer.take(64, timeout=30)          # tails live shards written by other processes
-    ...train on batch...; save {"model": ..., "cursor": consumer.cursor.state_dict()} atomically
+    with TrajectoryConsumer(TrajectoryStore(shards_dir), ConsumerCursor.from_state_dict(ckpt["cursor"])) as consumer:
+        batch = consumer.take(64, timeout=30)      # tails live shards written by other processes
+        ...train on batch...; save {"model": ..., "cursor": consumer.cursor.state_dict()} atomically
 """
 
 from __future__ import annotations
@@ -83,14 +83,25 @@ class TrajectoryConsumer:
     """Hand out each committed record once, oldest first, optionally only once it has a reward.
 
     Records that ``where`` rejects are marked consumed as they are seen (tenant, versions and
-    eligibility never change), so a cursor belongs to one filter. Records still waiting for a
-    reward are not: they are handed out when the reward arrives.
+    eligibility never change), so a cursor belongs to one filter; a record whose index row fails its
+    checksum is never rejected that way: reading it raises ShardDamageError. Records still waiting
+    for a reward are not marked: they are handed out when the reward arrives. Closing the consumer
+    closes its store.
     """
 
     def __init__(self, store: TrajectoryStore, cursor: ConsumerCursor | None = None,
                  where: TrajectoryFilter | None = None, require_reward: bool = False):
         self.store, self.cursor = store, cursor or ConsumerCursor()
         self.where, self.require_reward = where or TrajectoryFilter(), require_reward
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> "TrajectoryConsumer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def poll(self, max_records: int) -> list[Trajectory]:
         """Up to ``max_records`` records committed since the last call (possibly none); no waiting."""
@@ -136,18 +147,17 @@ class TrajectoryConsumer:
         ready: list[tuple[float, str, int, str]] = []
         for stem, shard in self.store.shards.items():
             start = self.cursor.next_row(stem)
-            fresh = shard.index[start:]
-            keep = self.where.mask(fresh)
-            for offset in np.flatnonzero(~keep):
-                if not self.cursor.is_consumed(stem, start + int(offset)):
-                    self.cursor.mark(stem, start + int(offset))
-            for offset in np.flatnonzero(keep):
-                row, trajectory_id = start + int(offset), text(fresh[offset]["id"])
+            keep = shard.matches(self.where, start)
+            for row in (start + np.flatnonzero(~keep)).tolist():
+                if not self.cursor.is_consumed(stem, row):
+                    self.cursor.mark(stem, row)
+            for row in (start + np.flatnonzero(keep)).tolist():
+                trajectory_id = text(shard.index[row]["id"])
                 if self.cursor.is_consumed(stem, row):
                     continue
                 if self.require_reward and not self.store.has_reward(trajectory_id):
                     continue
-                ready.append((float(fresh[offset]["created"]), stem, row, trajectory_id))
+                ready.append((float(shard.index[row]["created"]), stem, row, trajectory_id))
         ready.sort()
         return ready
 

@@ -4,16 +4,21 @@ Datasets (all 1-D, chunked, extendible, created before SWMR mode starts):
   tokens   (id i4, logprob f4, loss_mask u1) per token: every trajectory's segments back to back
            (input tokens carry logprob 0 and mask 0)
   headers  u1: one JSON object per trajectory (ids, segments, version runs, metadata, redactions)
-  index    one fixed-width row per trajectory: where its tokens and header are, CRC32, filter columns
-  rewards  one row per reward event, keyed by trajectory id (late rewards land in any live shard)
+  index    one fixed-width row per trajectory: where its tokens and header are, the record's CRC32
+           (token rows and header bytes), filter columns, and last the row's own CRC32
+  rewards  one row per reward event, keyed by trajectory id (late rewards land in any live shard),
+           last the row's own CRC32
   state    i8[8]: committed counts of (index, tokens, headers, rewards), then the intended counts
 ``tokens``, ``index`` and ``rewards`` rows are stored as their bytes (numpy layout in the ``row_dtype``
 attribute): HDF5 spends ~20 us converting a compound type on every write, more than the write, and
 one packed token write per commit instead of one per field keeps per-trajectory flushes cheap.
 
-A commit writes the intended counts, the data, flushes HDF5 metadata, then writes the committed
-counts. Raw data bypasses HDF5's buffers, so each step is in the file before the next begins: a
-reader trusts only committed rows, and intended > committed marks a torn tail.
+A commit writes the intended counts, the data, flushes HDF5 metadata, fsyncs, then writes the
+committed counts and fsyncs again. Raw data bypasses HDF5's buffers, so each step is in the file
+before the next begins (a killed process), and the fsyncs put it on disk in that order (a crashed
+node): a reader trusts only committed rows, and intended > committed marks a torn tail.
+Every index and reward row ends with the CRC32 of its other bytes (``seal``), so damage to a filter
+column or a reward is caught in live shards too, which no manifest covers yet.
 Flat arrays plus offsets rather than variable-length datasets: SWMR readers of vlen data fail
 intermittently with HDF5 2.0 (ENVIRONMENT.md). No compression filter: with a flush per trajectory
 every partial chunk is re-compressed and re-allocated at each flush (measured with lzf: files 5x the
@@ -34,9 +39,10 @@ import numpy as np
 from areal_hpc.data.trajectory import (MAX_ID_BYTES, MAX_SOURCE_BYTES, Reward, Segment, Trajectory,
                                        expand_version_runs, version_runs)
 from areal_hpc.errors import UserError
+from areal_hpc.fsio import fsync_path
 
 FORMAT = "areal-hpc/trajectory-shard"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: index and reward rows carry their own CRC32
 LIVE_SUFFIX = ".live.h5"  # a shard its writer still appends to (or a writer that died)
 FINAL_SUFFIX = ".h5"
 
@@ -45,10 +51,10 @@ INDEX_DTYPE = np.dtype([
     ("id", f"S{MAX_ID_BYTES}"), ("tenant", f"S{MAX_ID_BYTES}"),
     ("token_start", "<i8"), ("token_count", "<i8"), ("header_start", "<i8"), ("header_count", "<i8"),
     ("crc32", "<u4"), ("created", "<f8"), ("version_min", "<i4"), ("version_max", "<i4"),
-    ("n_output", "<i8"), ("eligible", "u1"),
+    ("n_output", "<i8"), ("eligible", "u1"), ("row_crc32", "<u4"),
 ])
 REWARD_DTYPE = np.dtype([("id", f"S{MAX_ID_BYTES}"), ("step", "<i4"), ("value", "<f8"),
-                         ("source", f"S{MAX_SOURCE_BYTES}"), ("time", "<f8")])
+                         ("source", f"S{MAX_SOURCE_BYTES}"), ("time", "<f8"), ("crc32", "<u4")])
 COUNTED = ("index", "tokens", "headers", "rewards")  # order of the counts in the state dataset
 
 
@@ -88,11 +94,12 @@ def shard_stem(path: Path) -> str:
     return name[: -len(LIVE_SUFFIX)] if name.endswith(LIVE_SUFFIX) else name[: -len(FINAL_SUFFIX)]
 
 
-def create_shard(path: Path, experiment: str, trial: str, writer: str) -> h5py.File:
+def create_shard(path: Path, experiment: str, trial: str, writer: str, durable: bool) -> h5py.File:
     """Create an empty shard with every dataset in SWMR mode; readers only ever see it ready.
 
     It is built under a hidden name and linked into place once SWMR writing has started, since a
-    reader cannot open a file that is still open for ordinary writing.
+    reader cannot open a file that is still open for ordinary writing. ``durable``: fsync the file
+    and the folder, so the name survives a node crash.
     """
     staging = path.with_name(f".{path.name}.tmp")
     f = h5py.File(h5py.h5f.create(str(staging).encode(), h5py.h5f.ACC_TRUNC, fapl=_unbuffered_access()))
@@ -106,6 +113,8 @@ def create_shard(path: Path, experiment: str, trial: str, writer: str) -> h5py.F
             dataset.attrs["row_dtype"] = json.dumps(column.dtype.descr)
     f.create_dataset("state", data=np.zeros(2 * len(COUNTED), dtype="<i8"))
     f.swmr_mode = True
+    if durable:
+        os.fsync(f.id.get_vfd_handle())
     try:
         os.link(staging, path)  # unlike a rename, never replaces a shard someone else is writing
     except FileExistsError:
@@ -114,6 +123,8 @@ def create_shard(path: Path, experiment: str, trial: str, writer: str) -> h5py.F
                         "Give each process its own writer id") from None
     finally:
         staging.unlink()
+    if durable:
+        fsync_path(path.parent)
     return f
 
 
@@ -153,10 +164,12 @@ def open_shard(path: Path) -> h5py.File:
         f.close()
         raise UserError(f"{path} is an HDF5 file but not an areal-hpc trajectory shard")
     version = int(f.attrs["schema_version"])
-    if version > SCHEMA_VERSION:
+    if version != SCHEMA_VERSION:
         f.close()
-        raise UserError(f"{path} uses trajectory schema version {version}; this areal-hpc reads "
-                        f"versions up to {SCHEMA_VERSION} (upgrade areal-hpc to read it)")
+        remedy = ("upgrade areal-hpc to read it" if version > SCHEMA_VERSION else
+                  "its index and reward rows carry no checksum; export it with areal-hpc 0.1.0 at commit ffe43b9")
+        raise UserError(f"{path} uses trajectory schema version {version}; this areal-hpc reads version "
+                        f"{SCHEMA_VERSION} ({remedy})")
     return f
 
 
@@ -182,8 +195,8 @@ def encode(traj: Trajectory) -> tuple[dict[str, list[np.ndarray]], np.ndarray, n
     versions = [v for segment_runs in runs for _, v in segment_runs] or [-1]
     crc = checksum([piece for name in TOKEN_DTYPE.names for piece in parts[name]] + [header])
     row = np.array([(traj.id.encode(), traj.tenant.encode(), 0, traj.n_tokens, 0, len(header), crc, traj.created,
-                     min(versions), max(versions), traj.n_output_tokens, traj.eligible)], dtype=INDEX_DTYPE)
-    return parts, header, row
+                     min(versions), max(versions), traj.n_output_tokens, traj.eligible, 0)], dtype=INDEX_DTYPE)
+    return parts, header, row  # sealed by the writer once the offsets are known
 
 
 def pack_tokens(parts: list[dict[str, list[np.ndarray]]], n_tokens: int) -> np.ndarray:
@@ -198,10 +211,9 @@ def pack_tokens(parts: list[dict[str, list[np.ndarray]]], n_tokens: int) -> np.n
     return tokens
 
 
-def decode(row: np.void, tokens: np.ndarray, header: np.ndarray, experiment: str, trial: str,
+def decode(row: np.void, tokens: np.ndarray, meta: dict, experiment: str, trial: str,
            rewards: list[Reward]) -> Trajectory:
-    """Rebuild a record from its index row, token rows and header bytes (already checksummed)."""
-    meta = json.loads(header.tobytes())
+    """Rebuild a record from its index row, token rows and parsed header (all checked)."""
     segments, position = [], 0
     for n_in, n_out, runs in meta["segments"]:
         out = tokens[position + n_in: position + n_in + n_out]
@@ -229,10 +241,28 @@ def checksum(arrays: list[np.ndarray]) -> int:
     return crc
 
 
+def seal(rows: np.ndarray) -> np.ndarray:
+    """Set each row's last field (a ``<u4``) to the CRC32 of the row's bytes before it; returns ``rows``."""
+    rows[rows.dtype.names[-1]] = _row_checksums(rows)
+    return rows
+
+
+def intact(rows: np.ndarray) -> np.ndarray:
+    """Which rows still match the CRC32 ``seal`` stored in their last field."""
+    return _row_checksums(rows) == rows[rows.dtype.names[-1]]
+
+
+def _row_checksums(rows: np.ndarray) -> np.ndarray:
+    covered = rows.dtype.fields[rows.dtype.names[-1]][1]  # every byte before the checksum field
+    raw = memoryview(np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), rows.dtype.itemsize)[:, :covered]
+                     .tobytes())
+    return np.array([zlib.crc32(raw[i * covered:(i + 1) * covered]) for i in range(len(rows))], dtype="<u4")
+
+
 def reward_row(trajectory_id: str, reward: Reward) -> np.ndarray:
     row = np.zeros(1, dtype=REWARD_DTYPE)
-    row[0] = (trajectory_id.encode(), reward.step, reward.value, reward.source.encode(), reward.time)
-    return row
+    row[0] = (trajectory_id.encode(), reward.step, reward.value, reward.source.encode(), reward.time, 0)
+    return seal(row)
 
 
 def reward_from_row(row: np.void) -> Reward:

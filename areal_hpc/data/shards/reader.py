@@ -11,15 +11,19 @@ call ``refresh()`` to see what has been committed since.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
 import numpy as np
 
-from areal_hpc.data.shards.format import (COLUMNS, COUNTED, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, ShardDamageError,
-                                          decode, open_shard, record_checksum, reward_from_row, shard_stem, text)
+from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, TOKEN_DTYPE,
+                                          ShardDamageError, decode, intact, open_shard, record_checksum,
+                                          reward_from_row, shard_stem, text)
 from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.errors import UserError
 
@@ -46,28 +50,51 @@ class TrajectoryFilter:
         return keep
 
 
+class RecordDamageError(ShardDamageError):
+    """One committed record failing a check; ``problem`` says which."""
+
+    def __init__(self, path: Path, row: int, problem: str):
+        super().__init__(f"{path} row {row}: {problem}; run 'areal-hpc shards verify {path}'")
+        self.problem = problem
+
+
 class ShardFile:
-    """One shard: its committed index and reward rows (read incrementally) and record reads."""
+    """One shard: its committed index and reward rows (read incrementally, each checked against its
+    row CRC32) and checked record reads. A finalised shard is read once and its file closed (HDF5
+    keeps ~0.5 MB per open file): record reads reopen it."""
 
     def __init__(self, path: Path):
         self.path, self.stem = path, shard_stem(path)
-        self._file = open_shard(path)
-        self.experiment = str(self._file.attrs["experiment"])
-        self.trial = str(self._file.attrs["trial"])
-        self.index = np.empty(0, dtype=INDEX_DTYPE)
-        self.rewards = np.empty(0, dtype=REWARD_DTYPE)
-        self.torn_trajectories = self.torn_rewards = 0  # written by a commit that never finished
-        self.frozen = False  # read after finalisation: nothing can change any more
+        self._file: h5py.File | None = open_shard(path)
         try:
+            self.experiment = str(self._file.attrs["experiment"])
+            self.trial = str(self._file.attrs["trial"])
+            self.index = np.empty(0, dtype=INDEX_DTYPE)
+            self.rewards = np.empty(0, dtype=REWARD_DTYPE)
+            self.index_intact = self.rewards_intact = np.empty(0, dtype=bool)  # rows matching their row CRC32
+            self.committed = self.intended = dict.fromkeys(COUNTED, 0)
             self.refresh()
-        except Exception:
-            self._file.close()
+        except BaseException:
+            self.close()
             raise
 
     @property
     def live(self) -> bool:
         """True until the writer finalises the shard (also true for a shard whose writer died)."""
         return self.path.name.endswith(LIVE_SUFFIX)
+
+    @property
+    def frozen(self) -> bool:
+        """Read after finalisation (or closed): nothing can change any more."""
+        return self._file is None
+
+    @property
+    def torn_trajectories(self) -> int:
+        return self.intended["index"] - self.committed["index"]
+
+    @property
+    def torn_rewards(self) -> int:
+        return self.intended["rewards"] - self.committed["rewards"]
 
     @property
     def torn(self) -> str:
@@ -82,67 +109,110 @@ class ShardFile:
         return int(self.index["token_count"].sum())
 
     def refresh(self) -> np.ndarray:
-        """Pick up newly committed rows; returns the reward rows that arrived since the last call."""
+        """Pick up newly committed rows; returns the intact reward rows that arrived since the last call."""
+        if self._file is None:
+            return self.rewards[:0]
         state_ds = self._file["state"]
         state_ds.refresh()
-        state = state_ds[:]
-        committed = dict(zip(COUNTED, state[:len(COUNTED)].tolist()))
-        intended = dict(zip(COUNTED, state[len(COUNTED):].tolist()))
-        self.torn_trajectories = intended["index"] - committed["index"]
-        self.torn_rewards = intended["rewards"] - committed["rewards"]
-        self.index = self._extend(self.index, "index", committed["index"])
+        state = state_ds[:].tolist()
+        self.committed = dict(zip(COUNTED, state[:len(COUNTED)]))
+        self.intended = dict(zip(COUNTED, state[len(COUNTED):]))
         before = len(self.rewards)
-        self.rewards = self._extend(self.rewards, "rewards", committed["rewards"])
-        self.frozen = not self.live
-        return self.rewards[before:]
+        self.index, self.index_intact = self._extend(self.index, self.index_intact, "index")
+        self.rewards, self.rewards_intact = self._extend(self.rewards, self.rewards_intact, "rewards")
+        if not self.live:
+            self.close()
+        return self.rewards[before:][self.rewards_intact[before:]]
+
+    def matches(self, where: TrajectoryFilter, start: int = 0) -> np.ndarray:
+        """Which rows from ``start`` on match ``where``; a row whose index row is damaged always does
+        (its filter columns cannot be trusted: reading it raises rather than silently skipping it)."""
+        return where.mask(self.index[start:]) | ~self.index_intact[start:]
 
     def read(self, rows: Sequence[int], rewards_for) -> list[Trajectory]:
-        """Decode committed rows (sorted or not), reading each run of consecutive rows in one go."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) == 0:
-            return []
+        """Decode committed rows (sorted or not); raises ShardDamageError on the first one failing a check."""
         out: dict[int, Trajectory] = {}
-        ordered = np.sort(rows)
-        for run in np.split(ordered, np.flatnonzero(np.diff(ordered) != 1) + 1):
-            first, last = self.index[run[0]], self.index[run[-1]]
-            token_base, header_base = first["token_start"], first["header_start"]
-            tokens = self._slice("tokens", token_base, last["token_start"] + last["token_count"])
-            headers = self._slice("headers", header_base, last["header_start"] + last["header_count"])
-            for r in run:
-                row = self.index[r]
-                t0, h0 = row["token_start"] - token_base, row["header_start"] - header_base
-                token_rows, header = tokens[t0:t0 + row["token_count"]], headers[h0:h0 + row["header_count"]]
-                # every record has a JSON header, so an all-zero row (a zeroed block) is damage too
-                if row["header_count"] == 0 or record_checksum(token_rows, header) != row["crc32"]:
-                    raise ShardDamageError(f"{self.path} row {r} fails its checksum; "
-                                           f"run 'areal-hpc shards verify {self.path}'")
-                traj = decode(row, token_rows, header, self.experiment, self.trial, rewards_for(text(row["id"])))
-                if traj.id != text(row["id"]) or traj.tenant != text(row["tenant"]):
-                    raise ShardDamageError(f"{self.path} row {r}: index and record disagree on id/tenant")
-                out[int(r)] = traj
+        for r, token_rows, header in self._records(rows):
+            row = self.index[r]
+            out[r] = decode(row, token_rows, self._checked_header(r, token_rows, header), self.experiment,
+                            self.trial, rewards_for(text(row["id"])))
         return [out[int(r)] for r in rows]
 
-    def damaged_rows(self) -> list[int]:
-        """Committed rows that fail the checks a read makes (reads every record once)."""
-        bad = []
-        for r in range(len(self.index)):
-            try:
-                self.read([r], lambda _: [])
-            except ShardDamageError:
-                bad.append(r)
-        return bad
+    def damaged_rows(self, batch: int = 256) -> Iterator[tuple[int, str]]:
+        """(row, what is wrong) of every committed record failing a check, ``batch`` records read at a time."""
+        for start in range(0, len(self.index), batch):
+            for r, token_rows, header in self._records(range(start, min(start + batch, len(self.index)))):
+                try:
+                    self._checked_header(r, token_rows, header)
+                except ShardDamageError as exc:
+                    yield r, exc.problem
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
-    def _extend(self, have: np.ndarray, name: str, committed: int) -> np.ndarray:
+    def __enter__(self) -> "ShardFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _checked_header(self, r: int, token_rows: np.ndarray, header: np.ndarray) -> dict:
+        """Record ``r``'s parsed header once every check passes; else ShardDamageError saying which failed."""
+        row = self.index[r]
+        if not self.index_intact[r]:
+            raise RecordDamageError(self.path, r, "index row fails its checksum")
+        # every record has a JSON header, so an all-zero record (a zeroed block) is damage too
+        if row["header_count"] == 0 or record_checksum(token_rows, header) != row["crc32"]:
+            raise RecordDamageError(self.path, r, "record fails its checksum")
+        meta = json.loads(header.tobytes())
+        if meta["id"] != text(row["id"]) or meta["tenant"] != text(row["tenant"]):
+            raise RecordDamageError(self.path, r, "index and record disagree on id/tenant")
+        return meta
+
+    def _records(self, rows: Sequence[int]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(row, token rows, header bytes) of committed rows in row order, the rows of each run of
+        consecutive ones read in one go. A row whose index row is damaged comes with nothing read:
+        its offsets cannot be trusted."""
+        ordered = np.unique(np.asarray(rows, dtype=np.int64))
+        if len(ordered) == 0:
+            return
+        with self._opened() as f:
+            for run in np.split(ordered, np.flatnonzero(np.diff(ordered) != 1) + 1):
+                good = run[self.index_intact[run]]
+                if len(good):
+                    first, last = self.index[good[0]], self.index[good[-1]]
+                    token_base, header_base = first["token_start"], first["header_start"]
+                    tokens = self._slice(f, "tokens", token_base, last["token_start"] + last["token_count"])
+                    headers = self._slice(f, "headers", header_base, last["header_start"] + last["header_count"])
+                for r in run.tolist():
+                    row = self.index[r]
+                    if not self.index_intact[r]:
+                        yield r, np.empty(0, TOKEN_DTYPE), np.empty(0, np.uint8)
+                        continue
+                    t0, h0 = row["token_start"] - token_base, row["header_start"] - header_base
+                    yield r, tokens[t0:t0 + row["token_count"]], headers[h0:h0 + row["header_count"]]
+
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[h5py.File]:
+        if self._file is not None:
+            yield self._file
+        else:
+            with open_shard(self.path) as f:
+                yield f
+
+    def _extend(self, have: np.ndarray, have_intact: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``have`` with the rows committed since, and which of all of them match their row CRC32."""
+        committed = self.committed[COLUMNS[name].counter]
         if committed <= len(have):
-            return have
-        return np.concatenate([have, self._slice(name, len(have), committed)])
+            return have, have_intact
+        new = self._slice(self._file, name, len(have), committed)
+        return np.concatenate([have, new]), np.concatenate([have_intact, intact(new)])
 
-    def _slice(self, name: str, start: int, end: int) -> np.ndarray:
+    def _slice(self, f: h5py.File, name: str, start: int, end: int) -> np.ndarray:
         """Entries [start, end) of a column (record rows are stored as bytes: viewed back as records)."""
-        column, dataset = COLUMNS[name], self._file[name]
+        column, dataset = COLUMNS[name], f[name]
         scale = column.dtype.itemsize if column.as_bytes else 1
         dataset.refresh()
         if end * scale > dataset.shape[0]:
@@ -153,46 +223,65 @@ class ShardFile:
 
 
 class TrajectoryStore:
-    """All shards under a directory (or one shard file); ``refresh()`` picks up new shards and rows."""
+    """All shards under a directory (or one shard file); ``refresh()`` picks up new shards and rows.
+
+    A reward row failing its checksum may belong to any trajectory, so while one is in the store
+    every reward look-up (and so every record read) raises ShardDamageError rather than guess.
+    """
 
     def __init__(self, path: str | Path, skip_unreadable: bool = False):
         """``skip_unreadable``: list shards HDF5 cannot open in ``unreadable`` instead of raising."""
         self.path = Path(path)
-        if not self.path.exists():
-            raise UserError(f"no such file or directory: {self.path}")
         self.skip_unreadable = skip_unreadable
         self.unreadable: dict[Path, str] = {}
         self.shards: dict[str, ShardFile] = {}
         self._rewards: dict[str, list[Reward]] = defaultdict(list)
-        self.refresh()
+        self._damaged_rewards: list[str] = []
+        try:
+            self.refresh()
+        except BaseException:
+            self.close()
+            raise
 
     def refresh(self) -> None:
-        for path in self._shard_paths():
+        for path in shard_paths(self.path):
             stem = shard_stem(path)
             if stem in self.shards:
                 if self.shards[stem].frozen:
                     continue
                 self.shards[stem].path = path  # renamed live -> final; the open handle stays valid
                 new_rewards = self.shards[stem].refresh()
-            elif path in self.unreadable:
+            elif path in self.unreadable or (shard := self._open(path)) is None:
                 continue
-            elif (shard := self._open_unless_renamed(path)) is not None:
-                self.shards[stem] = shard
-                new_rewards = shard.rewards
             else:
-                continue
+                self.shards[stem] = shard
+                new_rewards = shard.rewards[shard.rewards_intact]
             for row in new_rewards:
                 self._rewards[text(row["id"])].append(reward_from_row(row))
         self.shards = dict(sorted(self.shards.items()))
+        self._damaged_rewards = [f"{s.path} reward row {r}" for s in self.shards.values()
+                                 for r in np.flatnonzero(~s.rewards_intact)]
+
+    def problems(self) -> list[str]:
+        """What is known to be unreadable or damaged without reading any record: files HDF5 cannot
+        open, index and reward rows failing their checksums (``shards verify`` checks every record)."""
+        found = list(self.unreadable.values())
+        for shard in self.shards.values():
+            for name, ok in (("index", shard.index_intact), ("reward", shard.rewards_intact)):
+                if not ok.all():
+                    found.append(f"{shard.path}: {name} rows {_rows(np.flatnonzero(~ok))} fail their checksum")
+        return found
 
     def rewards_for(self, trajectory_id: str) -> list[Reward]:
+        self._check_rewards()
         return list(self._rewards.get(trajectory_id, ()))
 
     def has_reward(self, trajectory_id: str) -> bool:
+        self._check_rewards()
         return trajectory_id in self._rewards
 
     def ids(self) -> set[str]:
-        return {text(i) for shard in self.shards.values() for i in shard.index["id"]}
+        return {text(i) for shard in self.shards.values() for i in shard.index["id"][shard.index_intact]}
 
     def __len__(self) -> int:
         return sum(len(shard.index) for shard in self.shards.values())
@@ -200,15 +289,14 @@ class TrajectoryStore:
     def trajectories(self, where: TrajectoryFilter | None = None, batch: int = 256) -> Iterator[Trajectory]:
         """Every committed record (optionally filtered), shard by shard in commit order."""
         for shard in self.shards.values():
-            rows = np.flatnonzero((where or TrajectoryFilter()).mask(shard.index))
+            rows = np.flatnonzero(shard.matches(where or TrajectoryFilter()))
             for start in range(0, len(rows), batch):
                 yield from shard.read(rows[start:start + batch], self.rewards_for)
 
     def sample(self, n: int, rng: np.random.Generator, where: TrajectoryFilter | None = None) -> list[Trajectory]:
         """``n`` distinct records drawn uniformly from those matching ``where`` (fewer if fewer exist)."""
         where = where or TrajectoryFilter()
-        candidates = [(stem, r) for stem, shard in self.shards.items()
-                      for r in np.flatnonzero(where.mask(shard.index))]
+        candidates = [(stem, r) for stem, shard in self.shards.items() for r in np.flatnonzero(shard.matches(where))]
         picked = rng.choice(len(candidates), size=min(n, len(candidates)), replace=False)
         return [self.shards[candidates[i][0]].read([candidates[i][1]], self.rewards_for)[0] for i in picked]
 
@@ -222,22 +310,44 @@ class TrajectoryStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _open_unless_renamed(self, path: Path) -> ShardFile | None:
-        """Open a shard found by a directory listing; None if its writer finalised (renamed) it since
-        or, with ``skip_unreadable``, if it is damaged beyond opening."""
+    def _check_rewards(self) -> None:
+        if self._damaged_rewards:
+            raise ShardDamageError(f"{self._damaged_rewards[0]} fails its checksum: it may belong to any "
+                                   f"trajectory, so no reward in {self.path} can be trusted; "
+                                   f"run 'areal-hpc shards verify {self.path}'")
+
+    def _open(self, path: Path) -> ShardFile | None:
+        """``open_listed``, but with ``skip_unreadable`` a shard HDF5 cannot open is listed, not raised."""
         try:
-            return ShardFile(path)
+            return open_listed(path)
         except ShardDamageError as exc:
             if not self.skip_unreadable:
                 raise
             self.unreadable[path] = str(exc)
-        except UserError:
-            if path.exists():
-                raise
         return None
 
-    def _shard_paths(self) -> list[Path]:
-        if self.path.is_file():
-            return [self.path]
-        return sorted(p for p in self.path.glob("*.h5") if not p.name.startswith("."))
 
+def open_listed(path: Path) -> ShardFile | None:
+    """Open a shard found by a directory listing: the finalised file if its writer renamed it since,
+    None if it is gone."""
+    try:
+        return ShardFile(path)
+    except UserError:
+        if path.exists():
+            raise
+    final = path.with_name(shard_stem(path) + FINAL_SUFFIX)
+    return open_listed(final) if final != path and final.exists() else None
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """The shard files of a store folder in name order (or the one file ``path`` names)."""
+    if not path.exists():
+        raise UserError(f"no such file or directory: {path}")
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.glob("*.h5") if not p.name.startswith("."))
+
+
+def _rows(rows: np.ndarray, shown: int = 5) -> str:
+    listed = ", ".join(str(r) for r in rows[:shown])
+    return listed + (f" and {len(rows) - shown} more" if len(rows) > shown else "")

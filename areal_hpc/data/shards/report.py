@@ -1,4 +1,9 @@
-"""What ``areal-hpc shards inspect|verify|export`` print: a store summary, a damage check, JSONL."""
+"""What ``areal-hpc shards inspect|verify|export`` print: a store summary, a damage check, JSONL.
+
+``verify`` reads one shard at a time (its memory is that of the largest shard, whatever the folder
+holds) and tells damage to committed data (exit 1) from what a crash leaves by design: a live shard
+nobody finalised, a torn tail of a commit its writer never finished (notes, exit 0).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,11 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from areal_hpc.data.shards.format import INDEX_DTYPE, text
-from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
+from areal_hpc.data.shards.format import COUNTED, INDEX_DTYPE, ShardDamageError, text
+from areal_hpc.data.shards.reader import ShardFile, TrajectoryFilter, TrajectoryStore, open_listed, shard_paths
 from areal_hpc.data.trajectory import Trajectory, total_reward
 from areal_hpc.errors import UserError
 
@@ -20,7 +26,7 @@ MANIFEST_KEYS = ("name", "trajectories", "tokens", "rewards", "bytes", "index_cr
 
 
 def open_store(path: str | Path) -> TrajectoryStore:
-    """The store the CLI reports on: a shard HDF5 cannot open is listed, not fatal."""
+    """The store the CLI reports on: a shard HDF5 cannot open is listed (``problems()``), not fatal."""
     store = TrajectoryStore(path, skip_unreadable=True)
     if not store.shards and not store.unreadable:
         store.close()
@@ -28,18 +34,32 @@ def open_store(path: str | Path) -> TrajectoryStore:
     return store
 
 
+def problems_line(store: TrajectoryStore, shown: int = 3) -> str:
+    """``store.problems()`` as one line: the first few, how many more, what to run."""
+    found = store.problems()
+    more = f"; and {len(found) - shown} more" if len(found) > shown else ""
+    return (f"{store.path}: {len(found)} unreadable or damaged: {'; '.join(found[:shown])}{more} "
+            f"(run 'areal-hpc shards verify {store.path}')")
+
+
 def inspect(store: TrajectoryStore) -> str:
-    """Human summary: totals, one line per shard, tenants, reward and version histograms, torn tails."""
+    """Human summary: totals, one line per shard, tenants, reward and version histograms, torn tails.
+    Rows failing their checksum are counted per shard but left out of the totals and histograms."""
     shards = list(store.shards.values())
-    index = np.concatenate([s.index for s in shards] or [np.empty(0, dtype=INDEX_DTYPE)])
-    rewards = [total_reward(store.rewards_for(text(i))) for i in index["id"]]
+    index = np.concatenate([s.index[s.index_intact] for s in shards] or [np.empty(0, dtype=INDEX_DTYPE)])
+    try:
+        rewards = [total_reward(store.rewards_for(text(i))) for i in index["id"]]
+    except ShardDamageError:
+        rewards = []  # a damaged reward row: no reward can be trusted (store.problems() names it)
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
     sizes = {s.stem: s.path.stat().st_size for s in shards}
     size = sum(sizes.values())
     n_live = sum(s.live for s in shards)
     runs = sorted({f"{s.experiment}/{s.trial}" for s in shards})
+    damaged = sum(len(s.index) for s in shards) - len(index)
     lines = [f"{store.path}: {len(shards)} shards ({len(shards) - n_live} finalised, {n_live} live), "
-             f"{len(index):,} trajectories, {int(index['token_count'].sum()):,} tokens "
+             f"{len(index):,} trajectories{f' (+{damaged:,} with a damaged index row)' if damaged else ''}, "
+             f"{int(index['token_count'].sum()):,} tokens "
              f"({int(index['n_output'].sum()):,} output), {_bytes(size)}; runs: {', '.join(runs)}", ""]
     lines.append(f"{'shard':<28} {'state':<10} {'trajectories':>12} {'tokens':>12} {'rewards':>8} {'size':>10} "
                  f"{'torn':>5}")
@@ -53,45 +73,86 @@ def inspect(store: TrajectoryStore) -> str:
         lengths = index["n_output"]
         lines.append(f"output tokens per trajectory: min {lengths.min():,}, median {int(np.median(lengths)):,}, "
                      f"max {lengths.max():,}")
-    lines += ["", f"reward ({len(scored):,} scored, {len(index) - len(scored):,} awaiting a reward):"]
-    lines += _histogram(scored)
+    if rewards or not len(index):
+        lines += ["", f"reward ({len(scored):,} scored, {len(index) - len(scored):,} awaiting a reward):"]
+        lines += _histogram(scored)
+    else:
+        lines += ["", "reward: not shown (a reward row fails its checksum)"]
     lines += ["", "policy version of the newest output token:"]
     lines += _histogram(index["version_max"][index["version_max"] >= 0], label=lambda v: f"v{v}")
     torn = [f"{s.path.name}: {s.torn}" for s in shards if s.torn]
     lines += ["", "torn tails: " + ("; ".join(torn) or "none")]
-    lines += [f"UNREADABLE: {reason}" for reason in store.unreadable.values()]
     return "\n".join(lines)
 
 
-def verify(store: TrajectoryStore) -> tuple[list[str], list[str]]:
-    """Check every committed record's CRC32, torn tails and the manifests. Returns (damage, notes)."""
-    damage, notes = list(store.unreadable.values()), []
-    shards = list(store.shards.values())
-    columns = [TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TextColumn("records")]
-    with Progress(*columns, transient=True) as progress:
-        bar = progress.add_task("verify", total=sum(len(s.index) for s in shards))
-        for s in shards:
-            damage += [f"{s.path.name} row {r}: checksum mismatch" for r in s.damaged_rows()]
-            progress.advance(bar, len(s.index))
-            if s.torn:
-                damage.append(f"{s.path.name}: torn tail, {s.torn}")
-            if s.live:
-                notes.append(f"{s.path.name}: live (its writer is still writing, or stopped without finalising)")
-    listed = set()
-    for manifest_path in _manifests(store.path):
+def verify(path: Path) -> tuple[list[str], list[str], int]:
+    """Check every shard under ``path``, one at a time: that HDF5 can open it, every index and reward
+    row and every record against its CRC32, the commit counts, finalised shards against their
+    manifest. Returns (damage, notes, committed records checked)."""
+    paths = shard_paths(path)
+    if not paths:
+        raise UserError(f"{path} holds no trajectory shards (*.h5)")
+    damage, notes, listed = [], [], {}
+    for manifest_path in _manifests(path):
         try:
             entries = _manifest_entries(manifest_path)
         except ValueError as exc:
             damage.append(f"{manifest_path.name}: {exc}")
             continue
-        for entry in entries:
-            if store.path.is_file() and entry["name"] != store.path.name:
-                continue
-            listed.add(entry["name"])
-            damage += _check_manifest_entry(store, manifest_path, entry)
-    notes += [f"{s.path.name}: finalised but in no manifest (writer stopped before recording it)"
-              for s in shards if not s.live and s.path.name not in listed and store.path.is_dir()]
-    return damage, notes
+        listed |= {entry["name"]: (manifest_path.name, entry) for entry in entries
+                   if path.is_dir() or entry["name"] == path.name}
+    seen, records = set(), 0
+    columns = [TextColumn("verify"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("shards, {task.fields[records]:,} records")]
+    console = Console(stderr=True)  # stdout stays the report; a bar only on a terminal
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        bar = progress.add_task("verify", total=len(paths), records=0)
+        for shard_path in paths:
+            try:
+                shard = open_listed(shard_path)
+            except ShardDamageError as exc:
+                damage.append(str(exc))
+                seen.add(shard_path.name)
+                shard = None
+            if shard is not None:
+                with shard:
+                    seen.add(shard.path.name)
+                    records += len(shard.index)
+                    damage += _shard_damage(shard, listed.get(shard.path.name))
+                    notes += _shard_notes(shard, listed_somewhere=shard.path.name in listed or path.is_file())
+            progress.update(bar, advance=1, records=records)
+    damage += [f"{name}: listed in {manifest} but missing" for name, (manifest, _) in listed.items() if name not in seen]
+    return damage, notes, records
+
+
+def _shard_damage(shard: ShardFile, listing: tuple[str, dict] | None) -> list[str]:
+    """Damage to what ``shard`` committed: rows failing a check, impossible commit counts, changes
+    since it was finalised (``listing``: its manifest's name and entry)."""
+    name = shard.path.name
+    found = [f"{name} row {r}: {problem}" for r, problem in shard.damaged_rows()]
+    found += [f"{name} reward row {r}: fails its checksum" for r in np.flatnonzero(~shard.rewards_intact)]
+    behind = [n for n in COUNTED if shard.intended[n] < shard.committed[n]]
+    unfinished = any(shard.intended[n] > shard.committed[n] for n in COUNTED)
+    if behind:
+        found.append(f"{name}: commit counts impossible (more {behind[0]} committed than ever intended)")
+    elif unfinished and not shard.live:
+        found.append(f"{name}: finalised, yet it holds an unfinished commit ({shard.torn or 'counts differ'})")
+    if listing is not None:
+        found += _check_manifest_entry(shard, *listing)
+    return found
+
+
+def _shard_notes(shard: ShardFile, listed_somewhere: bool) -> list[str]:
+    """What a crash or a running writer leaves by design: nothing committed is lost."""
+    name, notes = shard.path.name, []
+    if shard.live:
+        notes.append(f"{name}: live (its writer is still writing, or stopped without finalising)")
+        if any(shard.intended[n] > shard.committed[n] for n in COUNTED):
+            notes.append(f"{name}: torn tail, {shard.torn or 'an interrupted commit (ignored)'}: its writer "
+                         "stopped mid-commit (or is committing right now); nothing committed is lost")
+    elif not listed_somewhere:
+        notes.append(f"{name}: finalised but in no manifest (writer stopped before recording it)")
+    return notes
 
 
 def export_jsonl(store: TrajectoryStore, out: TextIO, where: TrajectoryFilter) -> int:
@@ -115,17 +176,11 @@ def trajectory_to_json(traj: Trajectory) -> dict:
     }
 
 
-def _check_manifest_entry(store: TrajectoryStore, manifest_path: Path, entry: dict) -> list[str]:
-    path, name = manifest_path.parent / entry["name"], entry["name"]
-    shard = next((s for s in store.shards.values() if s.path == path), None)
-    if path in store.unreadable:
-        return []  # already reported
-    if shard is None:
-        return [f"{name}: listed in {manifest_path.name} but missing"]
+def _check_manifest_entry(shard: ShardFile, manifest_name: str, entry: dict) -> list[str]:
     found = {"trajectories": len(shard.index), "tokens": shard.n_tokens, "rewards": len(shard.rewards),
-             "bytes": path.stat().st_size, "index_crc32": zlib.crc32(shard.index),
+             "bytes": shard.path.stat().st_size, "index_crc32": zlib.crc32(shard.index),
              "rewards_crc32": zlib.crc32(shard.rewards)}
-    return [f"{name}: {key} is {value}, {manifest_path.name} recorded {entry[key]} (changed after finalising)"
+    return [f"{shard.path.name}: {key} is {value}, {manifest_name} recorded {entry[key]} (changed after finalising)"
             for key, value in found.items() if value != entry[key]]
 
 

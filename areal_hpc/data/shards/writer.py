@@ -1,10 +1,10 @@
 """Append trajectories (and late rewards) to HDF5 shards: one writer per process, crash-safe commits.
 
-Each flush is a commit (see ``format.py``): a writer killed at any moment loses only what it had not
-flushed, and a reader never sees half a record. Shards rotate by size or count; a full shard is
-closed, renamed from ``<writer>-<seq>.live.h5`` to ``<writer>-<seq>.h5`` and listed, with counts, size
-and CRC32s of its index and reward rows (kept as it writes: nothing is re-read), in
-``manifest-<writer>.json``.
+Each flush is a commit (see ``format.py``): a writer killed at any moment, or whose node crashes
+(with ``fsync=True``, the default), loses only what it had not flushed, and a reader never sees half
+a record. Shards rotate by size or count; a full shard is closed, renamed from
+``<writer>-<seq>.live.h5`` to ``<writer>-<seq>.h5`` and listed, with counts, size and CRC32s of its
+index and reward rows (kept as it writes: nothing is re-read), in ``manifest-<writer>.json``.
 
     with TrajectoryShardWriter(run_dir / "shards", "rollout0", experiment="gsm8k", trial="t0") as w:
         w.append(trajectory)                 # flushed now (flush_every=1)
@@ -25,12 +25,12 @@ import h5py
 import numpy as np
 
 from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX,
-                                          REWARD_DTYPE, create_shard, encode, pack_tokens, reward_row,
+                                          REWARD_DTYPE, create_shard, encode, pack_tokens, reward_row, seal,
                                           shard_stem)
-from areal_hpc.data.shards.reader import TrajectoryStore
+from areal_hpc.data.shards.stored_ids import StoredIds
 from areal_hpc.data.trajectory import MAX_ID_BYTES, MAX_SOURCE_BYTES, Reward, Trajectory, check_name
 from areal_hpc.errors import UserError
-from areal_hpc.fsio import atomic_write_json
+from areal_hpc.fsio import atomic_write_json, fsync_path
 
 WRITER_ID = re.compile(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*")
 
@@ -40,10 +40,15 @@ class UnknownTrajectoryError(UserError):
 
 
 class TrajectoryShardWriter:
-    """Buffer records and commit them to the current live shard every ``flush_every`` records."""
+    """Buffer records and commit them to the current live shard every ``flush_every`` records.
+
+    ``fsync=False`` skips the two fsyncs a commit makes: commits still survive a killed process, but
+    not a crashed node (see ``bench/trajectory_store.py`` for what they cost).
+    """
 
     def __init__(self, directory: str | Path, writer_id: str, *, experiment: str = "", trial: str = "",
-                 flush_every: int = 1, max_shard_bytes: int = 1 << 30, max_shard_trajectories: int = 100_000):
+                 flush_every: int = 1, max_shard_bytes: int = 1 << 30, max_shard_trajectories: int = 100_000,
+                 fsync: bool = True):
         if not WRITER_ID.fullmatch(writer_id):
             raise UserError(f"writer id {writer_id!r} must be letters, digits, '_', '.' or inner '-'")
         if flush_every < 1 or max_shard_bytes < 1 or max_shard_trajectories < 1:
@@ -52,7 +57,7 @@ class TrajectoryShardWriter:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.writer_id, self.experiment, self.trial = writer_id, experiment, trial
-        self.flush_every = flush_every
+        self.flush_every, self.fsync = flush_every, fsync
         self.max_shard_bytes, self.max_shard_trajectories = max_shard_bytes, max_shard_trajectories
         self._seq = self._next_sequence()
         self._file: h5py.File | None = None
@@ -61,18 +66,18 @@ class TrajectoryShardWriter:
         self._counts = dict.fromkeys(COUNTED, 0)
         self._pending_records: list[tuple[np.ndarray, np.ndarray, np.void]] = []
         self._pending_rewards: list[np.ndarray] = []
-        self._known_ids: set[str] = set()
+        self._ids = StoredIds(self.directory)  # this writer's ids, and others' read when a reward asks
 
     # -- public surface -------------------------------------------------------------------------
     def append(self, traj: Trajectory) -> None:
         """Add a record; its ``rewards`` (if any) go to the reward table with it."""
-        if traj.id in self._known_ids:
-            raise UserError(f"trajectory id {traj.id!r} was already written by this writer")
+        if self._ids.held(traj.id):
+            raise UserError(f"trajectory id {traj.id!r} was already written to {self.directory}")
         traj.experiment, traj.trial = self.experiment, self.trial
         traj.created = traj.created or time.time()
         self._pending_records.append(encode(traj))
         self._pending_rewards.extend(reward_row(traj.id, r) for r in traj.rewards)
-        self._known_ids.add(traj.id)
+        self._ids.add(traj.id)
         self._maybe_flush()
 
     def set_reward(self, trajectory_id: str, value: float, *, step: int = 0, source: str = "",
@@ -80,7 +85,7 @@ class TrajectoryShardWriter:
         """Bind a (late) reward to a stored trajectory; an unknown id raises and writes nothing."""
         check_name("trajectory id", trajectory_id, MAX_ID_BYTES, allow_empty=False)
         check_name("reward source", source, MAX_SOURCE_BYTES)
-        if not self._is_known(trajectory_id):
+        if trajectory_id not in self._ids:
             raise UnknownTrajectoryError(f"no trajectory with id {trajectory_id!r} in {self.directory}")
         reward = Reward(value=float(value), step=step, source=source, time=time.time() if at is None else at)
         self._pending_rewards.append(reward_row(trajectory_id, reward))
@@ -102,6 +107,7 @@ class TrajectoryShardWriter:
         self.flush()
         if self._file is not None:
             self._finalize()
+        self._ids.close()
 
     def __enter__(self) -> "TrajectoryShardWriter":
         return self
@@ -128,19 +134,21 @@ class TrajectoryShardWriter:
     def _open_next_shard(self) -> None:
         self._path = self.directory / f"{self.writer_id}-{self._seq:06d}{LIVE_SUFFIX}"
         self._seq += 1
-        self._file = create_shard(self._path, self.experiment, self.trial, self.writer_id)
+        self._file = create_shard(self._path, self.experiment, self.trial, self.writer_id, durable=self.fsync)
+        self._ids.skip(shard_stem(self._path))
         self._columns = {name: _Column(self._file[name], column.dtype) for name, column in COLUMNS.items()}
         self._columns["state"] = _Column(self._file["state"], np.dtype("<i8"))
         self._counts = dict.fromkeys(COUNTED, 0)
         self._index_crc = self._rewards_crc = 0  # running checksums of every committed row, for the manifest
 
     def _commit(self) -> None:
-        """Intended counts, data, metadata flush, committed counts (see format.py)."""
+        """Intended counts, data, metadata flush, fsync, committed counts, fsync (see format.py)."""
         start, records = dict(self._counts), self._pending_records
         rows = _concat([row for _, _, row in records], INDEX_DTYPE)
         token_counts, header_counts = rows["token_count"].tolist(), rows["header_count"].tolist()
         rows["token_start"] = _starts(start["tokens"], token_counts)
         rows["header_start"] = _starts(start["headers"], header_counts)
+        seal(rows)
         new = {"tokens": pack_tokens([parts for parts, _, _ in records], sum(token_counts)),
                "headers": _concat([header for _, header, _ in records], np.dtype("u1")), "index": rows,
                "rewards": _concat(self._pending_rewards, REWARD_DTYPE)}
@@ -151,11 +159,17 @@ class TrajectoryShardWriter:
             if len(values):
                 self._columns[name].write(start[COLUMNS[name].counter], values)
         self._file.flush()
+        self._sync()  # the data is on disk before the counts that commit it
         self._write_state(end, end)
+        self._sync()
         self._counts = end
         self._index_crc = zlib.crc32(rows, self._index_crc)
         self._rewards_crc = zlib.crc32(new["rewards"], self._rewards_crc)
         self._pending_records, self._pending_rewards = [], []
+
+    def _sync(self) -> None:
+        if self.fsync:
+            os.fsync(self._file.id.get_vfd_handle())
 
     def _write_state(self, committed: dict, intended: dict) -> None:
         state = np.array([committed[n] for n in COUNTED] + [intended[n] for n in COUNTED], dtype="<i8")
@@ -168,7 +182,9 @@ class TrajectoryShardWriter:
         counts = dict(self._counts)
         self._file.close()
         final = self._path.with_name(shard_stem(self._path) + FINAL_SUFFIX)
-        os.replace(self._path, final)
+        if self.fsync:
+            fsync_path(self._path)  # what closing wrote, before the name says "finalised"
+        os.replace(self._path, final)  # made durable with the manifest's folder fsync below
         manifest = (json.loads(self.manifest_path.read_text()) if self.manifest_path.exists()
                     else {"writer": self.writer_id, "shards": []})
         manifest["shards"].append({"name": final.name, "trajectories": counts["index"],
@@ -177,13 +193,6 @@ class TrajectoryShardWriter:
                                    "rewards_crc32": self._rewards_crc, "finalized": time.time()})
         atomic_write_json(self.manifest_path, manifest)
         self._file = self._path = self._columns = None
-
-    def _is_known(self, trajectory_id: str) -> bool:
-        if trajectory_id in self._known_ids:
-            return True
-        with TrajectoryStore(self.directory) as store:  # written by an earlier run or another writer
-            self._known_ids |= store.ids()
-        return trajectory_id in self._known_ids
 
 
 def _starts(first: int, lengths: list[int]) -> np.ndarray:

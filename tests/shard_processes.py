@@ -1,9 +1,10 @@
 """Real writer and consumer processes for the crash tests (the tests SIGKILL them at random points).
 
-    python -m tests.shard_processes write DIR SEED COUNT [--die-mid-commit K] [--sleep S]
+    python -m tests.shard_processes write DIR SEED COUNT [--die-mid-commit K] [--sleep S] [--exit-without-close]
     python -m tests.shard_processes consume DIR CHECKPOINT TOTAL SEED
 
-``write`` prints ``committed <id>`` after each flushed trajectory. ``consume`` keeps its "model"
+``write`` prints ``committed <id>`` after each flushed trajectory; ``--exit-without-close`` ends the
+process without finalising (its shard stays live, as a crashed writer's does). ``consume`` keeps its "model"
 (the ids it trained on) and the consumer cursor in one checkpoint written atomically, like a trainer.
 """
 
@@ -47,6 +48,8 @@ def write(args) -> None:
         writer.append(traj)
         print(f"committed {traj.id}", flush=True)
         time.sleep(args.sleep)
+    if args.exit_without_close:
+        os._exit(0)
     writer.close()
 
 
@@ -89,6 +92,7 @@ def main() -> None:
     w.add_argument("count", type=int)
     w.add_argument("--die-mid-commit", type=int)
     w.add_argument("--sleep", type=float, default=0.0)
+    w.add_argument("--exit-without-close", action="store_true")
     c = sub.add_parser("consume")
     c.add_argument("dir")
     c.add_argument("checkpoint")

@@ -1,13 +1,16 @@
-"""Trajectory shards vs raw numpy files: write and read throughput, on-disk size, in one run.
+"""Trajectory shards vs raw numpy files: write and read throughput, on-disk size, and what fsync costs.
 
-    .venv/bin/python bench/trajectory_store.py [--trajectories 400] [--repeats 5] [--dir DIR]
+    .venv/bin/python bench/trajectory_store.py [--trajectories 400] [--repeats 5] [--dir DIR] [--save]
 
 Both sides store the same arrays of realistic trajectories (512-token prompt, 1k-8k output tokens,
 fp32 logprobs, per-token versions and loss mask) on the same disk. The baseline appends each array to
 its own flat file with ``ndarray.tofile`` and flushes at the same cadence as the shard writer (every
 trajectory, or every ``--batch`` trajectories): the fastest way to put those bytes in files, with no
-index, checksum or crash safety. Shard writes include finalisation (close, rename, manifest);
-reads include CRC checks and building the record objects. Repeats alternate the two sides; medians.
+index, checksum or crash safety. Shards are written twice, with the two fsyncs a commit makes for a
+node crash (the default) and without (``fsync=False``: safe against a killed process only); the
+fsync ratio is the durable writer's throughput over the other's. Shard writes include finalisation
+(close, rename, manifest); reads include CRC checks and building the record objects. Repeats
+alternate the three writers; medians.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import platform
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from datetime import date
@@ -30,6 +34,7 @@ from areal_hpc.data.shards import TrajectoryShardWriter, TrajectoryStore
 from areal_hpc.data.trajectory import Segment, Trajectory
 
 ARRAYS = ("input_ids", "output_ids", "output_logprobs", "output_versions", "loss_mask")
+SIDES = ("shard write", "shard write, no fsync", "raw write", "shard read", "raw read")
 
 
 def realistic_trajectories(n: int, seed: int = 0) -> list[Trajectory]:
@@ -48,9 +53,9 @@ def payload_bytes(trajectories: list[Trajectory]) -> int:
     return sum(getattr(s, a).nbytes for t in trajectories for s in t.segments for a in ARRAYS)
 
 
-def write_shards(folder: Path, trajectories: list[Trajectory], flush_every: int) -> float:
+def write_shards(folder: Path, trajectories: list[Trajectory], flush_every: int, fsync: bool) -> float:
     start = time.perf_counter()
-    with TrajectoryShardWriter(folder, "bench", flush_every=flush_every) as writer:
+    with TrajectoryShardWriter(folder, "bench", flush_every=flush_every, fsync=fsync) as writer:
         for traj in trajectories:
             writer.append(traj)
     return time.perf_counter() - start
@@ -108,43 +113,61 @@ def run(args) -> dict:
     rows = []
     try:
         for label, flush_every in (("flush every trajectory", 1), (f"flush every {args.batch}", args.batch)):
-            times = {"shard write": [], "raw write": [], "shard read": [], "raw read": []}
+            times = {name: [] for name in SIDES}
             for r in range(args.repeats):
-                shard_dir, raw_dir = scratch / f"h5-{flush_every}-{r}", scratch / f"raw-{flush_every}-{r}"
-                times["shard write"].append(write_shards(shard_dir, trajectories, flush_every))
-                times["raw write"].append(write_raw(raw_dir, trajectories, flush_every))
-                times["shard read"].append(read_shards(shard_dir))
-                times["raw read"].append(read_raw(raw_dir))
-                size_ratio = folder_bytes(shard_dir) / folder_bytes(raw_dir)
-                shutil.rmtree(shard_dir), shutil.rmtree(raw_dir)
+                durable, fast, raw = (scratch / f"{side}-{flush_every}-{r}" for side in ("fsync", "nofsync", "raw"))
+                times["shard write"].append(write_shards(durable, trajectories, flush_every, fsync=True))
+                times["shard write, no fsync"].append(write_shards(fast, trajectories, flush_every, fsync=False))
+                times["raw write"].append(write_raw(raw, trajectories, flush_every))
+                times["shard read"].append(read_shards(durable))
+                times["raw read"].append(read_raw(raw))
+                size_ratio = folder_bytes(durable) / folder_bytes(raw)
+                for folder in (durable, fast, raw):
+                    shutil.rmtree(folder)
             median = {k: statistics.median(v) for k, v in times.items()}
             rows.append({"mode": label, "flush_every": flush_every, "size_ratio": round(size_ratio, 3),
                          **{f"{k} MB/s": round(nbytes / v / 1e6, 1) for k, v in median.items()},
                          **{f"{k} traj/s": round(len(trajectories) / v, 1) for k, v in median.items()},
-                         "write ratio": round(median["raw write"] / median["shard write"], 3),
+                         "fsync ratio": round(median["shard write, no fsync"] / median["shard write"], 3),
+                         "write ratio": round(median["raw write"] / median["shard write, no fsync"], 3),
+                         "durable write ratio": round(median["raw write"] / median["shard write"], 3),
                          "read ratio": round(median["raw read"] / median["shard read"], 3)})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"benchmark": "trajectory_store", "date": date.today().isoformat(), "machine": machine(),
+    return {"benchmark": "trajectory_store", "date": date.today().isoformat(), "machine": args.machine,
             "trajectories": len(trajectories), "payload_MB": round(nbytes / 1e6, 1), "repeats": args.repeats,
             "versions": {"python": platform.python_version(), "numpy": np.__version__, "h5py": h5py.__version__,
-                         "hdf5": h5py.version.hdf5_version},
+                         "hdf5": h5py.version.hdf5_version, "areal-hpc": _commit()},
             "rows": rows}
 
+
+def _commit() -> str:
+    """The code measured: its git commit, marked when the working tree differs from it."""
+    git = ["git", "-C", str(Path(__file__).parent)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", "../areal_hpc/data", "../areal_hpc/fsio.py", "."],
+                           capture_output=True, text=True).stdout.strip()
+    return (head + (" + local changes" if dirty else "")) or "unknown"
 
 
 def report(result: dict) -> str:
     lines = [f"# Trajectory shards vs raw numpy files ({result['date']})", "",
              f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
              + ".", f"{result['trajectories']} trajectories, {result['payload_MB']} MB of arrays, "
-             f"median of {result['repeats']} alternating repeats, scratch on the same disk for both.", "",
-             "| flush policy | shard write MB/s | raw write MB/s | **write ratio** | shard read MB/s | raw read MB/s | "
-             "**read ratio** | size ratio |", "|---|---|---|---|---|---|---|---|"]
+             f"median of {result['repeats']} alternating repeats, scratch on the same disk for all writers.", "",
+             "| flush policy | shard write MB/s (fsync) | shard write MB/s (no fsync) | **fsync ratio** | raw write MB/s "
+             "| **write ratio** (no fsync) | write ratio (fsync) | shard read MB/s | raw read MB/s | **read ratio** "
+             "| size ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['mode']} | {r['shard write MB/s']} ({r['shard write traj/s']} traj/s) | "
-                     f"{r['raw write MB/s']} | **{r['write ratio']}x** | {r['shard read MB/s']} | {r['raw read MB/s']} | "
+                     f"{r['shard write, no fsync MB/s']} ({r['shard write, no fsync traj/s']} traj/s) | "
+                     f"**{r['fsync ratio']}x** | {r['raw write MB/s']} | **{r['write ratio']}x** | "
+                     f"{r['durable write ratio']}x | {r['shard read MB/s']} | {r['raw read MB/s']} | "
                      f"**{r['read ratio']}x** | {r['size_ratio']} |")
-    lines += ["", "Targets: write ratio >= 0.5x flushing every trajectory, >= 0.8x with batched flushes."]
+    lines += ["", "fsync ratio: throughput of the default writer (two fsyncs a commit: it survives a node crash) "
+              "over fsync=False (it survives a killed process only). Write ratios: shard over raw writes, which "
+              "never fsync. Targets (no fsync): write ratio >= 0.5x flushing every trajectory, >= 0.8x with "
+              "batched flushes."]
     return "\n".join(lines)
 
 
@@ -153,13 +176,13 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = ["shard write", "raw write", "shard read", "raw read"]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    labels = list(SIDES)
     width = 0.38
     for j, row in enumerate(result["rows"]):
         xs = np.arange(len(labels)) + (j - 0.5) * width
         ax.bar(xs, [row[f"{k} MB/s"] for k in labels], width, label=row["mode"])
-    ax.set_xticks(np.arange(len(labels)), labels)
+    ax.set_xticks(np.arange(len(labels)), [label.replace(", ", "\n") for label in labels])
     ax.set_ylabel("MB/s")
     ax.set_title(f"Trajectory shards vs raw numpy files ({result['date']})")
     ax.legend()
@@ -173,8 +196,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32, help="trajectories per flush in the batched mode")
     parser.add_argument("--dir", help="scratch folder (default: the system temp folder)")
+    parser.add_argument("--machine", default=machine(), help="how the result names this machine")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     run_and_record("trajectory_store", parser.parse_args(), run, report, plot)
+
 
 if __name__ == "__main__":
     main()

@@ -104,10 +104,12 @@ class TrajectoryShardWriter:
 
     def close(self) -> None:
         """Flush, then finalise the live shard (close, rename, manifest)."""
-        self.flush()
-        if self._file is not None:
-            self._finalize()
-        self._ids.close()
+        try:
+            self.flush()
+            if self._file is not None:
+                self._finalize()
+        finally:
+            self._ids.close()
 
     def __enter__(self) -> "TrajectoryShardWriter":
         return self

@@ -155,9 +155,9 @@ def report(result: dict) -> str:
              f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
              + ".", f"{result['trajectories']} trajectories, {result['payload_MB']} MB of arrays, "
              f"median of {result['repeats']} alternating repeats, scratch on the same disk for all writers.", "",
-             "| flush policy | shard write MB/s (fsync) | shard write MB/s (no fsync) | **fsync ratio** | raw write MB/s "
-             "| **write ratio** (no fsync) | write ratio (fsync) | shard read MB/s | raw read MB/s | **read ratio** "
-             "| size ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| flush policy | shard write MB/s (fsync) | shard write MB/s (no fsync) | **fsync ratio** "
+             "| raw write MB/s | **write ratio** (no fsync) | write ratio (fsync) | shard read MB/s | raw read MB/s "
+             "| **read ratio** | size ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['mode']} | {r['shard write MB/s']} ({r['shard write traj/s']} traj/s) | "
                      f"{r['shard write, no fsync MB/s']} ({r['shard write, no fsync traj/s']} traj/s) | "

@@ -119,7 +119,8 @@ def test_checksums_follow_the_format_description(tmp_path):
     for rows, width in ((raw["index"], index_row), (raw["rewards"], reward_row)):
         assert len(rows) % width == 0 and len(rows) > 0
         for start in range(0, len(rows), width):  # each row ends with the little-endian CRC32 of the rest
-            assert struct.unpack("<I", rows[start + width - 4:start + width])[0] == zlib.crc32(rows[start:start + width - 4])
+            end = start + width
+            assert struct.unpack("<I", rows[end - 4:end])[0] == zlib.crc32(rows[start:end - 4])
     token_layout = struct.Struct("<ifB")  # (id i4, logprob f4, loss_mask u1), packed
     for start in range(0, len(raw["index"]), index_row):
         row = raw["index"][start:start + index_row]

@@ -77,7 +77,8 @@ def test_a_dead_writers_torn_tail_is_a_note_and_damage_to_committed_counts_is_no
     set_state(impossible, 4, -1)  # fewer intended than committed: no commit ever writes that
     result = run_cli("shards", "verify", str(impossible.parent))
     assert result.returncode == 1
-    assert "DAMAGE: w0-000000.live.h5: commit counts impossible (more index committed than ever intended)" in result.stdout
+    assert ("DAMAGE: w0-000000.live.h5: commit counts impossible (more index committed than ever intended)"
+            in result.stdout)
 
 
 def peak_rss_of_verify(folder) -> tuple[int, str]:

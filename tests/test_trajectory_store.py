@@ -222,7 +222,8 @@ def test_verify_checks_finalised_shards_against_their_manifest(tmp_path):
     assert "DAMAGE: w0-000001.h5: listed in manifest-w0.json but missing" in result.stdout
     assert f"DAMAGE: {third}: HDF5 cannot open it (Unable to synchronously open file (truncated file" in result.stdout
     inspect = run_cli("shards", "inspect", str(tmp_path))  # the summary of what is readable, and exit 1
-    assert inspect.returncode == 1 and "1 shards (1 finalised, 0 live), 1 trajectories (+1 with a damaged index row)" in inspect.stdout
+    assert inspect.returncode == 1
+    assert "1 shards (1 finalised, 0 live), 1 trajectories (+1 with a damaged index row)" in inspect.stdout
     assert f"{third}: HDF5 cannot open it" in inspect.stderr and inspect.stderr.count("\n") == 1
 
 
@@ -262,8 +263,8 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path):
     cases = {str(tmp_path / "missing"): "no such file or directory",
              str(not_hdf5): "is not an HDF5 file",
              str(foreign): "not an areal-hpc trajectory shard",
-             str(newer): f"uses trajectory schema version {SCHEMA_VERSION + 1}; this areal-hpc reads version {SCHEMA_VERSION} "
-                           "(upgrade areal-hpc to read it)",
+             str(newer): f"uses trajectory schema version {SCHEMA_VERSION + 1}; this areal-hpc reads version "
+                         f"{SCHEMA_VERSION} (upgrade areal-hpc to read it)",
              str(empty): "holds no trajectory shards"}
     for path, message in cases.items():
         for action in ("inspect", "verify", "export"):

@@ -167,7 +167,8 @@ def open_shard(path: Path) -> h5py.File:
     if version != SCHEMA_VERSION:
         f.close()
         remedy = ("upgrade areal-hpc to read it" if version > SCHEMA_VERSION else
-                  "its index and reward rows carry no checksum; export it with areal-hpc 0.1.0 at commit ffe43b9")
+                  "its index and reward rows carry no checksum; export it with an areal-hpc from before schema 2, "
+                  "e.g. git commit ffe43b9")
         raise UserError(f"{path} uses trajectory schema version {version}; this areal-hpc reads version "
                         f"{SCHEMA_VERSION} ({remedy})")
     return f

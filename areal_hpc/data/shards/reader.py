@@ -21,9 +21,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE, TOKEN_DTYPE,
-                                          ShardDamageError, decode, intact, open_shard, record_checksum,
-                                          reward_from_row, shard_stem, text)
+from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE,
+                                          TOKEN_DTYPE, ShardDamageError, decode, intact, open_shard,
+                                          record_checksum, reward_from_row, shard_stem, text)
 from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.errors import UserError
 

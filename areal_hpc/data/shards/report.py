@@ -121,7 +121,8 @@ def verify(path: Path) -> tuple[list[str], list[str], int]:
                     damage += _shard_damage(shard, listed.get(shard.path.name))
                     notes += _shard_notes(shard, listed_somewhere=shard.path.name in listed or path.is_file())
             progress.update(bar, advance=1, records=records)
-    damage += [f"{name}: listed in {manifest} but missing" for name, (manifest, _) in listed.items() if name not in seen]
+    damage += [f"{name}: listed in {manifest} but missing" for name, (manifest, _) in listed.items()
+               if name not in seen]
     return damage, notes, records
 
 

@@ -1,6 +1,7 @@
 """The rollout MILP and the planner against brute-force enumeration of the same cost model."""
 
 import itertools
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -52,29 +53,81 @@ def brute_force_rollout(replicas, available, max_price=float("inf")):
     return best
 
 
-def brute_force_plan(cluster, cost, staleness):
-    """Best tokens/s over every training split, each split's rollout found by enumeration; the step
-    is max(train, generation) + weight sync over the slowest link used (η = 0: the sum)."""
+def pool_rollouts(cost, pool, free, gbs):
+    """{devices used: (best rate, price)} over every replica count vector on ``free`` devices of ``pool``
+    (0 devices: the pool idle)."""
+    replicas = cost.rollout_replicas(pool, free, gbs)
+    best = {0: (0.0, 0.0)}
+
+    def visit(i, used, rate, price):
+        if i == len(replicas):
+            if rate > best.get(used, (-1.0,))[0]:
+                best[used] = (rate, price)
+            return
+        r, y = replicas[i], 0
+        while used + y * r.devices <= free:
+            visit(i + 1, used + y * r.devices, rate + y * r.tokens_per_s, price + y * r.price_per_hour)
+            y += 1
+
+    visit(0, 0, 0.0, 0.0)
+    return best
+
+
+def enumerated_train(cluster, cost, counts):
+    """(shortest train step over every combination of one layout per training pool, its $/h); None: none fits."""
     pools = {p.name: p for p in cluster.pools}
-    best = None
+    used = [n for n, c in counts.items() if c]
+    layouts = [cost.train_layouts(pools[n], counts[n], cluster.bandwidth(n, n)) for n in used]
+    if not used or not all(layouts):
+        return None
+    cross = min(cluster.bandwidth(a, b) for a in used for b in used)
+    return (min(cost.train_step_s(list(choice), cross) for choice in itertools.product(*layouts)),
+            sum(counts[n] * pools[n].device.price_per_hour for n in used))
+
+
+def scored(cluster, cost, staleness, counts, train, rate, rollout_price, generating):
+    """(tokens/s, $/h) of a placement: the step is max(train, generation) + the weight sync over the slowest
+    link from a training pool to a rollout pool used (η = 0: their sum)."""
+    train_s, train_price = train
+    sync_s = cost.weight_sync_s(min(cluster.bandwidth(a, b) for a in counts if counts[a] for b in generating))
+    generation_s = cost.workload.step_tokens / rate
+    step_s = (max(train_s, generation_s) if staleness else train_s + generation_s) + sync_s
+    return cost.workload.step_tokens / step_s, train_price + rollout_price
+
+
+def every_plan(cluster, cost, staleness):
+    """(tokens/s, $/h) of every placement: each training split (0 on a pool: the pool does not train),
+    each pool's training layout, and any rollout on any subset of the free devices (idle devices and
+    idle pools included)."""
+    pools = {p.name: p for p in cluster.pools}
+    found = []
     for split in itertools.product(*[range(p.devices + 1) for p in cluster.pools]):
         counts = dict(zip(pools, split))
-        used = [n for n, c in counts.items() if c]
-        groups = [cost.train_group(pools[n], counts[n], cluster.bandwidth(n, n)) for n in used]
-        if not groups or None in groups:
+        train = enumerated_train(cluster, cost, counts)
+        if train is None:
             continue
-        free = {n: p.devices - counts[n] for n, p in pools.items()}
-        replicas = [r for n, k in free.items() if k for r in cost.rollout_replicas(pools[n], k, cluster.bandwidth(n, n))]
-        rate, replica_counts = brute_force_rollout(replicas, free)
-        if rate == 0:
-            continue
-        train_s = cost.train_step_s(groups, min(cluster.bandwidth(a, b) for a in used for b in used))
-        generation_s = cost.workload.step_tokens / rate
-        sync_s = cost.weight_sync_s(min(cluster.bandwidth(a, r.pool) for a in used
-                                        for r, y in zip(replicas, replica_counts) if y))
-        step_s = (max(train_s, generation_s) if staleness else train_s + generation_s) + sync_s
-        best = max(best or 0, cost.workload.step_tokens / step_s)
-    return best
+        options = [[(n, rate, price) for rate, price in
+                    pool_rollouts(cost, p, p.devices - counts[n], cluster.bandwidth(n, n)).values()]
+                   for n, p in pools.items() if p.devices > counts[n]]
+        for combo in itertools.product(*options):
+            generating = [n for n, rate, _ in combo if rate > 0]
+            if generating:
+                found.append(scored(cluster, cost, staleness, counts, train, sum(rate for _, rate, _ in combo),
+                                    sum(price for _, _, price in combo), generating))
+    return found
+
+
+def best_plan(plans, objective="max-throughput", budget=float("inf"), target=None):
+    """The best (tokens/s, $/h) under the objective, the other key breaking ties (to 1e-9); None: none."""
+    if objective == "min-cost":
+        keyed = [(-price, rate) for rate, price in plans if rate >= target * (1 - 1e-9)]
+    else:
+        keyed = [(rate, -price) for rate, price in plans if price <= budget + 1e-9]
+    if not keyed:
+        return None
+    first = max(k[0] for k in keyed)
+    second = max(k[1] for k in keyed if math.isclose(k[0], first, rel_tol=1e-9))
+    return (second, -first) if objective == "min-cost" else (first, -second)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,15 +143,25 @@ def test_rollout_milp_equals_enumeration(cluster, model, price_cap):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cluster=small_clusters(), model=st.sampled_from(sorted(COSTS)), staleness=st.sampled_from([0, 4]))
-def test_planner_equals_enumeration(cluster, model, staleness):
-    """Both the exhaustive path and the partition + binary search + refinement path find the optimum."""
+@given(cluster=small_clusters(), model=st.sampled_from(sorted(COSTS)), staleness=st.sampled_from([0, 4]),
+       objective=st.sampled_from(["max-throughput", "budget", "min-cost"]), share=st.floats(0.05, 1.0))
+def test_planner_equals_enumeration(cluster, model, staleness, objective, share):
+    """Every objective (max-throughput, with a budget, min-cost), both the exhaustive path and the
+    partition + binary search + refinement path: the planner's plan is the enumerated best."""
     cost = COSTS[model]
-    expected = brute_force_plan(cluster, cost, staleness)
+    plans = every_plan(cluster, cost, staleness)
+    options = {}
+    if plans and objective == "budget":  # a cap between the cheapest and the dearest placement
+        low, high = min(p for _, p in plans), max(p for _, p in plans)
+        options = {"budget": low + share * (high - low)}
+    elif plans and objective == "min-cost":  # a share of the best throughput
+        options = {"objective": "min-cost", "target": share * max(r for r, _ in plans)}
+    expected = best_plan(plans, **options) if plans else None
     for exhaustive in (True, False):
-        planner = HeteroPlanner(cluster, cost, staleness)
+        planner = HeteroPlanner(cluster, cost, staleness, **options)
         if expected is None:
             with pytest.raises(UserError):
                 planner.plan(exhaustive)
             continue
-        assert planner.plan(exhaustive).tokens_per_s == pytest.approx(expected, rel=1e-6)
+        plan = planner.plan(exhaustive)
+        assert (plan.tokens_per_s, plan.price_per_hour) == pytest.approx(expected, rel=1e-6), exhaustive

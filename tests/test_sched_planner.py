@@ -1,15 +1,19 @@
 """HeteroPlanner in the paper's setting: heterogeneity pays at equal budget; objectives and budgets hold."""
 
+import itertools
 import re
 
 import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
 
 from areal_hpc.errors import UserError
 from areal_hpc.sched import repro_hex
-from areal_hpc.sched.cost import CostModel
-from areal_hpc.sched.hardware import CLUSTERS, load_cluster
+from areal_hpc.sched.cost import CostModel, Workload
+from areal_hpc.sched.hardware import CATALOGUE, CLUSTERS, load_cluster, make_cluster
 from areal_hpc.sched.model_spec import load_model_spec
 from areal_hpc.sched.planner import HeteroPlanner
+from tests.test_sched_milp import COSTS, best_plan, enumerated_train, every_plan, scored
 
 
 def planner(cluster, model="r1-distill-qwen-7b", **options) -> HeteroPlanner:
@@ -78,3 +82,53 @@ def test_large_cluster_search_beats_every_whole_machine_split():
     assert len(search.evaluated) < 200
     grid = [search.evaluate({"H800": 8 * a, "H20": 8 * b}) for a in range(9) for b in range(25)]
     assert plan.tokens_per_s >= max(p.tokens_per_s for p in grid if p is not None)
+
+
+def test_a_pool_behind_a_slow_link_idles_when_its_weight_sync_costs_more_than_it_adds():
+    """The issue's case: one machine of 4 H100 and two Ascend 910B machines behind 1 GB/s, 1.5B, 256
+    sequences. Generating on the Ascends too costs a 22 s weight sync; the plan of every objective is
+    the enumerated best, and the fastest leaves the Ascends idle."""
+    cluster = make_cluster("h100-ascend", [("h100", "H100", 1, 4), ("ascend", "Ascend910B", 2, 1)],
+                           {"h100-ascend": 1})
+    cost = CostModel(load_model_spec("r1-distill-qwen-1.5b"), Workload(prompts=256, answers=1))
+    plans = every_plan(cluster, cost, 4)
+    fastest = max(rate for rate, _ in plans)
+    for options in ({}, {"budget": 20}, {"budget": 30}, *({"objective": "min-cost", "target": share * fastest}
+                                                            for share in (0.3, 0.5, 0.7, 0.9))):
+        plan = HeteroPlanner(cluster, cost, 4, **options).plan()
+        assert (plan.tokens_per_s, plan.price_per_hour) == pytest.approx(best_plan(plans, **options), rel=1e-6), options
+    plan = HeteroPlanner(cluster, cost, 4).plan()
+    assert plan.rollout.devices("ascend") == 0 and {g.pool for g in plan.train} == {"h100"}
+
+
+def test_example_site_beats_training_on_h100_and_a100_with_the_l40s_idle():
+    """The issue's second case, configs/clusters/example-site.yaml with 1.5B: train on H100 x16 + A100 x5,
+    generate on 27 A100 (one replica each), leave the L40S (5 GB/s away) idle. The planner must do at
+    least as well, and the cheapest plan reaching that placement's throughput must cost no more."""
+    cluster = load_cluster(CLUSTERS / "example-site.yaml")
+    cost = CostModel(load_model_spec("r1-distill-qwen-1.5b"), Workload(prompts=1024, answers=1))
+    counts = {"h100": 16, "a100": 5, "l40s": 0}
+    replica = cost.rollout_replica(next(p for p in cluster.pools if p.name == "a100"), 1, 1, cluster.bandwidth("a100", "a100"))
+    rate, price = scored(cluster, cost, 4, counts, enumerated_train(cluster, cost, counts), 27 * replica.tokens_per_s,
+                         27 * replica.price_per_hour, ["a100"])
+    assert HeteroPlanner(cluster, cost).plan().tokens_per_s >= rate * (1 - 1e-9)
+    assert HeteroPlanner(cluster, cost, objective="min-cost", target=rate).plan().price_per_hour <= price + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(pools=st.lists(st.tuples(st.sampled_from(sorted(CATALOGUE)), st.integers(1, 2), st.sampled_from([1, 2, 4])),
+                      min_size=2, max_size=3),
+       links=st.lists(st.floats(1, 50), min_size=6, max_size=6), model=st.sampled_from(sorted(COSTS)),
+       shares=st.lists(st.floats(0, 1), min_size=3, max_size=3))
+@example(pools=[("Ascend910B", 2, 4), ("H100", 2, 1)], links=[4.0, 29.1, 42.0, 1, 1, 1], model="r1-distill-qwen-1.5b",
+         shares=[0.875, 1.0, 0])  # 7 Ascends alone train fastest at dp7; beside 2 H100, at pp7 (no 4 GB/s all-reduce)
+def test_training_layouts_minimise_the_combined_step(pools, links, model, shares):
+    """Each pool's training layout is chosen for the step of all training groups together (the enumerated
+    best over every combination of layouts), not for its own step alone."""
+    rows = [(f"p{i}", device, nodes, per_node) for i, (device, nodes, per_node) in enumerate(pools)]
+    pairs = itertools.combinations_with_replacement([r[0] for r in rows], 2)
+    cluster = make_cluster("random", rows, {f"{a}-{b}": gbs for (a, b), gbs in zip(pairs, links)})
+    counts = {p.name: max(1, round(share * p.devices)) for p, share in zip(cluster.pools, shares)}
+    expected = enumerated_train(cluster, COSTS[model], counts)
+    assume(expected is not None and sum(counts.values()) < cluster.devices)  # it trains, a device is left to generate
+    assert HeteroPlanner(cluster, COSTS[model]).evaluate(counts).train_s == pytest.approx(expected[0], rel=1e-9)

@@ -30,13 +30,30 @@ class Efficiency:
     latency_s: float = 10e-6     # fixed cost of one collective
     overall: float = 1.0         # end-to-end share of the above a whole system keeps (scheduling gaps,
     #                              stragglers, host overheads); scales every compute and HBM rate
+    per_device: tuple[tuple[str, float], ...] = ()  # ("H20.train", 0.6), ("H20.decode", 0.9): one device
+    #                              type's training (or decode) speed relative to the factors above; 1 if absent
+
+    def factor(self, name: str) -> float:
+        """A factor by name: a field (``overall``) or a device type's ``TYPE.train`` / ``TYPE.decode``."""
+        if "." in name:
+            return dict(self.per_device).get(name, 1.0)
+        return getattr(self, name)
 
     def replace(self, **values) -> "Efficiency":
-        return Efficiency(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **values})
+        """A copy with factors replaced; names as in ``factor``."""
+        devices = dict(self.per_device) | {k: float(v) for k, v in values.items() if "." in k}
+        plain = {f.name: getattr(self, f.name) for f in fields(self)} | {k: v for k, v in values.items() if "." not in k}
+        return Efficiency(**{**plain, "per_device": tuple(sorted(devices.items()))})
+
+
+DEVICE_SIDES = ("train", "decode")
 
 
 def load_efficiency(path: str | Path) -> Efficiency:
-    """Factors from a YAML mapping (e.g. configs/clusters/efficiency-areal-hex.yaml); the rest default."""
+    """Factors from a YAML mapping (e.g. configs/clusters/efficiency-areal-hex.yaml); the rest default.
+
+    ``per_device: {H20: {train: 0.6, decode: 0.9}}`` scales one device type against the global factors.
+    """
     values = read_yaml(path, "efficiency file", "see configs/clusters/efficiency-areal-hex.yaml") or {}
     if not isinstance(values, dict):
         raise UserError(f"efficiency file {path} must map factor names to numbers")
@@ -45,7 +62,16 @@ def load_efficiency(path: str | Path) -> Efficiency:
         if key not in known:
             raise UserError(f"{path}: unknown efficiency factor '{key}'{closest(str(key), known)} "
                             f"(known: {', '.join(known)})")
-    return Efficiency().replace(**{k: float(v) for k, v in values.items()})
+    per_device = values.pop("per_device", None) or {}
+    flat = {}
+    for device, sides in per_device.items() if isinstance(per_device, dict) else [(per_device, None)]:
+        if not isinstance(sides, dict) or not set(sides) <= set(DEVICE_SIDES):
+            raise UserError(f"{path}: per_device must map device types to {{train: x, decode: y}}, got {device}: {sides}")
+        flat |= {f"{device}.{side}": v for side, v in sides.items()}
+    try:
+        return Efficiency().replace(**{k: float(v) for k, v in (values | flat).items()})
+    except (TypeError, ValueError):
+        raise UserError(f"{path}: efficiency factors must be numbers, got {values | flat}") from None
 
 
 @dataclass(frozen=True)
@@ -117,6 +143,7 @@ class CostModel:
     def __init__(self, model: ModelSpec, workload: Workload = Workload(), efficiency: Efficiency = Efficiency()):
         self.model, self.workload, self.eff = model, workload, efficiency
         self.rollout_replica = lru_cache(maxsize=None)(self._rollout_replica)
+        self.train_layouts = lru_cache(maxsize=None)(self._train_layouts)
         self.train_group = lru_cache(maxsize=None)(self._train_group)
 
     def _collective_s(self, nbytes: float, ranks: int, gbs: float) -> float:
@@ -146,8 +173,9 @@ class CostModel:
         context = w.prompt_len + w.gen_mean / 2
         # Each of the pp micro-batches reads its stage's weights, so PP does not cut weight reads.
         read = m.weight_bytes / tp + running * context * m.kv_bytes_per_token / self._kv_shards(tp, pp)
-        memory_s = read / (dev.hbm_gbs * GB * e.decode_hbm * e.overall)
-        compute_s = 2 * m.params * running / n / (dev.tflops * 1e12 * e.decode_mfu * e.overall)
+        device = e.overall * e.factor(f"{dev.name}.decode")
+        memory_s = read / (dev.hbm_gbs * GB * e.decode_hbm * device)
+        compute_s = 2 * m.params * running / n / (dev.tflops * 1e12 * e.decode_mfu * device)
         tp_s = 2 * m.layers / pp * self._collective_s(running * m.hidden * 2, tp, dev.link_gbs)
         pp_gbs = dev.link_gbs if n <= pool.per_node else inter_gbs
         pp_s = (pp - 1) * (running * m.hidden * 2 / (pp_gbs * GB * e.link) + e.latency_s)
@@ -174,10 +202,10 @@ class CostModel:
         activations = w.micro_tokens * m.hidden * 2 * (m.layers / pp + 34 / tp) + w.micro_tokens * m.vocab * 4 / tp
         return states + activations <= pool.device.memory_gb * GB * 0.9
 
-    def _train_group(self, pool: NodePool, devices: int, inter_gbs: float) -> TrainGroup | None:
-        """The fastest dp x tp x pp layout of exactly ``devices`` devices of ``pool`` (None: nothing fits)."""
+    def _train_layouts(self, pool: NodePool, devices: int, inter_gbs: float) -> tuple[TrainGroup, ...]:
+        """Every dp x tp x pp layout of exactly ``devices`` devices of ``pool`` that fits in memory."""
         m, w, e, dev = self.model, self.workload, self.eff, pool.device
-        best = None
+        found = []
         for tp in powers_of_two(min(pool.per_node, m.heads)):
             for pp in range(1, min(devices // tp, m.layers) + 1):
                 dp, rest = divmod(devices, tp * pp)
@@ -186,19 +214,43 @@ class CostModel:
                 micro_batches = max(1.0, w.step_tokens / dp / w.micro_tokens)
                 # 8 = 6 (forward + backward) + 2 (forward that recomputes the proximal log-probs)
                 bubble = 1 + (pp - 1) / micro_batches
-                compute = 8 * m.params / (tp * pp * dev.tflops * 1e12 * e.train_mfu * e.overall) * bubble
+                flops = dev.tflops * 1e12 * e.train_mfu * e.overall * e.factor(f"{dev.name}.train")
+                compute = 8 * m.params / (tp * pp * flops) * bubble
                 tp_comm = 4 * m.layers / pp * self._collective_s(m.hidden * 2, tp, dev.link_gbs)
                 pp_gbs = dev.link_gbs if tp * pp <= pool.per_node else inter_gbs
                 pp_comm = (pp > 1) * 2 * m.hidden * 2 / (pp_gbs * GB * e.link)
                 dp_gbs = dev.link_gbs if devices <= pool.per_node else inter_gbs
-                group = TrainGroup(pool.name, dp, tp, pp, dp / (compute + tp_comm + pp_comm),
-                                   self._collective_s(m.weight_bytes / (tp * pp), dp, dp_gbs))
-                if best is None or self._group_step_s(group) < self._group_step_s(best):
-                    best = group
-        return best
+                found.append(TrainGroup(pool.name, dp, tp, pp, dp / (compute + tp_comm + pp_comm),
+                                        self._collective_s(m.weight_bytes / (tp * pp), dp, dp_gbs)))
+        return tuple(found)
+
+    def _train_group(self, pool: NodePool, devices: int, inter_gbs: float) -> TrainGroup | None:
+        """The layout of ``devices`` devices of ``pool`` with the shortest step alone (None: nothing fits)."""
+        return min(self.train_layouts(pool, devices, inter_gbs), key=self._group_step_s, default=None)
 
     def _group_step_s(self, group: TrainGroup) -> float:
         return self.workload.step_tokens / group.tokens_per_s + group.allreduce_s
+
+    def fastest_train(self, layouts: list[tuple[TrainGroup, ...]], cross_gbs: float) -> tuple[tuple[TrainGroup, ...], float]:
+        """One layout per pool (from ``layouts``, one tuple per pool) whose combined ``train_step_s`` is
+        shortest, and that step.
+
+        A pool's fastest layout alone is not always best together: the step is (B + Σ a·r) / Σ r (a a
+        group's all-reduce time, r its token rate) plus a term no layout changes. Dinkelbach's iteration
+        minimises that ratio exactly: at ratio λ every pool takes the layout minimising r·(a − λ) on its
+        own; the chosen layouts' ratio is the next λ, until it stops falling.
+        """
+        def ratio(groups) -> float:
+            return ((self.workload.step_tokens + sum(g.allreduce_s * g.tokens_per_s for g in groups))
+                    / sum(g.tokens_per_s for g in groups))
+
+        chosen = [min(options, key=self._group_step_s) for options in layouts]
+        while True:
+            at = ratio(chosen)
+            step = [min(options, key=lambda g: g.tokens_per_s * (g.allreduce_s - at)) for options in layouts]
+            if ratio(step) >= at * (1 - 1e-12):
+                return tuple(chosen), self.train_step_s(chosen, cross_gbs)
+            chosen = step
 
     def train_step_s(self, groups: list[TrainGroup], cross_gbs: float) -> float:
         """One step over groups of different pools: tokens split so that all finish together, then

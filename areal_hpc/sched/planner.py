@@ -1,9 +1,11 @@
 """AReaL-Hex's planner: split the devices between training and rollout, pick each side's parallelism.
 
 For a training share γ of the compute, a device split (graph partition, plus a ratio-ordered seed)
-gets its training plan by a constrained search (dp x tp x pp groups of one device type) and its
-rollout plan by the MILP; γ is binary-searched until training and rollout step times balance, then
-local moves refine the split. Small clusters are enumerated exhaustively instead (exact).
+gets its training plan by a constrained search (dp x tp x pp groups of one device type, chosen for
+their combined step) and its rollout plan by the MILP, once per set of pools close enough for the
+weight sync (a pool behind a slow link may stay idle); γ is binary-searched until training and
+rollout step times balance, then local moves refine the split. A cluster with at most
+``EXHAUSTIVE_LIMIT`` device splits has every split evaluated instead: exact under the cost model.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from areal_hpc.sched.rollout_milp import RolloutMILP, RolloutPlan
 
 EXHAUSTIVE_LIMIT = 128  # device splits: enumerate them all up to this many
 REFINE_STARTS = 4  # hill climbs, from the best distinct splits the search found
+CHEAPEST = 1e-9  # tokens/s: a min-cost target every plan meets, so the cheapest plan
 
 
 @dataclass(frozen=True)
@@ -81,43 +84,69 @@ class HeteroPlanner:
         return self.evaluated[key]
 
     def _evaluate(self, counts: dict[str, int]) -> Plan | None:
-        cl, cost, w = self.cluster, self.cost, self.cost.workload
+        cl, cost = self.cluster, self.cost
         used = [name for name, n in counts.items() if n > 0]
-        groups = [cost.train_group(self.pools[name], counts[name], cl.bandwidth(name, name)) for name in used]
-        if not groups or None in groups:
+        layouts = [cost.train_layouts(self.pools[name], counts[name], cl.bandwidth(name, name)) for name in used]
+        if not layouts or not all(layouts):
             return None
+        groups, train_s = cost.fastest_train(layouts, min(cl.bandwidth(a, b) for a in used for b in used))
         train_price = sum(counts[name] * self.pools[name].device.price_per_hour for name in used)
-        train_s = cost.train_step_s(groups, min(cl.bandwidth(a, b) for a in used for b in used))
-        free = {name: pool.devices - counts[name] for name, pool in self.pools.items()}
-        if not any(free.values()):
-            return None
-        replicas = [r for name, n in free.items() if n > 0
-                    for r in cost.rollout_replicas(self.pools[name], n, cl.bandwidth(name, name))]
+        free = {name: pool.devices - counts[name] for name, pool in self.pools.items() if pool.devices > counts[name]}
+        # The weight sync runs over the slowest link from a training pool to a rollout pool used, so a
+        # pool behind a slow link may be better left idle: try every link speed as the slowest allowed.
+        link = {name: min(cl.bandwidth(a, name) for a in used) for name in free}
+        best = None
+        for slowest in sorted(set(link.values()), reverse=True):
+            allowed = {name: n for name, n in free.items() if link[name] >= slowest}
+            plan = self._with_rollout(groups, train_s, train_price, allowed, cost.weight_sync_s(slowest))
+            if self.better(plan, best):
+                best = plan
+        return best
+
+    def _with_rollout(self, groups, train_s: float, train_price: float, free: dict[str, int],
+                      sync_s: float) -> Plan | None:
+        """The best plan training on ``groups`` and generating on ``free`` devices per pool, the weight
+        sync taking at most ``sync_s``: the MILP finds the best rate (or price), then, at that score, the
+        cheapest (or fastest) replicas."""
+        cl, cost, w = self.cluster, self.cost, self.cost.workload
+        replicas = [r for name, n in free.items() for r in cost.rollout_replicas(self.pools[name], n,
+                                                                                  cl.bandwidth(name, name))]
         milp = RolloutMILP(replicas, free)
         if self.objective == "max-throughput":
-            rollout = milp.solve(max_price=self.budget - train_price)
+            cap = self.budget - train_price
+            fastest = milp.solve(max_price=cap)
+            if fastest is None or not fastest.replicas:
+                return None
+            # Past the training time (η > 0) a faster rollout gains nothing: take the cheapest that keeps up.
+            needed = fastest.tokens_per_s if self.staleness == 0 else min(fastest.tokens_per_s, w.step_tokens / train_s)
+            rollout = milp.solve(max_price=cap, min_rate=needed * (1 - 1e-9)) or fastest
         else:
-            worst_sync = cost.weight_sync_s(min(cl.bandwidth(a, b) for a in used for b in free if free[b]))
-            left_s = w.step_tokens / self.target - worst_sync  # the target step, less the slowest sync
+            left_s = w.step_tokens / (self.target * (1 - 1e-9)) - sync_s  # the target step (to 1e-9), less the sync
             window = left_s - train_s if self.staleness == 0 else left_s  # what generation may take
             if train_s > left_s or window <= 0:
                 return None
-            rollout = milp.solve(min_rate=w.step_tokens / window)
-        if rollout is None or not rollout.replicas:
-            return None
-        sync_gbs = min(cl.bandwidth(a, r.pool) for a in used for r, _ in rollout.replicas)
-        return Plan(tuple(groups), rollout, train_s, w.step_tokens / rollout.tokens_per_s,
-                    cost.weight_sync_s(sync_gbs), self.staleness, w.step_tokens, train_price)
+            cheapest = milp.solve(min_rate=w.step_tokens / window)
+            if cheapest is None or not cheapest.replicas:
+                return None
+            rollout = milp.solve(max_price=cheapest.price_per_hour * (1 + 1e-9)) or cheapest
+        sync_gbs = min(cl.bandwidth(g.pool, r.pool) for g in groups for r, _ in rollout.replicas)
+        return Plan(groups, rollout, train_s, w.step_tokens / rollout.tokens_per_s, cost.weight_sync_s(sync_gbs),
+                    self.staleness, w.step_tokens, train_price)
 
     def score(self, plan: Plan) -> tuple:
-        """Larger is better under the objective."""
+        """Larger is better under the objective: first the objective, then the other key as a tie-break."""
         if self.objective == "min-cost":
             return -plan.price_per_hour, plan.tokens_per_s
         return plan.tokens_per_s, -plan.price_per_hour
 
     def better(self, a: Plan | None, b: Plan | None) -> bool:
-        """Whether plan ``a`` beats plan ``b`` under the objective."""
-        return a is not None and (b is None or self.score(a) > self.score(b))
+        """Whether plan ``a`` beats plan ``b`` under the objective (keys equal to 1e-9 tie)."""
+        if a is None or b is None:
+            return b is None and a is not None
+        for x, y in zip(self.score(a), self.score(b)):
+            if not math.isclose(x, y, rel_tol=1e-9):
+                return x > y
+        return False
 
     def _best(self, candidates) -> Plan | None:
         return self._best_plan(self.evaluate(counts) for counts in candidates)
@@ -130,20 +159,35 @@ class HeteroPlanner:
         return best
 
     def plan(self, exhaustive: bool | None = None) -> Plan:
+        """The best plan: every device split evaluated when there are at most ``EXHAUSTIVE_LIMIT`` of
+        them (or ``exhaustive``), else the search's."""
         splits = math.prod(p.devices + 1 for p in self.cluster.pools)
         if exhaustive if exhaustive is not None else splits <= EXHAUSTIVE_LIMIT:
             ranges = [range(p.devices + 1) for p in self.cluster.pools]
             best = self._best(dict(zip(self.pools, c)) for c in itertools.product(*ranges))
         else:
-            self._search_share()
-            self._seed_pools()
-            # Multi-start: splits that train on several pools pay a cross-pool all-reduce, so the
-            # landscape has several hills; climb from the best few distinct starting points.
-            starts = sorted((p for p in self.evaluated.values() if p is not None), key=self.score, reverse=True)
-            best = self._best_plan(self._refine(start) for start in starts[:REFINE_STARTS])
+            best = self._search()
         if best is None:
             raise UserError(self._why_infeasible())
         return best
+
+    def _search(self) -> Plan | None:
+        """Partition seeds over a binary search on the training share, single-pool and whole-pool seeds,
+        then hill climbs from the best few."""
+        self._search_share()
+        self._seed_pools()
+        # Multi-start: splits that train on several pools pay a cross-pool all-reduce, so the
+        # landscape has several hills; climb from the best few distinct starting points.
+        starts = sorted((p for p in self.evaluated.values() if p is not None), key=self.score, reverse=True)
+        starts = starts[:REFINE_STARTS]
+        # A high target can leave every seed short, and a low budget every seed too dear: climb from the
+        # fastest plan (which meets any target that can be met) and the cheapest one (within any budget) too.
+        if self.objective == "min-cost":
+            starts.append(HeteroPlanner(self.cluster, self.cost, self.staleness)._search())
+        elif self.budget < math.inf:
+            starts.append(HeteroPlanner(self.cluster, self.cost, self.staleness, objective="min-cost",
+                                        target=CHEAPEST)._search())
+        return self._best_plan(self._refine(start and self.evaluate(self._counts(start))) for start in starts)
 
     def _search_share(self) -> None:
         """Binary search on γ: more training compute while training is the slower side."""
@@ -157,8 +201,9 @@ class HeteroPlanner:
                 high = share
 
     def _seed_pools(self) -> None:
-        """Seeds the shares can miss: one pool alone at every move size, and whole pools together."""
-        self._best({name: k} for name, p in self.pools.items() for k in move_sizes(p))
+        """Seeds the shares can miss: one pool alone training a move size of devices or all but a move
+        size (the rest generating), and whole pools together."""
+        self._best({name: n} for name, p in self.pools.items() for k in move_sizes(p) for n in {k, p.devices - k} if n)
         for size in range(2, len(self.pools) + 1):
             self._best({name: self.pools[name].devices for name in chosen}
                        for chosen in itertools.combinations(self.pools, size))
@@ -170,7 +215,9 @@ class HeteroPlanner:
         plan = max(feasible, key=lambda p: p.tokens_per_s)
         if self.objective == "min-cost":
             return False  # feasible already: try a smaller, cheaper training share
-        return plan.train_s > plan.generation_s
+        # A training-bound plan's rollout is cut down to just keep up: its generation then ends at
+        # most as late as training does, a rollout-bound one's later.
+        return plan.generation_s <= plan.train_s * (1 + 1e-6)
 
     def _train_infeasible(self, counts) -> bool:
         return any(self.cost.train_group(self.pools[n], c, self.cluster.bandwidth(n, n)) is None
@@ -185,9 +232,10 @@ class HeteroPlanner:
             moves = [{name: d} for name, p in self.pools.items() for k in move_sizes(p) for d in (k, -k)]
             moves += [{a: k, b: -k} for a in self.pools for b in self.pools if a != b
                       for k in move_sizes(self.pools[a])]
-            # a pool leaves or joins training whole: drops (or adds) a cross-pool all-reduce at once
+            # a pool leaves training, or joins it with all but a move size of its devices (the rest
+            # generating): drops (or adds) a cross-pool all-reduce at once
             moves += [{name: -counts[name]} for name in self.pools] + [
-                {name: p.devices - counts[name]} for name, p in self.pools.items()]
+                {name: p.devices - k - counts[name]} for name, p in self.pools.items() for k in {0} | move_sizes(p)]
             candidates = []
             for move in moves:
                 moved = {name: counts[name] + move.get(name, 0) for name in self.pools}

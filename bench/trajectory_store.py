@@ -8,7 +8,8 @@ its own flat file with ``ndarray.tofile`` and flushes at the same cadence as the
 trajectory, or every ``--batch`` trajectories): the fastest way to put those bytes in files, with no
 index, checksum or crash safety. Shards are written twice, with the two fsyncs a commit makes for a
 node crash (the default) and without (``fsync=False``: safe against a killed process only); the
-fsync ratio is the durable writer's throughput over the other's. Shard writes include finalisation
+fsync ratio is the durable writer's throughput over the other's; it depends on the disk's fsync
+latency, probed and recorded before and after the run. Shard writes include finalisation
 (close, rename, manifest); reads include CRC checks and building the record objects. Repeats
 alternate the three writers; medians.
 """
@@ -16,6 +17,7 @@ alternate the three writers; medians.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shutil
 import statistics
@@ -102,6 +104,22 @@ def read_raw(folder: Path) -> float:
     return time.perf_counter() - start
 
 
+def fsync_latency_ms(folder: Path, n: int = 50) -> float:
+    """Median time of a 4 KiB write + fsync on the scratch disk, what a commit's two fsyncs each cost."""
+    probe, times = folder / "fsync-probe", []
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT)
+    try:
+        for i in range(n):
+            start = time.perf_counter()
+            os.pwrite(fd, os.urandom(4096), 4096 * i)
+            os.fsync(fd)
+            times.append(time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        probe.unlink()
+    return round(statistics.median(times) * 1e3, 3)
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir())
 
@@ -110,7 +128,7 @@ def run(args) -> dict:
     trajectories = realistic_trajectories(args.trajectories)
     nbytes = payload_bytes(trajectories)
     scratch = Path(tempfile.mkdtemp(prefix="areal-bench-", dir=args.dir))
-    rows = []
+    rows, latency = [], [fsync_latency_ms(scratch)]
     try:
         for label, flush_every in (("flush every trajectory", 1), (f"flush every {args.batch}", args.batch)):
             times = {name: [] for name in SIDES}
@@ -132,10 +150,12 @@ def run(args) -> dict:
                          "write ratio": round(median["raw write"] / median["shard write, no fsync"], 3),
                          "durable write ratio": round(median["raw write"] / median["shard write"], 3),
                          "read ratio": round(median["raw read"] / median["shard read"], 3)})
+        latency.append(fsync_latency_ms(scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"benchmark": "trajectory_store", "date": date.today().isoformat(), "machine": args.machine,
             "trajectories": len(trajectories), "payload_MB": round(nbytes / 1e6, 1), "repeats": args.repeats,
+            "fsync_ms_before_after": latency,
             "versions": {"python": platform.python_version(), "numpy": np.__version__, "h5py": h5py.__version__,
                          "hdf5": h5py.version.hdf5_version, "areal-hpc": _commit()},
             "rows": rows}
@@ -145,8 +165,8 @@ def _commit() -> str:
     """The code measured: its git commit, marked when the working tree differs from it."""
     git = ["git", "-C", str(Path(__file__).parent)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", "../areal_hpc/data", "../areal_hpc/fsio.py", "."],
-                           capture_output=True, text=True).stdout.strip()
+    measured = ["../areal_hpc/data/shards", "../areal_hpc/fsio.py", "."]
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", *measured], capture_output=True, text=True).stdout.strip()
     return (head + (" + local changes" if dirty else "")) or "unknown"
 
 
@@ -154,7 +174,9 @@ def report(result: dict) -> str:
     lines = [f"# Trajectory shards vs raw numpy files ({result['date']})", "",
              f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
              + ".", f"{result['trajectories']} trajectories, {result['payload_MB']} MB of arrays, "
-             f"median of {result['repeats']} alternating repeats, scratch on the same disk for all writers.", "",
+             f"median of {result['repeats']} alternating repeats, scratch on the same disk for all writers; "
+             "a 4 KiB write + fsync took {} ms before the run and {} ms after (medians of 50).".format(
+                 *result["fsync_ms_before_after"]), "",
              "| flush policy | shard write MB/s (fsync) | shard write MB/s (no fsync) | **fsync ratio** "
              "| raw write MB/s | **write ratio** (no fsync) | write ratio (fsync) | shard read MB/s | raw read MB/s "
              "| **read ratio** | size ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]

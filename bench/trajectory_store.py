@@ -166,8 +166,8 @@ def _commit() -> str:
     git = ["git", "-C", str(Path(__file__).parent)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     measured = ["../areal_hpc/data/shards", "../areal_hpc/fsio.py", "."]
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", *measured], capture_output=True, text=True).stdout.strip()
-    return (head + (" + local changes" if dirty else "")) or "unknown"
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", *measured], capture_output=True, text=True).stdout
+    return (head + (" + local changes" if dirty.strip() else "")) or "unknown"
 
 
 def report(result: dict) -> str:

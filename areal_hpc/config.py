@@ -105,6 +105,14 @@ class SFTConfig:
 
 
 @dataclass
+class FailureBudgetConfig:
+    max_consecutive: int = spec(32, "episodes failing in a row that stop the run; 0: never", ge=0)
+    window: int = spec(200, "the last this many episodes are those `max_rate` is measured over", ge=1)
+    max_rate: float = spec(0.5, "share of failed episodes in a full window that stops the run; 1: never",
+                           gt=0.0, le=1.0)
+
+
+@dataclass
 class RolloutConfig:
     backend: str = spec("embedded", "rollout server backend", choices=["embedded", "sglang"])
     n_servers: int = spec(1, "rollout servers to start", ge=1)
@@ -120,6 +128,7 @@ class RolloutConfig:
     tp_size: int = spec(1, "sglang: tensor-parallel size per server", ge=1)
     dp_size: int = spec(1, "sglang: data-parallel replicas per server", ge=1)
     mem_fraction_static: float = spec(0.8, "sglang: GPU memory fraction for weights and KV cache", gt=0.0, le=1.0)
+    failure_budget: FailureBudgetConfig = section(FailureBudgetConfig)
 
 
 @dataclass

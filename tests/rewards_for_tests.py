@@ -30,3 +30,7 @@ def exact_answer(completion, example):
     from areal_hpc.data.rewards import last_number, parse_number
 
     return float(last_number(completion) == parse_number(example.answer))
+
+
+def raises_always(completion, example):
+    raise ValueError(f"reward code cannot parse {completion[:10]!r}")

@@ -11,6 +11,7 @@ from fractions import Fraction
 
 # Rewards look at the tail of a completion only: parsing cost stays bounded whatever the model writes.
 MAX_SCORED_CHARS = 4096
+STARTUP_TIMEOUT_S = 300.0  # reward workers starting up, at most (then calls time out as usual)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -35,15 +36,21 @@ def last_number(text: str) -> Fraction | None:
 @dataclass(frozen=True)
 class RewardOutcome:
     value: float
-    error: str | None = None  # why the reward failed (timeout, exception); the value is then 0
+    error: str | None = None  # why the reward failed; the value is then 0
+    error_kind: str | None = None  # "exception" (the reward function raised) or "timeout" (it hung or died)
 
 
 def _call(reward_fn, completion, example):
     return float(reward_fn(completion, example))
 
 
+def _load(reward_fn) -> None:
+    """Nothing: a worker receiving the reward function imports its module (start-up, not scoring)."""
+
+
 class RewardPool:
-    """Scores (completion, example) pairs in worker processes, each call bounded by ``timeout_s``."""
+    """Scores (completion, example) pairs in worker processes, each call bounded by ``timeout_s``.
+    Starting the workers (spawn, imports: seconds on a loaded machine) is not charged to a call."""
 
     def __init__(self, reward_fn, workers: int = 1, timeout_s: float = 5.0):
         self.reward_fn, self.workers, self.timeout_s = reward_fn, workers, timeout_s
@@ -52,6 +59,8 @@ class RewardPool:
     def _fresh_pool(self):
         self.close()
         self._pool = mp.get_context("spawn").Pool(self.workers)
+        # Errors (an unimportable module) are not raised here: each call then records its own.
+        self._pool.map_async(_load, [self.reward_fn] * self.workers, chunksize=1).wait(STARTUP_TIMEOUT_S)
         return self._pool
 
     def score(self, pairs: list[tuple[str, object]]) -> list[RewardOutcome]:
@@ -66,12 +75,12 @@ class RewardPool:
                     outcomes[i] = RewardOutcome(handle.get(timeout=self.timeout_s))
                 except mp.TimeoutError:
                     # The worker may be stuck for good: replace the pool, re-run what is left.
-                    outcomes[i] = RewardOutcome(0.0, f"reward timed out after {self.timeout_s:g}s")
+                    outcomes[i] = RewardOutcome(0.0, f"reward timed out after {self.timeout_s:g}s", "timeout")
                     self.close()
                     pending = [j for j, _ in handles[k + 1:]]
                     break
                 except Exception as exc:  # noqa: BLE001 - any failure of user reward code is recorded
-                    outcomes[i] = RewardOutcome(0.0, f"reward raised {type(exc).__name__}: {exc}")
+                    outcomes[i] = RewardOutcome(0.0, f"reward raised {type(exc).__name__}: {exc}", "exception")
         return outcomes
 
     def close(self):

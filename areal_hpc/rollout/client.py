@@ -4,9 +4,19 @@
 request comes back with finish reason ``abort`` and its partial output; it is re-submitted with
 that output appended to the prompt and ``max_new_tokens`` lowered, to the same server (request-id
 affinity), so tokens made before the update keep their old version tag. New requests go to the
-server with the fewest outstanding requests. When a request's connection fails, the server's
-``/health`` decides: a server that no longer answers is dropped and its requests resume on the
-others from their last returned output (nothing is lost); a live one is simply asked again.
+server with the fewest outstanding requests. When a request fails (its connection, or a 5xx), the
+server's ``/health`` decides: a server that is not healthy is dropped and its requests resume on the
+others from their last returned output (nothing is lost); a live one is asked again, a few times.
+
+Generation and control traffic use separate connection pools: ``/generate`` gets one connection
+per request the run can have in flight (``max_requests``), and pause, continue, weight updates and
+health probes never queue behind generation, however many requests are running.
+
+Version tags: a server that reports no per-token versions (SGLang) has its tokens tagged with its
+``weight_version`` when that is an integer, else (SGLang's ``"default"``: the weights it was launched
+with, or an SGLang that ignores the version an update names) with the version this client last
+pushed to it and resumed it on (0 before any push). Every reply comes from one version: an update
+pauses (aborts) generation first, and a reply arriving while paused was cut short by that pause.
 """
 
 from __future__ import annotations
@@ -19,13 +29,29 @@ import aiohttp
 
 from areal_hpc.errors import UserError
 
-
 HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
 RETRY_DELAY_S = 0.5
+CONNECTION_RETRIES = 3  # failed attempts in a row on a server that still answers /health, then the request fails
 
 
-class NoServerError(RuntimeError):
+class RolloutError(RuntimeError):
+    """Rollouts cannot go on (the run stops with this one-line message)."""
+
+
+class NoServerError(RolloutError):
     """Every rollout server of the group is gone."""
+
+
+class ServerReplyError(UserError):
+    """A rollout server answered with an HTTP error; the message is the server's own."""
+
+    def __init__(self, server: str, route: str, status: int, message: str):
+        super().__init__(f"{server}{route} answered {status}: {message}")
+        self.status = status
+
+
+class ConnectionFailedError(RuntimeError):
+    """A request kept failing to connect (or timing out) on a server that still answers /health."""
 
 
 @dataclass
@@ -41,28 +67,53 @@ class Generation:
     server: str = ""
 
 
+def token_version(reported, known: int) -> int:
+    """The version of a reply's tokens: the server's ``weight_version`` if it is an integer (SGLang
+    sends it as a string), else the version this client knows the server generates with."""
+    try:
+        return int(reported)
+    except (TypeError, ValueError):
+        return known
+
+
 class RolloutClient:
-    def __init__(self, addresses: list[str], request_timeout_s: float = 600.0):
+    def __init__(self, addresses: list[str], request_timeout_s: float = 600.0, max_requests: int = 100):
+        """``max_requests``: /generate requests the caller may have in flight at once (their pool's size)."""
         if not addresses:
             raise UserError("no rollout server addresses given")
         self.alive = list(addresses)
-        self.outstanding = dict.fromkeys(addresses, 0)
+        self.outstanding = dict.fromkeys(addresses, 0)  # /generate requests in flight per server
+        self.versions = dict.fromkeys(addresses, 0)  # weight version each server generates with
+        self._loaded: dict[str, int] = {}  # versions pushed while paused: in effect from the resume on
+        self._paused = False
         self._affinity: dict[str, str] = {}
+        self._probes: dict[str, asyncio.Task] = {}  # one /health probe per server at a time
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._max_requests = max_requests
+        self._dropped_because = ""
+        self._generation: aiohttp.ClientSession | None = None
+        self._control: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "RolloutClient":
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._generation = aiohttp.ClientSession(
+            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_requests))
+        self._control = aiohttp.ClientSession(
+            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=max(16, 4 * len(self.alive))))
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self._session.close()
+        for probe in self._probes.values():
+            probe.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)
+        await self._generation.close()
+        await self._control.close()
 
     async def generate(self, input_ids: list[int], sampling: dict, rid: str | None = None) -> Generation:
         """Generate to a stop token or ``max_new_tokens``, across pauses and server failures."""
         rid = rid or uuid.uuid4().hex
         out = Generation(list(input_ids))
         budget = sampling.get("max_new_tokens", 128)
+        failed_attempts = 0
         try:
             while True:
                 server = self._pick(rid)
@@ -70,17 +121,30 @@ class RolloutClient:
                         "sampling_params": {**sampling, "max_new_tokens": budget - len(out.output_ids)}}
                 try:
                     reply = await self.post(server, "/generate", body)
-                except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
-                    if await self._healthy(server):  # a dropped connection, not a dead server
-                        await asyncio.sleep(RETRY_DELAY_S)
-                    else:
-                        self._drop(server)
+                except ServerReplyError as exc:
+                    if exc.status < 500 or await self.healthy(server):
+                        raise  # a wrong request (e.g. longer than the context), or one the server failed: no retry
+                    self._drop(server, str(exc))
                     out.interruptions += 1
                     continue
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                    reason = f"{server}/generate: {str(exc) or type(exc).__name__}"
+                    if not await self.healthy(server):
+                        self._drop(server, reason)
+                    elif (failed_attempts := failed_attempts + 1) < CONNECTION_RETRIES:
+                        await asyncio.sleep(RETRY_DELAY_S)  # a dropped connection, not a dead server
+                    else:
+                        raise ConnectionFailedError(f"{reason} ({failed_attempts} times in a row, though "
+                                                    f"the server answers /health)") from exc
+                    out.interruptions += 1
+                    continue
+                failed_attempts = 0
                 meta = reply["meta_info"]
                 out.output_ids += reply["output_ids"]
                 out.logprobs += [entry[0] for entry in meta["output_token_logprobs"]]
-                out.versions += meta.get("output_token_versions") or [int(meta["weight_version"])] * len(reply["output_ids"])
+                out.versions += (meta.get("output_token_versions")
+                                 or [token_version(meta.get("weight_version"), self.versions[server])]
+                                 * len(reply["output_ids"]))
                 out.finish_reason, out.server = meta["finish_reason"]["type"], server
                 if out.finish_reason != "abort" or len(out.output_ids) >= budget:
                     return out
@@ -89,55 +153,79 @@ class RolloutClient:
             self._affinity.pop(rid, None)
 
     async def broadcast(self, route: str, body: dict | None = None) -> list[dict]:
-        """POST to every live server at once (pause, continue, weight updates); dead ones are dropped."""
-        servers = list(self.alive)
-        replies = await asyncio.gather(*(self.post(s, route, body or {}) for s in servers), return_exceptions=True)
+        """POST to every live server at once (pause, continue, weight updates); dead ones are dropped.
+        A body with ``weight_version`` records that version as the one each server now holds."""
+        body, servers = body or {}, list(self.alive)
+        replies = await asyncio.gather(*(self.post(s, route, body) for s in servers), return_exceptions=True)
         for server, reply in zip(servers, replies):
             if isinstance(reply, (aiohttp.ClientConnectionError, asyncio.TimeoutError)):
-                self._drop(server)
+                self._drop(server, f"{server}{route}: {reply or type(reply).__name__}")
             elif isinstance(reply, BaseException):
                 raise reply
+            elif "weight_version" in body:
+                (self._loaded if self._paused else self.versions)[server] = int(body["weight_version"])
         if not self.alive:
-            raise NoServerError("every rollout server stopped answering")
+            raise self._no_server()
         return [r for r in replies if not isinstance(r, BaseException)]
 
     async def pause(self) -> None:
+        self._paused = True
         await self.broadcast("/pause_generation", {"mode": "abort"})
 
     async def resume(self) -> None:
+        self.versions |= self._loaded  # from now on the servers generate with what was pushed meanwhile
+        self._loaded, self._paused = {}, False
         await self.broadcast("/continue_generation")
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
         await self.broadcast("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})
 
-    def _pick(self, rid: str) -> str:
-        server = self._affinity.get(rid)
-        if server not in self.alive:
-            if not self.alive:
-                raise NoServerError("every rollout server stopped answering")
-            server = min(self.alive, key=lambda s: self.outstanding[s])
-            self._affinity[rid] = server
-        return server
+    async def healthy(self, server: str) -> bool:
+        """Whether ``server`` answers /health with 200; concurrent askers share one probe."""
+        probe = self._probes.get(server)
+        if probe is None or probe.done():
+            probe = self._probes[server] = asyncio.create_task(self._probe(server))
+        return await asyncio.shield(probe)
 
-    async def _healthy(self, server: str) -> bool:
+    async def _probe(self, server: str) -> bool:
         try:
-            async with self._session.get(f"http://{server}/health", timeout=HEALTH_TIMEOUT) as response:
+            async with self._control.get(f"http://{server}/health", timeout=HEALTH_TIMEOUT) as response:
                 return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
-    def _drop(self, server: str) -> None:
+    def _pick(self, rid: str) -> str:
+        server = self._affinity.get(rid)
+        if server not in self.alive:
+            if not self.alive:
+                raise self._no_server()
+            server = min(self.alive, key=lambda s: self.outstanding[s])
+            self._affinity[rid] = server
+        return server
+
+    def _drop(self, server: str, reason: str) -> None:
         if server in self.alive:
             self.alive.remove(server)
+            self._dropped_because = reason
+
+    def _no_server(self) -> NoServerError:
+        return NoServerError(f"every rollout server is unhealthy or unreachable (last: {self._dropped_because})")
 
     async def post(self, server: str, route: str, body: dict) -> dict:
-        self.outstanding[server] += 1
+        """POST ``body`` to ``server``: /generate on the generation pool, anything else on the control pool."""
+        generation = route == "/generate"
+        self.outstanding[server] += generation
         try:
-            async with self._session.post(f"http://{server}{route}", json=body) as response:
-                reply = await response.json(content_type=None)
+            session = self._generation if generation else self._control
+            async with session.post(f"http://{server}{route}", json=body) as response:
+                try:
+                    reply = await response.json(content_type=None)
+                except ValueError:  # not JSON (a proxy's error page, say): keep its first line
+                    reply = {"error": {"message": next(iter((await response.text()).splitlines()), "")}}
                 if response.status >= 400:
-                    raise UserError(f"{server}{route} answered {response.status}: "
-                                    f"{reply.get('error', {}).get('message', reply)}")
+                    error = reply.get("error", reply) if isinstance(reply, dict) else reply
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                    raise ServerReplyError(server, route, response.status, str(message))
                 return reply
         finally:
-            self.outstanding[server] -= 1
+            self.outstanding[server] -= generation

@@ -7,21 +7,38 @@ as many as the staleness gate allows; the trainer takes batches of finished epis
     batch = await controller.prepare_batch(B)     # B episodes, none more than eta versions stale
     await controller.pause(); ...update weights...; controller.set_version(v + 1); await controller.resume()
 
-A failing episode (a reward error is not one: it is recorded in the trajectory) frees its slot and
-is counted in ``failures``; if every server is gone, ``prepare_batch`` raises instead of waiting.
+An episode fails when generating it fails (a server's 5xx, a request the server refuses, e.g. longer
+than the context, connections that keep failing), when storing it fails (``on_accept``, e.g. a full
+disk), or when every one of its rewards failed (raised or timed out; an episode with some failed
+rewards is trained, those samples scoring 0). Failures are counted by kind in ``failures`` (a
+reward failure per reward call) and charged to a ``FailureBudget``: once it is spent, or once every
+server is gone, the controller stops submitting and ``prepare_batch`` raises a one-line error.
+Groups the ``accept`` filter rejects (DAPO's dynamic sampling) are counted in ``filtered``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
-from areal_hpc.rollout.client import NoServerError, RolloutClient
+import aiohttp
+
+from areal_hpc.rollout.client import (ConnectionFailedError, NoServerError, RolloutClient, RolloutError,
+                                      ServerReplyError)
 from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
+
+# What can go wrong with an episode; metrics carry a count of each (rollout/failures/<kind>).
+FAILURE_KINDS = ("server_error", "rejected", "connection", "store", "reward_exception", "reward_timeout", "workflow")
+MAX_MESSAGE_CHARS = 400
+
+
+class RolloutFailure(RolloutError):
+    """The failure budget is spent: rollouts keep failing."""
 
 
 @dataclass
@@ -34,13 +51,65 @@ class Episode:
         return [t.id for t in self.trajectories]
 
 
+@dataclass
+class FailureLog:
+    """Failures by kind and the last few messages: bounded however long a run keeps failing."""
+
+    counts: Counter = field(default_factory=Counter)
+    recent: deque = field(default_factory=lambda: deque(maxlen=8))
+
+    def add(self, kind: str, message: str, n: int = 1) -> None:
+        self.counts[kind] += n
+        self.recent.append(f"{kind}: {' '.join(message.split())[:MAX_MESSAGE_CHARS]}")  # one line
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> str:
+        return ", ".join(f"{kind} {n}" for kind, n in self.counts.most_common())
+
+
+@dataclass
+class FailureBudget:
+    """Stops a run whose episodes keep failing: ``max_consecutive`` failures in a row (0: never), or
+    more than ``max_rate`` of the last ``window`` episodes (checked once that many have ended)."""
+
+    max_consecutive: int = 32
+    window: int = 200
+    max_rate: float = 0.5
+    consecutive: int = 0
+    _last: deque = field(default_factory=deque)
+
+    @classmethod
+    def from_config(cls, cfg) -> "FailureBudget":
+        """From a ``FailureBudgetConfig`` (``rollout.failure_budget``)."""
+        return cls(cfg.max_consecutive, cfg.window, cfg.max_rate)
+
+    def record(self, failed: bool) -> None:
+        self.consecutive = self.consecutive + 1 if failed else 0
+        self._last.append(failed)
+        if len(self._last) > self.window:
+            self._last.popleft()
+
+    def spent(self) -> str | None:
+        """Why the budget is spent (a phrase), or None while it is not."""
+        if self.max_consecutive and self.consecutive >= self.max_consecutive:
+            return f"{self.consecutive} episodes in a row failed"
+        failed = sum(self._last)
+        if len(self._last) == self.window and failed > self.max_rate * self.window:
+            return f"{failed} of the last {self.window} episodes failed"
+        return None
+
+
 class RolloutController:
     def __init__(self, client: RolloutClient, workflow, gate: StalenessGate, examples: Iterable[Example],
                  on_accept: Callable[[Episode], None] | None = None,
                  accept: Callable[[list[Trajectory]], bool] = lambda group: True,
-                 on_drop: Callable[[Episode], None] | None = None):
+                 on_drop: Callable[[Episode], None] | None = None, budget: FailureBudget | None = None):
         self.client, self.workflow, self.gate = client, workflow, gate
         self.on_accept, self.accept, self.on_drop = on_accept, accept, on_drop
+        self.budget = budget or FailureBudget()
         # A list is cycled; an iterator (e.g. an endless, resumable prompt stream) is used as it is.
         self._examples = examples if isinstance(examples, Iterator) else itertools.cycle(examples)
         self._ready = ReadyQueue()
@@ -50,12 +119,24 @@ class RolloutController:
         self._tasks: set[asyncio.Task] = set()
         self._fatal: asyncio.Future | None = None
         self._loop_task: asyncio.Task | None = None
-        self.failures: list[str] = []
+        self.failures = FailureLog()
         self.dropped = 0  # episodes that finished too late to train within eta
+        self.filtered = 0  # groups the accept filter rejected (e.g. DAPO: all rewards equal)
 
     async def start(self) -> None:
         self._fatal = asyncio.get_running_loop().create_future()
         self._loop_task = asyncio.create_task(self._submit_loop())
+
+    @property
+    def submitting(self) -> bool:
+        """Whether episodes may still be started (False once rollouts stopped for good)."""
+        return self._loop_task is not None and not self._loop_task.done()
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counts for metrics: failures by kind, filtered and dropped episodes."""
+        return {"rollout/failures_total": float(self.failures.total),
+                **{f"rollout/failures/{kind}": float(self.failures.counts[kind]) for kind in FAILURE_KINDS},
+                "rollout/filtered_total": float(self.filtered), "rollout/dropped_total": float(self.dropped)}
 
     async def prepare_batch(self, size: int) -> list[Episode]:
         """Wait for ``size`` finished episodes no more than eta versions behind, oldest first."""
@@ -116,7 +197,7 @@ class RolloutController:
         await asyncio.gather(*[t for t in [self._loop_task, *self._tasks] if t is not None], return_exceptions=True)
 
     async def _submit_loop(self) -> None:
-        while not self._fatal.done():  # with every server gone, starting episodes is pointless
+        while not self._fatal.done():  # with every server gone or the budget spent, rollouts stop
             while not self._paused and self.gate.capacity() > 0:
                 self.gate.start()
                 task = asyncio.create_task(self._episode(next(self._examples), self.gate.version))
@@ -129,18 +210,73 @@ class RolloutController:
         accepted = False
         try:
             trajectories = await self.workflow.run(self.client, example)
-            if self.accept(trajectories):
+            failed_rewards = self._log_reward_failures(example, trajectories)
+            if failed_rewards and len(failed_rewards) == sum(len(t.rewards) for t in trajectories):
+                self._charge(f"{example.uid}: every reward failed, the last: {failed_rewards[-1]}")
+                return  # nothing to learn from: not trained
+            if not self.accept(trajectories):
+                self.filtered += 1
+            else:
                 episode = Episode(trajectories, version)
                 if self.on_accept is not None:
-                    self.on_accept(episode)
+                    try:
+                        self.on_accept(episode)
+                    except Exception as exc:  # noqa: BLE001 - e.g. the shard commit hit a full disk
+                        self._fail("store", f"{example.uid}: {_describe(exc)}")
+                        return
                 self._ready.put(version, episode)
                 accepted = True  # only once it is really queued: the gate must not count a lost one
                 self._arrived.set()
-        except NoServerError as exc:
-            if not self._fatal.done():
-                self._fatal.set_exception(exc)
+            self.budget.record(failed=False)
         except Exception as exc:  # noqa: BLE001 - one bad episode must not stop the others
-            self.failures.append(f"{example.uid}: {type(exc).__name__}: {exc}")
+            cause = _leaf(exc)  # a workflow's TaskGroup wraps its samples' errors in an ExceptionGroup
+            if isinstance(cause, NoServerError):
+                self._stop(cause)
+            else:
+                self._fail(_kind(cause), f"{example.uid}: {_describe(cause)}")
         finally:
             self.gate.finish(accepted)
             self._changed.set()
+
+    def _log_reward_failures(self, example: Example, trajectories: list[Trajectory]) -> list[str]:
+        """Count each failed reward of the episode (the workflow records them in the metadata)."""
+        failed = [(kind, error) for t in trajectories
+                  for kind, error in zip(t.metadata.get("reward_error_kind", ()), t.metadata.get("reward_error", ()))]
+        for kind, error in failed:
+            self.failures.add(f"reward_{kind}", f"{example.uid}: {error}")
+        return [error for _, error in failed]
+
+    def _fail(self, kind: str, message: str) -> None:
+        self.failures.add(kind, message)
+        self._charge(message)
+
+    def _charge(self, last_error: str) -> None:
+        """A failed episode: charge it to the budget; a spent budget stops the rollouts."""
+        self.budget.record(failed=True)
+        spent = self.budget.spent()
+        if spent:
+            self._stop(RolloutFailure(f"rollouts keep failing: {spent} ({self.failures.summary()}); "
+                                      f"last error: {' '.join(last_error.split())[:MAX_MESSAGE_CHARS]}"))
+
+    def _stop(self, error: RolloutError) -> None:
+        if not self._fatal.done():
+            self._fatal.set_exception(error)
+            self._changed.set()  # the submit loop sees it and ends
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _kind(exc: BaseException) -> str:
+    if isinstance(exc, ServerReplyError):
+        return "server_error" if exc.status >= 500 else "rejected"
+    if isinstance(exc, (ConnectionFailedError, aiohttp.ClientError, asyncio.TimeoutError)):
+        return "connection"
+    return "workflow"
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, ServerReplyError) else f"{type(exc).__name__}: {exc}"

@@ -5,7 +5,8 @@ and returns trajectory records (one per sample) that carry every token's logprob
 - ``MultiTurnWorkflow``: after a wrong answer the environment says so and the model tries again,
   up to ``max_turns``; each turn gets its own reward (``Reward.step`` is the turn).
 Rewards run in the task's ``RewardPool`` (worker processes with a timeout), off the event loop: a
-reward that hangs or crashes becomes a recorded failure (``metadata["reward_error"]``).
+reward that hangs or crashes becomes a recorded failure (``metadata["reward_error"]`` and
+``["reward_error_kind"]``: "exception" or "timeout"), which the controller counts.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def _metadata(example: Example, generations: list[Generation], outcomes: list[Re
     meta = {"example": example.uid, "answer": example.answer,
             "interruptions": sum(g.interruptions for g in generations),
             "finish_reasons": [g.finish_reason for g in generations]}
-    errors = [o.error for o in outcomes if o.error]
-    if errors:
-        meta["reward_error"] = errors
+    failed = [o for o in outcomes if o.error]
+    if failed:  # the controller counts them by kind ("exception", "timeout")
+        meta["reward_error"] = [o.error for o in failed]
+        meta["reward_error_kind"] = [o.error_kind for o in failed]
     return meta

@@ -7,6 +7,8 @@ Each step: wait for a batch of finished groups no more than eta versions stale (
 rewards run all along, as many episodes as the staleness gate admits), read them back from the HDF5
 shards, recompute the proximal logprobs and take the decoupled-PPO steps on every rank, then pause
 (interrupt) generation, push the new weights to every server, and continue. eta = 0 is synchronous RL.
+Rollouts that keep failing (``rollout.failure_budget``), or every server gone, end the run with one
+line naming the cause and the last error, exit code 1.
 Simplifications on purpose: single-turn RLVR workflow; evaluation runs through the rollout servers.
 """
 
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -23,9 +27,12 @@ from areal_hpc.config import RunConfig, load_config
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.registry import build_task
+from areal_hpc.data.shards.consumer import TrajectoryConsumer
+from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import save_model
-from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.rollout.client import RolloutClient, RolloutError
+from areal_hpc.rollout.controller import FailureBudget
 from areal_hpc.rollout.workflows import Scorer
 from areal_hpc.train.build import (build_actor, build_controller, build_weight_sync, open_shards,
                                    recovered_episodes, start_trainer, wait_for_servers)
@@ -39,12 +46,13 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
     task, actor = build_task(cfg.dataset), group.actor.actor
     version, total, batch_size = state["step"], cfg.rl.total_train_steps, cfg.rollout.consumer_batch_size
     addresses = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
-    with RewardPool(task.reward) as rewards, RLProgress(cfg, version) as progress:
-        async with RolloutClient(addresses, cfg.rollout.request_timeout_s) as client:
+    in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # /generate at most
+    with (RewardPool(task.reward) as rewards, RLProgress(cfg, version) as progress,
+          shards(cfg, state.get("cursor", {})) as (writer, consumer)):
+        async with RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight) as client:
             sync = build_weight_sync(cfg, actor.device.type)
             await sync.connect(client)
             await sync.push(actor, client, version)  # the servers start from the trainer's weights
-            writer, consumer = open_shards(cfg, state.get("cursor", {}))
             prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
 
             def drop(episode) -> None:  # too stale to train: consumed without reading it back, and logged
@@ -53,6 +61,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
 
             controller = build_controller(cfg, client, actor.tokenizer, Scorer(rewards), task.name, prompts, writer,
                                           version, on_drop=drop)
+            controller.budget = FailureBudget.from_config(cfg.rollout.failure_budget)
             controller.restore(recovered_episodes(consumer, version))
             controller.dropped = state.get("dropped", 0)
 
@@ -64,6 +73,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
                 await evaluate(0)
             await controller.start()
             progress.rollouts_started()
+            watching = asyncio.create_task(progress.watch(controller))  # failures show while the trainer waits
             try:
                 for step in range(version, total):
                     tick = time.perf_counter()
@@ -83,10 +93,28 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
                                         {"prompts_drawn": prompts.drawn, "dropped": controller.dropped,
                                          "cursor": consumer.cursor.state_dict()})
             finally:
+                watching.cancel()
                 await controller.stop()
-                writer.close()
+                progress.rollout_counts(controller)  # the last counts, however the run ends
     save_model(actor.model, actor.tokenizer, cfg.run_dir / "model")  # for `areal-hpc eval --model`
     progress.plot()
+
+
+@contextlib.contextmanager
+def shards(cfg: RunConfig, cursor_state: dict) -> Iterator[tuple[TrajectoryShardWriter, TrajectoryConsumer]]:
+    """The run's shard writer and consumer, both closed when the run ends. After a failure the
+    writer's last commit may fail too (a full disk): that must not hide the error that stopped the run."""
+    writer, consumer = open_shards(cfg, cursor_state)
+    try:
+        yield writer, consumer
+    except BaseException:
+        with contextlib.suppress(OSError):
+            writer.close()
+        raise
+    else:
+        writer.close()
+    finally:
+        consumer.store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"areal-hpc: error: {exc}", file=sys.stderr)
         return 2
+    except RolloutError as exc:  # the failure budget is spent, or every rollout server is gone
+        print(f"areal-hpc: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

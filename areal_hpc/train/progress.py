@@ -1,11 +1,13 @@
 """What an RL run shows and records: a live progress line (step, reward, eval accuracy, staleness,
-tokens/s), metrics in JSONL and TensorBoard, the audit log of which trajectories each step trained
+tokens/s, failed episodes), metrics in JSONL and TensorBoard (rollout failures by kind also while the
+trainer waits, whenever they change), the audit log of which trajectories each step trained
 or dropped (``logs/batches.jsonl``; after a resume, a ``resumed_from`` line, and steps trained again
 after it supersede their lost attempts), and at the end a PNG of reward and eval accuracy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -22,7 +24,7 @@ from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
 
 LINE = ("reward {task.fields[reward]:.3f}  eval {task.fields[acc]}  staleness {task.fields[stale]:.2f}  "
-        "{task.fields[tps]:.0f} tok/s")
+        "{task.fields[tps]:.0f} tok/s  failures {task.fields[failures]}")
 
 
 class RLProgress:
@@ -37,8 +39,9 @@ class RLProgress:
         self._progress = Progress(TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TextColumn(LINE), console=self.console)
         self._bar = self._progress.add_task("rl", total=cfg.rl.total_train_steps, completed=start_step,
-                                            reward=float("nan"), acc="-", stale=0.0, tps=0.0)
+                                            reward=float("nan"), acc="-", stale=0.0, tps=0.0, failures=0)
         self._started, self._trained_tokens = time.perf_counter(), 0
+        self._step, self._counts = start_step, None  # last step trained, rollout counts last logged
 
     def __enter__(self) -> "RLProgress":
         self._progress.start()
@@ -66,11 +69,11 @@ class RLProgress:
         staleness = [max(0, step - 1 - t.version_range[0]) for t in batch]  # trained at version step - 1 (0: recovered)
         rewards = [t.reward or 0.0 for t in batch]
         self._trained_tokens += int(stats["train/trained_tokens"])
+        self._step, self._counts = step, controller.counters()
         scalars = {**stats, "rollout/reward": float(np.mean(rewards)),
                    "rollout/output_tokens": float(np.mean([t.n_output_tokens for t in batch])),
                    "rollout/interruptions": float(sum(t.metadata.get("interruptions", 0) for t in batch)),
-                   "rollout/dropped_total": float(controller.dropped),
-                   "rollout/failures_total": float(len(controller.failures)),
+                   **self._counts,
                    "staleness/mean": float(np.mean(staleness)), "staleness/max": float(max(staleness)),
                    "time/generate_wait": waited, "time/step": seconds,
                    "perf/trained_tokens_per_s": stats["train/trained_tokens"] / seconds,
@@ -80,7 +83,23 @@ class RLProgress:
         self.metrics.histogram(step, "staleness", staleness)
         self._audit.write(json.dumps({"step": step, "trained": [t.id for t in batch]}) + "\n")
         self._progress.update(self._bar, completed=step, reward=scalars["rollout/reward"],
-                              stale=scalars["staleness/mean"], tps=scalars["perf/trained_tokens_per_s"])
+                              stale=scalars["staleness/mean"], tps=scalars["perf/trained_tokens_per_s"],
+                              failures=int(scalars["rollout/failures_total"]))
+
+    def rollout_counts(self, controller) -> None:
+        """Log the controller's counts (failures by kind, filtered, dropped) at the last trained step,
+        if they changed since they were last logged: a run that waits on failing rollouts says why."""
+        counts = controller.counters()
+        if counts != self._counts:
+            self._counts = counts
+            self.metrics.log(self._step, counts)
+            self._progress.update(self._bar, failures=int(counts["rollout/failures_total"]))
+
+    async def watch(self, controller, every_s: float = 1.0) -> None:
+        """``rollout_counts`` every ``every_s`` seconds, until cancelled."""
+        while True:
+            self.rollout_counts(controller)
+            await asyncio.sleep(every_s)
 
     def dropped(self, ids: list[str]) -> None:
         self._audit.write(json.dumps({"dropped": ids}) + "\n")

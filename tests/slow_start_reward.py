@@ -1,0 +1,11 @@
+"""A reward whose module takes 3 s to import in a worker process (a large reward library, a loaded machine)."""
+
+import multiprocessing
+import time
+
+if multiprocessing.parent_process() is not None:
+    time.sleep(3)
+
+
+def correct(completion, example):
+    return 1.0

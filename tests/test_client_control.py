@@ -1,0 +1,118 @@
+"""RolloutClient: control traffic never queues behind generation, and version tags from servers that
+report ``weight_version`` as a string (SGLang: "default" until an update names one)."""
+
+import asyncio
+import contextlib
+import socket
+import time
+
+from aiohttp import web
+
+from areal_hpc.rollout.client import RolloutClient
+from tests.conftest import embedded_server
+from tests.waiting import model_info, wait_until
+
+IN_FLIGHT = 150  # more than aiohttp's default pool of 100 connections
+
+
+def test_pause_returns_within_a_second_with_more_than_100_requests_in_flight(tiny_model_dir, tmp_path):
+    async def run(server):
+        async with RolloutClient([server], max_requests=IN_FLIGHT) as client:
+            body = {"input_ids": [3, 4, 5], "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+            posts = [asyncio.create_task(client.post(server, "/generate", {**body, "rid": f"r{i}"}))
+                     for i in range(IN_FLIGHT)]
+
+            async def all_on_the_server():
+                info = await model_info(server)
+                return info["running_requests"] + info["waiting_requests"] == IN_FLIGHT and info["running_requests"]
+
+            await wait_until(all_on_the_server, what=f"{IN_FLIGHT} requests on the server")
+            started = time.monotonic()
+            healthy = await client.healthy(server)
+            probed = time.monotonic() - started
+            await client.pause()
+            paused = time.monotonic() - started - probed
+            replies = await asyncio.wait_for(asyncio.gather(*posts), timeout=30)
+            await client.resume()
+            return healthy, probed, paused, replies
+
+    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=96") as (_, server):
+        healthy, probed, paused, replies = asyncio.run(run(server))
+    assert healthy and probed < 1.0
+    assert paused < 1.0
+    assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in replies)
+    partial = [len(r["output_ids"]) for r in replies if r["output_ids"]]
+    assert len(partial) >= 96 and all(0 < n < 1000 for n in partial)  # every running one came back with its tokens
+    assert all(len(r["meta_info"]["output_token_logprobs"]) == len(r["output_ids"]) for r in replies)
+
+
+@contextlib.asynccontextmanager
+async def sglang_like_server(reported_version):
+    """SGLang's reply shape: no per-token versions, ``weight_version`` a string. A request running
+    when /pause_generation comes returns with finish reason abort and 2 tokens; one that arrives
+    while paused waits for /continue_generation, then generates all it was asked for."""
+    state = {"paused": asyncio.Event(), "resumed": asyncio.Event(), "updates": 0}
+
+    async def generate(request):
+        budget = (await request.json())["sampling_params"]["max_new_tokens"]
+        if not state["paused"].is_set():
+            await state["paused"].wait()
+            n, reason = 2, "abort"
+        else:
+            await state["resumed"].wait()
+            n, reason = budget, "length"
+        return web.json_response({"output_ids": [7] * n, "meta_info": {
+            "finish_reason": {"type": reason}, "weight_version": reported_version(state["updates"]),
+            "output_token_logprobs": [[-1.0, 7, None]] * n}})
+
+    def route(event=None, count=False):
+        async def handler(request):
+            if event:
+                state[event].set()
+            state["updates"] += count
+            return web.json_response({"success": True})
+        return handler
+
+    app = web.Application()
+    app.add_routes([web.post("/generate", generate), web.post("/pause_generation", route("paused")),
+                    web.post("/continue_generation", route("resumed")),
+                    web.post("/update_weights_from_disk", route(count=True)), web.get("/health", route())])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def run_interrupted_generation(reported_version):
+    """The run's first push (version 3), then a request cut short by a pause, the weights updated to
+    version 4, and the request finished after the resume."""
+    async def run():
+        async with sglang_like_server(reported_version) as server, RolloutClient([server]) as client:
+            await client.update_weights_from_disk("/models/v3", 3)
+            request = asyncio.create_task(client.generate([1, 2, 3], {"max_new_tokens": 5}))
+            await wait_until(lambda: client.outstanding[server] == 1, what="the request to be sent")
+            await client.pause()
+            await client.update_weights_from_disk("/models/v4", 4)
+            await client.resume()
+            return await asyncio.wait_for(request, timeout=30)
+
+    return asyncio.run(run())
+
+
+def test_default_string_version_is_tagged_with_the_version_pushed_last():
+    """SGLang says "default" until an update names a version (and an SGLang that ignores the name
+    keeps saying it): tokens are tagged with the version the client pushed and resumed the server on."""
+    generation = run_interrupted_generation(lambda updates: "default")
+    assert generation.output_ids == [7] * 5 and generation.finish_reason == "length"
+    assert generation.versions == [3, 3, 4, 4, 4] and generation.interruptions == 1
+
+
+def test_integer_string_versions_reported_by_the_server_are_used():
+    generation = run_interrupted_generation(lambda updates: str(10 + updates))
+    assert generation.versions == [11, 11, 12, 12, 12]  # the server's word wins

@@ -1,0 +1,27 @@
+"""Waiting on conditions with deadlines (tests never sleep a fixed time before asserting)."""
+
+import asyncio
+import inspect
+import time
+
+import aiohttp
+
+
+async def wait_until(condition, timeout: float = 60.0, what: str = "condition"):
+    """Poll ``condition`` (a function, possibly async) until it is true and return its value; fail
+    the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def model_info(server: str) -> dict:
+    """A rollout server's /get_model_info (running and waiting requests, version, ...)."""
+    async with aiohttp.ClientSession() as session, session.get(f"http://{server}/get_model_info") as response:
+        return await response.json()

@@ -57,7 +57,7 @@ def _eval(args) -> int:
     from areal_hpc.data.registry import build_task
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
-    from areal_hpc.train.evaluate import evaluate
+    from areal_hpc.train.evaluate import evaluate_model
 
     overrides = list(args.overrides) + ([f"dataset.task={args.task}"] if args.task else [])
     cfg = load_config(args.config, overrides)
@@ -67,7 +67,7 @@ def _eval(args) -> int:
     model = load_model(args.model, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
     tokenizer = load_tokenizer(args.model)
     with RewardPool(task.reward) as rewards:
-        result = evaluate(model, tokenizer, task.eval[: args.limit], rewards, cfg.gconfig.max_new_tokens)
+        result = evaluate_model(model, tokenizer, task.eval[: args.limit], rewards, cfg.gconfig.max_new_tokens)
     if args.json:
         print(json.dumps({"task": task.name, "model": args.model, "accuracy": result.accuracy, "n": result.n,
                           "correct": result.correct, "mean_reward": result.mean_reward}))

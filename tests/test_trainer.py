@@ -1,5 +1,6 @@
 """The torch-native trainer: data parallelism over real gloo processes equals one process, and the
-weight sync (disk and distributed) leaves a real rollout server with exactly the trainer's weights."""
+weight sync (disk and distributed) leaves a real rollout server with exactly the trainer's weights,
+also after the distributed sync reconnects (which destroys its previous group first)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import sys
 import pytest
 import torch
 
-from areal_hpc.algo.packing import pack
-from areal_hpc.launch.name_resolve import free_port
+from areal_hpc.errors import UserError
+from areal_hpc.launch.name_resolve import bind, free_port
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.train import weight_push
 from areal_hpc.train.engine import TorchTrainEngine
 from areal_hpc.train.logprobs import packed_token_logprobs
+from areal_hpc.train.sequence_batch import SequenceBatch
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 from .conftest import REPO, embedded_server
@@ -54,17 +57,29 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one_process(tiny_model_di
     assert double["stats"]["actor/loss"] == pytest.approx(single["stats"]["actor/loss"], abs=1e-6)
 
 
-def perturbed_engine(model_dir) -> TorchTrainEngine:
+def perturbed_engine(model_dir, seed: int = 0) -> TorchTrainEngine:
+    generator = torch.Generator().manual_seed(seed)
     model = load_model(model_dir)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
     return TorchTrainEngine(model, packed_token_logprobs, tokenizer=load_tokenizer(model_dir))
+
+
+def assert_served_by(engine: TorchTrainEngine, generation, version: int) -> None:
+    """The server generated with the engine's weights: its logprobs are the engine's on the same tokens."""
+    assert generation.versions == [version] * len(generation.output_ids)
+    batch = SequenceBatch([generation.input_ids + generation.output_ids],
+                          [[0] * len(generation.input_ids) + [1] * len(generation.output_ids)])
+    expected = engine.forward(batch)[0][len(generation.input_ids) - 1:-1]
+    torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=1e-4, rtol=0)
+
+
+SAMPLING = {"max_new_tokens": 6, "temperature": 1.0}
 
 
 @pytest.mark.parametrize("mode", ["disk", "distributed"])
 def test_weight_sync_leaves_the_server_with_the_trainers_weights(tiny_model_dir, tmp_path, mode):
-    torch.manual_seed(0)
     engine = perturbed_engine(tiny_model_dir)
     prompt = prompt_ids(engine.tokenizer, "What is 3 + 4?")
 
@@ -73,15 +88,56 @@ def test_weight_sync_leaves_the_server_with_the_trainers_weights(tiny_model_dir,
             sync = DiskWeightSync(tmp_path / "weights") if mode == "disk" else DistributedWeightSync("gloo", 1 << 16)
             await sync.connect(client)
             stats = await sync.push(engine, client, version=7)
-            generation = await client.generate(prompt, {"max_new_tokens": 6, "temperature": 1.0})
-            return stats, generation
+            return stats, await client.generate(prompt, SAMPLING)
 
     with embedded_server(tiny_model_dir, tmp_path) as (_, address):
         stats, generation = asyncio.run(sync_and_generate(address))
-    assert stats["sync/bytes"] == sum(t.numel() * 4 for t in engine.model.state_dict().values())
-    assert generation.versions == [7] * len(generation.output_ids)
-    packed = pack([generation.input_ids + generation.output_ids],
-                  [[0] * len(generation.input_ids) + [1] * len(generation.output_ids)])
-    with torch.no_grad():
-        expected = packed_token_logprobs(engine.model, packed)[packed.target_mask]
-    torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=1e-4, rtol=0)
+    assert_served_by(engine, generation, 7)
+    if mode == "disk":  # what the servers read
+        assert stats["sync/bytes"] == sum(f.stat().st_size for f in (tmp_path / "weights" / "v000007").iterdir()
+                                          if f.suffix == ".safetensors")
+    else:  # every tensor of the state dict, tied ones under both names
+        assert stats["sync/bytes"] == sum(t.numel() * 4 for t in engine.model.state_dict().values())
+
+
+def port_is_listened_on(port: int) -> bool:
+    try:
+        bind("127.0.0.1", port).close()
+        return False
+    except UserError:
+        return True
+
+
+def test_reconnecting_the_distributed_sync_destroys_the_previous_group_first(tiny_model_dir, tmp_path, monkeypatch):
+    """A second ``connect`` (e.g. after a server restart) releases the first group's store and sockets
+    before the new group forms, and pushes then reach the server through the new group."""
+    masters, still_listening = [], []
+
+    def join_and_record(backend, host, port, *rest):
+        still_listening.append([old for old in masters if port_is_listened_on(old)])
+        masters.append(port)
+        return join_update_group(backend, host, port, *rest)
+
+    join_update_group = weight_push.join_update_group
+    monkeypatch.setattr(weight_push, "join_update_group", join_and_record)
+    first, second = perturbed_engine(tiny_model_dir, seed=1), perturbed_engine(tiny_model_dir, seed=2)
+    prompt = prompt_ids(first.tokenizer, "What is 3 + 4?")
+
+    async def connect_push_reconnect_push(address):
+        async with RolloutClient([address]) as client:
+            sync = DistributedWeightSync("gloo", 1 << 16)
+            await sync.connect(client)
+            await sync.push(first, client, version=1)
+            before = await client.generate(prompt, SAMPLING)
+            await sync.connect(client)
+            await sync.push(second, client, version=2)
+            after = await client.generate(prompt, SAMPLING)
+            sync.destroy_group()
+            return before, after
+
+    with embedded_server(tiny_model_dir, tmp_path) as (_, address):
+        before, after = asyncio.run(connect_push_reconnect_push(address))
+    assert still_listening == [[], []]  # the first group's store was gone when the second group formed
+    assert not port_is_listened_on(masters[1])  # and destroy_group releases the second one's
+    assert_served_by(first, before, 1)
+    assert_served_by(second, after, 2)

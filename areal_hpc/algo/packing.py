@@ -1,5 +1,5 @@
-"""Micro-batches without padding: first-fit-decreasing or AReaL's balanced allocation under a token
-budget, and 1D packing.
+"""Micro-batches without padding: AReaL's balanced allocation under a token budget (what every
+engine step, RL and SFT, cuts its batch with), and 1D packing.
 
 Packed sequences restart their position ids, which the Hugging Face attention masks turn into a
 block-diagonal causal mask, so a packed forward equals one forward per sequence.
@@ -10,25 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-
-
-def allocate_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sequence indices so each group holds at most ``max_tokens`` tokens (first-fit decreasing).
-
-    A sequence longer than the budget gets a group of its own rather than being dropped.
-    """
-    groups: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for g, load in enumerate(loads):
-            if load + lengths[i] <= max_tokens:
-                groups[g].append(i)
-                loads[g] += lengths[i]
-                break
-        else:
-            groups.append([i])
-            loads.append(lengths[i])
-    return groups
 
 
 def dynamic_microbatches(lengths: list[int], max_tokens: int, min_groups: int = 1) -> list[list[int]]:

@@ -2,7 +2,8 @@
 and GAE, then one optimizer step per minibatch with the decoupled PPO loss (and the value loss).
 
 Every rank runs ``update`` on its own part of each minibatch; gradients are summed across ranks by
-the engine, and whole-batch statistics (GAE whitening) by an all-reduce here.
+the engine, and whole-batch statistics (GAE whitening) by an all-reduce here. The actor uses only the
+``TrainEngine`` protocol, so any engine (torch-native, Megatron) stands behind it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from areal_hpc.algo.advantages import gae, outcome_token_rewards
 from areal_hpc.algo.ppo import PPOLossConfig, decoupled_ppo_loss, value_loss
 from areal_hpc.config import ActorConfig
 from areal_hpc.train.sequence_batch import SequenceBatch
-from areal_hpc.train.engine import TorchTrainEngine, merge_stats
+from areal_hpc.train.engine import TrainEngine, merge_stats
 
 
 def loss_config(cfg: ActorConfig) -> PPOLossConfig:
@@ -27,8 +28,8 @@ def loss_config(cfg: ActorConfig) -> PPOLossConfig:
 
 
 class PPOActor:
-    def __init__(self, actor: TorchTrainEngine, cfg: ActorConfig, reference: TorchTrainEngine | None = None,
-                 critic: TorchTrainEngine | None = None, dp_group: dist.ProcessGroup | None = None):
+    def __init__(self, actor: TrainEngine, cfg: ActorConfig, reference: TrainEngine | None = None,
+                 critic: TrainEngine | None = None, dp_group: dist.ProcessGroup | None = None):
         self.actor, self.reference, self.critic, self.cfg = actor, reference, critic, cfg
         self.loss_cfg, self.dp_group = loss_config(cfg), dp_group
 

@@ -11,6 +11,7 @@ model) and ``--resume`` then loads the checkpoint over it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import torch
@@ -32,7 +33,7 @@ from areal_hpc.rollout.controller import Episode, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
 from areal_hpc.train.actor import PPOActor
-from areal_hpc.train.engine import TorchTrainEngine
+from areal_hpc.train.engine import TorchTrainEngine, TrainEngine
 from areal_hpc.train.logprobs import packed_token_logprobs, packed_values
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
@@ -48,7 +49,15 @@ def start_trainer(cfg: RunConfig) -> tuple[int, torch.device, dist.ProcessGroup]
     return rank, device, dims.build_mesh(device)["dp"].get_group()
 
 
-def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActor, dict[str, TorchTrainEngine]]:
+def sampler_temperature(cfg: RunConfig) -> float:
+    """The temperature of the rollout logprobs the trainer must match: ``gconfig.temperature``, or 1
+    for greedy rollouts (temperature 0, whose logprobs servers report untempered)."""
+    return Sampling.from_config(cfg.gconfig).temperature or 1.0
+
+
+def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActor, dict[str, TrainEngine]]:
+    """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO). The policy and the
+    reference compute logprobs at the sampler's temperature."""
     if not cfg.model.path:
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
     path, model, actor_cfg = cfg.model.path, cfg.model, cfg.actor
@@ -60,16 +69,15 @@ def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActo
                                 total_steps=optimizer_steps, max_tokens_per_mb=actor_cfg.max_tokens_per_mb,
                                 dp_group=dp_group, tokenizer=tokenizer)
 
-    engines = {"actor": engine(load_model(path, model.dtype, model.attn_impl, device), packed_token_logprobs,
-                               actor_cfg.lr)}
+    policy = functools.partial(packed_token_logprobs, temperature=sampler_temperature(cfg))
+    engines = {"actor": engine(load_model(path, model.dtype, model.attn_impl, device), policy, actor_cfg.lr)}
     if actor_cfg.adv_estimator == "ppo":
         torch.manual_seed(cfg.experiment.seed)  # the value head's initialisation depends on the seed only
         engines["critic"] = engine(load_critic(path, model.dtype, model.attn_impl, device), packed_values,
                                    actor_cfg.critic_lr)
     reference = None
     if actor_cfg.kl_ctl > 0:  # frozen starting weights; not checkpointed (it never changes)
-        reference = engine(load_model(path, model.dtype, model.attn_impl, device).requires_grad_(False),
-                           packed_token_logprobs)
+        reference = engine(load_model(path, model.dtype, model.attn_impl, device).requires_grad_(False), policy)
     return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"), dp_group), engines
 
 

@@ -1,11 +1,6 @@
-"""The torch-native training engine: one model replica per data-parallel rank (gloo on CPU, NCCL on GPU).
-
-The surface every engine implements (DESIGN.md section 5), so a Megatron engine can stand behind it:
-
-    engine.forward(batch)                   # [T] per-position outputs (logprobs, or values for a critic), no grad
-    engine.train_step(batch, loss_fn)       # micro-batched forward/backward, DP all-reduce, clip, step
-    engine.state_dict_for_rollout()         # Hugging Face names, what rollout servers load
-    engine.save(folder); engine.load(folder)
+"""Training engines: the ``TrainEngine`` protocol (DESIGN.md section 5) that the PPO actor, SFT,
+checkpoints and the weight push use, and its torch-native implementation (one model replica per
+data-parallel rank, gloo on CPU, NCCL on GPU). A Megatron engine implements the same protocol.
 
 Losses are weighted sums whose weights already carry the normaliser of the whole minibatch (see
 ``algo.ppo.token_weights``), so summing gradients over micro-batches and ranks is exact.
@@ -14,8 +9,9 @@ Losses are weighted sums whose weights already carry the normaliser of the whole
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,12 +19,45 @@ import torch.distributed as dist
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import save_model
-from areal_hpc.train.sequence_batch import SequenceBatch
 from areal_hpc.train.optim import build_optimizer, build_scheduler
+from areal_hpc.train.sequence_batch import SequenceBatch
 
 ForwardFn = Callable[[torch.nn.Module, PackedBatch], torch.Tensor]
 LossFn = Callable[[torch.Tensor, PackedBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+WeightBucket = list[tuple[str, torch.Tensor]]
 TRAINING_STATE = "training_state.pt"
+
+
+class TrainEngine(Protocol):
+    """What the actor, SFT, checkpoints and the weight push may use of an engine; nothing else.
+
+    ``forward`` and ``train_step`` take a ``SequenceBatch`` (whole sequences, per-position fields) and
+    cut it into packed micro-batches themselves. A policy engine's per-position output is
+    log π_T(token t+1 | tokens ≤ t) at the sampler's temperature T (``gconfig.temperature``: rollout
+    logprobs are those of ``log_softmax(logits / T)``), on target positions only (0 elsewhere); a
+    critic's is its value estimate.
+    """
+
+    device: torch.device  # where this rank's tensors live (NCCL reduces device tensors only)
+    tokenizer: object  # saved with the weights, so a saved folder is a complete Hugging Face model
+
+    def forward(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        """Per-sequence [len] outputs without gradient, in the model's evaluation mode."""
+
+    def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on this rank's share: ``loss_fn(outputs, packed, fields)`` per micro-batch,
+        gradients summed over micro-batches and data-parallel ranks, clipped, applied."""
+
+    def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The weights rollout servers load, as (Hugging Face name, tensor) buckets of at most
+        ``bucket_bytes`` each (a larger tensor gets a bucket of its own)."""
+
+    def save(self, folder: Path, *, optimizer: bool = True) -> None:
+        """The model in Hugging Face format (what servers and ``areal-hpc eval`` load), plus optimizer
+        and schedule state unless ``optimizer=False``. Collective over the data-parallel group."""
+
+    def load(self, folder: Path) -> None:
+        """Restore what ``save`` wrote (optimizer state when present). Collective; every rank calls it."""
 
 
 def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -40,7 +69,29 @@ def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
     return dict(merged)
 
 
+def weight_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Consecutive (name, tensor) pairs grouped into buckets of at most ``bucket_bytes``."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
 class TorchTrainEngine:
+    """``TrainEngine`` on a plain ``torch.nn.Module`` replicated over the data-parallel group.
+
+    ``forward_fn`` turns the model and a packed micro-batch into per-position outputs (e.g.
+    ``logprobs.packed_token_logprobs`` at the sampler's temperature, or ``packed_values``).
+    Save writes from data-parallel rank 0 only (replicas are identical), so the driver may call it
+    on rank 0 alone.
+    """
+
     def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, optimizer: OptimizerConfig | None = None,
                  lr: float = 0.0, total_steps: int = 1, max_tokens_per_mb: int = 4096,
                  dp_group: dist.ProcessGroup | None = None, tokenizer=None):
@@ -52,10 +103,13 @@ class TorchTrainEngine:
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
         self._broadcast_from_rank0()
 
+    def _data_parallel(self) -> bool:
+        return self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
+
     def _broadcast_from_rank0(self) -> None:
         """Start every data-parallel replica from rank 0's weights (a freshly initialised head, e.g. a
         critic's, would otherwise differ between ranks)."""
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+        if not self._data_parallel():
             return
         root = dist.get_global_rank(self.dp_group, 0)
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
@@ -68,7 +122,6 @@ class TorchTrainEngine:
 
     @torch.no_grad()
     def forward(self, batch: SequenceBatch) -> list[torch.Tensor]:
-        """Per-sequence [len] outputs of ``forward_fn`` (in the batch's order), computed micro-batch by micro-batch."""
         self.model.eval()  # recomputed logprobs and values are the policy's, never a dropout sample
         out: list[torch.Tensor | None] = [None] * len(batch)
         for indices, packed, _ in self._microbatches(batch):
@@ -85,7 +138,7 @@ class TorchTrainEngine:
         for _, packed, fields in self._microbatches(batch):
             loss, mb_stats = loss_fn(self.forward_fn(self.model, packed), packed, fields)
             loss.backward()
-            parts.append({"loss": loss.item(), **mb_stats})
+            parts.append({"loss": loss.item(), "microbatches": 1.0, **mb_stats})
         stats = merge_stats(parts)
         self._all_reduce_grads()
         max_norm = self.clip if self.clip > 0 else float("inf")
@@ -97,7 +150,7 @@ class TorchTrainEngine:
 
     def _all_reduce_grads(self) -> None:
         """Sum gradients over data-parallel ranks in one flat buffer (a rank without data adds zeros)."""
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+        if not self._data_parallel():
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
@@ -108,13 +161,17 @@ class TorchTrainEngine:
         for p, part in zip(params, flat.split([p.numel() for p in params])):
             p.grad.copy_(part.view_as(p))
 
-    def state_dict_for_rollout(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+    def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The state dict under its Hugging Face names (tied weights appear under both names, as in
+        the state dict the servers' models have), on this engine's device."""
+        named = ((name, tensor.detach().contiguous()) for name, tensor in self.model.state_dict().items())
+        return weight_buckets(named, bucket_bytes)
 
-    def save(self, folder: Path) -> None:
-        """The model in Hugging Face format plus optimizer and schedule state (call on one rank)."""
+    def save(self, folder: Path, *, optimizer: bool = True) -> None:
+        if self._data_parallel() and dist.get_rank(self.dp_group) != 0:
+            return
         save_model(self.model, self.tokenizer, folder)
-        if self.optimizer is not None:
+        if optimizer and self.optimizer is not None:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        folder / TRAINING_STATE)
 

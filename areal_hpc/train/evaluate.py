@@ -1,9 +1,16 @@
-"""Held-out accuracy: greedy completions of eval prompts (from an in-process model, or from the rollout
-servers during RL), scored by the task's reward in workers."""
+"""Held-out accuracy, one path: greedy completions of the eval prompts from a ``generate`` function,
+scored by the task's reward in workers.
+
+During RL ``generate`` is the rollout servers' (``RolloutClient.generate``); for a model in this
+process (SFT, ``areal-hpc eval``) it is an ``EmbeddedEngine`` running on that model, the decoder the
+embedded servers run, so a model scores the same in-process and behind a server.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +18,11 @@ import torch
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
 from areal_hpc.models.chat import prompt_ids
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, Result, SamplingParams
+
+# (prompt ids, SGLang sampling params) -> anything with ``output_ids``
+GenerateFn = Callable[[list[int], dict], Awaitable]
+EVAL_SLOTS = 64  # sequences an in-process evaluation decodes together
 
 
 @dataclass
@@ -32,45 +44,43 @@ class EvalResult:
         return {"eval/accuracy": self.accuracy, "eval/mean_reward": self.mean_reward}
 
 
-@torch.no_grad()
-def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                       batch_size: int = 64) -> list[str]:
-    """Decode each prompt greedily (left-padded batches); special tokens are stripped from the text."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    texts = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        for row, p in enumerate(chunk):
-            ids[row, width - len(p):] = torch.tensor(p)
-            attention[row, width - len(p):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
-                             max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    model.train(was_training)
-    return texts
-
-
-def evaluate(model, tokenizer, examples: list[Example], rewards: RewardPool, max_new_tokens: int) -> EvalResult:
-    """Greedy accuracy of an in-process model (transformers ``generate``)."""
-    completions = greedy_completions(model, tokenizer, [prompt_ids(tokenizer, ex.prompt) for ex in examples],
-                                     max_new_tokens)
-    return score_completions(examples, completions, rewards)
+async def evaluate(generate: GenerateFn, tokenizer, examples: list[Example], rewards: RewardPool,
+                   max_new_tokens: int) -> EvalResult:
+    """Greedy accuracy of whatever ``generate`` decodes with (special tokens stripped from the text)."""
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "stop_token_ids": [tokenizer.eos_token_id]}
+    generations = await asyncio.gather(*(generate(prompt_ids(tokenizer, ex.prompt), sampling) for ex in examples))
+    completions = [tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in generations]
+    return await asyncio.to_thread(score_completions, examples, completions, rewards)
 
 
 async def evaluate_remote(client, tokenizer, examples: list[Example], rewards: RewardPool,
                           max_new_tokens: int) -> EvalResult:
     """Greedy accuracy of the weights the rollout servers hold, asked over their HTTP API."""
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "stop_token_ids": [tokenizer.eos_token_id]}
-    generations = await asyncio.gather(*(client.generate(prompt_ids(tokenizer, ex.prompt), sampling)
-                                         for ex in examples))
-    completions = [tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in generations]
-    return await asyncio.to_thread(score_completions, examples, completions, rewards)
+    return await evaluate(client.generate, tokenizer, examples, rewards, max_new_tokens)
+
+
+def evaluate_model(model: torch.nn.Module, tokenizer, examples: list[Example], rewards: RewardPool,
+                   max_new_tokens: int) -> EvalResult:
+    """Greedy accuracy of a model in this process, decoded by an embedded engine on it (which puts
+    the model in evaluation mode; a training step puts it back)."""
+    longest = max((len(prompt_ids(tokenizer, ex.prompt)) for ex in examples), default=1)
+    engine = EmbeddedEngine(model, slots=min(EVAL_SLOTS, max(1, len(examples))),
+                            context_length=longest + max_new_tokens, eos_token_ids=[tokenizer.eos_token_id])
+
+    async def generate(input_ids: list[int], sampling: dict) -> Result:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        engine.submit(Request(uuid.uuid4().hex, input_ids, SamplingParams.from_json(sampling),
+                              lambda result: loop.call_soon_threadsafe(done.set_result, result)))
+        result = await done
+        if result.error is not None:
+            raise RuntimeError(f"in-process evaluation failed: {result.error}")
+        return result
+
+    try:
+        return asyncio.run(evaluate(generate, tokenizer, examples, rewards, max_new_tokens))
+    finally:
+        engine.stop()
 
 
 def score_completions(examples: list[Example], completions: list[str], rewards: RewardPool,

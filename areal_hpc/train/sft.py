@@ -2,9 +2,11 @@
 
     areal-hpc sft --config configs/sft_tiny.yaml [key=value ...]
 
-One process on CPU or one accelerator: AdamW with warm-up + decay, gradient clipping, packed
-micro-batches (no padding), loss on completion tokens only, greedy held-out evaluation before,
-during and after training, HF-format checkpoints, metrics in JSONL and TensorBoard, a PNG curve.
+SFT is a loss function (mean NLL of the completion tokens) on the same ``TorchTrainEngine`` the RL
+actor trains with: the same packed micro-batches (no padding), AdamW with warm-up + decay and
+gradient clipping. Held-out greedy evaluation before, during and after training runs the embedded
+rollout engine on the model (``train.evaluate``); HF-format checkpoints, metrics in JSONL and
+TensorBoard, a PNG curve. One process on CPU or one accelerator.
 Simplifications on purpose: no resume (SFT here is a minutes-long warm-up), no data parallelism.
 """
 
@@ -18,20 +20,21 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from areal_hpc.algo.packing import allocate_microbatches, pack
+from areal_hpc.algo.ppo import token_weights
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.registry import build_task, corpus_for_tokenizer
 from areal_hpc.data.tasks import Example
 from areal_hpc.models.chat import completion_ids, prompt_ids
-from areal_hpc.models.hf import load_model, load_tokenizer, save_model
+from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
 from areal_hpc.parallel.device import resolve_device
-from areal_hpc.train.evaluate import EvalResult, evaluate
+from areal_hpc.train.engine import TorchTrainEngine, TrainEngine
+from areal_hpc.train.evaluate import EvalResult, evaluate_model
 from areal_hpc.train.logprobs import packed_token_logprobs
 from areal_hpc.train.metrics import MetricsLogger
-from areal_hpc.train.optim import build_optimizer, build_scheduler
 from areal_hpc.train.plots import plot_curves
+from areal_hpc.train.sequence_batch import SequenceBatch
 
 
 @dataclass
@@ -55,21 +58,26 @@ def index_stream(n: int, seed: int):
         yield from torch.randperm(n, generator=generator).tolist()
 
 
-def sft_step(model, optimizer, sequences, masks, max_tokens_per_mb: int, clip: float, device) -> dict:
-    """One optimizer step: mean token NLL over the whole batch, accumulated over packed micro-batches."""
-    groups = allocate_microbatches([len(s) for s in sequences], max_tokens_per_mb)
-    packed = [pack([sequences[i] for i in g], [masks[i] for i in g]) for g in groups]
-    n_targets = sum(p.n_targets for p in packed)
-    optimizer.zero_grad(set_to_none=True)
-    loss_total = 0.0
-    for batch in packed:
-        loss = -packed_token_logprobs(model, batch.to(device)).sum() / n_targets
-        loss.backward()
-        loss_total += loss.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
-    optimizer.step()
-    return {"train/loss": loss_total, "train/grad_norm": float(grad_norm),
-            "train/tokens": float(sum(map(len, sequences))), "train/microbatches": float(len(packed))}
+def sft_batch(pairs: list[tuple[list[int], list[int]]]) -> SequenceBatch:
+    """Sequences with their ``weights`` field: 1 / (completion tokens of the whole batch) on every
+    completion target, so the summed loss over micro-batches is the batch's mean token NLL."""
+    batch = SequenceBatch([s for s, _ in pairs], [m for _, m in pairs])
+    packed, _ = batch.packed()
+    batch.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, "token-mean",
+                                              n_tokens=packed.n_targets, n_seqs=len(batch), max_len=1))
+    return batch
+
+
+def sft_loss(logprobs: torch.Tensor, packed, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """Σ weights · (−log p) over a micro-batch (``logprobs`` at temperature 1: the data's likelihood)."""
+    return -(fields["weights"] * logprobs).sum(), {}
+
+
+def sft_step(engine: TrainEngine, pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+    """One optimizer step of SFT on the engine; ``train/*`` statistics."""
+    batch = sft_batch(pairs)
+    stats = engine.train_step(batch, sft_loss)
+    return {f"train/{key}": value for key, value in stats.items()} | {"train/tokens": float(batch.n_tokens)}
 
 
 def prepare_model_dir(cfg: RunConfig) -> Path:
@@ -95,14 +103,15 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                   f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}",
                   soft_wrap=True)
 
-    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.sft.lr)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.sft.total_train_steps)
+    engine = TorchTrainEngine(model, packed_token_logprobs, optimizer=cfg.optimizer, lr=cfg.sft.lr,
+                              total_steps=cfg.sft.total_train_steps, max_tokens_per_mb=cfg.sft.max_tokens_per_mb,
+                              tokenizer=tokenizer)
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
     rewards = RewardPool(task.reward)
     order = index_stream(len(train), cfg.experiment.seed)
 
     def run_eval(step: int) -> EvalResult:
-        result = evaluate(model, tokenizer, task.eval, rewards, cfg.gconfig.max_new_tokens)
+        result = evaluate_model(model, tokenizer, task.eval, rewards, cfg.gconfig.max_new_tokens)
         metrics.log(step, result.scalars())
         return result
 
@@ -116,11 +125,7 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                                     acc=before.summary(), tps=0.0)
             for step in range(1, cfg.sft.total_train_steps + 1):
                 tick = time.time()
-                picked = [train[next(order)] for _ in range(cfg.sft.batch_size)]
-                stats = sft_step(model, optimizer, [s for s, _ in picked], [m for _, m in picked],
-                                 cfg.sft.max_tokens_per_mb, cfg.optimizer.gradient_clipping, device)
-                stats["train/lr"] = scheduler.get_last_lr()[0]
-                scheduler.step()
+                stats = sft_step(engine, [train[next(order)] for _ in range(cfg.sft.batch_size)])
                 stats["train/tokens_per_s"] = stats["train/tokens"] / (time.time() - tick)
                 metrics.log(step, stats)
                 last = step == cfg.sft.total_train_steps
@@ -128,14 +133,15 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                     after = run_eval(step)
                     progress.console.print(f"step {step}: eval accuracy {after.summary()}", soft_wrap=True)
                 if cfg.saver.freq_steps and step % cfg.saver.freq_steps == 0 and not last:
-                    save_model(model, tokenizer, cfg.run_dir / "checkpoints" / f"step{step}")
+                    engine.save(cfg.run_dir / "checkpoints" / f"step{step}", optimizer=False)
                 progress.update(bar, advance=1, loss=stats["train/loss"], acc=after.summary(),
                                 tps=stats["train/tokens_per_s"])
     finally:
         rewards.close()
         metrics.close()
 
-    out = save_model(model, tokenizer, cfg.run_dir / "model")
+    out = cfg.run_dir / "model"
+    engine.save(out, optimizer=False)
     if cfg.stats.plot:
         plot_curves(metrics.records, {"train loss": "train/loss", "eval accuracy": "eval/accuracy"},
                     cfg.run_dir / "sft_curves.png", f"SFT on {task.name}")

@@ -1,12 +1,16 @@
 """Trainer side of the weight update: new weights reach every rollout server, two ways (``rl.weight_sync``).
 
-- ``disk``: the model is saved in Hugging Face format to ``<run>/weights/v<version>`` (written aside,
-  then renamed: a server never reads half a folder) and each server loads it (/update_weights_from_disk).
+- ``disk``: the engine saves the model in Hugging Face format to ``<run>/weights/v<version>`` (written
+  aside, then renamed: a server never reads half a folder) and each server loads it
+  (/update_weights_from_disk).
 - ``distributed``: a standalone gloo/NCCL group (trainer rank 0 + every server) and a torch.distributed
-  broadcast per tensor, in buckets of ``weight_sync_bucket_mb`` (one /update_weights_from_distributed
-  call per bucket, as SGLang expects).
+  broadcast per tensor of the engine's ``rollout_weights`` buckets (``weight_sync_bucket_mb``; one
+  /update_weights_from_distributed call per bucket, as SGLang expects). Connecting again (e.g. after a
+  server restart) first destroys the previous group, so two groups never hold the trainer's port,
+  sockets or (NCCL) communicator memory at once.
 
-Each ``push`` returns its bytes and seconds, which the driver logs as metrics.
+Both use only the ``TrainEngine`` protocol. Each ``push`` returns its bytes and seconds, which the
+driver logs as metrics.
 """
 
 from __future__ import annotations
@@ -16,20 +20,18 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
 from areal_hpc.launch.name_resolve import free_port
-from areal_hpc.models.hf import DTYPES, save_model
-from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.models.hf import DTYPES
 from areal_hpc.parallel.weight_group import UpdateGroup, broadcast_tensor, join_update_group
-from areal_hpc.train.engine import TorchTrainEngine
+from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.train.engine import TrainEngine, WeightBucket
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 GROUP_NAME = "areal_weight_update"
 
 
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+def bucket_bytes(bucket: WeightBucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
 class DiskWeightSync:
@@ -41,16 +43,17 @@ class DiskWeightSync:
     async def connect(self, client: RolloutClient) -> None:
         """Nothing to set up: the shared filesystem is the channel."""
 
-    async def push(self, engine: TorchTrainEngine, client: RolloutClient, version: int) -> dict[str, float]:
+    async def push(self, engine: TrainEngine, client: RolloutClient, version: int) -> dict[str, float]:
+        """``sync/bytes``: the weight files the servers read."""
         started = time.perf_counter()
         path = self.folder / f"v{version:06d}"
-        await asyncio.to_thread(save_model, engine.model, engine.tokenizer, path)
+        await asyncio.to_thread(engine.save, path, optimizer=False)
         await client.update_weights_from_disk(str(path.resolve()), version)
+        written = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         self._pushed.append(path)
         while len(self._pushed) > self.keep:
             shutil.rmtree(self._pushed.pop(0), ignore_errors=True)
-        return {"sync/bytes": float(state_bytes(engine.state_dict_for_rollout())),
-                "sync/seconds": time.perf_counter() - started}
+        return {"sync/bytes": float(written), "sync/seconds": time.perf_counter() - started}
 
 
 class DistributedWeightSync:
@@ -59,7 +62,9 @@ class DistributedWeightSync:
         self.group: UpdateGroup | None = None
 
     async def connect(self, client: RolloutClient) -> None:
-        """Trainer rank 0 is rank 0 of the update group; server i joins as rank i + 1."""
+        """Trainer rank 0 is rank 0 of the update group; server i joins as rank i + 1. A group of an
+        earlier ``connect`` is destroyed first."""
+        self.destroy_group()
         port, servers = free_port(self.host), list(client.alive)
         world = len(servers) + 1
         joining = asyncio.to_thread(join_update_group, self.backend, self.host, port, 0, world, GROUP_NAME)
@@ -69,24 +74,19 @@ class DistributedWeightSync:
                    for i, server in enumerate(servers)]
         self.group, *_ = await asyncio.gather(joining, *invites)
 
-    async def push(self, engine: TorchTrainEngine, client: RolloutClient, version: int) -> dict[str, float]:
-        started = time.perf_counter()
-        state = engine.state_dict_for_rollout()
-        for bucket in self._buckets(state):
-            body = {"names": bucket, "dtypes": [DTYPE_NAMES[state[n].dtype] for n in bucket],
-                    "shapes": [list(state[n].shape) for n in bucket], "weight_version": version}
-            sending = asyncio.to_thread(lambda names=bucket: [broadcast_tensor(self.group, state[n].contiguous())
-                                                              for n in names])
-            await asyncio.gather(client.broadcast("/update_weights_from_distributed", body), sending)
-        return {"sync/bytes": float(state_bytes(state)), "sync/seconds": time.perf_counter() - started}
+    def destroy_group(self) -> None:
+        """Shut the update group down and release its store (its port) now, not whenever it is collected."""
+        if self.group is not None:
+            self.group.group.shutdown()
+            self.group = None
 
-    def _buckets(self, state: dict[str, torch.Tensor]) -> list[list[str]]:
-        buckets, size = [[]], 0
-        for name, tensor in state.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if buckets[-1] and size + nbytes > self.bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(name)
-            size += nbytes
-        return buckets
+    async def push(self, engine: TrainEngine, client: RolloutClient, version: int) -> dict[str, float]:
+        started, sent = time.perf_counter(), 0
+        for bucket in engine.rollout_weights(self.bucket_bytes):
+            body = {"names": [name for name, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket], "weight_version": version}
+            sending = asyncio.to_thread(lambda tensors=[t for _, t in bucket]:
+                                        [broadcast_tensor(self.group, t) for t in tensors])
+            await asyncio.gather(client.broadcast("/update_weights_from_distributed", body), sending)
+            sent += bucket_bytes(bucket)
+        return {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - started}

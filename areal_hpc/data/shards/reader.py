@@ -99,7 +99,7 @@ class ShardFile:
     @property
     def torn(self) -> str:
         """What an interrupted commit left behind (ignored by every read), or "" when nothing."""
-        if not (self.torn_trajectories or self.torn_rewards):
+        if all(self.intended[n] <= self.committed[n] for n in COUNTED):
             return ""
         return (f"an interrupted commit of {self.torn_trajectories} trajectories and {self.torn_rewards} "
                 f"rewards (ignored)")

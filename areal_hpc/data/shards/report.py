@@ -133,11 +133,10 @@ def _shard_damage(shard: ShardFile, listing: tuple[str, dict] | None) -> list[st
     found = [f"{name} row {r}: {problem}" for r, problem in shard.damaged_rows()]
     found += [f"{name} reward row {r}: fails its checksum" for r in np.flatnonzero(~shard.rewards_intact)]
     behind = [n for n in COUNTED if shard.intended[n] < shard.committed[n]]
-    unfinished = any(shard.intended[n] > shard.committed[n] for n in COUNTED)
     if behind:
         found.append(f"{name}: commit counts impossible (more {behind[0]} committed than ever intended)")
-    elif unfinished and not shard.live:
-        found.append(f"{name}: finalised, yet it holds an unfinished commit ({shard.torn or 'counts differ'})")
+    elif shard.torn and not shard.live:
+        found.append(f"{name}: finalised, yet it holds an unfinished commit ({shard.torn})")
     if listing is not None:
         found += _check_manifest_entry(shard, *listing)
     return found
@@ -148,9 +147,9 @@ def _shard_notes(shard: ShardFile, listed_somewhere: bool) -> list[str]:
     name, notes = shard.path.name, []
     if shard.live:
         notes.append(f"{name}: live (its writer is still writing, or stopped without finalising)")
-        if any(shard.intended[n] > shard.committed[n] for n in COUNTED):
-            notes.append(f"{name}: torn tail, {shard.torn or 'an interrupted commit (ignored)'}: its writer "
-                         "stopped mid-commit (or is committing right now); nothing committed is lost")
+        if shard.torn:
+            notes.append(f"{name}: torn tail, {shard.torn}: its writer stopped mid-commit (or is committing "
+                         "right now); nothing committed is lost")
     elif not listed_somewhere:
         notes.append(f"{name}: finalised but in no manifest (writer stopped before recording it)")
     return notes

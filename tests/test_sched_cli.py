@@ -5,6 +5,7 @@ import json
 import pytest
 import yaml
 
+from areal_hpc.sched.repro_hex import MISSES
 from tests.conftest import run_cli
 
 PAPER_MIXED = "configs/clusters/paper-8h800-24h20.yaml"
@@ -92,6 +93,10 @@ def test_repro_hex_json_rows_carry_paper_ours_and_ratio():
     mean = next(r for r in rows if r["row"] == "mean cost per token, 24 H800 / hex")
     assert 0.85 <= mean["ratio"] <= 1.15  # the issue's target: within 15% of the paper's 1.46x
     assert all(r["ours"] > 1 for r in rows if "same budget" in r["row"])
+    # every row is within 15% of the paper or explained row by row, and no explanation is stale
+    assert {r["row"] for r in rows if not 0.85 <= r["ours"] / r["paper"] <= 1.15} == set(MISSES)
+    assert {r["row"] for r in rows if r["role"] == "fit" and r["table"] == "1"} == {
+        "7B generation $/token, H800 / H20", "7B training $/token, H20 / H800"}  # H20's own factors
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.sched.cost import CostModel, Efficiency, Workload
+from areal_hpc.errors import UserError
+from areal_hpc.sched.cost import CostModel, Efficiency, Workload, load_efficiency
 from areal_hpc.sched.hardware import CATALOGUE, NodePool
 from areal_hpc.sched.model_spec import load_model_spec
 
@@ -71,3 +72,30 @@ def test_decode_is_memory_bound_on_h800_and_efficiency_scales_speed():
     assert replica.step_full_s > replica.step_1_s  # each running sequence adds its KV reads
     slower = CostModel(cost.model, cost.workload, Efficiency(overall=0.5)).rollout_replica(pool("H800"), 1, 1, 5)
     assert slower.tokens_per_s == pytest.approx(replica.tokens_per_s / 2, rel=0.05)
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.6, 1.7])
+def test_a_device_factor_scales_that_device_only(factor):
+    """``H20.train`` scales H20's training compute and ``H20.decode`` its decode reads and FLOPs; one
+    device alone (no collectives) runs exactly that factor faster or slower; other devices do not change."""
+    cost = COSTS["r1-distill-qwen-1.5b"]
+    scaled = CostModel(cost.model, cost.workload, Efficiency().replace(**{"H20.train": factor, "H20.decode": factor}))
+    h20, h800 = pool("H20"), pool("H800")
+    assert scaled.train_group(h20, 1, 5).tokens_per_s == pytest.approx(factor * cost.train_group(h20, 1, 5).tokens_per_s)
+    assert scaled.rollout_replica(h20, 1, 1, 5).step_full_s == pytest.approx(cost.rollout_replica(h20, 1, 1, 5).step_full_s
+                                                                              / factor)
+    assert scaled.train_group(h800, 8, 5) == cost.train_group(h800, 8, 5)
+    assert scaled.rollout_replica(h800, 2, 1, 5) == cost.rollout_replica(h800, 2, 1, 5)
+
+
+def test_efficiency_yaml_reads_per_device_factors(tmp_path):
+    path = tmp_path / "eff.yaml"
+    path.write_text("overall: 0.5\nper_device:\n  H20: {train: 0.7, decode: 0.9}\n")
+    e = load_efficiency(path)
+    assert (e.overall, e.factor("H20.train"), e.factor("H20.decode"), e.factor("H800.train")) == (0.5, 0.7, 0.9, 1.0)
+    path.write_text("per_device:\n  H20: {prefill: 0.7}\n")
+    with pytest.raises(UserError, match="per_device must map device types to"):
+        load_efficiency(path)
+    path.write_text("per_device:\n  H2O: {train: 0.7}\n")
+    with pytest.raises(UserError, match="unknown device type 'H2O', did you mean 'H20'"):
+        load_efficiency(path)

@@ -29,15 +29,16 @@ def log_errors(efficiency: Efficiency, measurements: list[Measurement]) -> np.nd
 
 def fit_efficiency(measurements: list[Measurement], names: list[str],
                    start: Efficiency = Efficiency()) -> Efficiency:
-    """The ``start`` factors with ``names`` refitted (each kept within (0, 1]) to ``measurements``."""
+    """The ``start`` factors with ``names`` refitted to ``measurements``: fractions of a roofline stay
+    within (0, 1]; a device type's factor (``H20.train``, relative to the others) is only kept positive."""
 
     def build(x) -> Efficiency:
-        return start.replace(**{n: float(min(1.0, np.exp(v))) for n, v in zip(names, x)})
+        return start.replace(**{n: float(np.exp(v) if "." in n else min(1.0, np.exp(v))) for n, v in zip(names, x)})
 
     def loss(x) -> float:
         return float(np.sum(log_errors(build(x), measurements) ** 2))
 
-    x0 = np.log([getattr(start, n) for n in names])
+    x0 = np.log([start.factor(n) for n in names])
     # First steps go down by a factor 0.6: a start at the cap of 1 would otherwise see a flat loss.
     simplex = np.vstack([x0, x0 - 0.5 * np.eye(len(names))])
     result = minimize(loss, x0, method="Nelder-Mead",

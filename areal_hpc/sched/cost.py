@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from areal_hpc.errors import UserError, closest
-from areal_hpc.sched.hardware import NodePool, read_yaml
+from areal_hpc.sched.hardware import CATALOGUE, NodePool, read_yaml
 from areal_hpc.sched.model_spec import ModelSpec
 
 GB = 1e9
@@ -67,6 +67,9 @@ def load_efficiency(path: str | Path) -> Efficiency:
     for device, sides in per_device.items() if isinstance(per_device, dict) else [(per_device, None)]:
         if not isinstance(sides, dict) or not set(sides) <= set(DEVICE_SIDES):
             raise UserError(f"{path}: per_device must map device types to {{train: x, decode: y}}, got {device}: {sides}")
+        if device not in CATALOGUE:
+            raise UserError(f"{path}: per_device names unknown device type '{device}'{closest(str(device), CATALOGUE)} "
+                            f"(known: {', '.join(CATALOGUE)})")
         flat |= {f"{device}.{side}": v for side, v in sides.items()}
     try:
         return Efficiency().replace(**{k: float(v) for k, v in (values | flat).items()})

@@ -3,7 +3,8 @@
 The group is standalone (its own TCPStore, not the default process group), so a trainer that
 already runs data-parallel training can broadcast to servers without touching its training group.
 gloo on CPU, NCCL on GPU, the same calls on both sides as SGLang's ``init_weights_update_group`` /
-``update_weights_from_distributed``.
+``update_weights_from_distributed``. A server that joins a new group (the trainer restarted)
+closes the one it had.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ class UpdateGroup:
     group: dist.ProcessGroup
     store: dist.Store
     rank: int
+
+    def close(self) -> None:
+        """Abort the group (NCCL frees its communicators now, not at garbage collection; pending work
+        is dropped, not waited for, since the peer may be gone). Drop the object afterwards: gloo
+        closes its connections when it is freed, and a peer blocked in a broadcast then fails at
+        once instead of at the timeout."""
+        self.group.abort()
 
 
 def join_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,

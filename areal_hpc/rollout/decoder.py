@@ -63,15 +63,21 @@ class SlotDecoder:
         return self._logits(hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])])
 
     @torch.no_grad()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Feed one token to each of rows 0..n-1 at its position; next-token logits, shape [n, V]."""
+    def decode(self, token_ids: list[int], positions: list[int], first_row: int = 0) -> torch.Tensor:
+        """Feed one token to each of rows first_row.. at its position; next-token logits, shape [n, V]."""
         return self._logits(self._forward(torch.tensor(token_ids, device=self.device)[:, None],
-                                          torch.tensor(positions, device=self.device)[:, None], 0)[:, -1])
+                                          torch.tensor(positions, device=self.device)[:, None], first_row)[:, -1])
 
     def move(self, source: int, target: int, length: int) -> None:
         """Copy a sequence's cache (its first ``length`` positions) to another row."""
         for cache in (*self.keys, *self.values):
             cache[target, :, :length] = cache[source, :, :length]
+
+    def clear(self, row: int) -> None:
+        """Zero a row's cache. Masked columns still enter attention as 0 x value, so a NaN left by a
+        failed sequence would otherwise reach every later tenant of the row."""
+        for cache in (*self.keys, *self.values):
+            cache[row].zero_()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int) -> torch.Tensor:
         body = self.model.model

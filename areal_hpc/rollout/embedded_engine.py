@@ -2,16 +2,32 @@
 
 One thread owns the model. Between decode steps it runs queued commands (pause, weight updates),
 admits waiting requests into free KV rows (one batched prefill) and retires finished ones, so
-requests join and leave the running batch at every step. Every output token is tagged with the weight version
-that produced it; a pause in abort mode returns in-flight requests at once with what they have.
-Logprobs are those of the sampling distribution at the request's temperature (before top-p/top-k),
-i.e. the behaviour policy decoupled PPO needs; at temperature 1 they equal a teacher-forced pass.
+requests join and leave the running batch at every step. Every output token is tagged with the weight
+version that produced it; a pause in abort mode returns in-flight requests at once with what they have.
+
+Logprobs: each output token's logprob is ``log_softmax(logits / T)`` at the request's temperature T,
+of the whole tempered distribution, before top-p/top-k truncation (which only restricts what is drawn):
+the behaviour policy decoupled PPO needs, which the trainer recomputes at the same T. At T = 1 they
+equal a teacher-forced pass. Temperature 0 is greedy (argmax; top-p/top-k change nothing) and its
+logprobs are those of T = 1, as SGLang reports them. Temperatures in (0, 1e-6) are refused: logits / T
+overflows float32 as T nears 0 (1e-40 gives NaN probabilities), and SGLang would serve them greedily
+with T = 1 logprobs, which the trainer could not reproduce.
+
+Failures stay with their request: a row whose logits are not finite fails alone, a forward pass that
+raises is rerun one row at a time and only the rows that fail alone are failed. Weight updates are all
+or nothing: tensors are checked against the live model (names, shapes, floating dtypes; a disk
+checkpoint must hold every tensor) before any is copied in, so a refused update changes neither the
+weights nor the version. Another floating dtype is cast to the live one, as SGLang's loader does.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import difflib
+import json
 import logging
+import math
+import reprlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -22,9 +38,34 @@ import torch
 
 from areal_hpc.rollout.decoder import SlotDecoder
 
+MIN_TEMPERATURE = 1e-6
+log = logging.getLogger(__name__)
+
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (the server answers 400 with this message)."""
+
+
+def _finite(value) -> float | None:
+    """A JSON number as a finite float; None for anything else (bools, NaN, inf, ints beyond float)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+SAMPLING_CHECKS = [  # field, what is valid, test
+    ("max_new_tokens", "an integer >= 0", lambda v: type(v) is int and v >= 0),
+    ("temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
+     lambda v: (t := _finite(v)) is not None and (t == 0 or t >= MIN_TEMPERATURE)),
+    ("top_p", "a number in (0, 1]", lambda v: (p := _finite(v)) is not None and 0 < p <= 1),
+    ("top_k", "-1 or an integer >= 1", lambda v: type(v) is int and (v == -1 or v >= 1)),
+    ("stop_token_ids", "a list of integers", lambda v: type(v) is list and all(type(t) is int for t in v)),
+    ("ignore_eos", "true or false", lambda v: type(v) is bool),
+]
 
 
 @dataclass
@@ -47,18 +88,10 @@ class SamplingParams:
         if unknown:
             raise RequestError(f"unknown sampling_params {unknown}; valid: {sorted(cls.__dataclass_fields__)}")
         params = cls(**obj)
-        checks = [("max_new_tokens", int, lambda v: v >= 0, "an integer >= 0"),
-                  ("temperature", (int, float), lambda v: v >= 0, "a number >= 0"),
-                  ("top_p", (int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
-                  ("top_k", int, lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"),
-                  ("ignore_eos", bool, lambda v: True, "true or false")]
-        for name, kind, in_range, valid in checks:
-            value = getattr(params, name)
-            wrong_type = not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)
-            if wrong_type or not in_range(value):
-                raise RequestError(f"sampling_params.{name} = {value!r}; it must be {valid}")
-        if not isinstance(params.stop_token_ids, list) or not all(type(t) is int for t in params.stop_token_ids):
-            raise RequestError(f"sampling_params.stop_token_ids = {params.stop_token_ids!r}; it must be a list of ints")
+        for name, valid, ok in SAMPLING_CHECKS:
+            if not ok(getattr(params, name)):
+                raise RequestError(f"sampling_params.{name} = {reprlib.repr(getattr(params, name))}; it must be {valid}")
+        params.temperature, params.top_p = float(params.temperature), float(params.top_p)
         return params
 
 
@@ -84,6 +117,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    error: str | None = None  # set when the engine fails this request
 
 
 class EmbeddedEngine:
@@ -117,9 +151,10 @@ class EmbeddedEngine:
         if not input_ids:
             raise RequestError("input_ids is empty")
         if max(input_ids) >= vocab:
-            raise RequestError(f"input_ids hold token {max(input_ids)}; the vocabulary has {vocab} tokens")
+            raise RequestError(f"input_ids hold token {reprlib.repr(max(input_ids))}; "
+                               f"the vocabulary has {vocab} tokens")
         if len(input_ids) + params.max_new_tokens > self.context_length:
-            raise RequestError(f"too many tokens: {len(input_ids)} prompt + {params.max_new_tokens} "
+            raise RequestError(f"too many tokens: {len(input_ids)} prompt + {reprlib.repr(params.max_new_tokens)} "
                                f"max_new_tokens > context length {self.context_length}")
 
     def submit(self, request: Request) -> None:
@@ -152,17 +187,16 @@ class EmbeddedEngine:
         """Abort one request (or all when ``rid`` is None); it returns with finish reason ``abort``."""
         return self.call(lambda: self._abort(lambda r: rid is None or r.rid == rid))
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int | None) -> None:
-        """Engine thread only (via ``call``): copy new weights in and move to the next version."""
-        self.model.load_state_dict(state_dict, strict=False)
-        self.decoder.refresh_weights()
-        self.version = self.version + 1 if version is None else version
+    def update_weights(self, state: dict[str, torch.Tensor], version: int | None, *,
+                       complete: bool) -> concurrent.futures.Future:
+        """Check ``state`` against the live model and copy it in, all or nothing, between two steps;
+        ``complete``: it must hold every tensor (a checkpoint), not one bucket of them. The future
+        raises RequestError, weights and version unchanged, on the first mismatch."""
+        return self.call(lambda: self._load_weights(state, version, complete))
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> concurrent.futures.Future:
-        from areal_hpc.models.hf import load_model
-
-        new = load_model(path)  # load_state_dict casts to the engine's dtype
-        return self.call(lambda: self.load_weights(new.state_dict(), version))
+        """Read the checkpoint here (the caller's thread), load it on the engine thread."""
+        return self.update_weights(read_checkpoint(path), version, complete=True)
 
     @property
     def running(self) -> int:
@@ -195,10 +229,26 @@ class EmbeddedEngine:
             try:
                 self._admit()
                 if self._running:
-                    self._step()
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: fail these requests, keep serving
-                logging.getLogger(__name__).exception("decode step failed")
-                self._retire([(r, "abort", None) for r in self._running], error=f"{type(exc).__name__}: {exc}")
+                    self._advance(0, self._running, lambda row, requests: self.decoder.decode(
+                        [r.output_ids[-1] for r in requests],
+                        [len(r.input_ids) + len(r.output_ids) - 1 for r in requests], row))
+            except Exception as exc:  # noqa: BLE001 - a bug outside the forward pass: fail these, keep serving
+                log.exception("engine step failed")
+                for request in self._running:
+                    request.error = f"{type(exc).__name__}: {exc}"
+                self._retire([(r, "abort", None) for r in self._running])
+
+    def _load_weights(self, state: dict[str, torch.Tensor], version: int | None, complete: bool) -> None:
+        live = self.model.state_dict()
+        problems = weight_mismatches(live, state, complete)
+        if problems:
+            more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+            raise RequestError(f"weights not loaded (version {self.version} kept): {problems[0]}{more}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                live[name].copy_(tensor)  # casts to the live dtype and device
+        self.decoder.refresh_weights()
+        self.version = self.version + 1 if version is None else version
 
     def _admit(self) -> None:
         """Move waiting requests into free rows, prefilled together in one forward pass."""
@@ -215,18 +265,37 @@ class EmbeddedEngine:
         if batch:
             first = len(self._running)
             self._running += batch
-            self._record(self.decoder.prefill(first, [r.input_ids for r in batch]), batch)
+            self._advance(first, batch, lambda row, requests: self.decoder.prefill(row, [r.input_ids for r in requests]))
 
-    def _step(self) -> None:
-        running = self._running
-        logits = self.decoder.decode([r.output_ids[-1] for r in running],
-                                     [len(r.input_ids) + len(r.output_ids) - 1 for r in running])
-        self._record(logits, running)
+    def _advance(self, first: int, requests: list[Request],
+                 forward: Callable[[int, list[Request]], torch.Tensor]) -> None:
+        """One forward pass over ``requests`` (in rows ``first``..), then sample and record a token each.
+        If the pass raises, the rows run one at a time and only those that fail alone are failed:
+        one bad row, or a batch too large for memory, never fails the others."""
+        try:
+            tokens, logprobs, errors = self._sample(forward(first, requests), [r.params for r in requests])
+        except Exception as exc:  # noqa: BLE001 - isolate the culprit below
+            log.warning("a step over %d rows failed (%s: %s); running them one at a time",
+                        len(requests), type(exc).__name__, exc)
+            tokens, logprobs, errors = [], [], []
+            for row, request in enumerate(requests, start=first):
+                try:
+                    token, logprob, error = self._sample(forward(row, [request]), [request.params])
+                except Exception as alone:  # noqa: BLE001 - this row fails by itself: fail its request
+                    token, logprob, error = [0], [0.0], [f"{type(alone).__name__}: {alone}"]
+                tokens += token
+                logprobs += logprob
+                errors += error
+        self._record(requests, tokens, logprobs, errors)
 
-    def _record(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        tokens, logprobs = self._sample(logits, [r.params for r in requests])
+    def _record(self, requests: list[Request], tokens: list[int], logprobs: list[float],
+                errors: list[str | None]) -> None:
         finished = []
-        for request, token, logprob in zip(requests, tokens, logprobs):
+        for request, token, logprob, error in zip(requests, tokens, logprobs, errors):
+            if error is not None:
+                request.error = f"{error} (output token {len(request.output_ids)})"
+                finished.append((request, "abort", None))
+                continue
             request.output_ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(self.version)
@@ -238,18 +307,23 @@ class EmbeddedEngine:
                 finished.append((request, "length", None))
         self._retire(finished)
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list[float]]:
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams]
+                ) -> tuple[list[int], list[float], list[str | None]]:
+        """A token per row, its logprob under the tempered distribution (before truncation), and an
+        error for a row whose logits are not finite (that row is not sampled)."""
         temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)[:, None]
         logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        finite = torch.isfinite(logprobs.amax(dim=-1)).tolist()  # NaN, +inf or all -inf: not a distribution
         tokens = logprobs.argmax(dim=-1)
-        sampled = [row for row, p in enumerate(params) if p.temperature > 0]
+        sampled = [row for row, p in enumerate(params) if p.temperature > 0 and finite[row]]
         if sampled:
             probs = logprobs[sampled].exp()
             for i, row in enumerate(sampled):
                 _truncate(probs[i], params[row])
             tokens[sampled] = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return tokens.tolist(), chosen.tolist()
+        errors = [None if ok else "the model's logits are not finite (NaN or inf)" for ok in finite]
+        return tokens.tolist(), chosen.tolist(), errors
 
     def _abort(self, which: Callable[[Request], bool]) -> None:
         self._retire([(r, "abort", None) for r in self._running if which(r)])
@@ -259,22 +333,24 @@ class EmbeddedEngine:
         for request in aborted:
             self._reply(request, "abort")
 
-    def _retire(self, finished: list[tuple[Request, str, int | None]], error: str | None = None) -> None:
+    def _retire(self, finished: list[tuple[Request, str, int | None]]) -> None:
         """Answer finished running requests and keep the rest in rows 0..n-1: the last running
         request moves into each freed row (highest rows first, so no finished one is moved)."""
         row_of = {id(r): row for row, r in enumerate(self._running)}
         for request, reason, matched in sorted(finished, key=lambda f: row_of[id(f[0])], reverse=True):
             row, last = row_of[id(request)], len(self._running) - 1
+            if request.error is not None:
+                self.decoder.clear(row)  # a NaN left there would reach later tenants through masked columns
             if row != last:
                 moved = self._running[last]
                 self.decoder.move(last, row, len(moved.input_ids) + len(moved.output_ids))
                 self._running[row] = moved
             self._running.pop()
-            self._reply(request, reason, matched, error)
+            self._reply(request, reason, matched)
 
-    def _reply(self, request: Request, reason: str, matched: int | None = None, error: str | None = None) -> None:
+    def _reply(self, request: Request, reason: str, matched: int | None = None) -> None:
         request.on_done(Result(request.rid, request.output_ids, request.logprobs, request.versions, reason,
-                               matched, len(request.input_ids), self.version, error))
+                               matched, len(request.input_ids), self.version, request.error))
 
 
 def _truncate(probs: torch.Tensor, p: SamplingParams) -> None:
@@ -285,3 +361,52 @@ def _truncate(probs: torch.Tensor, p: SamplingParams) -> None:
         ordered, order = probs.sort(descending=True)
         outside = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest prefix reaching top_p
         probs[order[outside]] = 0
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face safetensors checkpoint (one file or an indexed set of shards),
+    as stored: nothing is filled in, so a missing tensor is seen (``from_pretrained`` would
+    initialise it at random)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if not index.exists() and not (folder / "model.safetensors").exists():
+        raise RequestError(f"{folder} has no model.safetensors or model.safetensors.index.json "
+                           "(the embedded engine loads safetensors checkpoints)")
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+            else ["model.safetensors"]
+        return {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise RequestError(f"could not read the checkpoint in {folder}: {type(exc).__name__}: {exc}") from exc
+
+
+def weight_mismatches(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor], complete: bool) -> list[str]:
+    """What keeps ``new`` from loading into ``live`` (a model's state dict), first offender first:
+    unknown names, other shapes, non-floating dtypes, two values for one tied tensor and, when
+    ``complete``, tensors it lacks (a tied tensor may come under any of its names)."""
+    problems = []
+    for name, tensor in new.items():
+        if name not in live:
+            nearest = difflib.get_close_matches(name, live, n=1)
+            problems.append(f"{name} is not a tensor of the served model"
+                            + (f" (nearest: {nearest[0]})" if nearest else ""))
+        elif tensor.shape != live[name].shape:
+            problems.append(f"{name} has shape {list(tensor.shape)}; the served model's is {list(live[name].shape)}")
+        elif not tensor.dtype.is_floating_point:
+            problems.append(f"{name} has dtype {tensor.dtype}; weights must be floating point "
+                            f"(the served model's is {live[name].dtype})")
+    tied: dict[int, list[str]] = {}  # names of one storage (lm_head.weight and the embedding when tied)
+    for name, tensor in live.items():
+        tied.setdefault(tensor.data_ptr(), []).append(name)
+    missing = [names for names in tied.values() if not any(n in new for n in names)]
+    if complete:
+        problems += [f"{' / '.join(names)} is missing (given {len(tied) - len(missing)} of the served model's "
+                     f"{len(tied)} tensors)" for names in missing]
+    for names in tied.values():
+        given = [new[n] for n in names if n in new]
+        if any(t.shape != given[0].shape or not torch.equal(t.to(given[0].dtype), given[0]) for t in given[1:]):
+            problems.append(f"{' and '.join(names)} are one tied tensor in the served model but differ here")
+    return problems

@@ -3,7 +3,9 @@
     areal-hpc serve backend=embedded model.path=DIR port=30000
 
 Bad requests get a 4xx JSON body ``{"error": {"message": ..., "code": ...}}`` and the server keeps
-serving. The address is registered in name-resolve (``rollout/servers/<host:port>``) while it runs.
+serving; a request the engine fails is a 500 for that request only. Flags are JSON booleans (the
+string "no" is not false). The address is registered in name-resolve (``rollout/servers/<host:port>``)
+while it runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import reprlib
+import sys
 import uuid
 from pathlib import Path
 
@@ -31,13 +35,28 @@ def error(status: int, message: str) -> web.Response:
 
 
 async def read_json(request: web.Request) -> dict:
+    """The body as a JSON object (UTF-8, as JSON is; a declared charset is not trusted)."""
     try:
-        body = await request.json() if request.can_read_body else {}
+        body = json.loads(await request.read()) if request.can_read_body else {}
     except json.JSONDecodeError as exc:
-        raise RequestError(f"body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})")
+        raise RequestError(f"body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"body is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise RequestError(f"body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise RequestError(f"body nests arrays or objects too deeply (limit about {sys.getrecursionlimit()})") from None
     if not isinstance(body, dict):
         raise RequestError(f"body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def flag(body: dict, name: str) -> bool:
+    """A boolean field (default false): anything but true/false is refused, not read as truthy."""
+    value = body.get(name, False)
+    if type(value) is not bool:
+        raise RequestError(f"{name} = {reprlib.repr(value)}; it must be true or false")
+    return value
 
 
 @web.middleware
@@ -54,14 +73,21 @@ async def errors_as_json(request: web.Request, handler):
 
 
 async def generate(request: web.Request) -> web.Response:
+    """SGLang's /generate on token ids: ``input_ids`` (one prompt or a list), ``sampling_params``,
+    ``return_logprob``, ``rid``. Each answer has ``output_ids``, ``meta_info.finish_reason``,
+    ``weight_version`` and ``output_token_versions`` (the weight version of each token) and, with
+    return_logprob, ``output_token_logprobs`` as ``[logprob, token, null]``: the token's logprob under
+    ``log_softmax(logits / temperature)``, the whole tempered distribution before top-p/top-k
+    truncation; with temperature 0 (greedy) under ``log_softmax(logits)``, i.e. at temperature 1."""
     body = await read_json(request)
     unknown = sorted(set(body) - GENERATE_FIELDS)
     if "text" in body:
         raise RequestError("text prompts are not supported: send input_ids (tokenize on the client)")
     if unknown:
         raise RequestError(f"unknown fields {unknown}; /generate takes {sorted(GENERATE_FIELDS)}")
-    if body.get("stream"):
+    if flag(body, "stream"):
         raise RequestError("stream=true is not supported by the embedded engine")
+    return_logprob = flag(body, "return_logprob")
     prompts, batched = _prompts(body.get("input_ids"))
     params = SamplingParams.from_json(body.get("sampling_params"))
     rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
@@ -71,8 +97,13 @@ async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     for prompt in prompts:  # all or nothing: refuse the batch before any prompt is queued
         engine.check(prompt, params)
-    results = await asyncio.gather(*(_run(engine, rid, ids, params) for rid, ids in zip(rids, prompts)))
-    out = [_sglang_response(r, request.app[STATE]["tokenizer"], bool(body.get("return_logprob"))) for r in results]
+    runs = [asyncio.ensure_future(_run(engine, rid, ids, params)) for rid, ids in zip(rids, prompts)]
+    try:
+        results = await asyncio.gather(*runs)
+    finally:  # one prompt failed (or the client left): abort the batch's others, they have no reader
+        for run in runs:
+            run.cancel()
+    out = [_sglang_response(r, request.app[STATE]["tokenizer"], return_logprob) for r in results]
     return web.json_response(out if batched else out[0])
 
 
@@ -140,7 +171,8 @@ async def model_info(request: web.Request) -> web.Response:
 async def pause_generation(request: web.Request) -> web.Response:
     mode = (await read_json(request)).get("mode", "abort")
     if mode != "abort":
-        raise RequestError(f"pause mode {mode!r} is not supported; the embedded engine pauses with mode 'abort'")
+        raise RequestError(f"pause mode {reprlib.repr(mode)} is not supported; the embedded engine pauses "
+                           "with mode 'abort'")
     await asyncio.wrap_future(request.app[ENGINE].pause())
     return web.json_response({"success": True})
 
@@ -152,9 +184,10 @@ async def continue_generation(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     body = await read_json(request)
-    if not body.get("abort_all") and not isinstance(body.get("rid"), str):
-        raise RequestError("give rid (a string) or abort_all=true")
-    await asyncio.wrap_future(request.app[ENGINE].abort(None if body.get("abort_all") else body["rid"]))
+    abort_all = flag(body, "abort_all")
+    if not abort_all and not isinstance(body.get("rid"), str):
+        raise RequestError(f"rid = {reprlib.repr(body.get('rid'))}; give rid (a string) or abort_all=true")
+    await asyncio.wrap_future(request.app[ENGINE].abort(None if abort_all else body["rid"]))
     return web.json_response({"success": True})
 
 
@@ -163,68 +196,100 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
+    """Load a safetensors checkpoint holding every tensor of the served model, all or nothing."""
     body = await read_json(request)
     path, version = body.get("model_path"), _version(body)
-    if not isinstance(path, str) or not Path(path, "config.json").exists():
-        raise RequestError(f"model_path {path!r} is not a Hugging Face model folder (no config.json)")
+    if not isinstance(path, str) or not Path(path).is_dir():
+        raise RequestError(f"model_path {reprlib.repr(path)} is not a folder")
     engine = request.app[ENGINE]
-    try:
-        await asyncio.wrap_future(await asyncio.to_thread(engine.update_weights_from_disk, path, version))
-    except (RuntimeError, OSError, ValueError) as exc:  # another architecture, unreadable files
-        raise RequestError(f"could not load weights from {path}: {str(exc).splitlines()[0]}") from exc
+    await asyncio.wrap_future(await asyncio.to_thread(engine.update_weights_from_disk, path, version))
     return web.json_response({"success": True, "message": f"loaded {path}", "weight_version": str(engine.version)})
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
+    """Join the trainer's update group; a group joined before (a trainer since restarted) is closed first."""
     body = await read_json(request)
-    try:
-        args = dict(backend=body.get("backend", "gloo"), master_address=body["master_address"],
-                    master_port=int(body["master_port"]), rank=int(body["rank_offset"]),
-                    world_size=int(body["world_size"]), group_name=body.get("group_name", "weight_update"))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RequestError(f"init_weights_update_group needs master_address, master_port, rank_offset, "
-                           f"world_size ({exc})")
-    try:
-        request.app[STATE]["update_group"] = await asyncio.to_thread(join_update_group, **args)
-    except ValueError as exc:  # an unknown backend
-        raise RequestError(str(exc)) from exc
+    args = dict(backend=body.get("backend", "gloo"), master_address=body.get("master_address"),
+                master_port=body.get("master_port"), rank=body.get("rank_offset"),
+                world_size=body.get("world_size"), group_name=body.get("group_name", "weight_update"))
+    world = args["world_size"] if type(args["world_size"]) is int else 0
+    checks = [("master_address", "a host name", isinstance(args["master_address"], str)),
+              ("master_port", "an integer in [1, 65535]", type(args["master_port"]) is int
+               and 0 < args["master_port"] < 65536),
+              ("world_size", "an integer >= 2", world >= 2),
+              ("rank_offset", "an integer in [1, world_size)", type(args["rank"]) is int and 0 < args["rank"] < world),
+              ("backend", "'gloo' or 'nccl'", args["backend"] in ("gloo", "nccl")),
+              ("group_name", "a string", isinstance(args["group_name"], str))]
+    for name, valid, ok in checks:
+        if not ok:
+            raise RequestError(f"{name} = {reprlib.repr(body.get(name))}; it must be {valid}")
+    state = request.app[STATE]
+    if (previous := state.pop("update_group", None)) is not None:
+        previous.close()
+        del previous  # freed here: gloo closes its connections now
+    state["update_group"] = await asyncio.to_thread(join_update_group, **args)
+    state["update_group_name"] = args["group_name"]
     return web.json_response({"success": True, "message": f"joined {args['group_name']} as rank {args['rank']}"})
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """Receive one bucket of tensors from the trainer's broadcast, then load it all or nothing. The
+    tensors are received even when the bucket does not fit the model, so the trainer's broadcast
+    completes and it gets the 400; a body too malformed to receive by closes the group instead."""
     body = await read_json(request)
-    group: UpdateGroup | None = request.app[STATE].get("update_group")
-    if group is None:
+    state = request.app[STATE]
+    if state.get("update_group") is None:
         raise RequestError("call /init_weights_update_group first")
-    engine, version = request.app[ENGINE], _version(body)
+    try:
+        names, dtypes, shapes = bucket_spec(body, state["update_group_name"])
+        version = _version(body)
+    except RequestError as exc:  # nothing to receive into: close the group, the trainer's broadcast fails fast
+        state.pop("update_group").close()
+        raise RequestError(f"{exc}; the update group is closed (call /init_weights_update_group again)") from None
+    engine = request.app[ENGINE]
     device = next(engine.model.parameters()).device
-
-    def receive_and_load():
-        engine.load_weights(receive_state(group, body.get("names", []), body.get("dtypes", []),
-                                          body.get("shapes", []), device), version)
-
-    await asyncio.wrap_future(engine.call(receive_and_load))
+    received = await asyncio.to_thread(receive_state, state["update_group"], names, dtypes, shapes, device)
+    await asyncio.wrap_future(engine.update_weights(received, version, complete=False))
     return web.json_response({"success": True, "weight_version": str(engine.version)})
 
 
-def receive_state(group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+def bucket_spec(body: dict, group_name: str) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+    """``names``, ``dtypes`` and ``shapes`` of one bucket: what the trainer is about to broadcast on
+    the joined group ``group_name``. Declared dtypes are those of models.hf.DTYPES."""
+    if body.get("group_name", group_name) != group_name:
+        raise RequestError(f"group_name {reprlib.repr(body['group_name'])} is not the joined group {group_name!r}")
+    names, dtypes, shapes = (body.get(key) for key in ("names", "dtypes", "shapes"))
+    if not all(type(v) is list for v in (names, dtypes, shapes)) or not len(names) == len(dtypes) == len(shapes):
+        raise RequestError(f"names, dtypes and shapes must be lists of one length, got "
+                           f"{reprlib.repr(names)}, {reprlib.repr(dtypes)}, {reprlib.repr(shapes)}")
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        if not isinstance(name, str):
+            raise RequestError(f"tensor name {reprlib.repr(name)} is not a string")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise RequestError(f"{name}: dtype {reprlib.repr(dtype)} is not one of {sorted(DTYPES)}")
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+            raise RequestError(f"{name}: shape {reprlib.repr(shape)} is not a list of integers >= 0")
+    return names, [DTYPES[d] for d in dtypes], shapes
+
+
+def receive_state(group: UpdateGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]],
                   device: torch.device) -> dict[str, torch.Tensor]:
-    """Server side of one update: the tensors rank 0 broadcasts, in ``names`` order."""
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise RequestError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-    unknown = sorted(set(dtypes) - DTYPES.keys())
-    if unknown:
-        raise RequestError(f"dtypes {unknown} are not among {sorted(DTYPES)}")
-    return {name: broadcast_tensor(group, torch.empty(shape, dtype=DTYPES[dtype], device=device))
+    """Server side of one bucket: the tensors rank 0 broadcasts, in ``names`` order, as declared."""
+    return {name: broadcast_tensor(group, torch.empty(shape, dtype=dtype, device=device))
             for name, dtype, shape in zip(names, dtypes, shapes)}
 
 
 def _version(body: dict) -> int | None:
+    """``weight_version``: an integer, or a string of one (SGLang's own type)."""
     version = body.get("weight_version")
-    try:
-        return None if version is None else int(version)
-    except (TypeError, ValueError):
-        raise RequestError(f"weight_version {version!r} must be an integer") from None
+    if version is None or type(version) is int:
+        return version
+    if isinstance(version, str):
+        try:
+            return int(version)
+        except ValueError:
+            pass
+    raise RequestError(f"weight_version {reprlib.repr(version)} must be an integer")
 
 
 def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None) -> web.Application:

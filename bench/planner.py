@@ -1,6 +1,6 @@
 """AReaL-Hex planner wall time on 24-1024 GPUs vs the paper's scheduler, and vs exhaustive enumeration.
 
-    .venv/bin/python bench/planner.py [--model r1-distill-qwen-14b] [--repeats 3] [--save]
+    .venv/bin/python bench/planner.py [--model r1-distill-qwen-14b] [--repeats 3] [--machine TEXT] [--save]
 
 Clusters are H800 + H20 mixes (a quarter H800), 8 devices per machine, the paper's links and
 prices; the RL batch grows with the cluster (64 sequences of 1k+8k tokens per 32 GPUs). Each size
@@ -63,7 +63,7 @@ def run(args) -> dict:
                        search_vs_optimum=round(plan.tokens_per_s / best.tokens_per_s, 4))
         rows.append(row)
         print({k: row[k] for k in ("gpus", "search_s", "splits_evaluated")}, flush=True)
-    result = {"benchmark": "planner", "date": date.today().isoformat(), "machine": machine(), "model": args.model,
+    result = {"benchmark": "planner", "date": date.today().isoformat(), "machine": args.machine, "model": args.model,
             "repeats": args.repeats, "rows": rows,
             "versions": {"python": platform.python_version(), "highspy": version("highspy"),
                          "pymetis": version("pymetis"), "scipy": version("scipy")},
@@ -93,7 +93,7 @@ def report(r: dict) -> str:
 
 def record_repro(args, name: str, title: str, setting: str, rows, notes) -> None:
     """A `repro` table, recorded beside the timing (the same factors the CLI uses)."""
-    result = {"date": date.today().isoformat(), "machine": machine(), "setting": setting,
+    result = {"date": date.today().isoformat(), "machine": args.machine, "setting": setting,
               "rows": [row.to_dict() for row in rows], "notes": notes}
     text = [f"# {title} ({result['date']})", "", setting, "",
             "| table | row | paper | ours | ours/paper | role |", "|---|---|---|---|---|---|"]
@@ -108,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="r1-distill-qwen-14b")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--machine", default=machine(), help="how to describe this machine in the record")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     args = parser.parse_args()
     run_and_record("planner", args, run, report)

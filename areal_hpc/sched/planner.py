@@ -20,7 +20,7 @@ from areal_hpc.sched.hardware import Cluster
 from areal_hpc.sched.partition import metis_split, ratio_split
 from areal_hpc.sched.rollout_milp import RolloutMILP, RolloutPlan
 
-EXHAUSTIVE_LIMIT = 128  # device splits: enumerate them all up to this many
+EXHAUSTIVE_LIMIT = 512  # device splits: enumerate them all up to this many (8 H800 + 48 H20: 9 x 49)
 REFINE_STARTS = 4  # hill climbs, from the best distinct splits the search found
 CHEAPEST = 1e-9  # tokens/s: a min-cost target every plan meets, so the cheapest plan
 

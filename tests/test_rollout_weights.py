@@ -1,0 +1,248 @@
+"""Weight updates of the embedded server, all or nothing: from disk, from a trainer's broadcast in
+buckets, and re-joining the update group after a trainer restart.
+
+Refused updates share one server and check that it still serves the weights and version it started
+with; updates that succeed get a server of their own, so every test passes in any order.
+"""
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from areal_hpc.launch.name_resolve import free_port
+from areal_hpc.models.hf import load_model, load_tokenizer, save_model
+from areal_hpc.parallel.weight_group import broadcast_tensor, join_update_group
+from areal_hpc.train.weight_push import DTYPE_NAMES
+from tests.conftest import embedded_server
+from tests.test_rollout_server import PROMPT, generate, in_background, model_info, post, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with embedded_server(tiny_model_dir, tmp_path_factory.mktemp("runs")) as (_, address):
+        yield address
+
+
+@pytest.fixture
+def own_server(tiny_model_dir, tmp_path):
+    """A server for one test that changes its weights."""
+    with embedded_server(tiny_model_dir, tmp_path / "runs") as (process, address):
+        yield process, address
+
+
+def served(address: str) -> tuple[list[int], str]:
+    """What a refused update must leave alone: greedy output and weight version."""
+    return generate(address, temperature=0, max_new_tokens=8)["output_ids"], model_info(address)["weight_version"]
+
+
+def perturbed(model_dir, seed: int):
+    """The same architecture with other weights: what a training step produces."""
+    model = load_model(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5 * param.std() * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def greedy(model, n: int = 6) -> list[int]:
+    with torch.no_grad():
+        return model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False)[0, len(PROMPT):].tolist()
+
+
+def refused(address: str, route: str, body: dict) -> str:
+    status, reply = post(address, route, body)
+    assert status == 400, reply
+    message = reply["error"]["message"]
+    assert "\n" not in message
+    return message
+
+
+@contextlib.contextmanager
+def trainer_group(address: str, group_name: str = "sync"):
+    """Rank 0 of a new update group joined by the server (what a trainer does when it starts); on exit
+    the trainer's side goes away, as when its process ends."""
+    port = free_port("127.0.0.1")
+    joining, joined = in_background(join_update_group, "gloo", "127.0.0.1", port, 0, 2, group_name, timeout_s=60)
+    status, reply = post(address, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": group_name, "backend": "gloo"})
+    joining.join(timeout=60)
+    assert status == 200, reply
+    group = joined.pop("result")
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def push(address: str, group, tensors: dict[str, torch.Tensor], version: int, **declared) -> tuple[int, dict]:
+    """One bucket as weight_push sends it: the request, and rank 0 broadcasting every tensor. The
+    broadcasts must complete whatever the server answers (or the trainer would hang)."""
+    body = {"names": list(tensors), "dtypes": [DTYPE_NAMES[t.dtype] for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()], "weight_version": version, **declared}
+    request, reply = in_background(post, address, "/update_weights_from_distributed", body)
+    for tensor in tensors.values():
+        broadcast_tensor(group, tensor.contiguous())
+    request.join(timeout=60)
+    return reply["result"]
+
+
+def save(model, tiny_model_dir, folder):
+    return save_model(model, load_tokenizer(tiny_model_dir), folder)
+
+
+# -- refused updates (shared server, nothing may change) ---------------------------------------
+
+def test_a_checkpoint_with_another_vocabulary_is_refused_and_changes_nothing(server, tiny_model_dir, tmp_path):
+    before = served(server)
+    model = perturbed(tiny_model_dir, seed=3)
+    model.resize_token_embeddings(model.config.vocab_size + 16)
+    message = refused(server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m"))})
+    assert message == ("weights not loaded (version 0 kept): model.embed_tokens.weight has shape [676, 128]; "
+                       "the served model's is [660, 128]")
+    assert served(server) == before
+
+
+def test_a_checkpoint_with_fewer_layers_is_refused_and_changes_nothing(server, tiny_model_dir, tmp_path):
+    before = served(server)
+    model = perturbed(tiny_model_dir, seed=4)
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers, model.config.layer_types = 2, model.config.layer_types[:2]
+    message = refused(server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m")),
+                                                            "weight_version": 3})
+    assert message == ("weights not loaded (version 0 kept): model.layers.2.self_attn.q_proj.weight is missing "
+                       "(given 26 of the served model's 50 tensors) (and 23 more mismatches)")
+    assert served(server) == before
+
+
+def test_a_checkpoint_with_an_untied_head_is_refused_and_changes_nothing(server, tiny_model_dir, tmp_path):
+    before = served(server)
+    model = perturbed(tiny_model_dir, seed=5)
+    model.config.tie_word_embeddings = False
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight + 1)
+    message = refused(server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m"))})
+    assert message.endswith("model.embed_tokens.weight and lm_head.weight are one tied tensor in the served model "
+                            "but differ here"), message
+    assert served(server) == before
+
+
+def test_unreadable_checkpoints_are_refused_with_the_whole_reason(server, tmp_path):
+    before = served(server)
+    assert refused(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "nowhere")}).endswith(
+        "is not a folder")
+    assert refused(server, "/update_weights_from_disk", {"model_path": str(tmp_path)}).endswith(
+        "has no model.safetensors or model.safetensors.index.json (the embedded engine loads safetensors checkpoints)")
+    (tmp_path / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{not a header")
+    message = refused(server, "/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert message.startswith(f"could not read the checkpoint in {tmp_path}: SafetensorError: "), message
+    assert served(server) == before
+
+
+@pytest.mark.parametrize("mismatch, message", [
+    ("model.layers.0.mlp.up.weight", "model.layers.0.mlp.up.weight is not a tensor of the served model "
+                                     "(nearest: model.layers.0.mlp.up_proj.weight)"),
+    ("model.norm.weight", "model.norm.weight has shape [129]; the served model's is [128]"),
+])
+def test_a_bucket_that_does_not_fit_is_received_then_refused_and_changes_nothing(
+        server, tiny_model_dir, mismatch, message):
+    before = served(server)
+    state = perturbed(tiny_model_dir, seed=6).state_dict()
+    bucket = {name: state[name] for name in list(state)[:12]}  # these would change the output ...
+    bucket[mismatch] = torch.ones(129)  # ... but the last tensor does not fit
+    with trainer_group(server) as group:
+        status, reply = push(server, group, bucket, version=9)
+    assert status == 400 and reply["error"]["message"] == f"weights not loaded (version 0 kept): {message}", reply
+    assert served(server) == before
+
+
+def test_a_bucket_that_cannot_be_received_closes_the_group_so_the_trainer_fails_fast(server, tiny_model_dir):
+    before = served(server)
+    with trainer_group(server) as group:
+        body = {"names": ["model.norm.weight"], "dtypes": ["float8"], "shapes": [[128]]}
+        sending, sent = in_background(lambda: pytest.raises(RuntimeError, broadcast_tensor, group, torch.ones(128)))
+        message = refused(server, "/update_weights_from_distributed", body)
+        sending.join(timeout=30)  # the group's timeout is 60 s: only a closed connection ends it sooner
+        assert not sending.is_alive() and "Connection closed by peer" in str(sent["result"].value)
+    assert message == ("model.norm.weight: dtype 'float8' is not one of ['bfloat16', 'float16', 'float32']; "
+                       "the update group is closed (call /init_weights_update_group again)")
+    assert refused(server, "/update_weights_from_distributed", body) == "call /init_weights_update_group first"
+    assert served(server) == before
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"master_port": "29500"}, "master_port = '29500'; it must be an integer in [1, 65535]"),
+    ({"rank_offset": 0}, "rank_offset = 0; it must be an integer in [1, world_size)"),
+    ({"rank_offset": 2}, "rank_offset = 2; it must be an integer in [1, world_size)"),
+    ({"world_size": True}, "world_size = True; it must be an integer >= 2"),
+    ({"backend": "mpi"}, "backend = 'mpi'; it must be 'gloo' or 'nccl'"),
+])
+def test_bad_update_group_requests_are_refused_before_joining(server, body, message):
+    good = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+    assert refused(server, "/init_weights_update_group", {**good, **body}) == message
+
+
+# -- updates that apply (a server each) ---------------------------------------------------------
+
+def test_weight_update_from_disk_changes_outputs_and_version_tags(own_server, tiny_model_dir, tmp_path):
+    _, address = own_server
+    source = perturbed(tiny_model_dir, seed=1)
+    status, reply = post(address, "/update_weights_from_disk", {"model_path": str(save(source, tiny_model_dir, tmp_path / "m")),
+                                                               "weight_version": "5"})
+    assert status == 200 and reply["weight_version"] == "5", reply
+    after = generate(address, temperature=0, max_new_tokens=6)
+    assert after["output_ids"] == greedy(source)[:len(after["output_ids"])]
+    assert after["meta_info"]["output_token_versions"] == [5] * len(after["output_ids"])
+
+
+def test_weight_update_from_distributed_in_buckets_with_half_precision_cast(own_server, tiny_model_dir):
+    """The trainer's buckets, lm_head (tied) included; a bucket declared float16 is cast to float32."""
+    _, address = own_server
+    source = perturbed(tiny_model_dir, seed=2)
+    with torch.no_grad():
+        for param in source.parameters():
+            param.copy_(param.half().float())  # so sending in float16 loses nothing
+    state = source.state_dict()
+    names = list(state)
+    with trainer_group(address) as group:
+        assert push(address, group, {n: state[n] for n in names[:25]}, version=7)[0] == 200
+        status, reply = push(address, group, {n: state[n].half() for n in names[25:]}, version=7)
+    assert status == 200 and reply["weight_version"] == "7", reply
+    out = generate(address, temperature=0, max_new_tokens=6)
+    assert out["output_ids"] == greedy(source)[:len(out["output_ids"])]
+    assert set(out["meta_info"]["output_token_versions"]) == {7}
+
+
+def test_a_restarted_trainer_joins_again_while_the_old_one_hangs_and_nothing_leaks(own_server, tiny_model_dir):
+    """A trainer stops mid-update (its bucket declared, nothing sent): the server keeps generating, a
+    restarted trainer joins a new group and updates through it; when the old trainer's process ends
+    its update fails. Restarting three times leaves the server with the files and threads of one group."""
+    process, address = own_server
+
+    def resources():
+        return len(os.listdir(f"/proc/{process.pid}/fd")), len(os.listdir(f"/proc/{process.pid}/task"))
+
+    with trainer_group(address):  # the old trainer: it declares a bucket and sends nothing
+        hung, hung_reply = in_background(post, address, "/update_weights_from_distributed", {
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]], "weight_version": 1})
+        answer, reply = in_background(generate, address, max_new_tokens=4)
+        answer.join(timeout=30)
+        assert len(reply["result"]["output_ids"]) == 4  # generation does not wait for the hung update
+        held = []
+        for restart in range(3):
+            source = perturbed(tiny_model_dir, seed=10 + restart)
+            with trainer_group(address) as new:
+                status, update = push(address, new, source.state_dict(), version=10 + restart)
+                assert status == 200, update
+                assert generate(address, temperature=0, max_new_tokens=6)["output_ids"] == greedy(source)[:6]
+                held.append(resources())  # the hung update's group and this one
+        assert "result" not in hung_reply
+        assert held[-1] == held[0], held
+    hung.join(timeout=30)  # the old trainer is gone: its connection closed, the transfer fails now
+    status, update = hung_reply["result"]
+    assert status == 500 and "Connection closed by peer" in update["error"]["message"], update
+    assert model_info(address)["weight_version"] == "12"
+    assert wait_for(lambda: resources() < held[0], "the hung update's group to be freed", timeout_s=10)

@@ -1,8 +1,10 @@
 """`areal-hpc train` end to end: real rollout servers, real trainer ranks on gloo, real shards.
 
-A short asynchronous run (two trainer ranks, distributed weight sync), PPO with a critic and a KL
-penalty, a run killed with SIGKILL and resumed (no trajectory trained twice, none lost, no process
-left behind), and the one-line errors of a run folder that is already taken or has nothing to resume.
+A short asynchronous run (two trainer ranks, distributed weight sync) whose weight updates interrupt
+generation, PPO with a critic and a KL penalty, a run killed with SIGKILL and resumed (no trajectory
+trained twice, none lost, no process left behind), the one-line errors of a run folder that is
+already taken or has nothing to resume, and a run whose rollouts all fail (prompts longer than the
+context): it stops with one line and exit code 1, its failures counted in the metrics meanwhile.
 """
 
 from __future__ import annotations
@@ -73,14 +75,21 @@ def processes_of(run: Path) -> list[int]:
 
 
 def test_async_run_with_two_trainer_ranks_and_distributed_weight_sync(tiny_model_dir, tmp_path):
+    """One KV slot on the server makes generation the slow side (eta * B groups decode one sequence
+    at a time while a step trains), so weight updates find requests in flight and interrupt them:
+    a synchronous run, which also keeps staleness <= eta, would show no interruption."""
     result = run_cli(*train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=3", "rl.eval_every_steps=3",
                                  "rl.trainer_processes=2", "rl.weight_sync=distributed",
-                                 "rollout.max_head_offpolicyness=1"), timeout=400)
+                                 "rollout.max_head_offpolicyness=2", "rollout.max_running_requests=1",
+                                 "gconfig.max_new_tokens=32"), timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     run = run_dir(tmp_path)
     steps = [r for r in metrics(run) if "rollout/reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    assert all(r["staleness/max"] <= 1 and r["sync/bytes"] > 0 for r in steps)
+    assert all(r["staleness/max"] <= 2 and r["sync/bytes"] > 0 and r["rollout/failures_total"] == 0 for r in steps)
+    assert sum(r["rollout/interruptions"] for r in steps) > 0
+    with TrajectoryStore(run / "shards") as store:  # a request cut by an update finished on the new weights
+        assert any(t.version_range[0] < t.version_range[1] for t in store.trajectories())
     assert [r["step"] for r in metrics(run) if "eval/accuracy" in r] == [0, 3]
     # every trained trajectory came from the shards, and none twice
     trained = [i for line in (run / "logs" / "batches.jsonl").read_text().splitlines()
@@ -101,7 +110,7 @@ def test_ppo_with_a_critic_and_a_kl_penalty_trains_both_models(tiny_model_dir, t
     assert result.returncode == 0, result.stderr[-3000:]
     run = run_dir(tmp_path)
     last = [r for r in metrics(run) if "rollout/reward" in r][-1]
-    assert last["critic/loss"] > 0 and "actor/ref_kl_sum" in last and last["actor/grad_norm"] > 0
+    assert last["critic/loss"] > 0 and last["actor/ref_kl_sum"] > 0 and last["actor/grad_norm"] > 0
     assert (run / "checkpoints" / "step000002" / "critic" / "training_state.pt").exists()
 
 
@@ -172,3 +181,31 @@ def test_a_taken_run_folder_and_a_missing_checkpoint_are_one_line_errors(tiny_mo
     (run_dir(tmp_path) / "checkpoints" / "latest").write_text("step000001\n")
     again = run_cli(*train_args(tiny_model_dir, tmp_path))
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--resume" in again.stderr
+
+
+def test_a_run_whose_rollouts_all_fail_stops_with_one_line_and_its_failures_in_the_metrics(tiny_model_dir, tmp_path):
+    """Training prompts longer than the servers' context: every /generate is refused (400). The run
+    used to wait forever behind a frozen progress line; now the failure budget stops it, and the
+    metrics and TensorBoard said why all along (no step ever trained)."""
+    long_question = "Tom has {i} apples and " + "gives one to a friend, then " * 12 + "how many are left?"
+    (tmp_path / "long.jsonl").write_text("".join(
+        json.dumps({"question": long_question.format(i=i), "answer": f"#### {i}"}) + "\n" for i in range(40)))
+    (tmp_path / "short.jsonl").write_text("".join(
+        json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(4)))
+    result = run_cli(*train_args(tiny_model_dir, tmp_path, "dataset.task=gsm8k", f"dataset.path={tmp_path}/long.jsonl",
+                                 f"dataset.eval_path={tmp_path}/short.jsonl", "rollout.context_length=64",
+                                 "stats.tensorboard=true"), timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("areal-hpc: error: rollouts keep failing: 32 episodes in a row failed (rejected ")
+    assert "/generate answered 400: too many tokens" in last and "> context length 64" in last
+    run = run_dir(tmp_path)
+    records = metrics(run)
+    assert not [r for r in records if "rollout/reward" in r]
+    assert max(r.get("rollout/failures/rejected", 0) for r in records) >= 32
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert max(e.value for e in events.Scalars("rollout/failures/rejected")) >= 32
+    assert wait_for_no_processes(run) == []

@@ -51,6 +51,9 @@ def test_misspelt_yaml_key_names_file_and_closest_key(tmp_path):
     ("sft.lr=0", ["sft.lr", "0", "> 0"]),
     ("gconfig.top_p=1.5", ["gconfig.top_p", "1.5", "<= 1"]),
     ("dataset.arithmetic=3", ["dataset.arithmetic", "section", "dataset.arithmetic.min_digits"]),
+    ("rollout.failure_budget.max_rate=1.5", ["rollout.failure_budget.max_rate", "1.5", "<= 1"]),
+    ("rollout.failure_budget.window=0", ["rollout.failure_budget.window", "0", ">= 1"]),
+    ("rollout.failure_budget=8", ["rollout.failure_budget", "section", "rollout.failure_budget.max_consecutive"]),
     ("no_equals_sign", ["no_equals_sign", "key=value"]),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(override, words):
@@ -93,3 +96,12 @@ def test_shipped_configs_load(name):
 @pytest.mark.parametrize("trial", ["04718e80", "1e3", "007", "true", "null"])
 def test_text_overrides_stay_as_typed(trial):
     assert load_config(None, [f"experiment.trial={trial}", "actor.lr=1e-3"]).experiment.trial == trial
+
+
+def test_the_failure_budget_is_built_from_its_config_section():
+    from areal_hpc.rollout.controller import FailureBudget
+
+    cfg = load_config(None, ["rollout.failure_budget.max_consecutive=0", "rollout.failure_budget.window=50",
+                             "rollout.failure_budget.max_rate=0.25"])
+    assert FailureBudget.from_config(cfg.rollout.failure_budget) == FailureBudget(0, 50, 0.25)
+    assert FailureBudget.from_config(load_config().rollout.failure_budget) == FailureBudget()  # same defaults

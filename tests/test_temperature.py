@@ -1,6 +1,7 @@
 """The trainer uses the sampler's temperature: its logprobs equal those a real rollout server reports
-at T = 0.7 and 1.3 (top-p / top-k truncation included, which leaves reported logprobs untruncated),
-and one decoupled-PPO step at T = 1.3 equals a float64 reference written from the formula."""
+at T = 0.7 and 1.3 (top-p / top-k truncation included, which leaves reported logprobs untruncated)
+and for greedy rollouts (T = 1), and one decoupled-PPO step at T = 1.3 equals a float64 reference
+written from the formula."""
 
 from __future__ import annotations
 
@@ -35,9 +36,8 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
     return save_model(model, load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("peaked") / "model")
 
 
-def trainer_actor(model_dir, temperature: float, *overrides: str):
-    cfg = load_config(None, [f"model.path={model_dir}", f"gconfig.temperature={temperature}", "rl.total_train_steps=1",
-                             *overrides])
+def trainer_actor(model_dir, *overrides: str):
+    cfg = load_config(None, [f"model.path={model_dir}", "rl.total_train_steps=1", *overrides])
     return build_actor(cfg, torch.device("cpu"), None)[0], cfg
 
 
@@ -47,11 +47,16 @@ def server(peaked_model_dir, tmp_path_factory):
         yield address
 
 
-@pytest.mark.parametrize("temperature, truncation", [(0.7, {}), (1.3, {"top_p": 0.8, "top_k": 20})])
-def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(peaked_model_dir, server, temperature,
-                                                                        truncation):
+@pytest.mark.parametrize("gconfig, sampling, other_temperature", [
+    ({"temperature": 0.7}, {"temperature": 0.7}, 1.0),
+    ({"temperature": 1.3, "top_p": 0.8, "top_k": 20}, {"temperature": 1.3, "top_p": 0.8, "top_k": 20}, 1.0),
+    # greedy rollouts are requests at temperature 0, whose logprobs are reported at temperature 1
+    ({"temperature": 0.7, "greedy": True}, {"temperature": 0.0}, 0.7),
+])
+def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(peaked_model_dir, server, gconfig, sampling,
+                                                                        other_temperature):
     tokenizer = load_tokenizer(peaked_model_dir)
-    sampling = {"max_new_tokens": 24, "temperature": temperature, "ignore_eos": True, **truncation}
+    sampling = {"max_new_tokens": 24, "ignore_eos": True, **sampling}
 
     async def generate():
         async with RolloutClient([server]) as client:
@@ -62,14 +67,14 @@ def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(peaked_m
                           [[0] * len(g.input_ids) + [1] * len(g.output_ids) for g in generations])
     served = torch.tensor([lp for g in generations for lp in g.logprobs])
 
-    def trainer_logprobs(temperature_of_trainer: float) -> torch.Tensor:
-        actor, _ = trainer_actor(peaked_model_dir, temperature_of_trainer)
+    def trainer_logprobs(**gconfig_of_trainer) -> torch.Tensor:
+        actor, _ = trainer_actor(peaked_model_dir, *(f"gconfig.{k}={v}" for k, v in gconfig_of_trainer.items()))
         out = actor.actor.forward(batch)  # position t: the logprob of token t + 1
         return torch.cat([lp[len(g.input_ids) - 1:-1] for lp, g in zip(out, generations)])
 
-    torch.testing.assert_close(trainer_logprobs(temperature), served, atol=1e-4, rtol=0)
-    # the check has teeth: logprobs at T = 1 (what the trainer used to compute) are far off
-    assert (trainer_logprobs(1.0) - served).abs().max() > 0.05
+    torch.testing.assert_close(trainer_logprobs(**gconfig), served, atol=1e-4, rtol=0)
+    # the check has teeth: logprobs at another temperature (T = 1 is what the trainer used to compute) are far off
+    assert (trainer_logprobs(temperature=other_temperature) - served).abs().max() > 0.05
 
 
 def reference_ppo_step(model_dir, trajectories, temperature: float, eps_clip: float, cap: float):
@@ -98,7 +103,7 @@ def reference_ppo_step(model_dir, trajectories, temperature: float, eps_clip: fl
 
 def test_one_ppo_step_at_temperature_equals_the_float64_reference(peaked_model_dir):
     temperature = 1.3
-    actor, cfg = trainer_actor(peaked_model_dir, temperature, "optimizer.gradient_clipping=0",
+    actor, cfg = trainer_actor(peaked_model_dir, f"gconfig.temperature={temperature}", "optimizer.gradient_clipping=0",
                                "actor.max_tokens_per_mb=64")  # several micro-batches
     trajectories = synthetic_batch(len(load_tokenizer(peaked_model_dir)))
     batch = build_batch(trajectories, cfg.actor, cfg.gconfig.max_new_tokens)

@@ -1,7 +1,7 @@
 """The training batch of RL: whole sequences plus per-position tensors, cut into micro-batches,
 minibatches and data-parallel parts without ever padding.
 
-Per-position tensors follow the packed layout of ``algo.microbatch.pack``: entry t of a sequence is
+Per-position tensors follow the packed layout of ``algo.packing.pack``: entry t of a sequence is
 about predicting token t+1 (its behaviour logprob, its advantage, its loss weight), so they line up
 with ``packed_token_logprobs`` when the sequences are packed.
 """

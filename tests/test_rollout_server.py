@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
@@ -219,7 +219,7 @@ NOT_INT = JSON.filter(lambda v: type(v) is not int)
 IDS = st.lists(st.integers(-2, 700), max_size=5)
 SAMPLING = st.fixed_dictionaries(
     {"max_new_tokens": st.integers(-1, 4) | st.integers(2000, 10 ** 30) | NOT_INT},  # valid ones stay short
-    optional={"temperature": st.floats() | st.integers() | JSON, "top_p": st.floats() | JSON,
+    optional={"temperature": st.floats() | st.floats(0, 1e-30) | st.integers() | JSON, "top_p": st.floats() | JSON,
               "top_k": st.integers() | JSON, "stop_token_ids": st.lists(st.integers()) | JSON,
               "ignore_eos": JSON, "n": JSON})
 BODIES = st.fixed_dictionaries(
@@ -239,11 +239,14 @@ def test_fuzzed_generate_bodies_get_200_or_400_and_never_disturb_requests_in_fli
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(body=BODIES)
+    @example(body={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "temperature": 1e-40}})
     def one_request(body):
         status, reply = post(server, "/generate", body)
         assert status in (200, 400), (body, reply)
         if status == 400:
             assert reply["error"]["code"] == 400 and "\n" not in reply["error"]["message"]
+        flags = [body.get(name, False) for name in ("return_logprob", "stream")] if isinstance(body, dict) else []
+        assert status == 400 or all(type(flag) is bool for flag in flags), (body, reply)  # no truthy strings
 
     try:
         one_request()

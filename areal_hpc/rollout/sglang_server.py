@@ -3,7 +3,10 @@ under the supervisor (health wait, log tail on failure) and registered in name-r
 
     areal-hpc serve backend=sglang model.path=/models/Qwen2.5-7B rollout.tp_size=2 port=30000
 
-The controller and the weight sync talk to it exactly as to the embedded engine (same routes).
+The controller and the weight sync talk to it exactly as to the embedded engine (same routes), and
+its logprobs mean the same: the sampled token's under the tempered distribution before top-p/top-k,
+at temperature 1 for greedy requests, as long as SGLANG_RETURN_ORIGINAL_LOGPROB is not set (with it,
+SGLang reports temperature-1 logprobs for every request and the trainer's would not match).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from areal_hpc.extras import require
 from areal_hpc.launch.name_resolve import advertised_address, free_port, registered_server
 from areal_hpc.launch.supervisor import SupervisedProcess
+
 
 def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
     """The launch command for one server of ``cfg.rollout`` on ``port``."""
@@ -37,7 +41,7 @@ def serve_sglang(cfg) -> None:
     port = cfg.rollout.port or free_port(cfg.rollout.host)
     address = advertised_address(cfg.rollout.host, port)
     server = SupervisedProcess(f"SGLang server {address}", sglang_command(cfg, port),
-                           cfg.run_dir / "logs" / f"sglang-{address.replace(':', '-')}.log").start()
+                               cfg.run_dir / "logs" / f"sglang-{address.replace(':', '-')}.log").start()
     try:
         server.wait_healthy(address, cfg.rollout.launch_timeout_s)
         with registered_server(cfg.run_dir, address):

@@ -1,0 +1,48 @@
+"""The embedded engine in-process: a forward pass that raises because of one row fails that row only.
+
+A fault cannot be caused through the HTTP contract on a healthy model (requests are checked first),
+so this test injects one into the decoder: the pass raises whenever a given token or position is in it.
+"""
+
+import threading
+
+import torch
+
+from areal_hpc.models.hf import load_model
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams
+from tests.test_rollout_server import PROMPT, teacher_forced_logprobs
+
+
+def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(tiny_model_dir):
+    engine = EmbeddedEngine(load_model(tiny_model_dir), slots=8, context_length=256)
+    forward = engine.decoder._forward
+
+    def faulty(tokens, positions, first_row):
+        if (tokens == 400).any() or (positions == 30).any():
+            raise RuntimeError("injected fault")
+        return forward(tokens, positions, first_row)
+
+    engine.decoder._forward = faulty
+    prompts = {"fine-1": PROMPT, "fine-2": PROMPT[:3], "fine-3": PROMPT * 2,
+               "prefill-culprit": PROMPT + [400], "decode-culprit": PROMPT * 5}  # reaches position 30 decoding
+    results, all_done = {}, threading.Event()
+
+    def on_done(result):
+        results[result.rid] = result
+        if len(results) == len(prompts):
+            all_done.set()
+
+    for rid, prompt in prompts.items():  # queued together: one prefill over all five
+        engine.submit(Request(rid, prompt, SamplingParams(max_new_tokens=20, ignore_eos=True), on_done))
+    try:
+        assert all_done.wait(timeout=120)
+    finally:
+        engine.stop()
+    for rid in ("prefill-culprit", "decode-culprit"):
+        assert results[rid].error == f"RuntimeError: injected fault (output token {len(results[rid].output_ids)})"
+    assert len(results["decode-culprit"].output_ids) == 6  # one from the prefill, five fed at positions 25..29
+    for rid in ("fine-1", "fine-2", "fine-3"):
+        result = results[rid]
+        assert result.error is None and result.finish_reason == "length" and len(result.output_ids) == 20
+        expected = teacher_forced_logprobs(tiny_model_dir, prompts[rid], result.output_ids)
+        assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)

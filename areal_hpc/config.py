@@ -107,8 +107,8 @@ class SFTConfig:
 @dataclass
 class FailureBudgetConfig:
     max_consecutive: int = spec(32, "episodes failing in a row that stop the run; 0: never", ge=0)
-    window: int = spec(200, "the last this many episodes are those `max_rate` is measured over", ge=1)
-    max_rate: float = spec(0.5, "share of failed episodes in a full window that stops the run; 1: never",
+    window: int = spec(200, "how many of the latest episodes the failure rate is measured over", ge=1)
+    max_rate: float = spec(0.5, "failure rate over a full window above which the run stops; 1: never",
                            gt=0.0, le=1.0)
 
 

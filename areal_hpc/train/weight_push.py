@@ -75,9 +75,9 @@ class DistributedWeightSync:
         self.group, *_ = await asyncio.gather(joining, *invites)
 
     def destroy_group(self) -> None:
-        """Shut the update group down and release its store (its port) now, not whenever it is collected."""
+        """Close the update group and drop it, which releases its store (its port) and sockets now."""
         if self.group is not None:
-            self.group.group.shutdown()
+            self.group.close()
             self.group = None
 
     async def push(self, engine: TrainEngine, client: RolloutClient, version: int) -> dict[str, float]:

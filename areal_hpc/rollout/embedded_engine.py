@@ -229,9 +229,7 @@ class EmbeddedEngine:
             try:
                 self._admit()
                 if self._running:
-                    self._advance(0, self._running, lambda row, requests: self.decoder.decode(
-                        [r.output_ids[-1] for r in requests],
-                        [len(r.input_ids) + len(r.output_ids) - 1 for r in requests], row))
+                    self._step()
             except Exception as exc:  # noqa: BLE001 - a bug outside the forward pass: fail these, keep serving
                 log.exception("engine step failed")
                 for request in self._running:
@@ -266,6 +264,11 @@ class EmbeddedEngine:
             first = len(self._running)
             self._running += batch
             self._advance(first, batch, lambda row, requests: self.decoder.prefill(row, [r.input_ids for r in requests]))
+
+    def _step(self) -> None:
+        """Feed every running request its last token: one more token each."""
+        self._advance(0, self._running, lambda row, requests: self.decoder.decode(
+            [r.output_ids[-1] for r in requests], [len(r.input_ids) + len(r.output_ids) - 1 for r in requests], row))
 
     def _advance(self, first: int, requests: list[Request],
                  forward: Callable[[int, list[Request]], torch.Tensor]) -> None:

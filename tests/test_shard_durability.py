@@ -112,3 +112,43 @@ def test_a_checkpoint_is_on_disk_before_its_name_and_before_latest_names_it(tmp_
     assert disk_log[pointed][1] in synced(disk_log[renamed:pointed])
     assert root in synced(disk_log[pointed:])
     assert latest_checkpoint(tmp_path) == final
+
+
+def test_a_failed_commit_drops_its_records_and_the_next_commit_writes_over_it(tmp_path, monkeypatch):
+    """A full disk in the middle of a commit: the caller is told the group was not stored, so it must
+    never surface later (the controller counted it as failed and will not train it); the next commit
+    starts at the last committed counts and the folder verifies clean."""
+    from areal_hpc.data.shards import UnknownTrajectoryError
+    from areal_hpc.data.shards.report import verify
+
+    real_write, calls = writer_module._Column.write, {"n": 0, "fail_at": None}
+
+    def write(column, start, values):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise OSError(28, "No space left on device")
+        real_write(column, start, values)
+
+    monkeypatch.setattr(writer_module._Column, "write", write)
+    writer = TrajectoryShardWriter(tmp_path, "w0", flush_every=100)
+    stored = [make_trajectory(5, i) for i in range(2)]
+    for trajectory in stored:
+        writer.append(trajectory)
+    writer.flush()
+    lost = make_trajectory(5, 2)
+    writer.append(lost)
+    calls["fail_at"] = calls["n"] + 3  # intended counts and the tokens are written, then the disk is full
+    with pytest.raises(OSError, match="No space left"):
+        writer.flush()
+    with pytest.raises(UnknownTrajectoryError):
+        writer.set_reward(lost.id, 1.0)
+    after = make_trajectory(5, 3)
+    writer.append(after)
+    writer.flush()
+    writer.append(lost)  # a retry of the lost group is a new append, accepted once
+    writer.close()
+    store = TrajectoryStore(tmp_path)
+    assert [t.id for t in store.trajectories()] == [t.id for t in [*stored, after, lost]]
+    store.close()
+    damage, notes, checked = verify(tmp_path)
+    assert (damage, checked) == ([], 4)

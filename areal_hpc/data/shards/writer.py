@@ -66,18 +66,19 @@ class TrajectoryShardWriter:
         self._counts = dict.fromkeys(COUNTED, 0)
         self._pending_records: list[tuple[np.ndarray, np.ndarray, np.void]] = []
         self._pending_rewards: list[np.ndarray] = []
+        self._pending_ids: set[str] = set()  # ids of the buffered records, known once committed
         self._ids = StoredIds(self.directory)  # this writer's ids, and others' read when a reward asks
 
     # -- public surface -------------------------------------------------------------------------
     def append(self, traj: Trajectory) -> None:
         """Add a record; its ``rewards`` (if any) go to the reward table with it."""
-        if self._ids.held(traj.id):
+        if traj.id in self._pending_ids or self._ids.held(traj.id):
             raise UserError(f"trajectory id {traj.id!r} was already written to {self.directory}")
         traj.experiment, traj.trial = self.experiment, self.trial
         traj.created = traj.created or time.time()
         self._pending_records.append(encode(traj))
         self._pending_rewards.extend(reward_row(traj.id, r) for r in traj.rewards)
-        self._ids.add(traj.id)
+        self._pending_ids.add(traj.id)
         self._maybe_flush()
 
     def set_reward(self, trajectory_id: str, value: float, *, step: int = 0, source: str = "",
@@ -85,19 +86,28 @@ class TrajectoryShardWriter:
         """Bind a (late) reward to a stored trajectory; an unknown id raises and writes nothing."""
         check_name("trajectory id", trajectory_id, MAX_ID_BYTES, allow_empty=False)
         check_name("reward source", source, MAX_SOURCE_BYTES)
-        if trajectory_id not in self._ids:
+        if trajectory_id not in self._pending_ids and trajectory_id not in self._ids:
             raise UnknownTrajectoryError(f"no trajectory with id {trajectory_id!r} in {self.directory}")
         reward = Reward(value=float(value), step=step, source=source, time=time.time() if at is None else at)
         self._pending_rewards.append(reward_row(trajectory_id, reward))
         self._maybe_flush()
 
     def flush(self) -> None:
-        """Commit everything buffered; after this returns it survives a SIGKILL of this process."""
+        """Commit everything buffered; after this returns it survives a SIGKILL of this process.
+
+        A commit that fails (a full disk, an I/O error) raises and drops what it held: the caller
+        was told those records were not stored, so they never appear later behind its back. The
+        next commit starts from the last committed counts, writing over what the failed one left.
+        """
         if not self._pending_records and not self._pending_rewards:
             return
-        if self._file is None:
-            self._open_next_shard()
-        self._commit()
+        try:
+            if self._file is None:
+                self._open_next_shard()
+            self._commit()
+        except BaseException:
+            self._pending_records, self._pending_rewards, self._pending_ids = [], [], set()
+            raise
         if (self._bytes_written() >= self.max_shard_bytes
                 or self._counts["index"] >= self.max_shard_trajectories):
             self._finalize()
@@ -167,7 +177,9 @@ class TrajectoryShardWriter:
         self._counts = end
         self._index_crc = zlib.crc32(rows, self._index_crc)
         self._rewards_crc = zlib.crc32(new["rewards"], self._rewards_crc)
-        self._pending_records, self._pending_rewards = [], []
+        for trajectory_id in self._pending_ids:
+            self._ids.add(trajectory_id)
+        self._pending_records, self._pending_rewards, self._pending_ids = [], [], set()
 
     def _sync(self) -> None:
         if self.fsync:

@@ -23,8 +23,6 @@ weights nor the version. Another floating dtype is cast to the live one, as SGLa
 from __future__ import annotations
 
 import concurrent.futures
-import difflib
-import json
 import logging
 import math
 import reprlib
@@ -37,6 +35,7 @@ from pathlib import Path
 import torch
 
 from areal_hpc.rollout.decoder import SlotDecoder
+from areal_hpc.rollout.weights import CheckpointError, read_checkpoint, weight_mismatches
 
 MIN_TEMPERATURE = 1e-6
 log = logging.getLogger(__name__)
@@ -196,7 +195,11 @@ class EmbeddedEngine:
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> concurrent.futures.Future:
         """Read the checkpoint here (the caller's thread), load it on the engine thread."""
-        return self.update_weights(read_checkpoint(path), version, complete=True)
+        try:
+            state = read_checkpoint(path)
+        except CheckpointError as exc:
+            raise RequestError(str(exc)) from exc
+        return self.update_weights(state, version, complete=True)
 
     @property
     def running(self) -> int:
@@ -364,52 +367,3 @@ def _truncate(probs: torch.Tensor, p: SamplingParams) -> None:
         ordered, order = probs.sort(descending=True)
         outside = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest prefix reaching top_p
         probs[order[outside]] = 0
-
-
-def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face safetensors checkpoint (one file or an indexed set of shards),
-    as stored: nothing is filled in, so a missing tensor is seen (``from_pretrained`` would
-    initialise it at random)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    if not index.exists() and not (folder / "model.safetensors").exists():
-        raise RequestError(f"{folder} has no model.safetensors or model.safetensors.index.json "
-                           "(the embedded engine loads safetensors checkpoints)")
-    try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-            else ["model.safetensors"]
-        return {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
-        raise RequestError(f"could not read the checkpoint in {folder}: {type(exc).__name__}: {exc}") from exc
-
-
-def weight_mismatches(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor], complete: bool) -> list[str]:
-    """What keeps ``new`` from loading into ``live`` (a model's state dict), first offender first:
-    unknown names, other shapes, non-floating dtypes, two values for one tied tensor and, when
-    ``complete``, tensors it lacks (a tied tensor may come under any of its names)."""
-    problems = []
-    for name, tensor in new.items():
-        if name not in live:
-            nearest = difflib.get_close_matches(name, live, n=1)
-            problems.append(f"{name} is not a tensor of the served model"
-                            + (f" (nearest: {nearest[0]})" if nearest else ""))
-        elif tensor.shape != live[name].shape:
-            problems.append(f"{name} has shape {list(tensor.shape)}; the served model's is {list(live[name].shape)}")
-        elif not tensor.dtype.is_floating_point:
-            problems.append(f"{name} has dtype {tensor.dtype}; weights must be floating point "
-                            f"(the served model's is {live[name].dtype})")
-    tied: dict[int, list[str]] = {}  # names of one storage (lm_head.weight and the embedding when tied)
-    for name, tensor in live.items():
-        tied.setdefault(tensor.data_ptr(), []).append(name)
-    missing = [names for names in tied.values() if not any(n in new for n in names)]
-    if complete:
-        problems += [f"{' / '.join(names)} is missing (given {len(tied) - len(missing)} of the served model's "
-                     f"{len(tied)} tensors)" for names in missing]
-    for names in tied.values():
-        given = [new[n] for n in names if n in new]
-        if any(t.shape != given[0].shape or not torch.equal(t.to(given[0].dtype), given[0]) for t in given[1:]):
-            problems.append(f"{' and '.join(names)} are one tied tensor in the served model but differ here")
-    return problems

@@ -1,0 +1,63 @@
+"""Weights a rollout server is asked to load, checked before they touch the live model: a safetensors
+checkpoint read as stored (nothing filled in), and what keeps a set of tensors from loading."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read (the server answers 400 with this message)."""
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face safetensors checkpoint (one file or an indexed set of shards),
+    as stored: nothing is filled in, so a missing tensor is seen (``from_pretrained`` would
+    initialise it at random)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if not index.exists() and not (folder / "model.safetensors").exists():
+        raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json "
+                           "(the embedded engine loads safetensors checkpoints)")
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+            else ["model.safetensors"]
+        return {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise CheckpointError(f"could not read the checkpoint in {folder}: {type(exc).__name__}: {exc}") from exc
+
+
+def weight_mismatches(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor], complete: bool) -> list[str]:
+    """What keeps ``new`` from loading into ``live`` (a model's state dict), first offender first:
+    unknown names, other shapes, non-floating dtypes, two values for one tied tensor and, when
+    ``complete``, tensors it lacks (a tied tensor may come under any of its names)."""
+    problems = []
+    for name, tensor in new.items():
+        if name not in live:
+            nearest = difflib.get_close_matches(name, live, n=1)
+            problems.append(f"{name} is not a tensor of the served model"
+                            + (f" (nearest: {nearest[0]})" if nearest else ""))
+        elif tensor.shape != live[name].shape:
+            problems.append(f"{name} has shape {list(tensor.shape)}; the served model's is {list(live[name].shape)}")
+        elif not tensor.dtype.is_floating_point:
+            problems.append(f"{name} has dtype {tensor.dtype}; weights must be floating point "
+                            f"(the served model's is {live[name].dtype})")
+    tied: dict[int, list[str]] = {}  # names of one storage (lm_head.weight and the embedding when tied)
+    for name, tensor in live.items():
+        tied.setdefault(tensor.data_ptr(), []).append(name)
+    missing = [names for names in tied.values() if not any(n in new for n in names)]
+    if complete:
+        problems += [f"{' / '.join(names)} is missing (given {len(tied) - len(missing)} of the served model's "
+                     f"{len(tied)} tensors)" for names in missing]
+    for names in tied.values():
+        given = [new[n] for n in names if n in new]
+        if any(t.shape != given[0].shape or not torch.equal(t.to(given[0].dtype), given[0]) for t in given[1:]):
+            problems.append(f"{' and '.join(names)} are one tied tensor in the served model but differ here")
+    return problems

@@ -3,14 +3,13 @@ report ``weight_version`` as a string (SGLang: "default" until an update names o
 
 import asyncio
 import contextlib
-import socket
 import time
 
 from aiohttp import web
 
 from areal_hpc.rollout.client import RolloutClient
 from tests.conftest import embedded_server
-from tests.waiting import model_info, wait_until
+from tests.waiting import model_info, serve_on_loopback, wait_until
 
 IN_FLIGHT = 150  # more than aiohttp's default pool of 100 connections
 SLOTS = 96  # sequences the server decodes at once; the others wait in its queue
@@ -79,15 +78,8 @@ async def sglang_like_server(reported_version):
     app.add_routes([web.post("/generate", generate), web.post("/pause_generation", route("paused")),
                     web.post("/continue_generation", route("resumed")),
                     web.post("/update_weights_from_disk", route(count=True)), web.get("/health", route())])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
-    try:
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_on_loopback(app) as address:
+        yield address
 
 
 def run_interrupted_generation(reported_version):

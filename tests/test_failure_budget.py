@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import errno
 import os
-import socket
 
 import h5py
 import pytest
@@ -36,7 +35,7 @@ from areal_hpc.train.build import build_controller
 from areal_hpc.train.driver import shards
 from tests import rewards_for_tests
 from tests.conftest import embedded_server
-from tests.waiting import wait_until
+from tests.waiting import serve_on_loopback, wait_until
 
 
 # -- the budget and the log ----------------------------------------------------------------------
@@ -106,15 +105,8 @@ async def answering_500(health_status: int):
 
     app = web.Application()
     app.add_routes([web.post("/generate", generate), web.get("/health", health)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    await web.SockSite(runner, sock).start()
-    try:
-        yield f"127.0.0.1:{sock.getsockname()[1]}", calls
-    finally:
-        await runner.cleanup()
+    async with serve_on_loopback(app) as address:
+        yield address, calls
 
 
 # -- the four observed failures ----------------------------------------------------------------------

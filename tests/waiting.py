@@ -1,10 +1,14 @@
-"""Waiting on conditions with deadlines (tests never sleep a fixed time before asserting)."""
+"""Waiting on conditions with deadlines (tests never sleep a fixed time before asserting), and
+stand-in HTTP peers served on a loopback port of the system's choosing."""
 
 import asyncio
+import contextlib
 import inspect
+import socket
 import time
 
 import aiohttp
+from aiohttp import web
 
 
 async def wait_until(condition, timeout: float = 60.0, what: str = "condition"):
@@ -25,3 +29,17 @@ async def model_info(server: str) -> dict:
     """A rollout server's /get_model_info (running and waiting requests, version, ...)."""
     async with aiohttp.ClientSession() as session, session.get(f"http://{server}/get_model_info") as response:
         return await response.json()
+
+
+@contextlib.asynccontextmanager
+async def serve_on_loopback(app: web.Application):
+    """Serve ``app`` on 127.0.0.1 (a port bound before serving, so never raced); yields ``host:port``."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()

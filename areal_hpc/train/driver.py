@@ -114,7 +114,7 @@ def shards(cfg: RunConfig, cursor_state: dict) -> Iterator[tuple[TrajectoryShard
     else:
         writer.close()
     finally:
-        consumer.store.close()
+        consumer.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,13 +112,13 @@ def test_reconnecting_the_distributed_sync_destroys_the_previous_group_first(tin
     """A second ``connect`` (e.g. after a server restart) releases the first group's store and sockets
     before the new group forms, and pushes then reach the server through the new group."""
     masters, still_listening = [], []
+    join_update_group = weight_push.join_update_group
 
-    def join_and_record(backend, host, port, *rest):
+    def join_and_record(backend, host, port, *rest):  # the trainer's side of each new group
         still_listening.append([old for old in masters if port_is_listened_on(old)])
         masters.append(port)
         return join_update_group(backend, host, port, *rest)
 
-    join_update_group = weight_push.join_update_group
     monkeypatch.setattr(weight_push, "join_update_group", join_and_record)
     first, second = perturbed_engine(tiny_model_dir, seed=1), perturbed_engine(tiny_model_dir, seed=2)
     prompt = prompt_ids(first.tokenizer, "What is 3 + 4?")

@@ -162,7 +162,6 @@ def test_a_full_disk_in_the_shard_commit_spends_the_budget(tiny_model_dir, tmp_p
                 controller = build_controller(cfg, client, load_tokenizer(tiny_model_dir), Scorer(pool), task.name,
                                               PromptStream(task.train, 0, 0),
                                               FullDiskWriter(tmp_path / "shards", "rollout"), 0, on_drop=None)
-                controller.budget = FailureBudget.from_config(cfg.rollout.failure_budget)  # as the driver does
                 return await until_stopped(controller), controller
 
     with embedded_server(tiny_model_dir, tmp_path) as (_, server):

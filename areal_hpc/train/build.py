@@ -29,7 +29,7 @@ from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.mesh import BACKENDS, ParallelDims, init_distributed
-from areal_hpc.rollout.controller import Episode, RolloutController
+from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
 from areal_hpc.train.actor import PPOActor
@@ -113,7 +113,8 @@ def build_controller(cfg: RunConfig, client, tokenizer, scorer: Scorer, task_nam
 
     accept = ((lambda group: is_informative_group([t.reward or 0.0 for t in group]))
               if cfg.actor.dynamic_sampling else (lambda group: True))
-    return RolloutController(client, workflow, gate, prompts, on_accept=store, accept=accept, on_drop=on_drop)
+    return RolloutController(client, workflow, gate, prompts, on_accept=store, accept=accept, on_drop=on_drop,
+                             budget=FailureBudget.from_config(cfg.rollout.failure_budget))
 
 
 def open_shards(cfg: RunConfig, cursor_state: dict) -> tuple[TrajectoryShardWriter, TrajectoryConsumer]:

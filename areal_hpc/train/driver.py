@@ -30,9 +30,7 @@ from areal_hpc.data.registry import build_task
 from areal_hpc.data.shards.consumer import TrajectoryConsumer
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import save_model
 from areal_hpc.rollout.client import RolloutClient, RolloutError
-from areal_hpc.rollout.controller import FailureBudget
 from areal_hpc.rollout.workflows import Scorer
 from areal_hpc.train.build import (build_actor, build_controller, build_weight_sync, open_shards,
                                    recovered_episodes, start_trainer, wait_for_servers)
@@ -61,7 +59,6 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
 
             controller = build_controller(cfg, client, actor.tokenizer, Scorer(rewards), task.name, prompts, writer,
                                           version, on_drop=drop)
-            controller.budget = FailureBudget.from_config(cfg.rollout.failure_budget)
             controller.restore(recovered_episodes(consumer, version))
             controller.dropped = state.get("dropped", 0)
 
@@ -96,7 +93,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
                 watching.cancel()
                 await controller.stop()
                 progress.rollout_counts(controller)  # the last counts, however the run ends
-    save_model(actor.model, actor.tokenizer, cfg.run_dir / "model")  # for `areal-hpc eval --model`
+    actor.save(cfg.run_dir / "model", optimizer=False)  # for `areal-hpc eval --model`
     progress.plot()
 
 

@@ -56,3 +56,33 @@ def test_lower_layers_never_import_upper_ones(lower, upper):
     wrong = sorted((a, b) for a, b in graph.edges
                    if (a == lower or a.startswith(lower + ".")) and (b == upper or b.startswith(upper + ".")))
     assert not wrong, f"{lower} must not import {upper}: {wrong}"
+
+
+# What the package uses from the standard library that a Python release added, and that release.
+ASYNCIO_ADDED_IN = {"TaskGroup": (3, 11), "timeout": (3, 11), "Runner": (3, 11), "to_thread": (3, 9)}
+BUILTINS_ADDED_IN = {"ExceptionGroup": (3, 11), "BaseExceptionGroup": (3, 11)}
+MODULES_ADDED_IN = {"tomllib": (3, 11), "zoneinfo": (3, 9), "graphlib": (3, 9)}
+
+
+def needed_python(node: ast.AST) -> tuple[int, int] | None:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "asyncio":
+        return ASYNCIO_ADDED_IN.get(node.attr)
+    if isinstance(node, ast.Name):
+        return BUILTINS_ADDED_IN.get(node.id)
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        return max((MODULES_ADDED_IN[n.split(".")[0]] for n in names if n.split(".")[0] in MODULES_ADDED_IN),
+                   default=None)
+    return None
+
+
+def test_requires_python_admits_no_interpreter_the_code_cannot_run_on():
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    floor = tuple(int(x) for x in re.fullmatch(r">=\s*(\d+)\.(\d+)", pyproject["project"]["requires-python"]).groups())
+    too_new = sorted({f"{path.relative_to(PACKAGE.parent)}:{node.lineno} needs {'.'.join(map(str, version))}"
+                      for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                      if (version := needed_python(node)) and version > floor})
+    assert not too_new, f"requires-python >= {'.'.join(map(str, floor))}, but {too_new}"

@@ -22,6 +22,7 @@ weights nor the version. Another floating dtype is cast to the live one, as SGLa
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import math
@@ -43,6 +44,10 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (the server answers 400 with this message)."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine could not finish a request (the server answers 500 with this message)."""
 
 
 def _finite(value) -> float | None:
@@ -161,6 +166,26 @@ class EmbeddedEngine:
         with self._wake:
             self._waiting.append(request)
             self._wake.notify()
+
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Result:
+        """Submit one request and await its result from an event loop; a cancelled caller aborts it
+        (no decode steps spent on an answer nobody reads), a request the engine fails raises."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def resolve(result: Result) -> None:
+            if not done.done():
+                done.set_result(result)
+
+        self.submit(Request(rid, input_ids, params, lambda result: loop.call_soon_threadsafe(resolve, result)))
+        try:
+            result = await done
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
+        if result.error is not None:
+            raise EngineFailure(f"request {rid} failed in the engine: {result.error}")
+        return result
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run ``fn`` on the engine thread between two decode steps (weights change only there)."""

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from areal_hpc.models.hf import DTYPES
 from areal_hpc.parallel.weight_group import UpdateGroup, broadcast_tensor, join_update_group
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, RequestError, Result, SamplingParams
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, RequestError, Result, SamplingParams
 
 GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream"}
 ENGINE = web.AppKey("engine", EmbeddedEngine)
@@ -97,7 +97,7 @@ async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     for prompt in prompts:  # all or nothing: refuse the batch before any prompt is queued
         engine.check(prompt, params)
-    runs = [asyncio.ensure_future(_run(engine, rid, ids, params)) for rid, ids in zip(rids, prompts)]
+    runs = [asyncio.ensure_future(engine.generate(rid, ids, params)) for rid, ids in zip(rids, prompts)]
     try:
         results = await asyncio.gather(*runs)
     finally:  # one prompt failed (or the client left): abort the batch's others, they have no reader
@@ -116,29 +116,6 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
         if not isinstance(prompt, list) or not all(type(t) is int and t >= 0 for t in prompt):
             raise RequestError("input_ids must be a list of non-negative integers (or a list of such lists)")
     return prompts, batched
-
-
-async def _run(engine: EmbeddedEngine, rid: str, input_ids: list[int], params: SamplingParams) -> Result:
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-    engine.submit(Request(rid, input_ids, params, lambda result: loop.call_soon_threadsafe(_resolve, done, result)))
-    try:
-        result = await done
-    except asyncio.CancelledError:  # the client went away: stop spending decode steps on it
-        engine.abort(rid)
-        raise
-    if result.error is not None:
-        raise EngineFailure(f"request {rid} failed in the engine: {result.error}")
-    return result
-
-
-class EngineFailure(RuntimeError):
-    """The engine could not finish a request (the middleware answers 500 with this message)."""
-
-
-def _resolve(future: asyncio.Future, result: Result) -> None:
-    if not future.done():
-        future.set_result(result)
 
 
 def _sglang_response(result: Result, tokenizer, return_logprob: bool) -> dict:

@@ -18,7 +18,7 @@ import torch
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
 from areal_hpc.models.chat import prompt_ids
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, Result, SamplingParams
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Result, SamplingParams
 
 # (prompt ids, SGLang sampling params) -> anything with ``output_ids``
 GenerateFn = Callable[[list[int], dict], Awaitable]
@@ -68,14 +68,7 @@ def evaluate_model(model: torch.nn.Module, tokenizer, examples: list[Example], r
                             context_length=longest + max_new_tokens, eos_token_ids=[tokenizer.eos_token_id])
 
     async def generate(input_ids: list[int], sampling: dict) -> Result:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        engine.submit(Request(uuid.uuid4().hex, input_ids, SamplingParams.from_json(sampling),
-                              lambda result: loop.call_soon_threadsafe(done.set_result, result)))
-        result = await done
-        if result.error is not None:
-            raise RuntimeError(f"in-process evaluation failed: {result.error}")
-        return result
+        return await engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(sampling))
 
     try:
         return asyncio.run(evaluate(generate, tokenizer, examples, rewards, max_new_tokens))

@@ -24,10 +24,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from areal_hpc.data.tasks import Example
-from areal_hpc.data.trajectory import Trajectory
 import aiohttp
 
+from areal_hpc.data.tasks import Example
+from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.rollout.client import (ConnectionFailedError, NoServerError, RolloutClient, RolloutError,
                                       ServerReplyError)
 from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
@@ -79,7 +79,10 @@ class FailureBudget:
     window: int = 200
     max_rate: float = 0.5
     consecutive: int = 0
-    _last: deque = field(default_factory=deque)
+    _last: deque = field(init=False)  # outcomes of the latest ``window`` episodes (True: failed)
+
+    def __post_init__(self) -> None:
+        self._last = deque(maxlen=self.window)
 
     @classmethod
     def from_config(cls, cfg) -> "FailureBudget":
@@ -89,8 +92,6 @@ class FailureBudget:
     def record(self, failed: bool) -> None:
         self.consecutive = self.consecutive + 1 if failed else 0
         self._last.append(failed)
-        if len(self._last) > self.window:
-            self._last.popleft()
 
     def spent(self) -> str | None:
         """Why the budget is spent (a phrase), or None while it is not."""

@@ -203,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="asynchronous RL: rollout servers + trainer processes on this machine")
     with_config(train)
-    train.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    train.add_argument("--resume", nargs="?", const="always", default="never", choices=["always", "auto", "never"],
+                       help="continue the run from its latest checkpoint; --resume=auto: continue if there is "
+                            "one, else start (what a requeued job does)")
     train.set_defaults(handler=_train)
 
     ev = commands.add_parser("eval", help="greedy accuracy of a model on a task's held-out split")

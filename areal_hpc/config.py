@@ -24,6 +24,8 @@ from areal_hpc.errors import UserError, closest
 def spec(default: Any, help: str, *, choices=None, ge=None, gt=None, le=None):
     """A dataclass field carrying its help text and the constraints ``validate`` enforces."""
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -42,6 +44,8 @@ class ExperimentConfig:
 class ClusterConfig:
     fileroot: str = spec("runs", "root of all run outputs (a shared filesystem on a cluster)")
     device: str = spec("auto", "accelerator to use", choices=["auto", "cpu", "cuda", "npu"])
+    interface: str = spec("", "network interface whose address a node advertises to other nodes (e.g. ib0); "
+                          "empty: the node's name")
 
 
 @dataclass
@@ -184,7 +188,41 @@ class GenerationConfig:
 
 @dataclass
 class SaverConfig:
-    freq_steps: int = spec(0, "steps between checkpoints; 0 saves only the final model", ge=0)
+    freq_steps: int = spec(50, "steps between checkpoints (a preempted job also saves when signalled); "
+                           "0 saves only the final model", ge=0)
+
+
+@dataclass
+class SlurmTrainerConfig:
+    partition: str = spec("train", "partition of the trainer ranks (het component 0)")
+    nodes: int = spec(1, "nodes of the trainer component; rl.trainer_processes are spread evenly over them", ge=1)
+    gpus_per_node: int = spec(0, "accelerators (GRES slurm.gres) per trainer node; one per rank when > 0", ge=0)
+    cpus_per_task: int = spec(1, "CPU cores per trainer rank (its torch threads)", ge=1)
+    mem: str = spec("", "memory per trainer node, e.g. 64G; empty: the partition's default")
+
+
+@dataclass
+class SlurmRolloutConfig:
+    partition: str = spec("rollout", "partition of the rollout servers (het components 1..k)")
+    servers_per_node: int = spec(1, "rollout servers per node; rollout.n_servers fixes the node count", ge=1)
+    gpus_per_server: int = spec(0, "accelerators per rollout server (its tensor-parallel size for SGLang)", ge=0)
+    cpus_per_server: int = spec(1, "CPU cores per rollout server", ge=1)
+    mem: str = spec("", "memory per rollout node, e.g. 64G; empty: the partition's default")
+
+
+@dataclass
+class SlurmConfig:
+    account: str = spec("", "account charged (sbatch --account); empty: your default")
+    qos: str = spec("", "quality of service (sbatch --qos); empty: the partition's default")
+    time: str = spec("01:00:00", "wall time of each incarnation of the job (sbatch --time), e.g. 2-00:00:00")
+    signal_lead_s: int = spec(120, "seconds before the time limit (or preemption) the trainer is told to save and "
+                              "the job requeues itself", ge=0)
+    max_requeues: int = spec(10, "how many times the job may requeue itself after a time-out or preemption", ge=0)
+    gres: str = spec("gpu", "GRES name of the accelerators (gpu; npu on Ascend sites)")
+    mpi: str = spec("", "srun --mpi plugin for the job's step (pmix where MPI is used); empty: the site default")
+    extra_sbatch: list = spec([], "extra '#SBATCH' lines for every component, e.g. ['--exclusive']")
+    trainer: SlurmTrainerConfig = section(SlurmTrainerConfig)
+    rollout: SlurmRolloutConfig = section(SlurmRolloutConfig)
 
 
 @dataclass
@@ -208,6 +246,7 @@ class RunConfig:
     gconfig: GenerationConfig = section(GenerationConfig)
     saver: SaverConfig = section(SaverConfig)
     stats: StatsConfig = section(StatsConfig)
+    slurm: SlurmConfig = section(SlurmConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -31,21 +31,27 @@ from areal_hpc.train.checkpoint import latest_checkpoint
 TRAINER = "import sys; from areal_hpc.train.driver import main; sys.exit(main(sys.argv[1:]))"
 
 
-def check_run_folder(cfg: RunConfig, resume: bool) -> None:
-    """A fresh run never mixes with an old one's shards and checkpoints; a resume needs one of them
-    (a run killed before its first checkpoint resumes from step 0 and trains what it had stored)."""
+RESUME_CHOICES = ("never", "always", "auto")
+
+
+def should_resume(cfg: RunConfig, resume: str) -> bool:
+    """Whether this launch continues the run in ``cfg.run_dir``: ``always`` (``--resume``) needs one,
+    ``never`` refuses to mix with one, ``auto`` (a requeued or restarted job) continues one if there is
+    one and starts otherwise. A fresh run never mixes with an old one's shards and checkpoints; a run
+    killed before its first checkpoint resumes from step 0 and trains what it had stored."""
     has_run = latest_checkpoint(cfg.run_dir) is not None or any((cfg.run_dir / "shards").glob("*.h5"))
-    if resume and not has_run:
+    if resume == "always" and not has_run:
         raise UserError(f"--resume: nothing to resume in {cfg.run_dir} (no checkpoint, no shards); "
-                        f"run without --resume to start")
-    if not resume and has_run:
+                        f"run without --resume to start, or with --resume=auto")
+    if resume == "never" and has_run:
         raise UserError(f"{cfg.run_dir} already holds a run; pass --resume to continue it, or choose another "
                         f"experiment.trial=NAME")
+    return has_run
 
 
-def launch(config: str, overrides: list[str], resume: bool) -> int:
+def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
-    check_run_folder(cfg, resume)
+    resume = should_resume(cfg, resume)
     run_dir, python = cfg.run_dir, sys.executable
     shutil.rmtree(run_dir / "name_resolve" / ROLLOUT_SERVERS, ignore_errors=True)  # addresses of a killed run
     env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), "HF_HUB_OFFLINE": "1"}

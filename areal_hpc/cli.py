@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from areal_hpc.errors import UserError
+from areal_hpc.launch.sweep import add_sweep_command
 from areal_hpc.sched.cli import add_planner_commands
 
 
@@ -150,6 +151,25 @@ def _train(args) -> int:
     return launch(args.config, args.overrides, args.resume)
 
 
+def _submit(args) -> int:
+    from areal_hpc.launch.submit import describe, prepare, script, submit, test_only
+
+    submission = prepare(args.config, args.overrides, args.profile, args.plan)
+    if args.dry_run:
+        print(script(submission))
+        print(f"sbatch --test-only: {test_only(script(submission))}", file=sys.stderr)
+        return 0
+    job = submit(submission)
+    print(describe(submission, job.job_id))
+    return 0
+
+
+def _slurm_task(args) -> int:
+    from areal_hpc.launch.slurm_task import main
+
+    return main(args.config, args.overrides)
+
+
 # `areal-hpc serve backend=embedded model.path=DIR port=N`: the server's own words for its settings.
 SERVE_ALIASES = {"backend": "rollout.backend", "host": "rollout.host", "port": "rollout.port"}
 
@@ -208,6 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
                             "one, else start (what a requeued job does)")
     train.set_defaults(handler=_train)
 
+    sub = commands.add_parser("submit", help="submit a run as one heterogeneous Slurm job (trainer + rollout "
+                                             "components, through submitit)")
+    with_config(sub)
+    sub.add_argument("--profile", metavar="FILE", help="site profile YAML under the config (e.g. slurm/profiles/dev.yaml)")
+    sub.add_argument("--plan", metavar="FILE", help="`areal-hpc plan --out` output: its pools' partitions become "
+                                                    "the job's components")
+    sub.add_argument("--dry-run", action="store_true", help="print the job script and check it with "
+                                                            "`sbatch --test-only`; submit nothing")
+    sub.set_defaults(handler=_submit)
+
+    task = commands.add_parser("slurm-task", help="one task of a run's Slurm job (what slurm/*.sbatch scripts run "
+                                                  "under srun); its role comes from its rank")
+    with_config(task)
+    task.set_defaults(handler=_slurm_task)
+
     ev = commands.add_parser("eval", help="greedy accuracy of a model on a task's held-out split")
     ev.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")
     ev.add_argument("--task", choices=["arithmetic", "countdown", "gsm8k"], help="task (default: the config's)")
@@ -240,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-version", type=int, metavar="V", help="newest output token at most policy version V")
     export.set_defaults(handler=_shards_export)
     add_planner_commands(commands)  # plan, simulate, repro
+    add_sweep_command(commands)
     return parser
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,12 +290,28 @@ def _check_keys(tree: dict, where: str, prefix: str = "") -> None:
             raise _unknown_key(path, where)
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML 1.1 without sexagesimal numbers: ``time: 4:00:00`` stays the text a Slurm time limit is,
+    not the integer 14400."""
+
+
+def _without_sexagesimal(regexp: re.Pattern) -> re.Pattern:
+    lines = [line for line in regexp.pattern.split("\n") if "(?::[0-5]?[0-9])+" not in line]
+    return re.compile("\n".join(lines).rstrip() + ("" if lines[-1].endswith(")$") else ")$"), regexp.flags)
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, _without_sexagesimal(regexp) if tag.endswith((":int", ":float")) else regexp)
+            for tag, regexp in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
 def _read_yaml(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
         raise UserError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(file.read_text()) or {}
+        tree = yaml.load(file.read_text(), Loader=ConfigLoader) or {}
     except yaml.YAMLError as exc:
         raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(tree, dict):
@@ -349,11 +366,12 @@ def validate(cfg, prefix: str = "") -> None:
                 raise UserError(f"config key '{path}': {value!r} must be {word} {meta[bound]}")
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Merge defaults <- YAML file <- ``key=value`` overrides into a validated RunConfig."""
+def load_config(path: str | list[str] | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Merge defaults <- YAML file(s) (a site profile, then the experiment) <- ``key=value`` overrides
+    into a validated RunConfig."""
     layers = [OmegaConf.structured(RunConfig)]
-    if path:
-        layers.append(OmegaConf.create(_read_yaml(path)))
+    for file in [path] if isinstance(path, str) else path or []:
+        layers.append(OmegaConf.create(_read_yaml(file)))
     if overrides:
         layers.append(_override_layer(_parse_overrides(list(overrides))))
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
+import signal
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -44,6 +45,11 @@ def _call(reward_fn, completion, example):
     return float(reward_fn(completion, example))
 
 
+def _ignore_stop_warning() -> None:
+    """Slurm's SIGUSR2 reaches every process of a step: the trainer acts on it, its workers must not die."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
 def _load(reward_fn) -> None:
     """Nothing: a worker receiving the reward function imports its module (start-up, not scoring)."""
 
@@ -58,7 +64,7 @@ class RewardPool:
 
     def _fresh_pool(self):
         self.close()
-        self._pool = mp.get_context("spawn").Pool(self.workers)
+        self._pool = mp.get_context("spawn").Pool(self.workers, initializer=_ignore_stop_warning)
         # Errors (an unimportable module) are not raised here: each call then records its own.
         self._pool.map_async(_load, [self.reward_fn] * self.workers, chunksize=1).wait(STARTUP_TIMEOUT_S)
         return self._pool

@@ -1,13 +1,15 @@
 """The local launcher behind ``areal-hpc train``: every process of an RL run on this machine.
 
-    areal-hpc train --config configs/quickstart.yaml [--resume] [key=value ...]
+    areal-hpc train --config configs/quickstart.yaml [--resume[=auto]] [key=value ...]
 
 1. the starting model: ``model.path``, or a fresh ``model.preset`` written into the run folder;
 2. ``rollout.n_servers`` rollout servers (``areal-hpc serve``), loading while step 3 runs;
 3. on a fresh run with ``rl.sft_warmup_steps``: SFT warm-up (``areal-hpc sft``) into ``<run>/sft_warmup``;
 4. ``rl.trainer_processes`` trainer ranks (torch.distributed, rank 0 drives and prints progress).
-It stops them all when the run ends, fails, or is interrupted; children die with it even on SIGKILL.
-CPU cores are split evenly between servers and trainer ranks, so neither starves the other.
+(the roles and their commands live in ``roles.py``, shared with the Slurm launcher). It stops them all
+when the run ends, fails, or is interrupted; children die with it even on SIGKILL. SIGUSR2 makes the
+trainer save and stop, then the job is requeued when it runs under Slurm (``preemption.py``). CPU cores
+are split evenly between servers and trainer ranks, so neither starves the other.
 """
 
 from __future__ import annotations
@@ -23,13 +25,11 @@ from pathlib import Path
 from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
 from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, free_port
+from areal_hpc.launch.preemption import StopForwarder
+from areal_hpc.launch.roles import config_args, prepare_start_model, server_command, trainer_command
 from areal_hpc.launch.supervisor import SupervisedProcess
 from areal_hpc.parallel.bootstrap import LAUNCHED_AT, RUN_MARKER, TRAINERS_AT
-from areal_hpc.train.checkpoint import latest_checkpoint
-
-# `-c`, not `-m areal_hpc.train.driver`: reward workers (spawned) would re-import a `-m` main module and its torch.
-TRAINER = "import sys; from areal_hpc.train.driver import main; sys.exit(main(sys.argv[1:]))"
-
+from areal_hpc.train.checkpoint import SAVED_AND_STOPPED, latest_checkpoint
 
 RESUME_CHOICES = ("never", "always", "auto")
 
@@ -52,64 +52,48 @@ def should_resume(cfg: RunConfig, resume: str) -> bool:
 def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
     resume = should_resume(cfg, resume)
-    run_dir, python = cfg.run_dir, sys.executable
+    run_dir = cfg.run_dir
     shutil.rmtree(run_dir / "name_resolve" / ROLLOUT_SERVERS, ignore_errors=True)  # addresses of a killed run
     env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), "HF_HUB_OFFLINE": "1"}
     # Servers and trainer ranks run side by side: each gets its share of the cores. Stages run alone.
     share = max(1, (os.cpu_count() or 1) // (cfg.rollout.n_servers + cfg.rl.trainer_processes))
     threads = {"OMP_NUM_THREADS": str(share)}
-    cli = [python, "-m", "areal_hpc"]
+    args = config_args(config, overrides)
     started: list[SupervisedProcess] = []
 
     def start(name: str, command: list[str], log: Path | None, extra_env: dict | None = None) -> SupervisedProcess:
         started.append(SupervisedProcess(name, command, log, {**env, **threads, **(extra_env or {})}).start())
         return started[-1]
 
+    def start_servers(model: Path) -> None:  # they load while the SFT warm-up runs
+        for i in range(cfg.rollout.n_servers):
+            start(f"rollout server {i}", server_command(args, model), run_dir / "logs" / f"rollout-server-{i}.log")
+
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
     memory = RunMemory(env[RUN_MARKER])
-    try:
-        model = Path(cfg.model.path) if cfg.model.path else run_dir / "init_model"
-        if not cfg.model.path and not (model / "config.json").exists():
-            _run_stage("model initialisation", [*cli, "init-model", "--out", str(model), "--preset", cfg.model.preset,
-                                                 "--seed", str(cfg.experiment.seed)], env)
-        base = [f"--config={config}", *overrides]
-        for i in range(cfg.rollout.n_servers):
-            start(f"rollout server {i}", [*cli, "serve", *base, f"model.path={model}", "port=0"],
-                  run_dir / "logs" / f"rollout-server-{i}.log")
-        warm = run_dir / "sft_warmup" / "model"
-        if cfg.rl.sft_warmup_steps and not warm.exists():
-            _run_stage("SFT warm-up", [*cli, "sft", *base, f"model.path={model}",
-                                        f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
-                                        f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env)
-        start_model = warm if cfg.rl.sft_warmup_steps else model
-        master_port = str(free_port("127.0.0.1"))
-        trainer_args = [*base, f"model.path={start_model}", *(["--resume"] if resume else [])]
-        env[TRAINERS_AT] = str(time.time())
-        for rank in range(cfg.rl.trainer_processes):
-            start(f"trainer rank {rank}", [python, "-c", TRAINER, *trainer_args],
-                  None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log",
-                  {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port})
-        code = _supervise(started[:-cfg.rl.trainer_processes], started[-cfg.rl.trainer_processes:])
-        print(f"peak memory of the run's processes: {memory.peak / 2**30:.2f} GiB (PSS, sampled every second)")
-        return code
-    finally:
-        for proc in reversed(started):
-            proc.stop(grace_s=10)
-        memory.stop()
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _run_stage(name: str, command: list[str], env: dict) -> None:
-    """A preparation step (model init, SFT warm-up) on this terminal; it dies with the launcher, and
-    its failure ends the launch."""
-    stage = SupervisedProcess(name, command, None, env).start()
-    try:
-        code = stage.process.wait()
-    finally:
-        stage.stop(grace_s=10)
-    if code:
-        raise UserError(f"{name} failed with exit code {code} (its output is above)")
+    with StopForwarder() as stop_warning:
+        try:
+            start_model = prepare_start_model(cfg, args, env, on_initial_model=start_servers)
+            master_port = str(free_port("127.0.0.1"))
+            env[TRAINERS_AT] = str(time.time())
+            for rank in range(cfg.rl.trainer_processes):
+                start(f"trainer rank {rank}", trainer_command(args, start_model, resume),
+                      None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log",
+                      {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port})
+            trainers = started[-cfg.rl.trainer_processes:]
+            stop_warning.set_target(trainers[0].process.pid)
+            code = _supervise(started[:-cfg.rl.trainer_processes], trainers)
+            print(f"peak memory of the run's processes: {memory.peak / 2**30:.2f} GiB (PSS, sampled every second)")
+        finally:
+            for proc in reversed(started):
+                proc.stop(grace_s=10)
+            memory.stop()
+            signal.signal(signal.SIGTERM, previous)
+        if code == SAVED_AND_STOPPED and not stop_warning.requeue():
+            print(f"areal-hpc: stopped on request; continue with: areal-hpc train --config {config} --resume",
+                  file=sys.stderr)
+    return code
 
 
 class RunMemory:

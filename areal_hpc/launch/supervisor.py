@@ -4,6 +4,7 @@ wait until a server answers /health, and stop it (and its children) cleanly.
 When a server dies or never becomes healthy, the error says so with the tail of its log, so
 "server launch failed" always comes with its cause (a CUDA OOM, a missing model file, a port in use).
 Children ask the kernel to kill them when their parent dies (even by SIGKILL): a run leaves no orphans.
+They start with SIGUSR2 ignored (see ``preemption``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ class ServerLaunchError(UserError):
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL me when the process that started me exits."""
+def _child_setup() -> None:
+    """In the child, before exec: SIGKILL me when the process that started me exits, and ignore
+    SIGUSR2 (Slurm's stop warning reaches every process of a step; only the trainer, which installs
+    its own handler, acts on it; see ``preemption``)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 class SupervisedProcess:
@@ -43,7 +47,7 @@ class SupervisedProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "SupervisedProcess":
-        options = dict(env={**os.environ, **(self.env or {})}, start_new_session=True, preexec_fn=_die_with_parent)
+        options = dict(env={**os.environ, **(self.env or {})}, start_new_session=True, preexec_fn=_child_setup)
         if self.log_path is None:
             self.process = subprocess.Popen(self.command, **options)
             return self

@@ -6,6 +6,7 @@ tokenizer files; ``AutoModelForCausalLM.from_pretrained(DIR)`` loads them with H
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ PRESETS = {
 
 def init_model(out: str | Path, corpus: list[str], preset: str = "tiny", seed: int = 0) -> Path:
     """Write a freshly initialised model and its tokenizer (trained on ``corpus``) to ``out`` in Hugging
-    Face format."""
+    Face format. The folder appears whole (written aside, then renamed): processes on other nodes wait
+    for it."""
     out = Path(out)
     tokenizer = build_tokenizer(corpus)
     config = Qwen2Config(
@@ -41,9 +43,13 @@ def init_model(out: str | Path, corpus: list[str], preset: str = "tiny", seed: i
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
     return out
 
 

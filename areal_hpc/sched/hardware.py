@@ -1,7 +1,8 @@
 """Accelerator catalogue and cluster specs: what a planner may place work on, and what it costs.
 
-A cluster YAML lists node pools (a name, a device type, nodes, devices per node) and the bandwidth
-between machines for every pair of pools; see configs/clusters/ for the paper's clusters.
+A cluster YAML lists node pools (a name, a device type, nodes, devices per node, and the Slurm
+partition that holds them) and the bandwidth between machines for every pair of pools; see
+configs/clusters/ for the paper's clusters.
 """
 
 from __future__ import annotations
@@ -42,12 +43,14 @@ CATALOGUE = {a.name: a for a in [
 
 @dataclass(frozen=True)
 class NodePool:
-    """Identical machines: ``nodes`` machines with ``per_node`` devices of one type each."""
+    """Identical machines: ``nodes`` machines with ``per_node`` devices of one type each, in the Slurm
+    partition ``partition`` (the launcher places the planner's groups there; default: the pool's name)."""
 
     name: str
     device: Accelerator
     nodes: int
     per_node: int
+    partition: str = ""
 
     @property
     def devices(self) -> int:
@@ -147,4 +150,7 @@ def load_cluster(path: str | Path) -> Cluster:
                             f"(each pool needs device, nodes and optionally name, per_node)")
         rows.append((str(pool.get("name", pool["device"])), str(pool["device"]), pool["nodes"],
                      pool.get("per_node", 8)))
-    return make_cluster(spec.get("name", Path(path).stem), rows, spec.get("inter_node_gbs"), spec.get("prices"))
+    cluster = make_cluster(spec.get("name", Path(path).stem), rows, spec.get("inter_node_gbs"), spec.get("prices"))
+    partitions = {str(pool.get("name", pool["device"])): str(pool.get("partition", pool.get("name", pool["device"])))
+                  for pool in spec["pools"]}
+    return replace(cluster, pools=tuple(replace(p, partition=partitions[p.name]) for p in cluster.pools))

@@ -14,6 +14,8 @@ def plan_dict(plan: Plan, cluster: Cluster, model: str, workload: Workload) -> d
     return {
         "cluster": cluster.name, "model": model, "allocation": plan.allocation, "staleness": plan.staleness,
         "workload": asdict(workload),
+        "pools": {p.name: {"device": p.device.name, "partition": p.partition or p.name, "nodes": p.nodes,
+                           "per_node": p.per_node} for p in cluster.pools},
         "train": [{"pool": g.pool, "device": device[g.pool], "devices": g.devices, "dp": g.dp, "tp": g.tp,
                    "pp": g.pp, "tokens_per_s": round(g.tokens_per_s, 1)} for g in plan.train],
         "rollout": [{"pool": r.pool, "device": device[r.pool], "replicas": y, "devices": y * r.devices, "tp": r.tp,

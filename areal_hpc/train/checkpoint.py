@@ -23,6 +23,9 @@ from areal_hpc.errors import UserError
 from areal_hpc.fsio import atomic_write_json, atomic_write_text, fsync_path, fsync_tree
 
 KEEP = 2
+# Exit code of a trainer that was told to stop (SIGUSR2 before a time limit or preemption, SIGTERM)
+# and saved a checkpoint first: its launcher requeues the job, which resumes from that checkpoint.
+SAVED_AND_STOPPED = 75  # EX_TEMPFAIL: "try again later"
 
 
 def checkpoint_root(run_dir: Path) -> Path:

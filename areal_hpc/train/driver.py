@@ -8,7 +8,9 @@ rewards run all along, as many episodes as the staleness gate admits), read them
 shards, recompute the proximal logprobs and take the decoupled-PPO steps on every rank, then pause
 (interrupt) generation, push the new weights to every server, and continue. eta = 0 is synchronous RL.
 Rollouts that keep failing (``rollout.failure_budget``), or every server gone, end the run with one
-line naming the cause and the last error, exit code 1.
+line naming the cause and the last error, exit code 1. SIGUSR2 (Slurm's warning before a time limit or
+preemption) or SIGTERM (requeue, scancel) saves a checkpoint at once (after the update in progress, if
+any) and exits with ``SAVED_AND_STOPPED``; the launcher requeues and the next incarnation resumes.
 Simplifications on purpose: single-turn RLVR workflow; evaluation runs through the rollout servers.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -34,14 +37,39 @@ from areal_hpc.rollout.client import RolloutClient, RolloutError
 from areal_hpc.rollout.workflows import Scorer
 from areal_hpc.train.build import (build_actor, build_controller, build_weight_sync, open_shards,
                                    recovered_episodes, start_trainer, wait_for_servers)
-from areal_hpc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from areal_hpc.train.checkpoint import SAVED_AND_STOPPED, latest_checkpoint, load_checkpoint, save_checkpoint
 from areal_hpc.train.evaluate import evaluate_remote
 from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.trainer_group import TrainerGroup, follow
 
 
-async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict) -> None:
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class StopRequested(Exception):
+    """A stop signal arrived and the checkpoint of the last completed step is written."""
+
+
+class EarlyStopSignal:
+    """While the trainer is still loading (before ``drive``): SIGUSR2 is remembered, so the run saves
+    as soon as it can; SIGTERM ends the process (nothing new to save yet)."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGUSR2, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+
+async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
+                early: EarlyStopSignal | None = None) -> None:
     task, actor = build_task(cfg.dataset), group.actor.actor
+    stop = asyncio.Event()
+    for signum in STOP_SIGNALS:
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    if early is not None and early.received:
+        stop.set()
     version, total, batch_size = state["step"], cfg.rl.total_train_steps, cfg.rollout.consumer_batch_size
     addresses = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
     in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # /generate at most
@@ -66,6 +94,15 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
                 result = await evaluate_remote(client, actor.tokenizer, task.eval, rewards, cfg.gconfig.max_new_tokens)
                 progress.evaluated(step, result)
 
+            def checkpoint(step: int) -> None:
+                save_checkpoint(cfg.run_dir, step, engines, {"prompts_drawn": prompts.drawn, "dropped": controller.dropped,
+                                                             "cursor": consumer.cursor.state_dict()})
+
+            def stop_now(step: int) -> None:
+                checkpoint(step)
+                progress.stopped(step)
+                raise StopRequested
+
             if version == 0:
                 await evaluate(0)
             await controller.start()
@@ -74,10 +111,15 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
             try:
                 for step in range(version, total):
                     tick = time.perf_counter()
-                    episodes = await controller.prepare_batch(batch_size)         # gate + generate + reward
+                    episodes = await until_stopped(controller.prepare_batch(batch_size), stop)  # gate, generate, reward
+                    if episodes is None:
+                        stop_now(step)
                     waited = time.perf_counter() - tick
                     batch = consumer.take_ids([i for e in episodes for i in e.ids])  # read back from the shards
                     stats = await asyncio.to_thread(group.update, batch)          # recompute + PPO steps
+                    if stop.is_set():  # saved without a weight push: servers may be stopping too
+                        progress.trained(step + 1, batch, stats, waited, time.perf_counter() - tick, controller)
+                        stop_now(step + 1)
                     await (controller.pause() if cfg.rl.interruptible else controller.drain())
                     stats |= await sync.push(actor, client, step + 1)             # new weights to every server
                     controller.set_version(step + 1)
@@ -86,15 +128,28 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict)
                     if step + 1 == total or (cfg.rl.eval_every_steps and (step + 1) % cfg.rl.eval_every_steps == 0):
                         await evaluate(step + 1)
                     if step + 1 == total or (cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0):
-                        save_checkpoint(cfg.run_dir, step + 1, engines,
-                                        {"prompts_drawn": prompts.drawn, "dropped": controller.dropped,
-                                         "cursor": consumer.cursor.state_dict()})
+                        checkpoint(step + 1)
             finally:
                 watching.cancel()
                 await controller.stop()
                 progress.rollout_counts(controller)  # the last counts, however the run ends
     actor.save(cfg.run_dir / "model", optimizer=False)  # for `areal-hpc eval --model`
     progress.plot()
+
+
+async def until_stopped(work, stop: asyncio.Event):
+    """``work``'s result, or None (and ``work`` cancelled) if ``stop`` is set first."""
+    task, stopped = asyncio.ensure_future(work), asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 @contextlib.contextmanager
@@ -120,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    early = EarlyStopSignal()
     try:
         cfg = load_config(args.config, args.overrides)
         rank, device, dp_group = start_trainer(cfg)
@@ -129,9 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if rank == 0:
                 group = TrainerGroup(actor, cfg)
-                asyncio.run(drive(cfg, group, engines, state))
+                try:
+                    asyncio.run(drive(cfg, group, engines, state, early))
+                except StopRequested:
+                    return SAVED_AND_STOPPED  # the other ranks are stopped by the launcher
                 group.stop()  # only on success: after a failure the launcher stops the other ranks
             else:
+                for signum in STOP_SIGNALS:  # rank 0 decides; the launcher stops this rank
+                    signal.signal(signum, signal.SIG_IGN)
                 follow(actor)
         finally:
             dist.destroy_process_group()

@@ -101,6 +101,10 @@ class RLProgress:
             self.rollout_counts(controller)
             await asyncio.sleep(every_s)
 
+    def stopped(self, step: int) -> None:
+        self.console.print(f"stop signal: checkpoint of step {step} saved in {self.cfg.run_dir / 'checkpoints'}; "
+                           f"exiting (a requeued job resumes from it)", soft_wrap=True)
+
     def dropped(self, ids: list[str]) -> None:
         self._audit.write(json.dumps({"dropped": ids}) + "\n")
 

@@ -1,0 +1,139 @@
+"""One heterogeneous Slurm job per run, submitted through submitit.
+
+submitit's ``SlurmExecutor`` writes single-component jobs only. ``HetJobExecutor`` keeps everything it
+does (the pickled call, its logs, ``job.result()``, the requeue on SIGUSR2) and adds components: the
+executor's own parameters make component 0, every ``Component`` after it adds a ``#SBATCH hetjob``
+block, and one ``srun --het-group=0,...,k`` starts every task of every component in one step, so one
+``--kill-on-bad-exit`` ends the whole job when any task fails. The executor folder must not contain
+``%j``: only component 0 would get its output folder ("Slurmd could not connect IO").
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from submitit.slurm.slurm import SlurmExecutor
+
+from areal_hpc.errors import UserError
+
+
+@dataclass(frozen=True)
+class Component:
+    """One component of the job: ``tasks_per_node`` tasks (trainer ranks or rollout servers) on each
+    of ``nodes`` nodes of ``partition``."""
+
+    role: str  # "trainer" or "rollout"
+    partition: str
+    nodes: int
+    tasks_per_node: int
+    cpus_per_task: int
+    gpus_per_node: int = 0
+    mem: str = ""
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    def sbatch_options(self, gres: str) -> dict[str, str]:
+        options = {"partition": self.partition, "nodes": str(self.nodes),
+                   "ntasks-per-node": str(self.tasks_per_node), "cpus-per-task": str(self.cpus_per_task)}
+        if self.gpus_per_node:
+            options["gres"] = f"{gres}:{self.gpus_per_node}"
+        if self.mem:
+            options["mem"] = self.mem
+        return options
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the whole job asks for, beside its components."""
+
+    name: str
+    time: str
+    account: str = ""
+    qos: str = ""
+    gres: str = "gpu"
+    signal_lead_s: int = 120
+    mpi: str = ""
+    extra_sbatch: tuple[str, ...] = ()
+
+
+class HetJobExecutor(SlurmExecutor):
+    def __init__(self, folder: Path, job: JobSpec, components: list[Component], max_requeues: int):
+        if "%j" in str(folder):
+            raise UserError(f"the submitit folder {folder} must not contain %j in a heterogeneous job")
+        super().__init__(folder, max_num_timeout=max_requeues)
+        self.job, self.components = job, components
+        srun = ["--kill-on-bad-exit=1", f"--het-group=0-{len(components) - 1}" if len(components) > 1 else None,
+                f"--mpi={job.mpi}" if job.mpi else None]
+        first = components[0]
+        self.update_parameters(job_name=job.name, time=slurm_minutes(job.time), partition=first.partition,
+                               nodes=first.nodes,
+                               ntasks_per_node=first.tasks_per_node, cpus_per_task=first.cpus_per_task,
+                               signal_delay_s=job.signal_lead_s, srun_args=[a for a in srun if a],
+                               stderr_to_stdout=True, additional_parameters=_job_options(job, first))
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        """submitit's script, with one ``#SBATCH hetjob`` block per component after the first."""
+        text = super()._make_submission_file_text(command, uid)
+        blocks = []
+        for component in self.components[1:]:
+            options = {**component.sbatch_options(self.job.gres), **_shared_options(self.job)}
+            blocks += ["#SBATCH hetjob", *(f"#SBATCH --{k}={shlex.quote(v)}" for k, v in options.items())]
+        cut = min(i for i in (text.find("\n\n# setup"), text.find("\n\n# command")) if i >= 0)
+        return "\n".join([text[:cut], *blocks]) + text[cut:]
+
+    def _num_tasks(self) -> int:
+        return sum(c.tasks for c in self.components)
+
+
+def slurm_minutes(text: str) -> int:
+    """Minutes of a Slurm time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM[:SS]``),
+    rounded up."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    try:
+        numbers = [int(p) for p in parts] + ([int(days)] if days else [])
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < 0 or len(parts) > 3 or (not days and "-" in text):
+        raise UserError(f"slurm.time: {text!r} is not a Slurm time limit (e.g. 30, 04:00:00, 2-00:00:00)")
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        hours, minutes, seconds = (parts + ["0", "0"])[:3]
+        total = int(days) * 1440 + int(hours) * 60 + int(minutes) + (int(seconds) > 0)
+    elif len(parts) == 3:
+        total = int(parts[0]) * 60 + int(parts[1]) + (int(parts[2]) > 0)
+    elif len(parts) == 2:  # MM:SS
+        total = int(parts[0]) + (int(parts[1]) > 0)
+    else:
+        total = int(parts[0])
+    if total < 1:
+        raise UserError(f"slurm.time: {text!r} is shorter than a minute")
+    return total
+
+
+def _shared_options(job: JobSpec) -> dict[str, str]:
+    """Options every component repeats (Slurm reads them per component)."""
+    options = {"time": str(slurm_minutes(job.time))}
+    if job.account:
+        options["account"] = job.account
+    if job.qos:
+        options["qos"] = job.qos
+    return options
+
+
+def _job_options(job: JobSpec, first: Component) -> dict[str, str | bool]:
+    """Component 0's options beyond submitit's own, including job-wide ones (requeue) and the user's
+    extra lines (``--exclusive``, ``--constraint=a100``)."""
+    options: dict[str, str | bool] = {**_shared_options(job), "requeue": True}
+    del options["time"]  # submitit writes component 0's (and times the requeue countdown by it)
+    if first.gpus_per_node:
+        options["gres"] = f"{job.gres}:{first.gpus_per_node}"
+    if first.mem:
+        options["mem"] = first.mem
+    for line in job.extra_sbatch:
+        key, sep, value = line.removeprefix("--").partition("=")
+        options[key] = value if sep else True
+    return options

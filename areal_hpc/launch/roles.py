@@ -1,0 +1,90 @@
+"""The processes of an RL run and how each one starts: the same entry points whether the local launcher
+starts them all on this machine (``local.py``) or each is one task of a Slurm job (``slurm_task.py``).
+
+- preparation, on trainer rank 0 before it trains: the starting model (``model.path``, or a fresh
+  ``model.preset`` written into the run folder) and, on a fresh run, the SFT warm-up;
+- a rollout server (``areal-hpc serve``), which starts from the initial model and receives the
+  trainer's weights on the first push;
+- a trainer rank (``areal_hpc.train.driver``): rank 0 drives the asynchronous loop, the others follow.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from areal_hpc.config import RunConfig
+from areal_hpc.errors import UserError
+from areal_hpc.launch.supervisor import SupervisedProcess
+
+# `-c`, not `-m areal_hpc.train.driver`: reward workers (spawned) would re-import a `-m` main module and its torch.
+TRAINER = "import sys; from areal_hpc.train.driver import main; sys.exit(main(sys.argv[1:]))"
+MODEL_TIMEOUT_S = 3600.0  # how long a rollout server waits for trainer rank 0 to write the initial model
+
+
+def areal_cli() -> list[str]:
+    return [sys.executable, "-m", "areal_hpc"]
+
+
+def config_args(config: str, overrides: list[str]) -> list[str]:
+    return [f"--config={config}", *overrides]
+
+
+def initial_model(cfg: RunConfig) -> Path:
+    """The weights rollout servers load at start: ``model.path``, or the run's fresh ``init_model``."""
+    return Path(cfg.model.path) if cfg.model.path else cfg.run_dir / "init_model"
+
+
+def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, on_initial_model=None) -> Path:
+    """Write the initial model if the run has none, then (fresh runs with ``rl.sft_warmup_steps``) run
+    the SFT warm-up; returns the model the trainer starts from. ``on_initial_model`` runs as soon as the
+    initial model exists (the local launcher starts its servers then, so they load during the warm-up)."""
+    model = initial_model(cfg)
+    if not cfg.model.path and not (model / "config.json").exists():
+        run_stage("model initialisation", [*areal_cli(), "init-model", "--out", str(model), "--preset",
+                                            cfg.model.preset, "--seed", str(cfg.experiment.seed)], env)
+    if on_initial_model is not None:
+        on_initial_model(model)
+    warm = start_model_path(cfg)
+    if warm != model and not warm.exists():
+        run_stage("SFT warm-up", [*areal_cli(), "sft", *args, f"model.path={model}",
+                                   f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
+                                   f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env)
+    return warm
+
+
+def start_model_path(cfg: RunConfig) -> Path:
+    """The model the trainer ranks start from: the SFT warm-up's output, or the initial model."""
+    return cfg.run_dir / "sft_warmup" / "model" if cfg.rl.sft_warmup_steps else initial_model(cfg)
+
+
+def wait_for_model(model: Path, timeout_s: float = MODEL_TIMEOUT_S) -> Path:
+    """Tasks started beside trainer rank 0 (rollout servers, other trainer ranks) wait until the model
+    it prepares is on the shared filesystem (model folders appear whole: written aside, renamed)."""
+    deadline = time.monotonic() + timeout_s
+    while not (model / "config.json").exists():
+        if time.monotonic() > deadline:
+            raise UserError(f"no model at {model} after {timeout_s:g} s (trainer rank 0 prepares it; see its log)")
+        time.sleep(1.0)
+    return model
+
+
+def server_command(args: list[str], model: Path) -> list[str]:
+    return [*areal_cli(), "serve", *args, f"model.path={model}", "port=0"]
+
+
+def trainer_command(args: list[str], start_model: Path, resume: bool) -> list[str]:
+    return [sys.executable, "-c", TRAINER, *args, f"model.path={start_model}", *(["--resume"] if resume else [])]
+
+
+def run_stage(name: str, command: list[str], env: dict) -> None:
+    """A preparation step (model init, SFT warm-up) with its output on this terminal; it dies with the
+    launcher, and its failure ends the launch."""
+    stage = SupervisedProcess(name, command, None, env).start()
+    try:
+        code = stage.process.wait()
+    finally:
+        stage.stop(grace_s=10)
+    if code:
+        raise UserError(f"{name} failed with exit code {code} (its output is above)")

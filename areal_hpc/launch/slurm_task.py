@@ -1,0 +1,160 @@
+"""One task of a run's heterogeneous Slurm job: find its role from its place in the job, start that
+role's process, and supervise it. ``areal-hpc submit`` (through submitit) and the plain sbatch scripts
+in ``slurm/`` (``areal-hpc slurm-task``) both end here, on every task of the one ``srun`` step:
+
+    global ranks [0, trainers)          trainer ranks (rank 0 prepares the model, then drives)
+    global ranks [trainers, world)      rollout servers, one per task
+
+Each role's output goes to ``<run>/logs/<role>-<i>.restart<N>.log`` (N: ``SLURM_RESTART_COUNT``). The
+run ends when trainer rank 0 finishes: it leaves a ``finished`` mark for this incarnation, the other
+tasks see it, stop their process and exit 0. A task whose process fails writes the reason into
+trainer rank 0's log and ``<run>/logs/failures.log`` and exits non-zero; ``srun --kill-on-bad-exit``
+then ends the job (FAILED in ``sacct``). SIGUSR2 before the time limit makes trainer rank 0 save and
+the job requeue (``preemption.py``); SIGTERM (``scontrol requeue``, ``scancel``) reaches every role,
+and the trainer saves before it exits. The next incarnation resumes (``--resume=auto``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_hpc.config import RunConfig, load_config
+from areal_hpc.errors import UserError
+from areal_hpc.fsio import atomic_write_text
+from areal_hpc.launch.local import should_resume
+from areal_hpc.launch.preemption import StopForwarder
+from areal_hpc.launch.roles import (config_args, initial_model, prepare_start_model, server_command,
+                                    start_model_path, trainer_command, wait_for_model)
+from areal_hpc.launch.supervisor import SupervisedProcess
+from areal_hpc.parallel.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, Placement,
+                                          assigned_devices, cpu_threads, split_roles)
+from areal_hpc.train.checkpoint import SAVED_AND_STOPPED
+
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """How the job's tasks divide into roles, and the accelerators each task takes from its node."""
+
+    trainers: int
+    gpus_per_trainer: int = 0
+    gpus_per_server: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "JobLayout":
+        return cls(cfg.rl.trainer_processes, 1 if cfg.slurm.trainer.gpus_per_node else 0,
+                   cfg.slurm.rollout.gpus_per_server)
+
+
+class TaskFailed(RuntimeError):
+    """This task's role process failed; the message says which and why."""
+
+
+def incarnation() -> str:
+    """One launch of the job: its id and how often Slurm restarted it (requeues)."""
+    return f"{os.environ.get('SLURM_JOB_ID', 'local')}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
+def run_task(config: str, overrides: list[str]) -> int:
+    cfg = load_config(config, overrides)
+    layout = JobLayout.from_config(cfg)
+    placement = Placement.detect()
+    role, index = split_roles(placement, layout.trainers)
+    run_dir, restart = cfg.run_dir, os.environ.get("SLURM_RESTART_COUNT", "0")
+    marks = run_dir / "name_resolve" / "job" / incarnation()
+    env = {RUN_MARKER: str(run_dir.resolve()), INCARNATION: incarnation(), "HF_HUB_OFFLINE": "1",
+           LAUNCHED_AT: os.environ.get(LAUNCHED_AT, str(time.time())),
+           RENDEZVOUS: str(marks / "trainer_rendezvous"), **_threads_and_devices(role, placement, layout)}
+    args = config_args(config, overrides)
+    log = run_dir / "logs" / f"{role}-{index}.restart{restart}.log"
+    if role == "rollout":
+        model = wait_for_model(initial_model(cfg))
+        command = [*server_command(args, model), "rollout.host=0.0.0.0"]
+        return _supervise(SupervisedProcess(f"rollout server {index}", command, log, env), cfg, marks, owner=False)
+    resume = should_resume(cfg, "auto")  # the same answer on every rank: nothing is written before they meet
+    env.update({"RANK": str(index), "WORLD_SIZE": str(layout.trainers), "LOCAL_RANK": str(placement.local_rank)})
+    if index == 0:
+        shutil.rmtree(run_dir / "weights", ignore_errors=True)  # pushed by an earlier incarnation
+        start_model = prepare_start_model(cfg, args, env)
+    else:
+        start_model = wait_for_model(start_model_path(cfg))
+    env[TRAINERS_AT] = str(time.time())
+    trainer = SupervisedProcess(f"trainer rank {index}", trainer_command(args, start_model, resume), log, env)
+    return _supervise(trainer, cfg, marks, owner=index == 0)
+
+
+def _threads_and_devices(role: str, placement: Placement, layout: JobLayout) -> dict[str, str]:
+    env = {}
+    threads = cpu_threads()
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    per_task = layout.gpus_per_trainer if role == "trainer" else layout.gpus_per_server
+    if per_task:
+        devices = ",".join(assigned_devices(placement.local_rank, per_task))
+        env["CUDA_VISIBLE_DEVICES"] = env["ASCEND_RT_VISIBLE_DEVICES"] = devices
+    return env
+
+
+def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, owner: bool) -> int:
+    """Run ``proc`` to its end (``owner``: trainer rank 0, whose end is the run's) or, for the other
+    tasks, until the run has finished. A failure raises ``TaskFailed`` after writing its reason where
+    people look; a process stopped because the job is being stopped (SIGTERM) is not a failure."""
+    finished, terminated = marks / "finished", []
+
+    def forward_sigterm(signum, frame) -> None:
+        terminated.append(signum)
+        if proc.process is not None:
+            proc.process.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward_sigterm)
+    with StopForwarder() if owner else contextlib.nullcontext() as stop_warning:
+        try:
+            proc.start()
+            if owner:
+                stop_warning.set_target(proc.process.pid)
+            while (code := proc.process.poll()) is None and (owner or not finished.exists()):
+                time.sleep(POLL_S)
+        finally:
+            proc.stop(grace_s=30)  # after the run finished: a server's clean shutdown
+            signal.signal(signal.SIGTERM, previous)
+        if owner and code == SAVED_AND_STOPPED:
+            stop_warning.requeue()  # after SIGUSR2: requeue (submitit's handler exits here); after SIGTERM: end
+            return code
+    if code is None or finished.exists() or terminated or (code == 0 and not owner):
+        return 0 if not terminated else 128 + signal.SIGTERM
+    if code == 0:  # trainer rank 0 completed the run
+        atomic_write_text(finished, "0\n")
+        return 0
+    reason = proc.failure(f"exited with code {code} on {os.environ.get('SLURMD_NODENAME', 'this node')}")
+    _report(cfg.run_dir, str(reason))
+    raise TaskFailed(str(reason))
+
+
+def _report(run_dir: Path, reason: str) -> None:
+    """Put a task's failure where the run's owner looks: the failures log and trainer rank 0's log."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} job {incarnation()}: {reason}\n"
+    for path in (run_dir / "logs" / "failures.log", run_dir / "logs" / f"trainer-0.restart{restart}.log"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as out:
+            out.write(line)
+    print(f"areal-hpc: error: {reason}", file=sys.stderr, flush=True)
+
+
+def main(config: str, overrides: list[str]) -> int:
+    """``areal-hpc slurm-task``: a task of a plain sbatch script (no submitit)."""
+    try:
+        return run_task(config, overrides)
+    except TaskFailed:
+        return 1
+    except UserError as exc:
+        print(f"areal-hpc: error: {exc}", file=sys.stderr)
+        return 2

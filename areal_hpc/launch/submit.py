@@ -1,0 +1,232 @@
+"""``areal-hpc submit``: one run as one heterogeneous Slurm job, from the login node.
+
+    areal-hpc submit --config configs/quickstart.yaml [--profile slurm/profiles/dev.yaml]
+                     [--plan plan.yaml] [--dry-run] [key=value ...]
+
+Components: the trainer ranks first (one component per training pool of a plan, else
+``slurm.trainer``), then the rollout servers (one component per rollout pool, else ``slurm.rollout``).
+``--plan`` takes ``areal-hpc plan --out``: each pool's partition (named in the cluster YAML) receives
+the planner's groups, and the plan fixes ``rl.trainer_processes``, ``rollout.n_servers`` and the
+accelerators per task. Everything is checked before anything is submitted: config keys, the plan's
+arithmetic, and each component against the live cluster (partition exists, enough nodes, accelerators
+and cores per node). The resolved config is written into the run folder with absolute paths, so the
+job does not depend on the folder it was submitted from; submitit's files go to ``<run>/submitit/``
+and each role's log to ``<run>/logs/``. ``--dry-run`` prints the job script and has
+``sbatch --test-only`` check it, submitting nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from submitit.helpers import DelayedSubmission
+
+from areal_hpc.config import RunConfig, load_config, to_yaml
+from areal_hpc.errors import UserError, closest
+from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
+from areal_hpc.launch.slurm_task import run_task
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What one partition of the live cluster offers per node (the smallest node of it)."""
+
+    name: str
+    nodes: int
+    cpus: int
+    gres: dict[str, int]
+
+
+def components_from_config(cfg: RunConfig) -> list[Component]:
+    trainer, rollout, servers = cfg.slurm.trainer, cfg.slurm.rollout, cfg.rollout.n_servers
+    if cfg.rl.trainer_processes % trainer.nodes:
+        raise UserError(f"rl.trainer_processes={cfg.rl.trainer_processes} does not divide over "
+                        f"slurm.trainer.nodes={trainer.nodes} (ranks are spread evenly over the nodes)")
+    per_node = cfg.rl.trainer_processes // trainer.nodes
+    if trainer.gpus_per_node and trainer.gpus_per_node != per_node:
+        raise UserError(f"slurm.trainer.gpus_per_node={trainer.gpus_per_node} but {per_node} trainer ranks per node: "
+                        f"one accelerator per rank (set rl.trainer_processes={trainer.gpus_per_node * trainer.nodes})")
+    nodes = math.ceil(servers / rollout.servers_per_node)
+    if servers % nodes:
+        raise UserError(f"rollout.n_servers={servers} does not fill {nodes} nodes of "
+                        f"slurm.rollout.servers_per_node={rollout.servers_per_node} evenly")
+    return [Component("trainer", trainer.partition, trainer.nodes, per_node, trainer.cpus_per_task,
+                      trainer.gpus_per_node, trainer.mem),
+            Component("rollout", rollout.partition, nodes, servers // nodes, rollout.cpus_per_server,
+                      rollout.gpus_per_server * (servers // nodes), rollout.mem)]
+
+
+def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], list[str]]:
+    """The plan's groups as components, and the config overrides the plan implies."""
+    pools = plan.get("pools")
+    if not isinstance(pools, dict) or not plan.get("train") or not plan.get("rollout"):
+        raise UserError("the plan lacks pools, train or rollout groups; write it with `areal-hpc plan --out FILE`")
+    components, used = [], {}
+    for role in ("train", "rollout"):
+        for group in plan[role]:
+            pool = pools.get(group["pool"])
+            if pool is None:
+                raise UserError(f"plan group on pool '{group['pool']}' names no pool of the plan's cluster "
+                                f"(pools: {', '.join(pools)})")
+            per_task = group["tp"] * group["pp"] if role == "rollout" else 1
+            tasks = group["replicas"] if role == "rollout" else group["devices"]
+            if role == "train" and group["dp"] * group["tp"] * group["pp"] != group["devices"]:
+                raise UserError(f"plan: training on '{group['pool']}' uses {group['devices']} devices but "
+                                f"dp{group['dp']} x tp{group['tp']} x pp{group['pp']} = "
+                                f"{group['dp'] * group['tp'] * group['pp']}")
+            used[group["pool"]] = used.get(group["pool"], 0) + tasks * per_task
+            if used[group["pool"]] > pool["nodes"] * pool["per_node"]:
+                raise UserError(f"plan: pool '{group['pool']}' has {pool['nodes'] * pool['per_node']} devices but the "
+                                f"plan uses {used[group['pool']]}")
+            tasks_per_node = max(1, min(tasks, pool["per_node"] // per_task))
+            nodes = math.ceil(tasks / tasks_per_node)
+            if tasks % nodes:
+                raise UserError(f"plan: {tasks} {role} tasks on pool '{group['pool']}' do not fill {nodes} nodes evenly")
+            slurm_role = cfg.slurm.trainer if role == "train" else cfg.slurm.rollout
+            cpus = slurm_role.cpus_per_task if role == "train" else slurm_role.cpus_per_server
+            components.append(Component("trainer" if role == "train" else "rollout", pool["partition"], nodes,
+                                        tasks // nodes, cpus, per_task * (tasks // nodes), slurm_role.mem))
+    trainers = sum(c.tasks for c in components if c.role == "trainer")
+    servers = plan["rollout"]
+    if len({(g["tp"], g["pp"]) for g in servers}) > 1:
+        raise UserError("plan: rollout groups of different tensor/pipeline sizes in one run are not supported yet")
+    overrides = [f"rl.trainer_processes={trainers}", f"rollout.n_servers={sum(g['replicas'] for g in servers)}",
+                 f"rollout.tp_size={servers[0]['tp']}", f"slurm.rollout.gpus_per_server={servers[0]['tp'] * servers[0]['pp']}",
+                 f"slurm.trainer.gpus_per_node={components[0].gpus_per_node}"]
+    return components, overrides
+
+
+def read_partitions() -> dict[str, Partition]:
+    """Partitions of the live cluster (``sinfo``): node count, and the smallest node's cores and GRES."""
+    try:
+        out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N|%R|%c|%G"], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    except FileNotFoundError:
+        raise UserError("sinfo not found: submit from a Slurm login node (or start the dev cluster: "
+                        "bash slurm/dev/up.sh)") from None
+    except subprocess.CalledProcessError as exc:
+        raise UserError(f"sinfo failed: {exc.stderr.strip() or exc.returncode}") from None
+    nodes: dict[str, dict[str, tuple[int, dict]]] = {}
+    for line in out.splitlines():
+        node, partition, cpus, gres = line.split("|")
+        nodes.setdefault(partition, {})[node] = (int(cpus), _parse_gres(gres))
+    return {name: Partition(name, len(found), min(c for c, _ in found.values()),
+                            {k: min(g.get(k, 0) for _, g in found.values()) for _, g in found.values() for k in g})
+            for name, found in nodes.items()}
+
+
+def _parse_gres(text: str) -> dict[str, int]:
+    """``gpu:2,npu:a910:8(S:0-1)`` -> {"gpu": 2, "npu": 8}."""
+    counts = {}
+    for item in text.split(","):
+        fields = item.split("(")[0].split(":")
+        if len(fields) >= 2 and fields[-1].isdigit():
+            counts[fields[0]] = counts.get(fields[0], 0) + int(fields[-1])
+    return counts
+
+
+def check_components(components: list[Component], partitions: dict[str, Partition], gres: str) -> None:
+    for c in components:
+        found = partitions.get(c.partition)
+        if found is None:
+            raise UserError(f"{c.role} partition '{c.partition}' does not exist{closest(c.partition, partitions)} "
+                            f"(partitions: {', '.join(sorted(partitions))})")
+        if c.nodes > found.nodes:
+            raise UserError(f"{c.role}: {c.nodes} nodes asked of partition '{c.partition}', which has {found.nodes}")
+        if c.tasks_per_node * c.cpus_per_task > found.cpus:
+            raise UserError(f"{c.role}: {c.tasks_per_node} tasks x {c.cpus_per_task} CPUs per node asked of partition "
+                            f"'{c.partition}', whose nodes have {found.cpus}")
+        if c.gpus_per_node > found.gres.get(gres, 0):
+            raise UserError(f"{c.role}: {c.gpus_per_node} {gres} per node asked of partition '{c.partition}', whose "
+                            f"nodes have {found.gres.get(gres, 0)}")
+
+
+@dataclass
+class Submission:
+    executor: HetJobExecutor
+    config: Path  # the resolved config the job's tasks load
+    cfg: RunConfig
+
+
+def prepare(config: str, overrides: list[str], profile: str | None, plan_file: str | None) -> Submission:
+    """Everything checked and written that a submission needs; nothing submitted yet."""
+    files = [profile, config] if profile else [config]
+    cfg = load_config(files, overrides)
+    components, plan_overrides = components_from_config(cfg), []
+    if plan_file:
+        components, plan_overrides = components_from_plan(_read_plan(plan_file), cfg)
+        cfg = load_config(files, [*overrides, *plan_overrides])
+    cfg.cluster.fileroot = str(Path(cfg.cluster.fileroot).resolve())  # the job may start in any folder
+    if cfg.model.path:
+        cfg.model.path = str(Path(cfg.model.path).resolve())
+    check_components(components, read_partitions(), cfg.slurm.gres)
+    run_dir = cfg.run_dir
+    resolved = run_dir / "job" / "config.yaml"
+    resolved.parent.mkdir(parents=True, exist_ok=True)
+    resolved.write_text(to_yaml(cfg))
+    s = cfg.slurm
+    job = JobSpec(name=f"areal-{cfg.experiment.name}-{cfg.experiment.trial}", time=s.time, account=s.account,
+                  qos=s.qos, gres=s.gres, signal_lead_s=s.signal_lead_s, mpi=s.mpi, extra_sbatch=tuple(s.extra_sbatch))
+    return Submission(HetJobExecutor(run_dir / "submitit", job, components, s.max_requeues), resolved, cfg)
+
+
+def _read_plan(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"plan file not found: {path} (write one with `areal-hpc plan --out FILE`)")
+    plan = yaml.safe_load(file.read_text())
+    if not isinstance(plan, dict):
+        raise UserError(f"plan file {path} is not a plan (write one with `areal-hpc plan --out FILE`)")
+    return plan
+
+
+def script(submission: Submission) -> str:
+    return submission.executor._make_submission_file_text(submission.executor._submitit_command_str, "dry-run")
+
+
+def test_only(text: str) -> str:
+    """``sbatch --test-only`` on the script: Slurm's own check, nothing queued."""
+    with tempfile.NamedTemporaryFile("w", suffix=".sbatch") as file:
+        file.write(text)
+        file.flush()
+        result = subprocess.run(["sbatch", "--test-only", file.name], capture_output=True, text=True, timeout=60)
+    if result.returncode:
+        raise UserError(f"sbatch --test-only rejected the job: {result.stderr.strip()}")
+    return result.stderr.strip()
+
+
+class RunTasks:
+    """The callable submitit runs on every task of the job (pickled): ``run_task`` with the resolved
+    config. ``checkpoint`` (submitit calls it on SIGUSR2) resubmits the same call: the next incarnation
+    resumes from the checkpoint the trainer just wrote."""
+
+    def __init__(self, config: Path):
+        self.config = str(config)
+
+    def __call__(self) -> int:
+        return run_task(self.config, [])
+
+    def checkpoint(self) -> DelayedSubmission:
+        return DelayedSubmission(self)
+
+
+def describe(submission: Submission, job_id: str) -> str:
+    """What was submitted and where to look, for the terminal."""
+    cfg, executor = submission.cfg, submission.executor
+    rows = [f"  component {i}: {c.role:<8} partition {c.partition}, {c.nodes} node(s) x {c.tasks_per_node} task(s), "
+            f"{c.cpus_per_task} CPU(s)/task" + (f", {cfg.slurm.gres}:{c.gpus_per_node}/node" if c.gpus_per_node else "")
+            for i, c in enumerate(executor.components)]
+    logs = cfg.run_dir / "logs"
+    return "\n".join([f"submitted job {job_id}: {cfg.experiment.name}/{cfg.experiment.trial}", *rows,
+                      f"  run folder: {cfg.run_dir}", f"  progress:   tail -f {logs}/trainer-0.restart0.log",
+                      f"  state:      squeue -j {job_id}; sacct -j {job_id}"])
+
+
+def submit(submission: Submission):
+    """Queue the job; returns submitit's job handle."""
+    return submission.executor.submit(RunTasks(submission.config))

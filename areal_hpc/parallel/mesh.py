@@ -2,9 +2,10 @@
 once against the world, and a ``DeviceMesh`` every component asks for the sub-mesh it needs.
 
 The torch-native trainer of this release shards only over ``dp``; the other axes are declared here so
-the Megatron/5D engine plugs into the same object. Ranks find each other through the environment
-that ``torchrun``, ``srun`` (via ``launch/``) or our local launcher sets: RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT. gloo on CPU, NCCL on CUDA, HCCL on Ascend.
+the Megatron/5D engine plugs into the same object. Ranks learn their place from the environment
+``srun``, ``mpirun``, ``torchrun`` or our local launcher sets (``bootstrap.Placement``) and meet at
+MASTER_ADDR:MASTER_PORT or through a name-resolve folder (``rendezvous``). gloo on CPU, NCCL on CUDA,
+HCCL on Ascend.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from areal_hpc.errors import UserError
+from areal_hpc.parallel.bootstrap import INTERFACE, RENDEZVOUS, Placement, assigned_devices
+from areal_hpc.parallel.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_store
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -47,20 +51,36 @@ class ParallelDims:
 
 
 def init_distributed(device: torch.device, timeout_s: float = 7 * 24 * 3600.0) -> tuple[int, int]:
-    """Join the default process group from the environment; returns (rank, world size).
+    """Join the default process group; returns (rank, world size).
 
-    A single process without the environment runs as a group of one, so one code path serves both.
-    The timeout is long on purpose: ranks > 0 wait in a collective while rank 0 generates and
-    evaluates; if a rank dies, the launcher stops the others.
+    Rank, world and local rank come from the launcher (``bootstrap.Placement``: RANK/WORLD_SIZE/
+    LOCAL_RANK from torchrun or ours, else the Slurm step or MPI). The ranks meet at MASTER_ADDR:
+    MASTER_PORT when both are set (torchrun), else through the shared folder in AREAL_HPC_RENDEZVOUS
+    (rank 0's store on a port of the OS's choosing, see ``rendezvous``). A single process runs as a
+    group of one, so one code path serves both. The timeout is long on purpose: ranks > 0 wait in a
+    collective while rank 0 generates and evaluates; if a rank dies, the launcher stops the others.
     """
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    placement = Placement.detect()
+    rank, world, backend = placement.rank, placement.world, BACKENDS[device.type]
     timeout = datetime.timedelta(seconds=timeout_s)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    interface = os.environ.get(INTERFACE, "")
+    if interface:  # the collectives' own sockets take the same network as the rendezvous
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, interface)
+    if device.type == "cuda":  # the ordinal of this rank's device among the visible ones
+        mine, visible = assigned_devices(placement.local_rank, 1)[0], os.environ.get("CUDA_VISIBLE_DEVICES")
+        torch.cuda.set_device(visible.split(",").index(mine) if visible else int(mine))
     if world == 1:  # a group of one needs no rendezvous (and no port)
-        dist.init_process_group(BACKENDS[device.type], store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return 0, 1
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise UserError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (the launcher, torchrun or srun sets them)")
-    dist.init_process_group(BACKENDS[device.type], rank=rank, world_size=world, timeout=timeout)
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    elif os.environ.get(RENDEZVOUS):
+        store = rendezvous_store(Path(os.environ[RENDEZVOUS]), rank, world, min(timeout_s, RENDEZVOUS_TIMEOUT_S),
+                                 interface)
+        store.set_timeout(timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        raise UserError(f"{world} ranks (from {placement.source} variables) need a rendezvous: {RENDEZVOUS} "
+                        "(a shared folder; the launchers set it) or MASTER_ADDR and MASTER_PORT (torchrun)")
     return rank, world

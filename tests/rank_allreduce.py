@@ -1,0 +1,45 @@
+"""One torch.distributed world met through the name-resolve rendezvous (AREAL_HPC_RENDEZVOUS; no
+MASTER_ADDR/PORT), with an MPI world in the same processes when asked. Prints one JSON line per rank:
+its placement, role, threads and devices, the sums of gloo allreduces over every rank and over the
+trainer ranks, and of an mpi4py allreduce.
+
+    RANK=r WORLD_SIZE=w AREAL_HPC_RENDEZVOUS=DIR python -m tests.rank_allreduce N_TRAINERS
+    AREAL_HPC_RENDEZVOUS=DIR mpirun -np 2 python -m tests.rank_allreduce N_TRAINERS --mpi
+    srun --mpi=pmix --het-group=0,1 python -m tests.rank_allreduce N_TRAINERS --mpi   (in a het job)
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+from areal_hpc.parallel.bootstrap import Placement, assigned_devices, cpu_threads, split_roles
+
+placement = Placement.detect()  # before MPI_Init: from what the launcher set alone
+n_trainers, with_mpi = int(sys.argv[1]), "--mpi" in sys.argv[2:]
+report = {**dataclasses.asdict(placement), "threads": cpu_threads(),
+          "devices": assigned_devices(placement.local_rank, 1)}
+report["role"], report["index"] = split_roles(placement, n_trainers)
+if with_mpi:
+    from mpi4py import MPI
+
+    report["mpi_sum"] = MPI.COMM_WORLD.allreduce(placement.rank + 1)
+    # Only PMIX_RANK left, as a PMIx launcher that names no world size would leave it: Placement asks mpi4py.
+    pmix_only = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_COMM_WORLD_", "PMI_"))}
+    report["via_mpi4py"] = dataclasses.asdict(Placement.detect(pmix_only))
+
+import torch  # noqa: E402  (after MPI_Init, as a real MPI program would)
+import torch.distributed as dist  # noqa: E402
+
+from areal_hpc.parallel.mesh import init_distributed  # noqa: E402
+
+rank, world = init_distributed(torch.device("cpu"), timeout_s=60)
+everyone = torch.tensor([float(rank + 1)])
+dist.all_reduce(everyone)
+trainers = dist.new_group(list(range(n_trainers)))  # every rank takes part in creating a group
+among_trainers = torch.tensor([float(rank + 1)])
+if report["role"] == "trainer":
+    dist.all_reduce(among_trainers, group=trainers)
+report.update(torch_rank=rank, torch_world=world, torch_sum=everyone.item(), trainer_sum=among_trainers.item())
+print(json.dumps(report), flush=True)
+dist.destroy_process_group()

@@ -24,11 +24,13 @@ from pathlib import Path
 
 from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, free_port
+from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.launch.preemption import StopForwarder
-from areal_hpc.launch.roles import config_args, prepare_start_model, server_command, trainer_command
+from areal_hpc.launch.roles import (config_args, forget_other_incarnations, incarnation_folder, prepare_start_model,
+                                    server_command, trainer_command)
 from areal_hpc.launch.supervisor import SupervisedProcess
-from areal_hpc.parallel.bootstrap import LAUNCHED_AT, RUN_MARKER, TRAINERS_AT
+from areal_hpc.parallel.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT,
+                                          new_incarnation)
 from areal_hpc.train.checkpoint import SAVED_AND_STOPPED, latest_checkpoint
 
 RESUME_CHOICES = ("never", "always", "auto")
@@ -53,8 +55,11 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
     resume = should_resume(cfg, resume)
     run_dir = cfg.run_dir
+    incarnation = new_incarnation()
     shutil.rmtree(run_dir / "name_resolve" / ROLLOUT_SERVERS, ignore_errors=True)  # addresses of a killed run
-    env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), "HF_HUB_OFFLINE": "1"}
+    forget_other_incarnations(run_dir, incarnation)
+    env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), INCARNATION: incarnation,
+           RENDEZVOUS: str(incarnation_folder(run_dir, incarnation) / "trainer"), "HF_HUB_OFFLINE": "1"}
     # Servers and trainer ranks run side by side: each gets its share of the cores. Stages run alone.
     share = max(1, (os.cpu_count() or 1) // (cfg.rollout.n_servers + cfg.rl.trainer_processes))
     threads = {"OMP_NUM_THREADS": str(share)}
@@ -74,13 +79,11 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     with StopForwarder() as stop_warning:
         try:
             start_model = prepare_start_model(cfg, args, env, on_initial_model=start_servers)
-            master_port = str(free_port("127.0.0.1"))
             env[TRAINERS_AT] = str(time.time())
             for rank in range(cfg.rl.trainer_processes):
                 start(f"trainer rank {rank}", trainer_command(args, start_model, resume),
                       None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log",
-                      {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port})
+                      {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes)})
             trainers = started[-cfg.rl.trainer_processes:]
             stop_warning.set_target(trainers[0].process.pid)
             code = _supervise(started[:-cfg.rl.trainer_processes], trainers)

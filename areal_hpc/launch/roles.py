@@ -10,6 +10,7 @@ starts them all on this machine (``local.py``) or each is one task of a Slurm jo
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,21 @@ def areal_cli() -> list[str]:
 
 def config_args(config: str, overrides: list[str]) -> list[str]:
     return [f"--config={config}", *overrides]
+
+
+def incarnation_folder(run_dir: Path, incarnation: str) -> Path:
+    """Name-resolve folder of one launch of a run: trainer rank 0's rendezvous address
+    (``trainer/``) and, under Slurm, the mark that the run has finished."""
+    return run_dir / "name_resolve" / "job" / incarnation
+
+
+def forget_other_incarnations(run_dir: Path, incarnation: str) -> None:
+    """Remove what earlier launches (a killed run, a requeued job) left in name-resolve and the
+    weight folders they pushed; the new launch pushes its own weights first."""
+    for folder in (run_dir / "name_resolve" / "job").glob("*"):
+        if folder.name != incarnation:
+            shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(run_dir / "weights", ignore_errors=True)
 
 
 def initial_model(cfg: RunConfig) -> Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
 import time
@@ -30,11 +29,12 @@ from areal_hpc.errors import UserError
 from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.local import should_resume
 from areal_hpc.launch.preemption import StopForwarder
-from areal_hpc.launch.roles import (config_args, initial_model, prepare_start_model, server_command,
-                                    start_model_path, trainer_command, wait_for_model)
+from areal_hpc.launch.roles import (config_args, forget_other_incarnations, incarnation_folder, initial_model,
+                                    prepare_start_model, server_command, start_model_path, trainer_command,
+                                    wait_for_model)
 from areal_hpc.launch.supervisor import SupervisedProcess
-from areal_hpc.parallel.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, Placement,
-                                          assigned_devices, cpu_threads, split_roles)
+from areal_hpc.parallel.bootstrap import (INCARNATION, INTERFACE, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT,
+                                          Placement, assigned_devices, cpu_threads, new_incarnation, split_roles)
 from areal_hpc.train.checkpoint import SAVED_AND_STOPPED
 
 POLL_S = 1.0
@@ -58,21 +58,17 @@ class TaskFailed(RuntimeError):
     """This task's role process failed; the message says which and why."""
 
 
-def incarnation() -> str:
-    """One launch of the job: its id and how often Slurm restarted it (requeues)."""
-    return f"{os.environ.get('SLURM_JOB_ID', 'local')}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-
-
 def run_task(config: str, overrides: list[str]) -> int:
     cfg = load_config(config, overrides)
     layout = JobLayout.from_config(cfg)
     placement = Placement.detect()
     role, index = split_roles(placement, layout.trainers)
-    run_dir, restart = cfg.run_dir, os.environ.get("SLURM_RESTART_COUNT", "0")
-    marks = run_dir / "name_resolve" / "job" / incarnation()
-    env = {RUN_MARKER: str(run_dir.resolve()), INCARNATION: incarnation(), "HF_HUB_OFFLINE": "1",
+    run_dir, restart, incarnation = cfg.run_dir, os.environ.get("SLURM_RESTART_COUNT", "0"), new_incarnation()
+    marks = incarnation_folder(run_dir, incarnation)
+    env = {RUN_MARKER: str(run_dir.resolve()), INCARNATION: incarnation, INTERFACE: cfg.cluster.interface,
+           "HF_HUB_OFFLINE": "1",
            LAUNCHED_AT: os.environ.get(LAUNCHED_AT, str(time.time())),
-           RENDEZVOUS: str(marks / "trainer_rendezvous"), **_threads_and_devices(role, placement, layout)}
+           RENDEZVOUS: str(marks / "trainer"), **_threads_and_devices(role, placement, layout)}
     args = config_args(config, overrides)
     log = run_dir / "logs" / f"{role}-{index}.restart{restart}.log"
     if role == "rollout":
@@ -82,7 +78,7 @@ def run_task(config: str, overrides: list[str]) -> int:
     resume = should_resume(cfg, "auto")  # the same answer on every rank: nothing is written before they meet
     env.update({"RANK": str(index), "WORLD_SIZE": str(layout.trainers), "LOCAL_RANK": str(placement.local_rank)})
     if index == 0:
-        shutil.rmtree(run_dir / "weights", ignore_errors=True)  # pushed by an earlier incarnation
+        forget_other_incarnations(run_dir, incarnation)
         start_model = prepare_start_model(cfg, args, env)
     else:
         start_model = wait_for_model(start_model_path(cfg))
@@ -131,6 +127,7 @@ def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, owner: bool
     if code is None or finished.exists() or terminated or (code == 0 and not owner):
         return 0 if not terminated else 128 + signal.SIGTERM
     if code == 0:  # trainer rank 0 completed the run
+        finished.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(finished, "0\n")
         return 0
     reason = proc.failure(f"exited with code {code} on {os.environ.get('SLURMD_NODENAME', 'this node')}")
@@ -141,7 +138,7 @@ def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, owner: bool
 def _report(run_dir: Path, reason: str) -> None:
     """Put a task's failure where the run's owner looks: the failures log and trainer rank 0's log."""
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} job {incarnation()}: {reason}\n"
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} job {os.environ.get(INCARNATION, '?')}: {reason}\n"
     for path in (run_dir / "logs" / "failures.log", run_dir / "logs" / f"trainer-0.restart{restart}.log"):
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as out:

@@ -18,8 +18,10 @@ and each role's log to ``<run>/logs/``. ``--dry-run`` prints the job script and 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +30,10 @@ from submitit.helpers import DelayedSubmission
 
 from areal_hpc.config import RunConfig, load_config, to_yaml
 from areal_hpc.errors import UserError, closest
+from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
+from areal_hpc.launch.local import should_resume
+from areal_hpc.parallel.bootstrap import LAUNCHED_AT
 from areal_hpc.launch.slurm_task import run_task
 
 
@@ -153,8 +158,10 @@ class Submission:
     cfg: RunConfig
 
 
-def prepare(config: str, overrides: list[str], profile: str | None, plan_file: str | None) -> Submission:
-    """Everything checked and written that a submission needs; nothing submitted yet."""
+def prepare(config: str, overrides: list[str], profile: str | None, plan_file: str | None,
+            resume: str = "never") -> Submission:
+    """Everything a submission needs, checked; nothing written or submitted yet. ``resume`` as for
+    ``areal-hpc train`` (the job itself always resumes what its earlier incarnations wrote)."""
     files = [profile, config] if profile else [config]
     cfg = load_config(files, overrides)
     components, plan_overrides = components_from_config(cfg), []
@@ -165,14 +172,13 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
     if cfg.model.path:
         cfg.model.path = str(Path(cfg.model.path).resolve())
     check_components(components, read_partitions(), cfg.slurm.gres)
+    should_resume(cfg, resume)
     run_dir = cfg.run_dir
-    resolved = run_dir / "job" / "config.yaml"
-    resolved.parent.mkdir(parents=True, exist_ok=True)
-    resolved.write_text(to_yaml(cfg))
     s = cfg.slurm
     job = JobSpec(name=f"areal-{cfg.experiment.name}-{cfg.experiment.trial}", time=s.time, account=s.account,
                   qos=s.qos, gres=s.gres, signal_lead_s=s.signal_lead_s, mpi=s.mpi, extra_sbatch=tuple(s.extra_sbatch))
-    return Submission(HetJobExecutor(run_dir / "submitit", job, components, s.max_requeues), resolved, cfg)
+    return Submission(HetJobExecutor(run_dir / "submitit", job, components, s.max_requeues),
+                      run_dir / "job" / "config.yaml", cfg)
 
 
 def _read_plan(path: str) -> dict:
@@ -228,5 +234,8 @@ def describe(submission: Submission, job_id: str) -> str:
 
 
 def submit(submission: Submission):
-    """Queue the job; returns submitit's job handle."""
+    """Write the resolved config the tasks load, queue the job; returns submitit's job handle."""
+    submission.config.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(submission.config, to_yaml(submission.cfg))
+    os.environ[LAUNCHED_AT] = str(time.time())  # sbatch passes it on: the run reports its start against it
     return submission.executor.submit(RunTasks(submission.config))

@@ -25,6 +25,7 @@ from areal_hpc.data.shards.reader import TrajectoryStore
 from areal_hpc.parallel.bootstrap import RUN_MARKER
 from areal_hpc.train.optim import lr_multiplier
 from .conftest import REPO, run_cli
+from .run_audit import assert_each_trajectory_trained_once, read_audit, untrained_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -130,10 +131,7 @@ def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_
     killed_at = max(r["step"] for r in metrics(run))
     checkpoint = int((run / "checkpoints" / "latest").read_text().strip()[len("step"):])
     assert 2 <= checkpoint <= killed_at and checkpoint % 2 == 0
-    at_checkpoint = json.loads((run / "checkpoints" / f"step{checkpoint:06d}" / "driver.json").read_text())
-    with TrajectoryStore(run / "shards") as store:  # stored, but not trained by the checkpoint we resume from
-        cursor = ConsumerCursor.from_state_dict(at_checkpoint["cursor"])
-        untrained = {t.id for t in TrajectoryConsumer(store, cursor).pending()}
+    untrained = untrained_at(run, checkpoint)
 
     result = run_cli(*args, "--resume", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -144,32 +142,37 @@ def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_
     for r in records:  # the schedule continued from the checkpoint (optimizer and scheduler state restored)
         assert r["actor/lr"] == pytest.approx(cfg.actor.lr * lr_multiplier(r["step"] - 1, 7, cfg.optimizer))
 
-    # the batches that made the final model: the last attempt of each step
-    effective: dict[int, list[str]] = {}
-    dropped: set[str] = set()
-    trained_after_resume: set[str] = set()
-    resumed = False
-    for line in (run / "logs" / "batches.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        resumed = resumed or "resumed_from" in entry
-        if "trained" in entry:
-            effective[entry["step"]] = entry["trained"]
-            if resumed:
-                trained_after_resume |= set(entry["trained"])
-        elif "dropped" in entry:
-            dropped |= set(entry["dropped"])
-    trained = [i for step in sorted(effective) for i in effective[step]]
-    assert sorted(effective) == list(range(1, 8)) and len(trained) == len(set(trained))  # none twice
-    final = json.loads((run / "checkpoints" / "step000007" / "driver.json").read_text())
-    with TrajectoryStore(run / "shards") as store:
-        consumer = TrajectoryConsumer(store, ConsumerCursor.from_state_dict(final["cursor"]))
-        pending = {t.id for t in consumer.pending()}
-        consumed = store.ids() - pending
-        assert set(trained) <= consumed and consumed <= set(trained) | dropped
+    audit = assert_each_trajectory_trained_once(run, 7)
     assert untrained, "the kill left nothing to recover: the test did not exercise recovery"
-    assert untrained <= set(trained) | dropped | pending  # none lost
-    assert untrained & trained_after_resume  # the recovered ones were trained after the resume
+    assert untrained <= set(audit.trained) | audit.dropped | untrained_at(run, 7)  # none lost
+    assert untrained & audit.trained_after_resume  # the recovered ones were trained after the resume
     assert wait_for_no_processes(run) == []
+
+
+def test_sigusr2_saves_at_once_and_resume_auto_continues_exactly(tiny_model_dir, tmp_path):
+    """Slurm's stop warning on a local run: the trainer saves the step it is at (no periodic
+    checkpoint would), the launcher exits 75 with how to continue, and --resume=auto loses nothing."""
+    args = train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=40", "rl.eval_every_steps=0",
+                      "saver.freq_steps=1000")
+    run = run_dir(tmp_path)
+    launcher = subprocess.Popen([sys.executable, "-m", "areal_hpc", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and any(r["step"] >= 3 for r in metrics(run))):
+        assert launcher.poll() is None and time.monotonic() < deadline, "run ended or stalled before step 3"
+        time.sleep(0.1)
+    os.kill(launcher.pid, signal.SIGUSR2)
+    stderr = launcher.communicate(timeout=60)[1]
+    assert launcher.returncode == 75, stderr[-3000:]
+    assert "--resume" in stderr.splitlines()[-1]
+    saved = int((run / "checkpoints" / "latest").read_text().strip()[len("step"):])
+    assert 3 <= saved < 40 and saved == max(read_audit(run).effective)  # the step it was at, not an older one
+    assert wait_for_no_processes(run) == []
+
+    result = run_cli(*args, "--resume=auto", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_audit(run).resumed_from == [saved]
+    assert_each_trajectory_trained_once(run, 40)
 
 
 def test_a_taken_run_folder_and_a_missing_checkpoint_are_one_line_errors(tiny_model_dir, tmp_path):

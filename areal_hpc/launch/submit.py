@@ -136,13 +136,17 @@ def _parse_gres(text: str) -> dict[str, int]:
 
 
 def check_components(components: list[Component], partitions: dict[str, Partition], gres: str) -> None:
+    nodes_asked: dict[str, int] = {}
     for c in components:
         found = partitions.get(c.partition)
         if found is None:
             raise UserError(f"{c.role} partition '{c.partition}' does not exist{closest(c.partition, partitions)} "
                             f"(partitions: {', '.join(sorted(partitions))})")
-        if c.nodes > found.nodes:
-            raise UserError(f"{c.role}: {c.nodes} nodes asked of partition '{c.partition}', which has {found.nodes}")
+        nodes_asked[c.partition] = nodes_asked.get(c.partition, 0) + c.nodes
+        if nodes_asked[c.partition] > found.nodes:  # Slurm places each component of a het job on its own nodes
+            raise UserError(f"{c.role}: {nodes_asked[c.partition]} nodes asked of partition '{c.partition}' in all, "
+                            f"which has {found.nodes} (each component of a heterogeneous job takes whole nodes "
+                            f"of its own)")
         if c.tasks_per_node * c.cpus_per_task > found.cpus:
             raise UserError(f"{c.role}: {c.tasks_per_node} tasks x {c.cpus_per_task} CPUs per node asked of partition "
                             f"'{c.partition}', whose nodes have {found.cpus}")

@@ -1,7 +1,10 @@
 """Shared fixtures: one tiny model built per test session, runners for the real CLI and rollout servers."""
 
 import contextlib
+import functools
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -52,3 +55,46 @@ def embedded_server(model_dir: Path, fileroot: Path, *extra: str):
             process.terminate()
             process.wait(timeout=30)
         log.close()
+
+
+# Tests marked `slurm` need the dev Slurm cluster (slurm/dev/up.sh), tests marked `mpi` need OpenMPI and
+# mpi4py. Where those are missing the tests are skipped, unless AREAL_HPC_REQUIRE_SLURM=1 or
+# AREAL_HPC_REQUIRE_MPI=1 (as CI sets them): then they fail with the reason.
+
+@functools.cache
+def slurm_missing() -> str | None:
+    """Why the dev Slurm cluster cannot run jobs here, or None when both its nodes answer."""
+    if shutil.which("sinfo") is None:
+        return "sinfo is not installed"
+    try:
+        done = subprocess.run(["sinfo", "-h", "-N", "-r", "-t", "idle,mixed,allocated,completing", "-o", "%N"],
+                              capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out"
+    if done.returncode != 0:
+        return f"sinfo failed: {done.stderr.strip()}"
+    missing = {"train1", "rollout1"} - set(done.stdout.split())
+    return f"node(s) {', '.join(sorted(missing))} not responding or not usable" if missing else None
+
+
+@functools.cache
+def mpi_missing() -> str | None:
+    """Why MPI programs cannot run here (no ``mpirun``, no mpi4py), or None."""
+    absent = [name for name, present in [("mpirun (OpenMPI)", shutil.which("mpirun") is not None),
+                                         ("mpi4py", importlib.util.find_spec("mpi4py") is not None)] if not present]
+    return f"{' and '.join(absent)} not installed" if absent else None
+
+
+REQUIREMENTS = {
+    "slurm": ("AREAL_HPC_REQUIRE_SLURM", slurm_missing, "dev Slurm cluster is not up: run slurm/dev/up.sh"),
+    "mpi": ("AREAL_HPC_REQUIRE_MPI", mpi_missing, "OpenMPI/mpi4py is missing: run slurm/dev/up.sh and install mpi4py"),
+}
+
+
+def pytest_runtest_setup(item):
+    for marker, (variable, missing, message) in REQUIREMENTS.items():
+        if item.get_closest_marker(marker) is None or (reason := missing()) is None:
+            continue
+        if os.environ.get(variable) == "1":
+            pytest.fail(f"{message} ({reason}; {variable}=1 requires it)", pytrace=False)
+        pytest.skip(f"{message} ({reason})")

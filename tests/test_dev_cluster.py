@@ -1,0 +1,84 @@
+"""The one-machine dev Slurm cluster (slurm/dev/up.sh) behaves like the clusters the launcher targets:
+two nodes in partitions train, rollout and all; a heterogeneous job spans both nodes; fake GPUs set
+CUDA_VISIBLE_DEVICES; sacct reports finished jobs, failed ones with their exit code."""
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+            "DEADLINE"}
+
+
+def run(*args: str, timeout: float = 60) -> str:
+    """Run a Slurm command; its stdout, or the test fails with its stderr."""
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}"
+    return done.stdout
+
+
+def wait_for(condition, timeout: float, what: str):
+    """Poll ``condition`` every 0.1 s until it returns something true and return that; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.1)
+    return result
+
+
+def sbatch(folder: Path, *args: str) -> str:
+    return run("sbatch", "--parsable", f"--chdir={folder}", "--time=2", *args).strip().split(";")[0]
+
+
+def accounting(job: str) -> dict[str, tuple[str, str]]:
+    """sacct's allocations of ``job`` (one per het component: ``<id>+0``, ``<id>+1``): id -> (state, exit code)."""
+    rows = run("sacct", "-j", job, "-X", "-n", "-P", "-o", "JobID,State,ExitCode").split()
+    return {jobid: (state.split()[0], exit_code) for jobid, state, exit_code in (row.split("|") for row in rows)}
+
+
+def finished(job: str, components: int = 1, timeout: float = 60) -> dict[str, tuple[str, str]]:
+    """Wait until sacct (which lags squeue a little) reports every component of ``job`` finished."""
+    def done():
+        records = accounting(job)
+        return records if len(records) == components and all(s in TERMINAL for s, _ in records.values()) else None
+    return wait_for(done, timeout, f"job {job} to finish in sacct")
+
+
+def test_nodes_are_in_train_rollout_and_all():
+    pairs = {tuple(line.split()) for line in run("sinfo", "-h", "-N", "-o", "%N %R").splitlines()}
+    assert pairs == {("train1", "train"), ("train1", "all"), ("rollout1", "rollout"), ("rollout1", "all")}
+    default = [line.split()[0] for line in run("sinfo", "-h", "-o", "%P").split()]
+    assert "all*" in default, f"partition all is not the default: {default}"
+
+
+def test_heterogeneous_job_spans_train_and_rollout(tmp_path):
+    out = tmp_path / "het.out"
+    script = tmp_path / "het.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --job-name=dev-cluster-het --partition=train --nodes=1 --ntasks=1 --output={out}
+#SBATCH hetjob
+#SBATCH --partition=rollout --nodes=1 --ntasks=1
+srun --het-group=0,1 bash -c 'echo "rank=$SLURM_PROCID node=$SLURMD_NODENAME"'
+""")
+    job = sbatch(tmp_path, str(script))
+    records = finished(job, components=2)
+    assert records == {f"{job}+0": ("COMPLETED", "0:0"), f"{job}+1": ("COMPLETED", "0:0")}, records
+    assert sorted(out.read_text().splitlines()) == ["rank=0 node=train1", "rank=1 node=rollout1"], out.read_text()
+
+
+def test_fake_gpus_set_cuda_visible_devices():
+    one = run("srun", "-p", "train", "--time=1", "--gres=gpu:1", "printenv", "CUDA_VISIBLE_DEVICES").strip()
+    assert one in {"0", "1"}
+    both = run("srun", "-p", "rollout", "--time=1", "--gres=gpu:2", "printenv", "CUDA_VISIBLE_DEVICES").strip()
+    assert both == "0,1"
+
+
+def test_sacct_reports_completed_and_failed_jobs(tmp_path):
+    ok = sbatch(tmp_path, "--job-name=dev-cluster-ok", "--output=/dev/null", "--wrap", "true")
+    failing = sbatch(tmp_path, "--job-name=dev-cluster-exit3", "--output=/dev/null", "--wrap", "exit 3")
+    assert finished(ok) == {ok: ("COMPLETED", "0:0")}
+    assert finished(failing) == {failing: ("FAILED", "3:0")}

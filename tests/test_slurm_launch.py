@@ -1,0 +1,194 @@
+"""``areal-hpc submit`` on the real dev Slurm cluster (slurm/dev/up.sh): one heterogeneous job per run,
+trainer on ``train1``, rollout servers on ``rollout1``, through submitit.
+
+A tiny run submitted from /tmp completes with its shards, metrics and per-role logs; the planner's
+split becomes the job's components; ``scontrol requeue`` mid-run and Slurm's stop warning (SIGUSR2)
+both resume the run with every stored trajectory trained exactly once; a rollout server that dies
+fails the whole job within 30 s with the reason in the trainer's log and in sacct; ``--dry-run`` is
+accepted by ``sbatch --test-only``; bad input is one line before anything is queued.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_hpc.parallel.bootstrap import RUN_MARKER
+from .conftest import REPO, run_cli
+from .run_audit import assert_each_trajectory_trained_once, read_audit
+from .slurm_jobs import cancel, components, submitted_job, wait_for, wait_for_end
+from .test_async_rl import SMALL_RUN, metrics
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+PROFILE = str(REPO / "slurm" / "profiles" / "dev.yaml")
+CONFIG = str(REPO / "configs" / "quickstart.yaml")
+
+
+def submit_args(model: Path, fileroot: Path, *extra: str) -> list[str]:
+    return ["submit", "--profile", PROFILE, "--config", CONFIG, f"model.path={model}", f"cluster.fileroot={fileroot}",
+            *SMALL_RUN, "rl.eval_every_steps=0", *extra]
+
+
+def run_folder(fileroot: Path) -> Path:
+    return fileroot / "quickstart" / "trial0"
+
+
+@pytest.fixture
+def submit(tmp_path):
+    """Submit from /tmp (not the repository) and cancel whatever is still queued at the end."""
+    jobs = []
+
+    def run(*args: str) -> str:
+        result = run_cli(*args, cwd=Path("/tmp"), timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        jobs.append(submitted_job(result.stdout))
+        return jobs[-1]
+
+    yield run
+    for job in jobs:
+        cancel(job)
+
+
+def processes_of(run: Path, role: str) -> list[int]:
+    """Pids of this run's processes with ``role`` as one of their command-line arguments."""
+    marker, pids = f"{RUN_MARKER}={run}".encode(), []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0") \
+                    and role.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_run_submitted_from_tmp_completes_as_one_heterogeneous_job(tiny_model_dir, tmp_path, submit):
+    job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=4"))
+    ended = wait_for_end(job, 240)
+    assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
+    assert ended[f"{job}+0"][2] == "train1" and ended[f"{job}+1"][2] == "rollout1"
+    run = run_folder(tmp_path)
+    assert [r["step"] for r in metrics(run) if "rollout/reward" in r] == [1, 2, 3, 4]
+    assert (run / "logs" / "trainer-0.restart0.log").read_text().count("eval accuracy") >= 1
+    assert "embedded rollout server" in (run / "logs" / "rollout-0.restart0.log").read_text()
+    assert run_cli("shards", "verify", str(run / "shards")).returncode == 0
+    assert not (run / "logs" / "failures.log").exists()
+    assert yaml.safe_load((run / "job" / "config.yaml").read_text())["cluster"]["fileroot"] == str(tmp_path)
+
+
+def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path, submit):
+    plan = tmp_path / "plan.yaml"
+    made = run_cli("plan", "--cluster", "slurm/dev/cluster.yaml", "--model", "r1-distill-qwen-1.5b", "--out", str(plan))
+    assert made.returncode == 0, made.stderr
+    groups = yaml.safe_load(plan.read_text())
+    trainers = sum(g["devices"] for g in groups["train"])
+    servers = sum(g["replicas"] for g in groups["rollout"])
+    job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=2"), "--plan", str(plan))
+    ended = wait_for_end(job, 300)
+    assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
+    logs = {p.name for p in (run_folder(tmp_path) / "logs").glob("*.restart0.log")}
+    assert logs == {f"trainer-{i}.restart0.log" for i in range(trainers)} | \
+        {f"rollout-{i}.restart0.log" for i in range(servers)}
+    resolved = yaml.safe_load((run_folder(tmp_path) / "job" / "config.yaml").read_text())
+    assert (resolved["rl"]["trainer_processes"], resolved["rollout"]["n_servers"]) == (trainers, servers)
+    pools = {g["pool"]: groups["pools"][g["pool"]]["partition"] for g in groups["train"] + groups["rollout"]}
+    assert ended[f"{job}+0"][2] == {"train": "train1", "rollout": "rollout1"}[pools[groups["train"][0]["pool"]]]
+
+
+def wait_for_step(run: Path, step: int, job: str, timeout: float = 180) -> None:
+    def reached():
+        state = components(job)
+        assert not any(s in ("FAILED", "CANCELLED") for s, _, _ in state.values()), state
+        return (run / "logs" / "batches.jsonl").exists() and max(read_audit(run).effective, default=0) >= step
+    wait_for(reached, timeout, f"step {step}")
+
+
+@pytest.mark.parametrize("how", ["scontrol requeue", "stop warning (SIGUSR2)"])
+def test_a_requeued_job_resumes_and_trains_each_trajectory_once(tiny_model_dir, tmp_path, submit, how):
+    total = 120
+    job = submit(*submit_args(tiny_model_dir, tmp_path, f"rl.total_train_steps={total}", "saver.freq_steps=1000"))
+    run = run_folder(tmp_path)
+    wait_for_step(run, 5, job)
+    if how == "scontrol requeue":
+        subprocess.run(["scontrol", "requeue", job], check=True)  # SIGTERM to every task, then requeue
+    else:
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what --signal=USR2@lead sends
+    ended = wait_for_end(job, 300)
+    assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
+    audit = assert_each_trajectory_trained_once(run, total)
+    assert len(audit.resumed_from) == 1 and 5 <= audit.resumed_from[0] < total  # saved when stopped, not at a period
+    assert audit.trained_after_resume
+    assert (run / "logs" / "trainer-0.restart1.log").exists() and (run / "logs" / "rollout-0.restart1.log").exists()
+    assert "stop signal: checkpoint of step" in (run / "logs" / "trainer-0.restart0.log").read_text()
+    assert [p.name for p in (run / "name_resolve" / "job").iterdir()] == [f"{job}.1"]  # the killed one's forgotten
+
+
+def test_a_rollout_server_that_dies_fails_the_job_within_30_s_with_the_reason(tiny_model_dir, tmp_path, submit):
+    job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=400"))
+    run = run_folder(tmp_path)
+    wait_for_step(run, 2, job)
+    server = wait_for(lambda: processes_of(run, "serve"), 30, "the rollout server process")
+    os.kill(server[0], signal.SIGKILL)
+    killed = time.monotonic()
+    ended = wait_for_end(job, 60)
+    assert time.monotonic() - killed < 30, f"the job took {time.monotonic() - killed:.0f} s to end"
+    assert "FAILED" in {state for state, _, _ in ended.values()}, ended
+    reason = "rollout server 0 exited with code -9 on rollout1"
+    assert reason in (run / "logs" / "failures.log").read_text()
+    assert reason in (run / "logs" / "trainer-0.restart0.log").read_text()
+
+
+def test_dry_run_prints_the_script_and_sbatch_test_only_accepts_it(tiny_model_dir, tmp_path):
+    result = run_cli(*submit_args(tiny_model_dir, tmp_path), "--dry-run", cwd=Path("/tmp"))
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    assert script.count("#SBATCH hetjob") == 1 and "#SBATCH --partition=train" in script
+    assert "#SBATCH --partition=rollout" in script and "--het-group=0-1" in script and "--kill-on-bad-exit=1" in script
+    assert "#SBATCH --signal=USR2@30" in script and "#SBATCH --requeue" in script
+    assert "sbatch --test-only: sbatch: Job" in result.stderr
+    assert not (tmp_path / "quickstart").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["slurm.trainer.partition=gpu-h100"], "trainer partition 'gpu-h100' does not exist"),
+    (["slurm.rollout.gpus_per_server=3"], "3 gpu per node asked of partition 'rollout', whose nodes have 2"),
+    (["slurm.trainer.nodes=2", "rl.trainer_processes=2"], "2 nodes asked of partition 'train' in all, which has 1"),
+    (["rl.trainer_processes=3", "slurm.trainer.nodes=2"], "rl.trainer_processes=3 does not divide over slurm.trainer.nodes=2"),
+    (["rl.trainer_processes=3", "slurm.trainer.gpus_per_node=2"], "one accelerator per rank"),
+    (["slurm.trainer.cpus_per_task=3"], "1 tasks x 3 CPUs per node asked of partition 'train', whose nodes have 2"),
+    (["slurm.time=forever"], "slurm.time: 'forever' is not a Slurm time limit"),
+    (["slurm.partition=train"], "unknown config key 'slurm.partition'"),
+])
+def test_bad_input_is_one_line_and_nothing_is_submitted(tiny_model_dir, tmp_path, extra, message):
+    result = run_cli(*submit_args(tiny_model_dir, tmp_path, *extra, f"experiment.trial={tmp_path.name}"),
+                     cwd=Path("/tmp"))
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    queued = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout.split()
+    assert f"areal-quickstart-{tmp_path.name}" not in queued
+    assert not (tmp_path / "quickstart").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda plan: plan["pools"].pop("rollout"), "names no pool of the plan's cluster"),
+    (lambda plan: plan["train"][0].update(dp=3), "dp3 x tp1 x pp1 = 3"),
+    (lambda plan: plan["rollout"][0].update(replicas=5), "pool 'rollout' has 2 devices but the plan uses 5"),
+    (lambda plan: plan["pools"]["train"].update(partition="h100"), "partition 'h100' does not exist"),
+])
+def test_a_plan_that_does_not_fit_is_one_line(tiny_model_dir, tmp_path, edit, message):
+    plan = tmp_path / "plan.yaml"
+    assert run_cli("plan", "--cluster", "slurm/dev/cluster.yaml", "--model", "r1-distill-qwen-1.5b",
+                   "--out", str(plan)).returncode == 0
+    content = yaml.safe_load(plan.read_text())
+    edit(content)
+    plan.write_text(yaml.safe_dump(content))
+    result = run_cli(*submit_args(tiny_model_dir, tmp_path), "--plan", str(plan), "--dry-run", cwd=Path("/tmp"))
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -192,3 +193,24 @@ def test_a_plan_that_does_not_fit_is_one_line(tiny_model_dir, tmp_path, edit, me
     result = run_cli(*submit_args(tiny_model_dir, tmp_path), "--plan", str(plan), "--dry-run", cwd=Path("/tmp"))
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("script", ["areal-hetjob.sbatch", "areal-node.sbatch"])
+def test_the_plain_sbatch_scripts_run_a_tiny_run(tiny_model_dir, tmp_path, script):
+    """What a user who copies slurm/*.sbatch does: sbatch it with a config and overrides."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    overrides = [f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}", "cluster.device=cpu", *SMALL_RUN,
+                 "rl.eval_every_steps=0", "rl.total_train_steps=3"]
+    queued = subprocess.run(["sbatch", str(REPO / "slurm" / script), CONFIG, *overrides], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, check=True)
+    job = queued.stdout.split()[-1]
+    try:
+        ended = wait_for_end(job, 240)
+    finally:
+        cancel(job)
+    output = (tmp_path / f"areal-{job}.out").read_text()
+    assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, (ended, output[-3000:])
+    run = run_folder(tmp_path)
+    assert [r["step"] for r in metrics(run) if "rollout/reward" in r] == [1, 2, 3]
+    if script == "areal-hetjob.sbatch":
+        assert (run / "logs" / "trainer-0.restart0.log").exists() and (run / "logs" / "rollout-0.restart0.log").exists()

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./lib.sh
-T0=$SECONDS
+T0=$(now)
 
 if pid_of slurmctld >/dev/null && command -v squeue >/dev/null; then
     jobs=$(timeout 10 squeue -h -o %A 2>/dev/null | sort -u | tr '\n' ' ' || true)
@@ -23,4 +23,4 @@ fi
 
 for node in "${NODES[@]}"; do stop_daemon "slurmd-$node"; done
 for name in slurmctld slurmdbd mariadbd munged; do stop_daemon "$name"; done
-echo "dev Slurm cluster $CLUSTER down ($((SECONDS - T0)) s); state kept in $STATE"
+echo "dev Slurm cluster $CLUSTER down ($(since "$T0") s); state kept in $STATE"

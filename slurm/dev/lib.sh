@@ -34,6 +34,16 @@ daemons() {
     for node in "${NODES[@]}"; do echo "slurmd-$node $RUN/slurmd-$node.pid slurmd $node"; done
 }
 
+# now / since T: a clock in microseconds, and the seconds since T with one decimal.
+now() { echo "${EPOCHREALTIME/./}"; }
+since() { local d=$(($(now) - $1)); printf '%d.%d' $((d / 1000000)) $((d / 100000 % 10)); }
+
+# running PID: the process exists and has not exited (an exited child of pid 1 stays a zombie until reaped).
+running() {
+    local state
+    state=$(awk '/^State:/ {print $2}' "/proc/$1/status" 2>/dev/null) && [[ -n $state && $state != [ZX] ]]
+}
+
 # pid_of NAME: the live pid recorded for daemon NAME, or nothing (and status 1) when it is not running.
 # A pid is only taken as ours when the process's name matches (and, for slurmd, its -N node name).
 pid_of() {
@@ -41,7 +51,7 @@ pid_of() {
     while read -r name pidfile comm node; do
         [[ $name == "$1" ]] || continue
         pid=$(cat "$pidfile" 2>/dev/null) || return 1
-        [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/comm ]] || return 1
+        [[ $pid =~ ^[0-9]+$ ]] && running "$pid" || return 1
         [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$comm" ]] || return 1
         if [[ -n $node ]]; then
             tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qE -- "-N $node( |$)" || return 1
@@ -57,17 +67,20 @@ stop_daemon() {
     local name=$1 pid pidfile i
     pidfile=$(daemons | awk -v n="$name" '$1 == n {print $2}')
     if pid=$(pid_of "$name"); then
-        echo "  stopping $name (pid $pid)"
+        local t0
+        t0=$(now)
+        echo -n "  stopping $name (pid $pid)"
         kill -TERM "$pid" 2>/dev/null || true
         for ((i = 0; i < 300; i++)); do
-            [[ -d /proc/$pid ]] || break
+            running "$pid" || break
             sleep 0.1
         done
-        if [[ -d /proc/$pid ]]; then
-            echo "  $name (pid $pid) still running after 30 s: SIGKILL"
+        if running "$pid"; then
+            echo -n ": still running after 30 s, SIGKILL"
             kill -KILL "$pid" 2>/dev/null || true
-            while [[ -d /proc/$pid ]]; do sleep 0.1; done
+            while running "$pid"; do sleep 0.1; done
         fi
+        echo ": $(since "$t0") s"
     fi
     rm -f "$pidfile"
 }

@@ -12,9 +12,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./lib.sh
-T0=$SECONDS
+T0=$(now)
 
-say() { echo "up.sh: $*"; }
+say() { echo "up.sh [+$(since "$T0") s]: $*"; }
 
 # ---------------------------------------------------------------------------------------------
 # The configuration, generated from this machine (same input, same text: a rerun compares it).
@@ -137,7 +137,7 @@ healthy() {
 summary() {
     local states
     states=$(sinfo -h -N -o '%N=%t' 2>/dev/null | sort -u | tr '\n' ' ')
-    echo "dev Slurm cluster $CLUSTER up ($1, $((SECONDS - T0)) s): nodes ${states% }; partitions train, rollout, all (default);" \
+    echo "dev Slurm cluster $CLUSTER up ($1, $(since "$T0") s): nodes ${states% }; partitions train, rollout, all (default);" \
         "SLURM_CONF=$SLURM_CONF; state $STATE"
     if [[ $CONF_DIR != /etc/slurm ]]; then
         echo "NOTE: /etc/slurm/slurm.conf belongs to something else; run: export SLURM_CONF=$SLURM_CONF"
@@ -184,7 +184,7 @@ if ((${#missing[@]})); then
         apt_install || { tail -20 "$LOG/apt.log" >&2; exit 1; }
     fi
     if [[ -n $policy ]]; then rm -f "$policy"; trap - EXIT; fi
-    say "packages installed ($((SECONDS - T0)) s)"
+    say "packages installed ($(since "$T0") s)"
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +211,9 @@ write_conf "$CONF_DIR/slurmdbd.conf" slurmdbd_conf 600 && dbd_changed=1
 
 # Started daemons get no terminal and no inherited pipes (a caller capturing our output must not
 # wait on them) and a session of their own (killing the caller's process group leaves them up).
-detach() { setsid -f "$@" </dev/null >>"$LOG/daemons.out" 2>&1; }
+# `detach` is for daemons that fork into the background themselves (their exiting parent is reaped
+# here); `detach -f` forks for one that stays in the foreground (mariadbd).
+detach() { setsid "$@" </dev/null >>"$LOG/daemons.out" 2>&1; }
 
 # ---------------------------------------------------------------------------------------------
 # munged, as user munge, on the default socket (every Slurm client finds it there).
@@ -254,7 +256,7 @@ if ! pid_of mariadbd >/dev/null; then
     fi
     say "starting mariadbd (port $DB_PORT)"
     rm -f "$RUN/mariadbd.pid"
-    detach mariadbd --no-defaults --user=root --datadir="$DB/data" --socket="$DB_SOCK" --port="$DB_PORT" \
+    detach -f mariadbd --no-defaults --user=root --datadir="$DB/data" --socket="$DB_SOCK" --port="$DB_PORT" \
         --bind-address=127.0.0.1 --skip-name-resolve --pid-file="$RUN/mariadbd.pid" --log-error="$LOG/mariadbd.log" \
         --innodb-buffer-pool-size=128M --innodb-log-file-size=64M --innodb-lock-wait-timeout=900
     wait_for 60 mariadbd db -e 'SELECT 1'

@@ -67,13 +67,14 @@ def slurm_missing() -> str | None:
     if shutil.which("sinfo") is None:
         return "sinfo is not installed"
     try:
-        done = subprocess.run(["sinfo", "-h", "-N", "-r", "-t", "idle,mixed,allocated,completing", "-o", "%N"],
-                              capture_output=True, text=True, timeout=15)
+        done = subprocess.run(["sinfo", "-h", "-N", "-r", "-o", "%N %t"], capture_output=True, text=True, timeout=15)
     except subprocess.TimeoutExpired:
         return "sinfo timed out"
     if done.returncode != 0:
         return f"sinfo failed: {done.stderr.strip()}"
-    missing = {"train1", "rollout1"} - set(done.stdout.split())
+    usable = {node for node, state in (line.split() for line in done.stdout.splitlines())
+              if state in {"idle", "mix", "alloc", "comp"}}  # not drained, draining or down
+    missing = {"train1", "rollout1"} - usable
     return f"node(s) {', '.join(sorted(missing))} not responding or not usable" if missing else None
 
 

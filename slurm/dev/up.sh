@@ -115,9 +115,9 @@ configs_current() {
 # Health: every daemon alive under its recorded pid, the configs current, both nodes responding
 # and usable (idle, or running jobs), and the accounting database answering.
 
-nodes_usable() {
+nodes_usable() {  # both nodes respond and take jobs (not drained, draining or down)
     local usable
-    usable=$(sinfo -h -N -r -t idle,mixed,allocated,completing -o %N 2>/dev/null | sort -u | tr '\n' ' ')
+    usable=$(sinfo -h -N -r -o '%N %t' 2>/dev/null | awk '$2 ~ /^(idle|mix|alloc|comp)$/ {print $1}' | sort -u | tr '\n' ' ')
     [[ $usable == "$(printf '%s\n' "${NODES[@]}" | sort | tr '\n' ' ')" ]]
 }
 

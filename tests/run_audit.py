@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
-from areal_hpc.data.shards.reader import TrajectoryStore
+from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
+from areal_hpc.train.build import SHARD_WRITER
+
+OWN = TrajectoryFilter(writer=SHARD_WRITER)  # the run's own rollouts (other writers' records are not its to train)
 
 
 @dataclass
@@ -44,7 +47,8 @@ def untrained_at(run: Path, step: int) -> set[str]:
     """Trajectories stored but not yet trained by the checkpoint of ``step`` (what a resume recovers)."""
     state = json.loads((run / "checkpoints" / f"step{step:06d}" / "driver.json").read_text())
     with TrajectoryStore(run / "shards") as store:
-        return {t.id for t in TrajectoryConsumer(store, ConsumerCursor.from_state_dict(state["cursor"])).pending()}
+        cursor = ConsumerCursor.from_state_dict(state["cursor"])
+        return {t.id for t in TrajectoryConsumer(store, cursor, where=OWN).pending()}
 
 
 def assert_each_trajectory_trained_once(run: Path, total_steps: int) -> Audit:
@@ -56,7 +60,8 @@ def assert_each_trajectory_trained_once(run: Path, total_steps: int) -> Audit:
     assert len(trained) == len(set(trained)), "a trajectory was trained twice"
     final = json.loads((run / "checkpoints" / f"step{total_steps:06d}" / "driver.json").read_text())
     with TrajectoryStore(run / "shards") as store:
-        pending = {t.id for t in TrajectoryConsumer(store, ConsumerCursor.from_state_dict(final["cursor"])).pending()}
-        consumed = store.ids() - pending
+        cursor = ConsumerCursor.from_state_dict(final["cursor"])
+        pending = {t.id for t in TrajectoryConsumer(store, cursor, where=OWN).pending()}
+        consumed = {t.id for t in store.trajectories(OWN)} - pending
     assert set(trained) <= consumed and consumed <= set(trained) | audit.dropped, "consumed and trained differ"
     return audit

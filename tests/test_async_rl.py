@@ -17,11 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from areal_hpc.config import load_config
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
-from areal_hpc.data.shards.reader import TrajectoryStore
+from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
+from areal_hpc.data.shards.writer import TrajectoryShardWriter
+from areal_hpc.data.trajectory import Segment, Trajectory
 from areal_hpc.parallel.bootstrap import RUN_MARKER
 from areal_hpc.train.optim import lr_multiplier
 from .conftest import REPO, run_cli
@@ -168,10 +171,18 @@ def test_sigusr2_saves_at_once_and_resume_auto_continues_exactly(tiny_model_dir,
     saved = int((run / "checkpoints" / "latest").read_text().strip()[len("step"):])
     assert 3 <= saved < 40 and saved == max(read_audit(run).effective)  # the step it was at, not an older one
     assert wait_for_no_processes(run) == []
+    with TrajectoryShardWriter(run / "shards", "proxy") as other:  # another writer's records beside the run's
+        for i in range(4):
+            other.append(Trajectory([Segment(np.arange(5), np.arange(3), np.zeros(3), np.zeros(3, np.int32))],
+                                    group_id=f"agent-{i}", tenant="team-a"))
 
     result = run_cli(*args, "--resume=auto", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert read_audit(run).resumed_from == [saved]
+    audit = read_audit(run)
+    assert audit.resumed_from == [saved]
+    with TrajectoryStore(run / "shards") as store:
+        foreign = {t.id for t in store.trajectories(TrajectoryFilter(tenant="team-a"))}
+    assert len(foreign) == 4 and not foreign & (set(audit.trained) | audit.dropped)  # recovery left them alone
     assert_each_trajectory_trained_once(run, 40)
 
 

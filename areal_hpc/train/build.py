@@ -21,7 +21,7 @@ from areal_hpc.algo.filters import is_informative_group
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
-from areal_hpc.data.shards.reader import TrajectoryStore
+from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
@@ -121,7 +121,10 @@ def open_shards(cfg: RunConfig, cursor_state: dict) -> tuple[TrajectoryShardWrit
     folder = cfg.run_dir / "shards"
     writer = TrajectoryShardWriter(folder, SHARD_WRITER, experiment=cfg.experiment.name,
                                    trial=cfg.experiment.trial, flush_every=1 << 30)  # flushed per group
-    return writer, TrajectoryConsumer(TrajectoryStore(folder), ConsumerCursor.from_state_dict(cursor_state))
+    # Only this run's own rollouts: records other writers store beside them (a proxy's tenants) are
+    # never swept into its training or its recovery after a resume.
+    return writer, TrajectoryConsumer(TrajectoryStore(folder), ConsumerCursor.from_state_dict(cursor_state),
+                                      where=TrajectoryFilter(writer=SHARD_WRITER))
 
 
 def recovered_episodes(consumer: TrajectoryConsumer, version: int) -> list[Episode]:

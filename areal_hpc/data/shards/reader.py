@@ -30,8 +30,10 @@ from areal_hpc.errors import UserError
 
 @dataclass(frozen=True)
 class TrajectoryFilter:
-    """Select records by tenant, policy-version range of their output tokens, training eligibility."""
+    """Select records by writer (the process that stored them: a run's rollout controller, a proxy),
+    tenant, policy-version range of their output tokens, training eligibility."""
 
+    writer: str | None = None
     tenant: str | None = None
     min_version: int | None = None  # the oldest output token is at least this version
     max_version: int | None = None  # the newest output token is at most this version
@@ -65,6 +67,7 @@ class ShardFile:
 
     def __init__(self, path: Path):
         self.path, self.stem = path, shard_stem(path)
+        self.writer = self.stem.rpartition("-")[0]  # shards are named <writer>-<sequence>
         self._file: h5py.File | None = open_shard(path)
         try:
             self.experiment = str(self._file.attrs["experiment"])
@@ -127,6 +130,8 @@ class ShardFile:
     def matches(self, where: TrajectoryFilter, start: int = 0) -> np.ndarray:
         """Which rows from ``start`` on match ``where``; a row whose index row is damaged always does
         (its filter columns cannot be trusted: reading it raises rather than silently skipping it)."""
+        if where.writer is not None and self.writer != where.writer:
+            return np.zeros(len(self.index) - start, dtype=bool)
         return where.mask(self.index[start:]) | ~self.index_intact[start:]
 
     def read(self, rows: Sequence[int], rewards_for) -> list[Trajectory]:

@@ -144,6 +144,8 @@ def test_a_rollout_server_that_dies_fails_the_job_within_30_s_with_the_reason(ti
     reason = "rollout server 0 exited with code -9 on rollout1"
     assert reason in (run / "logs" / "failures.log").read_text()
     assert reason in (run / "logs" / "trainer-0.restart0.log").read_text()
+    comment = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "Comment"], capture_output=True, text=True)
+    assert reason in comment.stdout
 
 
 def test_dry_run_prints_the_script_and_sbatch_test_only_accepts_it(tiny_model_dir, tmp_path):

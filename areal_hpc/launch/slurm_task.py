@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from areal_hpc.parallel.bootstrap import (INCARNATION, INTERFACE, LAUNCHED_AT, R
 from areal_hpc.train.checkpoint import SAVED_AND_STOPPED
 
 POLL_S = 1.0
+COMMENT_CHARS = 200  # of a failure's first line, kept as the job's comment
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, owner: bool
 
 
 def _report(run_dir: Path, reason: str) -> None:
-    """Put a task's failure where the run's owner looks: the failures log and trainer rank 0's log."""
+    """Put a task's failure where the run's owner looks: the failures log, trainer rank 0's log, and
+    the job's comment (``sacct -o Comment``, where the site stores job comments)."""
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} job {os.environ.get(INCARNATION, '?')}: {reason}\n"
     for path in (run_dir / "logs" / "failures.log", run_dir / "logs" / f"trainer-0.restart{restart}.log"):
@@ -144,6 +147,10 @@ def _report(run_dir: Path, reason: str) -> None:
         with open(path, "a") as out:
             out.write(line)
     print(f"areal-hpc: error: {reason}", file=sys.stderr, flush=True)
+    job = os.environ.get("SLURM_HET_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if job:
+        summary = reason.splitlines()[0][:COMMENT_CHARS]
+        subprocess.run(["scontrol", "update", f"JobId={job}", f"Comment={summary}"], capture_output=True, timeout=30)
 
 
 def main(config: str, overrides: list[str]) -> int:

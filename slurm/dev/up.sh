@@ -54,6 +54,7 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$DBD_PORT
 AccountingStorageTRES=gres/gpu
+AccountingStoreFlags=job_comment
 GresTypes=gpu
 MpiDefault=none
 SchedulerType=sched/backfill

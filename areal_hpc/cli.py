@@ -154,7 +154,7 @@ def _train(args) -> int:
 def _submit(args) -> int:
     from areal_hpc.launch.submit import describe, prepare, script, submit, test_only
 
-    submission = prepare(args.config, args.overrides, args.profile, args.plan)
+    submission = prepare(args.config, args.overrides, args.profile, args.plan, args.resume)
     if args.dry_run:
         print(script(submission))
         print(f"sbatch --test-only: {test_only(script(submission))}", file=sys.stderr)
@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--profile", metavar="FILE", help="site profile YAML under the config (e.g. slurm/profiles/dev.yaml)")
     sub.add_argument("--plan", metavar="FILE", help="`areal-hpc plan --out` output: its pools' partitions become "
                                                     "the job's components")
+    sub.add_argument("--resume", nargs="?", const="always", default="never", choices=["always", "auto", "never"],
+                     help="as for `train`: continue the run folder's run (a requeued job always does)")
     sub.add_argument("--dry-run", action="store_true", help="print the job script and check it with "
                                                             "`sbatch --test-only`; submit nothing")
     sub.set_defaults(handler=_submit)

@@ -190,3 +190,15 @@ def test_three_ranks_meet_through_the_name_resolve_folder(tmp_path):
         ("trainer", 0, 3.0), ("trainer", 1, 3.0), ("rollout", 0, 3.0)]  # the rollout rank's own value, untouched
     host, port = (folder / ADDRESS_FILE).read_text().rsplit(":", 1)
     assert host == node_address() and int(port) > 0  # bound on a port the OS chose, at this node's address
+
+
+def test_the_local_launcher_deals_out_listed_accelerators_disjointly():
+    from areal_hpc.config import load_config
+    from areal_hpc.launch.local import device_shares
+
+    cfg = load_config(None, ["cluster.device=cuda", "rl.trainer_processes=2", "rollout.n_servers=2", "rollout.tp_size=2"])
+    trainers, servers = device_shares(cfg, {"CUDA_VISIBLE_DEVICES": "4,5,6,7,8,9"})
+    assert [t["CUDA_VISIBLE_DEVICES"] for t in trainers] == ["4", "5"]
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in servers] == ["6,7", "8,9"]
+    assert device_shares(cfg, {"CUDA_VISIBLE_DEVICES": "0,1"}) == ([{}, {}], [{}, {}])  # too few: shared as before
+    assert device_shares(load_config(None, ["cluster.device=cpu"]), {"CUDA_VISIBLE_DEVICES": "0,1"}) == ([{}], [{}])

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.errors import UserError
-from areal_hpc.launch.sweep import grid, read_metrics, slurm_minutes, split_items
+from areal_hpc.launch.slurm_options import slurm_minutes
+from areal_hpc.launch.sweep import grid, read_metrics, split_items
 from .conftest import REPO, run_cli
 from .test_async_rl import SMALL_RUN
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from submitit.slurm.slurm import SlurmExecutor
 
 from areal_hpc.errors import UserError
+from areal_hpc.launch.slurm_options import extra_sbatch_options, slurm_minutes
 
 
 @dataclass(frozen=True)
@@ -89,31 +90,6 @@ class HetJobExecutor(SlurmExecutor):
         return sum(c.tasks for c in self.components)
 
 
-def slurm_minutes(text: str) -> int:
-    """Minutes of a Slurm time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM[:SS]``),
-    rounded up."""
-    days, _, clock = text.strip().rpartition("-")
-    parts = clock.split(":")
-    try:
-        numbers = [int(p) for p in parts] + ([int(days)] if days else [])
-    except ValueError:
-        numbers = []
-    if not numbers or min(numbers) < 0 or len(parts) > 3 or (not days and "-" in text):
-        raise UserError(f"slurm.time: {text!r} is not a Slurm time limit (e.g. 30, 04:00:00, 2-00:00:00)")
-    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
-        hours, minutes, seconds = (parts + ["0", "0"])[:3]
-        total = int(days) * 1440 + int(hours) * 60 + int(minutes) + (int(seconds) > 0)
-    elif len(parts) == 3:
-        total = int(parts[0]) * 60 + int(parts[1]) + (int(parts[2]) > 0)
-    elif len(parts) == 2:  # MM:SS
-        total = int(parts[0]) + (int(parts[1]) > 0)
-    else:
-        total = int(parts[0])
-    if total < 1:
-        raise UserError(f"slurm.time: {text!r} is shorter than a minute")
-    return total
-
-
 def _shared_options(job: JobSpec) -> dict[str, str]:
     """Options every component repeats (Slurm reads them per component)."""
     options = {"time": str(slurm_minutes(job.time))}
@@ -133,7 +109,4 @@ def _job_options(job: JobSpec, first: Component) -> dict[str, str | bool]:
         options["gres"] = f"{job.gres}:{first.gpus_per_node}"
     if first.mem:
         options["mem"] = first.mem
-    for line in job.extra_sbatch:
-        key, sep, value = line.removeprefix("--").partition("=")
-        options[key] = value if sep else True
-    return options
+    return {**options, **extra_sbatch_options(list(job.extra_sbatch))}

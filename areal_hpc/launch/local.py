@@ -9,7 +9,8 @@
 (the roles and their commands live in ``roles.py``, shared with the Slurm launcher). It stops them all
 when the run ends, fails, or is interrupted; children die with it even on SIGKILL. SIGUSR2 makes the
 trainer save and stop, then the job is requeued when it runs under Slurm (``preemption.py``). CPU cores
-are split evenly between servers and trainer ranks, so neither starves the other.
+are split evenly between servers and trainer ranks, so neither starves the other, and listed accelerators
+(CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES) are dealt out disjointly (``device_shares``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from areal_hpc.launch.roles import (config_args, forget_other_incarnations, inca
                                     server_command, trainer_command)
 from areal_hpc.launch.supervisor import SupervisedProcess
 from areal_hpc.parallel.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT,
-                                          new_incarnation)
+                                          cpu_threads, new_incarnation)
 from areal_hpc.train.checkpoint import SAVED_AND_STOPPED, latest_checkpoint
 
 RESUME_CHOICES = ("never", "always", "auto")
@@ -60,11 +61,15 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     forget_other_incarnations(run_dir, incarnation)
     env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), INCARNATION: incarnation,
            RENDEZVOUS: str(incarnation_folder(run_dir, incarnation) / "trainer"), "HF_HUB_OFFLINE": "1"}
-    # Servers and trainer ranks run side by side: each gets its share of the cores. Stages run alone.
-    share = max(1, (os.cpu_count() or 1) // (cfg.rollout.n_servers + cfg.rl.trainer_processes))
+    # Servers and trainer ranks run side by side: each gets its share of the cores (of this Slurm task
+    # when the launcher runs inside an allocation). Stages run alone.
+    cores = cpu_threads() or len(os.sched_getaffinity(0))
+    share = max(1, cores // (cfg.rollout.n_servers + cfg.rl.trainer_processes))
     threads = {"OMP_NUM_THREADS": str(share)}
     args = config_args(config, overrides)
     started: list[SupervisedProcess] = []
+
+    trainer_devices, server_devices = device_shares(cfg)
 
     def start(name: str, command: list[str], log: Path | None, extra_env: dict | None = None) -> SupervisedProcess:
         started.append(SupervisedProcess(name, command, log, {**env, **threads, **(extra_env or {})}).start())
@@ -72,7 +77,8 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
 
     def start_servers(model: Path) -> None:  # they load while the SFT warm-up runs
         for i in range(cfg.rollout.n_servers):
-            start(f"rollout server {i}", server_command(args, model), run_dir / "logs" / f"rollout-server-{i}.log")
+            start(f"rollout server {i}", server_command(args, model), run_dir / "logs" / f"rollout-server-{i}.log",
+                  server_devices[i])
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
     memory = RunMemory(env[RUN_MARKER])
@@ -83,7 +89,8 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             for rank in range(cfg.rl.trainer_processes):
                 start(f"trainer rank {rank}", trainer_command(args, start_model, resume),
                       None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log",
-                      {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes)})
+                      {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
+                       **trainer_devices[rank]})
             trainers = started[-cfg.rl.trainer_processes:]
             stop_warning.set_target(trainers[0].process.pid)
             code = _supervise(started[:-cfg.rl.trainer_processes], trainers)
@@ -126,6 +133,24 @@ class RunMemory:
             except (OSError, IndexError):
                 continue  # exited meanwhile, or a kernel without smaps_rollup
         self.peak = max(self.peak, total)
+
+
+DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+
+
+def device_shares(cfg: RunConfig, environ=os.environ) -> tuple[list[dict], list[dict]]:
+    """Disjoint accelerators, as on a cluster: one per trainer rank, ``rollout.tp_size`` per server, taken
+    in order from the listed visible devices (an allocation's GRES). With no list, on the CPU, or with
+    too few devices to split, every process sees what this one sees (and ranks pick by LOCAL_RANK)."""
+    name = next((v for v in DEVICE_VARIABLES if environ.get(v)), None)
+    trainers, servers, per_server = cfg.rl.trainer_processes, cfg.rollout.n_servers, cfg.rollout.tp_size
+    if name is None or cfg.cluster.device == "cpu" or len(environ[name].split(",")) < trainers + servers * per_server:
+        return [{}] * trainers, [{}] * servers
+    devices = environ[name].split(",")
+    shares = [devices[i:i + 1] for i in range(trainers)]
+    shares += [devices[trainers + i * per_server: trainers + (i + 1) * per_server] for i in range(servers)]
+    env = [{v: ",".join(share) for v in DEVICE_VARIABLES} for share in shares]
+    return env[:trainers], env[trainers:]
 
 
 def _supervise(servers: list[SupervisedProcess], trainers: list[SupervisedProcess]) -> int:

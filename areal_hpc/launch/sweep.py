@@ -35,6 +35,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from areal_hpc.errors import UserError
+from areal_hpc.launch.slurm_options import extra_sbatch_options, slurm_minutes
 
 SWEEP_FILE = "sweep.json"
 # Short names of keys whose last segment is long; the paper calls the staleness bound eta.
@@ -204,20 +205,15 @@ def _executor(folder: Path, name: str, cfgs: list, parallel: int):
     slurm = cfgs[0].slurm
     cpus = max(c.slurm.trainer.cpus_per_task * c.rl.trainer_processes
                + c.slurm.rollout.cpus_per_server * c.rollout.n_servers for c in cfgs)
-    extra: dict[str, str | bool] = {"requeue": True}  # so `scontrol requeue` works where JobRequeue=0
-    for line in slurm.extra_sbatch:
-        option = line.removeprefix("#SBATCH").strip()
-        if not option.startswith("--"):
-            raise UserError(f"slurm.extra_sbatch: {line!r} is not of the form --option[=value] (e.g. --exclusive)")
-        key, sep, value = option[2:].partition("=")
-        extra[key] = value if sep else True
+    extra = {"requeue": True, **extra_sbatch_options(slurm.extra_sbatch)}  # requeue: where JobRequeue=0 too
     if slurm.trainer.mem:
         extra["mem"] = slurm.trainer.mem  # submitit's own `mem` wants gigabytes as a number
     params = {"job_name": name, "partition": slurm.trainer.partition, "nodes": 1, "ntasks_per_node": 1,
               "cpus_per_task": cpus, "time": slurm_minutes(slurm.time), "signal_delay_s": slurm.signal_lead_s,
               "array_parallelism": parallel, "additional_parameters": extra}
-    if slurm.trainer.gpus_per_node:
-        params["gres"] = f"{slurm.gres}:{slurm.trainer.gpus_per_node}"
+    gpus = max(c.slurm.trainer.gpus_per_node + c.slurm.rollout.gpus_per_server * c.rollout.n_servers for c in cfgs)
+    if gpus:  # the trainer ranks' and the rollout servers' accelerators, all on the element's node
+        params["gres"] = f"{slurm.gres}:{gpus}"
     params.update({k: v for k, v in (("account", slurm.account), ("qos", slurm.qos)) if v})
     if "%j" in str(folder):
         raise UserError(f"the sweep folder {folder} must not contain %j")
@@ -241,23 +237,6 @@ def _submit_array(executor, config: str, overrides: list[list[str]]) -> list:
             executor.folder.parent.rmdir()  # the sweep folder, unless something else is in it
         lines = [line.removeprefix("sbatch: error: ") for line in str(exc).splitlines() if line.strip()]
         raise UserError(f"sbatch refused the job array: {lines[-1] if lines else exc}") from None
-
-
-def slurm_minutes(text: str) -> int:
-    """Minutes (rounded up) of a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
-    if not match:
-        raise UserError(f"slurm.time: {text!r} is not a Slurm time limit (e.g. 30, 04:00:00, 2-00:00:00)")
-    days, a, b, c = (int(g) if g else 0 for g in match.groups())
-    if match.group(1):  # D-HH[:MM[:SS]]
-        seconds = ((days * 24 + a) * 60 + b) * 60 + c
-    elif match.group(4):  # HH:MM:SS
-        seconds = (a * 60 + b) * 60 + c
-    else:  # MM[:SS]
-        seconds = a * 60 + b
-    if seconds < 60:
-        raise UserError(f"slurm.time: {text!r} is shorter than a minute")
-    return -(-seconds // 60)
 
 
 def _define_sweep_trial():
@@ -323,10 +302,10 @@ def point_states(record: dict) -> list[PointState]:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of ``<run>/metrics.jsonl``, read as the trainer reads them back; none before it exists."""
-    from areal_hpc.train.metrics import _read_records
+    from areal_hpc.train.metrics import read_records
 
     path = run_dir / "metrics.jsonl"
-    return _read_records(path) if path.exists() else []
+    return read_records(path) if path.exists() else []
 
 
 def point_result(state: PointState) -> dict:

@@ -68,8 +68,12 @@ def init_distributed(device: torch.device, timeout_s: float = 7 * 24 * 3600.0) -
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, interface)
     if device.type == "cuda":  # the ordinal of this rank's device among the visible ones
-        mine, visible = assigned_devices(placement.local_rank, 1)[0], os.environ.get("CUDA_VISIBLE_DEVICES")
-        torch.cuda.set_device(visible.split(",").index(mine) if visible else int(mine))
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        if len(visible) == 1:  # a launcher gave this rank its own device
+            torch.cuda.set_device(0)
+        else:
+            mine = assigned_devices(placement.local_rank, 1)[0]
+            torch.cuda.set_device(visible.index(mine) if visible else int(mine))
     if world == 1:  # a group of one needs no rendezvous (and no port)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return 0, 1

@@ -23,7 +23,7 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.records: list[dict] = []
         if resume_step is not None and self.path.exists():
-            self.records = [r for r in _read_records(self.path) if r["step"] <= resume_step]
+            self.records = [r for r in read_records(self.path) if r["step"] <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._file = self.path.open("a" if resume_step is not None else "w", buffering=1)  # a killed run keeps them
         self._tb = None
@@ -54,7 +54,7 @@ class MetricsLogger:
             self._tb.close()
 
 
-def _read_records(path: Path) -> list[dict]:
+def read_records(path: Path) -> list[dict]:
     """The records of a metrics file; a line cut short by a crash is skipped."""
     records = []
     for line in path.read_text().splitlines():

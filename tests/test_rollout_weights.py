@@ -1,22 +1,33 @@
 """Weight updates of the embedded server, all or nothing: from disk, from a trainer's broadcast in
-buckets, and re-joining the update group after a trainer restart.
+buckets, and re-joining the update group after a trainer restart. The trainer's distributed sync: its
+update group is set up as SGLang's ranks set up theirs (a stand-in SGLang server with two TP ranks,
+each a process that joins exactly as SGLang's model runner does, shares the group with an embedded
+server), and a push after a server was killed (SIGKILL) completes with the survivor.
 
 Refused updates share one server and check that it still serves the weights and version it started
 with; updates that succeed get a server of their own, so every test passes in any order.
 """
 
+import asyncio
 import contextlib
+import json
 import os
+import sys
+import time
 
 import pytest
 import torch
+from aiohttp import web
 
-from areal_hpc.launch.name_resolve import free_port
+from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
-from areal_hpc.parallel.weight_group import broadcast_tensor, join_update_group
-from areal_hpc.train.weight_push import DTYPE_NAMES
-from tests.conftest import embedded_server
+from areal_hpc.parallel.weight_group import broadcast_tensor, host_store, join_update_group
+from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.train.weight_push import DTYPE_NAMES, DistributedWeightSync
+from tests.conftest import REPO, embedded_server
 from tests.test_rollout_server import PROMPT, generate, in_background, model_info, post, wait_for
+from tests.test_trainer import SAMPLING, assert_served_by, perturbed_engine
+from tests.waiting import serve_on_loopback
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +75,10 @@ def refused(address: str, route: str, body: dict) -> str:
 def trainer_group(address: str, group_name: str = "sync"):
     """Rank 0 of a new update group joined by the server (what a trainer does when it starts); on exit
     the trainer's side goes away, as when its process ends."""
-    port = free_port("127.0.0.1")
-    joining, joined = in_background(join_update_group, "gloo", "127.0.0.1", port, 0, 2, group_name, timeout_s=60)
+    store = host_store("127.0.0.1", 2, timeout_s=60)
+    joining, joined = in_background(join_update_group, "gloo", "127.0.0.1", store.port, 0, 2, group_name, 60, store)
     status, reply = post(address, "/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
         "group_name": group_name, "backend": "gloo"})
     joining.join(timeout=60)
     assert status == 200, reply
@@ -246,3 +257,133 @@ def test_a_restarted_trainer_joins_again_while_the_old_one_hangs_and_nothing_lea
     assert status == 500 and "Connection closed by peer" in update["error"]["message"], update
     assert model_info(address)["weight_version"] == "12"
     assert wait_for(lambda: resources() < held[0], "the hung update's group to be freed", timeout_s=10)
+
+
+# -- the trainer's side: SGLang's group conventions, a server killed between pushes ---------------
+
+SGLANG_TP_RANK = """
+import datetime, json, sys, torch, torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+# One TP rank of an SGLang server joining an update group, as sglang's ModelRunner.init_weights_update_group
+# (model_executor/model_runner.py) and init_custom_process_group (utils/common.py) do it: rank
+# rank_offset + tp_rank, torch's tcp:// rendezvous, PrefixStore(group_name), torch's group helper.
+invite, tp_rank = json.loads(sys.argv[1]), int(sys.argv[2])
+timeout = datetime.timedelta(seconds=60)
+url = f"tcp://{invite['master_address']}:{invite['master_port']}"
+store, rank, world = next(rendezvous(url, invite["rank_offset"] + tp_rank, invite["world_size"], timeout=timeout))
+name = invite["group_name"]
+group, _ = _new_process_group_helper(world, rank, [], Backend(invite["backend"]), PrefixStore(name, store),
+                                     group_name=name, timeout=timeout)
+_world.pg_group_ranks[group] = {i: i for i in range(world)}
+print("joined", flush=True)
+for line in sys.stdin:  # one bucket a line: receive it as update_weights_from_distributed does, report sums
+    bucket = json.loads(line)
+    tensors = [torch.empty(shape, dtype=getattr(torch, dtype))
+               for dtype, shape in zip(bucket["dtypes"], bucket["shapes"])]
+    for tensor in tensors:
+        dist.broadcast(tensor, src=0, group=group)
+    print(json.dumps({n: t.double().sum().item() for n, t in zip(bucket["names"], tensors)}), flush=True)
+"""
+
+
+@contextlib.asynccontextmanager
+async def sglang_server_with_two_tp_ranks():
+    """SGLang's HTTP side of a distributed update, its TP ranks real processes; records what it is sent."""
+    seen, ranks = {"invites": [], "buckets": [], "received": [{}, {}]}, []
+
+    async def init_weights_update_group(request):
+        invite = await request.json()
+        seen["invites"].append(invite)
+        for tp_rank in range(2):
+            ranks.append(await asyncio.create_subprocess_exec(
+                sys.executable, "-c", SGLANG_TP_RANK, json.dumps(invite), str(tp_rank), cwd=REPO,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))
+        assert [await rank.stdout.readline() for rank in ranks] == [b"joined\n"] * 2
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def update_weights_from_distributed(request):
+        bucket = await request.json()
+        seen["buckets"].append(bucket)
+        for rank in ranks:
+            rank.stdin.write(json.dumps(bucket).encode() + b"\n")
+        for received, rank in zip(seen["received"], ranks):
+            received.update(json.loads(await rank.stdout.readline()))
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def health(request):
+        return web.json_response({})
+
+    async def server_info(request):
+        return web.json_response({"tp_size": 2, "dp_size": 1})
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.get("/get_server_info", server_info),
+                    web.post("/init_weights_update_group", init_weights_update_group),
+                    web.post("/update_weights_from_distributed", update_weights_from_distributed)])
+    async with serve_on_loopback(app) as address:
+        try:
+            yield address, seen
+        finally:
+            for rank in ranks:
+                if rank.returncode is None:
+                    rank.kill()
+                await rank.wait()
+
+
+def test_the_update_group_is_set_up_as_sglang_sets_it_up_one_rank_per_tp_rank(own_server, tiny_model_dir):
+    _, embedded = own_server
+    engine = perturbed_engine(tiny_model_dir)
+
+    async def run():
+        async with sglang_server_with_two_tp_ranks() as (sglang, seen), RolloutClient([embedded, sglang]) as client:
+            sync = DistributedWeightSync("gloo", 1 << 16)
+            await sync.connect(client)  # the embedded server is rank 1, SGLang's TP ranks 2 and 3
+            name = seen["invites"][0]["group_name"]
+            keys = [f"{name}/{name}//cpu//0/{rank}" for rank in range(4)]  # "<group>/" twice, then the device
+            assert sync.group.store.check(keys), keys
+            await sync.push(engine, client, version=5)
+            client.drop(sglang, "the stand-in does not generate")
+            generation = await client.generate(prompt_ids(engine.tokenizer, "What is 3 + 4?"), SAMPLING)
+            sync.destroy_group()
+            return seen, generation
+
+    seen, generation = asyncio.run(run())
+    invite = seen["invites"][0]
+    assert invite == {"master_address": "127.0.0.1", "master_port": invite["master_port"], "rank_offset": 2,
+                      "world_size": 4, "backend": "gloo", "group_name": invite["group_name"]}
+    fields = {"names", "dtypes", "shapes", "group_name", "weight_version"}  # SGLang's, its own defaults aside
+    assert all(bucket.keys() == fields for bucket in seen["buckets"])
+    assert {(b["group_name"], b["weight_version"]) for b in seen["buckets"]} == {(invite["group_name"], "5")}
+    sums = {name: tensor.double().sum().item() for name, tensor in engine.model.state_dict().items()}
+    assert seen["received"][0] == seen["received"][1] == pytest.approx(sums)  # both TP ranks got every tensor
+    assert_served_by(engine, generation, 5)
+
+
+def test_a_push_after_a_server_was_killed_completes_and_reaches_the_survivor(tiny_model_dir, tmp_path):
+    first, second = perturbed_engine(tiny_model_dir, seed=1), perturbed_engine(tiny_model_dir, seed=2)
+
+    async def run(survivor, victim, kill):
+        async with RolloutClient([survivor, victim]) as client:
+            sync = DistributedWeightSync("gloo", 1 << 16)
+            await sync.connect(client)
+            await sync.push(first, client, version=1)
+            kill()
+            started = time.monotonic()
+            await asyncio.wait_for(sync.push(second, client, version=2), timeout=120)
+            took = time.monotonic() - started
+            members, alive = list(sync.members), list(client.alive)
+            generation = await client.generate(prompt_ids(second.tokenizer, "What is 3 + 4?"), SAMPLING)
+            sync.destroy_group()
+            return took, members, alive, generation
+
+    with (embedded_server(tiny_model_dir, tmp_path / "a") as (_, survivor),
+          embedded_server(tiny_model_dir, tmp_path / "b") as (victim_process, victim)):
+        def kill():
+            victim_process.kill()
+            victim_process.wait()
+
+        took, members, alive, generation = asyncio.run(run(survivor, victim, kill))
+    assert took < 30, took  # the group's own timeout, what a hang would cost, is 300 s
+    assert members == alive == [survivor]
+    assert_served_by(second, generation, 2)

@@ -1,4 +1,5 @@
-"""Server supervision (health wait, log tail on failure), the SGLang launch command, name-resolve."""
+"""Server supervision (health wait, log tail on failure), the SGLang launch command, the address a
+server advertises."""
 
 import asyncio
 import socket
@@ -7,13 +8,12 @@ import sys
 import pytest
 
 from areal_hpc.config import load_config
-from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
 from areal_hpc.launch.supervisor import ServerLaunchError, SupervisedProcess
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.launch.name_resolve import free_port
+from areal_hpc.parallel.bootstrap import node_address
 from areal_hpc.rollout.sglang_server import sglang_command
-from tests.conftest import run_cli
+from tests.conftest import embedded_server, run_cli
 
 
 def test_sglang_command_carries_the_config():
@@ -74,17 +74,6 @@ def test_a_server_that_never_answers_is_stopped_after_the_timeout(tmp_path):
     assert server.process.poll() is not None  # not left running
 
 
-def test_name_resolve_registers_lists_and_forgets_addresses(tmp_path):
-    names = NameResolve(tmp_path)
-    names.add(f"{ROLLOUT_SERVERS}/node2:30001", "node2:30001")
-    names.add(f"{ROLLOUT_SERVERS}/node1:30000", "node1:30000")
-    assert names.values(ROLLOUT_SERVERS) == ["node1:30000", "node2:30001"]
-    names.delete(f"{ROLLOUT_SERVERS}/node1:30000")
-    assert names.values(ROLLOUT_SERVERS) == ["node2:30001"] and names.values("nothing/here") == []
-    with pytest.raises(UserError, match="without '.' or '..'"):
-        names.add("../escape", "x")
-
-
 def test_serve_on_a_taken_port_is_one_line(tiny_model_dir, tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -94,3 +83,15 @@ def test_serve_on_a_taken_port_is_one_line(tiny_model_dir, tmp_path):
                          f"cluster.fileroot={tmp_path}")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+
+
+def test_a_server_bound_to_every_interface_advertises_the_nodes_address(tiny_model_dir, tmp_path):
+    with embedded_server(tiny_model_dir, tmp_path, "rollout.host=0.0.0.0") as (_, address):
+        host = address.rsplit(":", 1)[0]
+        assert host == node_address() and host != "0.0.0.0"  # what another node can connect to
+
+        async def healthy():
+            async with RolloutClient([address]) as client:
+                return await client.healthy(address)
+
+        assert asyncio.run(healthy())

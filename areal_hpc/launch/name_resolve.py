@@ -26,9 +26,9 @@ from pathlib import Path
 
 from areal_hpc.errors import UserError
 from areal_hpc.fsio import atomic_write_text
+from areal_hpc.parallel.bootstrap import INCARNATION, node_address
 
 ROLLOUT_SERVERS = "rollout/servers"
-INCARNATION = "AREAL_HPC_INCARNATION"  # set by the launchers for every role of one launch of a run
 # A heartbeat every 5 s costs a shared filesystem one small rename per server; 30 s without one (six
 # missed) means the writer is gone: long enough for a metadata server stall or clock skew between
 # nodes, short enough that a restarted job or server is not kept waiting on a dead entry.
@@ -166,8 +166,8 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def advertised_address(bind_host: str, port: int) -> str:
-    """``host:port`` other nodes can reach: the node's name when bound to every interface."""
-    # TODO(issue 12, bootstrap): use parallel.bootstrap.node_address(cfg.cluster.interface) once it lands.
-    host = socket.gethostname() if bind_host in ("0.0.0.0", "") else bind_host
+def advertised_address(bind_host: str, port: int, interface: str = "") -> str:
+    """``host:port`` other nodes can reach: when bound to every interface, the node's address (that of
+    ``interface`` if given: ``cluster.interface``)."""
+    host = node_address(interface) if bind_host in ("0.0.0.0", "") else bind_host
     return f"{host}:{port}"

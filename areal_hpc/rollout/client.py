@@ -8,6 +8,9 @@ server with the fewest outstanding requests. When a request fails (its connectio
 server's ``/health`` decides: a server that is not healthy is dropped and its requests resume on the
 others from their last returned output (nothing is lost); a live one is asked again, a few times.
 
+Servers can join while the client runs (``add_server``: one that registered late, or restarted): the
+caller first gives it the current weights, then admits it with their version.
+
 Generation and control traffic use separate connection pools: ``/generate`` gets one connection
 per request the run can have in flight (``max_requests``), and pause, continue, weight updates and
 health probes never queue behind generation, however many requests are running.
@@ -47,7 +50,7 @@ class ServerReplyError(UserError):
 
     def __init__(self, server: str, route: str, status: int, message: str):
         super().__init__(f"{server}{route} answered {status}: {message}")
-        self.status = status
+        self.server, self.status = server, status
 
 
 class ConnectionFailedError(RuntimeError):
@@ -76,12 +79,17 @@ def token_version(reported, known: int) -> int:
         return known
 
 
+def disk_update(model_path: str, version: int) -> dict:
+    """The body of /update_weights_from_disk (SGLang takes the version as a string)."""
+    return {"model_path": model_path, "weight_version": str(version)}
+
+
 class RolloutClient:
     def __init__(self, addresses: list[str], request_timeout_s: float = 600.0, max_requests: int = 100):
         """``max_requests``: /generate requests the caller may have in flight at once (their pool's size)."""
         if not addresses:
             raise UserError("no rollout server addresses given")
-        self.alive = list(addresses)
+        self.alive = list(addresses)  # the servers /generate goes to
         self.outstanding = dict.fromkeys(addresses, 0)  # /generate requests in flight per server
         self.versions = dict.fromkeys(addresses, 0)  # weight version each server generates with
         self._loaded: dict[str, int] = {}  # versions pushed while paused: in effect from the resume on
@@ -97,8 +105,8 @@ class RolloutClient:
     async def __aenter__(self) -> "RolloutClient":
         self._generation = aiohttp.ClientSession(
             timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_requests))
-        self._control = aiohttp.ClientSession(
-            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=max(16, 4 * len(self.alive))))
+        self._control = aiohttp.ClientSession(  # per host: servers that join later get the same
+            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, limit_per_host=16))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -124,13 +132,13 @@ class RolloutClient:
                 except ServerReplyError as exc:
                     if exc.status < 500 or await self.healthy(server):
                         raise  # a wrong request (e.g. longer than the context), or one the server failed: no retry
-                    self._drop(server, str(exc))
+                    self.drop(server, str(exc))
                     out.interruptions += 1
                     continue
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                     reason = f"{server}/generate: {str(exc) or type(exc).__name__}"
                     if not await self.healthy(server):
-                        self._drop(server, reason)
+                        self.drop(server, reason)
                     elif (failed_attempts := failed_attempts + 1) < CONNECTION_RETRIES:
                         await asyncio.sleep(RETRY_DELAY_S)  # a dropped connection, not a dead server
                     else:
@@ -152,21 +160,37 @@ class RolloutClient:
         finally:
             self._affinity.pop(rid, None)
 
-    async def broadcast(self, route: str, body: dict | None = None) -> list[dict]:
-        """POST to every live server at once (pause, continue, weight updates); dead ones are dropped.
-        A body with ``weight_version`` records that version as the one each server now holds."""
-        body, servers = body or {}, list(self.alive)
+    async def broadcast(self, route: str, body: dict | None = None, servers: list[str] | None = None) -> list[dict]:
+        """POST to every live server at once (pause, continue, weight updates), or to ``servers``; those
+        that cannot be reached are dropped, and their replies left out. A body with ``weight_version``
+        records that version as the one each server now holds."""
+        everyone = servers is None
+        body, servers = body or {}, list(self.alive if everyone else servers)
         replies = await asyncio.gather(*(self.post(s, route, body) for s in servers), return_exceptions=True)
         for server, reply in zip(servers, replies):
             if isinstance(reply, (aiohttp.ClientConnectionError, asyncio.TimeoutError)):
-                self._drop(server, f"{server}{route}: {reply or type(reply).__name__}")
+                self.drop(server, f"{server}{route}: {reply or type(reply).__name__}")
             elif isinstance(reply, BaseException):
                 raise reply
             elif "weight_version" in body:
                 (self._loaded if self._paused else self.versions)[server] = int(body["weight_version"])
-        if not self.alive:
+        if everyone and not self.alive:
             raise self._no_server()
         return [r for r in replies if not isinstance(r, BaseException)]
+
+    def add_server(self, server: str, version: int) -> None:
+        """Send /generate to ``server`` from now on; it holds the weights of ``version`` already."""
+        self.outstanding.setdefault(server, 0)
+        self.versions[server] = version
+        self._loaded.pop(server, None)
+        if server not in self.alive:
+            self.alive.append(server)
+
+    def drop(self, server: str, reason: str) -> None:
+        """Send ``server`` no more requests (its running ones resume on the others)."""
+        if server in self.alive:
+            self.alive.remove(server)
+            self._dropped_because = reason
 
     async def pause(self) -> None:
         self._paused = True
@@ -178,7 +202,13 @@ class RolloutClient:
         await self.broadcast("/continue_generation")
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        await self.broadcast("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})
+        await self.broadcast("/update_weights_from_disk", disk_update(model_path, version))
+
+    async def server_info(self, server: str) -> dict:
+        """``/get_server_info``: the server's launch arguments (SGLang's; ``tp_size`` among them)."""
+        async with self._control.get(f"http://{server}/get_server_info", timeout=HEALTH_TIMEOUT) as response:
+            response.raise_for_status()
+            return await response.json(content_type=None)
 
     async def healthy(self, server: str) -> bool:
         """Whether ``server`` answers /health with 200; concurrent askers share one probe."""
@@ -203,18 +233,14 @@ class RolloutClient:
             self._affinity[rid] = server
         return server
 
-    def _drop(self, server: str, reason: str) -> None:
-        if server in self.alive:
-            self.alive.remove(server)
-            self._dropped_because = reason
-
     def _no_server(self) -> NoServerError:
         return NoServerError(f"every rollout server is unhealthy or unreachable (last: {self._dropped_because})")
 
     async def post(self, server: str, route: str, body: dict) -> dict:
         """POST ``body`` to ``server``: /generate on the generation pool, anything else on the control pool."""
         generation = route == "/generate"
-        self.outstanding[server] += generation
+        if generation:
+            self.outstanding[server] += 1
         try:
             session = self._generation if generation else self._control
             async with session.post(f"http://{server}{route}", json=body) as response:
@@ -228,4 +254,5 @@ class RolloutClient:
                     raise ServerReplyError(server, route, response.status, str(message))
                 return reply
         finally:
-            self.outstanding[server] -= generation
+            if generation:
+                self.outstanding[server] -= 1

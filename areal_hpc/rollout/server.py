@@ -4,8 +4,8 @@
 
 Bad requests get a 4xx JSON body ``{"error": {"message": ..., "code": ...}}`` and the server keeps
 serving; a request the engine fails is a 500 for that request only. Flags are JSON booleans (the
-string "no" is not false). The address is registered in name-resolve (``rollout/servers/<host:port>``)
-while it runs.
+string "no" is not false). The address is registered in name-resolve (``rollout/servers/<host:port>``,
+its heartbeat refreshed in the background) while it runs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from areal_hpc.rollout.embedded_engine import EmbeddedEngine, RequestError, Resu
 GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream"}
 ENGINE = web.AppKey("engine", EmbeddedEngine)
 STATE = web.AppKey("state", dict)
+DEFAULT_GROUP = "weight_update_group"  # SGLang's, for requests that name no update group
 
 
 def error(status: int, message: str) -> web.Response:
@@ -145,6 +146,13 @@ async def model_info(request: web.Request) -> web.Response:
                               "running_requests": engine.running, "waiting_requests": engine.waiting})
 
 
+async def server_info(request: web.Request) -> web.Response:
+    """SGLang's /get_server_info, the fields a trainer reads: one rank per server in an update group."""
+    engine, state = request.app[ENGINE], request.app[STATE]
+    return web.json_response({"model_path": state["model_path"], "tp_size": 1, "dp_size": 1,
+                              "max_running_requests": engine.decoder.slots, "context_length": engine.context_length})
+
+
 async def pause_generation(request: web.Request) -> web.Response:
     mode = (await read_json(request)).get("mode", "abort")
     if mode != "abort":
@@ -184,11 +192,13 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
-    """Join the trainer's update group; a group joined before (a trainer since restarted) is closed first."""
+    """Join the trainer's update group as rank ``rank_offset`` (one TP rank: ``rank_offset + 0``), set up
+    as SGLang's ranks are (parallel/weight_group.py); a group joined before (a trainer since restarted,
+    or one re-forming its group without a server that died) is closed first."""
     body = await read_json(request)
     args = dict(backend=body.get("backend", "gloo"), master_address=body.get("master_address"),
                 master_port=body.get("master_port"), rank=body.get("rank_offset"),
-                world_size=body.get("world_size"), group_name=body.get("group_name", "weight_update"))
+                world_size=body.get("world_size"), group_name=body.get("group_name", DEFAULT_GROUP))
     world = args["world_size"] if type(args["world_size"]) is int else 0
     checks = [("master_address", "a host name", isinstance(args["master_address"], str)),
               ("master_port", "an integer in [1, 65535]", type(args["master_port"]) is int
@@ -201,12 +211,26 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
         if not ok:
             raise RequestError(f"{name} = {reprlib.repr(body.get(name))}; it must be {valid}")
     state = request.app[STATE]
-    if (previous := state.pop("update_group", None)) is not None:
-        previous.close()
-        del previous  # freed here: gloo closes its connections now
+    close_update_group(state)
     state["update_group"] = await asyncio.to_thread(join_update_group, **args)
     state["update_group_name"] = args["group_name"]
     return web.json_response({"success": True, "message": f"joined {args['group_name']} as rank {args['rank']}"})
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    """SGLang's /destroy_weights_update_group: leave the group ``group_name``."""
+    name = (await read_json(request)).get("group_name", DEFAULT_GROUP)
+    state = request.app[STATE]
+    if state.get("update_group") is None or state["update_group_name"] != name:
+        raise RequestError(f"group_name {reprlib.repr(name)} is not a group this server joined")
+    close_update_group(state)
+    return web.json_response({"success": True, "message": f"left {name}"})
+
+
+def close_update_group(state: dict) -> None:
+    if (previous := state.pop("update_group", None)) is not None:
+        previous.close()
+        del previous  # freed here: gloo closes its connections now
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
@@ -221,7 +245,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         names, dtypes, shapes = bucket_spec(body, state["update_group_name"])
         version = _version(body)
     except RequestError as exc:  # nothing to receive into: close the group, the trainer's broadcast fails fast
-        state.pop("update_group").close()
+        close_update_group(state)
         raise RequestError(f"{exc}; the update group is closed (call /init_weights_update_group again)") from None
     engine = request.app[ENGINE]
     device = next(engine.model.parameters()).device
@@ -274,10 +298,12 @@ def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None) -> web.Ap
     app[ENGINE], app[STATE] = engine, {"model_path": model_path, "tokenizer": tokenizer}
     app.add_routes([
         web.post("/generate", generate), web.get("/health", health), web.get("/health_generate", health),
-        web.get("/get_model_info", model_info), web.post("/pause_generation", pause_generation),
+        web.get("/get_model_info", model_info), web.get("/get_server_info", server_info),
+        web.post("/pause_generation", pause_generation),
         web.post("/continue_generation", continue_generation), web.post("/abort_request", abort_request),
         web.post("/flush_cache", flush_cache), web.post("/update_weights_from_disk", update_weights_from_disk),
         web.post("/init_weights_update_group", init_weights_update_group),
+        web.post("/destroy_weights_update_group", destroy_weights_update_group),
         web.post("/update_weights_from_distributed", update_weights_from_distributed),
     ])
     return app
@@ -293,7 +319,7 @@ def serve_embedded(cfg) -> None:
     model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
     engine = EmbeddedEngine(model, slots=cfg.rollout.max_running_requests,
                             context_length=cfg.rollout.context_length or None, seed=cfg.experiment.seed)
-    address = advertised_address(cfg.rollout.host, sock.getsockname()[1])
+    address = advertised_address(cfg.rollout.host, sock.getsockname()[1], cfg.cluster.interface)
     print(f"embedded rollout server for {cfg.model.path} on http://{address} "
           f"({engine.decoder.slots} slots, context {engine.context_length})", flush=True)
     try:

@@ -1,12 +1,16 @@
 """The SGLang backend: the ``python -m sglang.launch_server`` command built from our config, run
-under the supervisor (health wait, log tail on failure) and registered in name-resolve.
+under the supervisor (health wait, log tail on failure) and registered in name-resolve once healthy
+(its heartbeat kept by this process, which waits on SGLang's).
 
     areal-hpc serve backend=sglang model.path=/models/Qwen2.5-7B rollout.tp_size=2 port=30000
 
 The controller and the weight sync talk to it exactly as to the embedded engine (same routes), and
 its logprobs mean the same: the sampled token's under the tempered distribution before top-p/top-k,
 at temperature 1 for greedy requests, as long as SGLANG_RETURN_ORIGINAL_LOGPROB is not set (with it,
-SGLang reports temperature-1 logprobs for every request and the trainer's would not match).
+SGLang reports temperature-1 logprobs for every request and the trainer's would not match). With
+``rl.weight_sync=distributed`` its TP ranks join the trainer's update group as SGLang's model runner
+does (train/weight_push.py, parallel/weight_group.py); SGLang requires dp_size 1 for that. SGLang
+cannot bind port 0, so it is given a free port (a race another process may win: set port= then).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def serve_sglang(cfg) -> None:
     require("sglang")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops SGLang's process group
     port = cfg.rollout.port or free_port(cfg.rollout.host)
-    address = advertised_address(cfg.rollout.host, port)
+    address = advertised_address(cfg.rollout.host, port, cfg.cluster.interface)
     server = SupervisedProcess(f"SGLang server {address}", sglang_command(cfg, port),
                                cfg.run_dir / "logs" / f"sglang-{address.replace(':', '-')}.log").start()
     try:

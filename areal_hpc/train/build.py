@@ -25,7 +25,7 @@ from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
+from areal_hpc.launch.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.mesh import BACKENDS, ParallelDims, init_distributed
@@ -81,16 +81,18 @@ def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActo
     return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"), dp_group), engines
 
 
-async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> list[str]:
-    """The ``host:port`` of every rollout server of this run, once all ``rollout.n_servers`` registered."""
-    names = NameResolve(cfg.run_dir / "name_resolve")
+async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> tuple[list[str], ServerDirectory]:
+    """The ``host:port`` of every live rollout server of this run, once all ``rollout.n_servers`` registered
+    (entries of an earlier launch, or of a dead server, do not count), and the directory that then tells
+    which servers register later: late ones, and restarted ones."""
+    directory = ServerDirectory(NameResolve(cfg.run_dir / "name_resolve"))
     deadline = time.monotonic() + timeout_s
-    while len(addresses := names.values(ROLLOUT_SERVERS)) < cfg.rollout.n_servers:
+    while len(addresses := await asyncio.to_thread(directory.current)) < cfg.rollout.n_servers:
         if time.monotonic() > deadline:
             raise UserError(f"{len(addresses)} of {cfg.rollout.n_servers} rollout servers registered in "
-                            f"{names.root} within {timeout_s:g} s (see {cfg.run_dir / 'logs'})")
+                            f"{directory.names.root} within {timeout_s:g} s (see {cfg.run_dir / 'logs'})")
         await asyncio.sleep(0.2)
-    return addresses
+    return addresses, directory
 
 
 def build_weight_sync(cfg: RunConfig, device_type: str):

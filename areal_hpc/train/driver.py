@@ -41,6 +41,7 @@ from areal_hpc.train.checkpoint import SAVED_AND_STOPPED, latest_checkpoint, loa
 from areal_hpc.train.evaluate import evaluate_remote
 from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.trainer_group import TrainerGroup, follow
+from areal_hpc.train.weight_push import admit_servers
 
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
@@ -71,7 +72,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
     if early is not None and early.received:
         stop.set()
     version, total, batch_size = state["step"], cfg.rl.total_train_steps, cfg.rollout.consumer_batch_size
-    addresses = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
+    addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
     in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # /generate at most
     with (RewardPool(task.reward) as rewards, RLProgress(cfg, version) as progress,
           shards(cfg, state.get("cursor", {})) as (writer, consumer)):
@@ -108,6 +109,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
             await controller.start()
             progress.rollouts_started()
             watching = asyncio.create_task(progress.watch(controller))  # failures show while the trainer waits
+            joining = asyncio.create_task(admit_servers(servers, client, sync, progress.console.print))  # new servers
             try:
                 for step in range(version, total):
                     tick = time.perf_counter()
@@ -131,6 +133,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
                         checkpoint(step + 1)
             finally:
                 watching.cancel()
+                joining.cancel()
                 await controller.stop()
                 progress.rollout_counts(controller)  # the last counts, however the run ends
     actor.save(cfg.run_dir / "model", optimizer=False)  # for `areal-hpc eval --model`

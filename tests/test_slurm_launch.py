@@ -70,8 +70,9 @@ def processes_of(run: Path, role: str) -> list[int]:
     return pids
 
 
-def test_a_run_submitted_from_tmp_completes_as_one_heterogeneous_job(tiny_model_dir, tmp_path, submit):
-    job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=4"))
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_a_run_submitted_from_tmp_completes_as_one_heterogeneous_job(tiny_model_dir, tmp_path, submit, sync):
+    job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=4", f"rl.weight_sync={sync}"))
     ended = wait_for_end(job, 240)
     assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
     assert ended[f"{job}+0"][2] == "train1" and ended[f"{job}+1"][2] == "rollout1"
@@ -81,6 +82,8 @@ def test_a_run_submitted_from_tmp_completes_as_one_heterogeneous_job(tiny_model_
     assert "embedded rollout server" in (run / "logs" / "rollout-0.restart0.log").read_text()
     assert run_cli("shards", "verify", str(run / "shards")).returncode == 0
     assert not (run / "logs" / "failures.log").exists()
+    pushed = [r["sync/bytes"] for r in metrics(run) if "sync/bytes" in r]
+    assert len(pushed) == 4 and min(pushed) > 0  # every step's weights reached the server on rollout1
     assert yaml.safe_load((run / "job" / "config.yaml").read_text())["cluster"]["fileroot"] == str(tmp_path)
 
 

@@ -27,6 +27,7 @@ from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
 from areal_hpc.launch.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
+from areal_hpc.parallel.bootstrap import node_address
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.mesh import BACKENDS, ParallelDims, init_distributed
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
@@ -99,7 +100,8 @@ def build_weight_sync(cfg: RunConfig, device_type: str):
     if cfg.rl.weight_sync == "disk":
         return DiskWeightSync(cfg.run_dir / "weights")
     backend = BACKENDS[device_type] if device_type == "cuda" else "gloo"
-    return DistributedWeightSync(backend, cfg.rl.weight_sync_bucket_mb << 20)
+    # Servers on other nodes connect to trainer rank 0's group store: its routable address, not loopback.
+    return DistributedWeightSync(backend, cfg.rl.weight_sync_bucket_mb << 20, host=node_address(cfg.cluster.interface))
 
 
 def build_controller(cfg: RunConfig, client, tokenizer, scorer: Scorer, task_name: str, prompts: PromptStream,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import multiprocessing.resource_tracker
 import signal
 import sys
 import time
@@ -91,21 +92,28 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
             controller.restore(recovered_episodes(consumer, version))
             controller.dropped = state.get("dropped", 0)
 
+            evaluated = [state.get("evaluated", version)]  # the last step evaluated
+
+            def evaluation_due(step: int) -> bool:
+                return step == total or step == 0 or bool(cfg.rl.eval_every_steps and step % cfg.rl.eval_every_steps == 0)
+
             async def evaluate(step: int) -> None:
                 result = await evaluate_remote(client, actor.tokenizer, task.eval, rewards, cfg.gconfig.max_new_tokens)
                 progress.evaluated(step, result)
+                evaluated.append(step)
 
             def checkpoint(step: int) -> None:
                 save_checkpoint(cfg.run_dir, step, engines, {"prompts_drawn": prompts.drawn, "dropped": controller.dropped,
-                                                             "cursor": consumer.cursor.state_dict()})
+                                                             "cursor": consumer.cursor.state_dict(),
+                                                             "evaluated": evaluated[-1]})
 
             def stop_now(step: int) -> None:
                 checkpoint(step)
                 progress.stopped(step)
                 raise StopRequested
 
-            if version == 0:
-                await evaluate(0)
+            if version == 0 or (evaluation_due(version) and evaluated[-1] != version):  # a stop skipped it
+                await evaluate(version)
             await controller.start()
             progress.rollouts_started()
             watching = asyncio.create_task(progress.watch(controller))  # failures show while the trainer waits
@@ -127,7 +135,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
                     controller.set_version(step + 1)
                     await controller.resume()
                     progress.trained(step + 1, batch, stats, waited, time.perf_counter() - tick, controller)
-                    if step + 1 == total or (cfg.rl.eval_every_steps and (step + 1) % cfg.rl.eval_every_steps == 0):
+                    if evaluation_due(step + 1):
                         await evaluate(step + 1)
                     if step + 1 == total or (cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0):
                         checkpoint(step + 1)
@@ -178,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    # Helper processes this one starts (multiprocessing's resource tracker, reward workers) start with
+    # Slurm's stop warning ignored: it reaches every process of a step, and only this one acts on it.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    multiprocessing.resource_tracker.ensure_running()
     early = EarlyStopSignal()
     try:
         cfg = load_config(args.config, args.overrides)
@@ -192,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                     asyncio.run(drive(cfg, group, engines, state, early))
                 except StopRequested:
                     return SAVED_AND_STOPPED  # the other ranks are stopped by the launcher
+                finally:  # the loop's handlers are gone: a warning now must not kill a finished run
+                    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
                 group.stop()  # only on success: after a failure the launcher stops the other ranks
             else:
                 for signum in STOP_SIGNALS:  # rank 0 decides; the launcher stops this rank

@@ -39,6 +39,7 @@ def wait_for_end(job: str, timeout: float) -> dict[str, tuple[str, str, str]]:
 
 
 def wait_for(condition, timeout: float, what: str):
+    """``condition()`` every 0.2 s until it is true; its value, or a failure after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not (result := condition()):
         assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from areal_hpc.config import load_config
-from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Segment, Trajectory

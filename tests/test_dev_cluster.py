@@ -3,10 +3,11 @@ two nodes in partitions train, rollout and all; a heterogeneous job spans both n
 CUDA_VISIBLE_DEVICES; sacct reports finished jobs, failed ones with their exit code."""
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+
+from .slurm_jobs import wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -19,15 +20,6 @@ def run(*args: str, timeout: float = 60) -> str:
     done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}"
     return done.stdout
-
-
-def wait_for(condition, timeout: float, what: str):
-    """Poll ``condition`` every 0.1 s until it returns something true and return that; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(0.1)
-    return result
 
 
 def sbatch(folder: Path, *args: str) -> str:

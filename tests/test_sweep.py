@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -21,19 +20,11 @@ from areal_hpc.errors import UserError
 from areal_hpc.launch.slurm_options import slurm_minutes
 from areal_hpc.launch.sweep import grid, read_metrics, split_items
 from .conftest import REPO, run_cli
+from .slurm_jobs import wait_for
 from .test_async_rl import SMALL_RUN
 
 CONFIG = "configs/quickstart.yaml"
 SWEEP_RUN = [*SMALL_RUN, "stats.plot=false", "slurm.time=00:10:00", "slurm.trainer.partition=all"]
-
-
-def poll(condition, timeout: float, what: str):
-    """``condition()`` every 0.1 s until it is true; its value, or a failure after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def slurm_jobs_named(name: str) -> list[str]:
@@ -121,10 +112,10 @@ def test_a_three_point_sweep_runs_as_one_array_requeues_a_stopped_element_and_re
         cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     record = None
     try:
-        record = poll(lambda: (folder / "sweep.json").exists() and json.loads((folder / "sweep.json").read_text()),
+        record = wait_for(lambda: (folder / "sweep.json").exists() and json.loads((folder / "sweep.json").read_text()),
                       30, "sweep.json")
         first = record["points"][0]
-        poll(lambda: max((r["step"] for r in read_metrics(Path(first["run_dir"]))), default=0) >= 1, 120,
+        wait_for(lambda: max((r["step"] for r in read_metrics(Path(first["run_dir"]))), default=0) >= 1, 120,
              "element 0 to train a step")  # then 11 steps left: seconds to signal it mid-run
         subprocess.run(["scancel", "--signal=USR2", first["job_id"]], check=True)
         out, err = sweep.communicate(timeout=150)

@@ -58,7 +58,7 @@ AccountingStoreFlags=job_comment
 GresTypes=gpu
 MpiDefault=none
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1,sched_interval=1
+SchedulerParameters=bf_interval=1,sched_interval=1,bf_resolution=1,bf_hetjob_immediate
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1

@@ -18,7 +18,7 @@ def submitted_job(output: str) -> str:
     return found.group(1)
 
 
-def components(job: str) -> dict[str, tuple[str, str, str]]:
+def components_of(job: str) -> dict[str, tuple[str, str, str]]:
     """``{"38+0": (state, exit code, node list), ...}`` of the job's allocations (no steps)."""
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "JobID,State,ExitCode,NodeList"],
                          capture_output=True, text=True, check=True).stdout
@@ -26,16 +26,19 @@ def components(job: str) -> dict[str, tuple[str, str, str]]:
     return {row[0]: (row[1].split()[0], row[2], row[3]) for row in rows}
 
 
-def wait_for_end(job: str, timeout: float) -> dict[str, tuple[str, str, str]]:
+def wait_for_end(job: str, timeout: float, components: int = 1) -> dict[str, tuple[str, str, str]]:
+    """Wait until sacct reports all ``components`` of the job (it lags squeue, and may briefly show a
+    het job as one record) in a final state; cancel the job and fail the test after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
-        found = components(job)
-        if found and all(state in FINAL for state, _, _ in found.values()):
+        found = components_of(job)
+        if len(found) >= components and all(state in FINAL for state, _, _ in found.values()):
             return found
         if time.monotonic() > deadline:
             queue = subprocess.run(["squeue", "-j", job], capture_output=True, text=True).stdout
+            cancel(job)
             raise AssertionError(f"job {job} did not end within {timeout:g} s: {found}\n{queue}")
-        time.sleep(0.5)
+        time.sleep(0.25)
 
 
 def wait_for(condition, timeout: float, what: str):

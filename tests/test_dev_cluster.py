@@ -7,12 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from .slurm_jobs import wait_for
+from .slurm_jobs import wait_for_end
 
 pytestmark = pytest.mark.slurm
-
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-            "DEADLINE"}
 
 
 def run(*args: str, timeout: float = 60) -> str:
@@ -26,18 +23,9 @@ def sbatch(folder: Path, *args: str) -> str:
     return run("sbatch", "--parsable", f"--chdir={folder}", "--time=2", *args).strip().split(";")[0]
 
 
-def accounting(job: str) -> dict[str, tuple[str, str]]:
-    """sacct's allocations of ``job`` (one per het component: ``<id>+0``, ``<id>+1``): id -> (state, exit code)."""
-    rows = run("sacct", "-j", job, "-X", "-n", "-P", "-o", "JobID,State,ExitCode").split()
-    return {jobid: (state.split()[0], exit_code) for jobid, state, exit_code in (row.split("|") for row in rows)}
-
-
-def finished(job: str, components: int = 1, timeout: float = 60) -> dict[str, tuple[str, str]]:
-    """Wait until sacct (which lags squeue a little) reports every component of ``job`` finished."""
-    def done():
-        records = accounting(job)
-        return records if len(records) == components and all(s in TERMINAL for s, _ in records.values()) else None
-    return wait_for(done, timeout, f"job {job} to finish in sacct")
+def finished(job: str, components: int = 1) -> dict[str, tuple[str, str]]:
+    """sacct's final (state, exit code) of every component of ``job``."""
+    return {jobid: (state, code) for jobid, (state, code, _) in wait_for_end(job, 60, components).items()}
 
 
 def test_nodes_are_in_train_rollout_and_all():

@@ -7,18 +7,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from areal_hpc.parallel.bootstrap import RENDEZVOUS, node_address
 from tests.conftest import REPO
+from tests.slurm_jobs import wait_for_end
 
 pytestmark = [pytest.mark.mpi, pytest.mark.distributed]
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", RENDEZVOUS)
-FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-            "DEADLINE")
 
 
 def _clean_environ() -> dict:
@@ -45,22 +43,6 @@ def test_mpirun_world_is_one_torch_world(tmp_path):
                for r in reports)
 
 
-def _wait_for_job(job: str, deadline_s: float) -> list[str]:
-    """Poll sacct until every component of the job has finished; scancel it (ours) at the deadline."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        states = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"], capture_output=True,
-                                text=True, timeout=30).stdout.split()
-        if states and all(s.startswith(FINISHED) for s in states):
-            return states
-        if time.monotonic() > deadline:
-            reason = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i %T %r"], capture_output=True, text=True,
-                                    timeout=30).stdout
-            subprocess.run(["scancel", job], timeout=30)
-            pytest.fail(f"job {job} not finished after {deadline_s:g} s (states {states}; squeue: {reason.strip()})")
-        time.sleep(0.25)
-
-
 @pytest.mark.slurm
 def test_het_job_is_one_world_across_components(tmp_path):
     out = tmp_path / "job.out"
@@ -79,7 +61,7 @@ srun --mpi=pmix --het-group=0,1 {sys.executable} -m tests.rank_allreduce 2 --mpi
                                env=_clean_environ())
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
-    states = _wait_for_job(job, deadline_s=45)
+    states = [state for state, _, _ in wait_for_end(job, 45, components=2).values()]
     output = out.read_text() if out.exists() else "(no output file)"
     assert states == ["COMPLETED", "COMPLETED"], output
     reports = _reports(output)

@@ -23,7 +23,7 @@ import yaml
 from areal_hpc.parallel.bootstrap import RUN_MARKER
 from .conftest import REPO, run_cli
 from .run_audit import assert_each_trajectory_trained_once, read_audit
-from .slurm_jobs import cancel, components, submitted_job, wait_for, wait_for_end
+from .slurm_jobs import cancel, components_of, submitted_job, wait_for, wait_for_end
 from .test_async_rl import SMALL_RUN, metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -73,7 +73,7 @@ def processes_of(run: Path, role: str) -> list[int]:
 @pytest.mark.parametrize("sync", ["disk", "distributed"])
 def test_a_run_submitted_from_tmp_completes_as_one_heterogeneous_job(tiny_model_dir, tmp_path, submit, sync):
     job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=4", f"rl.weight_sync={sync}"))
-    ended = wait_for_end(job, 240)
+    ended = wait_for_end(job, 240, components=2)
     assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
     assert ended[f"{job}+0"][2] == "train1" and ended[f"{job}+1"][2] == "rollout1"
     run = run_folder(tmp_path)
@@ -95,7 +95,7 @@ def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path
     trainers = sum(g["devices"] for g in groups["train"])
     servers = sum(g["replicas"] for g in groups["rollout"])
     job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=2"), "--plan", str(plan))
-    ended = wait_for_end(job, 300)
+    ended = wait_for_end(job, 300, components=2)
     assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
     logs = {p.name for p in (run_folder(tmp_path) / "logs").glob("*.restart0.log")}
     assert logs == {f"trainer-{i}.restart0.log" for i in range(trainers)} | \
@@ -108,7 +108,7 @@ def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path
 
 def wait_for_step(run: Path, step: int, job: str, timeout: float = 180) -> None:
     def reached():
-        state = components(job)
+        state = components_of(job)
         assert not any(s in ("FAILED", "CANCELLED") for s, _, _ in state.values()), state
         return (run / "logs" / "batches.jsonl").exists() and max(read_audit(run).effective, default=0) >= step
     wait_for(reached, timeout, f"step {step}")
@@ -124,7 +124,7 @@ def test_a_requeued_job_resumes_and_trains_each_trajectory_once(tiny_model_dir, 
         subprocess.run(["scontrol", "requeue", job], check=True)  # SIGTERM to every task, then requeue
     else:
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what --signal=USR2@lead sends
-    ended = wait_for_end(job, 300)
+    ended = wait_for_end(job, 300, components=2)
     assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
     audit = assert_each_trajectory_trained_once(run, total)
     assert len(audit.resumed_from) == 1 and 5 <= audit.resumed_from[0] < total  # saved when stopped, not at a period
@@ -141,7 +141,7 @@ def test_a_rollout_server_that_dies_fails_the_job_within_30_s_with_the_reason(ti
     server = wait_for(lambda: processes_of(run, "serve"), 30, "the rollout server process")
     os.kill(server[0], signal.SIGKILL)
     killed = time.monotonic()
-    ended = wait_for_end(job, 60)
+    ended = wait_for_end(job, 60, components=2)
     assert time.monotonic() - killed < 30, f"the job took {time.monotonic() - killed:.0f} s to end"
     assert "FAILED" in {state for state, _, _ in ended.values()}, ended
     reason = "rollout server 0 exited with code -9 on rollout1"
@@ -210,7 +210,7 @@ def test_the_plain_sbatch_scripts_run_a_tiny_run(tiny_model_dir, tmp_path, scrip
                             capture_output=True, text=True, check=True)
     job = queued.stdout.split()[-1]
     try:
-        ended = wait_for_end(job, 240)
+        ended = wait_for_end(job, 240, components=2 if script == "areal-hetjob.sbatch" else 1)
     finally:
         cancel(job)
     output = (tmp_path / f"areal-{job}.out").read_text()

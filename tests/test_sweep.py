@@ -105,6 +105,7 @@ def test_a_three_point_sweep_runs_as_one_array_requeues_a_stopped_element_and_re
     folder = tmp_path / "quickstart" / name
     sweep = subprocess.Popen(
         [sys.executable, "-m", "areal_hpc", "sweep", "--config", os.path.relpath(REPO / CONFIG, "/tmp"),
+         "--profile", str(REPO / "slurm" / "profiles" / "dev.yaml"),
          "--name", name, "--parallel", "2", "--wait", f"model.path={tiny_model_dir}",
          f"cluster.fileroot={os.path.relpath(tmp_path, '/tmp')}",
          *SWEEP_RUN, "rl.total_train_steps=12", "rl.eval_every_steps=4", "saver.freq_steps=0",
@@ -115,6 +116,7 @@ def test_a_three_point_sweep_runs_as_one_array_requeues_a_stopped_element_and_re
         record = wait_for(lambda: (folder / "sweep.json").exists() and json.loads((folder / "sweep.json").read_text()),
                       30, "sweep.json")
         first = record["points"][0]
+        assert "device: cpu" in (folder / "config.yaml").read_text()  # the site profile, merged for the elements
         wait_for(lambda: max((r["step"] for r in read_metrics(Path(first["run_dir"]))), default=0) >= 1, 120,
              "element 0 to train a step")  # then 11 steps left: seconds to signal it mid-run
         subprocess.run(["scancel", "--signal=USR2", first["job_id"]], check=True)
@@ -125,7 +127,7 @@ def test_a_three_point_sweep_runs_as_one_array_requeues_a_stopped_element_and_re
         if record is not None:
             subprocess.run(["scancel", record["array_job_id"]], check=False)
     assert sweep.returncode == 0, f"{out}\n{err}"
-    assert record["config"] == str(REPO / CONFIG) and f"cluster.fileroot={tmp_path}" in record["overrides"]
+    assert record["config"] == str(folder / "config.yaml") and f"cluster.fileroot={tmp_path}" in record["overrides"]
     assert [p["name"] for p in record["points"]] == ["lr=0.0001", "lr=0.0002", "lr=0.0003"]
     assert [p["job_id"] for p in record["points"]] == [f"{record['array_job_id']}_{i}" for i in range(3)]
     for point in record["points"]:

@@ -35,6 +35,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from areal_hpc.errors import UserError
+from areal_hpc.fsio import atomic_write_json, atomic_write_text
 from areal_hpc.launch.slurm_options import extra_sbatch_options, slurm_minutes
 
 SWEEP_FILE = "sweep.json"
@@ -49,6 +50,7 @@ def add_sweep_command(commands) -> None:
     """Register ``sweep`` on the ``areal-hpc`` subparsers object."""
     sweep = commands.add_parser("sweep", help="a grid of runs as one Slurm job array (submitit), and its results")
     sweep.add_argument("--config", metavar="FILE", help="experiment YAML (see configs/)")
+    sweep.add_argument("--profile", metavar="FILE", help="site profile YAML under the config (e.g. slurm/profiles/dev.yaml)")
     sweep.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="config overrides for every point, and the grid: sweep.KEY=[v1,v2,...] per swept key")
     sweep.add_argument("--name", help="sweep name: its folder under <cluster.fileroot>/<experiment.name>/ "
@@ -62,13 +64,13 @@ def add_sweep_command(commands) -> None:
 
 def _sweep(args) -> int:
     if args.status:
-        if args.config or args.overrides or args.name or args.parallel is not None:
-            raise UserError("sweep --status DIR takes no --config, --name, --parallel or KEY=VALUE items")
+        if args.config or args.profile or args.overrides or args.name or args.parallel is not None:
+            raise UserError("sweep --status DIR takes no --config, --profile, --name, --parallel or KEY=VALUE items")
         folder = Path(args.status)
     else:
         if not args.config:
             raise UserError("sweep needs --config FILE (or --status DIR to look at a submitted sweep)")
-        folder = submit(args.config, args.overrides, args.name, args.parallel)
+        folder = submit(args.config, args.overrides, args.name, args.parallel, args.profile)
         if not args.wait:
             return 0
     return report(folder, wait=args.wait)
@@ -114,7 +116,7 @@ def split_items(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]
     return common, list(axes.items())
 
 
-def grid(config: str, common: list[str], axes: list[tuple[str, list[str]]]):
+def grid(config: str | list[str], common: list[str], axes: list[tuple[str, list[str]]]):
     """Every point of the grid, validated: ``[(SweepPoint, RunConfig)]``. Any bad point is a UserError
     naming it, before anything is submitted."""
     from areal_hpc.config import load_config
@@ -161,18 +163,21 @@ def _name_text(value) -> str:
 
 # ---- submission ----
 
-def submit(config: str, items: list[str], name: str | None, parallel: int | None) -> Path:
-    """Validate the grid, submit it as one job array, write ``sweep.json``; returns the sweep folder."""
-    from areal_hpc.config import load_config
+def submit(config: str, items: list[str], name: str | None, parallel: int | None, profile: str | None = None) -> Path:
+    """Validate the grid, submit it as one job array, write ``sweep.json``; returns the sweep folder.
+    With a site ``profile``, the elements load the profile and the config merged into
+    ``<sweep folder>/config.yaml``."""
+    from areal_hpc.config import load_config, to_yaml
 
     config = str(Path(config).resolve())  # the array runs from wherever sbatch was called
+    files = [str(Path(profile).resolve()), config] if profile else config
     common, axes = split_items(items)
-    fileroot = Path(load_config(config, common).cluster.fileroot).resolve()
+    fileroot = Path(load_config(files, common).cluster.fileroot).resolve()
     common = [item for item in common if not item.startswith("cluster.fileroot=")] + [f"cluster.fileroot={fileroot}"]
     name = name or f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+=,-]*", name):
         raise UserError(f"--name {name!r}: use letters, digits and . _ + = , - (it names a folder)")
-    points = grid(config, common, axes)
+    points = grid(files, common, axes)
     if parallel is not None and parallel < 1:
         raise UserError(f"--parallel must be a positive number of array elements, got {parallel}")
     folder = fileroot / points[0][1].experiment.name / name
@@ -181,6 +186,10 @@ def submit(config: str, items: list[str], name: str | None, parallel: int | None
     for point, cfg in points:
         cfg.experiment.trial = f"{name}/{point.name}"
     executor = _executor(folder / "submitit", name, [cfg for _, cfg in points], parallel or len(points))
+    if profile:
+        folder.mkdir(parents=True, exist_ok=True)
+        config = str(folder / "config.yaml")
+        atomic_write_text(Path(config), to_yaml(load_config(files)))
     jobs = _submit_array(executor, config, [[*common, *p.overrides, f"experiment.trial={name}/{p.name}"]
                                             for p, _ in points])
     array = jobs[0].job_id.partition("_")[0]
@@ -188,8 +197,6 @@ def submit(config: str, items: list[str], name: str | None, parallel: int | None
               "submitit_folder": str(executor.folder), "submitted": datetime.now().isoformat(timespec="seconds"),
               "points": [{"name": p.name, "overrides": p.overrides, "job_id": job.job_id, "run_dir": str(cfg.run_dir),
                           "total_steps": cfg.rl.total_train_steps} for (p, cfg), job in zip(points, jobs)]}
-    from areal_hpc.fsio import atomic_write_json
-
     atomic_write_json(folder / SWEEP_FILE, record)
     print(f"submitted sweep {name}: {len(points)} point{'s' * (len(points) > 1)} as Slurm job array {array} "
           f"({parallel or len(points)} at a time)\n  sweep folder: {folder}\n"

@@ -219,3 +219,35 @@ def test_the_plain_sbatch_scripts_run_a_tiny_run(tiny_model_dir, tmp_path, scrip
     assert [r["step"] for r in metrics(run) if "rollout/reward" in r] == [1, 2, 3]
     if script == "areal-hetjob.sbatch":
         assert (run / "logs" / "trainer-0.restart0.log").exists() and (run / "logs" / "rollout-0.restart0.log").exists()
+
+
+@pytest.mark.parametrize("cluster", ["example-site", "paper-8h800-24h20"])
+def test_every_plan_group_becomes_a_component_of_its_pools_partition(tmp_path, cluster):
+    """Any plan the planner writes maps onto components: trainers first, one per training group, then
+    one per rollout group; tasks, nodes and accelerators add up to the plan's, even when a group does
+    not fill its nodes evenly (27 replicas on 8-GPU nodes: 7, 7, 7, 6)."""
+    from areal_hpc.config import load_config
+    from areal_hpc.launch.hetjob import HetJobExecutor, JobSpec
+    from areal_hpc.launch.submit import components_from_plan
+
+    plan = tmp_path / "plan.yaml"
+    made = run_cli("plan", "--cluster", f"configs/clusters/{cluster}.yaml", "--model", "r1-distill-qwen-1.5b",
+                   "--out", str(plan))
+    assert made.returncode == 0, made.stderr
+    content = yaml.safe_load(plan.read_text())
+    components, overrides = components_from_plan(content, load_config(None))
+    groups = [("trainer", g, 1, g["devices"]) for g in content["train"]] + \
+        [("rollout", g, g["tp"] * g["pp"], g["replicas"]) for g in content["rollout"]]
+    assert [c.role for c in components] == [role for role, *_ in groups]
+    for c, (role, group, per_task, tasks) in zip(components, groups):
+        pool = content["pools"][group["pool"]]
+        assert c.partition == pool["partition"] and c.tasks == tasks
+        assert c.nodes <= pool["nodes"] and c.gpus_per_node == c.tasks_per_node * per_task <= pool["per_node"]
+        assert (c.nodes - 1) * c.tasks_per_node < tasks <= c.nodes * c.tasks_per_node
+    assert f"rl.trainer_processes={sum(g['devices'] for g in content['train'])}" in overrides
+    assert f"rollout.n_servers={sum(g['replicas'] for g in content['rollout'])}" in overrides
+    script = HetJobExecutor(tmp_path / "submitit", JobSpec("x", "01:00:00"), components, 1)._make_submission_file_text(
+        "true", "test")
+    assert script.count("#SBATCH hetjob") == len(components) - 1
+    for c in components:
+        assert (f"--ntasks={c.tasks}" in script) == (c.tasks != c.nodes * c.tasks_per_node)

@@ -22,8 +22,8 @@ from areal_hpc.launch.slurm_options import extra_sbatch_options, slurm_minutes
 
 @dataclass(frozen=True)
 class Component:
-    """One component of the job: ``tasks_per_node`` tasks (trainer ranks or rollout servers) on each
-    of ``nodes`` nodes of ``partition``."""
+    """One component of the job: ``tasks`` tasks (trainer ranks or rollout servers) on ``nodes`` nodes
+    of ``partition``, at most ``tasks_per_node`` on one node (the last node may hold fewer)."""
 
     role: str  # "trainer" or "rollout"
     partition: str
@@ -32,14 +32,17 @@ class Component:
     cpus_per_task: int
     gpus_per_node: int = 0
     mem: str = ""
+    tasks: int = 0  # 0: nodes x tasks_per_node
 
-    @property
-    def tasks(self) -> int:
-        return self.nodes * self.tasks_per_node
+    def __post_init__(self):
+        if not self.tasks:
+            object.__setattr__(self, "tasks", self.nodes * self.tasks_per_node)
 
     def sbatch_options(self, gres: str) -> dict[str, str]:
         options = {"partition": self.partition, "nodes": str(self.nodes),
                    "ntasks-per-node": str(self.tasks_per_node), "cpus-per-task": str(self.cpus_per_task)}
+        if self.tasks != self.nodes * self.tasks_per_node:  # uneven: the total, with the per-node figure as a cap
+            options["ntasks"] = str(self.tasks)
         if self.gpus_per_node:
             options["gres"] = f"{gres}:{self.gpus_per_node}"
         if self.mem:
@@ -104,6 +107,8 @@ def _job_options(job: JobSpec, first: Component) -> dict[str, str | bool]:
     """Component 0's options beyond submitit's own, including job-wide ones (requeue) and the user's
     extra lines (``--exclusive``, ``--constraint=a100``)."""
     options: dict[str, str | bool] = {**_shared_options(job), "requeue": True}
+    if first.tasks != first.nodes * first.tasks_per_node:
+        options["ntasks"] = str(first.tasks)
     del options["time"]  # submitit writes component 0's (and times the requeue countdown by it)
     if first.gpus_per_node:
         options["gres"] = f"{job.gres}:{first.gpus_per_node}"

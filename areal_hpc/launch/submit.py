@@ -88,14 +88,12 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
             if used[group["pool"]] > pool["nodes"] * pool["per_node"]:
                 raise UserError(f"plan: pool '{group['pool']}' has {pool['nodes'] * pool['per_node']} devices but the "
                                 f"plan uses {used[group['pool']]}")
-            tasks_per_node = max(1, min(tasks, pool["per_node"] // per_task))
-            nodes = math.ceil(tasks / tasks_per_node)
-            if tasks % nodes:
-                raise UserError(f"plan: {tasks} {role} tasks on pool '{group['pool']}' do not fill {nodes} nodes evenly")
+            nodes = math.ceil(tasks / max(1, pool["per_node"] // per_task))
+            tasks_per_node = math.ceil(tasks / nodes)  # spread evenly; the last node may hold fewer
             slurm_role = cfg.slurm.trainer if role == "train" else cfg.slurm.rollout
             cpus = slurm_role.cpus_per_task if role == "train" else slurm_role.cpus_per_server
             components.append(Component("trainer" if role == "train" else "rollout", pool["partition"], nodes,
-                                        tasks // nodes, cpus, per_task * (tasks // nodes), slurm_role.mem))
+                                        tasks_per_node, cpus, per_task * tasks_per_node, slurm_role.mem, tasks))
     trainers = sum(c.tasks for c in components if c.role == "trainer")
     servers = plan["rollout"]
     if len({(g["tp"], g["pp"]) for g in servers}) > 1:
@@ -228,7 +226,7 @@ class RunTasks:
 def describe(submission: Submission, job_id: str) -> str:
     """What was submitted and where to look, for the terminal."""
     cfg, executor = submission.cfg, submission.executor
-    rows = [f"  component {i}: {c.role:<8} partition {c.partition}, {c.nodes} node(s) x {c.tasks_per_node} task(s), "
+    rows = [f"  component {i}: {c.role:<8} partition {c.partition}, {c.tasks} task(s) on {c.nodes} node(s), "
             f"{c.cpus_per_task} CPU(s)/task" + (f", {cfg.slurm.gres}:{c.gpus_per_node}/node" if c.gpus_per_node else "")
             for i, c in enumerate(executor.components)]
     logs = cfg.run_dir / "logs"

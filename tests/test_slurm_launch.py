@@ -221,11 +221,12 @@ def test_the_plain_sbatch_scripts_run_a_tiny_run(tiny_model_dir, tmp_path, scrip
         assert (run / "logs" / "trainer-0.restart0.log").exists() and (run / "logs" / "rollout-0.restart0.log").exists()
 
 
-@pytest.mark.parametrize("cluster", ["example-site", "paper-8h800-24h20"])
-def test_every_plan_group_becomes_a_component_of_its_pools_partition(tmp_path, cluster):
-    """Any plan the planner writes maps onto components: trainers first, one per training group, then
-    one per rollout group; tasks, nodes and accelerators add up to the plan's, even when a group does
-    not fill its nodes evenly (27 replicas on 8-GPU nodes: 7, 7, 7, 6)."""
+@pytest.mark.parametrize("cluster", ["example-site", "paper-8h800-24h20", "paper-48h20"])
+def test_a_plan_becomes_one_component_per_pool_with_every_trainer_rank_first(tmp_path, cluster):
+    """Any plan the planner writes for the shipped clusters maps onto components: one per pool, holding
+    exactly that pool's share of the plan (a pool may both train and serve: example-site's A100s do), on
+    its own nodes, with trainer ranks before servers in rank order, also when a pool's tasks do not fill
+    its nodes evenly."""
     from areal_hpc.config import load_config
     from areal_hpc.launch.hetjob import HetJobExecutor, JobSpec
     from areal_hpc.launch.submit import components_from_plan
@@ -236,18 +237,38 @@ def test_every_plan_group_becomes_a_component_of_its_pools_partition(tmp_path, c
     assert made.returncode == 0, made.stderr
     content = yaml.safe_load(plan.read_text())
     components, overrides = components_from_plan(content, load_config(None))
-    groups = [("trainer", g, 1, g["devices"]) for g in content["train"]] + \
-        [("rollout", g, g["tp"] * g["pp"], g["replicas"]) for g in content["rollout"]]
-    assert [c.role for c in components] == [role for role, *_ in groups]
-    for c, (role, group, per_task, tasks) in zip(components, groups):
-        pool = content["pools"][group["pool"]]
-        assert c.partition == pool["partition"] and c.tasks == tasks
-        assert c.nodes <= pool["nodes"] and c.gpus_per_node == c.tasks_per_node * per_task <= pool["per_node"]
-        assert (c.nodes - 1) * c.tasks_per_node < tasks <= c.nodes * c.tasks_per_node
+    per_server = content["rollout"][0]["tp"] * content["rollout"][0]["pp"]
+    for name, pool in content["pools"].items():
+        trainers = sum(g["devices"] for g in content["train"] if g["pool"] == name)
+        servers = sum(g["replicas"] for g in content["rollout"] if g["pool"] == name)
+        mine = [c for c in components if c.partition == pool["partition"]]
+        assert sum(c.tasks for c in mine) == trainers + servers and sum(c.nodes for c in mine) <= pool["nodes"]
+        for c in mine:
+            assert c.gpus_per_node <= pool["per_node"] and (c.nodes - 1) * c.tasks_per_node < c.tasks
+    roles = [c.role for c in components]
+    assert roles == sorted(roles, key=["trainer", "trainer+rollout", "rollout"].index)  # trainer ranks first
+    assert roles.count("trainer+rollout") <= 1
     assert f"rl.trainer_processes={sum(g['devices'] for g in content['train'])}" in overrides
     assert f"rollout.n_servers={sum(g['replicas'] for g in content['rollout'])}" in overrides
+    assert f"slurm.rollout.gpus_per_server={per_server}" in overrides
     script = HetJobExecutor(tmp_path / "submitit", JobSpec("x", "01:00:00"), components, 1)._make_submission_file_text(
         "true", "test")
     assert script.count("#SBATCH hetjob") == len(components) - 1
     for c in components:
         assert (f"--ntasks={c.tasks}" in script) == (c.tasks != c.nodes * c.tasks_per_node)
+
+
+def test_groups_that_do_not_fill_their_nodes_are_spread_with_a_per_node_cap(tmp_path):
+    from areal_hpc.config import load_config
+    from areal_hpc.launch.hetjob import HetJobExecutor, JobSpec
+    from areal_hpc.launch.submit import components_from_plan
+
+    plan = {"pools": {"a": {"device": "H100", "partition": "pa", "nodes": 2, "per_node": 8},
+                      "b": {"device": "H20", "partition": "pb", "nodes": 4, "per_node": 8}},
+            "train": [{"pool": "a", "devices": 11, "dp": 11, "tp": 1, "pp": 1}],
+            "rollout": [{"pool": "b", "replicas": 27, "devices": 27, "tp": 1, "pp": 1}]}
+    components, _ = components_from_plan(plan, load_config(None))
+    assert [(c.partition, c.tasks, c.nodes, c.tasks_per_node) for c in components] == [("pa", 11, 2, 6), ("pb", 27, 4, 7)]
+    script = HetJobExecutor(tmp_path / "submitit", JobSpec("x", "01:00:00"), components, 1)._make_submission_file_text(
+        "true", "test")
+    assert "#SBATCH --ntasks=11" in script and "#SBATCH --ntasks=27" in script and "#SBATCH --ntasks-per-node=7" in script

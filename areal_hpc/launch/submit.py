@@ -67,41 +67,56 @@ def components_from_config(cfg: RunConfig) -> list[Component]:
 
 
 def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], list[str]]:
-    """The plan's groups as components, and the config overrides the plan implies."""
+    """The plan as components, and the config overrides it implies. One component per pool, in the
+    order that keeps every trainer rank before every server (roles follow global ranks): pools that only
+    train, then the one pool that may both train and serve (its trainer tasks first), then pools that
+    only serve. Groups of one pool share its component: each component takes nodes of its own."""
     pools = plan.get("pools")
     if not isinstance(pools, dict) or not plan.get("train") or not plan.get("rollout"):
         raise UserError("the plan lacks pools, train or rollout groups; write it with `areal-hpc plan --out FILE`")
-    components, used = [], {}
-    for role in ("train", "rollout"):
+    shapes = {(g["tp"], g["pp"]) for g in plan["rollout"]}
+    if len(shapes) > 1:
+        raise UserError("plan: rollout groups of different tensor/pipeline sizes in one run are not supported yet")
+    per_server = math.prod(shapes.pop())
+    tasks: dict[str, list[int]] = {}  # pool -> [trainer ranks, servers]
+    for role, slot in (("train", 0), ("rollout", 1)):
         for group in plan[role]:
-            pool = pools.get(group["pool"])
-            if pool is None:
+            if group["pool"] not in pools:
                 raise UserError(f"plan group on pool '{group['pool']}' names no pool of the plan's cluster "
                                 f"(pools: {', '.join(pools)})")
-            per_task = group["tp"] * group["pp"] if role == "rollout" else 1
-            tasks = group["replicas"] if role == "rollout" else group["devices"]
             if role == "train" and group["dp"] * group["tp"] * group["pp"] != group["devices"]:
                 raise UserError(f"plan: training on '{group['pool']}' uses {group['devices']} devices but "
                                 f"dp{group['dp']} x tp{group['tp']} x pp{group['pp']} = "
                                 f"{group['dp'] * group['tp'] * group['pp']}")
-            used[group["pool"]] = used.get(group["pool"], 0) + tasks * per_task
-            if used[group["pool"]] > pool["nodes"] * pool["per_node"]:
-                raise UserError(f"plan: pool '{group['pool']}' has {pool['nodes'] * pool['per_node']} devices but the "
-                                f"plan uses {used[group['pool']]}")
-            nodes = math.ceil(tasks / max(1, pool["per_node"] // per_task))
-            tasks_per_node = math.ceil(tasks / nodes)  # spread evenly; the last node may hold fewer
-            slurm_role = cfg.slurm.trainer if role == "train" else cfg.slurm.rollout
-            cpus = slurm_role.cpus_per_task if role == "train" else slurm_role.cpus_per_server
-            components.append(Component("trainer" if role == "train" else "rollout", pool["partition"], nodes,
-                                        tasks_per_node, cpus, per_task * tasks_per_node, slurm_role.mem, tasks))
-    trainers = sum(c.tasks for c in components if c.role == "trainer")
+            tasks.setdefault(group["pool"], [0, 0])[slot] += group["devices"] if role == "train" else group["replicas"]
+    for name, (trainers, servers) in tasks.items():
+        pool, used = pools[name], trainers + servers * per_server
+        if used > pool["nodes"] * pool["per_node"]:
+            raise UserError(f"plan: pool '{name}' has {pool['nodes'] * pool['per_node']} devices but the plan uses {used}")
+    mixed = [name for name, (trainers, servers) in tasks.items() if trainers and servers]
+    if len(mixed) > 1 or (mixed and per_server > 1):
+        raise UserError(f"plan: pools {', '.join(mixed)} both train and serve rollouts; one job keeps its trainer "
+                        f"ranks first in at most one such pool, with one accelerator per server")
+    order = sorted(tasks, key=lambda name: (not tasks[name][0], bool(tasks[name][1])))  # train, both, serve
+    components = [_pool_component(pools[name], *tasks[name], per_server, cfg) for name in order]
     servers = plan["rollout"]
-    if len({(g["tp"], g["pp"]) for g in servers}) > 1:
-        raise UserError("plan: rollout groups of different tensor/pipeline sizes in one run are not supported yet")
-    overrides = [f"rl.trainer_processes={trainers}", f"rollout.n_servers={sum(g['replicas'] for g in servers)}",
-                 f"rollout.tp_size={servers[0]['tp']}", f"slurm.rollout.gpus_per_server={servers[0]['tp'] * servers[0]['pp']}",
-                 f"slurm.trainer.gpus_per_node={components[0].gpus_per_node}"]
+    overrides = [f"rl.trainer_processes={sum(t for t, _ in tasks.values())}",
+                 f"rollout.n_servers={sum(s for _, s in tasks.values())}", f"rollout.tp_size={servers[0]['tp']}",
+                 f"slurm.rollout.gpus_per_server={per_server}", f"slurm.trainer.gpus_per_node={components[0].gpus_per_node}"]
     return components, overrides
+
+
+def _pool_component(pool: dict, trainers: int, servers: int, per_server: int, cfg: RunConfig) -> Component:
+    """One pool's tasks: its trainer ranks (one accelerator each), then its servers."""
+    per_task = per_server if not trainers else 1
+    tasks = trainers + servers
+    nodes = math.ceil(tasks / max(1, pool["per_node"] // per_task))
+    tasks_per_node = math.ceil(tasks / nodes)  # spread evenly; the last node may hold fewer
+    trainer, rollout = cfg.slurm.trainer, cfg.slurm.rollout
+    role = "trainer" if not servers else "rollout" if not trainers else "trainer+rollout"
+    cpus = max(trainer.cpus_per_task if trainers else 0, rollout.cpus_per_server if servers else 0)
+    return Component(role, pool["partition"], nodes, tasks_per_node, cpus, per_task * tasks_per_node,
+                     trainer.mem if trainers else rollout.mem, tasks)
 
 
 def read_partitions() -> dict[str, Partition]:

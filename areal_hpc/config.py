@@ -382,6 +382,21 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] = ()) 
     return cfg
 
 
+PATH_KEYS = ("cluster.fileroot", "model.path", "tokenizer.path", "dataset.path", "dataset.eval_path")
+
+
+def absolute_path_overrides(cfg: RunConfig) -> list[str]:
+    """``key=/absolute/path`` for every relative path the config sets (resolved from this folder): a
+    Slurm job runs on other nodes and from another folder than the one it was submitted from."""
+    overrides = []
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and not Path(value).is_absolute():
+            overrides.append(f"{key}={Path(value).resolve()}")
+    return overrides
+
+
 def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 

@@ -16,6 +16,7 @@ are split evenly between servers and trainer ranks, so neither starves the other
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -56,7 +57,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
     resume = should_resume(cfg, resume)
     run_dir = cfg.run_dir
-    incarnation = new_incarnation()
+    incarnation = f"{new_incarnation()}.{os.getpid()}"  # two launches inside one Slurm allocation differ too
     shutil.rmtree(run_dir / "name_resolve" / ROLLOUT_SERVERS, ignore_errors=True)  # addresses of a killed run
     forget_other_incarnations(run_dir, incarnation)
     env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), INCARNATION: incarnation,
@@ -80,7 +81,17 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             start(f"rollout server {i}", server_command(args, model), run_dir / "logs" / f"rollout-server-{i}.log",
                   server_devices[i])
 
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
+    def on_sigterm(signum, frame) -> None:
+        """Trainer rank 0 saves first (the other processes are stopped after it); before the trainers
+        start, or on a second SIGTERM, the launch just ends (``finally`` stops the children)."""
+        driver = next((proc for proc in started if proc.name == "trainer rank 0"), None)
+        if driver is None or driver.process.poll() is not None or terminating:
+            sys.exit(143)
+        terminating.append(signum)
+        driver.process.send_signal(signal.SIGTERM)
+
+    terminating: list[int] = []
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     memory = RunMemory(env[RUN_MARKER])
     with StopForwarder() as stop_warning:
         try:
@@ -93,7 +104,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
                        **trainer_devices[rank]})
             trainers = started[-cfg.rl.trainer_processes:]
             stop_warning.set_target(trainers[0].process.pid)
-            code = _supervise(started[:-cfg.rl.trainer_processes], trainers)
+            code = _supervise(started[:-cfg.rl.trainer_processes], trainers, stop_warning)
             print(f"peak memory of the run's processes: {memory.peak / 2**30:.2f} GiB (PSS, sampled every second)")
         finally:
             for proc in reversed(started):
@@ -101,8 +112,8 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             memory.stop()
             signal.signal(signal.SIGTERM, previous)
         if code == SAVED_AND_STOPPED and not stop_warning.requeue():
-            print(f"areal-hpc: stopped on request; continue with: areal-hpc train --config {config} --resume",
-                  file=sys.stderr)
+            again = shlex.join(["areal-hpc", "train", "--config", config, *overrides, "--resume"])
+            print(f"areal-hpc: stopped on request; continue with: {again}", file=sys.stderr)
     return code
 
 
@@ -153,12 +164,13 @@ def device_shares(cfg: RunConfig, environ=os.environ) -> tuple[list[dict], list[
     return env[:trainers], env[trainers:]
 
 
-def _supervise(servers: list[SupervisedProcess], trainers: list[SupervisedProcess]) -> int:
+def _supervise(servers: list[SupervisedProcess], trainers: list[SupervisedProcess], stop_warning: StopForwarder) -> int:
     """Wait for trainer rank 0 (the driver) and return its exit code (128 + N after signal N). A
     server that exits, or another rank that fails, ends the run with code 1; other ranks exit cleanly
     just before rank 0 when it tells them to stop. Rank 0 prints its own errors."""
     driver = trainers[0]
     while True:
+        stop_warning.poke()
         code = driver.process.poll()
         if code is not None:
             if code < 0:

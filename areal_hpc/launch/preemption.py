@@ -12,6 +12,7 @@ Slurm signals every process of a step and SIGUSR2 would otherwise kill them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -34,15 +35,21 @@ class StopForwarder:
 
     def set_target(self, pid: int) -> None:
         self.target = pid
-        if self.requested:  # the signal came while the run was still preparing
-            os.kill(pid, signal.SIGUSR2)
+        self.poke()
+
+    def poke(self) -> None:
+        """Pass a stop request on (again): a trainer that is still starting ignores SIGUSR2 until its
+        handler is installed, so launchers call this from their supervision loop; the trainer's
+        handler does the same thing however often it runs."""
+        if self.requested and self.target is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.target, signal.SIGUSR2)
 
     def _on_signal(self, signum, frame) -> None:
         self.requested = True
         print(f"areal-hpc: {signal.Signals(signum).name} received: the trainer saves a checkpoint, then the job "
               f"is requeued", file=sys.stderr, flush=True)
-        if self.target is not None:
-            os.kill(self.target, signal.SIGUSR2)
+        self.poke()
 
     def requeue(self) -> bool:
         """After the trainer saved on our SIGUSR2: requeue this job (through submitit's handler when
@@ -55,5 +62,9 @@ class StopForwarder:
         job = os.environ.get("SLURM_JOB_ID")
         if not job:
             return False
-        subprocess.run(["scontrol", "requeue", job], check=True)
+        refused = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        if refused.returncode:
+            print(f"areal-hpc: error: scontrol requeue {job} failed: {refused.stderr.strip()} (the checkpoint is "
+                  f"saved: resubmit with --resume)", file=sys.stderr, flush=True)
+            return False
         return True

@@ -16,7 +16,6 @@ and the trainer saves before it exits. The next incarnation resumes (``--resume=
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -76,17 +75,20 @@ def run_task(config: str, overrides: list[str]) -> int:
     if role == "rollout":
         model = wait_for_model(initial_model(cfg))
         command = [*server_command(args, model), "rollout.host=0.0.0.0"]
-        return _supervise(SupervisedProcess(f"rollout server {index}", command, log, env), cfg, marks, owner=False)
+        return _supervise(SupervisedProcess(f"rollout server {index}", command, log, env), cfg, marks)
     resume = should_resume(cfg, "auto")  # the same answer on every rank: nothing is written before they meet
     env.update({"RANK": str(index), "WORLD_SIZE": str(layout.trainers), "LOCAL_RANK": str(placement.local_rank)})
-    if index == 0:
+    if index > 0:
+        start_model = wait_for_model(start_model_path(cfg))
+        env[TRAINERS_AT] = str(time.time())
+        trainer = SupervisedProcess(f"trainer rank {index}", trainer_command(args, start_model, resume), log, env)
+        return _supervise(trainer, cfg, marks)
+    with StopForwarder() as stop_warning:  # from the start: a warning during the SFT warm-up counts too
         forget_other_incarnations(run_dir, incarnation)
         start_model = prepare_start_model(cfg, args, env)
-    else:
-        start_model = wait_for_model(start_model_path(cfg))
-    env[TRAINERS_AT] = str(time.time())
-    trainer = SupervisedProcess(f"trainer rank {index}", trainer_command(args, start_model, resume), log, env)
-    return _supervise(trainer, cfg, marks, owner=index == 0)
+        env[TRAINERS_AT] = str(time.time())
+        trainer = SupervisedProcess("trainer rank 0", trainer_command(args, start_model, resume), log, env)
+        return _supervise(trainer, cfg, marks, stop_warning)
 
 
 def _threads_and_devices(role: str, placement: Placement, layout: JobLayout) -> dict[str, str]:
@@ -101,11 +103,12 @@ def _threads_and_devices(role: str, placement: Placement, layout: JobLayout) -> 
     return env
 
 
-def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, owner: bool) -> int:
-    """Run ``proc`` to its end (``owner``: trainer rank 0, whose end is the run's) or, for the other
-    tasks, until the run has finished. A failure raises ``TaskFailed`` after writing its reason where
-    people look; a process stopped because the job is being stopped (SIGTERM) is not a failure."""
-    finished, terminated = marks / "finished", []
+def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, stop_warning: StopForwarder | None = None) -> int:
+    """Run ``proc`` to its end (with ``stop_warning``: trainer rank 0, whose end is the run's) or, for
+    the other tasks, until the run has finished. A failure raises ``TaskFailed`` after writing its
+    reason where people look; a process stopped because the job is being stopped (SIGTERM) is not a
+    failure."""
+    finished, terminated, owner = marks / "finished", [], stop_warning is not None
 
     def forward_sigterm(signum, frame) -> None:
         terminated.append(signum)
@@ -113,19 +116,20 @@ def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, owner: bool
             proc.process.send_signal(signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, forward_sigterm)
-    with StopForwarder() if owner else contextlib.nullcontext() as stop_warning:
-        try:
-            proc.start()
+    try:
+        proc.start()
+        if owner:
+            stop_warning.set_target(proc.process.pid)
+        while (code := proc.process.poll()) is None and (owner or not finished.exists()):
+            time.sleep(POLL_S)
             if owner:
-                stop_warning.set_target(proc.process.pid)
-            while (code := proc.process.poll()) is None and (owner or not finished.exists()):
-                time.sleep(POLL_S)
-        finally:
-            proc.stop(grace_s=30)  # after the run finished: a server's clean shutdown
-            signal.signal(signal.SIGTERM, previous)
-        if owner and code == SAVED_AND_STOPPED:
-            stop_warning.requeue()  # after SIGUSR2: requeue (submitit's handler exits here); after SIGTERM: end
-            return code
+                stop_warning.poke()
+    finally:
+        proc.stop(grace_s=30)  # after the run finished: a server's clean shutdown
+        signal.signal(signal.SIGTERM, previous)
+    if owner and code == SAVED_AND_STOPPED:
+        stop_warning.requeue()  # after SIGUSR2: requeue (submitit's handler exits here); after SIGTERM: end
+        return code
     if code is None or finished.exists() or terminated or (code == 0 and not owner):
         return 0 if not terminated else 128 + signal.SIGTERM
     if code == 0:  # trainer rank 0 completed the run
@@ -133,15 +137,15 @@ def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, owner: bool
         atomic_write_text(finished, "0\n")
         return 0
     reason = proc.failure(f"exited with code {code} on {os.environ.get('SLURMD_NODENAME', 'this node')}")
-    _report(cfg.run_dir, str(reason))
+    _report(cfg.run_dir, marks.name, str(reason))
     raise TaskFailed(str(reason))
 
 
-def _report(run_dir: Path, reason: str) -> None:
+def _report(run_dir: Path, incarnation: str, reason: str) -> None:
     """Put a task's failure where the run's owner looks: the failures log, trainer rank 0's log, and
     the job's comment (``sacct -o Comment``, where the site stores job comments)."""
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} job {os.environ.get(INCARNATION, '?')}: {reason}\n"
+    line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} job {incarnation}: {reason}\n"
     for path in (run_dir / "logs" / "failures.log", run_dir / "logs" / f"trainer-0.restart{restart}.log"):
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as out:
@@ -154,7 +158,9 @@ def _report(run_dir: Path, reason: str) -> None:
 
 
 def main(config: str, overrides: list[str]) -> int:
-    """``areal-hpc slurm-task``: a task of a plain sbatch script (no submitit)."""
+    """``areal-hpc slurm-task``: a task of a plain sbatch script (no submitit). Slurm's stop warning
+    reaches every task: only trainer rank 0 acts on it (its forwarder replaces this)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
         return run_task(config, overrides)
     except TaskFailed:

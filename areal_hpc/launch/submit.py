@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 from submitit.helpers import DelayedSubmission
 
-from areal_hpc.config import RunConfig, load_config, to_yaml
+from areal_hpc.config import RunConfig, absolute_path_overrides, load_config, to_yaml
 from areal_hpc.errors import UserError, closest
 from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
@@ -181,13 +181,13 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
     ``areal-hpc train`` (the job itself always resumes what its earlier incarnations wrote)."""
     files = [profile, config] if profile else [config]
     cfg = load_config(files, overrides)
-    components, plan_overrides = components_from_config(cfg), []
+    plan_overrides = []
     if plan_file:
         components, plan_overrides = components_from_plan(_read_plan(plan_file), cfg)
         cfg = load_config(files, [*overrides, *plan_overrides])
-    cfg.cluster.fileroot = str(Path(cfg.cluster.fileroot).resolve())  # the job may start in any folder
-    if cfg.model.path:
-        cfg.model.path = str(Path(cfg.model.path).resolve())
+    else:
+        components = components_from_config(cfg)
+    cfg = load_config(files, [*overrides, *plan_overrides, *absolute_path_overrides(cfg)])  # tasks start elsewhere
     check_components(components, read_partitions(), cfg.slurm.gres)
     should_resume(cfg, resume)
     run_dir = cfg.run_dir
@@ -232,7 +232,10 @@ class RunTasks:
         self.config = str(config)
 
     def __call__(self) -> int:
-        return run_task(self.config, [])
+        code = run_task(self.config, [])
+        if code:  # stopped for a requeue: no result file, so submitit does not report the job as done
+            raise SystemExit(code)
+        return code
 
     def checkpoint(self) -> DelayedSubmission:
         return DelayedSubmission(self)

@@ -167,13 +167,13 @@ def submit(config: str, items: list[str], name: str | None, parallel: int | None
     """Validate the grid, submit it as one job array, write ``sweep.json``; returns the sweep folder.
     With a site ``profile``, the elements load the profile and the config merged into
     ``<sweep folder>/config.yaml``."""
-    from areal_hpc.config import load_config, to_yaml
+    from areal_hpc.config import absolute_path_overrides, load_config, to_yaml
 
     config = str(Path(config).resolve())  # the array runs from wherever sbatch was called
     files = [str(Path(profile).resolve()), config] if profile else config
     common, axes = split_items(items)
-    fileroot = Path(load_config(files, common).cluster.fileroot).resolve()
-    common = [item for item in common if not item.startswith("cluster.fileroot=")] + [f"cluster.fileroot={fileroot}"]
+    common = [*common, *absolute_path_overrides(load_config(files, common))]  # elements start elsewhere
+    fileroot = Path(load_config(files, common).cluster.fileroot)
     name = name or f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+=,-]*", name):
         raise UserError(f"--name {name!r}: use letters, digits and . _ + = , - (it names a folder)")

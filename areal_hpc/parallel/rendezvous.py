@@ -2,7 +2,7 @@
 free port at bind time, so nothing can take it between choosing and binding) and publishes the store's
 ``host:port`` as a file in a name-resolve folder on the shared filesystem; the other ranks poll for
 the file and connect. The launcher gives every launch its own folder
-(``<run>/name_resolve/trainer/<incarnation>``), so no rank ever reads an address of an earlier launch.
+(``<run>/name_resolve/job/<incarnation>/trainer``), so no rank ever reads an address of an earlier launch.
 """
 
 from __future__ import annotations

@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     asyncio.run(drive(cfg, group, engines, state, early))
                 except StopRequested:
-                    return SAVED_AND_STOPPED  # the other ranks are stopped by the launcher
+                    group.stop()  # the other ranks exit too (they ignore the stop signals)
+                    return SAVED_AND_STOPPED
                 finally:  # the loop's handlers are gone: a warning now must not kill a finished run
                     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
                 group.stop()  # only on success: after a failure the launcher stops the other ranks

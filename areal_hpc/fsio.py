@@ -1,7 +1,8 @@
 """File writes that survive a crash on a shared filesystem: of the process, and of the node.
 
 A rename is only as durable as the data behind it and the folder holding it, so each helper fsyncs
-the data before the rename and the folder after it.
+the data before the rename and the folder after it. Append-only JSON-lines logs (metrics, the audit of
+trained batches) are read back with ``read_json_lines``, which skips a line a crash cut short.
 """
 
 from __future__ import annotations
@@ -42,3 +43,17 @@ def fsync_tree(root: Path) -> None:
         for name in files:
             fsync_path(Path(folder, name))
         fsync_path(Path(folder))
+
+
+def read_json_lines(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (none if it does not exist yet); a line cut short by a crash, or
+    still being written, is skipped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

@@ -16,7 +16,6 @@ Repeats alternate the sides; medians. The Slurm numbers include queueing on an i
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
@@ -28,6 +27,8 @@ from pathlib import Path
 
 from recording import machine, run_and_record
 
+from areal_hpc.fsio import read_json_lines
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "areal_hpc"]
 RUN = ["dataset.train_size=64", "dataset.eval_size=16", "rl.sft_warmup_steps=0", "rollout.consumer_batch_size=4",
@@ -36,16 +37,7 @@ RUN = ["dataset.train_size=64", "dataset.eval_size=16", "rl.sft_warmup_steps=0",
 
 
 def trained_steps(run: Path) -> list[dict]:
-    audit = run / "logs" / "batches.jsonl"
-    if not audit.exists():
-        return []
-    lines = []
-    for line in audit.read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return lines
+    return read_json_lines(run / "logs" / "batches.jsonl")
 
 
 def wait(condition, timeout: float = 600.0):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
+from areal_hpc.fsio import read_json_lines
 from areal_hpc.train.build import SHARD_WRITER
 
 OWN = TrajectoryFilter(writer=SHARD_WRITER)  # the run's own rollouts (other writers' records are not its to train)
@@ -30,8 +31,7 @@ class Audit:
 
 def read_audit(run: Path) -> Audit:
     audit = Audit()
-    for line in (run / "logs" / "batches.jsonl").read_text().splitlines():
-        entry = json.loads(line)
+    for entry in read_json_lines(run / "logs" / "batches.jsonl"):
         if "resumed_from" in entry:
             audit.resumed_from.append(entry["resumed_from"])
         elif "trained" in entry:

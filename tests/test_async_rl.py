@@ -24,6 +24,7 @@ from areal_hpc.config import load_config
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Segment, Trajectory
+from areal_hpc.fsio import read_json_lines
 from areal_hpc.parallel.bootstrap import RUN_MARKER
 from areal_hpc.train.optim import lr_multiplier
 from .conftest import REPO, run_cli
@@ -47,13 +48,7 @@ def run_dir(fileroot: Path) -> Path:
 
 def metrics(run: Path) -> list[dict]:
     """The records written so far (a line still being written is skipped)."""
-    records = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_json_lines(run / "metrics.jsonl")
 
 
 def wait_for_no_processes(run: Path, seconds: float = 20) -> list[int]:

@@ -84,7 +84,8 @@ class HetJobExecutor(SlurmExecutor):
         text = super()._make_submission_file_text(command, uid)
         blocks = []
         for component in self.components[1:]:
-            options = {**component.sbatch_options(self.job.gres), **_shared_options(self.job)}
+            options = {**component.sbatch_options(self.job.gres), "time": str(slurm_minutes(self.job.time)),
+                       **_account_options(self.job)}
             blocks += ["#SBATCH hetjob", *(f"#SBATCH --{k}={shlex.quote(v)}" for k, v in options.items())]
         cut = min(i for i in (text.find("\n\n# setup"), text.find("\n\n# command")) if i >= 0)
         return "\n".join([text[:cut], *blocks]) + text[cut:]
@@ -93,25 +94,17 @@ class HetJobExecutor(SlurmExecutor):
         return sum(c.tasks for c in self.components)
 
 
-def _shared_options(job: JobSpec) -> dict[str, str]:
+# Component 0's options submitit writes itself (from ``update_parameters``); the rest come from ours.
+SUBMITIT_WRITES = ("partition", "nodes", "ntasks-per-node", "cpus-per-task")
+
+
+def _account_options(job: JobSpec) -> dict[str, str]:
     """Options every component repeats (Slurm reads them per component)."""
-    options = {"time": str(slurm_minutes(job.time))}
-    if job.account:
-        options["account"] = job.account
-    if job.qos:
-        options["qos"] = job.qos
-    return options
+    return {key: value for key, value in (("account", job.account), ("qos", job.qos)) if value}
 
 
 def _job_options(job: JobSpec, first: Component) -> dict[str, str | bool]:
     """Component 0's options beyond submitit's own, including job-wide ones (requeue) and the user's
     extra lines (``--exclusive``, ``--constraint=a100``)."""
-    options: dict[str, str | bool] = {**_shared_options(job), "requeue": True}
-    if first.tasks != first.nodes * first.tasks_per_node:
-        options["ntasks"] = str(first.tasks)
-    del options["time"]  # submitit writes component 0's (and times the requeue countdown by it)
-    if first.gpus_per_node:
-        options["gres"] = f"{job.gres}:{first.gpus_per_node}"
-    if first.mem:
-        options["mem"] = first.mem
-    return {**options, **extra_sbatch_options(list(job.extra_sbatch))}
+    own = {k: v for k, v in first.sbatch_options(job.gres).items() if k not in SUBMITIT_WRITES}
+    return {**_account_options(job), **own, "requeue": True, **extra_sbatch_options(list(job.extra_sbatch))}

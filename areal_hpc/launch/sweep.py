@@ -35,7 +35,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from areal_hpc.errors import UserError
-from areal_hpc.fsio import atomic_write_json, atomic_write_text
+from areal_hpc.fsio import atomic_write_json, atomic_write_text, read_json_lines
 from areal_hpc.launch.slurm_options import extra_sbatch_options, slurm_minutes
 
 SWEEP_FILE = "sweep.json"
@@ -309,10 +309,7 @@ def point_states(record: dict) -> list[PointState]:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of ``<run>/metrics.jsonl``, read as the trainer reads them back; none before it exists."""
-    from areal_hpc.train.metrics import read_records
-
-    path = run_dir / "metrics.jsonl"
-    return read_records(path) if path.exists() else []
+    return read_json_lines(run_dir / "metrics.jsonl")
 
 
 def point_result(state: PointState) -> dict:

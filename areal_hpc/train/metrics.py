@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.fsio import atomic_write_text
+from areal_hpc.fsio import atomic_write_text, read_json_lines
 
 
 class MetricsLogger:
@@ -23,7 +23,7 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.records: list[dict] = []
         if resume_step is not None and self.path.exists():
-            self.records = [r for r in read_records(self.path) if r["step"] <= resume_step]
+            self.records = [r for r in read_json_lines(self.path) if r["step"] <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._file = self.path.open("a" if resume_step is not None else "w", buffering=1)  # a killed run keeps them
         self._tb = None
@@ -53,13 +53,3 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
 
-
-def read_records(path: Path) -> list[dict]:
-    """The records of a metrics file; a line cut short by a crash is skipped."""
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records

@@ -7,6 +7,7 @@ so this test injects one into the decoder: the pass raises whenever a given toke
 import threading
 
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from areal_hpc.models.hf import load_model
 from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams
@@ -46,3 +47,33 @@ def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(t
         assert result.error is None and result.finish_reason == "length" and len(result.output_ids) == 20
         expected = teacher_forced_logprobs(tiny_model_dir, prompts[rid], result.output_ids)
         assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)
+
+
+def test_qwen3_logprobs_equal_a_teacher_forced_pass():
+    """Qwen3 normalises queries and keys per head: the decoder's path for it, prompts of several lengths
+    prefilled together and decoding side by side."""
+    config = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    engine = EmbeddedEngine(model, slots=4, context_length=128, eos_token_ids=[])
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [3]]
+    results, all_done = [], threading.Event()
+
+    def on_done(result):
+        results.append(result)
+        if len(results) == len(prompts):
+            all_done.set()
+
+    for i, prompt in enumerate(prompts):
+        engine.submit(Request(str(i), prompt, SamplingParams(max_new_tokens=6 + 3 * i), on_done))
+    try:
+        assert all_done.wait(timeout=60)
+    finally:
+        engine.stop()
+    for result in results:
+        prompt = prompts[int(result.rid)]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1:-1]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+        assert result.error is None and torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)

@@ -2,17 +2,22 @@
 
 The embedded engine needs what ``generate()`` cannot give: sequences of different lengths joining and
 leaving one running batch at every step. Each running sequence owns a row (slot) of a preallocated
-KV cache and its own position. Running sequences are kept in rows 0..n-1 (the engine moves the last
-one into a finished one's row), so a decode step attends over a view of the cache, never a copy.
-The layers' own modules (norms, projections, MLP, rotary embedding) do the maths, so logits match
-the HF forward pass; only the attention over the cache is ours.
+KV cache, and the decoder keeps each row's length and last token, so a decode step needs nothing from
+the caller. Running sequences are kept in rows 0..n-1 (the engine moves the last one into a finished
+one's row), so a decode step attends over a view of the cache, never a copy. The model's weights do
+the maths with the same operations as the HF forward pass (logits match it within float rounding);
+on a small model a step is bound by dispatch, so the attention is a grouped-query ``baddbmm`` over
+cache views (no key/value expansion), norms are fused, rotary tables are precomputed and the
+weights are read once per update, not through module calls at every step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from areal_hpc.errors import UserError
 
@@ -20,7 +25,12 @@ SUPPORTED = ("qwen2", "qwen3")
 
 
 class SlotDecoder:
-    """Prefill new sequences into rows, advance rows 0..n-1 by one token, move a row: logits out."""
+    """Prefill new sequences into rows, advance rows by one token, move a row: logits out.
+
+    Row state: ``lengths[row]`` tokens of the sequence so far, all in the cache except the last
+    sampled one (``last[row]``, fed by the next decode step). ``prefill`` and ``decode`` do not change
+    it (a failed pass can be rerun row by row); ``push`` appends the sampled tokens.
+    """
 
     def __init__(self, model: torch.nn.Module, slots: int, context_length: int):
         config = model.config
@@ -28,26 +38,38 @@ class SlotDecoder:
             raise UserError(f"the embedded engine decodes {', '.join(SUPPORTED)} models; "
                             f"{config.model_type!r} needs backend=sglang")
         self.model, self.slots, self.context_length = model, slots, context_length
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         param = next(model.parameters())
-        shape = (slots, config.num_key_value_heads, context_length, self.head_dim)
+        self.device = param.device
+        shape = (slots, self.kv_heads, context_length, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.model.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.device = param.device
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.last = torch.zeros(slots, dtype=torch.long, device=self.device)
+        with torch.no_grad():  # cos/sin of every position, as the model's rotary embedding computes them
+            cos, sin = model.model.rotary_emb(param, torch.arange(context_length, device=self.device)[None])
+        self._cos, self._sin = cos[0], sin[0]
         self.refresh_weights()
 
     @torch.no_grad()
     def refresh_weights(self) -> None:
-        """Rebuild the fused projections (q|k|v and gate|up: one larger matmul each instead of
-        several small ones) from the model's weights; call after every weight update."""
-        self._qkv, self._gate_up = [], []
-        for layer in self.model.model.layers:
-            projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
-            biases = [p.bias for p in projections]
-            self._qkv.append((torch.cat([p.weight for p in projections]),
-                              None if biases[0] is None else torch.cat(biases),
-                              [p.out_features for p in projections]))
-            self._gate_up.append(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+        """Gather each layer's weights (q|k|v and gate|up fused: one larger matmul each instead of
+        several small ones); call after every weight update."""
+        body = self.model.model
+        self._layers = []
+        for layer in body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+            bias = None if attn.q_proj.bias is None else torch.cat([p.bias for p in projections])
+            self._layers.append(_Layer(
+                _Norm(layer.input_layernorm), torch.cat([p.weight for p in projections]), bias,
+                attn.o_proj.weight, attn.o_proj.bias, attn.scaling,
+                _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None,  # Qwen3 normalises q and k per head
+                _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
+                _Norm(layer.post_attention_layernorm), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                mlp.down_proj.weight, mlp.act_fn))
+        self._embedding, self._norm, self._head = body.embed_tokens.weight, _Norm(body.norm), self.model.lm_head.weight
 
     @torch.no_grad()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
@@ -60,18 +82,28 @@ class SlotDecoder:
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
         hidden = self._forward(tokens, positions, first_row)
-        return self._logits(hidden[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])])
+        ends = torch.tensor([len(p) for p in prompts], device=self.device)
+        self.lengths[first_row:first_row + len(prompts)] = ends
+        return self._logits(hidden[torch.arange(len(prompts)), ends - 1])
 
     @torch.no_grad()
-    def decode(self, token_ids: list[int], positions: list[int], first_row: int = 0) -> torch.Tensor:
-        """Feed one token to each of rows first_row.. at its position; next-token logits, shape [n, V]."""
-        return self._logits(self._forward(torch.tensor(token_ids, device=self.device)[:, None],
-                                          torch.tensor(positions, device=self.device)[:, None], first_row)[:, -1])
+    def decode(self, first_row: int, n: int) -> torch.Tensor:
+        """Feed rows first_row..first_row+n-1 their last token; next-token logits, shape [n, V]."""
+        rows = slice(first_row, first_row + n)
+        return self._logits(self._forward(self.last[rows, None], self.lengths[rows, None] - 1, first_row)[:, -1])
 
-    def move(self, source: int, target: int, length: int) -> None:
-        """Copy a sequence's cache (its first ``length`` positions) to another row."""
+    def push(self, first_row: int, tokens: torch.Tensor) -> None:
+        """Append one sampled token to each of rows first_row.. (the next decode step feeds it)."""
+        rows = slice(first_row, first_row + len(tokens))
+        self.last[rows] = tokens
+        self.lengths[rows] += 1
+
+    def move(self, source: int, target: int) -> None:
+        """Move a sequence (its cache, length and last token) to another row."""
+        length = int(self.lengths[source])
         for cache in (*self.keys, *self.values):
             cache[target, :, :length] = cache[source, :, :length]
+        self.lengths[target], self.last[target] = self.lengths[source], self.last[source]
 
     def clear(self, row: int) -> None:
         """Zero a row's cache. Masked columns still enter attention as 0 x value, so a NaN left by a
@@ -80,39 +112,85 @@ class SlotDecoder:
             cache[row].zero_()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int) -> torch.Tensor:
-        body = self.model.model
-        hidden = body.embed_tokens(tokens)
-        cos, sin = body.rotary_emb(hidden, positions)
+        """Hidden states of ``tokens`` [B, T] at ``positions`` in rows first_row.., their keys and
+        values written to the cache first."""
+        batch, length = tokens.shape
+        hidden = F.embedding(tokens, self._embedding)
+        cos, sin = self._cos[positions][:, :, None], self._sin[positions][:, :, None]  # [B, T, 1, D]
         span = int(positions.max()) + 1  # cache columns any row attends to
-        # A row attends to its cache up to its own position (later columns may hold a previous tenant).
-        mask = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
-        rows = slice(first_row, first_row + len(tokens))
-        index = torch.arange(len(tokens), device=self.device)[:, None].expand_as(positions)
-        for i, (layer, keys, values) in enumerate(zip(body.layers, self.keys, self.values)):
-            hidden = hidden + self._attention(layer.self_attn, self._qkv[i], _rms_norm(layer.input_layernorm, hidden),
-                                              cos, sin, index, positions, keys[rows], values[rows], span, mask)
-            gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, hidden), self._gate_up[i]).chunk(2, dim=-1)
-            hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        # A row attends to its cache up to its own position (later columns may hold a previous tenant):
+        # an additive mask, shared by every layer, laid out like the scores [B * kv heads, group * T, span].
+        allowed = torch.arange(span, device=self.device) <= positions[:, :, None]
+        bias = torch.zeros(allowed.shape, dtype=hidden.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
+        group = self.heads // self.kv_heads
+        bias = bias[:, None, None].expand(batch, self.kv_heads, group, length, span).reshape(-1, group * length, span)
+        # Where each new key/value goes in the cache viewed as [slots * kv heads * context, head dim].
+        row_heads = (torch.arange(first_row, first_row + batch, device=self.device)[:, None, None] * self.kv_heads
+                     + torch.arange(self.kv_heads, device=self.device))  # [B, 1, kv]
+        slots = (row_heads * self.context_length + positions[:, :, None]).flatten()  # [B * T * kv]
+        rows = slice(first_row, first_row + batch)
+        for layer, keys, values in zip(self._layers, self.keys, self.values):
+            x = layer.input_norm(hidden)
+            q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split(
+                [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+            q, k = q.view(batch, length, self.heads, self.head_dim), k.view(batch, length, self.kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
+            values.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
+            out = self._attention(layer, q, keys[rows, :, :span], values[rows, :, :span], bias)
+            hidden += F.linear(out, layer.o_proj, layer.o_bias)
+            gate, up = F.linear(layer.post_norm(hidden), layer.gate_up).chunk(2, dim=-1)
+            hidden += F.linear(layer.act(gate) * up, layer.down)
         return hidden
+
+    def _attention(self, layer: "_Layer", q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   bias: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention of q [B, T, H, D] over cache views [B, kv, span, D]: the query heads
+        sharing a kv head are one matrix (rows = group x T), so keys and values are read in place."""
+        batch, length = q.shape[:2]
+        group, span = self.heads // self.kv_heads, keys.shape[2]
+        q = q.view(batch, length, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(batch * self.kv_heads, group * length, self.head_dim)  # a view when T == 1
+        keys, values = (t.view(batch * self.kv_heads, span, self.head_dim) for t in (keys, values))
+        scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=layer.scaling).softmax(dim=-1)
+        out = torch.bmm(scores, values).view(batch, self.kv_heads, group, length, self.head_dim)
+        return out.permute(0, 3, 1, 2, 4).reshape(batch, length, self.heads * self.head_dim)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, only where logits are needed (not at every prompt position)."""
-        return self.model.lm_head(_rms_norm(self.model.model.norm, hidden)).float()
-
-    def _attention(self, attn, qkv, x, cos, sin, index, positions, keys, values, span, mask) -> torch.Tensor:
-        batch, length, _ = x.shape
-        weight, bias, sizes = qkv
-        q, k, v = (t.view(batch, length, -1, self.head_dim) for t in F.linear(x, weight, bias).split(sizes, dim=-1))
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        keys[index, :, positions] = k.transpose(1, 2)  # [B, T, H, D] scattered into each row's columns
-        values[index, :, positions] = v
-        out = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=mask,
-                                             scale=attn.scaling, enable_gqa=True)
-        return attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return F.linear(self._norm(hidden), self._head).float()
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The model's RMSNorm as torch's fused op (computed in float32 like HF's): one op instead of seven."""
-    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.variance_epsilon).to(x.dtype)
+class _Norm:
+    """A model's RMSNorm as torch's fused op (computed in float32 like HF's): one op instead of seven."""
+
+    def __init__(self, norm: torch.nn.Module):
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's weights, read from its modules once per weight update."""
+    input_norm: _Norm
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    scaling: float
+    q_norm: _Norm | None
+    k_norm: _Norm | None
+    post_norm: _Norm
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [B, T, heads, D] (HF's ``x * cos + rotate_half(x) * sin``)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin

@@ -36,9 +36,11 @@ from pathlib import Path
 import torch
 
 from areal_hpc.rollout.decoder import SlotDecoder
+from areal_hpc.rollout.sampling import SlotSampler
 from areal_hpc.rollout.weights import CheckpointError, read_checkpoint, weight_mismatches
 
 MIN_TEMPERATURE = 1e-6
+NOT_FINITE = "the model's logits are not finite (NaN or inf)"
 log = logging.getLogger(__name__)
 
 
@@ -139,7 +141,7 @@ class EmbeddedEngine:
         self.min_prefill_batch = min_prefill_batch or max(1, slots // 8)
         self.version = 0
         self.paused = False
-        self._generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+        self.sampler = SlotSampler(slots, self.decoder.device, seed)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # row i of the KV cache holds self._running[i]
         self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
@@ -291,12 +293,13 @@ class EmbeddedEngine:
         if batch:
             first = len(self._running)
             self._running += batch
+            for row, request in enumerate(batch, start=first):
+                self.sampler.set(row, request.params.temperature, request.params.top_k, request.params.top_p)
             self._advance(first, batch, lambda row, requests: self.decoder.prefill(row, [r.input_ids for r in requests]))
 
     def _step(self) -> None:
-        """Feed every running request its last token: one more token each."""
-        self._advance(0, self._running, lambda row, requests: self.decoder.decode(
-            [r.output_ids[-1] for r in requests], [len(r.input_ids) + len(r.output_ids) - 1 for r in requests], row))
+        """Feed every running request its last token (the decoder keeps them): one more token each."""
+        self._advance(0, self._running, lambda row, requests: self.decoder.decode(row, len(requests)))
 
     def _advance(self, first: int, requests: list[Request],
                  forward: Callable[[int, list[Request]], torch.Tensor]) -> None:
@@ -304,20 +307,25 @@ class EmbeddedEngine:
         If the pass raises, the rows run one at a time and only those that fail alone are failed:
         one bad row, or a batch too large for memory, never fails the others."""
         try:
-            tokens, logprobs, errors = self._sample(forward(first, requests), [r.params for r in requests])
+            tokens, logprobs, finite = self.sampler.sample(forward(first, requests), first)
+            errors = [None if ok else NOT_FINITE for ok in finite.tolist()]
         except Exception as exc:  # noqa: BLE001 - isolate the culprit below
             log.warning("a step over %d rows failed (%s: %s); running them one at a time",
                         len(requests), type(exc).__name__, exc)
-            tokens, logprobs, errors = [], [], []
-            for row, request in enumerate(requests, start=first):
-                try:
-                    token, logprob, error = self._sample(forward(row, [request]), [request.params])
-                except Exception as alone:  # noqa: BLE001 - this row fails by itself: fail its request
-                    token, logprob, error = [0], [0.0], [f"{type(alone).__name__}: {alone}"]
-                tokens += token
-                logprobs += logprob
-                errors += error
-        self._record(requests, tokens, logprobs, errors)
+            rows = [self._advance_alone(row, request, forward) for row, request in enumerate(requests, start=first)]
+            tokens, logprobs = torch.cat([t for t, _, _ in rows]), torch.cat([lp for _, lp, _ in rows])
+            errors = [error for _, _, error in rows]
+        self.decoder.push(first, tokens)
+        self._record(requests, tokens.tolist(), logprobs.tolist(), errors)
+
+    def _advance_alone(self, row: int, request: Request, forward: Callable[[int, list[Request]], torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+        """``_advance`` for one row: its token, logprob and error (a pass that raises fails this row)."""
+        try:
+            tokens, logprobs, finite = self.sampler.sample(forward(row, [request]), row)
+        except Exception as exc:  # noqa: BLE001 - this row fails by itself: fail its request
+            return torch.zeros(1, dtype=torch.long), torch.zeros(1), f"{type(exc).__name__}: {exc}"
+        return tokens, logprobs, None if bool(finite[0]) else NOT_FINITE
 
     def _record(self, requests: list[Request], tokens: list[int], logprobs: list[float],
                 errors: list[str | None]) -> None:
@@ -338,24 +346,6 @@ class EmbeddedEngine:
                 finished.append((request, "length", None))
         self._retire(finished)
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams]
-                ) -> tuple[list[int], list[float], list[str | None]]:
-        """A token per row, its logprob under the tempered distribution (before truncation), and an
-        error for a row whose logits are not finite (that row is not sampled)."""
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)[:, None]
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        finite = torch.isfinite(logprobs.amax(dim=-1)).tolist()  # NaN, +inf or all -inf: not a distribution
-        tokens = logprobs.argmax(dim=-1)
-        sampled = [row for row, p in enumerate(params) if p.temperature > 0 and finite[row]]
-        if sampled:
-            probs = logprobs[sampled].exp()
-            for i, row in enumerate(sampled):
-                _truncate(probs[i], params[row])
-            tokens[sampled] = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        errors = [None if ok else "the model's logits are not finite (NaN or inf)" for ok in finite]
-        return tokens.tolist(), chosen.tolist(), errors
-
     def _abort(self, which: Callable[[Request], bool]) -> None:
         self._retire([(r, "abort", None) for r in self._running if which(r)])
         with self._wake:
@@ -373,9 +363,9 @@ class EmbeddedEngine:
             if request.error is not None:
                 self.decoder.clear(row)  # a NaN left there would reach later tenants through masked columns
             if row != last:
-                moved = self._running[last]
-                self.decoder.move(last, row, len(moved.input_ids) + len(moved.output_ids))
-                self._running[row] = moved
+                self.decoder.move(last, row)
+                self.sampler.move(last, row)
+                self._running[row] = self._running[last]
             self._running.pop()
             self._reply(request, reason, matched)
 
@@ -383,12 +373,3 @@ class EmbeddedEngine:
         request.on_done(Result(request.rid, request.output_ids, request.logprobs, request.versions, reason,
                                matched, len(request.input_ids), self.version, request.error))
 
-
-def _truncate(probs: torch.Tensor, p: SamplingParams) -> None:
-    """Zero what top-k / top-p exclude (in place; multinomial renormalises)."""
-    if p.top_k > 0:
-        probs[probs < torch.topk(probs, min(p.top_k, len(probs))).values[-1]] = 0
-    if p.top_p < 1:
-        ordered, order = probs.sort(descending=True)
-        outside = ordered.cumsum(0) - ordered > p.top_p  # keep the smallest prefix reaching top_p
-        probs[order[outside]] = 0

@@ -1,0 +1,76 @@
+"""Vectorised sampling for the embedded engine: temperature, top-k, top-p and greedy, every row at once.
+
+Each KV row's sampling parameters live in tensors beside the cache (set when a request is admitted,
+moved with its row), so a step samples all rows with a fixed number of tensor operations and no
+Python per row. A draw picks token i with probability p_i / sum(p), as ``torch.multinomial`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotSampler:
+    """Per-row temperature, top-k, top-p and greedy flag; ``sample`` draws a token for rows first..first+n."""
+
+    def __init__(self, slots: int, device: torch.device, seed: int = 0):
+        self.temperature = torch.ones(slots, device=device)  # 1 for greedy rows: their logprobs are at T = 1
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=device)  # 0: no top-k
+        self.top_p = torch.ones(slots, device=device)
+        self.greedy = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def set(self, row: int, temperature: float, top_k: int, top_p: float) -> None:
+        """A new request's parameters in ``row``: temperature 0 is greedy, top_k <= 0 keeps every token."""
+        self.temperature[row], self.greedy[row] = temperature or 1.0, temperature == 0
+        self.top_k[row], self.top_p[row] = max(top_k, 0), top_p
+
+    def move(self, source: int, target: int) -> None:
+        for values in (self.temperature, self.top_k, self.top_p, self.greedy):
+            values[target] = values[source]
+
+    def sample(self, logits: torch.Tensor, first_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens [n], their logprobs under ``log_softmax(logits / T)`` (the whole tempered distribution,
+        before truncation) and whether each row's logits were finite (a row that is not gets token 0)."""
+        rows = slice(first_row, first_row + len(logits))
+        logprobs = torch.log_softmax(logits / self.temperature[rows, None], dim=-1)
+        finite = torch.isfinite(logprobs.amax(dim=-1))  # NaN, +inf or all -inf: not a distribution
+        tokens = logprobs.argmax(dim=-1)
+        greedy = self.greedy[rows]
+        if not bool(greedy.all()):
+            probs = torch.where(finite[:, None], logprobs.exp(), 1.0)  # a NaN row must not pick a token
+            top_k, top_p = self.top_k[rows], self.top_p[rows]
+            if bool(((top_k > 0) | (top_p < 1)).any()):
+                probs = truncate(probs, top_k, top_p)
+            tokens = torch.where(greedy, tokens, draw(probs, self.generator))
+        tokens = tokens.masked_fill_(~finite, 0)
+        return tokens, logprobs.gather(1, tokens[:, None])[:, 0], finite
+
+
+def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero what top-k and then top-p exclude, row by row (probs [n, V], not renormalised).
+
+    Top-k keeps the tokens at least as probable as the k-th (``top_k`` <= 0: all). Top-p keeps the
+    smallest prefix of the remaining tokens, most probable first, whose mass (of the whole
+    distribution) reaches ``top_p``; rows with ``top_p`` >= 1 keep them all, rounding aside.
+    """
+    vocab = probs.shape[-1]
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    ordered = ordered.masked_fill(ordered < ordered.gather(1, k[:, None] - 1), 0)
+    threshold = torch.where(top_p < 1, top_p, torch.inf)[:, None]
+    ordered.masked_fill_(ordered.cumsum(dim=-1) - ordered > threshold, 0)
+    return torch.empty_like(probs).scatter_(1, order, ordered)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row with probability proportional to ``probs`` [n, V] (unnormalised, >= 0, some > 0).
+
+    Inverse CDF: the first token whose cumulative mass reaches u x total, u uniform in (0, 1]. One
+    random number per row (an exponential race needs V), and a zero-probability token is never
+    picked: its cumulative mass equals its predecessor's. Float64 keeps a small probability's share
+    of the cumulative sum exact enough at any vocabulary size.
+    """
+    cumulative = probs.double().cumsum(dim=-1)
+    u = 1 - torch.rand(len(probs), 1, dtype=torch.float64, device=probs.device, generator=generator)
+    return torch.searchsorted(cumulative, u * cumulative[:, -1:])[:, 0]

@@ -47,6 +47,8 @@ class ClusterConfig:
     device: str = spec("auto", "accelerator to use", choices=["auto", "cpu", "cuda", "npu"])
     interface: str = spec("", "network interface whose address a node advertises to other nodes (e.g. ib0); "
                           "empty: the node's name")
+    pin_cores: bool = spec(True, "local launcher: pin rollout servers and trainer ranks to disjoint CPU cores, as "
+                           "their devices are disjoint on a cluster (when there are at least as many cores as processes)")
 
 
 @dataclass
@@ -55,6 +57,8 @@ class ModelConfig:
     preset: str = spec("tiny", "architecture used when `path` is empty", choices=["tiny", "small"])
     dtype: str = spec("float32", "parameter dtype", choices=["float32", "bfloat16", "float16"])
     attn_impl: str = spec("sdpa", "attention implementation", choices=["sdpa", "eager", "flash_attention_2"])
+    compute_dtype: str = spec("float32", "dtype of the trainer's matrix multiplies: bfloat16 autocasts them (weights, "
+                              "gradients and optimizer state stay in `dtype`)", choices=["float32", "bfloat16"])
 
 
 @dataclass
@@ -126,6 +130,8 @@ class RolloutConfig:
     consumer_batch_size: int = spec(16, "prompts per training batch", ge=1)
     host: str = spec("127.0.0.1", "address a rollout server binds (0.0.0.0 on a cluster node)")
     port: int = spec(0, "port a rollout server listens on; 0 picks a free one", ge=0, le=65535)
+    cores_per_server: int = spec(0, "local launcher: CPU cores of each rollout server; 0 splits the cores evenly "
+                                 "between servers and trainer ranks", ge=0)
     max_running_requests: int = spec(64, "embedded engine: sequences decoded together (KV slots)", ge=1)
     context_length: int = spec(0, "embedded engine: tokens per sequence; 0 takes the model's maximum", ge=0)
     launch_timeout_s: float = spec(300.0, "seconds a server may take to answer /health", gt=0.0)
@@ -154,8 +160,7 @@ class ActorConfig:
     kpop_threshold: float = spec(2.0, "KPop: mask tokens whose binary KL (either direction) exceeds this", gt=0.0)
     ppo_n_minibatches: int = spec(1, "PPO minibatches per training step", ge=1)
     kl_ctl: float = spec(0.0, "KL penalty coefficient to the reference model (the starting weights)", ge=0.0)
-    max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch (on CPU, where attention over "
-                                  "a packed micro-batch is quadratic, 256-512 is faster)", ge=16)
+    max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)
     dynamic_sampling: bool = spec(False, "DAPO: drop groups whose rewards are all equal (they carry no signal)")
     overlong_cache_tokens: int = spec(0, "DAPO overlong penalty: length band before max_new_tokens; 0 disables", ge=0)
     overlong_penalty: float = spec(1.0, "DAPO overlong penalty at max_new_tokens", ge=0.0)

@@ -20,7 +20,7 @@ from areal_hpc.algo.packing import pack
 from areal_hpc.algo.ppo import (AGGREGATIONS, BEHAV_CORRECTIONS, PPOLossConfig, decoupled_ppo_loss, token_weights,
                                 value_loss)
 from areal_hpc.models.hf import load_model
-from areal_hpc.train.logprobs import packed_token_logprobs
+from areal_hpc.train.logprobs import packed_policy_outputs
 
 FAST = settings(deadline=None, max_examples=40)
 lengths_st = st.lists(st.integers(1, 9), min_size=1, max_size=7)
@@ -366,7 +366,7 @@ def test_packed_and_unpacked_model_gradients_equal(tiny_model_dir, one_thread, l
     packed = pack(sequences, masks)
     mask, cu = packed.target_mask, packed.cu_seqlens
     with torch.no_grad():
-        prox = packed_token_logprobs(model, packed)
+        prox = packed_policy_outputs(model, packed)["logprobs"]
     behav = torch.where(mask, prox - 0.3 * torch.rand(len(mask), generator=g), 0.0)
     adv = expand_to_tokens(torch.randn(4, generator=g), cu)
     cfg = PPOLossConfig(importance_level=level, kl_coef=0.1)
@@ -376,7 +376,7 @@ def test_packed_and_unpacked_model_gradients_equal(tiny_model_dir, one_thread, l
         model.zero_grad()
         logps, total = [], 0.0
         for start, end, batch in parts:
-            logp = packed_token_logprobs(model, batch)
+            logp = packed_policy_outputs(model, batch)["logprobs"]
             span = slice(start, end)
             weights = token_weights(batch.target_mask, batch.cu_seqlens, "seq-mean-token-mean", **totals)
             loss, _ = decoupled_ppo_loss(logp, prox[span], behav[span], adv[span], batch.target_mask, batch.cu_seqlens,

@@ -1,13 +1,16 @@
 """Packing: AReaL's dynamic allocation respects the budget, keeps every sequence once and balances;
-packed == per-sequence forward."""
+the packed forward (per-sequence attention, LM head at targets only, chunked logsumexp) equals Hugging
+Face's own forward of each sequence alone with a full log-softmax, values and gradients."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.algo.packing import dynamic_microbatches, pack
 from areal_hpc.models.hf import load_model
-from areal_hpc.train.logprobs import packed_token_logprobs
+from areal_hpc.models.varlen import PAD_TOLERANCE, length_groups
+from areal_hpc.train.logprobs import packed_policy_outputs, target_logprobs
 
 
 @settings(max_examples=300)
@@ -36,20 +39,68 @@ def test_target_mask_never_crosses_sequences():
     assert batch.target_mask.tolist() == [True, True, False, True, False]
 
 
-def test_packed_logprobs_and_gradients_equal_unpacked(tiny_model_dir):
+def reference_outputs(model, sequences, masks, temperature=1.0):
+    """Logprob of each next token and the entropy there, per sequence through the model's own forward (its
+    default attention) and a float64 log-softmax over the whole vocabulary, laid out as ``pack`` does."""
+    logprobs, entropies = [], []
+    for seq, mask in zip(sequences, masks):
+        logits = model(input_ids=torch.tensor([seq])).logits[0].double() / temperature
+        logp = torch.log_softmax(logits, -1)
+        target = torch.tensor(mask[1:] + [0]).bool()
+        chosen = logp.gather(-1, torch.tensor(seq[1:] + [0])[:, None])[:, 0]
+        logprobs.append(torch.where(target, chosen, 0.0))
+        entropies.append(torch.where(target, -(logp.exp() * logp).sum(-1), 0.0))
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_forward_equals_each_sequence_alone(tiny_model_dir, temperature):
     model = load_model(tiny_model_dir)
     generator = torch.Generator().manual_seed(0)
-    sequences = [torch.randint(3, 600, (n,), generator=generator).tolist() for n in (7, 19, 4, 12)]
-    masks = [[0] * 3 + [1] * (len(s) - 3) for s in sequences]
+    # lengths from 1 to 40: several padded groups, a sequence of one token, prompts of different lengths
+    sequences = [torch.randint(3, 600, (n,), generator=generator).tolist() for n in (7, 19, 1, 40, 12, 33, 3)]
+    masks = [[0] * min(3, len(s) - 1) + [1] * (len(s) - min(3, len(s) - 1)) for s in sequences]
+    assert len(length_groups([len(s) for s in sequences])) > 1
 
-    def loss_and_grads(batches):
-        model.zero_grad()
-        logprobs = torch.cat([packed_token_logprobs(model, b) for b in batches])
-        (-logprobs.sum()).backward()
-        return logprobs.detach(), [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    packed = packed_policy_outputs(model, pack(sequences, masks), temperature)
+    (-packed["logprobs"].sum()).backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref_logprobs, ref_entropy = reference_outputs(model, sequences, masks, temperature)
+    (-ref_logprobs.sum()).backward()
 
-    packed_lp, packed_grads = loss_and_grads([pack(sequences, masks)])
-    single_lp, single_grads = loss_and_grads([pack([s], [m]) for s, m in zip(sequences, masks)])
-    torch.testing.assert_close(packed_lp, single_lp, atol=1e-5, rtol=1e-5)
-    for a, b in zip(packed_grads, single_grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(packed["logprobs"].double(), ref_logprobs.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed["entropy"].double(), ref_entropy, atol=1e-5, rtol=1e-5)
+    assert packed["entropy"][pack(sequences, masks).target_mask].min() > 0
+    for a, p in zip(packed_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad.float(), atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=40))
+def test_length_groups_cover_every_sequence_within_the_padding_tolerance(lengths):
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert lengths[g[0]] == longest  # the group's block length is its first member's
+        assert len(g) == 1 or len(g) * longest ** 2 <= PAD_TOLERANCE * sum(lengths[i] ** 2 for i in g)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 50), st.integers(2, 300), st.floats(0.3, 2.0), st.integers(1, 64))
+def test_chunked_logprobs_equal_full_log_softmax(rows, vocab, temperature, chunk_rows):
+    generator = torch.Generator().manual_seed(rows * vocab)
+    hidden = torch.randn(rows, 16, generator=generator, dtype=torch.float64).float().requires_grad_()
+    head = torch.nn.Linear(16, vocab, bias=False)
+    tokens = torch.randint(0, vocab, (rows,), generator=generator)
+    logprobs, entropy = target_logprobs(hidden, head, tokens, temperature, chunk_bytes=4 * vocab * chunk_rows)
+    (logprobs.sum()).backward()
+    chunked_grad = hidden.grad.clone()
+    hidden.grad = None
+    full = torch.log_softmax(head(hidden).double() / temperature, -1)
+    full.gather(-1, tokens[:, None]).sum().backward()
+    torch.testing.assert_close(logprobs.double(), full.gather(-1, tokens[:, None])[:, 0].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(full.exp() * full).sum(-1).detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_grad, hidden.grad, atol=1e-5, rtol=1e-4)

@@ -20,14 +20,17 @@ from areal_hpc.train.evaluate import evaluate_model, evaluate_remote
 
 from .conftest import embedded_server, run_cli
 
-# Fixed seed, 1-2 digit addition, 500 steps (about 90 s on 2 cores); measured here: 29%.
-MIN_ACCURACY_AFTER = 0.20
+# Fixed seed, 1-2 digit addition, 500 steps at the quickstart's warm-up settings (constant lr 2e-3; about
+# 60 s on 2 cores). A cosine schedule over 500 steps ends mid-rise, where float rounding alone moved the
+# result between 15% and 29%; this ends on the plateau (measured here: 50-60%).
+MIN_ACCURACY_AFTER = 0.35
 
 
 @pytest.mark.slow
 def test_sft_raises_eval_accuracy_and_writes_every_output(tmp_path):
     out = run_cli("sft", "--config", "configs/sft_tiny.yaml", f"cluster.fileroot={tmp_path}",
-                  "sft.total_train_steps=500", "sft.eval_every_steps=250", "saver.freq_steps=250")
+                  "sft.total_train_steps=500", "sft.eval_every_steps=250", "saver.freq_steps=250", "sft.lr=2e-3",
+                  "optimizer.lr_scheduler_type=constant")
     assert out.returncode == 0, out.stderr[-2000:]
     run_dir = tmp_path / "sft_tiny" / "trial0"
 

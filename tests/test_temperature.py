@@ -69,7 +69,7 @@ def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(peaked_m
 
     def trainer_logprobs(**gconfig_of_trainer) -> torch.Tensor:
         actor, _ = trainer_actor(peaked_model_dir, *(f"gconfig.{k}={v}" for k, v in gconfig_of_trainer.items()))
-        out = actor.actor.forward(batch)  # position t: the logprob of token t + 1
+        out = actor.actor.forward(batch)["logprobs"]  # position t: the logprob of token t + 1
         return torch.cat([lp[len(g.input_ids) - 1:-1] for lp, g in zip(out, generations)])
 
     torch.testing.assert_close(trainer_logprobs(**gconfig), served, atol=1e-4, rtol=0)

@@ -15,7 +15,7 @@ from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.train.engine import TorchTrainEngine
 from areal_hpc.train.evaluate import evaluate_model
-from areal_hpc.train.logprobs import packed_token_logprobs
+from areal_hpc.train.logprobs import packed_policy_outputs
 from areal_hpc.train.sft import sft_step
 
 
@@ -25,7 +25,7 @@ def is_target(completion: str, example: Example) -> float:
 
 
 def engine_on(model_dir, clip: float = 0.0, max_tokens_per_mb: int = 4096) -> TorchTrainEngine:
-    return TorchTrainEngine(load_model(model_dir), packed_token_logprobs, lr=1e-3, total_steps=10,
+    return TorchTrainEngine(load_model(model_dir), packed_policy_outputs, lr=1e-3, total_steps=10,
                             optimizer=OptimizerConfig(gradient_clipping=clip), max_tokens_per_mb=max_tokens_per_mb,
                             tokenizer=load_tokenizer(model_dir))
 

@@ -19,7 +19,7 @@ from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.train import weight_push
 from areal_hpc.train.engine import TorchTrainEngine
-from areal_hpc.train.logprobs import packed_token_logprobs
+from areal_hpc.train.logprobs import packed_policy_outputs
 from areal_hpc.train.sequence_batch import SequenceBatch
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
@@ -63,7 +63,7 @@ def perturbed_engine(model_dir, seed: int = 0) -> TorchTrainEngine:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return TorchTrainEngine(model, packed_token_logprobs, tokenizer=load_tokenizer(model_dir))
+    return TorchTrainEngine(model, packed_policy_outputs, tokenizer=load_tokenizer(model_dir))
 
 
 def assert_served_by(engine: TorchTrainEngine, generation, version: int) -> None:
@@ -71,7 +71,7 @@ def assert_served_by(engine: TorchTrainEngine, generation, version: int) -> None
     assert generation.versions == [version] * len(generation.output_ids)
     batch = SequenceBatch([generation.input_ids + generation.output_ids],
                           [[0] * len(generation.input_ids) + [1] * len(generation.output_ids)])
-    expected = engine.forward(batch)[0][len(generation.input_ids) - 1:-1]
+    expected = engine.forward(batch)["logprobs"][0][len(generation.input_ids) - 1:-1]
     torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=1e-4, rtol=0)
 
 

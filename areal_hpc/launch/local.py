@@ -9,8 +9,9 @@
 (the roles and their commands live in ``roles.py``, shared with the Slurm launcher). It stops them all
 when the run ends, fails, or is interrupted; children die with it even on SIGKILL. SIGUSR2 makes the
 trainer save and stop, then the job is requeued when it runs under Slurm (``preemption.py``). CPU cores
-are split evenly between servers and trainer ranks, so neither starves the other, and listed accelerators
-(CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES) are dealt out disjointly (``device_shares``).
+are dealt out disjointly to servers and trainer ranks (``core_shares``: each process pinned to its own),
+so neither starves the other, and so are listed accelerators (CUDA_VISIBLE_DEVICES,
+ASCEND_RT_VISIBLE_DEVICES; ``device_shares``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from areal_hpc.config import RunConfig, load_config
@@ -62,24 +64,24 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     forget_other_incarnations(run_dir, incarnation)
     env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), INCARNATION: incarnation,
            RENDEZVOUS: str(incarnation_folder(run_dir, incarnation) / "trainer"), "HF_HUB_OFFLINE": "1"}
-    # Servers and trainer ranks run side by side: each gets its share of the cores (of this Slurm task
-    # when the launcher runs inside an allocation). Stages run alone.
-    cores = cpu_threads() or len(os.sched_getaffinity(0))
-    share = max(1, cores // (cfg.rollout.n_servers + cfg.rl.trainer_processes))
-    threads = {"OMP_NUM_THREADS": str(share)}
     args = config_args(config, overrides)
     started: list[SupervisedProcess] = []
-
     trainer_devices, server_devices = device_shares(cfg)
+    trainer_cores, server_cores = core_shares(cfg, sorted(os.sched_getaffinity(0)), cpu_threads())
+    if server_cores[0].cores:
+        print("cores: " + ", ".join([f"rollout server {i} on {p.cores}" for i, p in enumerate(server_cores)]
+                                    + [f"trainer rank {i} on {p.cores}" for i, p in enumerate(trainer_cores)]))
 
-    def start(name: str, command: list[str], log: Path | None, extra_env: dict | None = None) -> SupervisedProcess:
-        started.append(SupervisedProcess(name, command, log, {**env, **threads, **(extra_env or {})}).start())
-        return started[-1]
+    def start(name: str, command: list[str], log: Path | None, cores: Placement, extra_env: dict) -> SupervisedProcess:
+        process = SupervisedProcess(name, command, log, {**env, "OMP_NUM_THREADS": str(cores.threads), **extra_env},
+                                    cores=cores.cores)
+        started.append(process.start())
+        return process
 
     def start_servers(model: Path) -> None:  # they load while the SFT warm-up runs
         for i in range(cfg.rollout.n_servers):
             start(f"rollout server {i}", server_command(args, model), run_dir / "logs" / f"rollout-server-{i}.log",
-                  server_devices[i])
+                  server_cores[i], server_devices[i])
 
     def on_sigterm(signum, frame) -> None:
         """Trainer rank 0 saves first (the other processes are stopped after it); before the trainers
@@ -99,7 +101,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             env[TRAINERS_AT] = str(time.time())
             for rank in range(cfg.rl.trainer_processes):
                 start(f"trainer rank {rank}", trainer_command(args, start_model, resume),
-                      None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log",
+                      None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log", trainer_cores[rank],
                       {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
                        **trainer_devices[rank]})
             trainers = started[-cfg.rl.trainer_processes:]
@@ -144,6 +146,31 @@ class RunMemory:
             except (OSError, IndexError):
                 continue  # exited meanwhile, or a kernel without smaps_rollup
         self.peak = max(self.peak, total)
+
+
+@dataclass(frozen=True)
+class Placement:
+    threads: int  # OMP_NUM_THREADS of the process
+    cores: list[int] | None = None  # the CPU cores it is pinned to; None: not pinned
+
+
+def core_shares(cfg: RunConfig, cores: list[int], threads: int | None = None) -> tuple[list[Placement], list[Placement]]:
+    """CPU cores of the trainer ranks and of the rollout servers, as on a cluster where their devices are
+    disjoint: ``rollout.cores_per_server`` for each server (0: an even split of all processes), the rest
+    dealt out to the trainer ranks. Not pinned (threads only, the same even split) with
+    ``cluster.pin_cores=false``, or when there are fewer cores than processes or too few for the asked
+    server cores. ``threads`` is the allocation's CPU count where it differs from the visible cores."""
+    trainers, servers = cfg.rl.trainer_processes, cfg.rollout.n_servers
+    available = threads or len(cores)
+    even = max(1, available // (trainers + servers))
+    per_server = cfg.rollout.cores_per_server or even
+    left = len(cores) - servers * per_server
+    if not cfg.cluster.pin_cores or threads not in (None, len(cores)) or left < trainers:
+        return [Placement(even)] * trainers, [Placement(even)] * servers
+    server_sets = [cores[i * per_server:(i + 1) * per_server] for i in range(servers)]
+    rest = cores[servers * per_server:]
+    trainer_sets = [rest[rank * len(rest) // trainers:(rank + 1) * len(rest) // trainers] for rank in range(trainers)]
+    return ([Placement(len(c), c) for c in trainer_sets], [Placement(len(c), c) for c in server_sets])
 
 
 DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")

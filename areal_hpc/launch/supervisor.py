@@ -10,6 +10,7 @@ They start with SIGUSR2 ignored (see ``preemption``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -30,24 +31,29 @@ class ServerLaunchError(UserError):
 PR_SET_PDEATHSIG = 1
 
 
-def _child_setup() -> None:
-    """In the child, before exec: SIGKILL me when the process that started me exits, and ignore
-    SIGUSR2 (Slurm's stop warning reaches every process of a step; only the trainer, which installs
-    its own handler, acts on it; see ``preemption``)."""
+def _child_setup(cores: list[int] | None) -> None:
+    """In the child, before exec: run on ``cores`` only (when given), SIGKILL me when the process that
+    started me exits, and ignore SIGUSR2 (Slurm's stop warning reaches every process of a step; only the
+    trainer, which installs its own handler, acts on it; see ``preemption``)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 class SupervisedProcess:
-    """``log_path=None`` keeps the child on this terminal (the trainer's progress line)."""
+    """``log_path=None`` keeps the child on this terminal (the trainer's progress line); ``cores`` pins
+    the child and everything it starts to those CPU cores."""
 
-    def __init__(self, name: str, command: list[str], log_path: Path | None, env: dict | None = None):
+    def __init__(self, name: str, command: list[str], log_path: Path | None, env: dict | None = None,
+                 cores: list[int] | None = None):
         self.name, self.command, self.log_path = name, command, log_path and Path(log_path)
-        self.env = env
+        self.env, self.cores = env, cores
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "SupervisedProcess":
-        options = dict(env={**os.environ, **(self.env or {})}, start_new_session=True, preexec_fn=_child_setup)
+        options = dict(env={**os.environ, **(self.env or {})}, start_new_session=True,
+                       preexec_fn=functools.partial(_child_setup, self.cores))
         if self.log_path is None:
             self.process = subprocess.Popen(self.command, **options)
             return self

@@ -116,6 +116,7 @@ class RolloutController:
         self._ready = ReadyQueue()
         self._arrived = asyncio.Event()
         self._changed = asyncio.Event()
+        self._accepting = asyncio.Lock()
         self._paused = False
         self._tasks: set[asyncio.Task] = set()
         self._fatal: asyncio.Future | None = None
@@ -221,7 +222,8 @@ class RolloutController:
                 episode = Episode(trajectories, version)
                 if self.on_accept is not None:
                     try:
-                        self.on_accept(episode)
+                        async with self._accepting:  # e.g. a shard commit (fsync): off the event loop, one at a time
+                            await asyncio.to_thread(self.on_accept, episode)
                     except Exception as exc:  # noqa: BLE001 - e.g. the shard commit hit a full disk
                         self._fail("store", f"{example.uid}: {_describe(exc)}")
                         return

@@ -44,14 +44,15 @@ class Sampling:
 
 
 class Scorer:
-    """One reward pool shared by concurrent episodes: calls are serialised and run in a thread."""
+    """One reward pool shared by concurrent episodes: each call scores a list of (completion, example)
+    pairs together (a group's samples in parallel in the pool), in a thread, one call at a time."""
 
     def __init__(self, pool: RewardPool):
         self.pool, self._lock = pool, asyncio.Lock()
 
-    async def __call__(self, completion: str, example: Example) -> RewardOutcome:
+    async def __call__(self, pairs: list[tuple[str, Example]]) -> list[RewardOutcome]:
         async with self._lock:
-            return (await asyncio.to_thread(self.pool.score, [(completion, example)]))[0]
+            return await asyncio.to_thread(self.pool.score, pairs)
 
 
 class RLVRWorkflow:
@@ -67,13 +68,12 @@ class RLVRWorkflow:
             tasks = [samples.create_task(client.generate(prompt, self.sampling.params(self.stop)))
                      for _ in range(self.n_samples)]
         generations = [task.result() for task in tasks]
-        return list(await asyncio.gather(*(self._record(g, example, group_id) for g in generations)))
-
-    async def _record(self, generation: Generation, example: Example, group: str) -> Trajectory:
-        outcome = await self.scorer(self.tokenizer.decode(generation.output_ids, skip_special_tokens=True), example)
-        return Trajectory([_segment(generation.input_ids, generation)], task=self.task_name, group_id=group,
-                          rewards=[Reward(outcome.value, step=0, source="reward_fn")],
-                          metadata=_metadata(example, [generation], [outcome]))
+        outcomes = await self.scorer([(self.tokenizer.decode(g.output_ids, skip_special_tokens=True), example)
+                                      for g in generations])
+        return [Trajectory([_segment(g.input_ids, g)], task=self.task_name, group_id=group_id,
+                           rewards=[Reward(outcome.value, step=0, source="reward_fn")],
+                           metadata=_metadata(example, [g], [outcome]))
+                for g, outcome in zip(generations, outcomes)]
 
 
 class MultiTurnWorkflow:
@@ -91,7 +91,7 @@ class MultiTurnWorkflow:
         for turn in range(self.max_turns):
             generation = await client.generate(context, self.sampling.params(self.stop))
             answer = self.tokenizer.decode(generation.output_ids, skip_special_tokens=True)
-            outcome = await self.scorer(answer, example)
+            [outcome] = await self.scorer([(answer, example)])
             segments.append(_segment(new_input, generation))
             rewards.append(Reward(outcome.value, step=turn, source="reward_fn"))
             generations.append(generation)

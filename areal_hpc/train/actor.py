@@ -35,11 +35,14 @@ class PPOActor:
 
     def update(self, minibatches: list[SequenceBatch]) -> dict[str, float]:
         started = time.perf_counter()
-        for mb in minibatches:  # the proximal policy is the one before this step's first update
-            if len(mb):
-                mb.fields["prox_logprobs"] = self.actor.forward(mb)
-                if self.reference is not None:
-                    mb.fields["ref_logprobs"] = self.reference.forward(mb)
+        # The proximal policy is the one before this step's first update. With one minibatch it is the
+        # policy the update's own forward runs, so its logprobs come from that pass (detached).
+        recompute = len(minibatches) > 1
+        for mb in minibatches:
+            if len(mb) and recompute:
+                mb.fields["prox_logprobs"] = self.actor.forward(mb)["logprobs"]
+            if len(mb) and self.reference is not None:
+                mb.fields["ref_logprobs"] = self.reference.forward(mb)["logprobs"]
         if self.critic is not None:
             self._estimate_advantages(minibatches)
         recomputed = time.perf_counter()
@@ -51,13 +54,17 @@ class PPOActor:
         return {**merge_stats(steps), "time/logprob": recomputed - started,
                 "time/update": time.perf_counter() - recomputed}
 
-    def _policy_loss(self, logprobs, packed, f):
-        return decoupled_ppo_loss(logprobs, f["prox_logprobs"], f["behav_logprobs"], f["advantages"],
-                                  packed.target_mask, packed.cu_seqlens, f["weights"], self.loss_cfg,
-                                  f.get("ref_logprobs"))
+    def _policy_loss(self, outputs, packed, f):
+        logprobs = outputs["logprobs"]
+        proximal = f["prox_logprobs"] if "prox_logprobs" in f else logprobs.detach()
+        loss, stats = decoupled_ppo_loss(logprobs, proximal, f["behav_logprobs"], f["advantages"],
+                                         packed.target_mask, packed.cu_seqlens, f["weights"], self.loss_cfg,
+                                         f.get("ref_logprobs"))
+        return loss, {**stats, "entropy_sum": float(outputs["entropy"].sum())}
 
-    def _value_loss(self, values, packed, f):
-        loss = value_loss(values, f["old_values"], f["returns"], packed.target_mask, f["weights"], self.cfg.value_clip)
+    def _value_loss(self, outputs, packed, f):
+        loss = value_loss(outputs["values"], f["old_values"], f["returns"], packed.target_mask, f["weights"],
+                          self.cfg.value_clip)
         return loss, {}
 
     def _estimate_advantages(self, minibatches: list[SequenceBatch]) -> None:
@@ -67,7 +74,7 @@ class PPOActor:
         for mb in minibatches:
             if not len(mb):
                 continue
-            mb.fields["old_values"] = self.critic.forward(mb)
+            mb.fields["old_values"] = self.critic.forward(mb)["values"]
             packed, f = mb.packed()
             rewards = f["rewards"][packed.cu_seqlens[:-1]]
             token_rewards = outcome_token_rewards(rewards, packed.target_mask, packed.cu_seqlens)

@@ -35,7 +35,7 @@ from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.engine import TorchTrainEngine, TrainEngine
-from areal_hpc.train.logprobs import packed_token_logprobs, packed_values
+from areal_hpc.train.logprobs import packed_policy_outputs, packed_values
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 SHARD_WRITER = "rollout"
@@ -68,9 +68,9 @@ def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActo
     def engine(network, forward_fn, lr=None):
         return TorchTrainEngine(network, forward_fn, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0,
                                 total_steps=optimizer_steps, max_tokens_per_mb=actor_cfg.max_tokens_per_mb,
-                                dp_group=dp_group, tokenizer=tokenizer)
+                                dp_group=dp_group, tokenizer=tokenizer, compute_dtype=model.compute_dtype)
 
-    policy = functools.partial(packed_token_logprobs, temperature=sampler_temperature(cfg))
+    policy = functools.partial(packed_policy_outputs, temperature=sampler_temperature(cfg))
     engines = {"actor": engine(load_model(path, model.dtype, model.attn_impl, device), policy, actor_cfg.lr)}
     if actor_cfg.adv_estimator == "ppo":
         torch.manual_seed(cfg.experiment.seed)  # the value head's initialisation depends on the seed only

@@ -18,12 +18,13 @@ import torch.distributed as dist
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches
 from areal_hpc.config import OptimizerConfig
-from areal_hpc.models.hf import save_model
+from areal_hpc.models.hf import DTYPES, save_model
 from areal_hpc.train.optim import build_optimizer, build_scheduler
 from areal_hpc.train.sequence_batch import SequenceBatch
 
-ForwardFn = Callable[[torch.nn.Module, PackedBatch], torch.Tensor]
-LossFn = Callable[[torch.Tensor, PackedBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+Outputs = dict[str, torch.Tensor]  # per-position outputs of a packed micro-batch, e.g. {"logprobs", "entropy"}
+ForwardFn = Callable[[torch.nn.Module, PackedBatch], Outputs]
+LossFn = Callable[[Outputs, PackedBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 WeightBucket = list[tuple[str, torch.Tensor]]
 TRAINING_STATE = "training_state.pt"
 
@@ -33,16 +34,16 @@ class TrainEngine(Protocol):
 
     ``forward`` and ``train_step`` take a ``SequenceBatch`` (whole sequences, per-position fields) and
     cut it into packed micro-batches themselves. A policy engine's per-position output is
-    log π_T(token t+1 | tokens ≤ t) at the sampler's temperature T (``gconfig.temperature``: rollout
-    logprobs are those of ``log_softmax(logits / T)``), on target positions only (0 elsewhere); a
-    critic's is its value estimate.
+    "logprobs", log π_T(token t+1 | tokens ≤ t) at the sampler's temperature T (``gconfig.temperature``:
+    rollout logprobs are those of ``log_softmax(logits / T)``), and "entropy", on target positions only
+    (0 elsewhere); a critic's is "values".
     """
 
     device: torch.device  # where this rank's tensors live (NCCL reduces device tensors only)
     tokenizer: object  # saved with the weights, so a saved folder is a complete Hugging Face model
 
-    def forward(self, batch: SequenceBatch) -> list[torch.Tensor]:
-        """Per-sequence [len] outputs without gradient, in the model's evaluation mode."""
+    def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
+        """Each output as per-sequence [len] tensors, without gradient, in the model's evaluation mode."""
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on this rank's share: ``loss_fn(outputs, packed, fields)`` per micro-batch,
@@ -87,16 +88,17 @@ class TorchTrainEngine:
     """``TrainEngine`` on a plain ``torch.nn.Module`` replicated over the data-parallel group.
 
     ``forward_fn`` turns the model and a packed micro-batch into per-position outputs (e.g.
-    ``logprobs.packed_token_logprobs`` at the sampler's temperature, or ``packed_values``).
+    ``logprobs.packed_policy_outputs`` at the sampler's temperature, or ``packed_values``).
     Save writes from data-parallel rank 0 only (replicas are identical), so the driver may call it
     on rank 0 alone.
     """
 
     def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, optimizer: OptimizerConfig | None = None,
                  lr: float = 0.0, total_steps: int = 1, max_tokens_per_mb: int = 4096,
-                 dp_group: dist.ProcessGroup | None = None, tokenizer=None):
+                 dp_group: dist.ProcessGroup | None = None, tokenizer=None, compute_dtype: str = "float32"):
         self.model, self.forward_fn, self.tokenizer = model, forward_fn, tokenizer
         self.device = next(model.parameters()).device
+        self.compute_dtype = DTYPES[compute_dtype]
         self.max_tokens_per_mb, self.dp_group = max_tokens_per_mb, dp_group
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
         self.optimizer = build_optimizer(model, optimizer, lr) if optimizer else None
@@ -115,19 +117,28 @@ class TorchTrainEngine:
         for tensor in [*self.model.parameters(), *self.model.buffers()]:
             dist.broadcast(tensor.data, src=root, group=self.dp_group)
 
+    def _compute(self):
+        """Autocast to ``compute_dtype`` (matrix multiplies in bfloat16, master weights kept)."""
+        lower = self.compute_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=lower)
+
     def _microbatches(self, batch: SequenceBatch):
         for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
             packed, fields = batch.select(indices).packed()
             yield indices, packed.to(self.device), {k: v.to(self.device) for k, v in fields.items()}
 
     @torch.no_grad()
-    def forward(self, batch: SequenceBatch) -> list[torch.Tensor]:
+    def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
         self.model.eval()  # recomputed logprobs and values are the policy's, never a dropout sample
-        out: list[torch.Tensor | None] = [None] * len(batch)
+        out: dict[str, list[torch.Tensor | None]] = {}
         for indices, packed, _ in self._microbatches(batch):
-            values = self.forward_fn(self.model, packed).float().cpu()
-            for i, part in zip(indices, values.split([len(batch.sequences[i]) for i in indices])):
-                out[i] = part
+            lengths = [len(batch.sequences[i]) for i in indices]
+            with self._compute():
+                outputs = self.forward_fn(self.model, packed)
+            for name, values in outputs.items():
+                per_sequence = out.setdefault(name, [None] * len(batch))
+                for i, part in zip(indices, values.float().cpu().split(lengths)):
+                    per_sequence[i] = part
         return out
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -136,7 +147,9 @@ class TorchTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for _, packed, fields in self._microbatches(batch):
-            loss, mb_stats = loss_fn(self.forward_fn(self.model, packed), packed, fields)
+            with self._compute():
+                outputs = self.forward_fn(self.model, packed)
+            loss, mb_stats = loss_fn(outputs, packed, fields)
             loss.backward()
             parts.append({"loss": loss.item(), "microbatches": 1.0, **mb_stats})
         stats = merge_stats(parts)

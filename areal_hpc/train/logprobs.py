@@ -1,5 +1,5 @@
 """The per-position forwards of a packed batch that every trainer shares: the policy's logprob of
-the next token at the sampler's temperature, and a critic's value estimate.
+the next token at the sampler's temperature (with the policy's entropy there), and a critic's value.
 
 Rollout servers (the embedded engine and SGLang) report the logprob of each sampled token under
 ``log_softmax(logits / T)``, T the request's temperature, before any top-p / top-k truncation. The
@@ -8,22 +8,72 @@ like with like and the policy gradient is that of the distribution the sampler d
 top-p < 1 or top-k > 0 a token is drawn from the truncated, renormalised distribution, whose
 probability of it is p_T / (kept mass) ≥ p_T; both sides still use the untruncated p_T (as AReaL
 does), which treats the truncated sampler as the full tempered policy.
+
+Only target positions reach the LM head, and the log-softmax is a logsumexp over chunks of at most
+``LOGITS_CHUNK_BYTES`` of float32 logits, each recomputed in the backward pass rather than kept:
+for a 152k vocabulary and 4,096 targets the full logits would take 2.5 GB (and their log-softmax as
+much again); a chunk takes 128 MiB.
 """
 
+from __future__ import annotations
+
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from areal_hpc.algo.packing import PackedBatch
+from areal_hpc.models.varlen import packed_attention, padded_groups
+
+LOGITS_CHUNK_BYTES = 128 * 2**20
 
 
-def packed_token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
-    """[T] log p_T(token t+1 | tokens <= t) within each sequence, p_T = softmax(logits / temperature)
-    (0 where nothing is predicted)."""
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[0]
-    next_tokens = torch.roll(batch.input_ids[0], shifts=-1)
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, next_tokens[:, None])[:, 0]
-    return torch.where(batch.target_mask, logprobs, torch.zeros_like(logprobs))
+def _packed_kwargs(batch: PackedBatch) -> dict:
+    return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                padded_groups=padded_groups(batch.cu_seqlens))
 
 
-def packed_values(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """[T] the critic's value of the state after token t (the state in which token t+1 is chosen)."""
-    return model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[0, :, 0].float()
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p_T(token), entropy of p_T) for each row of ``hidden``, in float32."""
+    logits = F.linear(hidden, weight, bias).float() / temperature
+    normaliser = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, tokens[:, None])[:, 0] - normaliser
+    with torch.no_grad():  # logged, not trained
+        entropy = normaliser - (logits.softmax(-1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+def target_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
+                    chunk_bytes: int = LOGITS_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of ``tokens`` [N] under softmax(head(hidden) / T) for ``hidden`` [N, H], and the entropies,
+    a chunk of rows at a time (recomputed in the backward pass when gradients are on)."""
+    rows = max(1, chunk_bytes // (4 * head.weight.shape[0]))
+    parts = []
+    for h, t in zip(hidden.split(rows), tokens.split(rows)):
+        if torch.is_grad_enabled() and len(hidden) > rows:
+            parts.append(checkpoint(_chunk_logprobs, h, head.weight, head.bias, t, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(h, head.weight, head.bias, t, temperature))
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def packed_policy_outputs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
+    softmax(logits / temperature), and the entropy of p_T there; 0 where nothing is predicted."""
+    with packed_attention(model):
+        hidden = model.get_decoder()(**_packed_kwargs(batch)).last_hidden_state[0]
+    targets = batch.target_mask.nonzero()[:, 0]
+    logprobs, entropy = target_logprobs(hidden[targets], model.get_output_embeddings(),
+                                        batch.input_ids[0, targets + 1], temperature)
+    total = batch.input_ids.shape[1]
+    return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
+            "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
+
+
+def packed_values(model: torch.nn.Module, batch: PackedBatch) -> dict[str, torch.Tensor]:
+    """{"values"}: [T] the critic's value of the state after token t (where token t+1 is chosen)."""
+    with packed_attention(model):
+        return {"values": model(**_packed_kwargs(batch)).logits[0, :, 0].float()}

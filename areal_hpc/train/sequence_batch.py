@@ -3,7 +3,7 @@ minibatches and data-parallel parts without ever padding.
 
 Per-position tensors follow the packed layout of ``algo.packing.pack``: entry t of a sequence is
 about predicting token t+1 (its behaviour logprob, its advantage, its loss weight), so they line up
-with ``packed_token_logprobs`` when the sequences are packed.
+with ``packed_policy_outputs`` when the sequences are packed.
 """
 
 from __future__ import annotations

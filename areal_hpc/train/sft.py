@@ -31,7 +31,7 @@ from areal_hpc.models.tiny import count_parameters, init_model
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.train.engine import TorchTrainEngine, TrainEngine
 from areal_hpc.train.evaluate import EvalResult, evaluate_model
-from areal_hpc.train.logprobs import packed_token_logprobs
+from areal_hpc.train.logprobs import packed_policy_outputs
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
 from areal_hpc.train.sequence_batch import SequenceBatch
@@ -68,9 +68,9 @@ def sft_batch(pairs: list[tuple[list[int], list[int]]]) -> SequenceBatch:
     return batch
 
 
-def sft_loss(logprobs: torch.Tensor, packed, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-    """Σ weights · (−log p) over a micro-batch (``logprobs`` at temperature 1: the data's likelihood)."""
-    return -(fields["weights"] * logprobs).sum(), {}
+def sft_loss(outputs: dict[str, torch.Tensor], packed, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """Σ weights · (−log p) over a micro-batch (logprobs at temperature 1: the data's likelihood)."""
+    return -(fields["weights"] * outputs["logprobs"]).sum(), {}
 
 
 def sft_step(engine: TrainEngine, pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
@@ -103,9 +103,9 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                   f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}",
                   soft_wrap=True)
 
-    engine = TorchTrainEngine(model, packed_token_logprobs, optimizer=cfg.optimizer, lr=cfg.sft.lr,
+    engine = TorchTrainEngine(model, packed_policy_outputs, optimizer=cfg.optimizer, lr=cfg.sft.lr,
                               total_steps=cfg.sft.total_train_steps, max_tokens_per_mb=cfg.sft.max_tokens_per_mb,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, compute_dtype=cfg.model.compute_dtype)
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
     rewards = RewardPool(task.reward)
     order = index_stream(len(train), cfg.experiment.seed)

@@ -62,7 +62,8 @@ def ppo_fractions(stats: dict[str, float]) -> dict[str, float]:
             "actor/behav_masked_fraction": 1.0 - stats["actor/kept_tokens"] / tokens,
             "actor/behav_capped_fraction": stats["actor/capped_tokens"] / tokens,
             "actor/behav_weight_dev": stats["actor/behav_weight_dev_sum"] / tokens,
-            "actor/approx_kl": stats["actor/approx_kl_sum"] / tokens}
+            "actor/approx_kl": stats["actor/approx_kl_sum"] / tokens,
+            "actor/entropy": stats["actor/entropy_sum"] / tokens}
 
 
 def follow(actor: PPOActor) -> None:

@@ -100,6 +100,30 @@ def test_weight_sync_leaves_the_server_with_the_trainers_weights(tiny_model_dir,
         assert stats["sync/bytes"] == sum(t.numel() * 4 for t in engine.model.state_dict().values())
 
 
+def test_disk_sync_writes_the_weights_before_the_pause_and_never_loads_an_earlier_incarnations(tiny_model_dir,
+                                                                                             tmp_path):
+    engine, stale = perturbed_engine(tiny_model_dir, seed=1), perturbed_engine(tiny_model_dir, seed=2)
+    prompt = prompt_ids(engine.tokenizer, "What is 3 + 4?")
+    folder = tmp_path / "weights"
+    stale.save(folder / "v000003", optimizer=False)  # version 3 as a killed earlier run wrote it
+
+    async def staged_then_pushed(address):
+        async with RolloutClient([address]) as client:
+            sync = DiskWeightSync(folder)
+            staged = await sync.stage(engine, 4)  # while the server still generates with what it has
+            assert (await client.generate(prompt, SAMPLING)).versions[-1] == 0
+            written = (folder / "v000004" / "model.safetensors").stat().st_mtime_ns
+            pushed = await sync.push(engine, client, version=4)
+            assert (folder / "v000004" / "model.safetensors").stat().st_mtime_ns == written  # loaded, not rewritten
+            assert set(staged) == {"sync/stage_seconds"} and pushed["sync/bytes"] > 0
+            await sync.push(engine, client, version=3)  # never staged by this run: written again, then loaded
+            return await client.generate(prompt, SAMPLING)
+
+    with embedded_server(tiny_model_dir, tmp_path) as (_, address):
+        generation = asyncio.run(staged_then_pushed(address))
+    assert_served_by(engine, generation, 3)
+
+
 def port_is_listened_on(port: int) -> bool:
     try:
         bind("127.0.0.1", port).close()

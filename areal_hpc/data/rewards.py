@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import re
 import signal
+import threading
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -61,6 +62,7 @@ class RewardPool:
     def __init__(self, reward_fn, workers: int = 1, timeout_s: float = 5.0):
         self.reward_fn, self.workers, self.timeout_s = reward_fn, workers, timeout_s
         self._pool = None
+        self._lock = threading.Lock()  # calls from several threads (rollouts, an evaluation) run one at a time
 
     def _fresh_pool(self):
         self.close()
@@ -70,6 +72,10 @@ class RewardPool:
         return self._pool
 
     def score(self, pairs: list[tuple[str, object]]) -> list[RewardOutcome]:
+        with self._lock:
+            return self._score(pairs)
+
+    def _score(self, pairs: list[tuple[str, object]]) -> list[RewardOutcome]:
         outcomes: list[RewardOutcome | None] = [None] * len(pairs)
         pending = list(range(len(pairs)))
         while pending:

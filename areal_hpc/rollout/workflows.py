@@ -45,14 +45,14 @@ class Sampling:
 
 class Scorer:
     """One reward pool shared by concurrent episodes: each call scores a list of (completion, example)
-    pairs together (a group's samples in parallel in the pool), in a thread, one call at a time."""
+    pairs together (a group's samples in parallel in the pool), in a thread (the pool runs one call at
+    a time)."""
 
     def __init__(self, pool: RewardPool):
-        self.pool, self._lock = pool, asyncio.Lock()
+        self.pool = pool
 
     async def __call__(self, pairs: list[tuple[str, Example]]) -> list[RewardOutcome]:
-        async with self._lock:
-            return await asyncio.to_thread(self.pool.score, pairs)
+        return await asyncio.to_thread(self.pool.score, pairs)
 
 
 class RLVRWorkflow:

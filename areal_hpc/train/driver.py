@@ -118,6 +118,9 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
             progress.rollouts_started()
             watching = asyncio.create_task(progress.watch(controller))  # failures show while the trainer waits
             joining = asyncio.create_task(admit_servers(servers, client, sync, progress.console.print))  # new servers
+            # An evaluation of version v runs beside the training of step v + 1 and ends before the weights of
+            # v + 1 reach the servers, so every answer it scores is version v's.
+            evaluation = asyncio.create_task(asyncio.sleep(0))
             try:
                 for step in range(version, total):
                     tick = time.perf_counter()
@@ -130,16 +133,21 @@ async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
                     if stop.is_set():  # saved without a weight push: servers may be stopping too
                         progress.trained(step + 1, batch, stats, waited, time.perf_counter() - tick, controller)
                         stop_now(step + 1)
+                    stats |= await sync.stage(actor, step + 1)                    # written while generation goes on
+                    await evaluation
                     await (controller.pause() if cfg.rl.interruptible else controller.drain())
                     stats |= await sync.push(actor, client, step + 1)             # new weights to every server
                     controller.set_version(step + 1)
                     await controller.resume()
                     progress.trained(step + 1, batch, stats, waited, time.perf_counter() - tick, controller)
                     if evaluation_due(step + 1):
-                        await evaluate(step + 1)
+                        evaluation = asyncio.create_task(evaluate(step + 1))
+                    if step + 1 == total:
+                        await evaluation
                     if step + 1 == total or (cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0):
-                        checkpoint(step + 1)
+                        checkpoint(step + 1)  # an evaluation still running is done again after a resume
             finally:
+                evaluation.cancel()
                 watching.cancel()
                 joining.cancel()
                 await controller.stop()

@@ -22,8 +22,9 @@ of rank 0's broadcasts, in order; /destroy_weights_update_group takes ``group_na
 ``{"success", "message"}``, 200 or 400. The group itself is set up in ``parallel/weight_group.py``. An
 SGLang server joins only with dp_size 1 (or DP attention), as its tokenizer manager requires.
 
-Both use only the ``TrainEngine`` protocol. Each ``push`` returns its bytes and seconds, which the
-driver logs as metrics.
+Both use only the ``TrainEngine`` protocol. ``stage`` does what needs no paused server (the disk sync
+writes the folder while generation goes on), ``push`` what does (the servers load); each returns its
+bytes and seconds, which the driver logs as metrics.
 """
 
 from __future__ import annotations
@@ -60,18 +61,30 @@ class DiskWeightSync:
         self.folder, self.keep = folder, keep
         self._pushed: list[Path] = []  # only what this run wrote is ever removed, oldest first
         self._latest: tuple[Path, int] | None = None
+        self._staged: int | None = None  # the version whose folder this run wrote last
         self._lock = asyncio.Lock()  # a server admitted during a push would miss it
         folder.mkdir(parents=True, exist_ok=True)
 
     async def connect(self, client: RolloutClient) -> None:
         """Nothing to set up: the shared filesystem is the channel."""
 
+    async def stage(self, engine: TrainEngine, version: int) -> dict[str, float]:
+        """Write version ``version``'s folder (before generation pauses for the load)."""
+        started = time.perf_counter()
+        await asyncio.to_thread(engine.save, self._path(version), optimizer=False)
+        self._staged = version
+        return {"sync/stage_seconds": time.perf_counter() - started}
+
+    def _path(self, version: int) -> Path:
+        return self.folder / f"v{version:06d}"
+
     async def push(self, engine: TrainEngine, client: RolloutClient, version: int) -> dict[str, float]:
-        """``sync/bytes``: the weight files the servers read."""
+        """``sync/bytes``: the weight files the servers read (written now unless ``stage`` did)."""
         async with self._lock:
+            path = self._path(version)
+            if self._staged != version:  # a folder of that name from an earlier incarnation is not this one's
+                await self.stage(engine, version)
             started = time.perf_counter()
-            path = self.folder / f"v{version:06d}"
-            await asyncio.to_thread(engine.save, path, optimizer=False)
             await client.update_weights_from_disk(str(path.absolute()), version)
             self._latest = path, version
             written = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -123,6 +136,10 @@ class DistributedWeightSync:
             if server not in self._joining:
                 self._joining.append(server)
             return "joins with the next weight push"
+
+    async def stage(self, engine: TrainEngine, version: int) -> dict[str, float]:
+        """Nothing to stage: the broadcast reads the engine's tensors while the servers are paused."""
+        return {}
 
     async def push(self, engine: TrainEngine, client: RolloutClient, version: int) -> dict[str, float]:
         async with self._lock:

@@ -110,6 +110,7 @@ class RLProgress:
 
     def plot(self) -> None:
         if self.cfg.stats.plot:
-            out = plot_curves(self.metrics.records, {"reward": "rollout/reward", "eval accuracy": "eval/accuracy"},
-                              self.cfg.run_dir / "rl_curves.png", f"asynchronous RL on {self.cfg.dataset.task}")
+            panels = {"reward": "rollout/reward", "eval accuracy": "eval/accuracy", "policy entropy": "actor/entropy"}
+            out = plot_curves(self.metrics.records, panels, self.cfg.run_dir / "rl_curves.png",
+                              f"asynchronous RL on {self.cfg.dataset.task}")
             self.console.print(f"curves: {out}")

@@ -72,7 +72,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
         print("cores: " + ", ".join([f"rollout server {i} on {p.cores}" for i, p in enumerate(server_cores)]
                                     + [f"trainer rank {i} on {p.cores}" for i, p in enumerate(trainer_cores)]))
 
-    def start(name: str, command: list[str], log: Path | None, cores: Placement, extra_env: dict) -> SupervisedProcess:
+    def start(name: str, command: list[str], log: Path | None, cores: CoreShare, extra_env: dict) -> SupervisedProcess:
         process = SupervisedProcess(name, command, log, {**env, "OMP_NUM_THREADS": str(cores.threads), **extra_env},
                                     cores=cores.cores)
         started.append(process.start())
@@ -149,12 +149,12 @@ class RunMemory:
 
 
 @dataclass(frozen=True)
-class Placement:
+class CoreShare:
     threads: int  # OMP_NUM_THREADS of the process
     cores: list[int] | None = None  # the CPU cores it is pinned to; None: not pinned
 
 
-def core_shares(cfg: RunConfig, cores: list[int], threads: int | None = None) -> tuple[list[Placement], list[Placement]]:
+def core_shares(cfg: RunConfig, cores: list[int], threads: int | None = None) -> tuple[list[CoreShare], list[CoreShare]]:
     """CPU cores of the trainer ranks and of the rollout servers, as on a cluster where their devices are
     disjoint: ``rollout.cores_per_server`` for each server (0: an even split of all processes), the rest
     dealt out to the trainer ranks. Not pinned (threads only, the same even split) with
@@ -166,11 +166,11 @@ def core_shares(cfg: RunConfig, cores: list[int], threads: int | None = None) ->
     per_server = cfg.rollout.cores_per_server or even
     left = len(cores) - servers * per_server
     if not cfg.cluster.pin_cores or threads not in (None, len(cores)) or left < trainers:
-        return [Placement(even)] * trainers, [Placement(even)] * servers
+        return [CoreShare(even)] * trainers, [CoreShare(even)] * servers
     server_sets = [cores[i * per_server:(i + 1) * per_server] for i in range(servers)]
     rest = cores[servers * per_server:]
     trainer_sets = [rest[rank * len(rest) // trainers:(rank + 1) * len(rest) // trainers] for rank in range(trainers)]
-    return ([Placement(len(c), c) for c in trainer_sets], [Placement(len(c), c) for c in server_sets])
+    return ([CoreShare(len(c), c) for c in trainer_sets], [CoreShare(len(c), c) for c in server_sets])
 
 
 DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")

@@ -50,7 +50,8 @@ class SlotDecoder:
         self.last = torch.zeros(slots, dtype=torch.long, device=self.device)
         with torch.no_grad():  # cos/sin of every position, as the model's rotary embedding computes them
             cos, sin = model.model.rotary_emb(param, torch.arange(context_length, device=self.device)[None])
-        self._cos, self._sin = cos[0], sin[0]
+        half = self.head_dim // 2  # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
+        self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         self.refresh_weights()
 
     @torch.no_grad()
@@ -132,15 +133,14 @@ class SlotDecoder:
         row_heads = (torch.arange(first_row, first_row + batch, device=self.device)[:, None, None] * self.kv_heads
                      + torch.arange(self.kv_heads, device=self.device))  # [B, 1, kv]
         slots = (row_heads * self.context_length + positions[:, :, None]).flatten()  # [B * T * kv]
-        rows = slice(first_row, first_row + batch)
+        rows, qk_width = slice(first_row, first_row + batch), (self.heads + self.kv_heads) * self.head_dim
         for layer, keys, values in zip(self._layers, self.keys, self.values):
-            x = layer.input_norm(hidden)
-            q, k, v = layer.qkv(x).split(
-                [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
-            q, k = q.view(batch, length, self.heads, self.head_dim), k.view(batch, length, self.kv_heads, self.head_dim)
+            qkv = layer.qkv(layer.input_norm(hidden))
+            qk, v = qkv[..., :qk_width].view(batch, length, -1, self.head_dim), qkv[..., qk_width:]
             if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                qk = torch.cat([layer.q_norm(qk[:, :, :self.heads]), layer.k_norm(qk[:, :, self.heads:])], dim=2)
+            qk = _rotate(qk, cos, sin)  # queries and keys in one pass
+            q, k = qk[:, :, :self.heads], qk[:, :, self.heads:]
             keys.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
             values.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
             out = self._attention(layer, q, keys[rows, :, :span], values[rows, :, :span], bias)
@@ -207,6 +207,10 @@ class _Layer:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of x [B, T, heads, D] (HF's ``x * cos + rotate_half(x) * sin``)."""
+    """Rotary position embedding of x [B, T, heads, D]: HF's ``x * cos + rotate_half(x) * sin``, with
+    ``sin``'s first half negated beforehand, so no concatenation."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half])
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out

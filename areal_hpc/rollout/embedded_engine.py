@@ -324,7 +324,9 @@ class EmbeddedEngine:
         try:
             tokens, logprobs, finite = self.sampler.sample(forward(row, [request]), row)
         except Exception as exc:  # noqa: BLE001 - this row fails by itself: fail its request
-            return torch.zeros(1, dtype=torch.long), torch.zeros(1), f"{type(exc).__name__}: {exc}"
+            device = self.decoder.device
+            return (torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device),
+                    f"{type(exc).__name__}: {exc}")
         return tokens, logprobs, None if bool(finite[0]) else NOT_FINITE
 
     def _record(self, requests: list[Request], tokens: list[int], logprobs: list[float],

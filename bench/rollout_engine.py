@@ -107,16 +107,16 @@ def decode_rates(model, batch: int, tokens: int, repeats: int) -> dict:
     """Decode tokens/s of the engine and generate() at ``batch`` rows (prefill excluded by differencing)."""
     prompts = [p[:SWEEP_PROMPT] for p, _ in workload(batch, model.config.vocab_size, seed=batch)]
     prompts = [p + [1] * (SWEEP_PROMPT - len(p)) for p in prompts]
-    engine = EmbeddedEngine(model, slots=batch, context_length=1024)
     times = {"engine": [], "generate": []}
-    try:
-        for _ in range(repeats):
+    for _ in range(repeats):  # an engine per repeat: none is alive while generate() runs, as in the main comparison
+        engine = EmbeddedEngine(model, slots=batch, context_length=1024)
+        try:
             times["engine"].append(serve(engine, [(p, tokens) for p in prompts])
                                    - serve(engine, [(p, 1) for p in prompts]))
-            times["generate"].append(run_generate(model, [(p, tokens) for p in prompts], batch)
-                                     - run_generate(model, [(p, 1) for p in prompts], batch))
-    finally:
-        engine.stop()
+        finally:
+            engine.stop()
+        times["generate"].append(run_generate(model, [(p, tokens) for p in prompts], batch)
+                                 - run_generate(model, [(p, 1) for p in prompts], batch))
     rates = {k: round(batch * (tokens - 1) / statistics.median(v), 1) for k, v in times.items()}
     return {"batch": batch, **rates, "ratio": round(rates["engine"] / rates["generate"], 2)}
 

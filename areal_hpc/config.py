@@ -143,7 +143,25 @@ class RolloutConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp: int = spec(0, "data-parallel size; 0 takes what the other sizes leave of the trainer processes", ge=0)
+    tp: int = spec(1, "tensor-parallel size (attention heads and MLP width split over ranks)", ge=1)
+    pp: int = spec(1, "pipeline-parallel size (layers split into stages)", ge=1)
+    cp: int = spec(1, "context-parallel size (each sequence's tokens split over ranks)", ge=1)
+    ep: int = spec(1, "expert-parallel size (MoE experts split over the data-parallel ranks); divides dp x cp", ge=1)
+    vpp: int = spec(1, "virtual pipeline stages per rank (megatron: interleaved schedule)", ge=1)
+    sequence_parallel: bool = spec(False, "shard norms' and dropouts' activations over the tensor-parallel ranks")
+    fsdp: bool = spec(False, "torch engine: shard parameters, gradients and optimizer state over the data-parallel "
+                      "ranks (FSDP2) instead of replicating them")
+    allocation: str = spec("", "the planner's training allocation, e.g. megatron:d8p1t1 (sets dp, pp and tp; "
+                           "`areal-hpc plan` prints it)")
+
+
+@dataclass
 class ActorConfig:
+    engine: str = spec("torch", "training engine: torch (PyTorch-native: FSDP2, DTensor TP, pipelining) or megatron "
+                       "(megatron-core; extra `megatron`)", choices=["torch", "megatron"])
+    parallel: ParallelConfig = section(ParallelConfig)
     lr: float = spec(1e-4, "peak learning rate of the RL actor", gt=0.0)
     adv_estimator: str = spec("grpo", "advantage estimator (ppo trains a critic and uses GAE)",
                               choices=["grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp",
@@ -179,7 +197,7 @@ class RLConfig:
                             choices=["disk", "distributed"])
     weight_sync_bucket_mb: int = spec(64, "distributed weight sync: megabytes per broadcast bucket", ge=1)
     interruptible: bool = spec(True, "a weight update interrupts generation (False: wait for episodes to finish)")
-    trainer_processes: int = spec(1, "data-parallel trainer processes (gloo on CPU, NCCL on GPU)", ge=1)
+    trainer_processes: int = spec(1, "trainer processes (ranks of actor.parallel's mesh; gloo on CPU, NCCL on GPU)", ge=1)
 
 
 @dataclass

@@ -5,15 +5,12 @@ also after the distributed sync reconnects (which destroys its previous group fi
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import bind, free_port
+from areal_hpc.launch.name_resolve import bind
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
@@ -23,22 +20,8 @@ from areal_hpc.train.logprobs import packed_policy_outputs
 from areal_hpc.train.sequence_batch import SequenceBatch
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
-from .conftest import REPO, embedded_server
-
-
-def run_ranks(world: int, model, out, *overrides: str) -> dict:
-    port = str(free_port("127.0.0.1"))
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.trainer_processes", str(model), str(out), *overrides],
-                              cwd=REPO, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
-                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
-    try:
-        assert [p.wait(timeout=300) for p in ranks] == [0] * world
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    return torch.load(out, weights_only=False)
+from .conftest import embedded_server
+from .trainer_processes import run_ranks
 
 
 @pytest.mark.distributed

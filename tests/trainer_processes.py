@@ -1,14 +1,22 @@
-"""A trainer rank for the data-parallel tests: one PPO update on a seeded synthetic batch.
+"""A trainer rank for the parallel-layout tests: one PPO update on a seeded synthetic batch.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m tests.trainer_processes MODEL OUT [KEY=VALUE ...]
 
-Every rank builds the same engines; rank 0 forms the batch, scatters the shares, and writes the
-updated weights (actor, and critic for PPO) and the step's statistics to OUT (a torch file) after the update.
+(``run_ranks`` starts them on loopback; under Slurm, ``srun`` does and the ranks meet through a
+name-resolve folder.)
+
+Every rank builds the same engines on the mesh of ``actor.parallel`` (and ``actor.engine``); rank 0
+forms the batch, scatters the shares, gathers the updated weights (actor, and critic for PPO) under
+their Hugging Face names through the collective ``rollout_weights``, and writes them and the step's
+statistics to OUT (a torch file).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,7 +25,10 @@ import torch.distributed as dist
 from areal_hpc.config import load_config
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
 from areal_hpc.train.trainer_group import TrainerGroup, follow
+from areal_hpc.launch.name_resolve import free_port
 from areal_hpc.train.build import build_actor, start_trainer
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def synthetic_batch(vocab: int, groups: int = 4, group_size: int = 4, seed: int = 0) -> list[Trajectory]:
@@ -35,17 +46,34 @@ def synthetic_batch(vocab: int, groups: int = 4, group_size: int = 4, seed: int 
 
 def main(model: str, out: str, overrides: list[str]) -> None:
     cfg = load_config(None, [f"model.path={model}", "rl.total_train_steps=1", *overrides])
-    rank, device, dp_group = start_trainer(cfg)
-    actor, engines = build_actor(cfg, device, dp_group)
+    rank, mesh = start_trainer(cfg)
+    actor, engines = build_actor(cfg, mesh)
     if rank == 0:
-        group = TrainerGroup(actor, cfg)
-        stats = group.update(synthetic_batch(actor.actor.model.config.vocab_size))
+        group = TrainerGroup(actor, engines, mesh, cfg)
+        stats = group.update(synthetic_batch(len(actor.actor.tokenizer)))
+        weights = {name: {k: v.clone() for bucket in engine.rollout_weights(1 << 20) for k, v in bucket}
+                   for name, engine in group.engines.items()}
         group.stop()
-        torch.save({"weights": {name: engine.model.state_dict() for name, engine in engines.items()},
-                    "stats": stats}, out)
+        torch.save({"weights": weights, "stats": stats}, out)
     else:
-        follow(actor)
+        follow(actor, engines)
     dist.destroy_process_group()
+
+
+def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300) -> dict:
+    """Start ``world`` ranks of this script on loopback; what rank 0 wrote."""
+    port = str(free_port("127.0.0.1"))
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.trainer_processes", str(model), str(out), *overrides],
+                              cwd=REPO, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
+             for r in range(world)]
+    try:
+        assert [p.wait(timeout=timeout) for p in ranks] == [0] * world
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    return torch.load(out, weights_only=False)
 
 
 if __name__ == "__main__":

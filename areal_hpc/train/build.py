@@ -15,7 +15,6 @@ import functools
 import time
 
 import torch
-import torch.distributed as dist
 
 from areal_hpc.algo.filters import is_informative_group
 from areal_hpc.config import RunConfig
@@ -25,11 +24,12 @@ from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
+from areal_hpc.extras import require
 from areal_hpc.launch.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.bootstrap import node_address
 from areal_hpc.parallel.device import resolve_device
-from areal_hpc.parallel.mesh import BACKENDS, ParallelDims, init_distributed
+from areal_hpc.parallel.mesh import BACKENDS, ParallelDims, TrainMesh, init_distributed
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
@@ -41,13 +41,11 @@ from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 SHARD_WRITER = "rollout"
 
 
-def start_trainer(cfg: RunConfig) -> tuple[int, torch.device, dist.ProcessGroup]:
-    """(rank, device, data-parallel group) of this process."""
+def start_trainer(cfg: RunConfig) -> tuple[int, TrainMesh]:
+    """(rank, mesh) of this process: the trainer ranks laid out by ``actor.parallel``."""
     device = resolve_device(cfg.cluster.device)
     rank, world = init_distributed(device)
-    dims = ParallelDims(dp=world)
-    dims.check(world)
-    return rank, device, dims.build_mesh(device)["dp"].get_group()
+    return rank, ParallelDims.from_config(cfg.actor.parallel, world).build_mesh(device)
 
 
 def sampler_temperature(cfg: RunConfig) -> float:
@@ -56,30 +54,39 @@ def sampler_temperature(cfg: RunConfig) -> float:
     return Sampling.from_config(cfg.gconfig).temperature or 1.0
 
 
-def build_actor(cfg: RunConfig, device: torch.device, dp_group) -> tuple[PPOActor, dict[str, TrainEngine]]:
-    """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO). The policy and the
-    reference compute logprobs at the sampler's temperature."""
+def build_actor(cfg: RunConfig, mesh: TrainMesh) -> tuple[PPOActor, dict[str, TrainEngine]]:
+    """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO), on ``actor.engine``.
+    The policy and the reference compute logprobs at the sampler's temperature."""
     if not cfg.model.path:
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
     path, model, actor_cfg = cfg.model.path, cfg.model, cfg.actor
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
     optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
+    temperature = sampler_temperature(cfg)
 
-    def engine(network, forward_fn, lr=None):
-        return TorchTrainEngine(network, forward_fn, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0,
-                                total_steps=optimizer_steps, max_tokens_per_mb=actor_cfg.max_tokens_per_mb,
-                                dp_group=dp_group, tokenizer=tokenizer, compute_dtype=model.compute_dtype)
+    def engine(kind: str, lr: float | None = None) -> TrainEngine:
+        """kind: "policy" or "critic"; without ``lr`` the engine is frozen (the reference)."""
+        common = dict(mesh=mesh, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0, total_steps=optimizer_steps,
+                      max_tokens_per_mb=actor_cfg.max_tokens_per_mb, tokenizer=tokenizer,
+                      compute_dtype=model.compute_dtype)
+        if actor_cfg.engine == "megatron":
+            require("megatron.core")  # the extra `megatron`: a clear install hint when it is missing
+            from areal_hpc.train.megatron_engine import MegatronTrainEngine
 
-    policy = functools.partial(packed_policy_outputs, temperature=sampler_temperature(cfg))
-    engines = {"actor": engine(load_model(path, model.dtype, model.attn_impl, device), policy, actor_cfg.lr)}
+            return MegatronTrainEngine(path, kind, temperature=temperature, **common)
+        if kind == "critic":
+            return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, mesh.device), packed_values,
+                                    **common)
+        network = load_model(path, model.dtype, model.attn_impl, mesh.device).requires_grad_(lr is not None)
+        return TorchTrainEngine(network, functools.partial(packed_policy_outputs, temperature=temperature), **common)
+
+    engines = {"actor": engine("policy", actor_cfg.lr)}
     if actor_cfg.adv_estimator == "ppo":
         torch.manual_seed(cfg.experiment.seed)  # the value head's initialisation depends on the seed only
-        engines["critic"] = engine(load_critic(path, model.dtype, model.attn_impl, device), packed_values,
-                                   actor_cfg.critic_lr)
-    reference = None
-    if actor_cfg.kl_ctl > 0:  # frozen starting weights; not checkpointed (it never changes)
-        reference = engine(load_model(path, model.dtype, model.attn_impl, device).requires_grad_(False), policy)
-    return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"), dp_group), engines
+        engines["critic"] = engine("critic", actor_cfg.critic_lr)
+    # The frozen starting weights for the KL penalty; not checkpointed (they never change).
+    reference = engine("policy") if actor_cfg.kl_ctl > 0 else None
+    return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"), mesh.group("dp")), engines
 
 
 async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> tuple[list[str], ServerDirectory]:

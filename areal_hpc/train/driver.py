@@ -64,9 +64,10 @@ class EarlyStopSignal:
         self.received = True
 
 
-async def drive(cfg: RunConfig, group: TrainerGroup, engines: dict, state: dict,
-                early: EarlyStopSignal | None = None) -> None:
-    task, actor = build_task(cfg.dataset), group.actor.actor
+async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlyStopSignal | None = None) -> None:
+    # The group's engines: their saves and weight gatherings are collective over every trainer rank.
+    task, engines = build_task(cfg.dataset), group.engines
+    actor = engines["actor"]
     stop = asyncio.Event()
     for signum in STOP_SIGNALS:
         asyncio.get_running_loop().add_signal_handler(signum, stop.set)
@@ -201,15 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     early = EarlyStopSignal()
     try:
         cfg = load_config(args.config, args.overrides)
-        rank, device, dp_group = start_trainer(cfg)
-        actor, engines = build_actor(cfg, device, dp_group)
+        rank, mesh = start_trainer(cfg)
+        actor, engines = build_actor(cfg, mesh)
         checkpoint = latest_checkpoint(cfg.run_dir) if args.resume else None
         state = load_checkpoint(checkpoint, engines) if checkpoint else {"step": 0}
         try:
             if rank == 0:
-                group = TrainerGroup(actor, cfg)
+                group = TrainerGroup(actor, engines, mesh, cfg)
                 try:
-                    asyncio.run(drive(cfg, group, engines, state, early))
+                    asyncio.run(drive(cfg, group, state, early))
                 except StopRequested:
                     group.stop()  # the other ranks exit too (they ignore the stop signals)
                     return SAVED_AND_STOPPED
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for signum in STOP_SIGNALS:  # rank 0 decides; the launcher stops this rank
                     signal.signal(signum, signal.SIG_IGN)
-                follow(actor)
+                follow(actor, engines)
         finally:
             dist.destroy_process_group()
     except UserError as exc:

@@ -1,31 +1,41 @@
-"""Rank 0's handle on the data-parallel trainer ranks. Rank 0 runs the driver (rollout controller,
-shards, weight sync) and forms each batch; every rank trains on its share through one collective
-call; the other ranks just follow:
+"""Rank 0's handle on the trainer ranks. Rank 0 runs the driver (rollout controller, shards, weight
+sync) and forms each batch; every rank trains on its data-parallel replica's share through one
+collective call, and takes part in every save and weight gathering (which are collective once
+weights are sharded over tensor, pipeline or FSDP ranks); the other ranks just follow:
 
-    rank 0:    group = TrainerGroup(actor, cfg); stats = group.update(trajectories); ...; group.stop()
-    rank > 0:  follow(actor)        # returns when rank 0 calls stop()
+    rank 0:    group = TrainerGroup(actor, engines, mesh, cfg); stats = group.update(trajectories)
+               group.engines["actor"].save(folder)   # announced, then made on every rank
+               group.stop()
+    rank > 0:  follow(actor, engines)                 # returns when rank 0 calls stop()
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch.distributed as dist
 
 from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.train.actor import PPOActor
-from areal_hpc.train.engine import merge_stats
+from areal_hpc.train.engine import TrainEngine, WeightBucket, merge_stats
 from areal_hpc.train.trajectory_batch import build_batch, data_parallel_parts, split_minibatches
 
-UPDATE, STOP = "update", "stop"
+UPDATE, SAVE, WEIGHTS, STOP = "update", "save", "weights", "stop"
 PER_STEP_KEYS = ("grad_norm", "lr")  # equal on every rank after the all-reduce: not summed over ranks
 
 
 class TrainerGroup:
-    def __init__(self, actor: PPOActor, cfg: RunConfig):
-        self.actor, self.cfg = actor, cfg
+    def __init__(self, actor: PPOActor, engines: dict[str, TrainEngine], mesh: TrainMesh, cfg: RunConfig):
+        self.actor, self.mesh, self.cfg = actor, mesh, cfg
         self.world = dist.get_world_size()
+        every = [mesh.dims.coordinates(rank) for rank in range(self.world)]
+        self.data_ranks = [coords["dp"] for coords in every]  # which share each rank trains on
+        self.leaders = [r for r, c in enumerate(every) if c["tp"] == c["cp"] == c["pp"] == 0]  # one per replica
+        self.engines = {name: LeaderEngine(name, engine, self._announce) for name, engine in engines.items()}
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Recompute logprobs and take the PPO steps of one batch on every rank; summed statistics."""
@@ -33,9 +43,10 @@ class TrainerGroup:
         actor_cfg, max_new = self.cfg.actor, self.cfg.gconfig.max_new_tokens
         batch = build_batch(trajectories, actor_cfg, max_new)
         minibatches = split_minibatches(batch, trajectories, actor_cfg, max_new)
-        parts = data_parallel_parts(minibatches, self.world)
-        own = _scatter([(UPDATE, part) for part in parts])[1]
-        every = _gather(self.actor.update(own))
+        parts = data_parallel_parts(minibatches, self.mesh.dims.dp)
+        own = _scatter([(UPDATE, parts[d]) for d in self.data_ranks])[1]
+        gathered = _gather(self.actor.update(own))
+        every = [gathered[r] for r in self.leaders]  # a replica's ranks report the same numbers once
         stats = merge_stats(every)
         for key in stats:
             if key.endswith(PER_STEP_KEYS) or key.startswith("time/"):
@@ -48,9 +59,36 @@ class TrainerGroup:
         stats["train/trained_tokens"] = stats.get("actor/loss_tokens", 0.0)  # tokens with a loss: the outputs
         return stats
 
-    def stop(self) -> None:
+    def _announce(self, command: str, payload) -> None:
         if self.world > 1:
-            _scatter([(STOP, None)] * self.world)
+            _scatter([(command, payload)] * self.world)
+
+    def stop(self) -> None:
+        self._announce(STOP, None)
+
+
+class LeaderEngine:
+    """Rank 0's view of an engine: ``save`` and ``rollout_weights`` are announced to the other ranks,
+    which make the same call (``follow``); everything else is the engine's own."""
+
+    def __init__(self, name: str, engine: TrainEngine, announce):
+        self.name, self.engine, self._announce = name, engine, announce
+
+    def __getattr__(self, attribute: str):
+        return getattr(self.engine, attribute)
+
+    def save(self, folder: Path, *, optimizer: bool = True) -> None:
+        self._announce(SAVE, (self.name, folder, optimizer))
+        self.engine.save(folder, optimizer=optimizer)
+
+    def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        self._announce(WEIGHTS, (self.name, bucket_bytes))
+        buckets = self.engine.rollout_weights(bucket_bytes)
+        try:
+            yield from buckets
+        finally:  # a push that stops early still ends the gathering the other ranks take part in
+            for _ in buckets:
+                pass
 
 
 def ppo_fractions(stats: dict[str, float]) -> dict[str, float]:
@@ -66,13 +104,22 @@ def ppo_fractions(stats: dict[str, float]) -> dict[str, float]:
             "actor/entropy": stats["actor/entropy_sum"] / tokens}
 
 
-def follow(actor: PPOActor) -> None:
-    """Ranks > 0: train on whatever share rank 0 scatters until it says stop."""
+def follow(actor: PPOActor, engines: dict[str, TrainEngine]) -> None:
+    """Ranks > 0: train on whatever share rank 0 scatters, and join its saves and weight gatherings,
+    until it says stop."""
     while True:
-        command, part = _scatter(None)
+        command, payload = _scatter(None)
         if command == STOP:
             return
-        _gather(actor.update(part))
+        if command == UPDATE:
+            _gather(actor.update(payload))
+        elif command == SAVE:
+            name, folder, optimizer = payload
+            engines[name].save(folder, optimizer=optimizer)
+        elif command == WEIGHTS:
+            name, bucket_bytes = payload
+            for _ in engines[name].rollout_weights(bucket_bytes):
+                pass
 
 
 def _scatter(items):

@@ -12,14 +12,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from areal_hpc.parallel.mesh import ParallelDims, init_distributed
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.mesh import build_mesh, init_distributed
 
 SUB_MESHES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp")
 
 
 def main(out: str, sizes: list[str]) -> None:
     rank, world = init_distributed(torch.device("cpu"))
-    mesh = ParallelDims(**{k: int(v) for k, v in (s.split("=") for s in sizes)}).build_mesh(torch.device("cpu"))
+    mesh = build_mesh(ParallelDims(**{k: int(v) for k, v in (s.split("=") for s in sizes)}), torch.device("cpu"))
     groups = {name: dist.get_process_group_ranks(mesh.group(name)) for name in SUB_MESHES}
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump({"groups": groups, "coords": mesh.coords, "data_rank": mesh.data_rank,

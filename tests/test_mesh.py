@@ -15,7 +15,7 @@ import pytest
 from areal_hpc.config import ParallelConfig
 from areal_hpc.errors import UserError
 from areal_hpc.launch.name_resolve import free_port
-from areal_hpc.parallel.mesh import ParallelDims
+from areal_hpc.parallel.dims import ParallelDims
 
 from .conftest import REPO
 
@@ -63,7 +63,7 @@ def test_sizes_from_config_fill_dp_and_accept_the_planners_allocation():
 
 
 @pytest.mark.parametrize("parallel, world, message", [
-    (ParallelConfig(tp=3), 8, "tp=3 x pp=1 x cp=1 = 3 does not divide the 8 trainer processes"),
+    (ParallelConfig(tp=3), 8, "tp=3 x pp=1 x cp=1 needs rl.trainer_processes to be a multiple of 3, got 8"),
     (ParallelConfig(dp=2, tp=2), 8, "need 4 processes, but 8 were started"),
     (ParallelConfig(ep=3), 4, "actor.parallel.ep=3 must divide dp x cp = 4"),
     (ParallelConfig(sequence_parallel=True), 2, "sequence_parallel=true needs tp > 1"),

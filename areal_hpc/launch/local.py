@@ -35,6 +35,7 @@ from areal_hpc.launch.roles import (config_args, forget_other_incarnations, inca
 from areal_hpc.launch.supervisor import SupervisedProcess
 from areal_hpc.parallel.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT,
                                           cpu_threads, new_incarnation)
+from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.train.checkpoint import SAVED_AND_STOPPED, latest_checkpoint
 
 RESUME_CHOICES = ("never", "always", "auto")
@@ -57,6 +58,7 @@ def should_resume(cfg: RunConfig, resume: str) -> bool:
 
 def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
+    ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
     resume = should_resume(cfg, resume)
     run_dir = cfg.run_dir
     incarnation = f"{new_incarnation()}.{os.getpid()}"  # two launches inside one Slurm allocation differ too

@@ -29,6 +29,7 @@ import yaml
 from submitit.helpers import DelayedSubmission
 
 from areal_hpc.config import RunConfig, absolute_path_overrides, load_config, to_yaml
+from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.errors import UserError, closest
 from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
@@ -194,6 +195,7 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
     else:
         components = components_from_config(cfg)
     cfg = load_config(files, [*overrides, *plan_overrides, *absolute_path_overrides(cfg)])  # tasks start elsewhere
+    ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
     check_components(components, read_partitions(), cfg.slurm.gres)
     should_resume(cfg, resume)
     run_dir = cfg.run_dir

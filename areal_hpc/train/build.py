@@ -29,7 +29,8 @@ from areal_hpc.launch.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.bootstrap import node_address
 from areal_hpc.parallel.device import resolve_device
-from areal_hpc.parallel.mesh import BACKENDS, ParallelDims, TrainMesh, init_distributed
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_mesh, init_distributed
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
@@ -45,7 +46,7 @@ def start_trainer(cfg: RunConfig) -> tuple[int, TrainMesh]:
     """(rank, mesh) of this process: the trainer ranks laid out by ``actor.parallel``."""
     device = resolve_device(cfg.cluster.device)
     rank, world = init_distributed(device)
-    return rank, ParallelDims.from_config(cfg.actor.parallel, world).build_mesh(device)
+    return rank, build_mesh(ParallelDims.from_config(cfg.actor.parallel, world), device)
 
 
 def sampler_temperature(cfg: RunConfig) -> float:

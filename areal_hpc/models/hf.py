@@ -53,12 +53,14 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
-def save_model(model: PreTrainedModel, tokenizer, folder: str | Path) -> Path:
-    """Save in Hugging Face format atomically: written beside the target, then renamed into place."""
+def save_model(model: PreTrainedModel, tokenizer, folder: str | Path,
+               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Save in Hugging Face format atomically: written beside the target, then renamed into place.
+    ``state_dict`` replaces the model's own (full tensors of a model sharded over ranks)."""
     folder = Path(folder)
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
+    model.save_pretrained(staging, state_dict=state_dict)
     tokenizer.save_pretrained(staging)
     if folder.exists():
         shutil.rmtree(folder)

@@ -1,6 +1,7 @@
 """Training engines: the ``TrainEngine`` protocol (DESIGN.md section 5) that the PPO actor, SFT,
-checkpoints and the weight push use, and its torch-native implementation (one model replica per
-data-parallel rank, gloo on CPU, NCCL on GPU). A Megatron engine implements the same protocol.
+checkpoints and the weight push use, and its PyTorch-native implementation (the plain Hugging Face
+model parallelised by ``parallel.native``: DTensor TP, FSDP2 or replicate; gloo on CPU, NCCL on GPU).
+A Megatron engine implements the same protocol.
 
 Losses are weighted sums whose weights already carry the normaliser of the whole minibatch (see
 ``algo.ppo.token_weights``), so summing gradients over micro-batches and ranks is exact.
@@ -15,10 +16,14 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches
+from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import DTYPES, save_model
+from areal_hpc.parallel.mesh import TrainMesh
+from areal_hpc.parallel.native import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
 from areal_hpc.train.optim import build_optimizer, build_scheduler
 from areal_hpc.train.sequence_batch import SequenceBatch
 
@@ -27,6 +32,7 @@ ForwardFn = Callable[[torch.nn.Module, PackedBatch], Outputs]
 LossFn = Callable[[Outputs, PackedBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 WeightBucket = list[tuple[str, torch.Tensor]]
 TRAINING_STATE = "training_state.pt"
+OPTIMIZER_SHARDS = "optimizer"  # a sharded engine's optimizer state: one torch.distributed.checkpoint
 
 
 class TrainEngine(Protocol):
@@ -43,19 +49,22 @@ class TrainEngine(Protocol):
     tokenizer: object  # saved with the weights, so a saved folder is a complete Hugging Face model
 
     def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
-        """Each output as per-sequence [len] tensors, without gradient, in the model's evaluation mode."""
+        """Each output as per-sequence [len] tensors, without gradient, in the model's evaluation mode.
+        Collective: every rank calls it with its data-parallel replica's share and gets all of its outputs."""
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on this rank's share: ``loss_fn(outputs, packed, fields)`` per micro-batch,
-        gradients summed over micro-batches and data-parallel ranks, clipped, applied."""
+        gradients summed over micro-batches and data-parallel ranks, clipped, applied. Collective; the
+        statistics are the replica's own, the same on each of its ranks."""
 
     def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """The weights rollout servers load, as (Hugging Face name, tensor) buckets of at most
-        ``bucket_bytes`` each (a larger tensor gets a bucket of its own)."""
+        """The weights rollout servers load, as (Hugging Face name, full tensor) buckets of at most
+        ``bucket_bytes`` each (a larger tensor gets a bucket of its own). Collective: every rank iterates
+        to the end; the buckets are complete on global rank 0 (other ranks may get empty ones)."""
 
     def save(self, folder: Path, *, optimizer: bool = True) -> None:
         """The model in Hugging Face format (what servers and ``areal-hpc eval`` load), plus optimizer
-        and schedule state unless ``optimizer=False``. Collective over the data-parallel group."""
+        and schedule state unless ``optimizer=False``. Collective: every rank of the mesh calls it."""
 
     def load(self, folder: Path) -> None:
         """Restore what ``save`` wrote (optimizer state when present). Collective; every rank calls it."""
@@ -85,57 +94,61 @@ def weight_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int)
 
 
 class TorchTrainEngine:
-    """``TrainEngine`` on a plain ``torch.nn.Module`` replicated over the data-parallel group.
+    """``TrainEngine`` on a plain Hugging Face model, parallelised over ``mesh`` by ``parallel.native``
+    (tensor parallel, FSDP2 or replicated data parallel; one process when ``mesh`` is None).
 
     ``forward_fn`` turns the model and a packed micro-batch into per-position outputs (e.g.
-    ``logprobs.packed_policy_outputs`` at the sampler's temperature, or ``packed_values``).
-    Save writes from data-parallel rank 0 only (replicas are identical), so the driver may call it
-    on rank 0 alone.
+    ``logprobs.packed_policy_outputs`` at the sampler's temperature, or ``packed_values``). Every rank
+    of the mesh calls ``forward`` and ``train_step`` with its data-parallel replica's share (tensor-
+    parallel peers with the same one) and gets complete results; ``rollout_weights``, ``save`` and
+    ``load`` are collective over the whole mesh.
     """
 
-    def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, optimizer: OptimizerConfig | None = None,
-                 lr: float = 0.0, total_steps: int = 1, max_tokens_per_mb: int = 4096,
-                 dp_group: dist.ProcessGroup | None = None, tokenizer=None, compute_dtype: str = "float32"):
-        self.model, self.forward_fn, self.tokenizer = model, forward_fn, tokenizer
+    def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, mesh: TrainMesh | None = None,
+                 optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
+                 max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32"):
+        self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
         self.device = next(model.parameters()).device
         self.compute_dtype = DTYPES[compute_dtype]
-        self.max_tokens_per_mb, self.dp_group = max_tokens_per_mb, dp_group
+        self.max_tokens_per_mb = max_tokens_per_mb
+        self.rank = dist.get_rank() if mesh is not None else 0
+        self.root = parallelize(model, forward_fn, mesh) if mesh is not None else PackedForward(model, forward_fn)
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
-        self.optimizer = build_optimizer(model, optimizer, lr) if optimizer else None
+        self.optimizer = build_optimizer(model, optimizer, lr) if optimizer else None  # on the sharded parameters
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
-        self._broadcast_from_rank0()
+        self._idle = pack([[0, 0]], [[0, 1]]).to(self.device)  # the pass of a rank out of micro-batches
 
     def _data_parallel(self) -> bool:
-        return self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
-
-    def _broadcast_from_rank0(self) -> None:
-        """Start every data-parallel replica from rank 0's weights (a freshly initialised head, e.g. a
-        critic's, would otherwise differ between ranks)."""
-        if not self._data_parallel():
-            return
-        root = dist.get_global_rank(self.dp_group, 0)
-        for tensor in [*self.model.parameters(), *self.model.buffers()]:
-            dist.broadcast(tensor.data, src=root, group=self.dp_group)
+        return self.mesh is not None and self.mesh.dims.dp > 1
 
     def _compute(self):
         """Autocast to ``compute_dtype`` (matrix multiplies in bfloat16, master weights kept)."""
         lower = self.compute_dtype != torch.float32
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=lower)
 
-    def _microbatches(self, batch: SequenceBatch):
+    def _passes(self, batch: SequenceBatch) -> list[tuple[list[int], PackedBatch, dict[str, torch.Tensor]]]:
+        """(sequence indices, packed micro-batch, packed fields) of this rank's share, then idle passes
+        (no indices) up to the most any data-parallel peer has: FSDP and replicate gather and reduce
+        in every pass, so every rank must run as many."""
+        passes = []
         for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
             packed, fields = batch.select(indices).packed()
-            yield indices, packed.to(self.device), {k: v.to(self.device) for k, v in fields.items()}
+            passes.append((indices, packed.to(self.device), {k: v.to(self.device) for k, v in fields.items()}))
+        if self._data_parallel():
+            count = torch.tensor(len(passes), device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.group("dp"))
+            passes += [([], self._idle, {})] * (int(count) - len(passes))
+        return passes
 
     @torch.no_grad()
     def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
-        self.model.eval()  # recomputed logprobs and values are the policy's, never a dropout sample
+        self.root.eval()  # recomputed logprobs and values are the policy's, never a dropout sample
         out: dict[str, list[torch.Tensor | None]] = {}
-        for indices, packed, _ in self._microbatches(batch):
-            lengths = [len(batch.sequences[i]) for i in indices]
+        for indices, packed, _ in self._passes(batch):
             with self._compute():
-                outputs = self.forward_fn(self.model, packed)
-            for name, values in outputs.items():
+                outputs = self.root(packed)
+            lengths = [len(batch.sequences[i]) for i in indices]
+            for name, values in outputs.items() if indices else ():
                 per_sequence = out.setdefault(name, [None] * len(batch))
                 for i, part in zip(indices, values.float().cpu().split(lengths)):
                     per_sequence[i] = part
@@ -143,62 +156,73 @@ class TorchTrainEngine:
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on this rank's part of a minibatch (which may be empty)."""
-        self.model.train()
+        self.root.train()
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
-        for _, packed, fields in self._microbatches(batch):
+        passes = self._passes(batch)
+        for step, (indices, packed, fields) in enumerate(passes):
+            if self._data_parallel():  # reduce once, after the last pass
+                self.root.set_requires_gradient_sync(step == len(passes) - 1)
             with self._compute():
-                outputs = self.forward_fn(self.model, packed)
-            loss, mb_stats = loss_fn(outputs, packed, fields)
+                outputs = self.root(packed)
+            if indices:
+                loss, mb_stats = loss_fn(outputs, packed, fields)
+                parts.append({"loss": loss.item(), "microbatches": 1.0, **mb_stats})
+            else:  # an idle pass: every parameter in the graph, nothing added to the gradients
+                loss = sum(values.sum() for values in outputs.values()) * 0.0
             loss.backward()
-            parts.append({"loss": loss.item(), "microbatches": 1.0, **mb_stats})
         stats = merge_stats(parts)
-        self._all_reduce_grads()
-        max_norm = self.clip if self.clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = clip_grad_norm(params, self.clip if self.clip > 0 else float("inf"))
         stats["grad_norm"], stats["lr"] = float(grad_norm), self.scheduler.get_last_lr()[0]  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
         return stats
 
-    def _all_reduce_grads(self) -> None:
-        """Sum gradients over data-parallel ranks in one flat buffer (a rank without data adds zeros)."""
-        if not self._data_parallel():
-            return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.flatten() for p in params])
-        dist.all_reduce(flat, group=self.dp_group)
-        for p, part in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(part.view_as(p))
-
     def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """The state dict under its Hugging Face names (tied weights appear under both names, as in
-        the state dict the servers' models have), on this engine's device."""
-        named = ((name, tensor.detach().contiguous()) for name, tensor in self.model.state_dict().items())
-        return weight_buckets(named, bucket_bytes)
+        """The full state dict under its Hugging Face names (tied weights appear under both names, as in
+        the state dict the servers' models have), on this engine's device. Collective: every rank
+        iterates to the end; global rank 0's buckets hold the tensors, the others' are empty."""
+        keep = self.rank == 0
+        return weight_buckets(((n, t) for n, t in full_state(self.root, keep) if keep), bucket_bytes)
 
     def save(self, folder: Path, *, optimizer: bool = True) -> None:
-        if self._data_parallel() and dist.get_rank(self.dp_group) != 0:
+        """Collective: rank 0 writes the Hugging Face folder; with a mesh every rank writes its shard of
+        the optimizer state (torch.distributed.checkpoint, in ``optimizer/``)."""
+        keep = self.rank == 0
+        state = {name: tensor for name, tensor in full_state(self.root, keep) if keep}
+        if keep:
+            save_model(self.model, self.tokenizer, folder, state_dict=state)
+        if not optimizer or self.optimizer is None:
             return
-        save_model(self.model, self.tokenizer, folder)
-        if optimizer and self.optimizer is not None:
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       folder / TRAINING_STATE)
+        training = {"scheduler": self.scheduler.state_dict()}
+        if self.mesh is None:
+            training["optimizer"] = self.optimizer.state_dict()
+        else:
+            dist.barrier()  # rank 0 has renamed the folder into place
+            dcp.save(get_optimizer_state_dict(self.root, self.optimizer), checkpoint_id=folder / OPTIMIZER_SHARDS)
+        if keep:
+            torch.save(training, folder / TRAINING_STATE)
 
     def load(self, folder: Path) -> None:
+        """Collective. Weights load into any layout (each rank takes its shard of the full tensors);
+        optimizer state into the layout that saved it."""
         from safetensors.torch import load_file
 
         state = {}
         for shard in sorted(folder.glob("*.safetensors")):
             state.update(load_file(shard, device=str(self.device)))
-        missing, _ = self.model.load_state_dict(state, strict=False)
+        missing = load_full_state(self.root, state)
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
         if set(missing) - tied:
             raise RuntimeError(f"checkpoint {folder} lacks {sorted(set(missing) - tied)[:5]}")
-        if self.optimizer is not None and (folder / TRAINING_STATE).exists():
-            training = torch.load(folder / TRAINING_STATE, map_location=self.device, weights_only=True)
+        if self.optimizer is None or not (folder / TRAINING_STATE).exists():
+            return
+        training = torch.load(folder / TRAINING_STATE, map_location=self.device, weights_only=True)
+        self.scheduler.load_state_dict(training["scheduler"])
+        if "optimizer" in training:
             self.optimizer.load_state_dict(training["optimizer"])
-            self.scheduler.load_state_dict(training["scheduler"])
+        else:
+            sharded = get_optimizer_state_dict(self.root, self.optimizer)
+            dcp.load(sharded, checkpoint_id=folder / OPTIMIZER_SHARDS)
+            set_optimizer_state_dict(self.root, self.optimizer, sharded)

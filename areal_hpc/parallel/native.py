@@ -1,0 +1,129 @@
+"""PyTorch-native parallelism applied to a plain Hugging Face Qwen2/Qwen3 model (causal LM or the
+critic's token classifier): DTensor tensor parallelism on ``mesh["tp"]``, then FSDP2 ``fully_shard``
+(``actor.parallel.fsdp``) or FSDP2-style ``replicate`` over ``mesh["dp"]``, with gradients summed.
+
+What it does on purpose, and what it does not:
+- TP splits q/k/v/gate/up by output columns and o/down by input rows (``parallelize_module``); the
+  attention reads its local head count from the q/k/v shapes (transformers 5 views them as ``-1``
+  heads), so nothing in the model changes. Embeddings, norms and the LM head stay replicated (the
+  log-softmax then needs no vocabulary-parallel logsumexp); no sequence parallelism.
+- Losses carry the whole minibatch's normaliser, so data-parallel gradients are summed, not averaged
+  (gradient divide factor 1).
+- Context, pipeline and expert parallelism are not built: ``check_layout`` names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from areal_hpc.errors import UserError
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.mesh import TrainMesh
+
+TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+           "mlp.down_proj": "rowwise"}
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+class PackedForward(torch.nn.Module):
+    """The root of the data-parallel hooks: one call of ``forward_fn(model, packed)`` (which reaches
+    the decoder and the LM head directly, not through ``model.forward``)."""
+
+    def __init__(self, model: torch.nn.Module, forward_fn: Callable):
+        super().__init__()
+        self.model, self.forward_fn = model, forward_fn
+
+    def forward(self, packed):
+        return self.forward_fn(self.model, packed)
+
+
+def check_layout(dims: ParallelDims, config) -> None:
+    """Raise ``UserError`` for a layout this engine does not build, or one the model cannot split into."""
+    unsupported = {name: getattr(dims, name) for name in ("pp", "cp", "ep", "vpp") if getattr(dims, name) > 1}
+    if unsupported:
+        sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
+        raise UserError(f"actor.engine=torch does not build {sizes} yet; it supports dp (replicated or "
+                        "actor.parallel.fsdp=true) and tp: use actor.engine=megatron for pipeline, context or "
+                        "expert parallelism")
+    if dims.sequence_parallel:
+        raise UserError("actor.engine=torch does not support actor.parallel.sequence_parallel=true (tp keeps "
+                        "activations replicated); set it to false or use actor.engine=megatron")
+    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size}
+    for name, size in sizes.items():
+        if size % dims.tp:
+            raise UserError(f"actor.parallel.tp={dims.tp} must divide the model's {name}={size}")
+
+
+def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -> PackedForward:
+    """The model's packed forward, parallelised in place over ``mesh`` (collective: every rank calls it).
+    Every rank starts from global rank 0's weights (a freshly initialised head differs between ranks)."""
+    check_layout(mesh.dims, model.config)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+    layers = model.base_model.layers
+    if mesh.dims.tp > 1:
+        plan = {name: STYLES[style]() for name, style in TP_PLAN.items()}
+        for layer in layers:
+            parallelize_module(layer, mesh["tp"], plan)
+    root = PackedForward(model, forward_fn)
+    if mesh.dims.dp > 1:
+        wrap = fully_shard if mesh.dims.fsdp else replicate
+        for layer in layers:
+            wrap(layer, mesh=mesh["dp"])
+        wrap(root, mesh=mesh["dp"])
+        root.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the whole minibatch
+    return root
+
+
+def full_state(root: PackedForward, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(Hugging Face name, full tensor) for each entry of the model's state dict, sharded ones gathered
+    (collective: every rank, same order); ``None`` instead of the tensor where ``keep`` is false.
+    Read through the root, whose state-dict hooks put FSDP's sharded parameters back first."""
+    for name, tensor in root.state_dict().items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name.removeprefix("model."), full.detach().contiguous() if keep else None
+
+
+@torch.no_grad()
+def load_full_state(root: PackedForward, state: dict[str, torch.Tensor]) -> list[str]:
+    """Copy full tensors (by Hugging Face name) into the model, each rank taking its own shard; returns
+    the names the state lacks."""
+    missing = []
+    for name, tensor in root.state_dict().items():
+        name = name.removeprefix("model.")
+        if name not in state:
+            missing.append(name)
+        elif isinstance(tensor, DTensor):
+            shard = distribute_tensor(state[name].to(tensor.dtype), tensor.device_mesh, tensor.placements,
+                                      src_data_rank=None)  # every rank read the same file: no communication
+            tensor.to_local().copy_(shard.to_local())
+        else:
+            tensor.copy_(state[name])
+    return missing
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global gradient norm over plain and sharded gradients (DTensors on different meshes), and
+    gradients scaled to at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` does)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squares: dict = {}  # one reduction per (mesh, placements) rather than one per tensor
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        square = torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        squares[key] = square if key not in squares else squares[key] + square
+    if not squares:
+        return torch.zeros(())
+    norm = torch.stack([s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()]).sum().sqrt()
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    return norm

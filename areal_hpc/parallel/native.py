@@ -77,10 +77,10 @@ def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -
     root = PackedForward(model, forward_fn)
     if mesh.dims.dp > 1:
         wrap = fully_shard if mesh.dims.fsdp else replicate
-        for layer in layers:
-            wrap(layer, mesh=mesh["dp"])
-        wrap(root, mesh=mesh["dp"])
-        root.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the whole minibatch
+        for unit in [*layers, root]:  # root last: it holds what no layer does (embeddings, norm, head)
+            wrap(unit, mesh=mesh["dp"])
+            unit.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the whole minibatch
+            unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
     return root
 
 

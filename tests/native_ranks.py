@@ -1,0 +1,117 @@
+"""A rank of the native-engine tests: builds the layout in argv on gloo, takes one optimizer step of a
+PPO-like weighted loss on its data-parallel share of a seeded packed batch (``reference_run`` is the
+same in one process), and rank 0 writes what every rank saw to OUT.
+
+    RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p OMP_NUM_THREADS=1 \
+        python -m tests.native_ranks MODEL OUT dp=2 tp=2 fsdp=1 [empty=1] [save=DIR] [load=DIR]
+
+empty=1 gives the whole batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after
+the step and checks that a second engine loading DIR takes the same next step; load=DIR only loads
+DIR and reports the weights.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal_hpc.config import OptimizerConfig
+from areal_hpc.models.hf import load_model, load_tokenizer
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.mesh import build_mesh, init_distributed
+from areal_hpc.train.engine import TorchTrainEngine
+from areal_hpc.train.logprobs import packed_policy_outputs
+from areal_hpc.train.sequence_batch import SequenceBatch, balanced_parts
+
+MAX_TOKENS_PER_MB = 40  # several micro-batches per share
+
+
+def seeded_batch(seed: int = 0, n: int = 9) -> SequenceBatch:
+    """Sequences with prompt and completion, and the fields of a PPO loss whose token weights carry
+    the whole batch's normaliser (token-mean)."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences, masks = [], []
+    for _ in range(n):
+        prompt, completion = (int(k) for k in torch.randint(2, 14, (2,), generator=generator))
+        sequences.append(torch.randint(3, 600, (prompt + completion,), generator=generator).tolist())
+        masks.append([0] * prompt + [1] * completion)
+    targets = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in masks]  # position t predicts t+1
+    total = sum(float(t.sum()) for t in targets)
+    fields = {"weights": [t / total for t in targets],
+              "advantages": [torch.randn(len(t), generator=generator) for t in targets],
+              "old_logprobs": [-6.0 + 0.1 * torch.randn(len(t), generator=generator) for t in targets]}
+    return SequenceBatch(sequences, masks, fields)
+
+
+def ppo_like_loss(outputs, packed, fields):
+    ratio = torch.exp(outputs["logprobs"] - fields["old_logprobs"])
+    clipped = torch.minimum(ratio * fields["advantages"], ratio.clamp(0.8, 1.2) * fields["advantages"])
+    return -(fields["weights"] * clipped).sum(), {"loss_tokens": float((fields["weights"] > 0).sum())}
+
+
+def engine_on(model_dir, mesh=None) -> TorchTrainEngine:
+    """Adam's eps is raised so that its first step is near-linear in the gradient (with the default,
+    m/√v ≈ ±1 on elements whose gradient is ~0 turns rounding noise into lr-sized differences)."""
+    return TorchTrainEngine(load_model(model_dir), packed_policy_outputs, mesh=mesh, lr=1e-3, total_steps=4,
+                            optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4), max_tokens_per_mb=MAX_TOKENS_PER_MB,
+                            tokenizer=load_tokenizer(model_dir))
+
+
+def shares(batch: SequenceBatch, dp: int, empty: bool) -> list[list[int]]:
+    if empty:
+        return [list(range(len(batch)))] + [[] for _ in range(dp - 1)]
+    return balanced_parts([len(s) for s in batch.sequences], dp)
+
+
+def weights_of(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for bucket in engine.rollout_weights(1 << 20) for name, tensor in bucket}
+
+
+def step(engine: TorchTrainEngine, batch: SequenceBatch) -> tuple[dict, dict]:
+    outputs = engine.forward(batch)
+    return outputs, engine.train_step(batch, ppo_like_loss)
+
+
+def reference_run(model_dir) -> dict:
+    """The same step in one process, no mesh."""
+    engine = engine_on(model_dir)
+    outputs, stats = step(engine, seeded_batch())
+    return {"logprobs": outputs["logprobs"], "stats": stats, "weights": weights_of(engine)}
+
+
+def main(model_dir: str, out: str, args: list[str]) -> None:
+    options = dict(a.split("=", 1) for a in args)
+    rank, _ = init_distributed(torch.device("cpu"))
+    sizes = {k: int(v) for k, v in options.items() if k in ("dp", "tp", "pp", "cp", "ep")}
+    mesh = build_mesh(ParallelDims(**sizes, fsdp=options.get("fsdp") == "1"), torch.device("cpu"))
+    engine = engine_on(model_dir, mesh)
+    if "load" in options:
+        engine.load(Path(options["load"]))
+        result = {"weights": weights_of(engine)}
+    else:
+        batch = seeded_batch()
+        own = shares(batch, mesh.dims.dp, options.get("empty") == "1")[mesh.data_rank]
+        outputs, stats = step(engine, batch.select(own))
+        result = {"indices": own, "logprobs": outputs.get("logprobs", []), "stats": stats,
+                  "leads": mesh.leads_replica, "weights": weights_of(engine)}
+        if "save" in options:
+            engine.save(Path(options["save"]))
+            restored = engine_on(model_dir, mesh)
+            restored.load(Path(options["save"]))
+            for twin in (engine, restored):  # the next step: same Adam moments and schedule position?
+                step(twin, seeded_batch(seed=1).select(own))
+            trained, loaded = weights_of(engine), weights_of(restored)
+            result["restored_step_diff"] = max(((trained[k] - loaded[k]).abs().max().item() for k in trained),
+                                               default=None)
+    every = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object({k: v for k, v in result.items() if k != "weights"}, every, dst=0)
+    if rank == 0:
+        torch.save({"ranks": every, "weights": result["weights"]}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,0 +1,103 @@
+"""The PyTorch-native engine on real gloo ranks: one optimizer step of a PPO-like weighted loss in
+each supported layout (replicated dp, FSDP2, TP and their products, with a replica whose share is
+empty) equals the same step in one process (logprobs, loss, gradient norm, updated weights), and a
+checkpoint saved in one layout loads into another. Layouts not built are one ``UserError``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from areal_hpc.errors import UserError
+from areal_hpc.launch.name_resolve import free_port
+from areal_hpc.models.hf import load_model
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.native import check_layout
+from tests.conftest import REPO
+from tests.native_ranks import reference_run, seeded_batch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def run_ranks(world: int, model_dir, out, *options: str, timeout: float = 120) -> dict:
+    """``world`` ranks of ``tests.native_ranks`` on loopback; what rank 0 wrote."""
+    port = str(free_port("127.0.0.1"))
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.native_ranks", str(model_dir), str(out), *options],
+                              cwd=REPO, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
+             for r in range(world)]
+    try:
+        assert [p.wait(timeout=timeout) for p in ranks] == [0] * world
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> dict:
+    return reference_run(tiny_model_dir)
+
+
+def assert_same_step(got: dict, reference: dict) -> None:
+    ranks = got["ranks"]
+    logprobs = [None] * len(seeded_batch())
+    for rank in ranks:  # every rank has all of its share's outputs
+        for i, values in zip(rank["indices"], rank["logprobs"]):
+            torch.testing.assert_close(values, reference["logprobs"][i], rtol=1e-5, atol=1e-5)
+            logprobs[i] = values
+    assert all(values is not None for values in logprobs)
+    replicas = [rank["stats"] for rank in ranks if rank["leads"]]
+    assert sum(s.get("loss", 0.0) for s in replicas) == pytest.approx(reference["stats"]["loss"], rel=1e-5)
+    assert sum(s.get("loss_tokens", 0.0) for s in replicas) == reference["stats"]["loss_tokens"]
+    for rank in ranks:  # summed over ranks, not averaged: the same norm as one process's
+        assert rank["stats"]["grad_norm"] == pytest.approx(reference["stats"]["grad_norm"], rel=1e-5)
+    assert list(got["weights"]) == list(reference["weights"])  # Hugging Face names, tied head included
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(got["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+LAYOUTS = {  # name: (processes, options)
+    "dp2": (2, ["dp=2"]),
+    "fsdp2_empty_share": (2, ["dp=2", "fsdp=1", "empty=1"]),
+    "tp2": (2, ["tp=2"]),
+    "tp2_dp2": (4, ["tp=2", "dp=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_step_equals_one_process(layout, tiny_model_dir, reference, tmp_path):
+    world, options = LAYOUTS[layout]
+    assert_same_step(run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options), reference)
+
+
+def test_tp2_fsdp2_checkpoint_restores_the_step_and_loads_into_other_layouts(tiny_model_dir, reference, tmp_path):
+    folder = tmp_path / "checkpoint"
+    got = run_ranks(4, tiny_model_dir, tmp_path / "saved.pt", "tp=2", "dp=2", "fsdp=1", "empty=1", f"save={folder}")
+    assert_same_step(got, reference)
+    assert got["ranks"][0]["restored_step_diff"] == 0.0  # weights, Adam moments and schedule all restored
+    saved = load_file(folder / "model.safetensors")
+    plain = load_model(folder).state_dict()  # a complete Hugging Face folder
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, got["weights"][name]) and torch.equal(plain[name], tensor), name
+    for options in (["dp=2"], ["tp=2"]):  # re-sharded into other layouts
+        loaded = run_ranks(2, tiny_model_dir, tmp_path / "loaded.pt", *options, f"load={folder}")["weights"]
+        assert list(loaded) == list(reference["weights"])
+        for name, tensor in loaded.items():
+            assert torch.equal(tensor, plain[name]), (options, name)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(pp=2), "pp=2"), (dict(cp=2, dp=1), "cp=2"), (dict(dp=2, ep=2), "ep=2"),
+    (dict(tp=3), "tp=3 must divide the model's num_attention_heads=4"),
+])
+def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
+    config = load_model(tiny_model_dir).config
+    with pytest.raises(UserError, match=message):
+        check_layout(ParallelDims(**sizes), config)

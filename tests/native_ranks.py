@@ -3,9 +3,9 @@ PPO-like weighted loss on its data-parallel share of a seeded packed batch (``re
 same in one process), and rank 0 writes what every rank saw to OUT.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p OMP_NUM_THREADS=1 \
-        python -m tests.native_ranks MODEL OUT dp=2 tp=2 fsdp=1 [empty=1] [save=DIR] [load=DIR]
+        python -m tests.native_ranks MODEL OUT dp=2 tp=2 fsdp=1 [critic=1] [empty=1] [save=DIR] [load=DIR]
 
-empty=1 gives the whole batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after
+critic=1 trains a value model (the critic's token classifier) instead of the policy; empty=1 gives the whole batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after
 the step and checks that a second engine loading DIR takes the same next step; load=DIR only loads
 DIR and reports the weights.
 """
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from areal_hpc.config import OptimizerConfig
-from areal_hpc.models.hf import load_model, load_tokenizer
+from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import build_mesh, init_distributed
 from areal_hpc.train.engine import TorchTrainEngine
-from areal_hpc.train.logprobs import packed_policy_outputs
+from areal_hpc.train.logprobs import packed_policy_outputs, packed_values
 from areal_hpc.train.sequence_batch import SequenceBatch, balanced_parts
 
 MAX_TOKENS_PER_MB = 40  # several micro-batches per share
@@ -52,12 +52,21 @@ def ppo_like_loss(outputs, packed, fields):
     return -(fields["weights"] * clipped).sum(), {"loss_tokens": float((fields["weights"] > 0).sum())}
 
 
-def engine_on(model_dir, mesh=None) -> TorchTrainEngine:
+def value_loss(outputs, packed, fields):
+    """A critic's weighted squared error against the advantages (as returns)."""
+    error = outputs["values"] - fields["advantages"]
+    return (fields["weights"] * error**2).sum(), {"loss_tokens": float((fields["weights"] > 0).sum())}
+
+
+def engine_on(model_dir, mesh=None, critic: bool = False) -> TorchTrainEngine:
     """Adam's eps is raised so that its first step is near-linear in the gradient (with the default,
     m/√v ≈ ±1 on elements whose gradient is ~0 turns rounding noise into lr-sized differences)."""
-    return TorchTrainEngine(load_model(model_dir), packed_policy_outputs, mesh=mesh, lr=1e-3, total_steps=4,
-                            optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4), max_tokens_per_mb=MAX_TOKENS_PER_MB,
-                            tokenizer=load_tokenizer(model_dir))
+    torch.manual_seed(0)  # the critic's fresh value head
+    model, forward_fn = (load_critic(model_dir), packed_values) if critic else (load_model(model_dir),
+                                                                                packed_policy_outputs)
+    return TorchTrainEngine(model, forward_fn, mesh=mesh, lr=1e-3, total_steps=4,
+                            optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
+                            max_tokens_per_mb=MAX_TOKENS_PER_MB, tokenizer=load_tokenizer(model_dir))
 
 
 def shares(batch: SequenceBatch, dp: int, empty: bool) -> list[list[int]]:
@@ -70,16 +79,16 @@ def weights_of(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for bucket in engine.rollout_weights(1 << 20) for name, tensor in bucket}
 
 
-def step(engine: TorchTrainEngine, batch: SequenceBatch) -> tuple[dict, dict]:
+def step(engine: TorchTrainEngine, batch: SequenceBatch, critic: bool = False) -> tuple[dict, dict]:
     outputs = engine.forward(batch)
-    return outputs, engine.train_step(batch, ppo_like_loss)
+    return outputs, engine.train_step(batch, value_loss if critic else ppo_like_loss)
 
 
-def reference_run(model_dir) -> dict:
+def reference_run(model_dir, critic: bool = False) -> dict:
     """The same step in one process, no mesh."""
-    engine = engine_on(model_dir)
-    outputs, stats = step(engine, seeded_batch())
-    return {"logprobs": outputs["logprobs"], "stats": stats, "weights": weights_of(engine)}
+    engine = engine_on(model_dir, critic=critic)
+    outputs, stats = step(engine, seeded_batch(), critic)
+    return {"outputs": outputs, "stats": stats, "weights": weights_of(engine)}
 
 
 def main(model_dir: str, out: str, args: list[str]) -> None:
@@ -87,15 +96,16 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
     rank, _ = init_distributed(torch.device("cpu"))
     sizes = {k: int(v) for k, v in options.items() if k in ("dp", "tp", "pp", "cp", "ep")}
     mesh = build_mesh(ParallelDims(**sizes, fsdp=options.get("fsdp") == "1"), torch.device("cpu"))
-    engine = engine_on(model_dir, mesh)
+    critic = options.get("critic") == "1"
+    engine = engine_on(model_dir, mesh, critic)
     if "load" in options:
         engine.load(Path(options["load"]))
         result = {"weights": weights_of(engine)}
     else:
         batch = seeded_batch()
         own = shares(batch, mesh.dims.dp, options.get("empty") == "1")[mesh.data_rank]
-        outputs, stats = step(engine, batch.select(own))
-        result = {"indices": own, "logprobs": outputs.get("logprobs", []), "stats": stats,
+        outputs, stats = step(engine, batch.select(own), critic)
+        result = {"indices": own, "outputs": outputs, "stats": stats,
                   "leads": mesh.leads_replica, "weights": weights_of(engine)}
         if "save" in options:
             engine.save(Path(options["save"]))

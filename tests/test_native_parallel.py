@@ -47,12 +47,13 @@ def reference(tiny_model_dir) -> dict:
 
 def assert_same_step(got: dict, reference: dict) -> None:
     ranks = got["ranks"]
-    logprobs = [None] * len(seeded_batch())
-    for rank in ranks:  # every rank has all of its share's outputs
-        for i, values in zip(rank["indices"], rank["logprobs"]):
-            torch.testing.assert_close(values, reference["logprobs"][i], rtol=1e-5, atol=1e-5)
-            logprobs[i] = values
-    assert all(values is not None for values in logprobs)
+    for name, expected in reference["outputs"].items():
+        seen = [None] * len(seeded_batch())
+        for rank in ranks:  # every rank has all of its share's outputs
+            for i, values in zip(rank["indices"], rank["outputs"].get(name, [])):
+                torch.testing.assert_close(values, expected[i], rtol=1e-5, atol=1e-5, msg=name)
+                seen[i] = values
+        assert all(values is not None for values in seen), name
     replicas = [rank["stats"] for rank in ranks if rank["leads"]]
     assert sum(s.get("loss", 0.0) for s in replicas) == pytest.approx(reference["stats"]["loss"], rel=1e-5)
     assert sum(s.get("loss_tokens", 0.0) for s in replicas) == reference["stats"]["loss_tokens"]
@@ -75,6 +76,11 @@ LAYOUTS = {  # name: (processes, options)
 def test_one_step_equals_one_process(layout, tiny_model_dir, reference, tmp_path):
     world, options = LAYOUTS[layout]
     assert_same_step(run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options), reference)
+
+
+def test_critic_step_on_tp2_fsdp2_equals_one_process(tiny_model_dir, tmp_path):
+    got = run_ranks(4, tiny_model_dir, tmp_path / "out.pt", "tp=2", "dp=2", "fsdp=1", "critic=1")
+    assert_same_step(got, reference_run(tiny_model_dir, critic=True))
 
 
 def test_tp2_fsdp2_checkpoint_restores_the_step_and_loads_into_other_layouts(tiny_model_dir, reference, tmp_path):

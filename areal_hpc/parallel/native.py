@@ -113,8 +113,12 @@ def load_full_state(root: PackedForward, state: dict[str, torch.Tensor]) -> list
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """The global gradient norm over plain and sharded gradients (DTensors on different meshes), and
-    gradients scaled to at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` does)."""
+    gradients scaled to at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` does). Without
+    sharded gradients it is torch's own, bit for bit: the tiny demo's SFT outcome changes with the last
+    digit of the norm (74.5% vs 25% held-out accuracy for the same seed)."""
     grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     squares: dict = {}  # one reduction per (mesh, placements) rather than one per tensor
     for g in grads:
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None

@@ -7,7 +7,8 @@ Components: the trainer ranks first (one component per training pool of a plan, 
 ``slurm.trainer``), then the rollout servers (one component per rollout pool, else ``slurm.rollout``).
 ``--plan`` takes ``areal-hpc plan --out``: each pool's partition (named in the cluster YAML) receives
 the planner's groups, and the plan fixes ``rl.trainer_processes``, the trainer mesh
-(``actor.parallel.allocation``), ``rollout.n_servers`` and the accelerators per task. Everything is checked before anything is submitted: config keys, the plan's
+(``actor.parallel.allocation``, when every training group has one tp x pp shape; groups of different
+shapes train as data parallel over all their ranks), ``rollout.n_servers`` and the accelerators per task. Everything is checked before anything is submitted: config keys, the plan's
 arithmetic, and each component against the live cluster (partition exists, enough nodes, accelerators
 and cores per node). The resolved config is written into the run folder with absolute paths, so the
 job does not depend on the folder it was submitted from; submitit's files go to ``<run>/submitit/``
@@ -80,9 +81,6 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
         raise UserError("plan: rollout groups of different tensor/pipeline sizes in one run are not supported yet")
     per_server = math.prod(shapes.pop())
     train_shapes = {(g["tp"], g["pp"]) for g in plan["train"]}
-    if len(train_shapes) > 1:  # one trainer mesh: every replica has the same tensor and pipeline sizes
-        raise UserError("plan: training groups of different tensor/pipeline sizes in one run are not supported yet")
-    (train_tp, train_pp), = train_shapes
     tasks: dict[str, list[int]] = {}  # pool -> [trainer ranks, servers]
     for role, slot in (("train", 0), ("rollout", 1)):
         for group in plan[role]:
@@ -105,11 +103,12 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
     order = sorted(tasks, key=lambda name: (not tasks[name][0], bool(tasks[name][1])))  # train, both, serve
     components = [_pool_component(pools[name], *tasks[name], per_server, cfg) for name in order]
     servers = plan["rollout"]
-    replicas = sum(g["dp"] for g in plan["train"])
     overrides = [f"rl.trainer_processes={sum(t for t, _ in tasks.values())}",
-                 f"actor.parallel.allocation=megatron:d{replicas}p{train_pp}t{train_tp}",
                  f"rollout.n_servers={sum(s for _, s in tasks.values())}", f"rollout.tp_size={servers[0]['tp']}",
                  f"slurm.rollout.gpus_per_server={per_server}", f"slurm.trainer.gpus_per_node={components[0].gpus_per_node}"]
+    if len(train_shapes) == 1:  # one trainer mesh holds replicas of one shape; else data parallel over all ranks
+        (tp, pp), = train_shapes
+        overrides.append(f"actor.parallel.allocation=megatron:d{sum(g['dp'] for g in plan['train'])}p{pp}t{tp}")
     return components, overrides
 
 

@@ -5,39 +5,23 @@ checkpoint saved in one layout loads into another. Layouts not built are one ``U
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import free_port
 from areal_hpc.models.hf import load_model
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.native import check_layout
-from tests.conftest import REPO
 from tests.native_ranks import reference_run, seeded_batch
+from tests.trainer_processes import run_ranks as run_trainer_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def run_ranks(world: int, model_dir, out, *options: str, timeout: float = 120) -> dict:
+def run_ranks(world: int, model_dir, out, *options: str) -> dict:
     """``world`` ranks of ``tests.native_ranks`` on loopback; what rank 0 wrote."""
-    port = str(free_port("127.0.0.1"))
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.native_ranks", str(model_dir), str(out), *options],
-                              cwd=REPO, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
-                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
-    try:
-        assert [p.wait(timeout=timeout) for p in ranks] == [0] * world
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    return torch.load(out, weights_only=False)
+    return run_trainer_ranks(world, model_dir, out, *options, timeout=120, module="tests.native_ranks")
 
 
 @pytest.fixture(scope="module")

@@ -60,10 +60,11 @@ def main(model: str, out: str, overrides: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300) -> dict:
-    """Start ``world`` ranks of this script on loopback; what rank 0 wrote."""
+def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
+              module: str = "tests.trainer_processes") -> dict:
+    """Start ``world`` ranks of a rank script (this one by default) on loopback; what rank 0 wrote."""
     port = str(free_port("127.0.0.1"))
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.trainer_processes", str(model), str(out), *overrides],
+    ranks = [subprocess.Popen([sys.executable, "-m", module, str(model), str(out), *overrides],
                               cwd=REPO, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
              for r in range(world)]

@@ -159,9 +159,6 @@ class ParallelConfig:
 
 @dataclass
 class ActorConfig:
-    engine: str = spec("torch", "training engine: torch (PyTorch-native: FSDP2, DTensor TP, pipelining) or megatron "
-                       "(megatron-core; extra `megatron`)", choices=["torch", "megatron"])
-    parallel: ParallelConfig = section(ParallelConfig)
     lr: float = spec(1e-4, "peak learning rate of the RL actor", gt=0.0)
     adv_estimator: str = spec("grpo", "advantage estimator (ppo trains a critic and uses GAE)",
                               choices=["grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp",
@@ -186,6 +183,9 @@ class ActorConfig:
     lam: float = spec(1.0, "ppo: GAE lambda", ge=0.0, le=1.0)
     critic_lr: float = spec(1e-4, "ppo: peak learning rate of the critic", gt=0.0)
     value_clip: float = spec(0.2, "ppo: value clip range", gt=0.0)
+    engine: str = spec("torch", "training engine: torch (PyTorch-native: FSDP2 or replicated dp, DTensor TP); "
+                       "the Megatron-core engine is not built yet", choices=["torch"])
+    parallel: ParallelConfig = section(ParallelConfig)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Training tokens/s of every parallel layout of both engines against the single-process baseline of
+"""Training tokens/s of every parallel layout of the torch engine against the single-process baseline of
 the same engine, in one run (a correctness-first figure on CPU: see below).
 
     .venv/bin/python bench/parallel_layouts.py [--steps 4] [--preset small] [--save]   (pp2 and cp2 rows: "not run" until built)
@@ -119,17 +119,16 @@ def run(args) -> dict:
         if "s_per_step" in row and "s_per_step" in base:
             row["tokens_per_s"] = row["tokens"] / row["s_per_step"]
             row["vs_single"] = base["s_per_step"] / row["s_per_step"]
-    import megatron.core
     import transformers
     return {"date": str(date.today()), "machine": machine(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "megatron_core": megatron.core.__version__,
+            "transformers": transformers.__version__,
             "preset": args.preset, "steps": args.steps, "rows": rows}
 
 
 def report(result: dict) -> str:
     lines = [f"# Parallel layouts: training tokens/s vs one process ({result['date']})", "",
-             f"{result['machine']}; torch {result['torch']}, transformers {result['transformers']}, "
-             f"megatron-core {result['megatron_core']}; preset {result['preset']}, float32, median of "
+             f"{result['machine']}; torch {result['torch']}, transformers {result['transformers']}; "
+             f"preset {result['preset']}, float32, median of "
              f"{result['steps']} PPO steps after a warm-up (64 sequences, 64-256 tokens).", "",
              "CPU figure, correctness first: every layout's ranks share the same 2 cores, so a layout can only lose "
              "against one process; the ratio is what communication and sharding cost here, not a cluster's speed-up.",
@@ -150,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
-    parser.add_argument("--engines", nargs="+", default=["torch"], choices=["torch", "megatron"])
+    parser.add_argument("--engines", nargs="+", default=["torch"], choices=["torch"])
     parser.add_argument("--save", action="store_true")
     run_and_record("parallel_layouts", parser.parse_args(), run, report)
 

@@ -24,7 +24,6 @@ from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
-from areal_hpc.extras import require
 from areal_hpc.launch.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.bootstrap import node_address
@@ -56,7 +55,7 @@ def sampler_temperature(cfg: RunConfig) -> float:
 
 
 def build_actor(cfg: RunConfig, mesh: TrainMesh) -> tuple[PPOActor, dict[str, TrainEngine]]:
-    """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO), on ``actor.engine``.
+    """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO), on the trainer mesh.
     The policy and the reference compute logprobs at the sampler's temperature."""
     if not cfg.model.path:
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
@@ -70,11 +69,6 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh) -> tuple[PPOActor, dict[str, Tr
         common = dict(mesh=mesh, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0, total_steps=optimizer_steps,
                       max_tokens_per_mb=actor_cfg.max_tokens_per_mb, tokenizer=tokenizer,
                       compute_dtype=model.compute_dtype)
-        if actor_cfg.engine == "megatron":
-            require("megatron.core")  # the extra `megatron`: a clear install hint when it is missing
-            from areal_hpc.train.megatron_engine import MegatronTrainEngine
-
-            return MegatronTrainEngine(path, kind, temperature=temperature, **common)
         if kind == "critic":
             return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, mesh.device), packed_values,
                                     **common)

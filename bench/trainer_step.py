@@ -145,7 +145,7 @@ def quickstart_steps(cfg: RunConfig, steps: int) -> list[dict]:
     max_new = cfg.gconfig.max_new_tokens
     temperature = cfg.gconfig.temperature
     after = {dtype: build_actor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype)),
-                                torch.device("cpu"), None)[0] for dtype in ("float32", "bfloat16")}
+                                None)[0] for dtype in ("float32", "bfloat16")}
     variants = {
         "before (fb75a2a: dense-mask sdpa, full-vocab log-softmax, 256-token mbs, separate recompute, float32)":
             LandedTrainer(cfg, temperature).update,
@@ -202,7 +202,7 @@ def microbatch_throughput(cfg: RunConfig, model_dir: Path, budget: int, repeats:
     """Tokens/s of one PPO step on one micro-batch of ``budget`` tokens: per-sequence attention vs dense mask."""
     actor = build_actor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir),
                                                                            compute_dtype="float32")),
-                        torch.device("cpu"), None)[0]
+                        None)[0]
     batch = mixed_length_batch(budget, actor.actor.model.config.vocab_size, np.random.default_rng(budget))
     engines = {"per_sequence": actor.actor}
     engines["dense_mask"] = TorchTrainEngine(load_model(model_dir), dense_policy_outputs, optimizer=cfg.optimizer,

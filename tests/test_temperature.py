@@ -38,7 +38,7 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
 
 def trainer_actor(model_dir, *overrides: str):
     cfg = load_config(None, [f"model.path={model_dir}", "rl.total_train_steps=1", *overrides])
-    return build_actor(cfg, torch.device("cpu"), None)[0], cfg
+    return build_actor(cfg, None)[0], cfg
 
 
 @pytest.fixture(scope="module")

@@ -54,15 +54,17 @@ def sampler_temperature(cfg: RunConfig) -> float:
     return Sampling.from_config(cfg.gconfig).temperature or 1.0
 
 
-def build_actor(cfg: RunConfig, mesh: TrainMesh) -> tuple[PPOActor, dict[str, TrainEngine]]:
+def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[str, TrainEngine]]:
     """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO), on the trainer mesh.
-    The policy and the reference compute logprobs at the sampler's temperature."""
+    The policy and the reference compute logprobs at the sampler's temperature. ``mesh=None``: one process
+    without a process group, on ``cluster.device``."""
     if not cfg.model.path:
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
     path, model, actor_cfg = cfg.model.path, cfg.model, cfg.actor
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
     optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
     temperature = sampler_temperature(cfg)
+    device = mesh.device if mesh is not None else resolve_device(cfg.cluster.device)
 
     def engine(kind: str, lr: float | None = None) -> TrainEngine:
         """kind: "policy" or "critic"; without ``lr`` the engine is frozen (the reference)."""
@@ -70,9 +72,9 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh) -> tuple[PPOActor, dict[str, Tr
                       max_tokens_per_mb=actor_cfg.max_tokens_per_mb, tokenizer=tokenizer,
                       compute_dtype=model.compute_dtype)
         if kind == "critic":
-            return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, mesh.device), packed_values,
+            return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, device), packed_values,
                                     **common)
-        network = load_model(path, model.dtype, model.attn_impl, mesh.device).requires_grad_(lr is not None)
+        network = load_model(path, model.dtype, model.attn_impl, device).requires_grad_(lr is not None)
         return TorchTrainEngine(network, functools.partial(packed_policy_outputs, temperature=temperature), **common)
 
     engines = {"actor": engine("policy", actor_cfg.lr)}
@@ -81,7 +83,8 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh) -> tuple[PPOActor, dict[str, Tr
         engines["critic"] = engine("critic", actor_cfg.critic_lr)
     # The frozen starting weights for the KL penalty; not checkpointed (they never change).
     reference = engine("policy") if actor_cfg.kl_ctl > 0 else None
-    return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"), mesh.group("dp")), engines
+    return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"),
+                    mesh.group("dp") if mesh is not None else None), engines
 
 
 async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> tuple[list[str], ServerDirectory]:

@@ -1,0 +1,55 @@
+"""Core attention for Megatron's local layer spec over packed (THD) sequences, on CPU.
+
+Megatron's own ``DotProductAttention`` refuses ``packed_seq_params`` (only Transformer Engine's takes
+them). This module takes its place in the layer spec: Megatron's ``Attention`` hands it q [t, heads, d]
+and k, v [t, groups, d] of this rank's heads with RoPE already applied per sequence (positions restart
+at each ``cu_seqlens`` boundary), and each sequence attends causally to itself only, through the same
+per-sequence SDPA the Hugging Face trainer path runs (``models.varlen``; GQA without repeating k/v).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+
+from areal_hpc.models.varlen import PaddedGroup, padded_groups, varlen_sdpa
+
+
+@dataclass
+class PackedSequences(PackedSeqParams):
+    """THD ``PackedSeqParams`` with the gather/scatter plan of its sequences, made once per micro-batch."""
+
+    groups: list[PaddedGroup] | None = None
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor) -> "PackedSequences":
+        cu = cu_seqlens.to(torch.int32)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                   groups=padded_groups(cu_seqlens))
+
+
+class PackedCoreAttention(MegatronModule):
+    """Causal attention within each packed sequence; the constructor is ``DotProductAttention``'s."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: PackedSequences | None = None) -> torch.Tensor:
+        """q [t, heads, d], k/v [t, groups, d] -> [t, heads * d]."""
+        if packed_seq_params is None or attention_bias is not None:
+            raise ValueError("PackedCoreAttention takes packed (THD) sequences and no attention bias")
+        groups = packed_seq_params.groups or padded_groups(packed_seq_params.cu_seqlens_q.long())
+        q, k, v = (x.permute(1, 0, 2)[None] for x in (query, key, value))  # [1, heads, t, d]
+        out, _ = varlen_sdpa(self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout,
+                             padded_groups=groups)
+        return out[0].reshape(out.shape[1], -1)

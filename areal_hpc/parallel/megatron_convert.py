@@ -1,0 +1,202 @@
+"""Hugging Face Qwen2/Qwen3 <-> Megatron-core GPTModel: the model's ``TransformerConfig`` and GPTModel
+arguments from the HF config, and the state dict of one tensor-parallel rank and pipeline stage from
+the HF tensors (and back, from the shards of every TP rank).
+
+Megatron's layout (megatron/core/transformer/attention.py, mlp.py, tensor_parallel/layers.py):
+- ``linear_qkv`` fuses q, k and v per query group: the rows of group g are its heads' q rows, then
+  its k rows, then its v rows; tensor parallelism gives each rank a contiguous run of groups.
+- ``linear_fc1`` (SwiGLU) is [gate; up] *per TP shard*: rank r holds gate rows r and up rows r.
+- column-parallel weights (qkv, fc1, embedding, output layer) split dim 0 over TP, row-parallel ones
+  (``linear_proj``, ``linear_fc2``) dim 1; norms are replicated.
+- each pipeline stage numbers its layers from 0; stage s holds global layers s*L/pp onwards. The
+  embedding lives on the first stage, the final norm and output layer on the last; with tied
+  embeddings and pp > 1 the last stage keeps its own copy of the embedding as ``output_layer``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from areal_hpc.errors import UserError
+
+REPLICATED, COLUMN, ROW, QKV, FC1 = "replicated", "column", "row", "qkv", "fc1"
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Megatron name within a layer -> (HF names within "model.layers.N.", how TP splits it)
+LAYER_RULES = {
+    "input_layernorm.weight": (("input_layernorm.weight",), REPLICATED),
+    "self_attention.linear_qkv.weight": (("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                          "self_attn.v_proj.weight"), QKV),
+    "self_attention.linear_qkv.bias": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                                       QKV),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), REPLICATED),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), REPLICATED),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), ROW),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), REPLICATED),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), ROW),
+}
+EMBEDDING, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
+GLOBAL_RULES = {EMBEDDING: (("model.embed_tokens.weight",), COLUMN), FINAL_NORM: (("model.norm.weight",), REPLICATED),
+                OUTPUT: (("lm_head.weight",), COLUMN)}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the conversion needs of a Hugging Face Qwen2/Qwen3 config."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    max_positions: int
+    rope_base: float
+    eps: float
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, config) -> "ModelShape":
+        if config.model_type not in ("qwen2", "qwen3"):
+            raise UserError(f"actor.engine=megatron converts Qwen2 and Qwen3 models, not {config.model_type!r}")
+        rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta, "rope_type": "default"}
+        if rope.get("rope_type", "default") != "default":
+            raise UserError(f"actor.engine=megatron does not build RoPE scaling ({rope['rope_type']!r})")
+        qwen3 = config.model_type == "qwen3"
+        if qwen3 and config.attention_bias:
+            raise UserError("actor.engine=megatron does not build Qwen3 with attention_bias=true")
+        return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+                   kv_heads=config.num_key_value_heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                   ffn=config.intermediate_size, vocab=config.vocab_size,
+                   max_positions=config.max_position_embeddings, rope_base=float(rope["rope_theta"]),
+                   eps=config.rms_norm_eps, tied=bool(config.tie_word_embeddings), qkv_bias=not qwen3,
+                   qk_norm=qwen3)
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """Raise ``UserError`` when the model cannot be split ``tp`` x ``pp`` ways."""
+        for name, size in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads),
+                           ("intermediate_size", self.ffn), ("vocab_size", self.vocab)):
+            if size % tp:
+                raise UserError(f"actor.parallel.tp={tp} must divide the model's {name}={size}")
+        if self.layers % pp:
+            raise UserError(f"actor.parallel.pp={pp} must divide the model's num_hidden_layers={self.layers}")
+
+    def layer_offset(self, stage: int, pp: int) -> int:
+        return stage * self.layers // pp
+
+
+def transformer_config(shape: ModelShape, tp: int, pp: int, dtype: torch.dtype = torch.float32, **runtime):
+    """Megatron's ``TransformerConfig`` of the model (RMSNorm, SwiGLU, no linear biases but q/k/v's for
+    Qwen2, q/k RMSNorm for Qwen3, no dropout); ``runtime`` adds the engine's own settings."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads, num_query_groups=shape.kv_heads, kv_channels=shape.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=shape.eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=dtype, pipeline_dtype=dtype, **runtime)
+
+
+def gpt_model_args(shape: ModelShape) -> dict:
+    """GPTModel's keyword arguments besides the config, layer spec and pre/post process."""
+    return dict(vocab_size=shape.vocab, max_sequence_length=shape.max_positions, position_embedding_type="rope",
+                rotary_base=shape.rope_base, rotary_percent=1.0,
+                share_embeddings_and_output_weights=shape.tied, parallel_output=True)
+
+
+def stage_names(shape: ModelShape, stage: int, pp: int) -> list[str]:
+    """The Megatron state-dict names of pipeline stage ``stage`` (its layers numbered from 0)."""
+    per_layer = [name for name in LAYER_RULES
+                 if (shape.qkv_bias or not name.endswith("linear_qkv.bias"))
+                 and (shape.qk_norm or "k_layernorm" not in name and "q_layernorm" not in name)]
+    names = [EMBEDDING] if stage == 0 else []
+    names += [f"decoder.layers.{i}.{name}" for i in range(shape.layers // pp) for name in per_layer]
+    if stage == pp - 1:
+        names.append(FINAL_NORM)
+        if not shape.tied or pp > 1:
+            names.append(OUTPUT)
+    return names
+
+
+def global_name(name: str, offset: int) -> str:
+    """A stage's Megatron name with its layer numbered in the whole model."""
+    match = LAYER.match(name)
+    return f"decoder.layers.{int(match[1]) + offset}.{match[2]}" if match else name
+
+
+def hf_names(name: str, shape: ModelShape) -> tuple[tuple[str, ...], str]:
+    """(HF names, TP split) of a Megatron name numbered in the whole model."""
+    match = LAYER.match(name)
+    if match:
+        names, kind = LAYER_RULES[match[2]]
+        return tuple(f"model.layers.{match[1]}.{n}" for n in names), kind
+    names, kind = GLOBAL_RULES[name]
+    if name == OUTPUT and shape.tied:
+        names = GLOBAL_RULES[EMBEDDING][0]  # the last stage's copy of the tied embedding
+    return names, kind
+
+
+def _qkv_groups(tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+    """q, k, v -> [groups, (heads/groups + 2) * head_dim, ...]: each group's q rows, k rows, v rows."""
+    q, k, v = (t.reshape(shape.kv_heads, -1, *t.shape[1:]) for t in tensors)
+    return torch.cat([q, k, v], dim=1)
+
+
+def shard(kind: str, tensors: list[torch.Tensor], shape: ModelShape, rank: int, tp: int) -> torch.Tensor:
+    """TP rank ``rank``'s shard of the Megatron tensor made of the full HF ``tensors``."""
+    if kind == REPLICATED:
+        return tensors[0].clone()
+    if kind in (COLUMN, ROW):
+        return tensors[0].chunk(tp, dim=0 if kind == COLUMN else 1)[rank].clone()
+    if kind == FC1:
+        return torch.cat([t.chunk(tp)[rank] for t in tensors])
+    groups = _qkv_groups(tensors, shape).chunk(tp)[rank]
+    return groups.reshape(-1, *groups.shape[2:]).clone()
+
+
+def unshard(kind: str, shards: list[torch.Tensor], shape: ModelShape) -> list[torch.Tensor]:
+    """The full HF tensors of a Megatron tensor from the shards of every TP rank, in rank order."""
+    if kind == REPLICATED:
+        return [shards[0]]
+    if kind in (COLUMN, ROW):
+        return [torch.cat(shards, dim=0 if kind == COLUMN else 1)]
+    if kind == FC1:
+        gates, ups = zip(*(s.chunk(2) for s in shards))
+        return [torch.cat(gates), torch.cat(ups)]
+    groups = torch.cat(shards).reshape(shape.kv_heads, -1, *shards[0].shape[1:])
+    q, k, v = groups.split([shape.heads // shape.kv_heads * shape.head_dim, shape.head_dim, shape.head_dim], dim=1)
+    return [t.reshape(-1, *t.shape[2:]).contiguous() for t in (q, k, v)]
+
+
+def hf_to_megatron(hf_state: dict[str, torch.Tensor], shape: ModelShape, tp_rank: int, tp: int, stage: int,
+                   pp: int) -> dict[str, torch.Tensor]:
+    """The state dict of TP rank ``tp_rank`` on pipeline stage ``stage`` from a HF state dict (which may
+    lack ``lm_head.weight`` when the embeddings are tied)."""
+    offset = shape.layer_offset(stage, pp)
+    state = {}
+    for name in stage_names(shape, stage, pp):
+        names, kind = hf_names(global_name(name, offset), shape)
+        state[name] = shard(kind, [hf_state[n] for n in names], shape, tp_rank, tp)
+    return state
+
+
+def megatron_to_hf(name: str, shards: list[torch.Tensor], shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs of Megatron tensor ``name`` (numbered in the whole model) from its
+    TP shards. A tied embedding comes under both HF names; the last stage's copy of it under none."""
+    if name == OUTPUT and shape.tied:
+        return []
+    names, kind = hf_names(name, shape)
+    pairs = list(zip(names, unshard(kind, shards, shape)))
+    if name == EMBEDDING and shape.tied:
+        pairs.append(("lm_head.weight", pairs[0][1]))
+    return pairs

@@ -1,0 +1,103 @@
+"""Megatron-core 0.16 on CPU (gloo): the few places where it calls CUDA unconditionally, redirected to
+the CPU in one place. ``apply()`` is idempotent and is called only when the trainer's device is CPU;
+on CUDA Megatron runs untouched.
+
+Each patched module sees ``torch`` through ``_CpuTorch``: ``torch.cuda.current_device()`` is the CPU,
+tensor factories asked for ``device="cuda"`` make CPU tensors, streams and synchronisation are no-ops,
+and the CUDA RNG calls use the CPU generator. Nothing global in torch changes (aliasing
+``torch.cuda.manual_seed`` to ``torch.manual_seed`` globally recurses: the latter calls the former).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+_applied = False
+
+
+def _cpu(device):
+    return "cpu" if device is not None and str(device).startswith("cuda") else device
+
+
+def _on_cpu(factory):
+    def make(*args, device=None, pin_memory=False, **kwargs):
+        return factory(*args, device=_cpu(device), **kwargs)
+    return make
+
+
+class _NoStream:
+    """A CUDA stream on the CPU: everything is already in order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuCuda:
+    """``torch.cuda`` as the patched modules see it; anything not listed is the real one."""
+
+    Stream = _NoStream  # DDP's communication stream, param/grad buffer streams
+    current_device = staticmethod(lambda: torch.device("cpu"))  # p2p shapes, GlobalMemoryBuffer, buffers
+    synchronize = staticmethod(lambda *args, **kwargs: None)  # p2p after batched isend/irecv
+    stream = staticmethod(lambda *args, **kwargs: contextlib.nullcontext())
+    default_stream = current_stream = staticmethod(lambda *args, **kwargs: _NoStream())
+    get_rng_state = staticmethod(lambda *args, **kwargs: torch.get_rng_state())  # the RNG tracker's states
+    set_rng_state = staticmethod(lambda state, *args, **kwargs: torch.set_rng_state(state))
+    manual_seed = staticmethod(lambda seed: torch.manual_seed(seed))  # model_parallel_cuda_manual_seed
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """``torch`` for the patched modules: ``cuda`` is ``_CpuCuda`` and factories map cuda to cpu
+    (the schedules' token counter is made with ``device="cuda"``)."""
+
+    cuda = _CpuCuda()
+    zeros, ones, empty, tensor, arange = (staticmethod(_on_cpu(f)) for f in
+                                          (torch.zeros, torch.ones, torch.empty, torch.tensor, torch.arange))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+# The modules that call CUDA on the training path, and why.
+MODULES = (
+    "megatron.core.tensor_parallel.random",  # CUDA RNG tracker, model_parallel_cuda_manual_seed
+    "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor(device=torch.cuda.current_device())
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens on "cuda"
+    "megatron.core.pipeline_parallel.p2p_communication",  # shape tensors on current_device(), synchronize()
+    "megatron.core.distributed.distributed_data_parallel",  # torch.cuda.Stream, synchronize
+    "megatron.core.distributed.param_and_grad_buffer",  # grad buffers on current_device(), streams
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # moves inv_freq to current_device()
+)
+
+
+def _get_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(state)
+
+
+def apply() -> None:
+    """Patch the modules in ``MODULES`` (once; later calls do nothing)."""
+    global _applied
+    if _applied:
+        return
+    cpu_torch = _CpuTorch()
+    for name in MODULES:
+        importlib.import_module(name).torch = cpu_torch
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = _get_rng_state  # the tracker's fork() saves and restores through these
+    random._set_cuda_rng_state = _set_rng_state
+    _applied = True

@@ -1,0 +1,401 @@
+"""``TrainEngine`` on Megatron-core (``actor.engine=megatron``): a GPTModel split over the trainer
+mesh's tensor-parallel and pipeline ranks, Megatron DDP over its data-parallel ranks, loaded from and
+saved to Hugging Face folders (``parallel.megatron_convert``).
+
+- Packed micro-batches run as THD ``PackedSeqParams`` through Megatron's schedules
+  (``get_forward_backward_func``, variable sequence lengths across pipeline stages); on CPU the layer
+  spec's core attention is ``PackedCoreAttention`` (Transformer Engine's on CUDA when it imports).
+- Losses already carry the whole minibatch's normaliser, so gradients are summed over micro-batches
+  and data-parallel ranks: ``calculate_per_token_loss`` stops Megatron dividing by the micro-batch
+  count and DDP by the dp size, and gradients are finalised without its per-token scaling. DDP's
+  reduction runs after the last micro-batch, so data-parallel ranks may run different numbers of them
+  (or none).
+- "logprobs" and "entropy" come from the vocabulary-parallel logits of the last stage (a logsumexp
+  over the TP ranks), and reach every rank of the pipeline.
+- The optimizer and schedule are ``train.optim``'s on each rank's shards (Adam is elementwise); the
+  gradient norm counts each parameter once (TP duplicates and the last stage's tied-embedding copy
+  excluded) over the model-parallel ranks, as ``clip_grad_norm_`` does for one process.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches
+from areal_hpc.config import OptimizerConfig
+from areal_hpc.errors import UserError
+from areal_hpc.models.hf import DTYPES, save_model
+from areal_hpc.parallel import megatron_shim
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.megatron_convert import (ModelShape, global_name, gpt_model_args, hf_to_megatron,
+                                                 megatron_to_hf, transformer_config)
+from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
+from areal_hpc.train.engine import OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket, merge_stats, weight_buckets
+from areal_hpc.train.optim import build_optimizer, build_scheduler
+from areal_hpc.train.sequence_batch import SequenceBatch
+
+DAY_MINUTES = 24 * 60
+
+
+def _initialize_megatron(dims: ParallelDims) -> None:
+    """Megatron's process groups (the mesh's own: same rank order) and RNG tracker, once per process."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        sizes = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size())
+        if sizes != (dims.tp, dims.pp):
+            raise RuntimeError(f"Megatron is initialised for tp, pp = {sizes}, not {(dims.tp, dims.pp)}")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+                                             context_parallel_size=dims.cp, order="tp-cp-ep-dp-pp",
+                                             distributed_timeout_minutes=7 * DAY_MINUTES,
+                                             create_gloo_process_groups=False)
+    state = torch.get_rng_state()  # Megatron reseeds the default generator; the caller's stream stays as it was
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    torch.set_rng_state(state)
+
+
+def check_layout(dims: ParallelDims, shape: ModelShape) -> None:
+    """Raise ``UserError`` for a layout this engine does not build or the model cannot be split into."""
+    unsupported = {name: getattr(dims, name) for name in ("cp", "ep", "vpp") if getattr(dims, name) > 1}
+    unsupported.update({name: "true" for name in ("fsdp", "sequence_parallel") if getattr(dims, name)})
+    if unsupported:
+        sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
+        raise UserError(f"actor.engine=megatron does not build {sizes} yet; it supports dp, tp and pp")
+    shape.check_layout(dims.tp, dims.pp)
+
+
+def vocab_parallel_outputs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                           group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p_T(token), entropy of p_T) per row of this TP rank's vocabulary slice ``logits`` [N, V/tp]:
+    the logsumexp and the target's logit are all-reduced over ``group`` (backward: identity)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce
+
+    logits = logits.float() / temperature
+    peak = logits.detach().amax(-1)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - peak[:, None]
+    normaliser = reduce(shifted.exp().sum(-1), group).log()
+    width = logits.shape[-1]
+    local = tokens - dist.get_rank(group) * width
+    inside = (local >= 0) & (local < width)
+    picked = shifted.gather(-1, local.clamp(0, width - 1)[:, None])[:, 0] * inside
+    logprobs = reduce(picked, group) - normaliser
+    with torch.no_grad():  # logged, not trained
+        expected = reduce((shifted - normaliser[:, None]).exp().mul(shifted).sum(-1), group)
+        entropy = normaliser - expected
+    return logprobs, entropy
+
+
+class MegatronTrainEngine:
+    """``TrainEngine`` on a Megatron-core GPTModel built from the Hugging Face folder ``path`` over
+    ``mesh`` (one process when ``mesh`` is None). ``kind`` is "policy" (the critic is not built)."""
+
+    def __init__(self, path: str, kind: str, *, temperature: float = 1.0, mesh: TrainMesh | None = None,
+                 optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
+                 max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32"):
+        from transformers import AutoConfig
+
+        if kind != "policy":
+            raise UserError("actor.engine=megatron does not build the PPO critic yet; use actor.engine=torch "
+                            "with actor.adv_estimator=ppo")
+        if mesh is None:  # one process: a group of one
+            device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
+            if not dist.is_initialized():
+                init_distributed(device)
+            mesh = build_mesh(ParallelDims(), device)
+        self.mesh, self.device, self.tokenizer = mesh, mesh.device, tokenizer
+        self.rank, self.temperature, self.max_tokens_per_mb = dist.get_rank(), temperature, max_tokens_per_mb
+        self.compute_dtype = DTYPES[compute_dtype]
+        self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        self.shape = ModelShape.from_hf(self.hf_config)
+        check_layout(mesh.dims, self.shape)
+        if self.device.type == "cpu":
+            megatron_shim.apply()
+        _initialize_megatron(mesh.dims)
+        self.model = self._build_model()
+        self._load_hf(Path(path))
+        self.trainable = optimizer is not None
+        self.model.requires_grad_(self.trainable)
+        self.clip = optimizer.gradient_clipping if optimizer else 0.0
+        self.optimizer = build_optimizer(self.model, optimizer, lr) if optimizer else None
+        self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
+        self.root = self._wrap_ddp() if self.trainable else self.model
+
+    # --- construction -------------------------------------------------------------------------
+    def _build_model(self):
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                              get_gpt_layer_with_transformer_engine_spec)
+
+        from areal_hpc.parallel.megatron_attention import PackedCoreAttention
+
+        dims = self.mesh.dims
+        self.config = transformer_config(self.shape, dims.tp, dims.pp, use_cpu_initialization=True,
+                                         perform_initialization=False, calculate_per_token_loss=True,
+                                         variable_seq_lengths=True,
+                                         moe_token_dispatcher_type="alltoall")  # a dense model; the default refuses variable lengths
+        if self.device.type == "cuda" and _has_transformer_engine():
+            spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm)
+        else:
+            spec = get_gpt_layer_local_spec(qk_layernorm=self.shape.qk_norm, normalization="RMSNorm")
+            spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+        self.first = parallel_state.is_pipeline_first_stage()
+        self.last = parallel_state.is_pipeline_last_stage()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        model = GPTModel(self.config, spec, pre_process=self.first, post_process=self.last,
+                         **gpt_model_args(self.shape))
+        return model.to(self.device)
+
+    def _wrap_ddp(self):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+        return DistributedDataParallel(self.config, ddp, self.model)
+
+    def _state_names(self) -> list[str]:
+        return [n for n in self.model.state_dict() if not n.endswith("_extra_state")]
+
+    @torch.no_grad()
+    def _load_hf(self, folder: Path) -> None:
+        """This rank's shards of the Hugging Face weights in ``folder`` (any layout saved them)."""
+        from safetensors.torch import load_file
+
+        hf_state = {}
+        for part in sorted(folder.glob("*.safetensors")):
+            hf_state.update(load_file(part))
+        dims, coords = self.mesh.dims, self.mesh.coords
+        try:
+            state = hf_to_megatron(hf_state, self.shape, coords["tp"], dims.tp, self.stage, dims.pp)
+        except KeyError as missing:
+            raise RuntimeError(f"checkpoint {folder} lacks {missing}") from None
+        if sorted(state) != sorted(self._state_names()):
+            raise RuntimeError(f"Megatron stage {self.stage} has {sorted(set(self._state_names()) ^ set(state))[:5]} "
+                               "beyond the converter's names")
+        for name, tensor in self.model.state_dict().items():
+            if name in state:
+                tensor.copy_(state[name])
+
+    # --- passes -------------------------------------------------------------------------------
+    def _compute(self):
+        lower = self.compute_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=lower)
+
+    def _microbatches(self, batch: SequenceBatch) -> list[tuple[list[int], PackedBatch, dict[str, torch.Tensor]]]:
+        passes = []
+        for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
+            packed, fields = batch.select(indices).packed()
+            passes.append((indices, packed.to(self.device), {k: v.to(self.device) for k, v in fields.items()}))
+        return passes
+
+    def _outputs(self, logits: torch.Tensor, packed: PackedBatch) -> Outputs:
+        """Per-position "logprobs" and "entropy" (0 off target positions) from [1, T, V/tp] logits."""
+        targets = packed.target_mask.nonzero()[:, 0]
+        logprobs, entropy = vocab_parallel_outputs(logits[0, targets], packed.input_ids[0, targets + 1],
+                                                   self.temperature, self.tp_group)
+        total = packed.input_ids.shape[1]
+        return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
+                "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
+
+    def _run(self, passes, on_outputs, forward_only: bool) -> None:
+        """Megatron's schedule over ``passes``; the last stage calls ``on_outputs(outputs, packed, fields)``,
+        which returns the micro-batch's loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from areal_hpc.parallel.megatron_attention import PackedSequences
+
+        def step(iterator, model):
+            _, packed, fields = next(iterator)
+            sequences = PackedSequences.from_cu_seqlens(packed.cu_seqlens)
+            with self._compute():
+                logits = model(packed.input_ids, packed.position_ids, None, packed_seq_params=sequences)
+
+            def loss(output):
+                return on_outputs(self._outputs(output, packed), packed, fields), torch.tensor(1), {}
+            return logits, loss
+
+        if not passes:
+            return
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(passes), model=[self.root], num_microbatches=len(passes),
+            seq_length=max(p.input_ids.shape[1] for _, p, _ in passes), micro_batch_size=1,
+            forward_only=forward_only)
+
+    def _from_last_stage(self, value):
+        """``value`` of the last pipeline stage, on every stage."""
+        if self.mesh.dims.pp == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.mesh.dims.pp - 1),
+                                   group=self.pp_group)
+        return box[0]
+
+    # --- TrainEngine --------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
+        """Each output as per-sequence [len] tensors, without gradient, in evaluation mode. Collective
+        over the mesh: every rank calls it with its data-parallel replica's share."""
+        self.root.eval()
+        out: dict[str, list[torch.Tensor | None]] = {}
+        passes = self._microbatches(batch)
+
+        def keep(outputs: Outputs, packed: PackedBatch, fields) -> torch.Tensor:
+            indices = passes[keep.done][0]
+            keep.done += 1
+            lengths = [len(batch.sequences[i]) for i in indices]
+            for name, values in outputs.items():
+                per_sequence = out.setdefault(name, [None] * len(batch))
+                for i, part in zip(indices, values.float().cpu().split(lengths)):
+                    per_sequence[i] = part
+            return torch.zeros(())
+        keep.done = 0
+        self._run(passes, keep, forward_only=True)
+        return self._from_last_stage(out)
+
+    def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on this rank's part of a minibatch (which may be empty)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self.root.train()
+        self.root.zero_grad_buffer()
+        parts = []
+
+        def loss(outputs: Outputs, packed: PackedBatch, fields) -> torch.Tensor:
+            value, mb_stats = loss_fn(outputs, packed, fields)
+            parts.append({"loss": value.item(), "microbatches": 1.0, **mb_stats})
+            return value
+        self._run(self._microbatches(batch), loss, forward_only=False)
+        finalize_model_grads([self.root])  # DDP's sum over dp, tied-embedding grads over pp; no scaling
+        stats = self._from_last_stage(merge_stats(parts))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = p.main_grad
+        grad_norm = self._clip_grad_norm(params, self.clip if self.clip > 0 else float("inf"))
+        stats["grad_norm"], stats["lr"] = grad_norm, self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        for p in params:
+            p.grad = None
+        return stats
+
+    def _clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """The norm of the whole model's gradient, each parameter counted once, and gradients scaled to
+        at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        square = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in counted:
+            square += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        dist.all_reduce(square, group=parallel_state.get_model_parallel_group())
+        norm = float(square.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of this stage, TP shards gathered, on the stage's first replica's TP
+        rank 0 (other ranks of the replica take part and get nothing; other replicas do nothing)."""
+        if self.mesh.coords["dp"] != 0:
+            return
+        tp, offset = self.mesh.dims.tp, self.shape.layer_offset(self.stage, self.mesh.dims.pp)
+        state = self.model.state_dict()
+        for name in self._state_names():
+            local = state[name].detach().contiguous()
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(shards, local, group=self.tp_group)
+            if self.mesh.coords["tp"] == 0:
+                yield from megatron_to_hf(global_name(name, offset), shards, self.shape)
+
+    def _full_state(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Buckets of the whole model on global rank 0: its own stage's, then each later stage's leader
+        sends its buckets (``None`` ends a stage)."""
+        leader = self.mesh.coords["dp"] == 0 and self.mesh.coords["tp"] == 0
+        buckets = weight_buckets(self._hf_tensors(), bucket_bytes)
+        if self.rank == 0:
+            yield from buckets
+            for stage in range(1, self.mesh.dims.pp):
+                source = dist.get_global_rank(self.pp_group, stage)
+                while (bucket := _receive(source)) is not None:
+                    yield bucket
+        elif leader:
+            for bucket in buckets:
+                dist.send_object_list([bucket], dst=0)
+            dist.send_object_list([None], dst=0)
+        else:
+            for _ in buckets:
+                pass
+
+    def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The full state dict under its Hugging Face names (a tied embedding under both names).
+        Collective: every rank iterates to the end; global rank 0's buckets hold the tensors, the
+        others' are empty."""
+        return self._full_state(bucket_bytes)
+
+    def save(self, folder: Path, *, optimizer: bool = True) -> None:
+        """Collective: rank 0 writes the Hugging Face folder; every rank its optimizer state
+        (``optimizer/rank{N}.pt``), rank 0 the schedule and layout (``training_state.pt``)."""
+        from transformers import AutoModelForCausalLM
+
+        folder = Path(folder)
+        state = {name: tensor for bucket in self._full_state(1 << 30) for name, tensor in bucket}
+        if self.rank == 0:
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(self.hf_config)
+            save_model(skeleton, self.tokenizer, folder, state_dict=state)
+        if not optimizer or self.optimizer is None:
+            return
+        dist.barrier()  # rank 0 has renamed the folder into place
+        (folder / OPTIMIZER_SHARDS).mkdir(exist_ok=True)
+        torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_SHARDS / f"rank{self.rank}.pt")
+        if self.rank == 0:
+            torch.save({"scheduler": self.scheduler.state_dict(), "megatron_layout": self._layout()},
+                       folder / TRAINING_STATE)
+
+    def _layout(self) -> dict[str, int]:
+        dims = self.mesh.dims
+        return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+
+    def load(self, folder: Path) -> None:
+        """Collective. Weights load into any layout; optimizer state into the layout that saved it."""
+        folder = Path(folder)
+        self._load_hf(folder)
+        if self.optimizer is None or not (folder / TRAINING_STATE).exists():
+            return
+        training = torch.load(folder / TRAINING_STATE, map_location="cpu", weights_only=True)
+        if training.get("megatron_layout") != self._layout():
+            raise UserError(f"checkpoint {folder} holds optimizer state of layout {training.get('megatron_layout')}, "
+                            f"not this run's {self._layout()} (actor.engine=megatron resumes in the layout it saved)")
+        self.scheduler.load_state_dict(training["scheduler"])
+        shard = torch.load(folder / OPTIMIZER_SHARDS / f"rank{self.rank}.pt", map_location=self.device,
+                           weights_only=True)
+        self.optimizer.load_state_dict(shard)
+
+
+def _receive(source: int):
+    box = [None]
+    dist.recv_object_list(box, src=source)
+    return box[0]
+
+
+@functools.cache
+def _has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -183,8 +183,8 @@ class ActorConfig:
     lam: float = spec(1.0, "ppo: GAE lambda", ge=0.0, le=1.0)
     critic_lr: float = spec(1e-4, "ppo: peak learning rate of the critic", gt=0.0)
     value_clip: float = spec(0.2, "ppo: value clip range", gt=0.0)
-    engine: str = spec("torch", "training engine: torch (PyTorch-native: FSDP2 or replicated dp, DTensor TP); "
-                       "the Megatron-core engine is not built yet", choices=["torch"])
+    engine: str = spec("torch", "training engine: torch (PyTorch-native: FSDP2 or replicated dp, DTensor TP) or "
+                       "megatron (Megatron-core GPTModel: dp, tp, pp; extra `megatron`)", choices=["torch", "megatron"])
     parallel: ParallelConfig = section(ParallelConfig)
 
 

@@ -16,6 +16,7 @@ Megatron's layout (megatron/core/transformer/attention.py, mlp.py, tensor_parall
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -134,16 +135,13 @@ def global_name(name: str, offset: int) -> str:
     return f"decoder.layers.{int(match[1]) + offset}.{match[2]}" if match else name
 
 
-def hf_names(name: str, shape: ModelShape) -> tuple[tuple[str, ...], str]:
+def hf_names(name: str) -> tuple[tuple[str, ...], str]:
     """(HF names, TP split) of a Megatron name numbered in the whole model."""
     match = LAYER.match(name)
     if match:
         names, kind = LAYER_RULES[match[2]]
         return tuple(f"model.layers.{match[1]}.{n}" for n in names), kind
-    names, kind = GLOBAL_RULES[name]
-    if name == OUTPUT and shape.tied:
-        names = GLOBAL_RULES[EMBEDDING][0]  # the last stage's copy of the tied embedding
-    return names, kind
+    return GLOBAL_RULES[name]
 
 
 def _qkv_groups(tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
@@ -185,18 +183,24 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], shape: ModelShape, tp_rank
     offset = shape.layer_offset(stage, pp)
     state = {}
     for name in stage_names(shape, stage, pp):
-        names, kind = hf_names(global_name(name, offset), shape)
+        names, kind = hf_names(global_name(name, offset))
+        if name == OUTPUT and shape.tied:
+            names = GLOBAL_RULES[EMBEDDING][0]  # the last stage's copy of the tied embedding
         state[name] = shard(kind, [hf_state[n] for n in names], shape, tp_rank, tp)
     return state
 
 
-def megatron_to_hf(name: str, shards: list[torch.Tensor], shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs of Megatron tensor ``name`` (numbered in the whole model) from its
-    TP shards. A tied embedding comes under both HF names; the last stage's copy of it under none."""
-    if name == OUTPUT and shape.tied:
-        return []
-    names, kind = hf_names(name, shape)
-    pairs = list(zip(names, unshard(kind, shards, shape)))
-    if name == EMBEDDING and shape.tied:
-        pairs.append(("lm_head.weight", pairs[0][1]))
-    return pairs
+def stage_to_hf(stage_shards: Iterator[tuple[str, list[torch.Tensor]]], shape: ModelShape, stage: int,
+                pp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs of pipeline stage ``stage`` from its (Megatron name, TP shards in
+    rank order) pairs, in the HF state dict's order. A tied embedding also comes as ``lm_head.weight``
+    (the last stage's copy with pp > 1, the embedding itself after the final norm with pp = 1)."""
+    offset = shape.layer_offset(stage, pp)
+    embedding = None
+    for name, shards in stage_shards:
+        names, kind = hf_names(global_name(name, offset))
+        for hf_name, tensor in zip(names, unshard(kind, shards, shape)):
+            embedding = tensor if name == EMBEDDING else embedding
+            yield hf_name, tensor
+    if shape.tied and pp == 1:
+        yield "lm_head.weight", embedding

@@ -11,6 +11,7 @@ and the CUDA RNG calls use the CPU generator. Nothing global in torch changes (a
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 
 import torch
@@ -89,6 +90,19 @@ def _set_rng_state(state: torch.Tensor, *args, **kwargs) -> None:
     torch.set_rng_state(state)
 
 
+def _tensors_stay_on_cpu(method):
+    """``method`` with ``Tensor.cuda()`` returning the tensor itself while it runs."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *_, **__: tensor
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+    return run
+
+
 def apply() -> None:
     """Patch the modules in ``MODULES`` (once; later calls do nothing)."""
     global _applied
@@ -100,4 +114,7 @@ def apply() -> None:
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = _get_rng_state  # the tracker's fork() saves and restores through these
     random._set_cuda_rng_state = _set_rng_state
+    language = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
+    # With pp > 1 and tied embeddings the last stage's copy is synchronised after weight.data.cuda().
+    language.setup_embeddings_and_output_layer = _tensors_stay_on_cpu(language.setup_embeddings_and_output_layer)
     _applied = True

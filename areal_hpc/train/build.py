@@ -24,6 +24,7 @@ from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
+from areal_hpc.extras import require
 from areal_hpc.launch.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.bootstrap import node_address
@@ -71,6 +72,11 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
         common = dict(mesh=mesh, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0, total_steps=optimizer_steps,
                       max_tokens_per_mb=actor_cfg.max_tokens_per_mb, tokenizer=tokenizer,
                       compute_dtype=model.compute_dtype)
+        if actor_cfg.engine == "megatron":
+            require("megatron.core")  # the extra `megatron`: one line naming it when it is missing
+            from areal_hpc.train.megatron_engine import MegatronTrainEngine
+
+            return MegatronTrainEngine(path, kind, temperature=temperature, **common)
         if kind == "critic":
             return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, device), packed_values,
                                     **common)

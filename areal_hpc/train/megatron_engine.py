@@ -32,8 +32,8 @@ from areal_hpc.errors import UserError
 from areal_hpc.models.hf import DTYPES, save_model
 from areal_hpc.parallel import megatron_shim
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.megatron_convert import (ModelShape, global_name, gpt_model_args, hf_to_megatron,
-                                                 megatron_to_hf, transformer_config)
+from areal_hpc.parallel.megatron_convert import (ModelShape, gpt_model_args, hf_to_megatron, stage_to_hf,
+                                                 transformer_config)
 from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
 from areal_hpc.train.engine import OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket, merge_stats, weight_buckets
 from areal_hpc.train.optim import build_optimizer, build_scheduler
@@ -56,9 +56,8 @@ def _initialize_megatron(dims: ParallelDims) -> None:
                                              context_parallel_size=dims.cp, order="tp-cp-ep-dp-pp",
                                              distributed_timeout_minutes=7 * DAY_MINUTES,
                                              create_gloo_process_groups=False)
-    state = torch.get_rng_state()  # Megatron reseeds the default generator; the caller's stream stays as it was
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    torch.set_rng_state(state)
+    with torch.random.fork_rng(devices=[]):  # it reseeds the default generator; the caller's stream stays
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 
 def check_layout(dims: ParallelDims, shape: ModelShape) -> None:
@@ -119,7 +118,8 @@ class MegatronTrainEngine:
         if self.device.type == "cpu":
             megatron_shim.apply()
         _initialize_megatron(mesh.dims)
-        self.model = self._build_model()
+        with torch.random.fork_rng(devices=[]):  # the throwaway initialisation draws from the default generator
+            self.model = self._build_model()
         self._load_hf(Path(path))
         self.trainable = optimizer is not None
         self.model.requires_grad_(self.trainable)
@@ -138,8 +138,10 @@ class MegatronTrainEngine:
         from areal_hpc.parallel.megatron_attention import PackedCoreAttention
 
         dims = self.mesh.dims
+        # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
+        # which the gradient norm reads; the loaded weights then replace the random ones.
         self.config = transformer_config(self.shape, dims.tp, dims.pp, use_cpu_initialization=True,
-                                         perform_initialization=False, calculate_per_token_loss=True,
+                                         perform_initialization=True, calculate_per_token_loss=True,
                                          variable_seq_lengths=True,
                                          moe_token_dispatcher_type="alltoall")  # a dense model; the default refuses variable lengths
         if self.device.type == "cuda" and _has_transformer_engine():
@@ -312,14 +314,19 @@ class MegatronTrainEngine:
         rank 0 (other ranks of the replica take part and get nothing; other replicas do nothing)."""
         if self.mesh.coords["dp"] != 0:
             return
-        tp, offset = self.mesh.dims.tp, self.shape.layer_offset(self.stage, self.mesh.dims.pp)
-        state = self.model.state_dict()
-        for name in self._state_names():
-            local = state[name].detach().contiguous()
-            shards = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(shards, local, group=self.tp_group)
-            if self.mesh.coords["tp"] == 0:
-                yield from megatron_to_hf(global_name(name, offset), shards, self.shape)
+        tp, state = self.mesh.dims.tp, self.model.state_dict()
+
+        def gathered() -> Iterator[tuple[str, list[torch.Tensor]]]:
+            for name in self._state_names():
+                local = state[name].detach().contiguous()
+                shards = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(shards, local, group=self.tp_group)
+                yield name, shards
+        if self.mesh.coords["tp"] == 0:
+            yield from stage_to_hf(gathered(), self.shape, self.stage, self.mesh.dims.pp)
+        else:
+            for _ in gathered():
+                pass
 
     def _full_state(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Buckets of the whole model on global rank 0: its own stage's, then each later stage's leader

@@ -1,0 +1,170 @@
+"""The Megatron-core engine (``actor.engine=megatron``) against independent implementations, on real
+gloo ranks: its forward equals the Hugging Face model's ``packed_policy_outputs``; one step of a
+PPO-like loss (``tests.megatron_ranks``) and one whole PPO update through the trainer
+(``tests.trainer_processes``) equal the torch engine's in one process in every layout (weights, loss,
+gradient norm: summed over micro-batches and data-parallel ranks, not averaged); a checkpoint restores
+the step and loads into other layouts; HF -> Megatron shards -> HF is exact for random shapes; layouts
+the engine does not build are one ``UserError``.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from areal_hpc.errors import UserError
+from areal_hpc.models.hf import load_model
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.megatron_convert import ModelShape, hf_to_megatron, stage_names, stage_to_hf
+from areal_hpc.train.logprobs import packed_policy_outputs
+from areal_hpc.train.engine import OPTIMIZER_SHARDS, TRAINING_STATE
+from areal_hpc.train.megatron_engine import MegatronTrainEngine, check_layout
+from tests.native_ranks import reference_run, seeded_batch
+from tests.test_native_parallel import assert_same_step as assert_same_engine_step
+from tests.test_parallel_layouts import STEP, assert_same_step, single_process
+from tests.trainer_processes import run_ranks as run_trainer_ranks
+
+
+def run_ranks(world: int, model_dir, out, *options: str) -> dict:
+    """``world`` ranks of ``tests.megatron_ranks`` on loopback; what rank 0 wrote."""
+    return run_trainer_ranks(world, model_dir, out, *options, timeout=120, module="tests.megatron_ranks")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> dict:
+    return reference_run(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference_folder(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("single"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",))], ids=["one_process", "tp2"])
+def test_forward_equals_hf_packed_policy_outputs(world, options, tiny_model_dir, tmp_path):
+    """Per-sequence RoPE and attention over THD-packed rows, and the vocabulary-parallel log-softmax at
+    T = 0.7, against the Hugging Face model's own packed forward."""
+    got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "temperature=0.7")
+    for rank in got["ranks"]:
+        batch = seeded_batch().select(rank["indices"])
+        packed, _ = batch.packed()
+        with torch.no_grad():
+            expected = packed_policy_outputs(load_model(tiny_model_dir), packed, temperature=0.7)
+        assert [len(v) for v in rank["outputs"]["logprobs"]] == [len(s) for s in batch.sequences]
+        for name, values in expected.items():
+            torch.testing.assert_close(torch.cat(rank["outputs"][name]), values, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# layout name -> (processes, trainer overrides)
+LAYOUTS = {
+    "one_process": (1, ()),
+    "tp2": (2, ("actor.parallel.tp=2",)),
+    "pp2": (2, ("actor.parallel.pp=2",)),
+    "dp2_uneven_microbatches": (2, ("actor.max_tokens_per_mb=16",)),
+    "tp2xpp2": (4, ("actor.parallel.tp=2", "actor.parallel.pp=2")),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ppo_update_equals_the_torch_engine_in_one_process(layout, tiny_model_dir, reference_folder, tmp_path):
+    """The trainer's whole PPO update (proximal logprobs recomputed, two optimizer steps) on Megatron."""
+    processes, overrides = LAYOUTS[layout]
+    reference = single_process("torch", str(tiny_model_dir), reference_folder)
+    ours = run_trainer_ranks(processes, tiny_model_dir, tmp_path / "out.pt", "actor.engine=megatron", *STEP,
+                             *overrides)
+    assert_same_step(ours, reference)
+
+
+@pytest.mark.distributed
+def test_step_with_an_empty_share_and_checkpoint_round_trip(tiny_model_dir, reference, tmp_path):
+    """tp2 x dp2 with one replica training on nothing, gradient clipping active; the checkpoint
+    restores weights, Adam moments and the schedule, is a complete HF folder, and its weights load
+    into pp2."""
+    folder = tmp_path / "checkpoint"
+    got = run_ranks(4, tiny_model_dir, tmp_path / "saved.pt", "tp=2", "dp=2", "empty=1", f"save={folder}")
+    assert got["weights"].keys() == reference["weights"].keys()  # in Megatron's order (fused q/k/v first)
+    assert_same_engine_step({**got, "weights": {name: got["weights"][name] for name in reference["weights"]}},
+                            reference)
+    assert reference["stats"]["grad_norm"] > 0.5  # the clipping at 0.5 took part
+    assert got["ranks"][0]["restored_step_diff"] == 0.0
+    plain = load_model(folder).state_dict()
+    for name, tensor in got["weights"].items():
+        assert torch.equal(plain[name], tensor), name
+    weights_only = tmp_path / "weights"  # the optimizer state resumes only in the layout that saved it
+    shutil.copytree(folder, weights_only, ignore=shutil.ignore_patterns(OPTIMIZER_SHARDS, TRAINING_STATE))
+    loaded = run_ranks(2, tiny_model_dir, tmp_path / "loaded.pt", "pp=2", f"load={weights_only}")["weights"]
+    assert loaded.keys() == got["weights"].keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, plain[name]), name
+
+
+def random_model(qwen3: bool, heads: int, kv_heads: int, layers: int, tied: bool, seed: int):
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_class(vocab_size=48, hidden_size=8 * heads, intermediate_size=24, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+                          tie_word_embeddings=tied, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return model_class(config)
+
+
+@settings(max_examples=25, deadline=None)
+@given(qwen3=st.booleans(), kv_heads=st.sampled_from([1, 2, 4]), ratio=st.sampled_from([1, 2, 3]),
+       layers=st.sampled_from([2, 4]), tied=st.booleans(), tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2]),
+       seed=st.integers(0, 100))
+def test_hf_to_megatron_shards_and_back_is_exact(qwen3, kv_heads, ratio, layers, tied, tp, pp, seed):
+    model = random_model(qwen3, kv_heads * ratio, kv_heads, layers, tied, seed)
+    shape = ModelShape.from_hf(model.config)
+    if kv_heads % tp:
+        with pytest.raises(UserError, match=f"tp={tp} must divide the model's num_key_value_heads"):
+            shape.check_layout(tp, pp)
+        return
+    shape.check_layout(tp, pp)
+    hf = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    back = []
+    for stage in range(pp):
+        shards = [hf_to_megatron(hf, shape, rank, tp, stage, pp) for rank in range(tp)]
+        assert all(list(s) == stage_names(shape, stage, pp) for s in shards)
+        back += stage_to_hf(((name, [s[name] for s in shards]) for name in shards[0]), shape, stage, pp)
+    assert sorted(name for name, _ in back) == sorted(hf)  # every tensor once (a tied one under both names)
+    back = dict(back)
+    assert back.keys() == hf.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_fused_qkv_interleaves_query_groups():
+    """Megatron's row order, spelt out for 4 heads in 2 groups on 2 TP ranks: rank r holds group r's
+    q heads, then its k head, then its v head."""
+    model = random_model(False, 4, 2, 2, True, 0)
+    shape = ModelShape.from_hf(model.config)
+    hf = model.state_dict()
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"].view(-1, 8, 32) for p in "qkv")
+    for rank in range(2):
+        fused = hf_to_megatron(hf, shape, rank, 2, 0, 1)["decoder.layers.0.self_attention.linear_qkv.weight"]
+        expected = torch.cat([q[2 * rank], q[2 * rank + 1], k[rank], v[rank]])
+        assert torch.equal(fused, expected)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(tp=4), "tp=4 must divide the model's num_key_value_heads=2"),
+    (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
+    (dict(cp=2), "does not build cp=2"),
+    (dict(dp=2, fsdp=True), "does not build fsdp=true"),
+])
+def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
+    shape = ModelShape.from_hf(load_model(tiny_model_dir).config)
+    with pytest.raises(UserError, match=message) as error:
+        check_layout(ParallelDims(**sizes), shape)
+    assert "\n" not in str(error.value)
+
+
+def test_ppo_critic_is_refused_with_one_line(tiny_model_dir):
+    with pytest.raises(UserError, match="does not build the PPO critic"):
+        MegatronTrainEngine(str(tiny_model_dir), "critic")

@@ -81,8 +81,10 @@ def test_ppo_critic_trains_the_same_under_tensor_parallelism(tiny_model_dir, ref
 
 
 @pytest.mark.slurm
-def test_tensor_parallel_step_under_srun_across_two_nodes(tiny_model_dir, reference_folder, tmp_path):
-    """Two ranks placed by ``srun`` on train1 and rollout1 (SLURM_PROCID, a name-resolve rendezvous)."""
+@pytest.mark.parametrize("engine", ["torch", "megatron"])
+def test_tensor_parallel_step_under_srun_across_two_nodes(engine, tiny_model_dir, reference_folder, tmp_path):
+    """Two ranks placed by ``srun`` on train1 and rollout1 (SLURM_PROCID, a name-resolve rendezvous), against
+    the torch engine in one process."""
     reference = single_process("torch", str(tiny_model_dir), reference_folder)
     out, log = tmp_path / "srun.pt", tmp_path / "srun.log"
     script = tmp_path / "tp2.sbatch"
@@ -90,7 +92,7 @@ def test_tensor_parallel_step_under_srun_across_two_nodes(tiny_model_dir, refere
 #SBATCH --job-name=areal-hpc-test-tp2 -p all -N 2 -n 2 --ntasks-per-node=1 --mem-per-cpu=1500M
 #SBATCH --output={log} --chdir={REPO}
 export {RENDEZVOUS}={tmp_path}/rendezvous/$SLURM_JOB_ID OMP_NUM_THREADS=1
-srun {sys.executable} -m tests.trainer_processes {tiny_model_dir} {out} actor.engine=torch {' '.join(STEP)} \\
+srun {sys.executable} -m tests.trainer_processes {tiny_model_dir} {out} actor.engine={engine} {' '.join(STEP)} \\
     actor.parallel.tp=2
 """)
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}

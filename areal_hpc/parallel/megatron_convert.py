@@ -40,7 +40,8 @@ LAYER_RULES = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), ROW),
 }
-EMBEDDING, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
+EMBEDDING, FINAL_NORM, OUTPUT = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
+                                 "output_layer.weight")
 GLOBAL_RULES = {EMBEDDING: (("model.embed_tokens.weight",), COLUMN), FINAL_NORM: (("model.norm.weight",), REPLICATED),
                 OUTPUT: (("lm_head.weight",), COLUMN)}
 

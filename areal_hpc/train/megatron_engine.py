@@ -29,13 +29,15 @@ import torch.distributed as dist
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import DTYPES, save_model
+from areal_hpc.models.hf import save_model
 from areal_hpc.parallel import megatron_shim
+from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.megatron_convert import (ModelShape, gpt_model_args, hf_to_megatron, stage_to_hf,
                                                  transformer_config)
 from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
-from areal_hpc.train.engine import OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket, merge_stats, weight_buckets
+from areal_hpc.train.engine import (OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket, merge_stats,
+                                    weight_buckets)
 from areal_hpc.train.optim import build_optimizer, build_scheduler
 from areal_hpc.train.sequence_batch import SequenceBatch
 
@@ -101,17 +103,19 @@ class MegatronTrainEngine:
                  max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32"):
         from transformers import AutoConfig
 
+        if compute_dtype != "float32":
+            raise UserError(f"actor.engine=megatron does not build model.compute_dtype={compute_dtype} yet (Megatron's "
+                            "linear layers take no autocast); set model.compute_dtype=float32")
         if kind != "policy":
             raise UserError("actor.engine=megatron does not build the PPO critic yet; use actor.engine=torch "
                             "with actor.adv_estimator=ppo")
         if mesh is None:  # one process: a group of one
-            device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
+            device = resolve_device("auto")
             if not dist.is_initialized():
                 init_distributed(device)
             mesh = build_mesh(ParallelDims(), device)
         self.mesh, self.device, self.tokenizer = mesh, mesh.device, tokenizer
         self.rank, self.temperature, self.max_tokens_per_mb = dist.get_rank(), temperature, max_tokens_per_mb
-        self.compute_dtype = DTYPES[compute_dtype]
         self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         self.shape = ModelShape.from_hf(self.hf_config)
         check_layout(mesh.dims, self.shape)
@@ -142,8 +146,8 @@ class MegatronTrainEngine:
         # which the gradient norm reads; the loaded weights then replace the random ones.
         self.config = transformer_config(self.shape, dims.tp, dims.pp, use_cpu_initialization=True,
                                          perform_initialization=True, calculate_per_token_loss=True,
-                                         variable_seq_lengths=True,
-                                         moe_token_dispatcher_type="alltoall")  # a dense model; the default refuses variable lengths
+                                         variable_seq_lengths=True,  # micro-batches of any length across stages
+                                         moe_token_dispatcher_type="alltoall")  # dense; "allgather" refuses the above
         if self.device.type == "cuda" and _has_transformer_engine():
             spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm)
         else:
@@ -189,10 +193,6 @@ class MegatronTrainEngine:
                 tensor.copy_(state[name])
 
     # --- passes -------------------------------------------------------------------------------
-    def _compute(self):
-        lower = self.compute_dtype != torch.float32
-        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=lower)
-
     def _microbatches(self, batch: SequenceBatch) -> list[tuple[list[int], PackedBatch, dict[str, torch.Tensor]]]:
         passes = []
         for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
@@ -219,8 +219,7 @@ class MegatronTrainEngine:
         def step(iterator, model):
             _, packed, fields = next(iterator)
             sequences = PackedSequences.from_cu_seqlens(packed.cu_seqlens)
-            with self._compute():
-                logits = model(packed.input_ids, packed.position_ids, None, packed_seq_params=sequences)
+            logits = model(packed.input_ids, packed.position_ids, None, packed_seq_params=sequences)
 
             def loss(output):
                 return on_outputs(self._outputs(output, packed), packed, fields), torch.tensor(1), {}
@@ -250,17 +249,16 @@ class MegatronTrainEngine:
         self.root.eval()
         out: dict[str, list[torch.Tensor | None]] = {}
         passes = self._microbatches(batch)
+        order = iter(passes)  # the last stage sees the micro-batches' outputs in this order
 
         def keep(outputs: Outputs, packed: PackedBatch, fields) -> torch.Tensor:
-            indices = passes[keep.done][0]
-            keep.done += 1
+            indices = next(order)[0]
             lengths = [len(batch.sequences[i]) for i in indices]
             for name, values in outputs.items():
                 per_sequence = out.setdefault(name, [None] * len(batch))
                 for i, part in zip(indices, values.float().cpu().split(lengths)):
                     per_sequence[i] = part
             return torch.zeros(())
-        keep.done = 0
         self._run(passes, keep, forward_only=True)
         return self._from_last_stage(out)
 

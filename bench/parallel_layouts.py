@@ -62,8 +62,6 @@ def workload(vocab: int, seed: int = 0) -> list[Trajectory]:
 
 def rank_main(model: str, out: str, steps: int, overrides: list[str]) -> None:
     """One rank: ``steps`` timed PPO steps after a warm-up step; rank 0 writes the times."""
-    import torch.distributed as dist
-
     from areal_hpc.config import load_config
     from areal_hpc.train.build import build_actor, start_trainer
     from areal_hpc.train.trainer_group import TrainerGroup, follow
@@ -82,7 +80,6 @@ def rank_main(model: str, out: str, steps: int, overrides: list[str]) -> None:
         Path(out).write_text(json.dumps({"times": times[1:], "tokens": stats["train/tokens"]}))
     else:
         follow(actor, engines)
-    dist.destroy_process_group()
 
 
 def run_layout(model: Path, out: Path, engine: str, layout: str, steps: int) -> dict:
@@ -144,7 +141,10 @@ def report(result: dict) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        from areal_hpc.parallel.mesh import close_distributed
+
         rank_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
+        close_distributed()  # the engines are gone with rank_main's frame
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)

@@ -15,6 +15,7 @@ import sys
 
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import load_tokenizer
+from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.train.megatron_engine import MegatronTrainEngine
 from tests import native_ranks
 
@@ -34,3 +35,4 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    close_distributed()  # the engines are gone with main's frame

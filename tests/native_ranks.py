@@ -21,7 +21,7 @@ import torch.distributed as dist
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.mesh import build_mesh, init_distributed
+from areal_hpc.parallel.mesh import build_mesh, close_distributed, init_distributed
 from areal_hpc.train.engine import TorchTrainEngine
 from areal_hpc.train.logprobs import packed_policy_outputs, packed_values
 from areal_hpc.train.sequence_batch import SequenceBatch, balanced_parts
@@ -120,8 +120,8 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
     dist.gather_object({k: v for k, v in result.items() if k != "weights"}, every, dst=0)
     if rank == 0:
         torch.save({"ranks": every, "weights": result["weights"]}, out)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    close_distributed()  # the engines are gone with main's frame

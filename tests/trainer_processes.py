@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from areal_hpc.config import load_config
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
 from areal_hpc.train.trainer_group import TrainerGroup, follow
 from areal_hpc.launch.name_resolve import free_port
+from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.train.build import build_actor, start_trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +57,6 @@ def main(model: str, out: str, overrides: list[str]) -> None:
         torch.save({"weights": weights, "stats": stats}, out)
     else:
         follow(actor, engines)
-    dist.destroy_process_group()
 
 
 def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
@@ -79,3 +78,4 @@ def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    close_distributed()  # the engines are gone with main's frame

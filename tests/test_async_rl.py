@@ -146,11 +146,13 @@ def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_
     assert wait_for_no_processes(run) == []
 
 
-@pytest.mark.parametrize("stop", [signal.SIGUSR2, signal.SIGTERM], ids=["SIGUSR2", "SIGTERM"])
-def test_a_stop_signal_saves_at_once_and_resume_auto_continues_exactly(tiny_model_dir, tmp_path, stop):
-    """Slurm's stop warning (SIGUSR2) or a SIGTERM (scancel, requeue, Ctrl-C's cousin) on a local run:
-    the trainer saves the step it is at (no periodic checkpoint would), the launcher exits 75 with how
-    to continue, and --resume=auto loses nothing."""
+@pytest.mark.parametrize("stop, everyone", [(signal.SIGUSR2, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+                         ids=["SIGUSR2", "SIGTERM", "SIGTERM to every process"])
+def test_a_stop_signal_saves_at_once_and_resume_auto_continues_exactly(tiny_model_dir, tmp_path, stop, everyone):
+    """Slurm's stop warning (SIGUSR2) or a SIGTERM (scancel, requeue, Ctrl-C's cousin) on a local run,
+    to the launcher or, as Slurm does, to every process at once (the rollout servers die while the
+    trainer may be pushing weights to them): the trainer saves the step it is at (no periodic
+    checkpoint would), the launcher exits 75 with how to continue, and --resume=auto loses nothing."""
     args = train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=40", "rl.eval_every_steps=0",
                       "saver.freq_steps=1000")
     run = run_dir(tmp_path)
@@ -160,7 +162,7 @@ def test_a_stop_signal_saves_at_once_and_resume_auto_continues_exactly(tiny_mode
     while not ((run / "metrics.jsonl").exists() and any(r["step"] >= 3 for r in metrics(run))):
         assert launcher.poll() is None and time.monotonic() < deadline, "run ended or stalled before step 3"
         time.sleep(0.1)
-    os.kill(launcher.pid, stop)
+    (os.killpg if everyone else os.kill)(launcher.pid, stop)
     stderr = launcher.communicate(timeout=60)[1]
     assert launcher.returncode == 75, stderr[-3000:]
     assert "--resume" in stderr.splitlines()[-1]

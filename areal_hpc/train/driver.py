@@ -23,9 +23,7 @@ import multiprocessing.resource_tracker
 import signal
 import sys
 import time
-from collections.abc import Iterator
-
-import torch.distributed as dist
+from collections.abc import AsyncIterator, Iterator
 
 from areal_hpc.config import RunConfig, load_config
 from areal_hpc.data.prompts import PromptStream
@@ -34,6 +32,7 @@ from areal_hpc.data.registry import build_task
 from areal_hpc.data.shards.consumer import TrajectoryConsumer
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.errors import UserError
+from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.rollout.client import RolloutClient, RolloutError
 from areal_hpc.rollout.workflows import Scorer
 from areal_hpc.train.build import (build_actor, build_controller, build_weight_sync, open_shards,
@@ -125,21 +124,26 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
             try:
                 for step in range(version, total):
                     tick = time.perf_counter()
-                    episodes = await until_stopped(controller.prepare_batch(batch_size), stop)  # gate, generate, reward
+                    async with stopping_wins(stop, lambda: stop_now(step)):
+                        episodes = await until_stopped(controller.prepare_batch(batch_size), stop)  # gate, generate, reward
                     if episodes is None:
                         stop_now(step)
                     waited = time.perf_counter() - tick
                     batch = consumer.take_ids([i for e in episodes for i in e.ids])  # read back from the shards
                     stats = await asyncio.to_thread(group.update, batch)          # recompute + PPO steps
-                    if stop.is_set():  # saved without a weight push: servers may be stopping too
+
+                    def trained_then_stop() -> None:  # the step is trained; its weight push is not needed
                         progress.trained(step + 1, batch, stats, waited, time.perf_counter() - tick, controller)
                         stop_now(step + 1)
-                    stats |= await sync.stage(actor, step + 1)                    # written while generation goes on
-                    await evaluation
-                    await (controller.pause() if cfg.rl.interruptible else controller.drain())
-                    stats |= await sync.push(actor, client, step + 1)             # new weights to every server
-                    controller.set_version(step + 1)
-                    await controller.resume()
+                    if stop.is_set():  # saved without a weight push: servers may be stopping too
+                        trained_then_stop()
+                    async with stopping_wins(stop, trained_then_stop):
+                        stats |= await sync.stage(actor, step + 1)                # written while generation goes on
+                        await evaluation
+                        await (controller.pause() if cfg.rl.interruptible else controller.drain())
+                        stats |= await sync.push(actor, client, step + 1)         # new weights to every server
+                        controller.set_version(step + 1)
+                        await controller.resume()
                     progress.trained(step + 1, batch, stats, waited, time.perf_counter() - tick, controller)
                     if evaluation_due(step + 1):
                         evaluation = asyncio.create_task(evaluate(step + 1))
@@ -155,6 +159,25 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
                 progress.rollout_counts(controller)  # the last counts, however the run ends
     actor.save(cfg.run_dir / "model", optimizer=False)  # for `areal-hpc eval --model`
     progress.plot()
+
+
+STOP_GRACE_S = 2.0  # how long an error waits for the stop signal that may have caused it
+
+
+@contextlib.asynccontextmanager
+async def stopping_wins(stop: asyncio.Event, save_and_stop) -> AsyncIterator[None]:
+    """Rollout-side work while a stop signal may arrive: Slurm signals every task of the job at once,
+    so the servers may be gone before the trainer's handler has run. An error with a stop signal
+    (already, or within ``STOP_GRACE_S``) is the stop's doing: ``save_and_stop()`` (the checkpoint of the
+    last trained step, then ``StopRequested``) instead of failing the run without one."""
+    try:
+        yield
+    except Exception:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), STOP_GRACE_S)
+        if not stop.is_set():
+            raise
+        save_and_stop()
 
 
 async def until_stopped(work, stop: asyncio.Event):
@@ -203,32 +226,37 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         rank, mesh = start_trainer(cfg)
-        actor, engines = build_actor(cfg, mesh)
-        checkpoint = latest_checkpoint(cfg.run_dir) if args.resume else None
-        state = load_checkpoint(checkpoint, engines) if checkpoint else {"step": 0}
         try:
-            if rank == 0:
-                group = TrainerGroup(actor, engines, mesh, cfg)
-                try:
-                    asyncio.run(drive(cfg, group, state, early))
-                except StopRequested:
-                    group.stop()  # the other ranks exit too (they ignore the stop signals)
-                    return SAVED_AND_STOPPED
-                finally:  # the loop's handlers are gone: a warning now must not kill a finished run
-                    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-                group.stop()  # only on success: after a failure the launcher stops the other ranks
-            else:
-                for signum in STOP_SIGNALS:  # rank 0 decides; the launcher stops this rank
-                    signal.signal(signum, signal.SIG_IGN)
-                follow(actor, engines)
+            return train(cfg, rank, mesh, args.resume, early)
         finally:
-            dist.destroy_process_group()
+            close_distributed()  # after ``train`` returned: its engines are gone
     except UserError as exc:
         print(f"areal-hpc: error: {exc}", file=sys.stderr)
         return 2
     except RolloutError as exc:  # the failure budget is spent, or every rollout server is gone
         print(f"areal-hpc: error: {exc}", file=sys.stderr)
         return 1
+
+
+def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal) -> int:
+    """This rank's part of the run: rank 0 drives it, the others follow. 0, or ``SAVED_AND_STOPPED``."""
+    actor, engines = build_actor(cfg, mesh)
+    checkpoint = latest_checkpoint(cfg.run_dir) if resume else None
+    state = load_checkpoint(checkpoint, engines) if checkpoint else {"step": 0}
+    if rank != 0:
+        for signum in STOP_SIGNALS:  # rank 0 decides; the launcher stops this rank
+            signal.signal(signum, signal.SIG_IGN)
+        follow(actor, engines)
+        return 0
+    group = TrainerGroup(actor, engines, mesh, cfg)
+    try:
+        asyncio.run(drive(cfg, group, state, early))
+    except StopRequested:
+        group.stop()  # the other ranks exit too (they ignore the stop signals)
+        return SAVED_AND_STOPPED
+    finally:  # the loop's handlers are gone: a warning now must not kill a finished run
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    group.stop()  # only on success: after a failure the launcher stops the other ranks
     return 0
 
 

@@ -1,7 +1,9 @@
-"""Training tokens/s of every parallel layout of the torch engine against the single-process baseline of
-the same engine, in one run (a correctness-first figure on CPU: see below).
+"""Training tokens/s of every parallel layout of each engine (torch, megatron) against the single-process
+baseline of the same engine, in one run (a correctness-first figure on CPU: see below).
 
-    .venv/bin/python bench/parallel_layouts.py [--steps 4] [--preset small] [--save]   (pp2 and cp2 rows: "not run" until built)
+    .venv/bin/python bench/parallel_layouts.py [--steps 4] [--preset small] [--engines torch megatron] [--save]
+
+A layout an engine does not build is a "not run" row with its one-line reason.
 
 Each layout starts its ranks as real gloo processes on loopback (as ``tests/trainer_processes.py``
 does) through the trainer's own path: ``build_actor`` on the ``actor.parallel`` mesh, ``TrainerGroup``
@@ -44,6 +46,7 @@ LAYOUTS = {  # name -> (processes, overrides); the single-process baseline first
     "pp2": (2, ("actor.parallel.pp=2",)),
     "cp2": (2, ("actor.parallel.cp=2",)),
     "tp2xfsdp2": (4, ("actor.parallel.tp=2", "actor.parallel.fsdp=true")),
+    "tp2xpp2": (4, ("actor.parallel.tp=2", "actor.parallel.pp=2")),
 }
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,7 +152,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
-    parser.add_argument("--engines", nargs="+", default=["torch"], choices=["torch"])
+    parser.add_argument("--engines", nargs="+", default=["torch", "megatron"], choices=["torch", "megatron"])
     parser.add_argument("--save", action="store_true")
     run_and_record("parallel_layouts", parser.parse_args(), run, report)
 

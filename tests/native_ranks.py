@@ -3,7 +3,7 @@ PPO-like weighted loss on its data-parallel share of a seeded packed batch (``re
 same in one process), and rank 0 writes what every rank saw to OUT.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p OMP_NUM_THREADS=1 \
-        python -m tests.native_ranks MODEL OUT dp=2 tp=2 fsdp=1 [critic=1] [empty=1] [save=DIR] [load=DIR]
+        python -m tests.native_ranks MODEL OUT dp=2 tp=2 pp=2 fsdp=1 [critic=1] [empty=1] [save=DIR] [load=DIR]
 
 critic=1 trains a value model (the critic's token classifier) instead of the policy; empty=1 gives the whole batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after
 the step and checks that a second engine loading DIR takes the same next step; load=DIR only loads
@@ -23,7 +23,7 @@ from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import build_mesh, close_distributed, init_distributed
 from areal_hpc.train.engine import TorchTrainEngine
-from areal_hpc.train.logprobs import packed_policy_outputs, packed_values
+from areal_hpc.train.logprobs import PolicyOutputs, ValueOutputs
 from areal_hpc.train.sequence_batch import SequenceBatch, balanced_parts
 
 MAX_TOKENS_PER_MB = 40  # several micro-batches per share
@@ -62,8 +62,8 @@ def engine_on(model_dir, mesh=None, critic: bool = False) -> TorchTrainEngine:
     """Adam's eps is raised so that its first step is near-linear in the gradient (with the default,
     m/√v ≈ ±1 on elements whose gradient is ~0 turns rounding noise into lr-sized differences)."""
     torch.manual_seed(0)  # the critic's fresh value head
-    model, forward_fn = (load_critic(model_dir), packed_values) if critic else (load_model(model_dir),
-                                                                                packed_policy_outputs)
+    model, forward_fn = (load_critic(model_dir), ValueOutputs()) if critic else (load_model(model_dir),
+                                                                                 PolicyOutputs())
     return TorchTrainEngine(model, forward_fn, mesh=mesh, lr=1e-3, total_steps=4,
                             optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
                             max_tokens_per_mb=MAX_TOKENS_PER_MB, tokenizer=load_tokenizer(model_dir))

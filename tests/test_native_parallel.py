@@ -53,6 +53,9 @@ LAYOUTS = {  # name: (processes, options)
     "fsdp2_empty_share": (2, ["dp=2", "fsdp=1", "empty=1"]),
     "tp2": (2, ["tp=2"]),
     "tp2_dp2": (4, ["tp=2", "dp=2"]),
+    "pp2": (2, ["pp=2"]),
+    "tp2_pp2": (4, ["tp=2", "pp=2"]),
+    "pp2_fsdp2_empty_share": (4, ["pp=2", "dp=2", "fsdp=1", "empty=1"]),
 }
 
 
@@ -62,8 +65,9 @@ def test_one_step_equals_one_process(layout, tiny_model_dir, reference, tmp_path
     assert_same_step(run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options), reference)
 
 
-def test_critic_step_on_tp2_fsdp2_equals_one_process(tiny_model_dir, tmp_path):
-    got = run_ranks(4, tiny_model_dir, tmp_path / "out.pt", "tp=2", "dp=2", "fsdp=1", "critic=1")
+@pytest.mark.parametrize("world, options", [(4, ["tp=2", "dp=2", "fsdp=1"]), (2, ["pp=2"])], ids=["tp2_fsdp2", "pp2"])
+def test_critic_step_equals_one_process(world, options, tiny_model_dir, tmp_path):
+    got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "critic=1")
     assert_same_step(got, reference_run(tiny_model_dir, critic=True))
 
 
@@ -76,15 +80,25 @@ def test_tp2_fsdp2_checkpoint_restores_the_step_and_loads_into_other_layouts(tin
     plain = load_model(folder).state_dict()  # a complete Hugging Face folder
     for name, tensor in saved.items():
         assert torch.equal(tensor, got["weights"][name]) and torch.equal(plain[name], tensor), name
-    for options in (["dp=2"], ["tp=2"]):  # re-sharded into other layouts
+    for options in (["dp=2"], ["tp=2"], ["pp=2"]):  # re-sharded into other layouts
         loaded = run_ranks(2, tiny_model_dir, tmp_path / "loaded.pt", *options, f"load={folder}")["weights"]
         assert list(loaded) == list(reference["weights"])
         for name, tensor in loaded.items():
             assert torch.equal(tensor, plain[name]), (options, name)
 
 
+def test_pp2_checkpoint_restores_the_step(tiny_model_dir, reference, tmp_path):
+    folder = tmp_path / "checkpoint"
+    got = run_ranks(2, tiny_model_dir, tmp_path / "saved.pt", "pp=2", f"save={folder}")
+    assert_same_step(got, reference)
+    assert got["ranks"][0]["restored_step_diff"] == 0.0
+    saved = load_model(folder).state_dict()  # the stages' layers, embeddings and head in one folder
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("sizes, message", [
-    (dict(pp=2), "pp=2"), (dict(cp=2, dp=1), "cp=2"), (dict(dp=2, ep=2), "ep=2"),
+    (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"), (dict(cp=2, dp=1), "cp=2"), (dict(dp=2, ep=2), "ep=2"),
     (dict(tp=3), "tp=3 must divide the model's num_attention_heads=4"),
 ])
 def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):

@@ -9,7 +9,9 @@ What it does on purpose, and what it does not:
   log-softmax then needs no vocabulary-parallel logsumexp); no sequence parallelism.
 - Losses carry the whole minibatch's normaliser, so data-parallel gradients are summed, not averaged
   (gradient divide factor 1).
-- Context, pipeline and expert parallelism are not built: ``check_layout`` names them.
+- Pipeline parallelism cuts the model into stages first (``parallel.pipeline``: each rank keeps its
+  stage's layers, the engine runs a 1F1B schedule); TP and data parallelism then apply per stage.
+- Context and expert parallelism are not built: ``check_layout`` names them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh
+from areal_hpc.parallel.pipeline import check_stages, keep_stage
 
 TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
@@ -35,24 +38,28 @@ STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 class PackedForward(torch.nn.Module):
     """The root of the data-parallel hooks: one call of ``forward_fn(model, packed)`` (which reaches
-    the decoder and the LM head directly, not through ``model.forward``)."""
+    the decoder and the LM head directly, not through ``model.forward``). A pipeline stage's also takes
+    the previous stage's ``hidden`` and returns its own hidden state unless it is the last."""
 
-    def __init__(self, model: torch.nn.Module, forward_fn: Callable):
+    def __init__(self, model: torch.nn.Module, forward_fn: Callable, stage: int = 0, stages: int = 1):
         super().__init__()
         self.model, self.forward_fn = model, forward_fn
+        self.pipelined, self.last_stage = stages > 1, stage == stages - 1
 
-    def forward(self, packed):
-        return self.forward_fn(self.model, packed)
+    def forward(self, packed, hidden=None):
+        if not self.pipelined:
+            return self.forward_fn(self.model, packed)
+        return self.forward_fn(self.model, packed, hidden, last=self.last_stage)
 
 
 def check_layout(dims: ParallelDims, config) -> None:
     """Raise ``UserError`` for a layout this engine does not build, or one the model cannot split into."""
-    unsupported = {name: getattr(dims, name) for name in ("pp", "cp", "ep", "vpp") if getattr(dims, name) > 1}
+    unsupported = {name: getattr(dims, name) for name in ("cp", "ep", "vpp") if getattr(dims, name) > 1}
     if unsupported:
         sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
         raise UserError(f"actor.engine=torch does not build {sizes} yet; it supports dp (replicated or "
-                        "actor.parallel.fsdp=true) and tp: use actor.engine=megatron for pipeline, context or "
-                        "expert parallelism")
+                        "actor.parallel.fsdp=true), tp and pp: use actor.engine=megatron for context or expert "
+                        "parallelism")
     if dims.sequence_parallel:
         raise UserError("actor.engine=torch does not support actor.parallel.sequence_parallel=true (tp keeps "
                         "activations replicated); set it to false or use actor.engine=megatron")
@@ -61,6 +68,8 @@ def check_layout(dims: ParallelDims, config) -> None:
     for name, size in sizes.items():
         if size % dims.tp:
             raise UserError(f"actor.parallel.tp={dims.tp} must divide the model's {name}={size}")
+    if dims.pp > 1:
+        check_stages(config, dims.pp)
 
 
 def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -> PackedForward:
@@ -69,12 +78,17 @@ def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -
     check_layout(mesh.dims, model.config)
     for tensor in [*model.parameters(), *model.buffers()]:
         dist.broadcast(tensor.data, src=0)
+    stage, stages = mesh.coords["pp"], mesh.dims.pp
+    if stages > 1:
+        if not hasattr(forward_fn, "head"):
+            raise TypeError("pipeline stages need a forward_fn with a head (train.logprobs.StageOutputs)")
+        keep_stage(model, stage, stages)
     layers = model.base_model.layers
     if mesh.dims.tp > 1:
         plan = {name: STYLES[style]() for name, style in TP_PLAN.items()}
         for layer in layers:
             parallelize_module(layer, mesh["tp"], plan)
-    root = PackedForward(model, forward_fn)
+    root = PackedForward(model, forward_fn, stage, stages)
     if mesh.dims.dp > 1:
         wrap = fully_shard if mesh.dims.fsdp else replicate
         for unit in [*layers, root]:  # root last: it holds what no layer does (embeddings, norm, head)
@@ -111,22 +125,27 @@ def load_full_state(root: PackedForward, state: dict[str, torch.Tensor]) -> list
     return missing
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The global gradient norm over plain and sharded gradients (DTensors on different meshes), and
-    gradients scaled to at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` does). Without
-    sharded gradients it is torch's own, bit for bit: the tiny demo's SFT outcome changes with the last
-    digit of the norm (74.5% vs 25% held-out accuracy for the same seed)."""
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stages: dist.ProcessGroup | None = None,
+                   uncounted: torch.nn.Parameter | None = None) -> torch.Tensor:
+    """The global gradient norm over plain and sharded gradients (DTensors on different meshes) and,
+    given the pipeline's group ``stages``, over every stage's parameters; gradients are scaled to at
+    most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` does). ``uncounted`` is scaled but left
+    out of the norm (a tied copy that another stage counts). Without sharded gradients or stages it
+    is torch's own, bit for bit: the tiny demo's SFT outcome changes with the last digit of the norm
+    (74.5% vs 25% held-out accuracy for the same seed)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(isinstance(g, DTensor) for g in grads):
+    if stages is None and not any(isinstance(g, DTensor) for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     squares: dict = {}  # one reduction per (mesh, placements) rather than one per tensor
-    for g in grads:
+    for g in (p.grad for p in params if p.grad is not None and p is not uncounted):
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
         square = torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         squares[key] = square if key not in squares else squares[key] + square
-    if not squares:
-        return torch.zeros(())
-    norm = torch.stack([s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()]).sum().sqrt()
+    total = sum((s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()),
+                torch.zeros((), dtype=torch.float32, device=params[0].device if params else None))
+    if stages is not None:
+        dist.all_reduce(total, group=stages)
+    norm = total.sqrt()
     coef = min(1.0, max_norm / (float(norm) + 1e-6))
     for g in grads:
         g.mul_(coef)

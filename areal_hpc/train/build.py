@@ -11,7 +11,6 @@ model) and ``--resume`` then loads the checkpoint over it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 
 import torch
@@ -36,7 +35,7 @@ from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.engine import TorchTrainEngine, TrainEngine
-from areal_hpc.train.logprobs import packed_policy_outputs, packed_values
+from areal_hpc.train.logprobs import PolicyOutputs, ValueOutputs
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 SHARD_WRITER = "rollout"
@@ -78,10 +77,10 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
 
             return MegatronTrainEngine(path, kind, temperature=temperature, **common)
         if kind == "critic":
-            return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, device), packed_values,
+            return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, device), ValueOutputs(),
                                     **common)
         network = load_model(path, model.dtype, model.attn_impl, device).requires_grad_(lr is not None)
-        return TorchTrainEngine(network, functools.partial(packed_policy_outputs, temperature=temperature), **common)
+        return TorchTrainEngine(network, PolicyOutputs(temperature), **common)
 
     engines = {"actor": engine("policy", actor_cfg.lr)}
     if actor_cfg.adv_estimator == "ppo":

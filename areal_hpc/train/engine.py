@@ -1,6 +1,7 @@
 """Training engines: the ``TrainEngine`` protocol (DESIGN.md section 5) that the PPO actor, SFT,
 checkpoints and the weight push use, and its PyTorch-native implementation (the plain Hugging Face
-model parallelised by ``parallel.native``: DTensor TP, FSDP2 or replicate; gloo on CPU, NCCL on GPU).
+model parallelised by ``parallel.native``: DTensor TP, FSDP2 or replicate, pipeline stages run by
+``parallel.pipeline``; gloo on CPU, NCCL on GPU).
 A Megatron engine implements the same protocol.
 
 Losses are weighted sums whose weights already carry the normaliser of the whole minibatch (see
@@ -17,13 +18,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import DTYPES, save_model
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.parallel.native import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
+from areal_hpc.parallel.pipeline import Pipeline
 from areal_hpc.train.optim import build_optimizer, build_scheduler
 from areal_hpc.train.sequence_batch import SequenceBatch
 
@@ -33,6 +36,7 @@ LossFn = Callable[[Outputs, PackedBatch, dict[str, torch.Tensor]], tuple[torch.T
 WeightBucket = list[tuple[str, torch.Tensor]]
 TRAINING_STATE = "training_state.pt"
 OPTIMIZER_SHARDS = "optimizer"  # a sharded engine's optimizer state: one torch.distributed.checkpoint
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class TrainEngine(Protocol):
@@ -113,6 +117,7 @@ class TorchTrainEngine:
         self.max_tokens_per_mb = max_tokens_per_mb
         self.rank = dist.get_rank() if mesh is not None else 0
         self.root = parallelize(model, forward_fn, mesh) if mesh is not None else PackedForward(model, forward_fn)
+        self.pipeline = Pipeline(model, mesh) if mesh is not None and mesh.dims.pp > 1 else None
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
         self.optimizer = build_optimizer(model, optimizer, lr) if optimizer else None  # on the sharded parameters
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
@@ -143,14 +148,25 @@ class TorchTrainEngine:
     @torch.no_grad()
     def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
         self.root.eval()  # recomputed logprobs and values are the policy's, never a dropout sample
-        out: dict[str, list[torch.Tensor | None]] = {}
-        for indices, packed, _ in self._passes(batch):
+        passes = self._passes(batch)
+
+        def run(i: int, hidden: torch.Tensor | None):
             with self._compute():
-                outputs = self.root(packed)
+                outputs = self.root(passes[i][1], hidden)
+            if self.pipeline is not None and not self.pipeline.is_last:
+                return outputs  # the activation for the next stage
+            return {name: values.float().cpu() for name, values in outputs.items()}
+
+        if self.pipeline is None:
+            per_pass = [run(i, None) for i in range(len(passes))]
+        else:
+            per_pass = self.pipeline.forward([p.input_ids.shape[1] for _, p, _ in passes], run)
+        out: dict[str, list[torch.Tensor | None]] = {}
+        for (indices, _, _), outputs in zip(passes, per_pass):
             lengths = [len(batch.sequences[i]) for i in indices]
             for name, values in outputs.items() if indices else ():
                 per_sequence = out.setdefault(name, [None] * len(batch))
-                for i, part in zip(indices, values.float().cpu().split(lengths)):
+                for i, part in zip(indices, values.split(lengths)):
                     per_sequence[i] = part
         return out
 
@@ -160,37 +176,64 @@ class TorchTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         passes = self._passes(batch)
-        for step, (indices, packed, fields) in enumerate(passes):
-            if self._data_parallel():  # reduce once, after the last pass
-                self.root.set_requires_gradient_sync(step == len(passes) - 1)
+
+        def run(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+            """Pass i's loss (its output activation on a pipeline stage before the last)."""
+            indices, packed, fields = passes[i]
             with self._compute():
-                outputs = self.root(packed)
-            if indices:
-                loss, mb_stats = loss_fn(outputs, packed, fields)
-                parts.append({"loss": loss.item(), "microbatches": 1.0, **mb_stats})
-            else:  # an idle pass: every parameter in the graph, nothing added to the gradients
-                loss = sum(values.sum() for values in outputs.values()) * 0.0
-            loss.backward()
-        stats = merge_stats(parts)
+                outputs = self.root(packed, hidden)
+            if self.pipeline is not None and not self.pipeline.is_last:
+                return outputs
+            if not indices:  # an idle pass: every parameter in the graph, nothing added to the gradients
+                return sum(values.sum() for values in outputs.values()) * 0.0
+            loss, mb_stats = loss_fn(outputs, packed, fields)
+            parts.append({"loss": loss.item(), "microbatches": 1.0, **mb_stats})
+            return loss
+
+        def before_backward(i: int) -> None:
+            if self._data_parallel():  # reduce once, in the last pass's backward
+                self.root.set_requires_gradient_sync(i == len(passes) - 1)
+
+        if self.pipeline is None:
+            for i in range(len(passes)):
+                before_backward(i)
+                run(i, None).backward()
+            stats = merge_stats(parts)
+        else:
+            self.pipeline.train([p.input_ids.shape[1] for _, p, _ in passes], run, before_backward)
+            self.pipeline.sum_tied_gradients()
+            stats = self.pipeline.from_last_stage(merge_stats(parts))
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm(params, self.clip if self.clip > 0 else float("inf"))
+        max_norm = self.clip if self.clip > 0 else float("inf")
+        if self.pipeline is None:
+            grad_norm = clip_grad_norm(params, max_norm)
+        else:
+            grad_norm = clip_grad_norm(params, max_norm, self.mesh.group("pp"), self.pipeline.uncounted)
         stats["grad_norm"], stats["lr"] = float(grad_norm), self.scheduler.get_last_lr()[0]  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
         return stats
 
+    def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) of the whole model on global rank 0, nothing on the other
+        ranks. Collective: every rank iterates to the end."""
+        keep = self.rank == 0
+        if self.pipeline is None:
+            return ((n, t) for n, t in full_state(self.root, keep) if keep)
+        header = [(name.removeprefix("model."), t.shape, t.dtype) for name, t in self.root.state_dict().items()]
+        return self.pipeline.gathered(header, lambda lead: full_state(self.root, lead))
+
     def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """The full state dict under its Hugging Face names (tied weights appear under both names, as in
         the state dict the servers' models have), on this engine's device. Collective: every rank
         iterates to the end; global rank 0's buckets hold the tensors, the others' are empty."""
-        keep = self.rank == 0
-        return weight_buckets(((n, t) for n, t in full_state(self.root, keep) if keep), bucket_bytes)
+        return weight_buckets(self._full_state(), bucket_bytes)
 
     def save(self, folder: Path, *, optimizer: bool = True) -> None:
         """Collective: rank 0 writes the Hugging Face folder; with a mesh every rank writes its shard of
         the optimizer state (torch.distributed.checkpoint, in ``optimizer/``)."""
         keep = self.rank == 0
-        state = {name: tensor for name, tensor in full_state(self.root, keep) if keep}
+        state = dict(self._full_state())
         if keep:
             save_model(self.model, self.tokenizer, folder, state_dict=state)
         if not optimizer or self.optimizer is None:
@@ -200,7 +243,7 @@ class TorchTrainEngine:
             training["optimizer"] = self.optimizer.state_dict()
         else:
             dist.barrier()  # rank 0 has renamed the folder into place
-            dcp.save(get_optimizer_state_dict(self.root, self.optimizer), checkpoint_id=folder / OPTIMIZER_SHARDS)
+            dcp.save(self._optimizer_state(), checkpoint_id=folder / OPTIMIZER_SHARDS)
         if keep:
             torch.save(training, folder / TRAINING_STATE)
 
@@ -223,6 +266,15 @@ class TorchTrainEngine:
         if "optimizer" in training:
             self.optimizer.load_state_dict(training["optimizer"])
         else:
-            sharded = get_optimizer_state_dict(self.root, self.optimizer)
+            sharded = self._optimizer_state()
             dcp.load(sharded, checkpoint_id=folder / OPTIMIZER_SHARDS)
-            set_optimizer_state_dict(self.root, self.optimizer, sharded)
+            if self.pipeline is not None:
+                sharded = self.pipeline.rename_tied(sharded, to_embedding=False)
+            set_optimizer_state_dict(self.root, self.optimizer, sharded, options=FLAT)
+
+    def _optimizer_state(self) -> dict:
+        """This rank's optimizer state, flattened (every entry keyed by its parameter's name, so ranks
+        holding different parameters never write the same key) under the names one process uses
+        (``Pipeline.rename_tied``)."""
+        state = get_optimizer_state_dict(self.root, self.optimizer, options=FLAT)
+        return self.pipeline.rename_tied(state, to_embedding=True) if self.pipeline is not None else state

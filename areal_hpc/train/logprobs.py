@@ -27,9 +27,14 @@ from areal_hpc.models.varlen import packed_attention, padded_groups
 LOGITS_CHUNK_BYTES = 128 * 2**20
 
 
-def _packed_kwargs(batch: PackedBatch) -> dict:
-    return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                padded_groups=padded_groups(batch.cu_seqlens))
+def decoder_hidden(model: torch.nn.Module, batch: PackedBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H]: the decoder's last hidden state over a packed batch. A pipeline stage starts from
+    ``hidden`` [T, H], the previous stage's output, instead of the token embeddings (and a stage
+    before the last has no final norm: it returns its last layer's output)."""
+    inputs = {"input_ids": batch.input_ids} if hidden is None else {"inputs_embeds": hidden[None]}
+    with packed_attention(model):
+        return model.base_model(**inputs, position_ids=batch.position_ids, use_cache=False,
+                                padded_groups=padded_groups(batch.cu_seqlens)).last_hidden_state[0]
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
@@ -60,20 +65,50 @@ def target_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.T
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+class StageOutputs:
+    """Per-position outputs of a packed batch: the decoder, then ``head``. An engine's
+    ``forward_fn(model, batch)``; a pipeline stage passes the previous stage's ``hidden`` and whether
+    it is the ``last`` (the others return their hidden state)."""
+
+    def __call__(self, model: torch.nn.Module, batch: PackedBatch, hidden: torch.Tensor | None = None,
+                 last: bool = True):
+        hidden = decoder_hidden(model, batch, hidden)
+        return self.head(model, hidden, batch) if last else hidden
+
+    def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class PolicyOutputs(StageOutputs):
+    """The policy's outputs at the sampler's temperature."""
+
+    def __init__(self, temperature: float = 1.0):
+        self.temperature = temperature
+
+    def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
+        softmax(logits / temperature), and the entropy of p_T there; 0 where nothing is predicted."""
+        targets = batch.target_mask.nonzero()[:, 0]
+        logprobs, entropy = target_logprobs(hidden[targets], model.get_output_embeddings(),
+                                            batch.input_ids[0, targets + 1], self.temperature)
+        total = batch.input_ids.shape[1]
+        return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
+                "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
+
+
+class ValueOutputs(StageOutputs):
+    """A critic's outputs (its token classifier's)."""
+
+    def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """{"values"}: [T] the critic's value of the state after token t (where token t+1 is chosen)."""
+        return {"values": model.score(model.dropout(hidden))[:, 0].float()}
+
+
 def packed_policy_outputs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
-    """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
-    softmax(logits / temperature), and the entropy of p_T there; 0 where nothing is predicted."""
-    with packed_attention(model):
-        hidden = model.get_decoder()(**_packed_kwargs(batch)).last_hidden_state[0]
-    targets = batch.target_mask.nonzero()[:, 0]
-    logprobs, entropy = target_logprobs(hidden[targets], model.get_output_embeddings(),
-                                        batch.input_ids[0, targets + 1], temperature)
-    total = batch.input_ids.shape[1]
-    return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
-            "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
+    """``PolicyOutputs(temperature)`` of a packed batch: {"logprobs", "entropy"} per position."""
+    return PolicyOutputs(temperature)(model, batch)
 
 
 def packed_values(model: torch.nn.Module, batch: PackedBatch) -> dict[str, torch.Tensor]:
-    """{"values"}: [T] the critic's value of the state after token t (where token t+1 is chosen)."""
-    with packed_attention(model):
-        return {"values": model(**_packed_kwargs(batch)).logits[0, :, 0].float()}
+    """``ValueOutputs`` of a packed batch: {"values"} per position."""
+    return ValueOutputs()(model, batch)

@@ -54,8 +54,11 @@ LAYOUTS = {  # name: (processes, options)
     "tp2": (2, ["tp=2"]),
     "tp2_dp2": (4, ["tp=2", "dp=2"]),
     "pp2": (2, ["pp=2"]),
+    "pp4": (4, ["pp=4"]),  # middle stages: both neighbours, 1F1B warm-up of 3
     "tp2_pp2": (4, ["tp=2", "pp=2"]),
     "pp2_fsdp2_empty_share": (4, ["pp=2", "dp=2", "fsdp=1", "empty=1"]),
+    "cp2": (2, ["cp=2"]),
+    "cp2_fsdp2_empty_share": (4, ["cp=2", "dp=2", "fsdp=1", "empty=1"]),
 }
 
 
@@ -98,7 +101,7 @@ def test_pp2_checkpoint_restores_the_step(tiny_model_dir, reference, tmp_path):
 
 
 @pytest.mark.parametrize("sizes, message", [
-    (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"), (dict(cp=2, dp=1), "cp=2"), (dict(dp=2, ep=2), "ep=2"),
+    (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"), (dict(dp=2, ep=2), "ep=2"),
     (dict(tp=3), "tp=3 must divide the model's num_attention_heads=4"),
 ])
 def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):

@@ -35,6 +35,7 @@ LAYOUTS = {
     "tp2": (2, ("actor.parallel.tp=2",)),
     "tp2xfsdp2": (4, ("actor.parallel.tp=2", "actor.parallel.fsdp=true")),
     "pp2": (2, ("actor.parallel.pp=2",)),
+    "cp2": (2, ("actor.parallel.cp=2",)),
 }
 # Two optimizer steps (the second starts from sharded Adam state), with Adam's eps raised so its steps
 # are near-linear in the gradient: with the default, m/sqrt(v) ~ +-1 on elements whose gradient is ~0

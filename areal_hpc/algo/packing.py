@@ -7,7 +7,7 @@ block-diagonal causal mask, so a packed forward equals one forward per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -45,7 +45,13 @@ class PackedBatch:
         return int(self.target_mask.sum())
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+
+    def target_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions whose next token is trained, those next tokens)."""
+        targets = self.target_mask.nonzero()[:, 0]
+        return targets, self.input_ids[0, targets + 1]
 
 
 def pack(sequences: list[list[int]], loss_masks: list[list[int]]) -> PackedBatch:

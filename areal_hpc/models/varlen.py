@@ -97,12 +97,13 @@ def packed_attention_implementation(device: torch.device) -> str:
 
 
 @contextmanager
-def packed_attention(model: torch.nn.Module):
-    """Within the block, ``model`` attends over packed rows sequence by sequence. The model keeps its own
-    implementation outside (the in-process evaluation decodes with it and a KV cache)."""
+def packed_attention(model: torch.nn.Module, implementation: str | None = None):
+    """Within the block, ``model`` attends over packed rows sequence by sequence (with ``implementation``
+    when given, e.g. context parallelism's). The model keeps its own implementation outside (the
+    in-process evaluation decodes with it and a KV cache)."""
     config = model.config
     before = config._attn_implementation
-    config._attn_implementation = packed_attention_implementation(next(model.parameters()).device)
+    config._attn_implementation = implementation or packed_attention_implementation(next(model.parameters()).device)
     try:
         yield
     finally:

@@ -11,7 +11,9 @@ What it does on purpose, and what it does not:
   (gradient divide factor 1).
 - Pipeline parallelism cuts the model into stages first (``parallel.pipeline``: each rank keeps its
   stage's layers, the engine runs a 1F1B schedule); TP and data parallelism then apply per stage.
-- Context and expert parallelism are not built: ``check_layout`` names them.
+- Context parallelism deals each micro-batch's tokens over ``mesh["cp"]`` (``parallel.context``);
+  replicas then reduce gradients over ``mesh["dp_cp"]``.
+- Expert parallelism and virtual pipeline stages are not built: ``check_layout`` names them.
 """
 
 from __future__ import annotations
@@ -54,12 +56,11 @@ class PackedForward(torch.nn.Module):
 
 def check_layout(dims: ParallelDims, config) -> None:
     """Raise ``UserError`` for a layout this engine does not build, or one the model cannot split into."""
-    unsupported = {name: getattr(dims, name) for name in ("cp", "ep", "vpp") if getattr(dims, name) > 1}
+    unsupported = {name: getattr(dims, name) for name in ("ep", "vpp") if getattr(dims, name) > 1}
     if unsupported:
         sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
         raise UserError(f"actor.engine=torch does not build {sizes} yet; it supports dp (replicated or "
-                        "actor.parallel.fsdp=true), tp and pp: use actor.engine=megatron for context or expert "
-                        "parallelism")
+                        "actor.parallel.fsdp=true), tp, pp and cp")
     if dims.sequence_parallel:
         raise UserError("actor.engine=torch does not support actor.parallel.sequence_parallel=true (tp keeps "
                         "activations replicated); set it to false or use actor.engine=megatron")
@@ -89,10 +90,11 @@ def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -
         for layer in layers:
             parallelize_module(layer, mesh["tp"], plan)
     root = PackedForward(model, forward_fn, stage, stages)
-    if mesh.dims.dp > 1:
+    if mesh.dims.dp * mesh.dims.cp > 1:  # context-parallel ranks' gradients are partial sums too
         wrap = fully_shard if mesh.dims.fsdp else replicate
+        replicas = mesh["dp"] if mesh.dims.cp == 1 else mesh["dp_cp"]
         for unit in [*layers, root]:  # root last: it holds what no layer does (embeddings, norm, head)
-            wrap(unit, mesh=mesh["dp"])
+            wrap(unit, mesh=replicas)
             unit.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the whole minibatch
             unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
     return root

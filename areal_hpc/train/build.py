@@ -61,6 +61,9 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
     if not cfg.model.path:
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
     path, model, actor_cfg = cfg.model.path, cfg.model, cfg.actor
+    if actor_cfg.importance_level == "sequence" and mesh is not None and mesh.dims.cp > 1:
+        raise UserError(f"actor.importance_level=sequence (GSPO) takes each sequence's ratio over all its tokens, "
+                        f"but actor.parallel.cp={mesh.dims.cp} deals them over several ranks; use cp=1 with GSPO")
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
     optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
     temperature = sampler_temperature(cfg)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import DTYPES, save_model
+from areal_hpc.parallel.context import shard
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.parallel.native import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
 from areal_hpc.parallel.pipeline import Pipeline
@@ -124,7 +125,11 @@ class TorchTrainEngine:
         self._idle = pack([[0, 0]], [[0, 1]]).to(self.device)  # the pass of a rank out of micro-batches
 
     def _data_parallel(self) -> bool:
-        return self.mesh is not None and self.mesh.dims.dp > 1
+        """Whether gradients are reduced over replicas (data- and context-parallel ranks)."""
+        return self.mesh is not None and self.mesh.dims.dp * self.mesh.dims.cp > 1
+
+    def _context_parallel(self) -> bool:
+        return self.mesh is not None and self.mesh.dims.cp > 1
 
     def _compute(self):
         """Autocast to ``compute_dtype`` (matrix multiplies in bfloat16, master weights kept)."""
@@ -143,7 +148,27 @@ class TorchTrainEngine:
             count = torch.tensor(len(passes), device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.group("dp"))
             passes += [([], self._idle, {})] * (int(count) - len(passes))
+        if self._context_parallel():  # this rank's tokens of each pass, and of each per-position field
+            cp, rank, group = self.mesh.dims.cp, self.mesh.coords["cp"], self.mesh.group("cp")
+            passes = [(indices, shard(packed, cp, rank, group), fields) for indices, packed, fields in passes]
+            passes = [(indices, packed, {k: v[packed.split.local.to(v.device)] for k, v in fields.items()})
+                      for indices, packed, fields in passes]
         return passes
+
+    def _whole(self, packed: PackedBatch, values: torch.Tensor) -> torch.Tensor:
+        """Per-position outputs of a whole micro-batch from this rank's (its context shard's) ones."""
+        return packed.split.gather(values) if self._context_parallel() else values
+
+    def _merged_over_context(self, stats: dict[str, float]) -> dict[str, float]:
+        """A replica's statistics from its context-parallel ranks' (each saw part of every sequence)."""
+        if not self._context_parallel():
+            return stats
+        every = [None] * self.mesh.dims.cp
+        dist.all_gather_object(every, stats, group=self.mesh.group("cp"))
+        merged = merge_stats(every)
+        if "microbatches" in stats:
+            merged["microbatches"] = stats["microbatches"]
+        return merged
 
     @torch.no_grad()
     def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
@@ -155,7 +180,7 @@ class TorchTrainEngine:
                 outputs = self.root(passes[i][1], hidden)
             if self.pipeline is not None and not self.pipeline.is_last:
                 return outputs  # the activation for the next stage
-            return {name: values.float().cpu() for name, values in outputs.items()}
+            return {name: self._whole(passes[i][1], values).float().cpu() for name, values in outputs.items()}
 
         if self.pipeline is None:
             per_pass = [run(i, None) for i in range(len(passes))]
@@ -198,11 +223,12 @@ class TorchTrainEngine:
             for i in range(len(passes)):
                 before_backward(i)
                 run(i, None).backward()
-            stats = merge_stats(parts)
         else:
             self.pipeline.train([p.input_ids.shape[1] for _, p, _ in passes], run, before_backward)
             self.pipeline.sum_tied_gradients()
-            stats = self.pipeline.from_last_stage(merge_stats(parts))
+        stats = self._merged_over_context(merge_stats(parts))
+        if self.pipeline is not None:
+            stats = self.pipeline.from_last_stage(stats)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.clip if self.clip > 0 else float("inf")
         if self.pipeline is None:

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.models.varlen import packed_attention, padded_groups
+from areal_hpc.parallel.context import CONTEXT_SDPA, ContextShard
 
 LOGITS_CHUNK_BYTES = 128 * 2**20
 
@@ -32,9 +33,13 @@ def decoder_hidden(model: torch.nn.Module, batch: PackedBatch, hidden: torch.Ten
     ``hidden`` [T, H], the previous stage's output, instead of the token embeddings (and a stage
     before the last has no final norm: it returns its last layer's output)."""
     inputs = {"input_ids": batch.input_ids} if hidden is None else {"inputs_embeds": hidden[None]}
-    with packed_attention(model):
+    if isinstance(batch, ContextShard):  # a context-parallel rank's tokens: attention over every rank's
+        implementation, attention = CONTEXT_SDPA, {"context_split": batch.split}
+    else:
+        implementation, attention = None, {"padded_groups": padded_groups(batch.cu_seqlens)}
+    with packed_attention(model, implementation):
         return model.base_model(**inputs, position_ids=batch.position_ids, use_cache=False,
-                                padded_groups=padded_groups(batch.cu_seqlens)).last_hidden_state[0]
+                                **attention).last_hidden_state[0]
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
@@ -88,9 +93,9 @@ class PolicyOutputs(StageOutputs):
     def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
         """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
         softmax(logits / temperature), and the entropy of p_T there; 0 where nothing is predicted."""
-        targets = batch.target_mask.nonzero()[:, 0]
-        logprobs, entropy = target_logprobs(hidden[targets], model.get_output_embeddings(),
-                                            batch.input_ids[0, targets + 1], self.temperature)
+        targets, tokens = batch.target_tokens()
+        logprobs, entropy = target_logprobs(hidden[targets], model.get_output_embeddings(), tokens,
+                                            self.temperature)
         total = batch.input_ids.shape[1]
         return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
                 "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}

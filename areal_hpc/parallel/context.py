@@ -1,0 +1,147 @@
+"""Context parallelism for the PyTorch-native engine: every packed micro-batch's tokens are dealt over
+the ``mesh["cp"]`` ranks, and attention gathers keys and values from all of them.
+
+Each sequence is cut into 2 x cp chunks and cp rank r keeps chunks r and 2cp-1-r (the zig-zag
+split Megatron and torchtitan use: causal attention work is then even over the ranks). Chunks may
+differ by a token (``tensor_split``), so nothing is padded. Everything but attention is per token:
+embeddings, MLPs, norms and the LM head run on a rank's own tokens only. Attention is
+``context_sdpa``: a rank's queries attend to the whole sequence's keys and values, all-gathered over
+the cp group (differentiable: the backward sums every rank's gradient for the rank's own keys and
+values), under a causal mask by position within the sequence.
+
+What is exact and what is not built:
+- Token-level losses are sums over tokens, so the cp ranks' local losses sum to the whole one and
+  their gradients are summed with the data-parallel ones (the engine reduces over ``dp_cp``).
+- The next token a position is trained to predict may live on another rank: shards carry it
+  (``ContextShard.next_ids``).
+- Sequence-level quantities (GSPO's sequence ratio) would need sums across ranks: refused.
+- Keys and values are all-gathered per layer (memory of one whole micro-batch's K/V per layer), not
+  passed around a ring; fine for the sequence lengths RL trains on, not for 1M-token contexts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from areal_hpc.algo.packing import PackedBatch
+
+CONTEXT_SDPA = "context_sdpa"
+
+
+@dataclass
+class ContextSplit:
+    """Where a packed micro-batch's tokens went: ``local`` are this rank's packed positions (by
+    sequence, in order); ``counts`` how many each cp rank holds; ``gathered_order`` the packed
+    position of each token of all ranks' shards concatenated in rank order."""
+
+    local: torch.Tensor
+    counts: list[int]
+    gathered_order: torch.Tensor
+    rank: int
+    group: dist.ProcessGroup | None
+    starts: list[int]  # per sequence: packed start, length, and its queries' range in the local row
+    lengths: list[int]
+    query_ranges: list[tuple[int, int]]
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """[T] of the whole micro-batch from each rank's [t] (not differentiable)."""
+        longest = max(self.counts)
+        padded = F.pad(values, (0, longest - len(values)))
+        parts = [torch.empty_like(padded) for _ in self.counts]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        gathered = torch.cat([part[:count] for part, count in zip(parts, self.counts)])
+        return gathered.new_empty(len(gathered)).index_copy_(0, self.gathered_order.to(gathered.device), gathered)
+
+
+@dataclass
+class ContextShard(PackedBatch):
+    """A cp rank's share of a packed micro-batch: its tokens as a packed batch of its own (positions
+    within each sequence kept, ``cu_seqlens`` over its own tokens), the token each position predicts,
+    and how the shares fit together."""
+
+    next_ids: torch.Tensor = None  # [t] the token after each local position (0 past a sequence's end)
+    split: ContextSplit = None
+
+    def target_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        targets = self.target_mask.nonzero()[:, 0]
+        return targets, self.next_ids[targets]
+
+
+def zigzag_chunks(start: int, length: int, cp: int, rank: int) -> torch.Tensor:
+    """Packed positions of a sequence that cp rank ``rank`` keeps: chunks rank and 2cp-1-rank of 2cp."""
+    chunks = torch.arange(start, start + length).tensor_split(2 * cp)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
+def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | None) -> ContextShard:
+    """This cp rank's ``ContextShard`` of ``packed`` (every rank of the group computes the same plan)."""
+    starts = packed.cu_seqlens[:-1].tolist()
+    lengths = packed.cu_seqlens.diff().tolist()
+    per_rank = [[zigzag_chunks(s, n, cp, r) for s, n in zip(starts, lengths)] for r in range(cp)]
+    local = torch.cat(per_rank[rank]) if starts else torch.zeros(0, dtype=torch.long)
+    ids = packed.input_ids[0]
+    next_ids = torch.cat([ids[1:], ids.new_zeros(1)])
+    own = [len(part) for part in per_rank[rank]]
+    bounds = torch.tensor([0, *own]).cumsum(0)
+    split = ContextSplit(local=local, counts=[sum(len(p) for p in parts) for parts in per_rank],
+                         gathered_order=torch.cat([torch.cat(parts) for parts in per_rank]) if starts else local,
+                         rank=rank, group=group, starts=starts, lengths=lengths,
+                         query_ranges=list(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
+    device = packed.input_ids.device
+    local_on = local.to(device)
+    return ContextShard(input_ids=packed.input_ids[:, local_on], position_ids=packed.position_ids[:, local_on],
+                        target_mask=packed.target_mask[local_on], cu_seqlens=bounds.to(device),
+                        next_ids=next_ids[local_on], split=split)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """[1, H, t, D] per rank -> [1, H, T, D] of the whole micro-batch in packed order; the backward
+    sums every rank's gradient and returns this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+        ctx.split = split
+        longest = max(split.counts)
+        padded = F.pad(x, (0, 0, 0, longest - x.shape[2])).contiguous()
+        parts = [torch.empty_like(padded) for _ in split.counts]
+        dist.all_gather(parts, padded, group=split.group)
+        gathered = torch.cat([part[:, :, :count] for part, count in zip(parts, split.counts)], dim=2)
+        order = split.gathered_order.to(x.device)
+        return gathered.new_empty(gathered.shape).index_copy_(2, order, gathered)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        split = ctx.split
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=split.group)
+        return grad.index_select(2, split.local.to(grad.device)), None
+
+
+def context_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask, *, scaling: float | None = None, dropout: float = 0.0,
+                 context_split: ContextSplit, **_) -> tuple[torch.Tensor, None]:
+    """Hugging Face attention-interface function: this rank's q [1, H, t, D] against the whole
+    micro-batch's k/v (gathered) -> [1, t, H, D], each sequence attending causally to itself only."""
+    keys, values = _GatherTokens.apply(key, context_split), _GatherTokens.apply(value, context_split)
+    local = context_split.local.to(query.device)
+    gqa = key.shape[1] != query.shape[1]
+    out = []
+    for start, length, (first, last) in zip(context_split.starts, context_split.lengths, context_split.query_ranges):
+        q = query[0, :, first:last]
+        k, v = keys[0, :, start:start + length], values[0, :, start:start + length]
+        q_positions = local[first:last] - start
+        allowed = q_positions[:, None] >= torch.arange(length, device=query.device)[None, :]
+        with torch.autocast(query.device.type, enabled=False):
+            attended = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed,
+                                                      scale=scaling, enable_gqa=gqa,
+                                                      dropout_p=dropout if module.training else 0.0)
+        out.append(attended.to(query.dtype))
+    return torch.cat(out, dim=1).transpose(0, 1)[None], None
+
+
+AttentionInterface.register(CONTEXT_SDPA, context_sdpa)

@@ -13,7 +13,9 @@ What it does on purpose, and what it does not:
   stage's layers, the engine runs a 1F1B schedule); TP and data parallelism then apply per stage.
 - Context parallelism deals each micro-batch's tokens over ``mesh["cp"]`` (``parallel.context``);
   replicas then reduce gradients over ``mesh["dp_cp"]``.
-- Expert parallelism and virtual pipeline stages are not built: ``check_layout`` names them.
+- Expert parallelism splits a Mixture-of-Experts model's experts over ``mesh["ep"]``
+  (``parallel.experts``); they stay out of the data-parallel wrapping.
+- Virtual pipeline stages are not built: ``check_layout`` names them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.experts import shard_experts
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.parallel.pipeline import check_stages, keep_stage
 
@@ -47,6 +50,7 @@ class PackedForward(torch.nn.Module):
         super().__init__()
         self.model, self.forward_fn = model, forward_fn
         self.pipelined, self.last_stage = stages > 1, stage == stages - 1
+        self.expert_params: list[torch.nn.Parameter] = []  # split over the ep ranks, reduced over edp
 
     def forward(self, packed, hidden=None):
         if not self.pipelined:
@@ -56,11 +60,9 @@ class PackedForward(torch.nn.Module):
 
 def check_layout(dims: ParallelDims, config) -> None:
     """Raise ``UserError`` for a layout this engine does not build, or one the model cannot split into."""
-    unsupported = {name: getattr(dims, name) for name in ("ep", "vpp") if getattr(dims, name) > 1}
-    if unsupported:
-        sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise UserError(f"actor.engine=torch does not build {sizes} yet; it supports dp (replicated or "
-                        "actor.parallel.fsdp=true), tp, pp and cp")
+    if dims.vpp > 1:
+        raise UserError(f"actor.engine=torch does not build actor.parallel.vpp={dims.vpp} (virtual pipeline "
+                        "stages) yet; it supports dp (replicated or actor.parallel.fsdp=true), tp, pp, cp and ep")
     if dims.sequence_parallel:
         raise UserError("actor.engine=torch does not support actor.parallel.sequence_parallel=true (tp keeps "
                         "activations replicated); set it to false or use actor.engine=megatron")
@@ -90,11 +92,13 @@ def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -
         for layer in layers:
             parallelize_module(layer, mesh["tp"], plan)
     root = PackedForward(model, forward_fn, stage, stages)
+    if mesh.dims.ep > 1:
+        root.expert_params = shard_experts(model, mesh)
     if mesh.dims.dp * mesh.dims.cp > 1:  # context-parallel ranks' gradients are partial sums too
         wrap = fully_shard if mesh.dims.fsdp else replicate
         replicas = mesh["dp"] if mesh.dims.cp == 1 else mesh["dp_cp"]
         for unit in [*layers, root]:  # root last: it holds what no layer does (embeddings, norm, head)
-            wrap(unit, mesh=replicas)
+            wrap(unit, mesh=replicas, ignored_params=set(root.expert_params))
             unit.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the whole minibatch
             unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
     return root

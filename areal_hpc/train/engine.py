@@ -25,6 +25,7 @@ from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import DTYPES, save_model
 from areal_hpc.parallel.context import shard
+from areal_hpc.parallel.experts import reduce_expert_gradients
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.parallel.native import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
 from areal_hpc.parallel.pipeline import Pipeline
@@ -226,6 +227,8 @@ class TorchTrainEngine:
         else:
             self.pipeline.train([p.input_ids.shape[1] for _, p, _ in passes], run, before_backward)
             self.pipeline.sum_tied_gradients()
+        if self.root.expert_params:
+            reduce_expert_gradients(self.root.expert_params, self.mesh)
         stats = self._merged_over_context(merge_stats(parts))
         if self.pipeline is not None:
             stats = self.pipeline.from_last_stage(stats)

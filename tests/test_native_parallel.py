@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import load_model, load_tokenizer, save_model
+from areal_hpc.models.hf import fuse_expert_weights, load_model, load_tokenizer, save_model
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.native import check_layout
 from tests.native_ranks import reference_run, seeded_batch
@@ -55,6 +55,19 @@ def tiny_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
                                             (4, ["dp=2", "ep=2", "pp=2"])], ids=["ep2", "cp2_ep2_edp2", "ep2_pp2"])
 def test_moe_step_with_expert_parallelism_equals_one_process(world, options, tiny_moe_dir, tmp_path):
     assert_same_step(run_ranks(world, tiny_moe_dir, tmp_path / "out.pt", *options), reference_run(tiny_moe_dir))
+
+
+def test_moe_ep2_checkpoint_restores_the_step_and_holds_every_expert(tiny_moe_dir, tmp_path):
+    folder = tmp_path / "checkpoint"
+    got = run_ranks(2, tiny_moe_dir, tmp_path / "saved.pt", "dp=2", "ep=2", f"save={folder}")
+    assert got["ranks"][0]["restored_step_diff"] == 0.0  # expert shards, Adam moments and schedule restored
+    saved = load_model(folder).state_dict()  # one Hugging Face folder with all four experts of each layer
+    for name, tensor in reference_run(tiny_moe_dir)["weights"].items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    stored = load_file(folder / "model.safetensors")  # one tensor per expert and projection, as HF stores them
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in stored
+    fused = fuse_expert_weights(stored)  # what the engine loads, against transformers' own loading
+    assert fused.keys() == saved.keys() and all(torch.equal(fused[k], saved[k]) for k in saved)
 
 
 def assert_same_step(got: dict, reference: dict) -> None:

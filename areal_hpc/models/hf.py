@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from areal_hpc.errors import UserError
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _check_model_dir(path: str | Path) -> Path:
@@ -66,3 +69,23 @@ def save_model(model: PreTrainedModel, tokenizer, folder: str | Path,
         shutil.rmtree(folder)
     staging.rename(folder)
     return folder
+
+
+def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the names a transformers 5 model holds them. Mixture-of-Experts
+    checkpoints (and ``save_pretrained``) store every expert's gate/up/down projection on its own;
+    the model holds them fused per layer: ``gate_up_proj`` [E, 2I, H], expert e's [gate; up], and
+    ``down_proj`` [E, H, I]. Other tensors pass unchanged."""
+    fused, experts = {}, defaultdict(dict)
+    for name, tensor in state.items():
+        match = EXPERT_KEY.match(name)
+        if match:
+            experts[match[1]][int(match[2]), match[3]] = tensor
+        else:
+            fused[name] = tensor
+    for prefix, parts in experts.items():
+        count = 1 + max(expert for expert, _ in parts)
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]])
+                                                       for e in range(count)])
+        fused[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+    return fused

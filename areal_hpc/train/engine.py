@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
-from areal_hpc.models.hf import DTYPES, save_model
+from areal_hpc.models.hf import DTYPES, fuse_expert_weights, save_model
 from areal_hpc.parallel.context import shard
 from areal_hpc.parallel.experts import reduce_expert_gradients
 from areal_hpc.parallel.mesh import TrainMesh
@@ -284,7 +284,7 @@ class TorchTrainEngine:
         state = {}
         for shard in sorted(folder.glob("*.safetensors")):
             state.update(load_file(shard, device=str(self.device)))
-        missing = load_full_state(self.root, state)
+        missing = load_full_state(self.root, fuse_expert_weights(state))
         tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
         if set(missing) - tied:
             raise RuntimeError(f"checkpoint {folder} lacks {sorted(set(missing) - tied)[:5]}")

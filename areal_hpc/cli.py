@@ -37,7 +37,8 @@ def _init_model(args) -> int:
     from areal_hpc.models.tiny import count_parameters, init_model
 
     out = init_model(args.out, corpus_for_tokenizer(args.seed), preset=args.preset, seed=args.seed)
-    print(f"wrote {args.preset} Qwen2 model ({count_parameters(load_model(out)) / 1e6:.2f}M parameters) "
+    model = load_model(out)
+    print(f"wrote {args.preset} {type(model).__name__} ({count_parameters(model) / 1e6:.2f}M parameters) "
           f"and tokenizer to {out}")
     return 0
 
@@ -213,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = commands.add_parser("init-model", help="write a tiny Qwen2 model + tokenizer, built offline")
     init.add_argument("--out", required=True, metavar="DIR", help="output folder (Hugging Face format)")
-    init.add_argument("--preset", default="tiny", choices=["tiny", "small"], help="model size (default: tiny)")
+    init.add_argument("--preset", default="tiny", choices=["tiny", "small", "tiny-moe"],
+                      help="model size and kind (default: tiny; tiny-moe: a Qwen3-MoE with 8 experts)")
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     init.set_defaults(handler=_init_model)
 

@@ -54,7 +54,7 @@ class ClusterConfig:
 @dataclass
 class ModelConfig:
     path: str = spec("", "local Hugging Face model folder; empty builds a fresh model from `preset`")
-    preset: str = spec("tiny", "architecture used when `path` is empty", choices=["tiny", "small"])
+    preset: str = spec("tiny", "architecture used when `path` is empty", choices=["tiny", "small", "tiny-moe"])
     dtype: str = spec("float32", "parameter dtype", choices=["float32", "bfloat16", "float16"])
     attn_impl: str = spec("sdpa", "attention implementation", choices=["sdpa", "eager", "flash_attention_2"])
     compute_dtype: str = spec("float32", "dtype of the trainer's matrix multiplies: bfloat16 autocasts them (weights, "

@@ -6,8 +6,9 @@ so this test injects one into the decoder: the pass raises whenever a given toke
 
 import threading
 
+import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.models.hf import load_model
 from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams
@@ -49,13 +50,17 @@ def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(t
         assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)
 
 
-def test_qwen3_logprobs_equal_a_teacher_forced_pass():
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
     """Qwen3 normalises queries and keys per head: the decoder's path for it, prompts of several lengths
-    prefilled together and decoding side by side."""
-    config = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    prefilled together and decoding side by side; Qwen3-MoE's layers run their router and experts."""
+    shape = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_class(**shape, **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+                                      if moe else {}))
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
+    model = model_class(config).eval()
     engine = EmbeddedEngine(model, slots=4, context_length=128, eos_token_ids=[])
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [3]]
     results, all_done = [], threading.Event()

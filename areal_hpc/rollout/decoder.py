@@ -1,4 +1,5 @@
-"""Batched decoding over a slot KV cache for Qwen2/Qwen2.5/Qwen3 models loaded with transformers.
+"""Batched decoding over a slot KV cache for Qwen2/Qwen2.5/Qwen3 (and Qwen3-MoE) models loaded with
+transformers.
 
 The embedded engine needs what ``generate()`` cannot give: sequences of different lengths joining and
 leaving one running batch at every step. Each running sequence owns a row (slot) of a preallocated
@@ -9,7 +10,8 @@ the maths with the same operations as the HF forward pass (logits match it withi
 on a small model a step is bound by memory traffic and dispatch, so on CPU the projections run
 through oneDNN with weights prepacked at each update (MKL, which ``F.linear`` uses, takes a path about
 half as fast on AMD CPUs), the attention is a grouped-query ``baddbmm`` over cache views (no
-key/value expansion), norms are fused and rotary tables are precomputed.
+key/value expansion), norms are fused and rotary tables are precomputed. A Mixture-of-Experts layer's
+MLP is the model's own module (router and expert loop).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from areal_hpc.errors import UserError
 
-SUPPORTED = ("qwen2", "qwen3")
+SUPPORTED = ("qwen2", "qwen3", "qwen3_moe")
 
 
 class SlotDecoder:
@@ -72,8 +74,9 @@ class SlotDecoder:
                 linear([attn.o_proj]), attn.scaling,
                 _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None,  # Qwen3 normalises q and k per head
                 _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
-                _Norm(layer.post_attention_layernorm), linear([mlp.gate_proj, mlp.up_proj]),
-                linear([mlp.down_proj]), mlp.act_fn))
+                _Norm(layer.post_attention_layernorm),
+                _DenseMLP(linear([mlp.gate_proj, mlp.up_proj]), linear([mlp.down_proj]), mlp.act_fn)
+                if hasattr(mlp, "gate_proj") else mlp))
         self._embedding, self._norm, self._head = body.embed_tokens.weight, _Norm(body.norm), linear([self.model.lm_head])
 
     @torch.no_grad()
@@ -145,8 +148,7 @@ class SlotDecoder:
             values.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
             out = self._attention(layer, q, keys[rows, :, :span], values[rows, :, :span], bias)
             hidden += layer.o_proj(out)
-            gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
-            hidden += layer.down(layer.act(gate) * up)
+            hidden += layer.mlp(layer.post_norm(hidden))
         return hidden
 
     def _attention(self, layer: "_Layer", q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -201,9 +203,19 @@ class _Layer:
     q_norm: _Norm | None
     k_norm: _Norm | None
     post_norm: _Norm
+    mlp: Callable[[torch.Tensor], torch.Tensor]  # a dense SwiGLU, or the model's Mixture-of-Experts block
+
+
+@dataclass(frozen=True)
+class _DenseMLP:
+    """SwiGLU with gate and up fused into one matmul."""
     gate_up: _Linear
     down: _Linear
     act: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

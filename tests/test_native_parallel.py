@@ -139,6 +139,10 @@ def test_pp2_checkpoint_restores_the_step(tiny_model_dir, reference, tmp_path):
     saved = load_model(folder).state_dict()  # the stages' layers, embeddings and head in one folder
     for name, tensor in reference["weights"].items():
         torch.testing.assert_close(saved[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # A folder that stores the tied head once (save_pretrained's way): the last stage's head is the embedding.
+    loaded = run_ranks(2, tiny_model_dir, tmp_path / "loaded.pt", "pp=2", f"load={tiny_model_dir}")["weights"]
+    initial = load_model(tiny_model_dir).state_dict()
+    assert all(torch.equal(loaded[name], initial[name]) for name in initial)
 
 
 @pytest.mark.parametrize("sizes, message", [

@@ -284,10 +284,12 @@ class TorchTrainEngine:
         state = {}
         for shard in sorted(folder.glob("*.safetensors")):
             state.update(load_file(shard, device=str(self.device)))
-        missing = load_full_state(self.root, fuse_expert_weights(state))
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        if set(missing) - tied:
-            raise RuntimeError(f"checkpoint {folder} lacks {sorted(set(missing) - tied)[:5]}")
+        state = fuse_expert_weights(state)
+        if getattr(self.model.config, "tie_word_embeddings", False):  # a folder may store the tied head once
+            state.setdefault("lm_head.weight", state.get(f"{self.model.base_model_prefix}.embed_tokens.weight"))
+        missing = load_full_state(self.root, {name: tensor for name, tensor in state.items() if tensor is not None})
+        if missing:
+            raise RuntimeError(f"checkpoint {folder} lacks {sorted(missing)[:5]}")
         if self.optimizer is None or not (folder / TRAINING_STATE).exists():
             return
         training = torch.load(folder / TRAINING_STATE, map_location=self.device, weights_only=True)

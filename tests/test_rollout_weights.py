@@ -18,11 +18,14 @@ import time
 import pytest
 import torch
 from aiohttp import web
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.parallel.weight_group import broadcast_tensor, host_store, join_update_group
 from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.rollout.weights import CheckpointError, read_checkpoint
 from areal_hpc.train.weight_push import DTYPE_NAMES, DistributedWeightSync
 from tests.conftest import REPO, embedded_server
 from tests.test_rollout_server import PROMPT, generate, in_background, model_info, post, wait_for
@@ -387,3 +390,21 @@ def test_a_push_after_a_server_was_killed_completes_and_reaches_the_survivor(tin
     assert took < 30, took  # the group's own timeout, what a hang would cost, is 300 s
     assert members == alive == [survivor]
     assert_served_by(second, generation, 2)
+
+
+def test_a_mixture_of_experts_checkpoint_reads_as_the_model_holds_it(tmp_path):
+    """save_pretrained stores each expert's projections apart; servers and trainers read them stacked
+    as the model holds them, and a checkpoint missing one expert tensor is refused by name."""
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=16)
+    model = Qwen3MoeForCausalLM(config)
+    model.save_pretrained(tmp_path / "moe")
+    state, live = read_checkpoint(tmp_path / "moe"), model.state_dict()
+    assert state.keys() == live.keys() and all(torch.equal(state[name], live[name]) for name in live)
+    stored = load_file(tmp_path / "moe" / "model.safetensors")
+    del stored["model.layers.1.mlp.experts.2.up_proj.weight"]
+    (tmp_path / "broken").mkdir()
+    save_file(stored, tmp_path / "broken" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"lacks model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight \(and 0 more"):
+        read_checkpoint(tmp_path / "broken")

@@ -85,6 +85,10 @@ def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             fused[name] = tensor
     for prefix, parts in experts.items():
         count = 1 + max(expert for expert, _ in parts)
+        lacking = [f"{prefix}.{e}.{p}.weight" for e in range(count) for p in ("gate_proj", "up_proj", "down_proj")
+                   if (e, p) not in parts]
+        if lacking:
+            raise ValueError(f"the checkpoint lacks {lacking[0]} (and {len(lacking) - 1} more expert tensors)")
         fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]])
                                                        for e in range(count)])
         fused[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])

@@ -1,5 +1,6 @@
-"""Weights a rollout server is asked to load, checked before they touch the live model: a safetensors
-checkpoint read as stored (nothing filled in), and what keeps a set of tensors from loading."""
+"""Weights a rollout server (or a trainer resuming) is asked to load, checked before they touch the live
+model: a safetensors checkpoint read as stored (nothing filled in; only Mixture-of-Experts tensors are
+renamed, stacked as the model holds them), and what keeps a set of tensors from loading."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ class CheckpointError(ValueError):
 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face safetensors checkpoint (one file or an indexed set of shards),
-    as stored: nothing is filled in, so a missing tensor is seen (``from_pretrained`` would
-    initialise it at random)."""
+    under the names a loaded model holds them (``fuse_expert_weights``): nothing is filled in, so a
+    missing tensor is seen (``from_pretrained`` would initialise it at random)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from areal_hpc.models.hf import fuse_expert_weights
 
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
@@ -29,7 +32,8 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
             else ["model.safetensors"]
-        return {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
+        stored = {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
+        return fuse_expert_weights(stored)
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
         raise CheckpointError(f"could not read the checkpoint in {folder}: {type(exc).__name__}: {exc}") from exc
 

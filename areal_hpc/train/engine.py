@@ -23,12 +23,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
-from areal_hpc.models.hf import DTYPES, fuse_expert_weights, save_model
+from areal_hpc.models.hf import DTYPES, save_model
 from areal_hpc.parallel.context import shard
 from areal_hpc.parallel.experts import reduce_expert_gradients
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.parallel.native import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
 from areal_hpc.parallel.pipeline import Pipeline
+from areal_hpc.rollout.weights import read_checkpoint
 from areal_hpc.train.optim import build_optimizer, build_scheduler
 from areal_hpc.train.sequence_batch import SequenceBatch
 
@@ -279,12 +280,7 @@ class TorchTrainEngine:
     def load(self, folder: Path) -> None:
         """Collective. Weights load into any layout (each rank takes its shard of the full tensors);
         optimizer state into the layout that saved it."""
-        from safetensors.torch import load_file
-
-        state = {}
-        for shard in sorted(folder.glob("*.safetensors")):
-            state.update(load_file(shard, device=str(self.device)))
-        state = fuse_expert_weights(state)
+        state = {name: tensor.to(self.device) for name, tensor in read_checkpoint(folder).items()}
         if getattr(self.model.config, "tie_word_embeddings", False):  # a folder may store the tied head once
             state.setdefault("lm_head.weight", state.get(f"{self.model.base_model_prefix}.embed_tokens.weight"))
         missing = load_full_state(self.root, {name: tensor for name, tensor in state.items() if tensor is not None})

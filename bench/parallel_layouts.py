@@ -2,6 +2,7 @@
 baseline of the same engine, in one run (a correctness-first figure on CPU: see below).
 
     .venv/bin/python bench/parallel_layouts.py [--steps 4] [--preset small] [--engines torch megatron] [--save]
+    .venv/bin/python bench/parallel_layouts.py --preset tiny-moe --engines torch --save   # with ep2
 
 A layout an engine does not build is a "not run" row with its one-line reason.
 
@@ -47,6 +48,7 @@ LAYOUTS = {  # name -> (processes, overrides); the single-process baseline first
     "cp2": (2, ("actor.parallel.cp=2",)),
     "tp2xfsdp2": (4, ("actor.parallel.tp=2", "actor.parallel.fsdp=true")),
     "tp2xpp2": (4, ("actor.parallel.tp=2", "actor.parallel.pp=2")),
+    "ep2": (2, ("actor.parallel.ep=2",)),  # Mixture-of-Experts presets only (--preset tiny-moe)
 }
 REPO = Path(__file__).resolve().parent.parent
 
@@ -151,10 +153,11 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
+    parser.add_argument("--preset", default="small", choices=["tiny", "small", "tiny-moe"])
     parser.add_argument("--engines", nargs="+", default=["torch", "megatron"], choices=["torch", "megatron"])
     parser.add_argument("--save", action="store_true")
-    run_and_record("parallel_layouts", parser.parse_args(), run, report)
+    args = parser.parse_args()
+    run_and_record(f"parallel_layouts-{args.preset}", args, run, report)  # one record per model
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ class ContextSplit:
     local: torch.Tensor
     counts: list[int]
     gathered_order: torch.Tensor
-    rank: int
     group: dist.ProcessGroup | None
     starts: list[int]  # per sequence: packed start, length, and its queries' range in the local row
     lengths: list[int]
@@ -90,7 +89,7 @@ def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | No
     bounds = torch.tensor([0, *own]).cumsum(0)
     split = ContextSplit(local=local, counts=[sum(len(p) for p in parts) for parts in per_rank],
                          gathered_order=torch.cat([torch.cat(parts) for parts in per_rank]) if starts else local,
-                         rank=rank, group=group, starts=starts, lengths=lengths,
+                         group=group, starts=starts, lengths=lengths,
                          query_ranges=list(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
     device = packed.input_ids.device
     local_on = local.to(device)

@@ -1,6 +1,6 @@
-"""Hugging Face Qwen2/Qwen3 <-> Megatron-core GPTModel: the model's ``TransformerConfig`` and GPTModel
-arguments from the HF config, and the state dict of one tensor-parallel rank and pipeline stage from
-the HF tensors (and back, from the shards of every TP rank).
+"""Hugging Face Qwen2/Qwen3/Qwen3-MoE <-> Megatron-core GPTModel: the model's ``TransformerConfig`` and
+GPTModel arguments from the HF config, and the state dict of one tensor-parallel rank, expert-parallel
+rank and pipeline stage from the HF tensors (and back, from the shards of every TP and EP rank).
 
 Megatron's layout (megatron/core/transformer/attention.py, mlp.py, tensor_parallel/layers.py):
 - ``linear_qkv`` fuses q, k and v per query group: the rows of group g are its heads' q rows, then
@@ -11,6 +11,11 @@ Megatron's layout (megatron/core/transformer/attention.py, mlp.py, tensor_parall
 - each pipeline stage numbers its layers from 0; stage s holds global layers s*L/pp onwards. The
   embedding lives on the first stage, the final norm and output layer on the last; with tied
   embeddings and pp > 1 the last stage keeps its own copy of the embedding as ``output_layer``.
+- Mixture-of-Experts layers (megatron/core/transformer/moe/): ``mlp.router`` is HF's ``mlp.gate``
+  (replicated); expert-parallel rank k holds experts k*E/ep onwards as ``mlp.experts.local_experts.i``
+  (``SequentialMLP``), each a SwiGLU MLP split over TP like the dense one. HF holds a layer's experts
+  fused (``experts.gate_up_proj`` [E, 2I, H], expert e's [gate; up]; ``experts.down_proj`` [E, H, I]);
+  the conversion goes through the per-expert names checkpoints store (``models.hf.EXPERT_KEY``).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from areal_hpc.errors import UserError
+from areal_hpc.models.hf import EXPERT_KEY, fuse_expert_weights
 
 REPLICATED, COLUMN, ROW, QKV, FC1 = "replicated", "column", "row", "qkv", "fc1"
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # within a layer
 # Megatron name within a layer -> (HF names within "model.layers.N.", how TP splits it)
 LAYER_RULES = {
     "input_layernorm.weight": (("input_layernorm.weight",), REPLICATED),
@@ -39,7 +46,12 @@ LAYER_RULES = {
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), REPLICATED),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), FC1),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), ROW),
+    "mlp.router.weight": (("mlp.gate.weight",), REPLICATED),
 }
+DENSE_MLP, ROUTER = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"), "mlp.router.weight"
+# Megatron name within an expert -> (HF names within "model.layers.N.mlp.experts.E.", how TP splits it)
+EXPERT_RULES = {"linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), FC1),
+                "linear_fc2.weight": (("down_proj.weight",), ROW)}
 EMBEDDING, FINAL_NORM, OUTPUT = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
                                  "output_layer.weight")
 GLOBAL_RULES = {EMBEDDING: (("model.embed_tokens.weight",), COLUMN), FINAL_NORM: (("model.norm.weight",), REPLICATED),
@@ -48,7 +60,7 @@ GLOBAL_RULES = {EMBEDDING: (("model.embed_tokens.weight",), COLUMN), FINAL_NORM:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the conversion needs of a Hugging Face Qwen2/Qwen3 config."""
+    """What the conversion needs of a Hugging Face Qwen2/Qwen3/Qwen3-MoE config (``experts`` = 0: dense)."""
 
     layers: int
     hidden: int
@@ -63,50 +75,77 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0
+    renormalise_top_k: bool = False  # HF's norm_topk_prob: the chosen experts' probabilities sum to 1
 
     @classmethod
     def from_hf(cls, config) -> "ModelShape":
-        if config.model_type not in ("qwen2", "qwen3"):
-            raise UserError(f"actor.engine=megatron converts Qwen2 and Qwen3 models, not {config.model_type!r}")
+        if config.model_type not in ("qwen2", "qwen3", "qwen3_moe"):
+            raise UserError(f"actor.engine=megatron converts Qwen2, Qwen3 and Qwen3-MoE models, not "
+                            f"{config.model_type!r}")
         rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta, "rope_type": "default"}
         if rope.get("rope_type", "default") != "default":
             raise UserError(f"actor.engine=megatron does not build RoPE scaling ({rope['rope_type']!r})")
-        qwen3 = config.model_type == "qwen3"
+        qwen3, moe = config.model_type in ("qwen3", "qwen3_moe"), config.model_type == "qwen3_moe"
         if qwen3 and config.attention_bias:
             raise UserError("actor.engine=megatron does not build Qwen3 with attention_bias=true")
+        if moe and (config.decoder_sparse_step != 1 or config.mlp_only_layers):
+            raise UserError("actor.engine=megatron builds Qwen3-MoE with experts in every layer, not "
+                            f"decoder_sparse_step={config.decoder_sparse_step} mlp_only_layers={config.mlp_only_layers}")
+        experts = dict(experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                       expert_ffn=config.moe_intermediate_size, renormalise_top_k=config.norm_topk_prob) if moe else {}
         return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
                    kv_heads=config.num_key_value_heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
                    ffn=config.intermediate_size, vocab=config.vocab_size,
                    max_positions=config.max_position_embeddings, rope_base=float(rope["rope_theta"]),
                    eps=config.rms_norm_eps, tied=bool(config.tie_word_embeddings), qkv_bias=not qwen3,
-                   qk_norm=qwen3)
+                   qk_norm=qwen3, **experts)
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        """Raise ``UserError`` when the model cannot be split ``tp`` x ``pp`` ways."""
-        for name, size in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads),
-                           ("intermediate_size", self.ffn), ("vocab_size", self.vocab)):
+    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise ``UserError`` when the model cannot be split ``tp`` x ``pp`` x ``ep`` ways."""
+        mlp = ("moe_intermediate_size", self.expert_ffn) if self.experts else ("intermediate_size", self.ffn)
+        for name, size in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads), mlp,
+                           ("vocab_size", self.vocab)):
             if size % tp:
                 raise UserError(f"actor.parallel.tp={tp} must divide the model's {name}={size}")
         if self.layers % pp:
             raise UserError(f"actor.parallel.pp={pp} must divide the model's num_hidden_layers={self.layers}")
+        if ep > 1 and not self.experts:
+            raise UserError(f"actor.parallel.ep={ep} needs a Mixture-of-Experts model (Qwen3-MoE); this one is dense")
+        if self.experts % ep:
+            raise UserError(f"actor.parallel.ep={ep} must divide the model's num_experts={self.experts}")
 
     def layer_offset(self, stage: int, pp: int) -> int:
         return stage * self.layers // pp
 
 
-def transformer_config(shape: ModelShape, tp: int, pp: int, dtype: torch.dtype = torch.float32, **runtime):
+def transformer_config(shape: ModelShape, tp: int, pp: int, ep: int = 1, dtype: torch.dtype = torch.float32,
+                       **runtime):
     """Megatron's ``TransformerConfig`` of the model (RMSNorm, SwiGLU, no linear biases but q/k/v's for
-    Qwen2, q/k RMSNorm for Qwen3, no dropout); ``runtime`` adds the engine's own settings."""
+    Qwen2, q/k RMSNorm for Qwen3, no dropout); ``runtime`` adds the engine's own settings.
+
+    Qwen3-MoE's router is softmax -> top-k -> (norm_topk_prob) renormalise. Megatron's softmax router
+    either takes the softmax over the top-k logits, which is the renormalised top-k of the full softmax,
+    or (``moe_router_pre_softmax``) the top-k of the full softmax as it is. No load-balancing loss: HF
+    adds one only when asked for router logits with labels (``output_router_logits``, off by default),
+    and the trainer's loss is computed from logprobs alone. Every token reaches its experts (no capacity
+    factor, nothing dropped), as in HF."""
     from megatron.core.transformer import TransformerConfig
 
+    experts = dict(num_moe_experts=shape.experts, moe_router_topk=shape.experts_per_token,
+                   moe_ffn_hidden_size=shape.expert_ffn, moe_router_score_function="softmax",
+                   moe_router_pre_softmax=not shape.renormalise_top_k, moe_router_load_balancing_type="none",
+                   moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep) if shape.experts else {}
     return TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
         num_attention_heads=shape.heads, num_query_groups=shape.kv_heads, kv_channels=shape.head_dim,
         normalization="RMSNorm", layernorm_epsilon=shape.eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        params_dtype=dtype, pipeline_dtype=dtype, **runtime)
+        params_dtype=dtype, pipeline_dtype=dtype, **experts, **runtime)
 
 
 def gpt_model_args(shape: ModelShape) -> dict:
@@ -116,11 +155,14 @@ def gpt_model_args(shape: ModelShape) -> dict:
                 share_embeddings_and_output_weights=shape.tied, parallel_output=True)
 
 
-def stage_names(shape: ModelShape, stage: int, pp: int) -> list[str]:
-    """The Megatron state-dict names of pipeline stage ``stage`` (its layers numbered from 0)."""
+def stage_names(shape: ModelShape, stage: int, pp: int, ep: int = 1) -> list[str]:
+    """The Megatron state-dict names of pipeline stage ``stage`` (its layers, and an expert-parallel
+    rank's experts, numbered from 0)."""
     per_layer = [name for name in LAYER_RULES
                  if (shape.qkv_bias or not name.endswith("linear_qkv.bias"))
-                 and (shape.qk_norm or "k_layernorm" not in name and "q_layernorm" not in name)]
+                 and (shape.qk_norm or "k_layernorm" not in name and "q_layernorm" not in name)
+                 and name not in ((ROUTER,) if not shape.experts else DENSE_MLP)]
+    per_layer += [f"mlp.experts.local_experts.{i}.{name}" for i in range(shape.experts // ep) for name in EXPERT_RULES]
     names = [EMBEDDING] if stage == 0 else []
     names += [f"decoder.layers.{i}.{name}" for i in range(shape.layers // pp) for name in per_layer]
     if stage == pp - 1:
@@ -130,19 +172,47 @@ def stage_names(shape: ModelShape, stage: int, pp: int) -> list[str]:
     return names
 
 
-def global_name(name: str, offset: int) -> str:
-    """A stage's Megatron name with its layer numbered in the whole model."""
+def global_name(name: str, offset: int, first_expert: int = 0) -> str:
+    """A stage's Megatron name with its layer (and an expert-parallel rank's expert, the first of which
+    is ``first_expert``) numbered in the whole model."""
     match = LAYER.match(name)
-    return f"decoder.layers.{int(match[1]) + offset}.{match[2]}" if match else name
+    if not match:
+        return name
+    expert = LOCAL_EXPERT.match(match[2])
+    within = f"mlp.experts.local_experts.{int(expert[1]) + first_expert}.{expert[2]}" if expert else match[2]
+    return f"decoder.layers.{int(match[1]) + offset}.{within}"
+
+
+def is_expert(name: str) -> bool:
+    """Whether a Megatron name is an expert's tensor (each expert-parallel rank holds its own)."""
+    layer = LAYER.match(name)
+    return bool(layer and LOCAL_EXPERT.match(layer[2]))
 
 
 def hf_names(name: str) -> tuple[tuple[str, ...], str]:
-    """(HF names, TP split) of a Megatron name numbered in the whole model."""
+    """(HF names, TP split) of a Megatron name numbered in the whole model; an expert's are the
+    per-expert names that checkpoints store."""
     match = LAYER.match(name)
-    if match:
-        names, kind = LAYER_RULES[match[2]]
-        return tuple(f"model.layers.{match[1]}.{n}" for n in names), kind
-    return GLOBAL_RULES[name]
+    if not match:
+        return GLOBAL_RULES[name]
+    expert = LOCAL_EXPERT.match(match[2])
+    if expert:
+        names, kind = EXPERT_RULES[expert[2]]
+        return tuple(f"model.layers.{match[1]}.mlp.experts.{expert[1]}.{n}" for n in names), kind
+    names, kind = LAYER_RULES[match[2]]
+    return tuple(f"model.layers.{match[1]}.{n}" for n in names), kind
+
+
+def _hf_tensor(hf_state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The HF tensor ``name`` of a model's state dict; one expert's projection is cut from its layer's
+    fused ``gate_up_proj`` / ``down_proj``."""
+    expert = EXPERT_KEY.match(name)
+    if not expert:
+        return hf_state[name]
+    prefix, index, projection = expert[1], int(expert[2]), expert[3]
+    if projection == "down_proj":
+        return hf_state[f"{prefix}.down_proj"][index]
+    return hf_state[f"{prefix}.gate_up_proj"][index].chunk(2)[projection == "up_proj"]
 
 
 def _qkv_groups(tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
@@ -178,27 +248,40 @@ def unshard(kind: str, shards: list[torch.Tensor], shape: ModelShape) -> list[to
 
 
 def hf_to_megatron(hf_state: dict[str, torch.Tensor], shape: ModelShape, tp_rank: int, tp: int, stage: int,
-                   pp: int) -> dict[str, torch.Tensor]:
-    """The state dict of TP rank ``tp_rank`` on pipeline stage ``stage`` from a HF state dict (which may
-    lack ``lm_head.weight`` when the embeddings are tied)."""
-    offset = shape.layer_offset(stage, pp)
+                   pp: int, *, ep_rank: int = 0, ep: int = 1) -> dict[str, torch.Tensor]:
+    """The state dict of TP rank ``tp_rank`` and EP rank ``ep_rank`` on pipeline stage ``stage`` from a
+    HF model's state dict (experts fused as the model holds them; ``lm_head.weight`` may be missing
+    when the embeddings are tied)."""
+    offset, first_expert = shape.layer_offset(stage, pp), ep_rank * shape.experts // ep
     state = {}
-    for name in stage_names(shape, stage, pp):
-        names, kind = hf_names(global_name(name, offset))
+    for name in stage_names(shape, stage, pp, ep):
+        names, kind = hf_names(global_name(name, offset, first_expert))
         if name == OUTPUT and shape.tied:
             names = GLOBAL_RULES[EMBEDDING][0]  # the last stage's copy of the tied embedding
-        state[name] = shard(kind, [hf_state[n] for n in names], shape, tp_rank, tp)
+        state[name] = shard(kind, [_hf_tensor(hf_state, n) for n in names], shape, tp_rank, tp)
     return state
 
 
 def stage_to_hf(stage_shards: Iterator[tuple[str, list[torch.Tensor]]], shape: ModelShape, stage: int,
-                pp: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs of pipeline stage ``stage`` from its (Megatron name, TP shards in
-    rank order) pairs, in the HF state dict's order. A tied embedding also comes as ``lm_head.weight``
-    (the last stage's copy with pp > 1, the embedding itself after the final norm with pp = 1)."""
-    offset = shape.layer_offset(stage, pp)
-    embedding = None
+                pp: int, ep: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs of pipeline stage ``stage`` from its (Megatron name, shards) pairs:
+    the TP shards in rank order, and for an expert's tensor those of every EP rank, EP rank major
+    (what an all-gather over Megatron's expert tensor-and-model-parallel group returns). A layer's
+    experts come fused, as the HF model holds them, once the last of them is seen. A tied embedding
+    also comes as ``lm_head.weight`` (the last stage's copy with pp > 1, the embedding itself after
+    the final norm with pp = 1)."""
+    offset, local_experts = shape.layer_offset(stage, pp), shape.experts // ep
+    embedding, experts = None, {}
     for name, shards in stage_shards:
+        if is_expert(name):
+            tp = len(shards) // ep
+            for rank in range(ep):
+                names, kind = hf_names(global_name(name, offset, rank * local_experts))
+                experts.update(zip(names, unshard(kind, shards[rank * tp:(rank + 1) * tp], shape)))
+            if len(experts) == 3 * shape.experts:  # gate, up and down of every expert of the layer
+                yield from fuse_expert_weights(experts).items()
+                experts = {}
+            continue
         names, kind = hf_names(global_name(name, offset))
         for hf_name, tensor in zip(names, unshard(kind, shards, shape)):
             embedding = tensor if name == EMBEDDING else embedding

@@ -1,6 +1,6 @@
 """Megatron-core 0.16 on CPU (gloo): the few places where it calls CUDA unconditionally, redirected to
 the CPU in one place. ``apply()`` is idempotent and is called only when the trainer's device is CPU;
-on CUDA Megatron runs untouched.
+on CUDA Megatron runs untouched (but for ``without_transformer_engine``, where that is absent).
 
 Each patched module sees ``torch`` through ``_CpuTorch``: ``torch.cuda.current_device()`` is the CPU,
 tensor factories asked for ``device="cuda"`` make CPU tensors, streams and synchronisation are no-ops,
@@ -41,6 +41,10 @@ class _NoStream:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self, *args, **kwargs) -> "_NoStream":
+        """An event that has already happened (it only needs ``synchronize``)."""
+        return self
+
 
 class _CpuCuda:
     """``torch.cuda`` as the patched modules see it; anything not listed is the real one."""
@@ -79,6 +83,9 @@ MODULES = (
     "megatron.core.distributed.distributed_data_parallel",  # torch.cuda.Stream, synchronize
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers on current_device(), streams
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # moves inv_freq to current_device()
+    "megatron.core.tensor_parallel.mappings",  # the experts' uneven all-to-all output on current_device()
+    "megatron.core.transformer.moe.router",  # moves a CPU router weight to current_device()
+    "megatron.core.transformer.moe.token_dispatcher",  # a device-to-host copy stream and its event
 )
 
 
@@ -88,6 +95,12 @@ def _get_rng_state(*args, **kwargs) -> torch.Tensor:
 
 def _set_rng_state(state: torch.Tensor, *args, **kwargs) -> None:
     torch.set_rng_state(state)
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU: the token dispatcher's
+    all-to-all split sizes must still become numpy arrays (``all_to_all_single`` takes no tensors)."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def _tensors_stay_on_cpu(method):
@@ -114,7 +127,15 @@ def apply() -> None:
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = _get_rng_state  # the tracker's fork() saves and restores through these
     random._set_cuda_rng_state = _set_rng_state
+    importlib.import_module("megatron.core.transformer.moe.token_dispatcher").maybe_move_tensor_to_cpu = _host_copy
     language = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
     # With pp > 1 and tied embeddings the last stage's copy is synchronised after weight.data.cuda().
     language.setup_embeddings_and_output_layer = _tensors_stay_on_cpu(language.setup_embeddings_and_output_layer)
     _applied = True
+
+
+def without_transformer_engine() -> None:
+    """Megatron without Transformer Engine (any device): the MoE router's linear layer tests
+    ``te_general_gemm is not None``, a name bound only when Transformer Engine imports; without it the
+    plain matmul is meant."""
+    importlib.import_module("megatron.core.transformer.moe.moe_utils").__dict__.setdefault("te_general_gemm", None)

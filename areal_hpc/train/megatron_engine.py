@@ -1,6 +1,7 @@
 """``TrainEngine`` on Megatron-core (``actor.engine=megatron``): a GPTModel split over the trainer
-mesh's tensor-parallel and pipeline ranks, Megatron DDP over its data-parallel ranks, loaded from and
-saved to Hugging Face folders (``parallel.megatron_convert``).
+mesh's tensor-parallel and pipeline ranks (a Qwen3-MoE's experts also over its expert-parallel ranks),
+Megatron DDP over its data-parallel ranks, loaded from and saved to Hugging Face folders
+(``parallel.megatron_convert``).
 
 - Packed micro-batches run as THD ``PackedSeqParams`` through Megatron's schedules
   (``get_forward_backward_func``, variable sequence lengths across pipeline stages); on CPU the layer
@@ -9,12 +10,16 @@ saved to Hugging Face folders (``parallel.megatron_convert``).
   and data-parallel ranks: ``calculate_per_token_loss`` stops Megatron dividing by the micro-batch
   count and DDP by the dp size, and gradients are finalised without its per-token scaling. DDP's
   reduction runs after the last micro-batch, so data-parallel ranks may run different numbers of them
-  (or none).
+  (or none) -- except under expert parallelism, where every MoE layer exchanges tokens over the
+  expert-parallel ranks: a rank out of micro-batches runs idle ones (two tokens, nothing added to the
+  gradients) until its peers are done. Expert gradients are summed over the expert-data-parallel
+  ranks by DDP; each expert-parallel rank's experts are its own.
 - "logprobs" and "entropy" come from the vocabulary-parallel logits of the last stage (a logsumexp
   over the TP ranks), and reach every rank of the pipeline.
 - The optimizer and schedule are ``train.optim``'s on each rank's shards (Adam is elementwise); the
   gradient norm counts each parameter once (TP duplicates and the last stage's tied-embedding copy
-  excluded) over the model-parallel ranks, as ``clip_grad_norm_`` does for one process.
+  excluded) over the model-parallel ranks, and each expert once over the expert-parallel ranks, as
+  ``clip_grad_norm_`` does for one process.
 """
 
 from __future__ import annotations
@@ -26,18 +31,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches
+from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import save_model
 from areal_hpc.parallel import megatron_shim
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.megatron_convert import (ModelShape, gpt_model_args, hf_to_megatron, stage_to_hf,
+from areal_hpc.parallel.megatron_convert import (ModelShape, gpt_model_args, hf_to_megatron, is_expert, stage_to_hf,
                                                  transformer_config)
 from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
 from areal_hpc.train.engine import (OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket, merge_stats,
                                     weight_buckets)
+from areal_hpc.rollout.weights import read_checkpoint
 from areal_hpc.train.optim import build_optimizer, build_scheduler
 from areal_hpc.train.sequence_batch import SequenceBatch
 
@@ -50,12 +56,14 @@ def _initialize_megatron(dims: ParallelDims) -> None:
 
     if parallel_state.model_parallel_is_initialized():
         sizes = (parallel_state.get_tensor_model_parallel_world_size(),
-                 parallel_state.get_pipeline_model_parallel_world_size())
-        if sizes != (dims.tp, dims.pp):
-            raise RuntimeError(f"Megatron is initialised for tp, pp = {sizes}, not {(dims.tp, dims.pp)}")
+                 parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_expert_model_parallel_world_size())
+        if sizes != (dims.tp, dims.pp, dims.ep):
+            raise RuntimeError(f"Megatron is initialised for tp, pp, ep = {sizes}, not {(dims.tp, dims.pp, dims.ep)}")
         return
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
-                                             context_parallel_size=dims.cp, order="tp-cp-ep-dp-pp",
+                                             context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep,
+                                             order="tp-cp-ep-dp-pp",
                                              distributed_timeout_minutes=7 * DAY_MINUTES,
                                              create_gloo_process_groups=False)
     with torch.random.fork_rng(devices=[]):  # it reseeds the default generator; the caller's stream stays
@@ -64,12 +72,15 @@ def _initialize_megatron(dims: ParallelDims) -> None:
 
 def check_layout(dims: ParallelDims, shape: ModelShape) -> None:
     """Raise ``UserError`` for a layout this engine does not build or the model cannot be split into."""
-    unsupported = {name: getattr(dims, name) for name in ("cp", "ep", "vpp") if getattr(dims, name) > 1}
+    unsupported = {name: getattr(dims, name) for name in ("cp", "vpp") if getattr(dims, name) > 1}
     unsupported.update({name: "true" for name in ("fsdp", "sequence_parallel") if getattr(dims, name)})
     if unsupported:
         sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise UserError(f"actor.engine=megatron does not build {sizes} yet; it supports dp, tp and pp")
-    shape.check_layout(dims.tp, dims.pp)
+        raise UserError(f"actor.engine=megatron does not build {sizes} yet; it supports dp, tp, pp and ep")
+    if shape.experts and dims.tp > 1:  # Megatron's MoE layers refuse to train under tp without it
+        raise UserError(f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet "
+                        "(it needs sequence parallelism); use dp, pp and ep")
+    shape.check_layout(dims.tp, dims.pp, dims.ep)
 
 
 def vocab_parallel_outputs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
@@ -121,6 +132,8 @@ class MegatronTrainEngine:
         check_layout(mesh.dims, self.shape)
         if self.device.type == "cpu":
             megatron_shim.apply()
+        if not _has_transformer_engine():
+            megatron_shim.without_transformer_engine()
         _initialize_megatron(mesh.dims)
         with torch.random.fork_rng(devices=[]):  # the throwaway initialisation draws from the default generator
             self.model = self._build_model()
@@ -144,22 +157,25 @@ class MegatronTrainEngine:
         dims = self.mesh.dims
         # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
         # which the gradient norm reads; the loaded weights then replace the random ones.
-        self.config = transformer_config(self.shape, dims.tp, dims.pp, use_cpu_initialization=True,
+        self.config = transformer_config(self.shape, dims.tp, dims.pp, dims.ep, use_cpu_initialization=True,
                                          perform_initialization=True, calculate_per_token_loss=True,
                                          variable_seq_lengths=True,  # micro-batches of any length across stages
-                                         moe_token_dispatcher_type="alltoall")  # dense; "allgather" refuses the above
+                                         moe_token_dispatcher_type="alltoall")  # "allgather" refuses the above
+        experts = dict(num_experts=self.shape.experts or None, moe_grouped_gemm=False)  # one MLP per expert
         if self.device.type == "cuda" and _has_transformer_engine():
-            spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm)
+            spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm, **experts)
         else:
-            spec = get_gpt_layer_local_spec(qk_layernorm=self.shape.qk_norm, normalization="RMSNorm")
+            spec = get_gpt_layer_local_spec(qk_layernorm=self.shape.qk_norm, normalization="RMSNorm", **experts)
             spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
         self.first = parallel_state.is_pipeline_first_stage()
         self.last = parallel_state.is_pipeline_last_stage()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
         model = GPTModel(self.config, spec, pre_process=self.first, post_process=self.last,
                          **gpt_model_args(self.shape))
+        self._idle = pack([[0, 0]], [[0, 1]]).to(self.device)  # the pass of a rank out of micro-batches
         return model.to(self.device)
 
     def _wrap_ddp(self):
@@ -175,14 +191,11 @@ class MegatronTrainEngine:
     @torch.no_grad()
     def _load_hf(self, folder: Path) -> None:
         """This rank's shards of the Hugging Face weights in ``folder`` (any layout saved them)."""
-        from safetensors.torch import load_file
-
-        hf_state = {}
-        for part in sorted(folder.glob("*.safetensors")):
-            hf_state.update(load_file(part))
+        hf_state = read_checkpoint(folder)
         dims, coords = self.mesh.dims, self.mesh.coords
         try:
-            state = hf_to_megatron(hf_state, self.shape, coords["tp"], dims.tp, self.stage, dims.pp)
+            state = hf_to_megatron(hf_state, self.shape, coords["tp"], dims.tp, self.stage, dims.pp,
+                                   ep_rank=coords["ep"], ep=dims.ep)
         except KeyError as missing:
             raise RuntimeError(f"checkpoint {folder} lacks {missing}") from None
         if sorted(state) != sorted(self._state_names()):
@@ -194,10 +207,16 @@ class MegatronTrainEngine:
 
     # --- passes -------------------------------------------------------------------------------
     def _microbatches(self, batch: SequenceBatch) -> list[tuple[list[int], PackedBatch, dict[str, torch.Tensor]]]:
+        """(sequence indices, packed micro-batch, packed fields) of this rank's share; under expert
+        parallelism then idle passes (no indices) up to the most any expert-parallel peer has."""
         passes = []
         for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
             packed, fields = batch.select(indices).packed()
             passes.append((indices, packed.to(self.device), {k: v.to(self.device) for k, v in fields.items()}))
+        if self.mesh.dims.ep > 1:
+            count = torch.tensor(len(passes), device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
+            passes += [([], self._idle, {})] * (int(count) - len(passes))
         return passes
 
     def _outputs(self, logits: torch.Tensor, packed: PackedBatch) -> Outputs:
@@ -210,19 +229,22 @@ class MegatronTrainEngine:
                 "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
 
     def _run(self, passes, on_outputs, forward_only: bool) -> None:
-        """Megatron's schedule over ``passes``; the last stage calls ``on_outputs(outputs, packed, fields)``,
-        which returns the micro-batch's loss."""
+        """Megatron's schedule over ``passes``; the last stage calls ``on_outputs(indices, outputs, packed,
+        fields)`` for each pass with sequences, which returns the micro-batch's loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from areal_hpc.parallel.megatron_attention import PackedSequences
 
         def step(iterator, model):
-            _, packed, fields = next(iterator)
+            indices, packed, fields = next(iterator)
             sequences = PackedSequences.from_cu_seqlens(packed.cu_seqlens)
             logits = model(packed.input_ids, packed.position_ids, None, packed_seq_params=sequences)
 
             def loss(output):
-                return on_outputs(self._outputs(output, packed), packed, fields), torch.tensor(1), {}
+                outputs = self._outputs(output, packed)
+                if not indices:  # an idle pass: its backward still runs the experts' exchanges, adding 0
+                    return outputs["logprobs"].sum() * 0.0, torch.tensor(1), {}
+                return on_outputs(indices, outputs, packed, fields), torch.tensor(1), {}
             return logits, loss
 
         if not passes:
@@ -249,10 +271,8 @@ class MegatronTrainEngine:
         self.root.eval()
         out: dict[str, list[torch.Tensor | None]] = {}
         passes = self._microbatches(batch)
-        order = iter(passes)  # the last stage sees the micro-batches' outputs in this order
 
-        def keep(outputs: Outputs, packed: PackedBatch, fields) -> torch.Tensor:
-            indices = next(order)[0]
+        def keep(indices: list[int], outputs: Outputs, packed: PackedBatch, fields) -> torch.Tensor:
             lengths = [len(batch.sequences[i]) for i in indices]
             for name, values in outputs.items():
                 per_sequence = out.setdefault(name, [None] * len(batch))
@@ -270,7 +290,7 @@ class MegatronTrainEngine:
         self.root.zero_grad_buffer()
         parts = []
 
-        def loss(outputs: Outputs, packed: PackedBatch, fields) -> torch.Tensor:
+        def loss(indices: list[int], outputs: Outputs, packed: PackedBatch, fields) -> torch.Tensor:
             value, mb_stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": value.item(), "microbatches": 1.0, **mb_stats})
             return value
@@ -290,17 +310,24 @@ class MegatronTrainEngine:
 
     def _clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
         """The norm of the whole model's gradient, each parameter counted once, and gradients scaled to
-        at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+        at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule). Experts (Megatron marks them
+        ``allreduce=False``) are summed over the expert-parallel ranks that hold them, the rest over the
+        model-parallel ranks."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        counted = [p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-        square = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in counted:
-            square += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-        dist.all_reduce(square, group=parallel_state.get_model_parallel_group())
-        norm = float(square.sqrt())
+        total = 0.0
+        for expert, group in ((False, parallel_state.get_model_parallel_group()),
+                              (True, parallel_state.get_expert_tensor_model_pipeline_parallel_group())):
+            square = torch.zeros((), dtype=torch.float32, device=self.device)
+            for p in params:
+                if (param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+                        and expert != getattr(p, "allreduce", True)):
+                    square += torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+            dist.all_reduce(square, group=group)
+            total += float(square)
+        norm = total ** 0.5
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             for p in params:
@@ -308,20 +335,26 @@ class MegatronTrainEngine:
         return norm
 
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of this stage, TP shards gathered, on the stage's first replica's TP
-        rank 0 (other ranks of the replica take part and get nothing; other replicas do nothing)."""
-        if self.mesh.coords["dp"] != 0:
-            return
-        tp, state = self.mesh.dims.tp, self.model.state_dict()
+        """(HF name, full tensor) of this stage on the stage's first replica's TP rank 0: TP shards
+        gathered over the first replica, experts over the TP and EP ranks of the first expert replica
+        (the other ranks of those take part and get nothing; other replicas do nothing)."""
+        from megatron.core import parallel_state
+
+        state, coords = self.model.state_dict(), self.mesh.coords
+        takes_part = {False: coords["dp"] == 0, True: coords["edp"] == 0}  # keyed by: is it an expert's?
+        groups = {False: self.tp_group, True: parallel_state.get_expert_tensor_and_model_parallel_group()}
 
         def gathered() -> Iterator[tuple[str, list[torch.Tensor]]]:
             for name in self._state_names():
+                expert = is_expert(name)
+                if not takes_part[expert]:
+                    continue
                 local = state[name].detach().contiguous()
-                shards = [torch.empty_like(local) for _ in range(tp)]
-                dist.all_gather(shards, local, group=self.tp_group)
+                shards = [torch.empty_like(local) for _ in range(dist.get_world_size(groups[expert]))]
+                dist.all_gather(shards, local, group=groups[expert])  # EP rank major, then TP rank
                 yield name, shards
-        if self.mesh.coords["tp"] == 0:
-            yield from stage_to_hf(gathered(), self.shape, self.stage, self.mesh.dims.pp)
+        if coords["dp"] == coords["tp"] == 0:
+            yield from stage_to_hf(gathered(), self.shape, self.stage, self.mesh.dims.pp, self.mesh.dims.ep)
         else:
             for _ in gathered():
                 pass
@@ -373,7 +406,7 @@ class MegatronTrainEngine:
 
     def _layout(self) -> dict[str, int]:
         dims = self.mesh.dims
-        return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+        return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep}
 
     def load(self, folder: Path) -> None:
         """Collective. Weights load into any layout; optimizer state into the layout that saved it."""

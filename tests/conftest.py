@@ -25,6 +25,30 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return init_model(tmp_path_factory.mktemp("tiny") / "model", corpus_for_tokenizer(0), preset="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A random Qwen3-MoE model (4 experts, top 2, two layers) with the tiny model's tokenizer; its
+    router is initialised at random, so every expert receives tokens."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from areal_hpc.models.hf import load_tokenizer, save_model
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
+                            tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    folder = tmp_path_factory.mktemp("moe") / "model"
+    save_model(model, tokenizer, folder)
+    return folder
+
+
 def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``areal-hpc`` as a user would: a separate process, its exit code and its output."""
     return subprocess.run([sys.executable, "-m", "areal_hpc", *args], cwd=cwd, capture_output=True, text=True,

@@ -5,12 +5,9 @@ checkpoint saved in one layout loads into another. Layouts not built are one ``U
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import fuse_expert_weights, load_model, load_tokenizer, save_model
@@ -32,29 +29,22 @@ def reference(tiny_model_dir) -> dict:
     return reference_run(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """A random Qwen3-MoE model (4 experts, top 2, two layers) with the tiny model's tokenizer; its
-    router is initialised at random, so every expert receives tokens."""
-    tokenizer = load_tokenizer(tiny_model_dir)
-    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
-                            tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    folder = tmp_path_factory.mktemp("moe") / "model"
-    save_model(model, tokenizer, folder)
-    return folder
-
-
 @pytest.mark.parametrize("world, options", [(2, ["dp=2", "ep=2"]), (4, ["dp=2", "cp=2", "ep=2"]),
                                             (4, ["dp=2", "ep=2", "pp=2"])], ids=["ep2", "cp2_ep2_edp2", "ep2_pp2"])
 def test_moe_step_with_expert_parallelism_equals_one_process(world, options, tiny_moe_dir, tmp_path):
     assert_same_step(run_ranks(world, tiny_moe_dir, tmp_path / "out.pt", *options), reference_run(tiny_moe_dir))
+
+
+def test_moe_step_where_no_token_chooses_one_ranks_experts(tiny_moe_dir, tmp_path):
+    """A zero router ties every expert, and top-2 takes experts 0 and 1: the ep rank holding 2 and 3
+    receives no rows, yet its backward must join both exchanges' (it used to wait forever)."""
+    model = load_model(tiny_moe_dir)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    folder = tmp_path / "tied_router"
+    save_model(model, load_tokenizer(tiny_moe_dir), folder)
+    assert_same_step(run_ranks(2, folder, tmp_path / "out.pt", "dp=2", "ep=2"), reference_run(folder))
 
 
 def test_moe_ep2_checkpoint_restores_the_step_and_holds_every_expert(tiny_moe_dir, tmp_path):

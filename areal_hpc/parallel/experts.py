@@ -4,7 +4,7 @@ split over ``mesh["ep"]``, each rank holding E / ep of them, and tokens sent to 
 
 Every rank routes its own tokens (the router is an ordinary replicated layer); per MoE layer, the
 (token, expert) assignments go to the ranks that hold those experts and the results come back, by
-two differentiable ``all_to_all_single`` exchanges with uneven splits (nothing padded, no capacity
+two differentiable ``all_to_all_single`` exchanges (functional collectives) with uneven splits (nothing padded, no capacity
 factor, no token dropped): the same sum as the model's own expert loop, in another order.
 
 The expert weights are DTensors sharded on dim 0 over the ep mesh, so the engine's full-state gather,
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as functional
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from areal_hpc.errors import UserError
@@ -67,21 +67,20 @@ class ExpertParallelForward:
         sent, received = sent.tolist(), received.tolist()
         local_ids = torch.empty(sum(received), dtype=experts.dtype, device=experts.device)
         dist.all_to_all_single(local_ids, experts % self.local_experts, received, sent, group=self.group)
-        rows = dist_fn.all_to_all_single(hidden.new_empty(sum(received), hidden.shape[1]), hidden[tokens],
-                                         received, sent, group=self.group)
+        rows = functional.all_to_all_single(hidden[tokens], received, sent, self.group)
         results = self._compute(rows, local_ids)
-        back = dist_fn.all_to_all_single(hidden.new_empty(len(tokens), hidden.shape[1]), results, sent, received,
-                                         group=self.group)
+        back = functional.all_to_all_single(results, sent, received, self.group)
         out = torch.zeros_like(hidden)
         return out.index_add(0, tokens, (back * weights[:, None]).to(out.dtype))
 
     def _compute(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Each received row through its expert. Every expert runs, on no rows if none came: the result
+        then still depends on the received rows and the weights, so this rank's backward takes part in
+        both exchanges' backward even when no token chose its experts (else the peers wait forever)."""
         gate_up, down = (getattr(self.module, w).to_local() for w in EXPERT_WEIGHTS)
         out = rows.new_zeros(rows.shape)
         for expert in range(self.local_experts):
             mine = (local_ids == expert).nonzero()[:, 0]
-            if len(mine) == 0:
-                continue
             gate, up = torch.nn.functional.linear(rows[mine], gate_up[expert]).chunk(2, dim=-1)
             value = torch.nn.functional.linear(self.module.act_fn(gate) * up, down[expert])
             out = out.index_copy(0, mine, value.to(out.dtype))

@@ -84,6 +84,14 @@ def test_ppo_critic_trains_the_same_under_tensor_parallelism(tiny_model_dir, ref
     assert_same_step(ours, reference)
 
 
+def test_moe_expert_parallel_steps_through_the_trainer_group(tiny_moe_dir, tmp_path):
+    """Two optimizer steps of a Qwen3-MoE with its experts split over two ranks, through the actor's
+    PPO loss and the trainer group (tests/test_native_parallel.py covers experts that get no rows)."""
+    reference = run_ranks(1, tiny_moe_dir, tmp_path / "single.pt", "actor.engine=torch", *STEP)
+    ours = run_ranks(2, tiny_moe_dir, tmp_path / "out.pt", "actor.engine=torch", *STEP, "actor.parallel.ep=2")
+    assert_same_step(ours, reference)
+
+
 @pytest.mark.slurm
 @pytest.mark.parametrize("engine", ["torch", "megatron"])
 def test_tensor_parallel_step_under_srun_across_two_nodes(engine, tiny_model_dir, reference_folder, tmp_path):

@@ -89,17 +89,29 @@ def test_step_with_an_empty_share_and_checkpoint_round_trip(tiny_model_dir, refe
     into pp2."""
     folder = tmp_path / "checkpoint"
     got = run_ranks(4, tiny_model_dir, tmp_path / "saved.pt", "tp=2", "dp=2", "empty=1", f"save={folder}")
-    assert got["weights"].keys() == reference["weights"].keys()  # in Megatron's order (fused q/k/v first)
-    assert_same_engine_step({**got, "weights": {name: got["weights"][name] for name in reference["weights"]}},
-                            reference)
+    assert_same_engine_step(in_reference_order(got, reference), reference)
     assert reference["stats"]["grad_norm"] > 0.5  # the clipping at 0.5 took part
+    assert_checkpoint_round_trip(got, folder, tiny_model_dir, tmp_path, 2, "pp=2")
+
+
+def in_reference_order(got: dict, reference: dict) -> dict:
+    """``got`` with its weights (in Megatron's order: fused q/k/v first) in the reference's order, once
+    they are the same set."""
+    assert got["weights"].keys() == reference["weights"].keys()
+    return {**got, "weights": {name: got["weights"][name] for name in reference["weights"]}}
+
+
+def assert_checkpoint_round_trip(got: dict, folder, model_dir, tmp_path, world: int, *options: str) -> None:
+    """The checkpoint a ``save=folder`` run wrote restored its next step exactly, is a complete HF
+    folder of the step's weights, and those weights load into ``world`` ranks of layout ``options``
+    (without the optimizer state, which resumes only in the layout that saved it)."""
     assert got["ranks"][0]["restored_step_diff"] == 0.0
     plain = load_model(folder).state_dict()
     for name, tensor in got["weights"].items():
         assert torch.equal(plain[name], tensor), name
-    weights_only = tmp_path / "weights"  # the optimizer state resumes only in the layout that saved it
+    weights_only = tmp_path / "weights"
     shutil.copytree(folder, weights_only, ignore=shutil.ignore_patterns(OPTIMIZER_SHARDS, TRAINING_STATE))
-    loaded = run_ranks(2, tiny_model_dir, tmp_path / "loaded.pt", "pp=2", f"load={weights_only}")["weights"]
+    loaded = run_ranks(world, model_dir, tmp_path / "loaded.pt", *options, f"load={weights_only}")["weights"]
     assert loaded.keys() == got["weights"].keys()
     for name, tensor in loaded.items():
         assert torch.equal(tensor, plain[name]), name

@@ -2,8 +2,10 @@
 independent implementations, on real gloo ranks: in one process and with the experts split over two
 expert-parallel ranks (dp=2 ep=2), its logprobs equal the Hugging Face model's (the torch engine's
 forward) and one step of a PPO-like loss equals the torch engine's in one process (loss, gradient
-norm, updated weights under HF names); an ep2 checkpoint with an empty share restores the step and
-loads into one process; HF -> Megatron shards (TP, PP and EP) -> HF is exact for random shapes.
+norm, updated weights under HF names), also with two replicas of each expert (dp=4 ep=2), with pp2,
+and when one rank's experts receive no token; an ep2 checkpoint with an empty share restores the
+step and loads into one process; HF -> Megatron shards (TP, PP and EP) -> HF is exact for random
+shapes; MoE layouts the engine does not build are one ``UserError``.
 """
 
 from __future__ import annotations
@@ -14,45 +16,40 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_model
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.megatron_convert import ModelShape, hf_to_megatron, is_expert, stage_names, stage_to_hf
-from areal_hpc.train.engine import OPTIMIZER_SHARDS, TRAINING_STATE
 from areal_hpc.train.megatron_engine import check_layout
 from tests.native_ranks import reference_run
-from tests.test_megatron import run_ranks
+from tests.test_megatron import assert_checkpoint_round_trip, in_reference_order, run_ranks
 from tests.test_native_parallel import assert_same_step
-from tests.test_native_parallel import tiny_moe_dir  # noqa: F401  (the fixture: one random Qwen3-MoE)
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tiny_moe_dir) -> dict:  # noqa: F811
+def moe_reference(tiny_moe_dir) -> dict:
     return reference_run(tiny_moe_dir)
-
-
-def in_reference_order(got: dict, reference: dict) -> dict:
-    """``got`` with its weights (Megatron's order) in the reference's order, once they are the same set."""
-    assert got["weights"].keys() == reference["weights"].keys()
-    return {**got, "weights": {name: got["weights"][name] for name in reference["weights"]}}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("dp=2", "ep=2"))], ids=["one_process", "ep2"])
-def test_moe_step_equals_the_torch_engine_in_one_process(world, options, tiny_moe_dir, moe_reference,  # noqa: F811
+@pytest.mark.parametrize("world, options", [(1, ()), (2, ("dp=2", "ep=2")), (4, ("dp=4", "ep=2"))],
+                         ids=["one_process", "ep2", "ep2_edp2"])
+def test_moe_step_equals_the_torch_engine_in_one_process(world, options, tiny_moe_dir, moe_reference,
                                                          tmp_path):
     """Router (softmax, top 2, renormalised), experts and the tokens' exchange between expert-parallel
-    ranks: logprobs, loss, gradient norm (each expert counted once) and updated weights."""
+    ranks: logprobs, loss, gradient norm (each expert counted once) and updated weights; with dp=4
+    each expert has two replicas, whose gradients DDP sums over the expert-data-parallel ranks."""
     got = run_ranks(world, tiny_moe_dir, tmp_path / "out.pt", *options)
     assert_same_step(in_reference_order(got, moe_reference), moe_reference)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ep2_with_an_empty_share_restores_its_checkpoint_and_loads_into_one_process(tiny_moe_dir,  # noqa: F811
+def test_ep2_with_an_empty_share_restores_its_checkpoint_and_loads_into_one_process(tiny_moe_dir,
                                                                                     moe_reference, tmp_path):
     """dp rank 1 trains on nothing (it runs idle passes for its expert-parallel peer); the checkpoint
     restores weights, Adam moments and schedule, holds every expert of both ranks in one HF folder,
@@ -60,16 +57,7 @@ def test_ep2_with_an_empty_share_restores_its_checkpoint_and_loads_into_one_proc
     folder = tmp_path / "checkpoint"
     got = run_ranks(2, tiny_moe_dir, tmp_path / "saved.pt", "dp=2", "ep=2", "empty=1", f"save={folder}")
     assert_same_step(in_reference_order(got, moe_reference), moe_reference)
-    assert got["ranks"][0]["restored_step_diff"] == 0.0
-    plain = load_model(folder).state_dict()
-    for name, tensor in got["weights"].items():
-        assert torch.equal(plain[name], tensor), name
-    weights_only = tmp_path / "weights"  # the optimizer state resumes only in the layout that saved it
-    shutil.copytree(folder, weights_only, ignore=shutil.ignore_patterns(OPTIMIZER_SHARDS, TRAINING_STATE))
-    loaded = run_ranks(1, tiny_moe_dir, tmp_path / "loaded.pt", f"load={weights_only}")["weights"]
-    assert loaded.keys() == plain.keys()
-    for name, tensor in loaded.items():
-        assert torch.equal(tensor, plain[name]), name
+    assert_checkpoint_round_trip(got, folder, tiny_moe_dir, tmp_path, 1)
 
 
 def random_moe_model(experts: int, layers: int, tied: bool, renormalise: bool, seed: int) -> Qwen3MoeForCausalLM:
@@ -127,7 +115,7 @@ def test_router_matches_hf_top_k_rule():
     (dict(dp=4, ep=4), None),
     (dict(dp=8, ep=8), "ep=8 must divide the model's num_experts=4"),
 ])
-def test_moe_layouts(sizes, message, tiny_moe_dir):  # noqa: F811
+def test_moe_layouts(sizes, message, tiny_moe_dir):
     shape = ModelShape.from_hf(load_model(tiny_moe_dir).config)
     if message is None:
         check_layout(ParallelDims(**sizes), shape)
@@ -141,3 +129,18 @@ def test_expert_parallelism_needs_a_moe_model(tiny_model_dir):
     shape = ModelShape.from_hf(load_model(tiny_model_dir).config)
     with pytest.raises(UserError, match="ep=2 needs a Mixture-of-Experts model"):
         check_layout(ParallelDims(dp=2, ep=2), shape)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ep2_pp2_step_where_no_token_chooses_one_ranks_experts(tiny_moe_dir, tmp_path):
+    """A zero router ties every expert and top-2 takes experts 0 and 1: the EP rank holding 2 and 3
+    receives no tokens, yet takes part in every exchange, forward and backward, on both pipeline
+    stages (one MoE layer each)."""
+    folder = shutil.copytree(tiny_moe_dir, tmp_path / "tied_router")
+    stored = load_file(folder / "model.safetensors")
+    save_file({name: tensor.zero_() if name.endswith("mlp.gate.weight") else tensor for name, tensor in stored.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    reference = reference_run(folder)
+    assert_same_step(in_reference_order(run_ranks(4, folder, tmp_path / "out.pt", "dp=2", "ep=2", "pp=2"), reference),
+                     reference)

@@ -191,6 +191,24 @@ def _serve(args) -> int:
     return 0
 
 
+def _proxy(args) -> int:
+    from areal_hpc.config import load_config
+    from areal_hpc.proxy.serve import serve_proxy
+
+    serve_proxy(load_config(args.config, args.overrides))
+    return 0
+
+
+def _proxy_key(args) -> int:
+    from areal_hpc.proxy.tenants import add_key
+
+    key = add_key(args.keys_file, args.tenant)
+    print(key)
+    print(f"added a key for tenant {args.tenant} to {args.keys_file} (only its hash is stored: keep the key)",
+          file=sys.stderr)
+    return 0
+
+
 def _serve_alias(item: str) -> str:
     key, sep, value = item.partition("=")
     return f"{SERVE_ALIASES.get(key, key)}{sep}{value}"
@@ -258,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run a rollout server (embedded engine or SGLang) with SGLang's HTTP API")
     with_config(serve, required=False)
     serve.set_defaults(handler=_serve)
+
+    proxy = commands.add_parser("proxy", help="the login-node proxy: an OpenAI-compatible gateway whose sessions "
+                                               "become trajectory records (no GPU, no torch)")
+    with_config(proxy, required=False)
+    proxy.set_defaults(handler=_proxy)
+    key = commands.add_parser("proxy-key", help="make a tenant key for the proxy: prints it, stores its hash")
+    key.add_argument("--keys-file", required=True, metavar="FILE", help="the proxy's keys file (proxy.keys_file)")
+    key.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-')")
+    key.set_defaults(handler=_proxy_key)
 
     shards = commands.add_parser("shards", help="inspect, verify and export trajectory shards")
     shard_commands = shards.add_subparsers(dest="action", metavar="ACTION", parser_class=OneLineParser,

@@ -256,6 +256,33 @@ class StatsConfig:
 
 
 @dataclass
+class ProxyConfig:
+    host: str = spec("127.0.0.1", "address the login-node proxy binds (0.0.0.0 to serve agents on other hosts)")
+    port: int = spec(8080, "port the proxy listens on; 0 picks a free one", ge=0, le=65535)
+    backends: str = spec("", "rollout servers as host:port, comma-separated; empty: those the run's name-resolve "
+                         "lists (rollout/servers), with heartbeats")
+    name_resolve: str = spec("", "name-resolve folder to find rollout servers in; empty: <run folder>/name_resolve")
+    keys_file: str = spec("", "YAML of tenants and their hashed keys (`areal-hpc proxy-key` writes it)")
+    rollout_token_file: str = spec("", "the run's rollout token (0600 file) sent to the rollout servers; empty: "
+                                   "<run folder>/rollout_token when it exists")
+    shards_dir: str = spec("", "folder of the proxy's trajectory shards; empty: <run folder>/shards")
+    model_name: str = spec("", "model id agents name (/v1/models); empty: the model folder's name")
+    requests_per_minute: float = spec(600.0, "default per-tenant completion requests per minute; 0: unlimited", ge=0.0)
+    tokens_per_minute: float = spec(1e6, "default per-tenant prompt + completion tokens per minute; 0: unlimited",
+                                    ge=0.0)
+    max_request_bytes: int = spec(1 << 20, "largest request body; larger is refused with 413", ge=1024)
+    default_max_tokens: int = spec(256, "reply length when a request gives no max_tokens", ge=1)
+    max_tokens_cap: int = spec(4096, "largest max_tokens a request may ask for", ge=1)
+    discount: float = spec(1.0, "factor by which a turn's reward reaches each earlier turn of its conversation",
+                           ge=0.0, le=1.0)
+    reward_grace_s: float = spec(300.0, "seconds after end_session that rewards are still taken (late rewards)",
+                                 ge=0.0)
+    session_idle_s: float = spec(3600.0, "a session without a request this long is ended and written", gt=0.0)
+    request_timeout_s: float = spec(600.0, "seconds one /generate call may take before it is retried elsewhere",
+                                    gt=0.0)
+
+
+@dataclass
 class RunConfig:
     experiment: ExperimentConfig = section(ExperimentConfig)
     cluster: ClusterConfig = section(ClusterConfig)
@@ -271,6 +298,7 @@ class RunConfig:
     saver: SaverConfig = section(SaverConfig)
     stats: StatsConfig = section(StatsConfig)
     slurm: SlurmConfig = section(SlurmConfig)
+    proxy: ProxyConfig = section(ProxyConfig)
 
     @property
     def run_dir(self) -> Path:

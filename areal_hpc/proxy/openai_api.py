@@ -1,0 +1,161 @@
+"""OpenAI's request and response shapes: what a chat or completion request may hold (checked, with
+OpenAI-style errors naming the parameter), the sampling parameters sent to ``/generate``, and the
+replies: whole, or as server-sent events (``stream: true``).
+"""
+
+from __future__ import annotations
+
+import json
+import reprlib
+import time
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    """An error the client caused (or a server one), answered as OpenAI's ``{"error": {...}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param: str, value, valid: str) -> APIError:
+    return APIError(400, f"{param} = {reprlib.repr(value)}; it must be {valid}", param=param, code="invalid_value")
+
+
+def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = (int,) if integer else (int, float)
+    if not isinstance(value, kind) or isinstance(value, bool) or not low <= value <= high:
+        raise bad(name, value, f"{'an integer' if integer else 'a number'} in [{low}, {high}]")
+    return value
+
+
+def sampling_params(body: dict, default_max_tokens: int, max_tokens_cap: int, stop_ids: list[int]) -> dict:
+    """``/generate``'s sampling_params from an OpenAI request (n=1; stop strings are not supported: the
+    model's end-of-turn token ends a reply)."""
+    if number(body, "n", 1, 1, 1, integer=True) != 1:
+        raise bad("n", body["n"], "1")
+    stop = body.get("stop")
+    if stop not in (None, [], ""):
+        raise APIError(400, f"stop = {reprlib.repr(stop)}: stop strings are not supported (replies end at the "
+                       "model's end-of-turn token or max_tokens)", param="stop", code="unsupported_parameter")
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    temperature = number(body, "temperature", 1.0, 0.0, 2.0)
+    if 0 < temperature < 1e-6:
+        temperature = 0.0  # the servers refuse a near-zero temperature; it means greedy
+    return {"max_new_tokens": number(body, limit, default_max_tokens, 1, max_tokens_cap, integer=True),
+            "temperature": float(temperature), "top_p": float(number(body, "top_p", 1.0, 1e-9, 1.0)),
+            "stop_token_ids": stop_ids}
+
+
+def messages_of(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", messages, "a non-empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad(f"messages[{i}]", message, "an object with a 'role'")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad(f"messages[{i}].content", content, "a string or a list of text parts")
+            message["content"] = "".join(p["text"] for p in content)
+        elif content is None:
+            message["content"] = ""
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content", content, "a string or a list of text parts")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", tools, "a list of tool definitions")
+    return messages
+
+
+def flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise bad(name, value, "true or false")
+    return value
+
+
+def finish_reason(meta: dict) -> str:
+    kind = (meta.get("finish_reason") or {}).get("type")
+    return "length" if kind in ("length", "abort") else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprobs_content(token_texts: list[str], logprobs: list[float]) -> dict:
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(token_texts, logprobs)]}
+
+
+def chat_reply(interaction_id: str, model: str, text: str, finish: str, usage_: dict, logprobs: dict | None) -> dict:
+    return {"id": interaction_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                         "finish_reason": finish}], "usage": usage_}
+
+
+def completion_reply(interaction_id: str, model: str, text: str, finish: str, usage_: dict,
+                     logprobs: list[float] | None, token_texts: list[str]) -> dict:
+    lp = None if logprobs is None else {"tokens": token_texts, "token_logprobs": logprobs,
+                                        "top_logprobs": None, "text_offset": None}
+    return {"id": interaction_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}], "usage": usage_}
+
+
+def chat_chunks(interaction_id: str, model: str, pieces: list[str], finish: str, usage_: dict | None):
+    """The events of a streamed chat reply: the role, one chunk per piece of text, the finish reason,
+    then (when the client asked for it with stream_options.include_usage) the usage."""
+    created = int(time.time())
+
+    def chunk(delta: dict, reason: str | None = None, **extra) -> bytes:
+        event = {"id": interaction_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}], **extra}
+        return sse(event)
+
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in pieces:
+        if piece:
+            yield chunk({"content": piece})
+    yield chunk({}, finish)
+    if usage_ is not None:
+        yield sse({"id": interaction_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [], "usage": usage_})
+    yield b"data: [DONE]\n\n"
+
+
+def completion_chunks(interaction_id: str, model: str, pieces: list[str], finish: str):
+    created = int(time.time())
+    for i, piece in enumerate(pieces + [""]):
+        last = i == len(pieces)
+        if piece or last:
+            yield sse({"id": interaction_id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": 0, "text": piece, "logprobs": None,
+                                    "finish_reason": finish if last else None}]})
+    yield b"data: [DONE]\n\n"
+
+
+def sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True

@@ -285,3 +285,24 @@ def test_proxy_cli_refuses_a_config_without_keys_in_one_line(tiny_model_dir, tmp
                            f"cluster.fileroot={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "proxy.keys_file" in done.stderr
+
+
+@pytest.mark.slow
+def test_servers_beyond_loopback_need_the_run_token_which_the_proxy_finds_with_them(tiny_model_dir, keys_file,
+                                                                                     tmp_path):
+    with embedded_server(tiny_model_dir, tmp_path, "host=0.0.0.0") as (_, address):
+        (run_dir,) = (tmp_path / "quickstart").iterdir()
+        token = (run_dir / "rollout_token").read_text()
+        assert (run_dir / "rollout_token").stat().st_mode & 0o777 == 0o600 and len(token) >= 32
+        body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+        assert call(f"http://{address}", "/generate", body)[0] == 401
+        assert call(f"http://{address}", "/generate", body, "wrong")[0] == 401
+        assert call(f"http://{address}", "/generate", body, token)[0] == 200
+        assert call(f"http://{address}", "/health")[0] == 200  # probes need no token
+        cfg = proxy_config(tiny_model_dir, tmp_path, [], keys_file, f"experiment.trial={run_dir.name}")
+        with running_proxy(cfg) as (base, state, _):  # servers from the run's name-resolve, the run's token
+            assert state.router.healthy == [address]
+            _, key = start_session(base, ALICE)
+            reply = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0).chat.completions.create(
+                model="tiny", messages=QUESTION, max_tokens=3)
+            assert reply.usage.completion_tokens >= 1

@@ -10,14 +10,12 @@ from aiohttp import web
 
 from areal_hpc.errors import UserError
 from areal_hpc.launch.name_resolve import NameResolve, bind
+from areal_hpc.launch.rollout_token import rollout_token
 from areal_hpc.proxy.app import Proxy, ProxySettings, build_app
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.records import RecordSink
 from areal_hpc.proxy.router import BackendRouter
 from areal_hpc.proxy.tenants import Quota, TenantKeys
-
-ROLLOUT_TOKEN = "rollout_token"
-
 
 def build_proxy(cfg) -> Proxy:
     p = cfg.proxy
@@ -45,12 +43,12 @@ def build_proxy(cfg) -> Proxy:
 
 def read_token(path: str, run_dir: Path) -> str | None:
     """The rollout servers' token: the configured file, else the run's own when it exists."""
-    file = Path(path) if path else Path(run_dir) / ROLLOUT_TOKEN
-    if not file.is_file():
-        if path:
-            raise UserError(f"proxy.rollout_token_file {path} does not exist")
-        return None
-    return file.read_text().strip() or None
+    if not path:
+        return rollout_token(run_dir)
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as exc:
+        raise UserError(f"cannot read proxy.rollout_token_file {path}: {exc.strerror}") from None
 
 
 def serve_proxy(cfg) -> None:

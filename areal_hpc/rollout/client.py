@@ -85,8 +85,10 @@ def disk_update(model_path: str, version: int) -> dict:
 
 
 class RolloutClient:
-    def __init__(self, addresses: list[str], request_timeout_s: float = 600.0, max_requests: int = 100):
-        """``max_requests``: /generate requests the caller may have in flight at once (their pool's size)."""
+    def __init__(self, addresses: list[str], request_timeout_s: float = 600.0, max_requests: int = 100,
+                 token: str | None = None):
+        """``max_requests``: /generate requests the caller may have in flight at once (their pool's size);
+        ``token``: the run's rollout token, sent on every request (servers beyond loopback require it)."""
         if not addresses:
             raise UserError("no rollout server addresses given")
         self.alive = list(addresses)  # the servers /generate goes to
@@ -101,12 +103,13 @@ class RolloutClient:
         self._dropped_because = ""
         self._generation: aiohttp.ClientSession | None = None
         self._control: aiohttp.ClientSession | None = None
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     async def __aenter__(self) -> "RolloutClient":
         self._generation = aiohttp.ClientSession(
-            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_requests))
+            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_requests), headers=self._headers)
         self._control = aiohttp.ClientSession(  # per host: servers that join later get the same
-            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, limit_per_host=16))
+            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, limit_per_host=16), headers=self._headers)
         return self
 
     async def __aexit__(self, *exc) -> None:

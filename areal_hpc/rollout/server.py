@@ -11,6 +11,7 @@ its heartbeat refreshed in the background) while it runs.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import reprlib
@@ -28,7 +29,9 @@ from areal_hpc.rollout.embedded_engine import EmbeddedEngine, RequestError, Resu
 GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream"}
 ENGINE = web.AppKey("engine", EmbeddedEngine)
 STATE = web.AppKey("state", dict)
+TOKEN = web.AppKey("token", str)
 DEFAULT_GROUP = "weight_update_group"  # SGLang's, for requests that name no update group
+OPEN_ROUTES = {"/health", "/health_generate"}  # liveness probes need no token and reveal nothing
 
 
 def error(status: int, message: str) -> web.Response:
@@ -58,6 +61,17 @@ def flag(body: dict, name: str) -> bool:
     if type(value) is not bool:
         raise RequestError(f"{name} = {reprlib.repr(value)}; it must be true or false")
     return value
+
+
+@web.middleware
+async def token_required(request: web.Request, handler):
+    """Every route but the health probes needs the run's token (rollout_token.py) when one is set."""
+    expected = f"Bearer {request.app[TOKEN]}".encode()
+    given = request.headers.get("Authorization", "").encode()
+    if request.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected):
+        return error(401, "this server needs the run's rollout token: 'Authorization: Bearer <token>' "
+                          "(<run folder>/rollout_token)")
+    return await handler(request)
 
 
 @web.middleware
@@ -293,9 +307,13 @@ def _version(body: dict) -> int | None:
     raise RequestError(f"weight_version {reprlib.repr(version)} must be an integer")
 
 
-def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=64 << 20)
+def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None, token: str | None = None) -> web.Application:
+    """``token``: required on every route but the health probes (servers bound beyond loopback)."""
+    app = web.Application(middlewares=([token_required] if token else []) + [errors_as_json],
+                          client_max_size=64 << 20)
     app[ENGINE], app[STATE] = engine, {"model_path": model_path, "tokenizer": tokenizer}
+    if token:
+        app[TOKEN] = token
     app.add_routes([
         web.post("/generate", generate), web.get("/health", health), web.get("/health_generate", health),
         web.get("/get_model_info", model_info), web.get("/get_server_info", server_info),
@@ -312,10 +330,12 @@ def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None) -> web.Ap
 def serve_embedded(cfg) -> None:
     """Load the model, start the engine, listen, register in name-resolve; run until SIGINT/SIGTERM."""
     from areal_hpc.launch.name_resolve import advertised_address, bind, registered_server
+    from areal_hpc.launch.rollout_token import needs_token, rollout_token
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
 
     sock = bind(cfg.rollout.host, cfg.rollout.port)  # a taken port fails before minutes of model loading
+    token = rollout_token(cfg.run_dir, create=True) if needs_token(cfg.rollout.host) else None
     model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
     engine = EmbeddedEngine(model, slots=cfg.rollout.max_running_requests,
                             context_length=cfg.rollout.context_length or None, seed=cfg.experiment.seed)
@@ -324,7 +344,7 @@ def serve_embedded(cfg) -> None:
           f"({engine.decoder.slots} slots, context {engine.context_length})", flush=True)
     try:
         with registered_server(cfg.run_dir, address):
-            web.run_app(build_app(engine, str(cfg.model.path), load_tokenizer(cfg.model.path)), sock=sock,
+            web.run_app(build_app(engine, str(cfg.model.path), load_tokenizer(cfg.model.path), token), sock=sock,
                         print=None, handle_signals=True, handler_cancellation=True)  # disconnect -> abort
     finally:
         engine.stop()

@@ -32,6 +32,7 @@ from areal_hpc.data.registry import build_task
 from areal_hpc.data.shards.consumer import TrajectoryConsumer
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.errors import UserError
+from areal_hpc.launch.rollout_token import rollout_token
 from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.rollout.client import RolloutClient, RolloutError
 from areal_hpc.rollout.workflows import Scorer
@@ -77,7 +78,8 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
     in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # /generate at most
     with (RewardPool(task.reward) as rewards, RLProgress(cfg, version) as progress,
           shards(cfg, state.get("cursor", {})) as (writer, consumer)):
-        async with RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight) as client:
+        async with RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
+                                 rollout_token(cfg.run_dir)) as client:
             sync = build_weight_sync(cfg, actor.device.type)
             await sync.connect(client)
             await sync.push(actor, client, version)  # the servers start from the trainer's weights

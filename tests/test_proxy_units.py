@@ -1,0 +1,108 @@
+"""The proxy's parts without servers: turn linking by token prefix and the records it makes (property
+tests), discounting, chat templates rendered as transformers renders them (tools included), keys files.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.cli import main
+from areal_hpc.errors import UserError
+from areal_hpc.models.hf import load_tokenizer
+from areal_hpc.proxy.chat_template import ChatTokenizer
+from areal_hpc.proxy.sessions import Session, Turn, discounted_returns
+from areal_hpc.proxy.tenants import Quota, QuotaMeter, TenantKeys, hash_key
+
+tokens = st.lists(st.integers(0, 50), min_size=1, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10**6), tokens, tokens, st.booleans()), min_size=1, max_size=12))
+def test_turns_linked_by_prefix_make_records_that_are_exactly_each_conversation(steps):
+    """Each step extends an earlier turn (picked by number) with new tokens, or starts afresh; every record
+    concatenates to its last turn's prompt and output, and every turn is in a record."""
+    session = Session(tenant="t", tenant_key_hash="h", key_hash="k")
+    for n, (pick, new, output, extend) in enumerate(steps):
+        base = session.turns[pick % len(session.turns)].full_ids if extend and session.turns else []
+        prompt = base + new
+        parent = session.parent_by_ids(prompt)
+        assert parent is None or prompt[:len(parent.full_ids)] == parent.full_ids
+        if base:  # the longest prefix is found: at least as long as the turn extended
+            assert len(parent.full_ids) >= len(base)
+        session.turns.append(Turn(f"i{n}", prompt, output, [-1.0] * len(output), [n] * len(output), "stop", parent))
+    records = session.trajectories(discount=1.0)
+    leaves = session.leaves()
+    assert len(records) == len(leaves)
+    for leaf, record in zip(leaves, records):
+        joined = np.concatenate([np.concatenate([s.input_ids, s.output_ids]) for s in record.segments])
+        assert joined.tolist() == leaf.full_ids
+        assert record.metadata["interaction_ids"] == [t.interaction_id for t in leaf.chain()]
+    assert {i for r in records for i in r.metadata["interaction_ids"]} == {t.interaction_id for t in session.turns}
+
+
+@given(st.dictionaries(st.integers(0, 7), st.floats(-10, 10)), st.integers(1, 8), st.floats(0, 1))
+def test_discounted_returns_are_each_turns_reward_plus_the_discounted_next_return(rewards, n, discount):
+    rewards = {k: v for k, v in rewards.items() if k < n}
+    returns = discounted_returns(rewards, n, discount)
+    assert returns[-1] == pytest.approx(rewards.get(n - 1, 0.0))
+    for j in range(n - 1):
+        assert returns[j] == pytest.approx(rewards.get(j, 0.0) + discount * returns[j + 1])
+    if set(rewards) <= {n - 1}:  # one reward at the end reaches turn j as discount ** (n - 1 - j) of it
+        assert returns == pytest.approx([discount ** (n - 1 - j) * rewards.get(n - 1, 0.0) for j in range(n)])
+
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_chat_template_renders_and_tokenises_as_transformers_does_tools_included(tiny_model_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    ours, theirs = ChatTokenizer(folder), load_tokenizer(folder)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "number"}}}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3? ünï"},
+                {"role": "assistant", "content": "5"}, {"role": "user", "content": "and 4+4?"}]
+    for kwargs in [dict(tools=tools), dict(tools=None)]:
+        text = ours.render(messages, **kwargs)
+        assert text == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+    assert '"name": "add"' in ours.render(messages, tools)
+    ids = ours.encode("ünï 2+3")
+    assert "".join(ours.pieces(ids)) == ours.decode(ids) and ours.eos_token_ids == [theirs.eos_token_id]
+
+
+def test_keys_file_hashes_revocation_and_refusals(tmp_path, capsys):
+    keys = tmp_path / "keys.yaml"
+    assert main(["proxy-key", "--keys-file", str(keys), "--tenant", "alice"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key not in keys.read_text() and hash_key(key) in keys.read_text() and keys.stat().st_mode & 0o777 == 0o600
+    book = TenantKeys(keys, Quota(10, 100))
+    assert book.tenant(hash_key(key)) == "alice" and book.quota("alice") == Quota(10, 100)
+    keys.write_text(keys.read_text() + f"revoked: ['{hash_key(key)}']\n")
+    book.reload()
+    assert book.tenant(hash_key(key)) is None
+    for text, words in [("tenants: {alice: {keys: [plain-key]}}", "never keys"),
+                        ("tenants: {'a b': {keys: []}}", "tenant name"),
+                        ("tenants: {a: {keys: [], tokens_per_minute: -1}}", "tokens_per_minute"),
+                        ("users: {}", "mapping with 'tenants'")]:
+        keys.write_text(text)
+        with pytest.raises(UserError, match=words):
+            TenantKeys(keys, Quota(0, 0))
+
+
+def test_quota_meter_admits_up_to_the_rate_then_says_how_long_to_wait():
+    meter, quota = QuotaMeter(), Quota(requests_per_minute=3, tokens_per_minute=50)
+    assert [meter.admit("t", quota) for _ in range(3)] == [0, 0, 0]
+    assert 0 < meter.admit("t", quota) <= 20
+    assert meter.admit("other", quota) == 0  # tenants do not share buckets
+    meter.charge("other", quota, 80)  # overdrawn by one request: the next waits for the tokens
+    assert meter.admit("other", quota) > 0

@@ -46,7 +46,8 @@ def reference_folder(tmp_path_factory) -> str:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",))], ids=["one_process", "tp2"])
+@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",))],
+                         ids=["one_process", "tp2", "cp2"])
 def test_forward_equals_hf_packed_policy_outputs(world, options, tiny_model_dir, tmp_path):
     """Per-sequence RoPE and attention over THD-packed rows, and the vocabulary-parallel log-softmax at
     T = 0.7, against the Hugging Face model's own packed forward."""
@@ -68,6 +69,8 @@ LAYOUTS = {
     "pp2": (2, ("actor.parallel.pp=2",)),
     "dp2_uneven_microbatches": (2, ("actor.max_tokens_per_mb=16",)),
     "tp2xpp2": (4, ("actor.parallel.tp=2", "actor.parallel.pp=2")),
+    "cp2": (2, ("actor.parallel.cp=2",)),
+    "tp2xcp2": (4, ("actor.parallel.tp=2", "actor.parallel.cp=2")),
 }
 
 
@@ -167,7 +170,7 @@ def test_fused_qkv_interleaves_query_groups():
 @pytest.mark.parametrize("sizes, message", [
     (dict(tp=4), "tp=4 must divide the model's num_key_value_heads=2"),
     (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
-    (dict(cp=2), "does not build cp=2"),
+    (dict(dp=2, vpp=2, pp=2), "does not build vpp=2"),
     (dict(dp=2, fsdp=True), "does not build fsdp=true"),
 ])
 def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):

@@ -1,6 +1,7 @@
 """Packing: AReaL's dynamic allocation respects the budget, keeps every sequence once and balances;
 the packed forward (per-sequence attention, LM head at targets only, chunked logsumexp) equals Hugging
-Face's own forward of each sequence alone with a full log-softmax, values and gradients."""
+Face's own forward of each sequence alone with a full log-softmax, values and gradients; context-parallel
+shares cover every token once in Megatron's zig-zag chunks."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from areal_hpc.algo.packing import dynamic_microbatches, pack
 from areal_hpc.models.hf import load_model
 from areal_hpc.models.varlen import PAD_TOLERANCE, length_groups
+from areal_hpc.parallel.context import shard
 from areal_hpc.train.logprobs import packed_policy_outputs, target_logprobs
 
 
@@ -104,3 +106,34 @@ def test_chunked_logprobs_equal_full_log_softmax(rows, vocab, temperature, chunk
     torch.testing.assert_close(logprobs.double(), full.gather(-1, tokens[:, None])[:, 0].detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy.double(), -(full.exp() * full).sum(-1).detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked_grad, hidden.grad, atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(2, 4), st.booleans(), st.integers(0, 2**16))
+def test_context_shares_cover_each_token_once_in_zigzag_chunks(lengths, cp, pad, seed):
+    """Megatron's contract for packed sequences under cp (written from its rotary embedding: each
+    rank holds chunks r and 2cp-1-r of 2cp equal chunks of every padded sequence) when padded; every
+    token on exactly one rank, and each rank's share of a per-position field is that field's values."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(1, 100, (n,), generator=generator).tolist() for n in lengths]
+    packed = pack(sequences, [[1] * n for n in lengths])
+    field = torch.rand(packed.input_ids.shape[1], generator=generator)
+    shares = [shard(packed, cp, rank, None, pad_to_chunks=pad) for rank in range(cp)]
+    padded = [-(-n // (2 * cp)) * 2 * cp if pad else n for n in lengths]
+    owner = {}  # (sequence, position) -> rank
+    for rank, part in enumerate(shares):
+        local = part.split.local_values(field)
+        ids = part.input_ids[0]
+        for i, (start, stop) in enumerate(part.split.query_ranges):
+            positions = part.position_ids[0, start:stop].tolist()
+            chunks = torch.arange(padded[i]).tensor_split(2 * cp)
+            assert positions == torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]]).tolist()
+            for offset, position in enumerate(positions):
+                assert (i, position) not in owner
+                owner[i, position] = rank
+                real = position < lengths[i]
+                expected_id = sequences[i][position] if real else 0
+                assert ids[start + offset] == expected_id
+                original = sum(lengths[:i]) + position
+                assert local[start + offset] == (field[original] if real else 0)
+    assert sorted(owner) == [(i, p) for i, n in enumerate(padded) for p in range(n)]

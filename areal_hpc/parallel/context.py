@@ -3,7 +3,9 @@ the ``mesh["cp"]`` ranks, and attention gathers keys and values from all of them
 
 Each sequence is cut into 2 x cp chunks and cp rank r keeps chunks r and 2cp-1-r (the zig-zag
 split Megatron and torchtitan use: causal attention work is then even over the ranks). Chunks may
-differ by a token (``tensor_split``), so nothing is padded. Everything but attention is per token:
+differ by a token (``tensor_split``), so the torch engine pads nothing; the Megatron engine pads each
+sequence at its end to a multiple of 2 x cp tokens (no targets), as Megatron's rotary embedding for
+packed sequences takes equal chunks. Everything but attention is per token:
 embeddings, MLPs, norms and the LM head run on a rank's own tokens only. Attention is
 ``context_sdpa``: a rank's queries attend to the whole sequence's keys and values, all-gathered over
 the cp group (differentiable: the backward sums every rank's gradient for the rank's own keys and
@@ -35,26 +37,35 @@ CONTEXT_SDPA = "context_sdpa"
 
 @dataclass
 class ContextSplit:
-    """Where a packed micro-batch's tokens went: ``local`` are this rank's packed positions (by
-    sequence, in order); ``counts`` how many each cp rank holds; ``gathered_order`` the packed
-    position of each token of all ranks' shards concatenated in rank order."""
+    """Where a packed micro-batch's tokens went: ``local`` are this rank's positions in the (padded)
+    micro-batch (by sequence, in order); ``counts`` how many each cp rank holds; ``gathered_order``
+    the padded position of each token of all ranks' shards concatenated in rank order; ``kept`` the
+    padded position of each token of the micro-batch as packed (all of them when nothing is padded)."""
 
     local: torch.Tensor
     counts: list[int]
     gathered_order: torch.Tensor
+    kept: torch.Tensor
     group: dist.ProcessGroup | None
-    starts: list[int]  # per sequence: packed start, length, and its queries' range in the local row
+    starts: list[int]  # per padded sequence: start, length, and its queries' range in the local row
     lengths: list[int]
     query_ranges: list[tuple[int, int]]
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:
-        """[T] of the whole micro-batch from each rank's [t] (not differentiable)."""
+        """[T] of the whole micro-batch as packed from each rank's [t] (not differentiable)."""
         longest = max(self.counts)
         padded = F.pad(values, (0, longest - len(values)))
         parts = [torch.empty_like(padded) for _ in self.counts]
         dist.all_gather(parts, padded.contiguous(), group=self.group)
         gathered = torch.cat([part[:count] for part, count in zip(parts, self.counts)])
-        return gathered.new_empty(len(gathered)).index_copy_(0, self.gathered_order.to(gathered.device), gathered)
+        whole = gathered.new_empty(len(gathered)).index_copy_(0, self.gathered_order.to(gathered.device), gathered)
+        return whole[self.kept.to(whole.device)]
+
+    def local_values(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a per-position field [T] of the micro-batch as packed (0 at padding)."""
+        total = sum(self.counts)
+        padded = values.new_zeros(total, *values.shape[1:]).index_copy_(0, self.kept.to(values.device), values)
+        return padded[self.local.to(values.device)]
 
 
 @dataclass
@@ -77,8 +88,28 @@ def zigzag_chunks(start: int, length: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
 
 
-def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | None) -> ContextShard:
-    """This cp rank's ``ContextShard`` of ``packed`` (every rank of the group computes the same plan)."""
+def pad_sequences(packed: PackedBatch, multiple: int) -> tuple[PackedBatch, torch.Tensor]:
+    """``packed`` with each sequence padded at its end to a multiple of ``multiple`` tokens (token 0,
+    no target), and the padded position of each of its tokens."""
+    lengths = packed.cu_seqlens.diff().cpu()
+    padded_lengths = (lengths + multiple - 1) // multiple * multiple
+    cu_seqlens = torch.cat([padded_lengths.new_zeros(1), padded_lengths.cumsum(0)])
+    kept = torch.cat([torch.arange(s, s + n) for s, n in zip(cu_seqlens[:-1].tolist(), lengths.tolist())])
+    total, device = int(cu_seqlens[-1]), packed.input_ids.device
+    on = kept.to(device)
+    ids = packed.input_ids.new_zeros(1, total).index_copy_(1, on, packed.input_ids)
+    positions = torch.cat([torch.arange(n) for n in padded_lengths.tolist()])[None].to(device)
+    targets = packed.target_mask.new_zeros(total).index_copy_(0, on, packed.target_mask)
+    return PackedBatch(ids, positions, targets, cu_seqlens.to(device)), kept
+
+
+def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | None, *,
+          pad_to_chunks: bool = False) -> ContextShard:
+    """This cp rank's ``ContextShard`` of ``packed`` (every rank of the group computes the same plan);
+    ``pad_to_chunks``: sequences padded first to a multiple of 2 x cp tokens (equal chunks)."""
+    kept = torch.arange(packed.input_ids.shape[1])
+    if pad_to_chunks:
+        packed, kept = pad_sequences(packed, 2 * cp)
     starts = packed.cu_seqlens[:-1].tolist()
     lengths = packed.cu_seqlens.diff().tolist()
     per_rank = [[zigzag_chunks(s, n, cp, r) for s, n in zip(starts, lengths)] for r in range(cp)]
@@ -89,13 +120,24 @@ def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | No
     bounds = torch.tensor([0, *own]).cumsum(0)
     split = ContextSplit(local=local, counts=[sum(len(p) for p in parts) for parts in per_rank],
                          gathered_order=torch.cat([torch.cat(parts) for parts in per_rank]) if starts else local,
-                         group=group, starts=starts, lengths=lengths,
+                         kept=kept, group=group, starts=starts, lengths=lengths,
                          query_ranges=list(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
     device = packed.input_ids.device
     local_on = local.to(device)
     return ContextShard(input_ids=packed.input_ids[:, local_on], position_ids=packed.position_ids[:, local_on],
                         target_mask=packed.target_mask[local_on], cu_seqlens=bounds.to(device),
                         next_ids=next_ids[local_on], split=split)
+
+
+def context_passes(passes: list, cp: int, rank: int, group: dist.ProcessGroup | None, *,
+                   pad_to_chunks: bool = False) -> list:
+    """Each (sequence indices, packed micro-batch, per-position fields) pass as this cp rank's share:
+    its ``ContextShard`` and its positions of every field."""
+    shares = []
+    for indices, packed, fields in passes:
+        part = shard(packed, cp, rank, group, pad_to_chunks=pad_to_chunks)
+        shares.append((indices, part, {name: part.split.local_values(v) for name, v in fields.items()}))
+    return shares
 
 
 class _GatherTokens(torch.autograd.Function):

@@ -5,6 +5,8 @@ them). This module takes its place in the layer spec: Megatron's ``Attention`` h
 and k, v [t, groups, d] of this rank's heads with RoPE already applied per sequence (positions restart
 at each ``cu_seqlens`` boundary), and each sequence attends causally to itself only, through the same
 per-sequence SDPA the Hugging Face trainer path runs (``models.varlen``; GQA without repeating k/v).
+Under context parallelism a rank holds its zig-zag chunks of every (padded) sequence and attends over
+keys and values gathered from the cp ranks (``parallel.context.context_sdpa``, as the torch engine).
 """
 
 from __future__ import annotations
@@ -16,21 +18,35 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.models.varlen import PaddedGroup, padded_groups, varlen_sdpa
+from areal_hpc.parallel.context import ContextShard, ContextSplit, context_sdpa
 
 
 @dataclass
 class PackedSequences(PackedSeqParams):
-    """THD ``PackedSeqParams`` with the gather/scatter plan of its sequences, made once per micro-batch."""
+    """THD ``PackedSeqParams`` with the gather/scatter plan of its sequences (or, for a context-
+    parallel rank's share, its ``ContextSplit``), made once per micro-batch."""
 
     groups: list[PaddedGroup] | None = None
+    context_split: ContextSplit | None = None
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor) -> "PackedSequences":
+    def of(cls, packed: PackedBatch) -> "PackedSequences":
+        """The parameters of a packed micro-batch; for a ``ContextShard``, those of the whole padded
+        micro-batch (Megatron's rotary embedding cuts each sequence's share out of them)."""
+        if isinstance(packed, ContextShard):
+            split = packed.split
+            cu = torch.tensor([0, *split.lengths]).cumsum(0).to(packed.input_ids.device)
+            return cls._thd(cu, context_split=split)
+        return cls._thd(packed.cu_seqlens, groups=padded_groups(packed.cu_seqlens))
+
+    @classmethod
+    def _thd(cls, cu_seqlens: torch.Tensor, **plan) -> "PackedSequences":
         cu = cu_seqlens.to(torch.int32)
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        longest = int(cu_seqlens.diff().max())
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-                   groups=padded_groups(cu_seqlens))
+                   **plan)
 
 
 class PackedCoreAttention(MegatronModule):
@@ -48,8 +64,13 @@ class PackedCoreAttention(MegatronModule):
         """q [t, heads, d], k/v [t, groups, d] -> [t, heads * d]."""
         if packed_seq_params is None or attention_bias is not None:
             raise ValueError("PackedCoreAttention takes packed (THD) sequences and no attention bias")
-        groups = packed_seq_params.groups or padded_groups(packed_seq_params.cu_seqlens_q.long())
         q, k, v = (x.permute(1, 0, 2)[None] for x in (query, key, value))  # [1, heads, t, d]
-        out, _ = varlen_sdpa(self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout,
-                             padded_groups=groups)
+        split = getattr(packed_seq_params, "context_split", None)
+        if split is not None:
+            out, _ = context_sdpa(self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout,
+                                  context_split=split)
+        else:
+            groups = getattr(packed_seq_params, "groups", None) or padded_groups(packed_seq_params.cu_seqlens_q.long())
+            out, _ = varlen_sdpa(self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout,
+                                 padded_groups=groups)
         return out[0].reshape(out.shape[1], -1)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import DTYPES, save_model
-from areal_hpc.parallel.context import shard
+from areal_hpc.parallel.context import context_passes
 from areal_hpc.parallel.experts import reduce_expert_gradients
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.parallel.native import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
@@ -84,6 +84,19 @@ def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
         for key, value in part.items():
             merged[key] = max(merged.get(key, value), value) if key.endswith("_max") else merged[key] + value
     return dict(merged)
+
+
+def merge_over_context(stats: dict[str, float], mesh: TrainMesh) -> dict[str, float]:
+    """A replica's statistics from its context-parallel ranks' (each saw part of every sequence, and
+    counted the same micro-batches)."""
+    if mesh is None or mesh.dims.cp == 1:
+        return stats
+    every = [None] * mesh.dims.cp
+    dist.all_gather_object(every, stats, group=mesh.group("cp"))
+    merged = merge_stats(every)
+    if "microbatches" in stats:
+        merged["microbatches"] = stats["microbatches"]
+    return merged
 
 
 def weight_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
@@ -151,26 +164,12 @@ class TorchTrainEngine:
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.group("dp"))
             passes += [([], self._idle, {})] * (int(count) - len(passes))
         if self._context_parallel():  # this rank's tokens of each pass, and of each per-position field
-            cp, rank, group = self.mesh.dims.cp, self.mesh.coords["cp"], self.mesh.group("cp")
-            passes = [(indices, shard(packed, cp, rank, group), fields) for indices, packed, fields in passes]
-            passes = [(indices, packed, {k: v[packed.split.local.to(v.device)] for k, v in fields.items()})
-                      for indices, packed, fields in passes]
+            passes = context_passes(passes, self.mesh.dims.cp, self.mesh.coords["cp"], self.mesh.group("cp"))
         return passes
 
     def _whole(self, packed: PackedBatch, values: torch.Tensor) -> torch.Tensor:
         """Per-position outputs of a whole micro-batch from this rank's (its context shard's) ones."""
         return packed.split.gather(values) if self._context_parallel() else values
-
-    def _merged_over_context(self, stats: dict[str, float]) -> dict[str, float]:
-        """A replica's statistics from its context-parallel ranks' (each saw part of every sequence)."""
-        if not self._context_parallel():
-            return stats
-        every = [None] * self.mesh.dims.cp
-        dist.all_gather_object(every, stats, group=self.mesh.group("cp"))
-        merged = merge_stats(every)
-        if "microbatches" in stats:
-            merged["microbatches"] = stats["microbatches"]
-        return merged
 
     @torch.no_grad()
     def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
@@ -230,7 +229,7 @@ class TorchTrainEngine:
             self.pipeline.sum_tied_gradients()
         if self.root.expert_params:
             reduce_expert_gradients(self.root.expert_params, self.mesh)
-        stats = self._merged_over_context(merge_stats(parts))
+        stats = merge_over_context(merge_stats(parts), self.mesh)
         if self.pipeline is not None:
             stats = self.pipeline.from_last_stage(stats)
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -1,6 +1,6 @@
 """``TrainEngine`` on Megatron-core (``actor.engine=megatron``): a GPTModel split over the trainer
-mesh's tensor-parallel and pipeline ranks (a Qwen3-MoE's experts also over its expert-parallel ranks),
-Megatron DDP over its data-parallel ranks, loaded from and saved to Hugging Face folders
+mesh's tensor-parallel, context-parallel and pipeline ranks (a Qwen3-MoE's experts also over its
+expert-parallel ranks), Megatron DDP over its data-parallel ranks, loaded from and saved to Hugging Face folders
 (``parallel.megatron_convert``).
 
 - Packed micro-batches run as THD ``PackedSeqParams`` through Megatron's schedules
@@ -14,6 +14,11 @@ Megatron DDP over its data-parallel ranks, loaded from and saved to Hugging Face
   expert-parallel ranks: a rank out of micro-batches runs idle ones (two tokens, nothing added to the
   gradients) until its peers are done. Expert gradients are summed over the expert-data-parallel
   ranks by DDP; each expert-parallel rank's experts are its own.
+- Under context parallelism every sequence of a micro-batch is padded at its end to a multiple of
+  2 x cp tokens and dealt in zig-zag chunks over the cp ranks (``parallel.context``): Megatron's
+  rotary embedding for packed sequences takes exactly those equal chunks, the core attention gathers
+  keys and values over the cp ranks, per-position fields and outputs are split and gathered with the
+  tokens, and DDP reduces gradients over dp x cp.
 - "logprobs" and "entropy" come from the vocabulary-parallel logits of the last stage (a logsumexp
   over the TP ranks), and reach every rank of the pipeline.
 - The optimizer and schedule are ``train.optim``'s on each rank's shards (Adam is elementwise); the
@@ -36,13 +41,14 @@ from areal_hpc.config import OptimizerConfig
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import save_model
 from areal_hpc.parallel import megatron_shim
+from areal_hpc.parallel.context import context_passes
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.megatron_convert import (ModelShape, gpt_model_args, hf_to_megatron, is_expert, stage_to_hf,
                                                  transformer_config)
 from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
-from areal_hpc.train.engine import (OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket, merge_stats,
-                                    weight_buckets)
+from areal_hpc.train.engine import (OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket,
+                                    merge_over_context, merge_stats, weight_buckets)
 from areal_hpc.rollout.weights import read_checkpoint
 from areal_hpc.train.optim import build_optimizer, build_scheduler
 from areal_hpc.train.sequence_batch import SequenceBatch
@@ -57,9 +63,11 @@ def _initialize_megatron(dims: ParallelDims) -> None:
     if parallel_state.model_parallel_is_initialized():
         sizes = (parallel_state.get_tensor_model_parallel_world_size(),
                  parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_context_parallel_world_size(),
                  parallel_state.get_expert_model_parallel_world_size())
-        if sizes != (dims.tp, dims.pp, dims.ep):
-            raise RuntimeError(f"Megatron is initialised for tp, pp, ep = {sizes}, not {(dims.tp, dims.pp, dims.ep)}")
+        if sizes != (dims.tp, dims.pp, dims.cp, dims.ep):
+            raise RuntimeError(f"Megatron is initialised for tp, pp, cp, ep = {sizes}, "
+                               f"not {(dims.tp, dims.pp, dims.cp, dims.ep)}")
         return
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                              context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep,
@@ -72,11 +80,11 @@ def _initialize_megatron(dims: ParallelDims) -> None:
 
 def check_layout(dims: ParallelDims, shape: ModelShape) -> None:
     """Raise ``UserError`` for a layout this engine does not build or the model cannot be split into."""
-    unsupported = {name: getattr(dims, name) for name in ("cp", "vpp") if getattr(dims, name) > 1}
+    unsupported = {name: getattr(dims, name) for name in ("vpp",) if getattr(dims, name) > 1}
     unsupported.update({name: "true" for name in ("fsdp", "sequence_parallel") if getattr(dims, name)})
     if unsupported:
         sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise UserError(f"actor.engine=megatron does not build {sizes} yet; it supports dp, tp, pp and ep")
+        raise UserError(f"actor.engine=megatron does not build {sizes} yet; it supports dp, tp, pp, cp and ep")
     if shape.experts and dims.tp > 1:  # Megatron's MoE layers refuse to train under tp without it
         raise UserError(f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet "
                         "(it needs sequence parallelism); use dp, pp and ep")
@@ -208,7 +216,8 @@ class MegatronTrainEngine:
     # --- passes -------------------------------------------------------------------------------
     def _microbatches(self, batch: SequenceBatch) -> list[tuple[list[int], PackedBatch, dict[str, torch.Tensor]]]:
         """(sequence indices, packed micro-batch, packed fields) of this rank's share; under expert
-        parallelism then idle passes (no indices) up to the most any expert-parallel peer has."""
+        parallelism then idle passes (no indices) up to the most any expert-parallel peer has; under
+        context parallelism each pass's share of this cp rank."""
         passes = []
         for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
             packed, fields = batch.select(indices).packed()
@@ -217,13 +226,15 @@ class MegatronTrainEngine:
             count = torch.tensor(len(passes), device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
             passes += [([], self._idle, {})] * (int(count) - len(passes))
+        if self.mesh.dims.cp > 1:
+            passes = context_passes(passes, self.mesh.dims.cp, self.mesh.coords["cp"], self.mesh.group("cp"),
+                                    pad_to_chunks=True)
         return passes
 
     def _outputs(self, logits: torch.Tensor, packed: PackedBatch) -> Outputs:
         """Per-position "logprobs" and "entropy" (0 off target positions) from [1, T, V/tp] logits."""
-        targets = packed.target_mask.nonzero()[:, 0]
-        logprobs, entropy = vocab_parallel_outputs(logits[0, targets], packed.input_ids[0, targets + 1],
-                                                   self.temperature, self.tp_group)
+        targets, tokens = packed.target_tokens()
+        logprobs, entropy = vocab_parallel_outputs(logits[0, targets], tokens, self.temperature, self.tp_group)
         total = packed.input_ids.shape[1]
         return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
                 "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
@@ -237,7 +248,7 @@ class MegatronTrainEngine:
 
         def step(iterator, model):
             indices, packed, fields = next(iterator)
-            sequences = PackedSequences.from_cu_seqlens(packed.cu_seqlens)
+            sequences = PackedSequences.of(packed)
             logits = model(packed.input_ids, packed.position_ids, None, packed_seq_params=sequences)
 
             def loss(output):
@@ -276,7 +287,8 @@ class MegatronTrainEngine:
             lengths = [len(batch.sequences[i]) for i in indices]
             for name, values in outputs.items():
                 per_sequence = out.setdefault(name, [None] * len(batch))
-                for i, part in zip(indices, values.float().cpu().split(lengths)):
+                whole = packed.split.gather(values) if self.mesh.dims.cp > 1 else values
+                for i, part in zip(indices, whole.float().cpu().split(lengths)):
                     per_sequence[i] = part
             return torch.zeros(())
         self._run(passes, keep, forward_only=True)
@@ -296,7 +308,7 @@ class MegatronTrainEngine:
             return value
         self._run(self._microbatches(batch), loss, forward_only=False)
         finalize_model_grads([self.root])  # DDP's sum over dp, tied-embedding grads over pp; no scaling
-        stats = self._from_last_stage(merge_stats(parts))
+        stats = self._from_last_stage(merge_over_context(merge_stats(parts), self.mesh))
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             p.grad = p.main_grad
@@ -341,7 +353,8 @@ class MegatronTrainEngine:
         from megatron.core import parallel_state
 
         state, coords = self.model.state_dict(), self.mesh.coords
-        takes_part = {False: coords["dp"] == 0, True: coords["edp"] == 0}  # keyed by: is it an expert's?
+        first_replica = coords["dp"] == coords["cp"] == 0
+        takes_part = {False: first_replica, True: coords["edp"] == 0}  # keyed by: is it an expert's?
         groups = {False: self.tp_group, True: parallel_state.get_expert_tensor_and_model_parallel_group()}
 
         def gathered() -> Iterator[tuple[str, list[torch.Tensor]]]:
@@ -353,7 +366,7 @@ class MegatronTrainEngine:
                 shards = [torch.empty_like(local) for _ in range(dist.get_world_size(groups[expert]))]
                 dist.all_gather(shards, local, group=groups[expert])  # EP rank major, then TP rank
                 yield name, shards
-        if coords["dp"] == coords["tp"] == 0:
+        if first_replica and coords["tp"] == 0:
             yield from stage_to_hf(gathered(), self.shape, self.stage, self.mesh.dims.pp, self.mesh.dims.ep)
         else:
             for _ in gathered():
@@ -362,7 +375,7 @@ class MegatronTrainEngine:
     def _full_state(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Buckets of the whole model on global rank 0: its own stage's, then each later stage's leader
         sends its buckets (``None`` ends a stage)."""
-        leader = self.mesh.coords["dp"] == 0 and self.mesh.coords["tp"] == 0
+        leader = self.mesh.coords["dp"] == self.mesh.coords["cp"] == self.mesh.coords["tp"] == 0
         buckets = weight_buckets(self._hf_tensors(), bucket_bytes)
         if self.rank == 0:
             yield from buckets
@@ -406,7 +419,7 @@ class MegatronTrainEngine:
 
     def _layout(self) -> dict[str, int]:
         dims = self.mesh.dims
-        return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep}
+        return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep}
 
     def load(self, folder: Path) -> None:
         """Collective. Weights load into any layout; optimizer state into the layout that saved it."""

@@ -184,6 +184,25 @@ def test_bad_input_gets_openai_json_errors_and_the_proxy_keeps_serving(proxy, ke
     assert call(base, "/v1/chat/completions", chat, key)[0] == 200  # still serving
 
 
+def test_a_turn_paused_by_a_weight_update_resumes_and_is_one_turn(proxy, server):
+    base, state, _ = proxy
+    _, key = start_session(base, ALICE)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+    before = state.router.interrupted
+    asker, result = in_background(client.chat.completions.create, model="tiny", messages=QUESTION,
+                                  max_tokens=150, temperature=1.0)
+    try:
+        wait_for(lambda: model_info(server)["running_requests"] == 1, "the turn to run")
+        assert call(f"http://{server}", "/pause_generation", {"mode": "abort"})[0] == 200
+        wait_for(lambda: model_info(server)["waiting_requests"] == 1, "the turn to be sent again and wait")
+    finally:
+        assert call(f"http://{server}", "/continue_generation", {})[0] == 200
+    asker.join(timeout=60)
+    turn = state.by_key[hash_key(key)].turns[-1]
+    assert state.router.interrupted == before + 1 and result["result"].usage.completion_tokens == len(turn.output_ids)
+    assert len(turn.output_ids) == len(turn.logprobs) == len(turn.versions) > 0
+
+
 @pytest.mark.slow
 def test_a_backend_that_dies_mid_turn_is_replaced_and_nothing_is_lost(tiny_model_dir, server, keys_file, tmp_path):
     with embedded_server(tiny_model_dir, tmp_path / "victim") as (victim, victim_address):
@@ -196,12 +215,13 @@ def test_a_backend_that_dies_mid_turn_is_replaced_and_nothing_is_lost(tiny_model
             wait_for(lambda: model_info(victim_address)["running_requests"] == 1, "the turn to run on the victim")
             victim.send_signal(signal.SIGKILL)
             asker.join(timeout=120)
-            assert result["result"].choices[0].message.content and state.router.retries == 1
-            assert state.router.healthy == [server]
+            reply = result["result"]
+            assert state.router.interrupted == 1 and state.router.healthy == [server]
             assert call(base, "/rl/end_session", {}, key)[0] == 200
-            (record,) = records(state).values()
+            (record,) = records(state).values()  # the victim's tokens, then the survivor's: one turn
             assert record.session_id == session_id and len(record.segments) == 1
-            assert record.metadata["interaction_ids"] == [result["result"].id]
+            assert record.metadata["interaction_ids"] == [reply.id]
+            assert len(record.segments[0].output_ids) == reply.usage.completion_tokens
 
 
 @pytest.mark.slow

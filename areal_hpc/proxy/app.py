@@ -15,13 +15,16 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from areal_hpc.launch.name_resolve import HEARTBEAT_INTERVAL_S
+
 from areal_hpc.proxy import openai_api as api
 from areal_hpc.proxy.chat_template import ChatTokenizer, TemplateRenderError
 from areal_hpc.proxy.openai_api import APIError
 from areal_hpc.proxy.records import RecordSink
-from areal_hpc.proxy.router import BackendRefusedError, BackendRouter, NoBackendError
+from areal_hpc.proxy.router import BackendRouter
 from areal_hpc.proxy.sessions import REWARD_SOURCE, Session, Turn, new_id, session_returns
 from areal_hpc.proxy.tenants import QuotaMeter, TenantKeys, hash_key, new_key, retry_after
+from areal_hpc.rollout.client import ConnectionFailedError, NoServerError, ServerReplyError
 
 log = logging.getLogger(__name__)
 
@@ -118,24 +121,21 @@ class Proxy:
         self.active[session.id] = self.active.get(session.id, 0) + 1
         self.last_seen[session.id] = time.monotonic()
         try:
-            reply, address = await self.router.generate(
-                {"input_ids": ids, "sampling_params": params, "return_logprob": True}, affinity=session.backend)
-        except BackendRefusedError as exc:
+            out = await self.router.generate({"input_ids": ids, "sampling_params": params}, prefer=session.backend)
+        except ServerReplyError as exc:
+            if exc.status >= 500:
+                raise APIError(502, f"the rollout server failed the request: {exc}", code="backend_error") from None
             raise APIError(400, f"the rollout server refused the request: {exc}", code="invalid_request") from None
-        except NoBackendError as exc:
-            raise APIError(503, f"{exc}; try again later", code="no_backend",
-                           headers={"Retry-After": "5"}) from None
+        except (NoServerError, ConnectionFailedError) as exc:
+            raise APIError(503, f"{exc}; try again later", code="no_backend", headers={"Retry-After": "5"}) from None
         finally:
             self.active[session.id] -= 1
-        session.backend = address
-        meta = reply["meta_info"]
-        output = reply["output_ids"]
-        versions = meta.get("output_token_versions") or [int(meta["weight_version"])] * len(output)
-        turn = Turn(new_id("chatcmpl-" if "messages" in body else "cmpl-"), ids, output,
-                    [entry[0] for entry in meta["output_token_logprobs"]], versions, api.finish_reason(meta),
-                    parent, self.tokenizer.decode(ids + output, skip_special_tokens=False))
+        session.backend = out.server
+        turn = Turn(new_id("chatcmpl-" if "messages" in body else "cmpl-"), ids, out.output_ids, out.logprobs,
+                    out.versions, api.finish_reason(out.finish_reason), parent,
+                    self.tokenizer.decode(ids + out.output_ids, skip_special_tokens=False))
         session.turns.append(turn)
-        self.meter.charge(session.tenant, quota, len(ids) + len(output))
+        self.meter.charge(session.tenant, quota, len(ids) + len(out.output_ids))
         return turn
 
     # -- ending --------------------------------------------------------------------------------------
@@ -178,7 +178,8 @@ class Proxy:
 
     async def sweep(self) -> None:
         """Forever: end idle sessions (their records are written), forget ended ones past the reward grace,
-        re-probe the rollout servers."""
+        re-probe the rollout servers (as often as name-resolve heartbeats)."""
+        probed = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.sweep_interval_s)
             now = time.monotonic()
@@ -187,7 +188,9 @@ class Proxy:
                     await self.end(session)
                 elif session.ended_at is not None and now - session.ended_at > self.settings.reward_grace_s:
                     self.forget(session)
-            await self.router.refresh()
+            if now - probed >= HEARTBEAT_INTERVAL_S:
+                await self.router.refresh()
+                probed = now
 
 
 PROXY = web.AppKey("proxy", Proxy)

@@ -91,9 +91,9 @@ def flag(body: dict, name: str) -> bool:
     return value
 
 
-def finish_reason(meta: dict) -> str:
-    kind = (meta.get("finish_reason") or {}).get("type")
-    return "length" if kind in ("length", "abort") else "stop"
+def finish_reason(server_reason: str) -> str:
+    """OpenAI's finish reason for a rollout server's (an aborted turn is one that ran out of budget)."""
+    return "length" if server_reason in ("length", "abort") else "stop"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

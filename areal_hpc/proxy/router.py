@@ -1,98 +1,51 @@
-"""Which rollout server answers a turn: servers from the config or from the run's name-resolve (with
-heartbeats), probed on ``/health``; a session keeps its server while it is healthy (its prefix cache);
-a server that fails mid-turn is marked down and the turn is sent whole to another, so nothing is lost.
+"""Which rollout servers the proxy's turns go to: those of the config, or those the run's name-resolve
+lists (with heartbeats), probed on ``/health`` and admitted as they appear. Generation itself is the
+trainer's own ``RolloutClient``: interruptible (a weight update's pause resumes the turn with its partial
+output), and a server that dies mid-turn has the turn finished by another from its last output, so
+nothing is lost; a conversation stays on its server while that one is alive (its prefix cache).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import aiohttp
 
 from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
-
-log = logging.getLogger(__name__)
-
-
-class NoBackendError(Exception):
-    """No healthy rollout server could take the turn."""
-
-
-class BackendRefusedError(Exception):
-    """A rollout server refused the request itself (4xx): another server would refuse it too."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+from areal_hpc.rollout.client import Generation, RolloutClient
 
 
 class BackendRouter:
-    """Route ``/generate`` calls over the healthy servers; ``refresh`` re-reads the list and probes them."""
-
     def __init__(self, static: list[str], names: NameResolve | None, token: str | None = None,
-                 request_timeout_s: float = 600.0, probe_timeout_s: float = 2.0):
+                 request_timeout_s: float = 600.0, max_requests: int = 1024):
         self.static, self.names = list(static), names
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.request_timeout_s, self.probe_timeout_s = request_timeout_s, probe_timeout_s
-        self.healthy: list[str] = []
-        self.in_flight: dict[str, int] = {}
-        self.retries = 0  # turns sent again after a server failed them
-        self._http: aiohttp.ClientSession | None = None
+        self.client = RolloutClient([], request_timeout_s, max_requests, token)  # refresh() admits servers
+        self.interrupted = 0  # turns cut short by a pause or a failed server, then finished
+
+    @property
+    def healthy(self) -> list[str]:
+        return list(self.client.alive)
 
     async def start(self) -> None:
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
+        await self.client.__aenter__()
         await self.refresh()
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
+        await self.client.__aexit__(None, None, None)
 
     async def refresh(self) -> None:
+        """Admit listed servers that answer /health (new, restarted or back); drop listed ones that do not."""
         listed = self.static or await asyncio.to_thread(self.names.values, ROLLOUT_SERVERS)
-        alive = await asyncio.gather(*(self._probe(address) for address in listed))
-        self.healthy = [address for address, ok in zip(listed, alive) if ok]
+        alive = await asyncio.gather(*(self.client.healthy(address) for address in listed))
+        for address, ok in zip(listed, alive):
+            if ok and address not in self.client.alive:
+                self.client.add_server(address, self.client.versions.get(address, 0))
+            elif not ok:
+                self.client.drop(address, f"{address}/health did not answer")
 
-    async def _probe(self, address: str) -> bool:
-        try:
-            async with self._http.get(f"http://{address}/health",
-                                      timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as reply:
-                return reply.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
-
-    def pick(self, affinity: str | None, exclude: set[str]) -> str:
-        candidates = [a for a in self.healthy if a not in exclude]
-        if not candidates:
-            raise NoBackendError("no healthy rollout server" + (" left to retry on" if exclude else ""))
-        if affinity in candidates:
-            return affinity
-        return min(candidates, key=lambda a: self.in_flight.get(a, 0))
-
-    async def generate(self, body: dict, affinity: str | None = None) -> tuple[dict, str]:
-        """The server's reply to ``/generate`` and the server that gave it."""
-        failed: set[str] = set()
-        while True:
-            if not self.healthy:
-                await self.refresh()
-            address = self.pick(affinity, failed)
-            self.in_flight[address] = self.in_flight.get(address, 0) + 1
-            try:
-                async with self._http.post(f"http://{address}/generate", json=body,
-                                           timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)) as reply:
-                    payload = await reply.json(content_type=None)
-                    if reply.status < 400:
-                        return payload, address
-                    message = (payload.get("error") or {}).get("message") if isinstance(payload, dict) else None
-                    if reply.status < 500:
-                        raise BackendRefusedError(reply.status, message or reply.reason)
-                    reason = f"HTTP {reply.status}: {message}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
-                reason = f"{type(exc).__name__}: {exc}"
-            finally:
-                self.in_flight[address] -= 1
-            log.warning("rollout server %s failed a turn (%s); sending it to another", address, reason)
-            failed.add(address)
-            if address in self.healthy:
-                self.healthy.remove(address)
-            self.retries += 1
+    async def generate(self, body: dict, prefer: str | None) -> Generation:
+        if not self.client.alive:
+            await self.refresh()
+        generation = await self.client.generate(body["input_ids"], body["sampling_params"], prefer=prefer)
+        self.interrupted += generation.interruptions > 0
+        return generation

@@ -89,8 +89,6 @@ class RolloutClient:
                  token: str | None = None):
         """``max_requests``: /generate requests the caller may have in flight at once (their pool's size);
         ``token``: the run's rollout token, sent on every request (servers beyond loopback require it)."""
-        if not addresses:
-            raise UserError("no rollout server addresses given")
         self.alive = list(addresses)  # the servers /generate goes to
         self.outstanding = dict.fromkeys(addresses, 0)  # /generate requests in flight per server
         self.versions = dict.fromkeys(addresses, 0)  # weight version each server generates with
@@ -119,9 +117,13 @@ class RolloutClient:
         await self._generation.close()
         await self._control.close()
 
-    async def generate(self, input_ids: list[int], sampling: dict, rid: str | None = None) -> Generation:
-        """Generate to a stop token or ``max_new_tokens``, across pauses and server failures."""
+    async def generate(self, input_ids: list[int], sampling: dict, rid: str | None = None,
+                       prefer: str | None = None) -> Generation:
+        """Generate to a stop token or ``max_new_tokens``, across pauses and server failures; on
+        ``prefer`` while it is alive (a conversation's server, which holds its prefix in cache)."""
         rid = rid or uuid.uuid4().hex
+        if prefer in self.alive:
+            self._affinity[rid] = prefer
         out = Generation(list(input_ids))
         budget = sampling.get("max_new_tokens", 128)
         failed_attempts = 0
@@ -237,6 +239,8 @@ class RolloutClient:
         return server
 
     def _no_server(self) -> NoServerError:
+        if not self._dropped_because:
+            return NoServerError("no rollout server has joined yet")
         return NoServerError(f"every rollout server is unhealthy or unreachable (last: {self._dropped_because})")
 
     async def post(self, server: str, route: str, body: dict) -> dict:

@@ -261,6 +261,7 @@ import asyncio, json, sys
 import aiohttp
 from aiohttp import web
 from areal_hpc.config import load_config
+from areal_hpc.data.shards import TrajectoryStore
 from areal_hpc.proxy.app import build_app
 from areal_hpc.proxy.serve import build_proxy
 
@@ -281,16 +282,22 @@ async def main():
                 assert r.status == 200, await r.text()
         async with http.post(base + "/rl/end_session", json={}, headers=auth) as r:
             assert r.status == 200
-    await runner.cleanup()
+        async with http.post(base + "/rl/start_session", json={}, headers={"Authorization": "Bearer %s"}) as r:
+            auth = {"Authorization": f"Bearer {(await r.json())['session_key']}"}
+        async with http.post(base + "/v1/chat/completions", json=body, headers=auth) as r:  # never ended
+            assert r.status == 200
+    await runner.cleanup()  # shutting down ends and writes the open session
+    with TrajectoryStore(cfg.run_dir / "shards") as store:
+        records = len(store)
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
     print(json.dumps({"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
-                      "rss_kb": int(status["VmHWM"].split()[0])}))
+                      "rss_kb": int(status["VmHWM"].split()[0]), "records": records}))
 
 asyncio.run(main())
-""" % ALICE
+""" % (ALICE, ALICE)
 
 
-def test_the_proxy_runs_without_importing_torch_and_stays_small(tiny_model_dir, server, keys_file, tmp_path):
+def test_the_proxy_runs_without_importing_torch_stays_small_and_writes_open_sessions_at_shutdown(tiny_model_dir, server, keys_file, tmp_path):
     cfg = [f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}", f"proxy.keys_file={keys_file}",
            f"proxy.backends={server}", "proxy.model_name=tiny"]
     done = subprocess.run([sys.executable, "-c", PROBE, *cfg], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -298,6 +305,8 @@ def test_the_proxy_runs_without_importing_torch_and_stays_small(tiny_model_dir, 
     probe = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"proxy peak RSS after 20 turns: {probe['rss_kb'] / 1024:.1f} MiB")
     assert not probe["torch"] and not probe["transformers"] and probe["rss_kb"] < 150 * 1024
+    # the ended session's 20 turns repeat one prompt (20 conversations, 20 records), and the one open at shutdown
+    assert probe["records"] == 21
 
 
 def test_proxy_cli_refuses_a_config_without_keys_in_one_line(tiny_model_dir, tmp_path):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import sys
 
+import torch
+
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.parallel.mesh import close_distributed
@@ -21,7 +23,9 @@ from tests import native_ranks
 
 
 def engine_on(model_dir, mesh=None, critic: bool = False, temperature: float = 1.0) -> MegatronTrainEngine:
-    """``native_ranks.engine_on``'s settings (Adam eps raised, clipping at 0.5) on Megatron."""
+    """``native_ranks.engine_on``'s settings (Adam eps raised, clipping at 0.5, the critic's head drawn
+    after the same seed) on Megatron."""
+    torch.manual_seed(0)
     return MegatronTrainEngine(str(model_dir), "critic" if critic else "policy", temperature=temperature, mesh=mesh,
                                lr=1e-3, total_steps=4, optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
                                max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB, tokenizer=load_tokenizer(model_dir))

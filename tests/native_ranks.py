@@ -109,10 +109,10 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
                   "leads": mesh.leads_replica, "weights": weights_of(engine)}
         if "save" in options:
             engine.save(Path(options["save"]))
-            restored = engine_on(model_dir, mesh)
+            restored = engine_on(model_dir, mesh, critic)
             restored.load(Path(options["save"]))
             for twin in (engine, restored):  # the next step: same Adam moments and schedule position?
-                step(twin, seeded_batch(seed=1).select(own))
+                step(twin, seeded_batch(seed=1).select(own), critic)
             trained, loaded = weights_of(engine), weights_of(restored)
             result["restored_step_diff"] = max(((trained[k] - loaded[k]).abs().max().item() for k in trained),
                                                default=None)

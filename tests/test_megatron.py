@@ -3,8 +3,9 @@ gloo ranks: its forward equals the Hugging Face model's ``packed_policy_outputs`
 PPO-like loss (``tests.megatron_ranks``) and one whole PPO update through the trainer
 (``tests.trainer_processes``) equal the torch engine's in one process in every layout (weights, loss,
 gradient norm: summed over micro-batches and data-parallel ranks, not averaged); a checkpoint restores
-the step and loads into other layouts; HF -> Megatron shards -> HF is exact for random shapes; layouts
-the engine does not build are one ``UserError``.
+the step and loads into other layouts; the PPO critic's step and checkpoint equal the torch engine's;
+HF -> Megatron shards -> HF is exact for random shapes; layouts the engine does not build are one
+``UserError``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import load_model
+from areal_hpc.models.hf import load_critic, load_model
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.megatron_convert import ModelShape, hf_to_megatron, stage_names, stage_to_hf
 from areal_hpc.train.logprobs import packed_policy_outputs
@@ -38,6 +39,11 @@ def run_ranks(world: int, model_dir, out, *options: str) -> dict:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> dict:
     return reference_run(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def critic_reference(tiny_model_dir) -> dict:
+    return reference_run(tiny_model_dir, critic=True)
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +186,24 @@ def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
     assert "\n" not in str(error.value)
 
 
-def test_ppo_critic_is_refused_with_one_line(tiny_model_dir):
-    with pytest.raises(UserError, match="does not build the PPO critic"):
-        MegatronTrainEngine(str(tiny_model_dir), "critic")
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",))], ids=["one_process", "tp2", "cp2"])
+def test_critic_step_equals_the_torch_engine_in_one_process(world, options, tiny_model_dir, critic_reference,
+                                                            tmp_path):
+    """The PPO critic (HF's token classifier: the body under a fresh one-output head) on Megatron."""
+    got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "critic=1")
+    assert_same_engine_step(in_reference_order(got, critic_reference), critic_reference)
+
+
+@pytest.mark.distributed
+def test_critic_checkpoint_on_the_last_pipeline_stage_restores_the_step(tiny_model_dir, critic_reference, tmp_path):
+    """pp2: the value head lives on the last stage; the saved folder is a token classifier transformers
+    loads, with the trained head and body, and a second engine loading it takes the same next step."""
+    folder = tmp_path / "critic"
+    got = run_ranks(2, tiny_model_dir, tmp_path / "out.pt", "pp=2", "critic=1", f"save={folder}")
+    assert_same_engine_step(in_reference_order(got, critic_reference), critic_reference)
+    assert got["ranks"][0]["restored_step_diff"] == 0.0
+    saved = load_critic(folder).state_dict()
+    assert saved.keys() == got["weights"].keys()
+    for name, tensor in got["weights"].items():
+        assert torch.equal(saved[name], tensor), name

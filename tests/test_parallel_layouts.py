@@ -75,9 +75,11 @@ def test_layout_takes_the_same_step_as_one_process(layout, tiny_model_dir, refer
     assert_same_step(ours, reference)
 
 
-def test_ppo_critic_trains_the_same_under_tensor_parallelism(tiny_model_dir, reference_folder, tmp_path):
-    ppo, engine = ("actor.adv_estimator=ppo",), "torch"
-    reference = single_process(engine, str(tiny_model_dir), reference_folder, ppo)
+@pytest.mark.parametrize("engine", ["torch", "megatron"])
+def test_ppo_critic_trains_the_same_under_tensor_parallelism(engine, tiny_model_dir, reference_folder, tmp_path):
+    """Actor and critic through the trainer with tp2, against the torch engine in one process."""
+    ppo = ("actor.adv_estimator=ppo",)
+    reference = single_process("torch", str(tiny_model_dir), reference_folder, ppo)
     ours = run_ranks(2, tiny_model_dir, tmp_path / "out.pt", f"actor.engine={engine}", *STEP, *ppo,
                      "actor.parallel.tp=2")
     assert set(ours["weights"]) == {"actor", "critic"}

@@ -11,6 +11,8 @@ Megatron's layout (megatron/core/transformer/attention.py, mlp.py, tensor_parall
 - each pipeline stage numbers its layers from 0; stage s holds global layers s*L/pp onwards. The
   embedding lives on the first stage, the final norm and output layer on the last; with tied
   embeddings and pp > 1 the last stage keeps its own copy of the embedding as ``output_layer``.
+- A PPO critic (``ModelShape.value_head``) is HF's token classifier with one label: the same body,
+  and in the output layer's place its ``score`` head (weight [1, H] and bias, replicated over TP).
 - Mixture-of-Experts layers (megatron/core/transformer/moe/): ``mlp.router`` is HF's ``mlp.gate``
   (replicated); expert-parallel rank k holds experts k*E/ep onwards as ``mlp.experts.local_experts.i``
   (``SequentialMLP``), each a SwiGLU MLP split over TP like the dense one. HF holds a layer's experts
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,7 @@ EMBEDDING, FINAL_NORM, OUTPUT = ("embedding.word_embeddings.weight", "decoder.fi
                                  "output_layer.weight")
 GLOBAL_RULES = {EMBEDDING: (("model.embed_tokens.weight",), COLUMN), FINAL_NORM: (("model.norm.weight",), REPLICATED),
                 OUTPUT: (("lm_head.weight",), COLUMN)}
+VALUE_HEAD = {OUTPUT: (("score.weight",), REPLICATED), "output_layer.bias": (("score.bias",), REPLICATED)}
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class ModelShape:
     experts_per_token: int = 0
     expert_ffn: int = 0
     renormalise_top_k: bool = False  # HF's norm_topk_prob: the chosen experts' probabilities sum to 1
+    value_head: bool = False  # a critic: HF's token classifier (``score``) in place of the LM head, untied
 
     @classmethod
     def from_hf(cls, config) -> "ModelShape":
@@ -103,6 +107,10 @@ class ModelShape:
                    max_positions=config.max_position_embeddings, rope_base=float(rope["rope_theta"]),
                    eps=config.rms_norm_eps, tied=bool(config.tie_word_embeddings), qkv_bias=not qwen3,
                    qk_norm=qwen3, **experts)
+
+    def critic(self) -> "ModelShape":
+        """The shape of this model's PPO critic (its body under a value head)."""
+        return replace(self, tied=False, value_head=True)
 
     def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
         """Raise ``UserError`` when the model cannot be split ``tp`` x ``pp`` x ``ep`` ways."""
@@ -167,7 +175,9 @@ def stage_names(shape: ModelShape, stage: int, pp: int, ep: int = 1) -> list[str
     names += [f"decoder.layers.{i}.{name}" for i in range(shape.layers // pp) for name in per_layer]
     if stage == pp - 1:
         names.append(FINAL_NORM)
-        if not shape.tied or pp > 1:
+        if shape.value_head:
+            names += list(VALUE_HEAD)
+        elif not shape.tied or pp > 1:
             names.append(OUTPUT)
     return names
 
@@ -189,12 +199,12 @@ def is_expert(name: str) -> bool:
     return bool(layer and LOCAL_EXPERT.match(layer[2]))
 
 
-def hf_names(name: str) -> tuple[tuple[str, ...], str]:
+def hf_names(name: str, shape: ModelShape) -> tuple[tuple[str, ...], str]:
     """(HF names, TP split) of a Megatron name numbered in the whole model; an expert's are the
     per-expert names that checkpoints store."""
     match = LAYER.match(name)
     if not match:
-        return GLOBAL_RULES[name]
+        return (VALUE_HEAD if shape.value_head and name in VALUE_HEAD else GLOBAL_RULES)[name]
     expert = LOCAL_EXPERT.match(match[2])
     if expert:
         names, kind = EXPERT_RULES[expert[2]]
@@ -255,7 +265,7 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], shape: ModelShape, tp_rank
     offset, first_expert = shape.layer_offset(stage, pp), ep_rank * shape.experts // ep
     state = {}
     for name in stage_names(shape, stage, pp, ep):
-        names, kind = hf_names(global_name(name, offset, first_expert))
+        names, kind = hf_names(global_name(name, offset, first_expert), shape)
         if name == OUTPUT and shape.tied:
             names = GLOBAL_RULES[EMBEDDING][0]  # the last stage's copy of the tied embedding
         state[name] = shard(kind, [_hf_tensor(hf_state, n) for n in names], shape, tp_rank, tp)
@@ -276,13 +286,13 @@ def stage_to_hf(stage_shards: Iterator[tuple[str, list[torch.Tensor]]], shape: M
         if is_expert(name):
             tp = len(shards) // ep
             for rank in range(ep):
-                names, kind = hf_names(global_name(name, offset, rank * local_experts))
+                names, kind = hf_names(global_name(name, offset, rank * local_experts), shape)
                 experts.update(zip(names, unshard(kind, shards[rank * tp:(rank + 1) * tp], shape)))
             if len(experts) == 3 * shape.experts:  # gate, up and down of every expert of the layer
                 yield from fuse_expert_weights(experts).items()
                 experts = {}
             continue
-        names, kind = hf_names(global_name(name, offset))
+        names, kind = hf_names(global_name(name, offset), shape)
         for hf_name, tensor in zip(names, unshard(kind, shards, shape)):
             embedding = tensor if name == EMBEDDING else embedding
             yield hf_name, tensor

@@ -21,6 +21,10 @@ expert-parallel ranks), Megatron DDP over its data-parallel ranks, loaded from a
   tokens, and DDP reduces gradients over dp x cp.
 - "logprobs" and "entropy" come from the vocabulary-parallel logits of the last stage (a logsumexp
   over the TP ranks), and reach every rank of the pipeline.
+- The PPO critic (``kind="critic"``) is HF's token classifier with one label: the same body, its
+  ``score`` head in the last stage's output-layer slot (``ValueHead``, replicated over TP), per-position
+  "values" (on the last stage, where GAE reads them, and sent to every stage); a head the folder
+  lacks takes the same draws as ``models.hf.load_critic``'s, so both engines start from one critic.
 - The optimizer and schedule are ``train.optim``'s on each rank's shards (Adam is elementwise); the
   gradient norm counts each parameter once (TP duplicates and the last stage's tied-embedding copy
   excluded) over the model-parallel ranks, and each expert once over the expert-parallel ranks, as
@@ -113,9 +117,30 @@ def vocab_parallel_outputs(logits: torch.Tensor, tokens: torch.Tensor, temperatu
     return logprobs, entropy
 
 
+class ValueHead(torch.nn.Linear):
+    """A critic's head in GPTModel's ``output_layer`` slot: hidden [s, b, H] -> values [s, b, 1]
+    (replicated over the TP ranks, whose hidden states are the same)."""
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        return super().forward(hidden), None
+
+
+def fresh_value_head(hf_config) -> dict[str, torch.Tensor]:
+    """HF's ``score`` weights as ``load_critic`` initialises them when the folder has none (the same
+    draws from the default generator: the critic's initialisation depends on the seed only)."""
+    from transformers import AutoModelForTokenClassification
+
+    with torch.device("meta"):
+        skeleton = AutoModelForTokenClassification.from_config(hf_config)
+    head = torch.nn.Linear(hf_config.hidden_size, 1, device="meta").to_empty(device="cpu")  # no draws
+    skeleton._init_weights(head)
+    return {"score.weight": head.weight.detach(), "score.bias": head.bias.detach()}
+
+
 class MegatronTrainEngine:
     """``TrainEngine`` on a Megatron-core GPTModel built from the Hugging Face folder ``path`` over
-    ``mesh`` (one process when ``mesh`` is None). ``kind`` is "policy" (the critic is not built)."""
+    ``mesh`` (one process when ``mesh`` is None). ``kind`` is "policy" (per-position "logprobs" and
+    "entropy") or "critic" (HF's token classifier with one label: "values")."""
 
     def __init__(self, path: str, kind: str, *, temperature: float = 1.0, mesh: TrainMesh | None = None,
                  optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
@@ -125,9 +150,6 @@ class MegatronTrainEngine:
         if compute_dtype != "float32":
             raise UserError(f"actor.engine=megatron does not build model.compute_dtype={compute_dtype} yet (Megatron's "
                             "linear layers take no autocast); set model.compute_dtype=float32")
-        if kind != "policy":
-            raise UserError("actor.engine=megatron does not build the PPO critic yet; use actor.engine=torch "
-                            "with actor.adv_estimator=ppo")
         if mesh is None:  # one process: a group of one
             device = resolve_device("auto")
             if not dist.is_initialized():
@@ -135,8 +157,13 @@ class MegatronTrainEngine:
             mesh = build_mesh(ParallelDims(), device)
         self.mesh, self.device, self.tokenizer = mesh, mesh.device, tokenizer
         self.rank, self.temperature, self.max_tokens_per_mb = dist.get_rank(), temperature, max_tokens_per_mb
-        self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        self.critic = kind == "critic"
+        self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **({"num_labels": 1} if self.critic
+                                                                                   else {}))
         self.shape = ModelShape.from_hf(self.hf_config)
+        self.shape = self.shape.critic() if self.critic else self.shape
+        # drawn before anything else draws from the default generator, as load_critic's head is
+        self.fresh_head = fresh_value_head(self.hf_config) if self.critic else {}
         check_layout(mesh.dims, self.shape)
         if self.device.type == "cpu":
             megatron_shim.apply()
@@ -183,6 +210,8 @@ class MegatronTrainEngine:
         self.ep_group = parallel_state.get_expert_model_parallel_group()
         model = GPTModel(self.config, spec, pre_process=self.first, post_process=self.last,
                          **gpt_model_args(self.shape))
+        if self.critic and self.last:
+            model.output_layer = ValueHead(self.shape.hidden, 1)
         self._idle = pack([[0, 0]], [[0, 1]]).to(self.device)  # the pass of a rank out of micro-batches
         return model.to(self.device)
 
@@ -200,6 +229,8 @@ class MegatronTrainEngine:
     def _load_hf(self, folder: Path) -> None:
         """This rank's shards of the Hugging Face weights in ``folder`` (any layout saved them)."""
         hf_state = read_checkpoint(folder)
+        if self.critic and "score.weight" not in hf_state:  # a critic starting from the policy's folder
+            hf_state.update(self.fresh_head)
         dims, coords = self.mesh.dims, self.mesh.coords
         try:
             state = hf_to_megatron(hf_state, self.shape, coords["tp"], dims.tp, self.stage, dims.pp,
@@ -232,7 +263,10 @@ class MegatronTrainEngine:
         return passes
 
     def _outputs(self, logits: torch.Tensor, packed: PackedBatch) -> Outputs:
-        """Per-position "logprobs" and "entropy" (0 off target positions) from [1, T, V/tp] logits."""
+        """Per-position "logprobs" and "entropy" (0 off target positions) from [1, T, V/tp] logits; a
+        critic's "values" from its head's [1, T, 1]."""
+        if self.critic:
+            return {"values": logits[0, :, 0].float()}
         targets, tokens = packed.target_tokens()
         logprobs, entropy = vocab_parallel_outputs(logits[0, targets], tokens, self.temperature, self.tp_group)
         total = packed.input_ids.shape[1]
@@ -254,7 +288,7 @@ class MegatronTrainEngine:
             def loss(output):
                 outputs = self._outputs(output, packed)
                 if not indices:  # an idle pass: its backward still runs the experts' exchanges, adding 0
-                    return outputs["logprobs"].sum() * 0.0, torch.tensor(1), {}
+                    return sum(values.sum() for values in outputs.values()) * 0.0, torch.tensor(1), {}
                 return on_outputs(indices, outputs, packed, fields), torch.tensor(1), {}
             return logits, loss
 
@@ -400,13 +434,14 @@ class MegatronTrainEngine:
     def save(self, folder: Path, *, optimizer: bool = True) -> None:
         """Collective: rank 0 writes the Hugging Face folder; every rank its optimizer state
         (``optimizer/rank{N}.pt``), rank 0 the schedule and layout (``training_state.pt``)."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         folder = Path(folder)
         state = {name: tensor for bucket in self._full_state(1 << 30) for name, tensor in bucket}
         if self.rank == 0:
             with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(self.hf_config)
+                kind = AutoModelForTokenClassification if self.critic else AutoModelForCausalLM
+                skeleton = kind.from_config(self.hf_config)
             save_model(skeleton, self.tokenizer, folder, state_dict=state)
         if not optimizer or self.optimizer is None:
             return

@@ -198,6 +198,10 @@ class RLConfig:
     weight_sync_bucket_mb: int = spec(64, "distributed weight sync: megabytes per broadcast bucket", ge=1)
     interruptible: bool = spec(True, "a weight update interrupts generation (False: wait for episodes to finish)")
     trainer_processes: int = spec(1, "trainer processes (ranks of actor.parallel's mesh; gloo on CPU, NCCL on GPU)", ge=1)
+    proxy_records_per_step: int = spec(0, "records of the login-node proxy's sessions (rewarded, eligible, at most "
+                                       "rollout.max_head_offpolicyness versions stale) added to each training batch at "
+                                       "most; 0: the proxy's records are not trained on", ge=0)
+    proxy_tenant: str = spec("", "train only on this tenant's proxy records; empty: every tenant's")
 
 
 @dataclass

@@ -12,13 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from areal_hpc.data.shards import TrajectoryShardWriter
+from areal_hpc.data.shards.writer import PROXY_WRITER_PREFIX
 from areal_hpc.data.trajectory import Trajectory
 
 
 def writer_id() -> str:
     """One writer per proxy process: ``proxy-<host>-<pid>``, so two proxies never share a shard."""
     host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
-    return f"proxy-{host}-{os.getpid()}"
+    return f"{PROXY_WRITER_PREFIX}{host}-{os.getpid()}"
 
 
 class RecordSink:

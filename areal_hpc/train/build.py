@@ -20,7 +20,7 @@ from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
-from areal_hpc.data.shards.writer import TrajectoryShardWriter
+from areal_hpc.data.shards.writer import PROXY_WRITER_PREFIX, TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
 from areal_hpc.extras import require
@@ -142,6 +142,27 @@ def open_shards(cfg: RunConfig, cursor_state: dict) -> tuple[TrajectoryShardWrit
     # never swept into its training or its recovery after a resume.
     return writer, TrajectoryConsumer(TrajectoryStore(folder), ConsumerCursor.from_state_dict(cursor_state),
                                       where=TrajectoryFilter(writer=SHARD_WRITER))
+
+
+def open_proxy_records(cfg: RunConfig, cursor_state: dict | None) -> TrajectoryConsumer | None:
+    """The second rollout source: records the login-node proxies wrote into the run's shards, with their
+    own cursor (saved in the checkpoint beside the rollouts' own), once they have a reward; None when
+    ``rl.proxy_records_per_step`` is 0."""
+    if not cfg.rl.proxy_records_per_step:
+        return None
+    where = TrajectoryFilter(writer=f"{PROXY_WRITER_PREFIX}*", tenant=cfg.rl.proxy_tenant or None, eligible_only=True)
+    return TrajectoryConsumer(TrajectoryStore(cfg.run_dir / "shards"), ConsumerCursor.from_state_dict(cursor_state),
+                              where=where, require_reward=True)
+
+
+def take_proxy_records(consumer: TrajectoryConsumer, n: int, version: int, eta: int) -> tuple[list[Trajectory],
+                                                                                                 list[Trajectory]]:
+    """Up to ``n`` rewarded proxy records, oldest first, as (trainable, too stale): a record whose oldest
+    output token is more than ``eta`` versions behind ``version`` is consumed without training, as a
+    rollout that stale would be."""
+    records = consumer.poll(n)
+    fresh = [t for t in records if t.version_range[0] >= version - eta]
+    return fresh, [t for t in records if t.version_range[0] < version - eta]
 
 
 def recovered_episodes(consumer: TrajectoryConsumer, version: int) -> list[Episode]:

@@ -36,8 +36,8 @@ from areal_hpc.launch.rollout_token import rollout_token
 from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.rollout.client import RolloutClient, RolloutError
 from areal_hpc.rollout.workflows import Scorer
-from areal_hpc.train.build import (build_actor, build_controller, build_weight_sync, open_shards,
-                                   recovered_episodes, start_trainer, wait_for_servers)
+from areal_hpc.train.build import (build_actor, build_controller, build_weight_sync, open_proxy_records, open_shards,
+                                   recovered_episodes, start_trainer, take_proxy_records, wait_for_servers)
 from areal_hpc.train.checkpoint import SAVED_AND_STOPPED, latest_checkpoint, load_checkpoint, save_checkpoint
 from areal_hpc.train.evaluate import evaluate_remote
 from areal_hpc.train.progress import RLProgress
@@ -77,7 +77,8 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
     addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
     in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # /generate at most
     with (RewardPool(task.reward) as rewards, RLProgress(cfg, version) as progress,
-          shards(cfg, state.get("cursor", {})) as (writer, consumer)):
+          shards(cfg, state.get("cursor", {})) as (writer, consumer),
+          open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):
         async with RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
                                  rollout_token(cfg.run_dir)) as client:
             sync = build_weight_sync(cfg, actor.device.type)
@@ -105,9 +106,10 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
                 evaluated.append(step)
 
             def checkpoint(step: int) -> None:
+                proxy_cursor = proxy_records.cursor.state_dict() if proxy_records is not None else None
                 save_checkpoint(cfg.run_dir, step, engines, {"prompts_drawn": prompts.drawn, "dropped": controller.dropped,
                                                              "cursor": consumer.cursor.state_dict(),
-                                                             "evaluated": evaluated[-1]})
+                                                             "proxy_cursor": proxy_cursor, "evaluated": evaluated[-1]})
 
             def stop_now(step: int) -> None:
                 checkpoint(step)
@@ -132,6 +134,12 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
                         stop_now(step)
                     waited = time.perf_counter() - tick
                     batch = consumer.take_ids([i for e in episodes for i in e.ids])  # read back from the shards
+                    if proxy_records is not None:  # and agents' sessions through the login-node proxy
+                        fresh, stale = take_proxy_records(proxy_records, cfg.rl.proxy_records_per_step, step,
+                                                          cfg.rollout.max_head_offpolicyness)
+                        batch += fresh
+                        if stale:
+                            progress.dropped([t.id for t in stale])
                     stats = await asyncio.to_thread(group.update, batch)          # recompute + PPO steps
 
                     def trained_then_stop() -> None:  # the step is trained; its weight push is not needed

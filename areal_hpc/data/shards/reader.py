@@ -12,6 +12,7 @@ call ``refresh()`` to see what has been committed since.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -33,7 +34,7 @@ class TrajectoryFilter:
     """Select records by writer (the process that stored them: a run's rollout controller, a proxy),
     tenant, policy-version range of their output tokens, training eligibility."""
 
-    writer: str | None = None
+    writer: str | None = None  # a writer id, or a pattern of them ("proxy-*")
     tenant: str | None = None
     min_version: int | None = None  # the oldest output token is at least this version
     max_version: int | None = None  # the newest output token is at most this version
@@ -130,7 +131,7 @@ class ShardFile:
     def matches(self, where: TrajectoryFilter, start: int = 0) -> np.ndarray:
         """Which rows from ``start`` on match ``where``; a row whose index row is damaged always does
         (its filter columns cannot be trusted: reading it raises rather than silently skipping it)."""
-        if where.writer is not None and self.writer != where.writer:
+        if where.writer is not None and not fnmatch.fnmatchcase(self.writer, where.writer):
             return np.zeros(len(self.index) - start, dtype=bool)
         return where.mask(self.index[start:]) | ~self.index_intact[start:]
 

@@ -33,6 +33,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.fsio import atomic_write_json, fsync_path
 
 WRITER_ID = re.compile(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*")
+PROXY_WRITER_PREFIX = "proxy-"  # login-node proxies write as proxy-<host>-<pid> (proxy/records.py)
 
 
 class UnknownTrajectoryError(UserError):

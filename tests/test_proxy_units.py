@@ -106,3 +106,26 @@ def test_quota_meter_admits_up_to_the_rate_then_says_how_long_to_wait():
     assert meter.admit("other", quota) == 0  # tenants do not share buckets
     meter.charge("other", quota, 80)  # overdrawn by one request: the next waits for the tokens
     assert meter.admit("other", quota) > 0
+
+
+def test_proxy_records_for_training_are_rewarded_of_the_proxies_writers_and_too_stale_ones_are_consumed(tmp_path):
+    from areal_hpc.config import load_config
+    from areal_hpc.data.shards import TrajectoryShardWriter
+    from areal_hpc.data.trajectory import Reward, Segment, Trajectory
+    from areal_hpc.train.build import open_proxy_records, take_proxy_records
+
+    def record(name: str, version: int, rewarded: bool = True) -> Trajectory:
+        return Trajectory([Segment([1, 2], [3], [-0.5], [version])], id=name, tenant="alice",
+                          rewards=[Reward(1.0)] if rewarded else [])
+
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "rl.proxy_records_per_step=8"])
+    with TrajectoryShardWriter(cfg.run_dir / "shards", "proxy-host-7", fsync=False) as proxy:
+        for r in [record("old", 0), record("new", 5), record("waiting", 5, rewarded=False)]:
+            proxy.append(r)
+    with TrajectoryShardWriter(cfg.run_dir / "shards", "rollout0", fsync=False) as own:
+        own.append(record("own", 5))
+    assert open_proxy_records(load_config(None, [f"cluster.fileroot={tmp_path}"]), None) is None
+    with open_proxy_records(cfg, None) as consumer:
+        fresh, stale = take_proxy_records(consumer, 8, version=5, eta=2)
+        assert [t.id for t in fresh] == ["new"] and [t.id for t in stale] == ["old"]
+        assert take_proxy_records(consumer, 8, version=5, eta=2) == ([], [])  # each once; "waiting" waits

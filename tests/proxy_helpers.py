@@ -19,7 +19,8 @@ from areal_hpc.proxy.tenants import hash_key
 
 def write_keys(path: Path, tenants: dict[str, dict], revoked: list[str] = ()) -> None:
     """``tenants``: name -> {"keys": [plain keys], other fields as they are}; stored hashed."""
-    tree = {"tenants": {name: {**entry, "keys": [hash_key(k) for k in entry["keys"]]} for name, entry in tenants.items()},
+    tree = {"tenants": {name: {**entry, "keys": [hash_key(k) for k in entry["keys"]]}
+                        for name, entry in tenants.items()},
             "revoked": [hash_key(k) for k in revoked]}
     path.write_text(yaml.safe_dump(tree))
 

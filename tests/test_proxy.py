@@ -184,6 +184,7 @@ def test_bad_input_gets_openai_json_errors_and_the_proxy_keeps_serving(proxy, ke
     assert call(base, "/v1/chat/completions", chat, key)[0] == 200  # still serving
 
 
+@pytest.mark.slow
 def test_a_turn_paused_by_a_weight_update_resumes_and_is_one_turn(proxy, server):
     base, state, _ = proxy
     _, key = start_session(base, ALICE)
@@ -297,7 +298,8 @@ asyncio.run(main())
 """ % (ALICE, ALICE)
 
 
-def test_the_proxy_runs_without_importing_torch_stays_small_and_writes_open_sessions_at_shutdown(tiny_model_dir, server, keys_file, tmp_path):
+def test_the_proxy_runs_without_importing_torch_stays_small_and_writes_open_sessions_at_shutdown(
+        tiny_model_dir, server, keys_file, tmp_path):
     cfg = [f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}", f"proxy.keys_file={keys_file}",
            f"proxy.backends={server}", "proxy.model_name=tiny"]
     done = subprocess.run([sys.executable, "-c", PROBE, *cfg], cwd=REPO, capture_output=True, text=True, timeout=120)

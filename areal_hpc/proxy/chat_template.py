@@ -49,7 +49,8 @@ class ChatTokenizer:
         if not isinstance(source, str):
             raise UserError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json's "
                             "chat_template); the proxy renders chats with the model's own template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         self.template = env.from_string(source)

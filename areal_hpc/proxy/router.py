@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
-
 from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
 from areal_hpc.rollout.client import Generation, RolloutClient
 

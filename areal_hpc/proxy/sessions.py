@@ -71,8 +71,10 @@ class Session:
                    key=lambda t: len(t.text), default=None)
 
     def parent_by_ids(self, ids: list[int]) -> Turn | None:
-        return max((t for t in reversed(self.turns) if len(ids) > len(t.full_ids) and ids[:len(t.full_ids)] == t.full_ids),
-                   key=lambda t: len(t.full_ids), default=None)
+        """The turn whose prompt and output ``ids`` extends, longest first (the newest on a tie)."""
+        extended = (t for t in reversed(self.turns)
+                    if len(ids) > len(t.full_ids) and ids[:len(t.full_ids)] == t.full_ids)
+        return max(extended, key=lambda t: len(t.full_ids), default=None)
 
     def turn(self, interaction_id: str | None) -> Turn | None:
         """The turn of ``interaction_id``; None for the last turn (or no turn yet)."""
@@ -120,5 +122,6 @@ def discounted_returns(rewards: dict[int, float], n_turns: int, discount: float)
 
 def session_returns(session: Session, leaf: Turn, discount: float) -> list[float]:
     chain = leaf.chain()
-    rewards = {step: session.rewards[t.interaction_id] for step, t in enumerate(chain) if t.interaction_id in session.rewards}
+    rewards = {step: session.rewards[t.interaction_id] for step, t in enumerate(chain)
+               if t.interaction_id in session.rewards}
     return discounted_returns(rewards, len(chain), discount)

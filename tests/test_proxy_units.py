@@ -129,3 +129,15 @@ def test_proxy_records_for_training_are_rewarded_of_the_proxies_writers_and_too_
         fresh, stale = take_proxy_records(consumer, 8, version=5, eta=2)
         assert [t.id for t in fresh] == ["new"] and [t.id for t in stale] == ["old"]
         assert take_proxy_records(consumer, 8, version=5, eta=2) == ([], [])  # each once; "waiting" waits
+
+
+def test_the_run_token_is_made_once_0600_and_shared(tmp_path):
+    from areal_hpc.launch.rollout_token import needs_token, rollout_token
+
+    assert rollout_token(tmp_path) is None
+    token = rollout_token(tmp_path, create=True)
+    assert len(token) >= 32 and (tmp_path / "rollout_token").stat().st_mode & 0o777 == 0o600
+    assert rollout_token(tmp_path, create=True) == rollout_token(tmp_path) == token  # the second server reads it
+    assert [p.name for p in tmp_path.iterdir()] == ["rollout_token"]  # no staging file left behind
+    assert [needs_token(h) for h in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "10.1.2.3", "node7")] == \
+        [False, False, False, True, True, True]

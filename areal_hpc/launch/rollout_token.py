@@ -14,20 +14,25 @@ TOKEN_FILE = "rollout_token"
 
 
 def rollout_token(run_dir: str | Path, create: bool = False) -> str | None:
-    """The run's token; with ``create``, made first if the run has none (created 0600 in one step, so
-    servers starting together agree on one token). None when there is none and ``create`` is false."""
+    """The run's token; with ``create``, made first if the run has none. It appears whole or not at all
+    (written 0600 beside it, then hard-linked into place, which fails if another server of the run was
+    first), so servers starting together agree on one token and none reads a half-written one. None
+    when there is none and ``create`` is false."""
     path = Path(run_dir) / TOKEN_FILE
     if create and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{TOKEN_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another server of the run made it first
-            pass
-        else:
             with os.fdopen(fd, "w") as out:
                 out.write(secrets.token_urlsafe(32))
                 out.flush()
                 os.fsync(out.fileno())
+            os.link(staging, path)
+        except FileExistsError:  # another server of the run made it first
+            pass
+        finally:
+            staging.unlink(missing_ok=True)
     try:
         return path.read_text().strip() or None
     except FileNotFoundError:

@@ -44,8 +44,7 @@ def number(body: dict, name: str, default, low: float, high: float, integer: boo
 def sampling_params(body: dict, default_max_tokens: int, max_tokens_cap: int, stop_ids: list[int]) -> dict:
     """``/generate``'s sampling_params from an OpenAI request (n=1; stop strings are not supported: the
     model's end-of-turn token ends a reply)."""
-    if number(body, "n", 1, 1, 1, integer=True) != 1:
-        raise bad("n", body["n"], "1")
+    number(body, "n", 1, 1, 1, integer=True)  # one choice per request
     stop = body.get("stop")
     if stop not in (None, [], ""):
         raise APIError(400, f"stop = {reprlib.repr(stop)}: stop strings are not supported (replies end at the "

@@ -184,6 +184,27 @@ def test_bad_input_gets_openai_json_errors_and_the_proxy_keeps_serving(proxy, ke
     assert call(base, "/v1/chat/completions", chat, key)[0] == 200  # still serving
 
 
+def test_sessions_wait_with_429_while_the_trainer_has_no_room_for_their_records(tiny_model_dir, server, keys_file,
+                                                                             tmp_path):
+    """One proxy record per trainer step, staleness 0: one session per weight version."""
+    cfg = proxy_config(tiny_model_dir, tmp_path, [server], keys_file, "rl.proxy_records_per_step=1",
+                       "rollout.max_head_offpolicyness=0")
+    with running_proxy(cfg) as (base, state, run):
+        _, key = start_session(base, ALICE)
+        status, reply, headers = call(base, "/rl/start_session", {}, ALICE)
+        assert status == 429 and reply["error"]["code"] == "staleness_capacity" and int(headers["Retry-After"]) >= 1
+        assert call(base, "/rl/end_session", {}, key)[0] == 200
+        assert call(base, "/rl/start_session", {}, ALICE)[0] == 429  # its record is not trained yet
+        try:  # the trainer's next version reaches the server: room for one more session
+            assert call(f"http://{server}", "/update_weights_from_disk",
+                        {"model_path": str(tiny_model_dir), "weight_version": 1})[0] == 200
+            run(state.router.refresh())
+            assert state.router.version == 1 and call(base, "/rl/start_session", {}, ALICE)[0] == 200
+        finally:  # the module's server is shared: leave it at version 0
+            assert call(f"http://{server}", "/update_weights_from_disk",
+                        {"model_path": str(tiny_model_dir), "weight_version": 0})[0] == 200
+
+
 @pytest.mark.slow
 def test_a_turn_paused_by_a_weight_update_resumes_and_is_one_turn(proxy, server):
     base, state, _ = proxy

@@ -143,6 +143,7 @@ async def start_session(request: web.Request) -> web.Response:
     if own is not None:
         raise APIError(403, "start_session needs a tenant key, not a session key", code="tenant_key_required")
     body = await read_json(request)
+    proxy.admit_session()
     metadata = body.get("metadata", {})
     if not isinstance(metadata, dict):
         raise api.bad("metadata", metadata, "a JSON object (stored with the session's records)")

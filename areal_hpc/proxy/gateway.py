@@ -34,6 +34,8 @@ class ProxySettings:
     reward_grace_s: float = 300.0  # after end_session, rewards are taken (as late rewards) this long
     session_idle_s: float = 3600.0  # a session without a request this long is ended (and written)
     sweep_interval_s: float = 1.0
+    records_per_version: int = 0  # the trainer's rl.proxy_records_per_step; 0: sessions are not limited
+    max_staleness: int = 2  # the trainer's rollout.max_head_offpolicyness
 
 
 @dataclass
@@ -94,6 +96,19 @@ class Proxy:
         if own is not None and session is not own:
             raise APIError(403, "a session key acts on its own session only", param="session_id")
         return session
+
+    def admit_session(self) -> None:
+        """AReaL's staleness gate for sessions: while the trainer at version v takes ``records_per_version``
+        proxy records a step, at most ``(max_staleness + v + 1) * records_per_version`` sessions may have
+        been opened, or their records would be too stale to train by the time it reaches them."""
+        per_version = self.settings.records_per_version
+        if not per_version:
+            return
+        opened = self.ended + sum(1 for s in self.sessions.values() if s.ended_at is None)
+        if opened >= (self.settings.max_staleness + self.router.version + 1) * per_version:
+            raise APIError(429, f"the trainer (version {self.router.version}) has no room for another session "
+                           "yet; retry after its next step", code="staleness_capacity",
+                           headers={"Retry-After": str(int(HEARTBEAT_INTERVAL_S))})
 
     # -- turns ---------------------------------------------------------------------------------------
     async def turn(self, session: Session, body: dict, *, text: str | None = None,

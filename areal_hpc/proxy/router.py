@@ -19,6 +19,7 @@ class BackendRouter:
         self.static, self.names = list(static), names
         self.client = RolloutClient([], request_timeout_s, max_requests, token)  # refresh() admits servers
         self.interrupted = 0  # turns cut short by a pause or a failed server, then finished
+        self.version = 0  # the newest weight version a server reported: the trainer's, near enough
 
     @property
     def healthy(self) -> list[str]:
@@ -40,10 +41,22 @@ class BackendRouter:
                 self.client.add_server(address, self.client.versions.get(address, 0))
             elif not ok:
                 self.client.drop(address, f"{address}/health did not answer")
+        infos = await asyncio.gather(*(self.client.model_info(a) for a in self.client.alive), return_exceptions=True)
+        for info in infos:
+            if isinstance(info, dict):
+                self.saw_version(info.get("weight_version"))
+
+    def saw_version(self, reported) -> None:
+        try:
+            self.version = max(self.version, int(reported))
+        except (TypeError, ValueError):  # SGLang's "default": the launch weights, or no versions kept
+            pass
 
     async def generate(self, body: dict, prefer: str | None) -> Generation:
         if not self.client.alive:
             await self.refresh()
         generation = await self.client.generate(body["input_ids"], body["sampling_params"], prefer=prefer)
         self.interrupted += generation.interruptions > 0
+        if generation.versions:
+            self.saw_version(max(generation.versions))
         return generation

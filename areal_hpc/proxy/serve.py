@@ -34,7 +34,8 @@ def build_proxy(cfg) -> Proxy:
     names = None if backends else NameResolve(Path(p.name_resolve or cfg.run_dir / "name_resolve"))
     settings = ProxySettings(model_name=p.model_name or Path(folder).name, default_max_tokens=p.default_max_tokens,
                              max_tokens_cap=p.max_tokens_cap, discount=p.discount, reward_grace_s=p.reward_grace_s,
-                             session_idle_s=p.session_idle_s)
+                             session_idle_s=p.session_idle_s, records_per_version=cfg.rl.proxy_records_per_step,
+                             max_staleness=cfg.rollout.max_head_offpolicyness)
     keys = TenantKeys(p.keys_file, Quota(p.requests_per_minute, p.tokens_per_minute))
     router = BackendRouter(backends, names, read_token(p.rollout_token_file, cfg.run_dir), p.request_timeout_s)
     sink = RecordSink(p.shards_dir or cfg.run_dir / "shards", experiment=cfg.experiment.name,

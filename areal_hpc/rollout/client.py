@@ -211,7 +211,14 @@ class RolloutClient:
 
     async def server_info(self, server: str) -> dict:
         """``/get_server_info``: the server's launch arguments (SGLang's; ``tp_size`` among them)."""
-        async with self._control.get(f"http://{server}/get_server_info", timeout=HEALTH_TIMEOUT) as response:
+        return await self._get(server, "/get_server_info")
+
+    async def model_info(self, server: str) -> dict:
+        """``/get_model_info``: the served model (and, on the embedded engine, its ``weight_version``)."""
+        return await self._get(server, "/get_model_info")
+
+    async def _get(self, server: str, route: str) -> dict:
+        async with self._control.get(f"http://{server}{route}", timeout=HEALTH_TIMEOUT) as response:
             response.raise_for_status()
             return await response.json(content_type=None)
 

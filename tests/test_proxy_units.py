@@ -131,8 +131,10 @@ def test_proxy_records_for_training_are_rewarded_of_the_proxies_writers_and_too_
         assert take_proxy_records(consumer, 8, version=5, eta=2) == ([], [])  # each once; "waiting" waits
 
 
-def test_the_run_token_is_made_once_0600_and_shared(tmp_path):
-    from areal_hpc.launch.rollout_token import needs_token, rollout_token
+def test_the_run_token_is_made_once_0600_shared_and_given_to_sglang_too(tmp_path):
+    from areal_hpc.config import load_config
+    from areal_hpc.launch.rollout_token import needs_token, rollout_token, server_token
+    from areal_hpc.rollout.sglang_server import sglang_command
 
     assert rollout_token(tmp_path) is None
     token = rollout_token(tmp_path, create=True)
@@ -141,3 +143,9 @@ def test_the_run_token_is_made_once_0600_and_shared(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["rollout_token"]  # no staging file left behind
     assert [needs_token(h) for h in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "10.1.2.3", "node7")] == \
         [False, False, False, True, True, True]
+    assert server_token(tmp_path, "127.0.0.1") is None and server_token(tmp_path, "0.0.0.0") == token
+    (tmp_path / "rollout_token").write_text("")
+    with pytest.raises(UserError, match="is empty"):  # never serve the network without a token
+        server_token(tmp_path, "0.0.0.0")
+    command = sglang_command(load_config(None, ["model.path=/m", "rollout.host=0.0.0.0"]), 1, token=token)
+    assert command[-2:] == ["--api-key", token]

@@ -10,6 +10,8 @@ import os
 import secrets
 from pathlib import Path
 
+from areal_hpc.errors import UserError
+
 TOKEN_FILE = "rollout_token"
 
 
@@ -37,6 +39,17 @@ def rollout_token(run_dir: str | Path, create: bool = False) -> str | None:
         return path.read_text().strip() or None
     except FileNotFoundError:
         return None
+
+
+def server_token(run_dir: str | Path, host: str) -> str | None:
+    """What a rollout server bound to ``host`` requires: the run's token (made if the run has none yet)
+    when other hosts can reach it, else None. It never serves beyond loopback without one."""
+    if not needs_token(host):
+        return None
+    token = rollout_token(run_dir, create=True)
+    if token is None:
+        raise UserError(f"{Path(run_dir) / TOKEN_FILE} is empty; remove it to have a new token made")
+    return token
 
 
 def needs_token(host: str) -> bool:

@@ -329,18 +329,13 @@ def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None, token: st
 
 def serve_embedded(cfg) -> None:
     """Load the model, start the engine, listen, register in name-resolve; run until SIGINT/SIGTERM."""
-    from areal_hpc.errors import UserError
     from areal_hpc.launch.name_resolve import advertised_address, bind, registered_server
-    from areal_hpc.launch.rollout_token import needs_token, rollout_token
+    from areal_hpc.launch.rollout_token import server_token
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
 
     sock = bind(cfg.rollout.host, cfg.rollout.port)  # a taken port fails before minutes of model loading
-    token = None
-    if needs_token(cfg.rollout.host):  # reachable from other hosts: the run's token, or no serving at all
-        token = rollout_token(cfg.run_dir, create=True)
-        if token is None:
-            raise UserError(f"{cfg.run_dir / 'rollout_token'} is empty; remove it to have a new token made")
+    token = server_token(cfg.run_dir, cfg.rollout.host)
     model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
     engine = EmbeddedEngine(model, slots=cfg.rollout.max_running_requests,
                             context_length=cfg.rollout.context_length or None, seed=cfg.experiment.seed)

@@ -20,11 +20,14 @@ import sys
 
 from areal_hpc.extras import require
 from areal_hpc.launch.name_resolve import advertised_address, free_port, registered_server
+from areal_hpc.launch.rollout_token import server_token
 from areal_hpc.launch.supervisor import SupervisedProcess
 
 
-def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
-    """The launch command for one server of ``cfg.rollout`` on ``port``."""
+def sglang_command(cfg, port: int, python: str = sys.executable, token: str | None = None) -> list[str]:
+    """The launch command for one server of ``cfg.rollout`` on ``port``; ``token``: the run's rollout token,
+    which SGLang then requires on every route but /health (``--api-key``; SGLang takes it only as an
+    argument, so users of the node can read it in ``ps``)."""
     rollout = cfg.rollout
     command = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model.path),
                "--host", rollout.host, "--port", str(port), "--tp-size", str(rollout.tp_size),
@@ -35,6 +38,8 @@ def sglang_command(cfg, port: int, python: str = sys.executable) -> list[str]:
                "--skip-tokenizer-init"]  # the controller sends token ids and reads token ids back
     if rollout.context_length:
         command += ["--context-length", str(rollout.context_length)]
+    if token:
+        command += ["--api-key", token]
     return command
 
 
@@ -44,7 +49,8 @@ def serve_sglang(cfg) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops SGLang's process group
     port = cfg.rollout.port or free_port(cfg.rollout.host)
     address = advertised_address(cfg.rollout.host, port, cfg.cluster.interface)
-    server = SupervisedProcess(f"SGLang server {address}", sglang_command(cfg, port),
+    command = sglang_command(cfg, port, token=server_token(cfg.run_dir, cfg.rollout.host))
+    server = SupervisedProcess(f"SGLang server {address}", command,
                                cfg.run_dir / "logs" / f"sglang-{address.replace(':', '-')}.log").start()
     try:
         server.wait_healthy(address, cfg.rollout.launch_timeout_s)

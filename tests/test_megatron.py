@@ -77,6 +77,7 @@ LAYOUTS = {
     "tp2xpp2": (4, ("actor.parallel.tp=2", "actor.parallel.pp=2")),
     "cp2": (2, ("actor.parallel.cp=2",)),
     "tp2xcp2": (4, ("actor.parallel.tp=2", "actor.parallel.cp=2")),
+    "fsdp2": (2, ("actor.parallel.fsdp=true",)),
 }
 
 
@@ -101,6 +102,17 @@ def test_step_with_an_empty_share_and_checkpoint_round_trip(tiny_model_dir, refe
     assert_same_engine_step(in_reference_order(got, reference), reference)
     assert reference["stats"]["grad_norm"] > 0.5  # the clipping at 0.5 took part
     assert_checkpoint_round_trip(got, folder, tiny_model_dir, tmp_path, 2, "pp=2")
+
+
+@pytest.mark.distributed
+def test_fsdp_step_with_an_empty_share_and_checkpoint_round_trip(tiny_model_dir, reference, tmp_path):
+    """Megatron's FSDP2 wrapper over tp2 x dp2, one replica training on nothing, clipping active: the
+    same step as one process; the checkpoint (optimizer moments as FSDP shards) restores the next step
+    exactly and its weights load into tp2."""
+    folder = tmp_path / "checkpoint"
+    got = run_ranks(4, tiny_model_dir, tmp_path / "saved.pt", "tp=2", "dp=2", "fsdp=1", "empty=1", f"save={folder}")
+    assert_same_engine_step(in_reference_order(got, reference), reference)
+    assert_checkpoint_round_trip(got, folder, tiny_model_dir, tmp_path, 2, "tp=2")
 
 
 def in_reference_order(got: dict, reference: dict) -> dict:
@@ -177,7 +189,7 @@ def test_fused_qkv_interleaves_query_groups():
     (dict(tp=4), "tp=4 must divide the model's num_key_value_heads=2"),
     (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
     (dict(dp=2, vpp=2, pp=2), "does not build vpp=2"),
-    (dict(dp=2, fsdp=True), "does not build fsdp=true"),
+    (dict(dp=2, pp=2, fsdp=True), "fsdp=true with dp, tp and cp, not with pp=2"),
 ])
 def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
     shape = ModelShape.from_hf(load_model(tiny_model_dir).config)

@@ -89,6 +89,16 @@ MODULES = (
 )
 
 
+class _CpuDeviceMesh:
+    """``DeviceMesh`` for Megatron's FSDP2 wrapper, which builds its mesh from a group for "cuda"."""
+
+    @staticmethod
+    def from_group(group, device_type: str, *args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
 def _get_rng_state(*args, **kwargs) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -128,6 +138,7 @@ def apply() -> None:
     random._get_cuda_rng_state = _get_rng_state  # the tracker's fork() saves and restores through these
     random._set_cuda_rng_state = _set_rng_state
     importlib.import_module("megatron.core.transformer.moe.token_dispatcher").maybe_move_tensor_to_cpu = _host_copy
+    importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel").DeviceMesh = _CpuDeviceMesh
     language = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
     # With pp > 1 and tied embeddings the last stage's copy is synchronised after weight.data.cuda().
     language.setup_embeddings_and_output_layer = _tensors_stay_on_cpu(language.setup_embeddings_and_output_layer)

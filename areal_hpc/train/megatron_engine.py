@@ -1,7 +1,7 @@
 """``TrainEngine`` on Megatron-core (``actor.engine=megatron``): a GPTModel split over the trainer
 mesh's tensor-parallel, context-parallel and pipeline ranks (a Qwen3-MoE's experts also over its
-expert-parallel ranks), Megatron DDP over its data-parallel ranks, loaded from and saved to Hugging Face folders
-(``parallel.megatron_convert``).
+expert-parallel ranks), Megatron DDP (or, with ``actor.parallel.fsdp``, Megatron's FSDP2 wrapper) over
+its data-parallel ranks, loaded from and saved to Hugging Face folders (``parallel.megatron_convert``).
 
 - Packed micro-batches run as THD ``PackedSeqParams`` through Megatron's schedules
   (``get_forward_backward_func``, variable sequence lengths across pipeline stages); on CPU the layer
@@ -14,6 +14,10 @@ expert-parallel ranks), Megatron DDP over its data-parallel ranks, loaded from a
   expert-parallel ranks: a rank out of micro-batches runs idle ones (two tokens, nothing added to the
   gradients) until its peers are done. Expert gradients are summed over the expert-data-parallel
   ranks by DDP; each expert-parallel rank's experts are its own.
+- With ``fsdp`` (dp, tp and cp; not with pp or ep yet) Megatron's ``TorchFullyShardedDataParallel``
+  shards every layer and the root over the dp x cp ranks (FSDP2, gradient divide factor 1): every
+  pass gathers and reduces, so data-parallel ranks out of micro-batches run idle passes too; Adam's
+  moments are DTensor shards, saved per rank as their local shards.
 - Under context parallelism every sequence of a micro-batch is padded at its end to a multiple of
   2 x cp tokens and dealt in zig-zag chunks over the cp ranks (``parallel.context``): Megatron's
   rotary embedding for packed sequences takes exactly those equal chunks, the core attention gathers
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
@@ -85,10 +90,13 @@ def _initialize_megatron(dims: ParallelDims) -> None:
 def check_layout(dims: ParallelDims, shape: ModelShape) -> None:
     """Raise ``UserError`` for a layout this engine does not build or the model cannot be split into."""
     unsupported = {name: getattr(dims, name) for name in ("vpp",) if getattr(dims, name) > 1}
-    unsupported.update({name: "true" for name in ("fsdp", "sequence_parallel") if getattr(dims, name)})
+    unsupported.update({name: "true" for name in ("sequence_parallel",) if getattr(dims, name)})
     if unsupported:
         sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise UserError(f"actor.engine=megatron does not build {sizes} yet; it supports dp, tp, pp, cp and ep")
+        raise UserError(f"actor.engine=megatron does not build {sizes} yet; it supports dp, tp, pp, cp, ep and fsdp")
+    if dims.fsdp and (dims.pp > 1 or dims.ep > 1):
+        raise UserError(f"actor.engine=megatron builds fsdp=true with dp, tp and cp, not with pp={dims.pp} "
+                        f"ep={dims.ep} yet")
     if shape.experts and dims.tp > 1:  # Megatron's MoE layers refuse to train under tp without it
         raise UserError(f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet "
                         "(it needs sequence parallelism); use dp, pp and ep")
@@ -176,9 +184,10 @@ class MegatronTrainEngine:
         self.trainable = optimizer is not None
         self.model.requires_grad_(self.trainable)
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
-        self.optimizer = build_optimizer(self.model, optimizer, lr) if optimizer else None
+        self.sharded = self.trainable and mesh.dims.fsdp
+        self.root = self._wrap() if self.trainable else self.model
+        self.optimizer = build_optimizer(self.model, optimizer, lr) if optimizer else None  # FSDP's shards, if any
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
-        self.root = self._wrap_ddp() if self.trainable else self.model
 
     # --- construction -------------------------------------------------------------------------
     def _build_model(self):
@@ -207,7 +216,6 @@ class MegatronTrainEngine:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
-        self.ep_group = parallel_state.get_expert_model_parallel_group()
         model = GPTModel(self.config, spec, pre_process=self.first, post_process=self.last,
                          **gpt_model_args(self.shape))
         if self.critic and self.last:
@@ -215,12 +223,29 @@ class MegatronTrainEngine:
         self._idle = pack([[0, 0]], [[0, 1]]).to(self.device)  # the pass of a rank out of micro-batches
         return model.to(self.device)
 
-    def _wrap_ddp(self):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    def _wrap(self):
+        """Megatron DDP, or with ``fsdp`` Megatron's FSDP2 wrapper (``fully_shard`` on every layer, then
+        the root, over the dp x cp ranks) with gradients summed, not averaged. Its default units also
+        take ``ColumnParallelLinear`` (inside the local spec's layers: FSDP2 wants inner units wrapped
+        first) and the embedding (whose weight a tied output layer reads outside its forward): both
+        stay with the root here."""
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig)
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+        from torch.distributed.fsdp import FSDPModule
 
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
-        return DistributedDataParallel(self.config, ddp, self.model)
+        if not self.sharded:
+            ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)
+            return DistributedDataParallel(self.config, ddp, self.model)
+        root = TorchFullyShardedDataParallel(self.config, TorchFullyShardedDataParallelConfig(), self.model,
+                                             sub_modules_to_wrap={TransformerLayer},
+                                             process_group=self.mesh.group("dp_cp"))
+        for unit in self.model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the minibatch
+                unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
+        return root
 
     def _state_names(self) -> list[str]:
         return [n for n in self.model.state_dict() if not n.endswith("_extra_state")]
@@ -241,21 +266,25 @@ class MegatronTrainEngine:
             raise RuntimeError(f"Megatron stage {self.stage} has {sorted(set(self._state_names()) ^ set(state))[:5]} "
                                "beyond the converter's names")
         for name, tensor in self.model.state_dict().items():
-            if name in state:
+            if isinstance(tensor, DTensor):  # FSDP's shard: every rank cuts its own from the full tensor
+                tensor.copy_(distribute_tensor(state[name].to(tensor.device), tensor.device_mesh, tensor.placements,
+                                               src_data_rank=None))
+            elif name in state:
                 tensor.copy_(state[name])
 
     # --- passes -------------------------------------------------------------------------------
     def _microbatches(self, batch: SequenceBatch) -> list[tuple[list[int], PackedBatch, dict[str, torch.Tensor]]]:
         """(sequence indices, packed micro-batch, packed fields) of this rank's share; under expert
-        parallelism then idle passes (no indices) up to the most any expert-parallel peer has; under
-        context parallelism each pass's share of this cp rank."""
+        parallelism or FSDP (whose every pass exchanges over the data-parallel ranks) then idle passes
+        (no indices) up to the most any data-parallel peer has; under context parallelism each pass's
+        share of this cp rank."""
         passes = []
         for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
             packed, fields = batch.select(indices).packed()
             passes.append((indices, packed.to(self.device), {k: v.to(self.device) for k, v in fields.items()}))
-        if self.mesh.dims.ep > 1:
+        if self.mesh.dims.ep > 1 or self.sharded:
             count = torch.tensor(len(passes), device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ep_group)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.group("dp"))
             passes += [([], self._idle, {})] * (int(count) - len(passes))
         if self.mesh.dims.cp > 1:
             passes = context_passes(passes, self.mesh.dims.cp, self.mesh.coords["cp"], self.mesh.group("cp"),
@@ -341,11 +370,12 @@ class MegatronTrainEngine:
             parts.append({"loss": value.item(), "microbatches": 1.0, **mb_stats})
             return value
         self._run(self._microbatches(batch), loss, forward_only=False)
-        finalize_model_grads([self.root])  # DDP's sum over dp, tied-embedding grads over pp; no scaling
         stats = self._from_last_stage(merge_over_context(merge_stats(parts), self.mesh))
         params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = p.main_grad
+        if not self.sharded:  # FSDP has summed each pass's gradient shards over dp x cp in its backward
+            finalize_model_grads([self.root])  # DDP's sum over dp, tied-embedding grads over pp; no scaling
+            for p in params:
+                p.grad = p.main_grad
         grad_norm = self._clip_grad_norm(params, self.clip if self.clip > 0 else float("inf"))
         stats["grad_norm"], stats["lr"] = grad_norm, self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -358,7 +388,7 @@ class MegatronTrainEngine:
         """The norm of the whole model's gradient, each parameter counted once, and gradients scaled to
         at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule). Experts (Megatron marks them
         ``allreduce=False``) are summed over the expert-parallel ranks that hold them, the rest over the
-        model-parallel ranks."""
+        model-parallel ranks (and FSDP's shards over the dp x cp ranks)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
@@ -370,8 +400,11 @@ class MegatronTrainEngine:
             for p in params:
                 if (param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
                         and expert != getattr(p, "allreduce", True)):
-                    square += torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    square += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
             dist.all_reduce(square, group=group)
+            if self.sharded:
+                dist.all_reduce(square, group=self.mesh.group("dp_cp"))
             total += float(square)
         norm = total ** 0.5
         coef = min(1.0, max_norm / (norm + 1e-6))
@@ -381,9 +414,10 @@ class MegatronTrainEngine:
         return norm
 
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of this stage on the stage's first replica's TP rank 0: TP shards
-        gathered over the first replica, experts over the TP and EP ranks of the first expert replica
-        (the other ranks of those take part and get nothing; other replicas do nothing)."""
+        """(HF name, full tensor) of this stage on the stage's first replica's TP rank 0: FSDP's shards
+        gathered by every replica, then TP shards over the first replica, experts over the TP and EP
+        ranks of the first expert replica (the other ranks of those take part and get nothing; other
+        replicas do nothing more)."""
         from megatron.core import parallel_state
 
         state, coords = self.model.state_dict(), self.mesh.coords
@@ -393,10 +427,12 @@ class MegatronTrainEngine:
 
         def gathered() -> Iterator[tuple[str, list[torch.Tensor]]]:
             for name in self._state_names():
+                local = state[name].detach()
+                local = local.full_tensor() if isinstance(local, DTensor) else local
                 expert = is_expert(name)
                 if not takes_part[expert]:
                     continue
-                local = state[name].detach().contiguous()
+                local = local.contiguous()
                 shards = [torch.empty_like(local) for _ in range(dist.get_world_size(groups[expert]))]
                 dist.all_gather(shards, local, group=groups[expert])  # EP rank major, then TP rank
                 yield name, shards
@@ -447,14 +483,14 @@ class MegatronTrainEngine:
             return
         dist.barrier()  # rank 0 has renamed the folder into place
         (folder / OPTIMIZER_SHARDS).mkdir(exist_ok=True)
-        torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_SHARDS / f"rank{self.rank}.pt")
+        torch.save(_local_shards(self.optimizer.state_dict()), folder / OPTIMIZER_SHARDS / f"rank{self.rank}.pt")
         if self.rank == 0:
             torch.save({"scheduler": self.scheduler.state_dict(), "megatron_layout": self._layout()},
                        folder / TRAINING_STATE)
 
     def _layout(self) -> dict[str, int]:
         dims = self.mesh.dims
-        return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep}
+        return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep, "fsdp": int(dims.fsdp)}
 
     def load(self, folder: Path) -> None:
         """Collective. Weights load into any layout; optimizer state into the layout that saved it."""
@@ -470,6 +506,28 @@ class MegatronTrainEngine:
         shard = torch.load(folder / OPTIMIZER_SHARDS / f"rank{self.rank}.pt", map_location=self.device,
                            weights_only=True)
         self.optimizer.load_state_dict(shard)
+        _placed_like_parameters(self.optimizer)
+
+
+def _local_shards(state: dict) -> dict:
+    """An optimizer state dict with FSDP's DTensors as this rank's local shards (what its file holds)."""
+    local = {key: {name: value.to_local() if isinstance(value, DTensor) else value for name, value in entry.items()}
+             for key, entry in state["state"].items()}
+    return {**state, "state": local}
+
+
+def _placed_like_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """After loading local shards: each FSDP-sharded parameter's moments become DTensors placed as the
+    parameter is (its step count stays a plain tensor)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            entry = optimizer.state[param]
+            for name, value in entry.items():
+                if torch.is_tensor(value) and not isinstance(value, DTensor) and name != "step":
+                    entry[name] = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
+                                                     stride=param.stride(), run_check=False)
 
 
 def _receive(source: int):

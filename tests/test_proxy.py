@@ -326,7 +326,7 @@ def test_the_proxy_runs_without_importing_torch_stays_small_and_writes_open_sess
     done = subprocess.run([sys.executable, "-c", PROBE, *cfg], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"proxy peak RSS after 20 turns: {probe['rss_kb'] / 1024:.1f} MiB")
+    print(f"proxy peak RSS after 21 turns: {probe['rss_kb'] / 1024:.1f} MiB")
     assert not probe["torch"] and not probe["transformers"] and probe["rss_kb"] < 150 * 1024
     # the ended session's 20 turns repeat one prompt (20 conversations, 20 records), and the one open at shutdown
     assert probe["records"] == 21

@@ -2,6 +2,7 @@
 tests), discounting, chat templates rendered as transformers renders them (tools included), keys files.
 """
 
+import json
 import shutil
 
 import numpy as np
@@ -13,7 +14,8 @@ from areal_hpc.cli import main
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.proxy.chat_template import ChatTokenizer
-from areal_hpc.proxy.sessions import Session, Turn, discounted_returns
+from areal_hpc.proxy.openai_api import reply_message
+from areal_hpc.proxy.sessions import Session, Turn, discounted_returns, keep_reply
 from areal_hpc.proxy.tenants import Quota, QuotaMeter, TenantKeys, hash_key
 
 tokens = st.lists(st.integers(0, 50), min_size=1, max_size=6)
@@ -57,17 +59,26 @@ def test_discounted_returns_are_each_turns_reward_plus_the_discounted_next_retur
 TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}"
     "<|im_end|>\n{%- endif %}"
-    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{%- for call in message.get('tool_calls') or [] %}<tool_call>\n"
+    "{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments }}}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "number"}}}}}]
 
 
-def test_chat_template_renders_and_tokenises_as_transformers_does_tools_included(tiny_model_dir, tmp_path):
+@pytest.fixture
+def tool_model(tiny_model_dir, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
     (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    ours, theirs = ChatTokenizer(folder), load_tokenizer(folder)
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-        "a": {"type": "number"}}}}}]
+    return folder
+
+
+def test_chat_template_renders_and_tokenises_as_transformers_does_tools_included(tool_model):
+    ours, theirs = ChatTokenizer(tool_model), load_tokenizer(tool_model)
+    tools = TOOLS
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3? ünï"},
                 {"role": "assistant", "content": "5"}, {"role": "user", "content": "and 4+4?"}]
     for kwargs in [dict(tools=tools), dict(tools=None)]:
@@ -78,6 +89,33 @@ def test_chat_template_renders_and_tokenises_as_transformers_does_tools_included
     assert '"name": "add"' in ours.render(messages, tools)
     ids = ours.encode("ünï 2+3")
     assert "".join(ours.pieces(ids)) == ours.decode(ids) and ours.eos_token_ids == [theirs.eos_token_id]
+
+
+def test_a_tool_call_comes_back_as_tool_calls_and_the_next_turn_extends_it_though_the_template_rewrites_it(
+        tool_model):
+    """The model writes its call with the keys in another order than the template does: the next request's
+    text does not start with the sampled tokens, yet it extends the turn through the template's writing."""
+    tok = ChatTokenizer(tool_model)
+    messages = [{"role": "user", "content": "Add 1 and 2."}]
+    prompt = tok.encode(tok.render(messages, TOOLS))
+    sampled = 'Adding.<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call>'
+    output = tok.encode(sampled) + tok.eos_token_ids
+    turn = Turn("i0", prompt, output, [-1.0] * len(output), [0] * len(output), "stop",
+                text=tok.decode(prompt + output, skip_special_tokens=False))
+    keep_reply(turn, tok, messages, TOOLS)
+    (call,) = turn.reply["tool_calls"]
+    assert turn.reply["content"] == "Adding." and call["function"]["name"] == "add"
+    assert json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
+    session = Session(tenant="t", tenant_key_hash="h", key_hash="k", turns=[turn])
+    following = messages + [turn.reply, {"role": "tool", "content": "3"}]
+    text = tok.render(following, TOOLS)
+    assert not text.startswith(turn.text)  # the template writes the call its own way
+    parent, rest = session.extension(text)
+    assert parent is turn and turn.bridge == ""  # this template closes a message with <|im_end|>: the model's own
+    assert rest.startswith("<|im_start|>tool\n3") and text.endswith(tok.decode(tok.encode(rest),
+                                                                                skip_special_tokens=False))
+    assert reply_message("no call here", True) == {"role": "assistant", "content": "no call here"}
+    assert reply_message('<tool_call>{"name": "add"}</tool_call>', False)["content"].startswith("<tool_call>")
 
 
 def test_keys_file_hashes_revocation_and_refusals(tmp_path, capsys):

@@ -83,17 +83,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         text = proxy.tokenizer.render(messages, body.get("tools"))
     except TemplateRenderError as exc:
         raise APIError(400, str(exc), param="messages", code="template_error") from None
-    turn = await proxy.turn(session, body, text=text)
+    turn = await proxy.turn(session, body, text=text, messages=messages)
     usage = api.usage(len(turn.prompt_ids), len(turn.output_ids))
     name = proxy.settings.model_name
     if stream:
-        pieces = proxy.tokenizer.pieces(turn.output_ids)
+        calls = turn.reply.get("tool_calls")
+        pieces = proxy.tokenizer.pieces(turn.output_ids) if not calls else [turn.reply["content"] or ""]
         return await send_events(request, api.chat_chunks(turn.interaction_id, name, pieces, turn.finish_reason,
-                                                          usage if api.include_usage(body) else None))
+                                                          usage if api.include_usage(body) else None, calls))
     logprobs = (api.logprobs_content(proxy.tokenizer.token_texts(turn.output_ids), turn.logprobs)
                 if want_logprobs else None)
-    return web.json_response(api.chat_reply(turn.interaction_id, name, proxy.tokenizer.decode(turn.output_ids),
-                                            turn.finish_reason, usage, logprobs))
+    return web.json_response(api.chat_reply(turn.interaction_id, name, turn.reply, turn.finish_reason, usage,
+                                            logprobs))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -69,6 +69,20 @@ class ChatTokenizer:
         except (TemplateError, TypeError, KeyError, AttributeError) as exc:
             raise TemplateRenderError(f"the chat template cannot render these messages: {exc}") from None
 
+    def reply_rendering(self, messages: list[dict], tools: list[dict] | None, reply: dict) -> tuple[str, str]:
+        """How the template writes ``reply`` once it is history: (the conversation through the reply, the
+        text it closes the reply with, e.g. ``<|im_end|>\n``). ("", "") when the template does not write
+        the reply after the prompt it made (it rewrites earlier history)."""
+        sentinel = f"\x00{id(reply)}\x00"
+        try:
+            through = self.render(messages + [reply], tools, add_generation_prompt=False)
+            marked = self.render(messages + [{"role": "assistant", "content": sentinel}], tools,
+                                 add_generation_prompt=False)
+        except TemplateRenderError:
+            return "", ""
+        closing = marked.partition(sentinel)[2]
+        return (through, closing) if sentinel in marked and through.endswith(closing) else ("", "")
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in it (``<|im_start|>``) become their ids."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids

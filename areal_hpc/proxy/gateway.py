@@ -18,7 +18,7 @@ from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.openai_api import APIError
 from areal_hpc.proxy.records import RecordSink
 from areal_hpc.proxy.router import BackendRouter
-from areal_hpc.proxy.sessions import REWARD_SOURCE, Session, Turn, new_id
+from areal_hpc.proxy.sessions import REWARD_SOURCE, Session, Turn, keep_reply, new_id
 from areal_hpc.proxy.tenants import QuotaMeter, TenantKeys, hash_key, retry_after
 from areal_hpc.rollout.client import ConnectionFailedError, NoServerError, ServerReplyError
 
@@ -111,9 +111,10 @@ class Proxy:
                            headers={"Retry-After": str(int(HEARTBEAT_INTERVAL_S))})
 
     # -- turns ---------------------------------------------------------------------------------------
-    async def turn(self, session: Session, body: dict, *, text: str | None = None,
-                   ids: list[int] | None = None) -> Turn:
-        """Generate one reply for ``session`` (prompt as text or as ids) and keep it as a turn."""
+    async def turn(self, session: Session, body: dict, *, text: str | None = None, ids: list[int] | None = None,
+                   messages: list[dict] | None = None) -> Turn:
+        """Generate one reply for ``session`` (prompt as text, rendered from ``messages`` for a chat, or as
+        ids) and keep it as a turn."""
         if session.ended_at is not None:
             raise APIError(409, f"session {session.id} has ended", code="session_ended")
         quota = self.keys.quota(session.tenant)
@@ -124,9 +125,8 @@ class Proxy:
         params = api.sampling_params(body, self.settings.default_max_tokens, self.settings.max_tokens_cap,
                                      self.tokenizer.eos_token_ids)
         if text is not None:
-            parent = session.parent_by_text(text)
-            ids = (parent.full_ids + self.tokenizer.encode(text[len(parent.text):]) if parent is not None
-                   else self.tokenizer.encode(text))
+            parent, new_text = session.extension(text) or (None, text)
+            ids = (parent.full_ids if parent is not None else []) + self.tokenizer.encode(new_text)
         else:
             parent = session.parent_by_ids(ids)
         self.active[session.id] = self.active.get(session.id, 0) + 1
@@ -145,6 +145,8 @@ class Proxy:
         turn = Turn(new_id("chatcmpl-" if "messages" in body else "cmpl-"), ids, out.output_ids, out.logprobs,
                     out.versions, api.finish_reason(out.finish_reason), parent,
                     self.tokenizer.decode(ids + out.output_ids, skip_special_tokens=False))
+        if messages is not None:
+            keep_reply(turn, self.tokenizer, messages, body.get("tools"))
         session.turns.append(turn)
         self.meter.charge(session.tenant, quota, len(ids) + len(out.output_ids))
         return turn

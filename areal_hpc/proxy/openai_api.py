@@ -6,7 +6,9 @@ replies: whole, or as server-sent events (``stream: true``).
 from __future__ import annotations
 
 import json
+import re
 import reprlib
+import secrets
 import time
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -90,6 +92,28 @@ def flag(body: dict, name: str) -> bool:
     return value
 
 
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def reply_message(text: str, tools_offered: bool) -> dict:
+    """The assistant message of a reply: with tools offered, the ``<tool_call>{"name", "arguments"}</tool_call>``
+    blocks of Qwen/Hermes-style templates become ``tool_calls`` (a block that is not such JSON stays text)."""
+    calls, kept = [], text
+    if tools_offered:
+        for block in TOOL_CALL.finditer(text):
+            try:
+                call = json.loads(block.group(1))
+            except ValueError:
+                continue
+            if isinstance(call, dict) and isinstance(call.get("name"), str):
+                calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {
+                    "name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+                kept = kept.replace(block.group(0), "", 1)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": kept.strip() or None, "tool_calls": calls}
+
+
 def finish_reason(server_reason: str) -> str:
     """OpenAI's finish reason for a rollout server's (an aborted turn is one that ran out of budget)."""
     return "length" if server_reason in ("length", "abort") else "stop"
@@ -105,10 +129,13 @@ def logprobs_content(token_texts: list[str], logprobs: list[float]) -> dict:
                         for t, lp in zip(token_texts, logprobs)]}
 
 
-def chat_reply(interaction_id: str, model: str, text: str, finish: str, usage_: dict, logprobs: dict | None) -> dict:
+def chat_reply(interaction_id: str, model: str, message: dict, finish: str, usage_: dict,
+               logprobs: dict | None) -> dict:
+    if message.get("tool_calls") and finish == "stop":
+        finish = "tool_calls"
     return {"id": interaction_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish}], "usage": usage_}
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+            "usage": usage_}
 
 
 def completion_reply(interaction_id: str, model: str, text: str, finish: str, usage_: dict,
@@ -119,9 +146,11 @@ def completion_reply(interaction_id: str, model: str, text: str, finish: str, us
             "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}], "usage": usage_}
 
 
-def chat_chunks(interaction_id: str, model: str, pieces: list[str], finish: str, usage_: dict | None):
-    """The events of a streamed chat reply: the role, one chunk per piece of text, the finish reason,
-    then (when the client asked for it with stream_options.include_usage) the usage."""
+def chat_chunks(interaction_id: str, model: str, pieces: list[str], finish: str, usage_: dict | None,
+                tool_calls: list[dict] | None = None):
+    """The events of a streamed chat reply: the role, one chunk per piece of text (or, for a reply that
+    calls tools, its text then the calls), the finish reason, then (when the client asked for it with
+    stream_options.include_usage) the usage."""
     created = int(time.time())
 
     def chunk(delta: dict, reason: str | None = None, **extra) -> bytes:
@@ -133,6 +162,9 @@ def chat_chunks(interaction_id: str, model: str, pieces: list[str], finish: str,
     for piece in pieces:
         if piece:
             yield chunk({"content": piece})
+    if tool_calls:
+        yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]})
+        finish = "tool_calls" if finish == "stop" else finish
     yield chunk({}, finish)
     if usage_ is not None:
         yield sse({"id": interaction_id, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -2,8 +2,10 @@
 rewards, and the trajectory records an ended session becomes.
 
 A turn extends an earlier one when its prompt starts with that turn's prompt and output: the proxy
-builds it so (``Session.prompt_ids``), sending the earlier turn's exact ids and tokenising only the
-new text, so a record's segments concatenate to exactly the tokens the model saw and produced.
+builds it so (``Session.extension``), sending the earlier turn's exact ids and tokenising only the
+new text, so a record's segments concatenate to exactly the tokens the model saw and produced. A
+chat request extends a turn when its rendered text starts with that turn's tokens decoded, or with
+the template's own writing of the reply (tool calls as the template writes them, not as sampled).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import secrets
 from dataclasses import dataclass, field
 
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
+from areal_hpc.proxy.chat_template import ChatTokenizer
+from areal_hpc.proxy.openai_api import reply_message
 
 REWARD_SOURCE = "proxy"
 
@@ -28,6 +32,9 @@ class Turn:
     finish_reason: str
     parent: Turn | None = None
     text: str = ""  # prompt and output decoded with special tokens: what a prompt extending this turn starts with
+    reply: dict | None = None  # a chat turn's assistant message, as the client got it
+    rendered: str = ""  # the template's writing of the conversation through ``reply``, closing included
+    bridge: str = ""  # the closing text the model did not generate itself (after its end-of-turn token: "\n")
 
     @property
     def full_ids(self) -> list[int]:
@@ -65,10 +72,14 @@ class Session:
     trajectory_ids: dict[str, str] = field(default_factory=dict)  # leaf interaction id -> record id, once written
     backend: str | None = None  # the server that holds this session's prefix cache
 
-    def parent_by_text(self, text: str) -> Turn | None:
-        """The turn whose prompt and output ``text`` extends, longest first (the newest on a tie)."""
-        return max((t for t in reversed(self.turns) if text.startswith(t.text) and len(text) > len(t.text)),
-                   key=lambda t: len(t.text), default=None)
+    def extension(self, text: str) -> tuple[Turn, str] | None:
+        """(the turn ``text`` extends, the text after that turn's ids), longest match first (the newest
+        on a tie); None when it extends none."""
+        links = [(len(key), t, bridge + text[len(key):]) for t in reversed(self.turns)
+                 for key, bridge in ((t.text, ""), (t.rendered, t.bridge))
+                 if key and len(text) > len(key) and text.startswith(key)]
+        best = max(links, key=lambda link: link[0], default=None)
+        return None if best is None else (best[1], best[2])
 
     def parent_by_ids(self, ids: list[int]) -> Turn | None:
         """The turn whose prompt and output ``ids`` extends, longest first (the newest on a tie)."""
@@ -108,6 +119,17 @@ class Session:
         """(record id, step) of every written record whose conversation holds ``turn``."""
         return [(record, chain.index(turn)) for leaf, record in self.trajectory_ids.items()
                 for chain in [self.turn(leaf).chain()] if turn in chain]
+
+
+def keep_reply(turn: Turn, tokenizer: ChatTokenizer, messages: list[dict], tools: list[dict] | None) -> None:
+    """A chat turn's reply message (tool calls parsed when tools were offered), and how the template
+    writes it once the agent sends it back (content as the proxy reads messages: None is "")."""
+    turn.reply = reply_message(tokenizer.decode(turn.output_ids), bool(tools))
+    turn.rendered, closing = tokenizer.reply_rendering(messages, tools, {**turn.reply,
+                                                                         "content": turn.reply["content"] or ""})
+    eos = tokenizer.eos_token_ids[:1]
+    eos_text = tokenizer.decode(eos, skip_special_tokens=False) if eos and turn.output_ids[-1:] == eos else ""
+    turn.bridge = closing[len(eos_text):] if closing.startswith(eos_text) else closing
 
 
 def discounted_returns(rewards: dict[int, float], n_turns: int, discount: float) -> list[float]:

@@ -187,3 +187,15 @@ def test_the_run_token_is_made_once_0600_shared_and_given_to_sglang_too(tmp_path
         server_token(tmp_path, "0.0.0.0")
     command = sglang_command(load_config(None, ["model.path=/m", "rollout.host=0.0.0.0"]), 1, token=token)
     assert command[-2:] == ["--api-key", token]
+
+
+def test_a_streamed_reply_that_calls_tools_sends_its_text_then_the_calls():
+    from areal_hpc.proxy.openai_api import chat_chunks
+
+    reply = reply_message('Adding.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', True)
+    events = list(chat_chunks("id", "tiny", [reply["content"]], "stop", None, reply["tool_calls"]))
+    assert events[-1] == b"data: [DONE]\n\n"
+    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[1] == {"content": "Adding."} and deltas[2]["tool_calls"][0]["function"]["name"] == "add"
+    assert deltas[2]["tool_calls"][0]["index"] == 0 and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -3,7 +3,7 @@ PPO-like weighted loss on its data-parallel share of a seeded packed batch (``re
 same in one process), and rank 0 writes what every rank saw to OUT.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p OMP_NUM_THREADS=1 \
-        python -m tests.native_ranks MODEL OUT dp=2 tp=2 pp=2 fsdp=1 [critic=1] [empty=1] [save=DIR] [load=DIR]
+        python -m tests.native_ranks MODEL OUT dp=2 tp=2 pp=2 fsdp=1 [sp=1] [critic=1] [empty=1] [save=DIR] [load=DIR]
 
 critic=1 trains a value model (the critic's token classifier) instead of the policy; empty=1 gives the whole batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after
 the step and checks that a second engine loading DIR takes the same next step; load=DIR only loads
@@ -95,7 +95,8 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
     options = dict(a.split("=", 1) for a in args)
     rank, _ = init_distributed(torch.device("cpu"))
     sizes = {k: int(v) for k, v in options.items() if k in ("dp", "tp", "pp", "cp", "ep")}
-    mesh = build_mesh(ParallelDims(**sizes, fsdp=options.get("fsdp") == "1"), torch.device("cpu"))
+    dims = ParallelDims(**sizes, fsdp=options.get("fsdp") == "1", sequence_parallel=options.get("sp") == "1")
+    mesh = build_mesh(dims, torch.device("cpu"))
     critic = options.get("critic") == "1"
     engine = engine_on(model_dir, mesh, critic)
     if "load" in options:

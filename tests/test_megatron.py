@@ -52,8 +52,8 @@ def reference_folder(tmp_path_factory) -> str:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",))],
-                         ids=["one_process", "tp2", "cp2"])
+@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",)), (2, ("tp=2", "sp=1"))],
+                         ids=["one_process", "tp2", "cp2", "tp2_sequence_parallel"])
 def test_forward_equals_hf_packed_policy_outputs(world, options, tiny_model_dir, tmp_path):
     """Per-sequence RoPE and attention over THD-packed rows, and the vocabulary-parallel log-softmax at
     T = 0.7, against the Hugging Face model's own packed forward."""
@@ -76,7 +76,8 @@ LAYOUTS = {
     "dp2_uneven_microbatches": (2, ("actor.max_tokens_per_mb=16",)),
     "tp2xpp2": (4, ("actor.parallel.tp=2", "actor.parallel.pp=2")),
     "cp2": (2, ("actor.parallel.cp=2",)),
-    "tp2xcp2": (4, ("actor.parallel.tp=2", "actor.parallel.cp=2")),
+    "tp2xcp2_sequence_parallel": (4, ("actor.parallel.tp=2", "actor.parallel.cp=2",
+                                      "actor.parallel.sequence_parallel=true")),
     "fsdp2": (2, ("actor.parallel.fsdp=true",)),
 }
 
@@ -189,6 +190,7 @@ def test_fused_qkv_interleaves_query_groups():
     (dict(tp=4), "tp=4 must divide the model's num_key_value_heads=2"),
     (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
     (dict(dp=2, vpp=2, pp=2), "does not build vpp=2"),
+    (dict(dp=2, tp=2, fsdp=True, sequence_parallel=True), "not with pp=1 ep=1 sequence_parallel=true"),
     (dict(dp=2, pp=2, fsdp=True), "fsdp=true with dp, tp and cp, not with pp=2"),
 ])
 def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
@@ -199,7 +201,8 @@ def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",))], ids=["one_process", "tp2", "cp2"])
+@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",)), (2, ("tp=2", "sp=1"))],
+                         ids=["one_process", "tp2", "cp2", "tp2_sequence_parallel"])
 def test_critic_step_equals_the_torch_engine_in_one_process(world, options, tiny_model_dir, critic_reference,
                                                             tmp_path):
     """The PPO critic (HF's token classifier: the body under a fresh one-output head) on Megatron."""

@@ -109,17 +109,20 @@ def test_chunked_logprobs_equal_full_log_softmax(rows, vocab, temperature, chunk
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(2, 4), st.booleans(), st.integers(0, 2**16))
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(2, 4), st.sampled_from([0, 1, 2]),
+       st.integers(0, 2**16))
 def test_context_shares_cover_each_token_once_in_zigzag_chunks(lengths, cp, pad, seed):
     """Megatron's contract for packed sequences under cp (written from its rotary embedding: each
-    rank holds chunks r and 2cp-1-r of 2cp equal chunks of every padded sequence) when padded; every
-    token on exactly one rank, and each rank's share of a per-position field is that field's values."""
+    rank holds chunks r and 2cp-1-r of 2cp equal chunks of every padded sequence) when padded to a
+    multiple of 2cp (x 2: as for sequence parallelism over 2 ranks); every token on exactly one rank,
+    and each rank's share of a per-position field is that field's values."""
     generator = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(1, 100, (n,), generator=generator).tolist() for n in lengths]
     packed = pack(sequences, [[1] * n for n in lengths])
     field = torch.rand(packed.input_ids.shape[1], generator=generator)
-    shares = [shard(packed, cp, rank, None, pad_to_chunks=pad) for rank in range(cp)]
-    padded = [-(-n // (2 * cp)) * 2 * cp if pad else n for n in lengths]
+    multiple = 2 * cp * pad if pad else 1
+    shares = [shard(packed, cp, rank, None, pad_multiple=multiple) for rank in range(cp)]
+    padded = [-(-n // multiple) * multiple for n in lengths]
     owner = {}  # (sequence, position) -> rank
     for rank, part in enumerate(shares):
         local = part.split.local_values(field)

@@ -54,6 +54,19 @@ class PackedBatch:
         return targets, self.input_ids[0, targets + 1]
 
 
+def with_filler(packed: PackedBatch, multiple: int) -> PackedBatch:
+    """``packed`` and, where its length is not a multiple of ``multiple``, one more sequence of token 0
+    (no targets) making it one; the sequences before keep their positions."""
+    extra = -packed.input_ids.shape[1] % multiple
+    if not extra:
+        return packed
+    zeros = packed.input_ids.new_zeros(1, extra)
+    return PackedBatch(torch.cat([packed.input_ids, zeros], 1),
+                       torch.cat([packed.position_ids, torch.arange(extra, device=zeros.device)[None]], 1),
+                       torch.cat([packed.target_mask, packed.target_mask.new_zeros(extra)]),
+                       torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + extra]))
+
+
 def pack(sequences: list[list[int]], loss_masks: list[list[int]]) -> PackedBatch:
     """Pack token sequences into one row; ``loss_masks[i][t]`` marks token t of sequence i as a target."""
     lengths = torch.tensor([len(s) for s in sequences])

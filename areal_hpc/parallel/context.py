@@ -104,12 +104,12 @@ def pad_sequences(packed: PackedBatch, multiple: int) -> tuple[PackedBatch, torc
 
 
 def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | None, *,
-          pad_to_chunks: bool = False) -> ContextShard:
+          pad_multiple: int = 1) -> ContextShard:
     """This cp rank's ``ContextShard`` of ``packed`` (every rank of the group computes the same plan);
-    ``pad_to_chunks``: sequences padded first to a multiple of 2 x cp tokens (equal chunks)."""
+    sequences padded first to a multiple of ``pad_multiple`` tokens (2 x cp: equal chunks)."""
     kept = torch.arange(packed.input_ids.shape[1])
-    if pad_to_chunks:
-        packed, kept = pad_sequences(packed, 2 * cp)
+    if pad_multiple > 1:
+        packed, kept = pad_sequences(packed, pad_multiple)
     starts = packed.cu_seqlens[:-1].tolist()
     lengths = packed.cu_seqlens.diff().tolist()
     per_rank = [[zigzag_chunks(s, n, cp, r) for s, n in zip(starts, lengths)] for r in range(cp)]
@@ -130,12 +130,12 @@ def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | No
 
 
 def context_passes(passes: list, cp: int, rank: int, group: dist.ProcessGroup | None, *,
-                   pad_to_chunks: bool = False) -> list:
+                   pad_multiple: int = 1) -> list:
     """Each (sequence indices, packed micro-batch, per-position fields) pass as this cp rank's share:
     its ``ContextShard`` and its positions of every field."""
     shares = []
     for indices, packed, fields in passes:
-        part = shard(packed, cp, rank, group, pad_to_chunks=pad_to_chunks)
+        part = shard(packed, cp, rank, group, pad_multiple=pad_multiple)
         shares.append((indices, part, {name: part.split.local_values(v) for name, v in fields.items()}))
     return shares
 

@@ -84,6 +84,7 @@ MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers on current_device(), streams
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # moves inv_freq to current_device()
     "megatron.core.tensor_parallel.mappings",  # the experts' uneven all-to-all output on current_device()
+    "megatron.core.tensor_parallel.layers",  # sequence parallelism: the gathered input's buffer on current_device()
     "megatron.core.transformer.moe.router",  # moves a CPU router weight to current_device()
     "megatron.core.transformer.moe.token_dispatcher",  # a device-to-host copy stream and its event
 )

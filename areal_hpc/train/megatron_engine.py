@@ -23,6 +23,11 @@ its data-parallel ranks, loaded from and saved to Hugging Face folders (``parall
   rotary embedding for packed sequences takes exactly those equal chunks, the core attention gathers
   keys and values over the cp ranks, per-position fields and outputs are split and gathered with the
   tokens, and DDP reduces gradients over dp x cp.
+- Sequence parallelism (``actor.parallel.sequence_parallel``, Megatron's own: norms and residuals on a
+  TP rank's slice of the tokens) needs each rank's tokens of a pass to split evenly over the TP ranks:
+  with cp, sequences are padded to a multiple of 2 x cp x tp; without, a filler sequence (no targets)
+  ends the pass. On the local spec the norms are ``parallel.megatron_norm.MarkedRMSNorm`` (marked for
+  the TP sum of their gradients, as Megatron's fused norms are).
 - "logprobs" and "entropy" come from the vocabulary-parallel logits of the last stage (a logsumexp
   over the TP ranks), and reach every rank of the pipeline.
 - The PPO critic (``kind="critic"``) is HF's token classifier with one label: the same body, its
@@ -43,9 +48,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
+from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack, with_filler
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import save_model
@@ -89,17 +95,15 @@ def _initialize_megatron(dims: ParallelDims) -> None:
 
 def check_layout(dims: ParallelDims, shape: ModelShape) -> None:
     """Raise ``UserError`` for a layout this engine does not build or the model cannot be split into."""
-    unsupported = {name: getattr(dims, name) for name in ("vpp",) if getattr(dims, name) > 1}
-    unsupported.update({name: "true" for name in ("sequence_parallel",) if getattr(dims, name)})
-    if unsupported:
-        sizes = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise UserError(f"actor.engine=megatron does not build {sizes} yet; it supports dp, tp, pp, cp, ep and fsdp")
-    if dims.fsdp and (dims.pp > 1 or dims.ep > 1):
+    if dims.vpp > 1:
+        raise UserError(f"actor.engine=megatron does not build vpp={dims.vpp} yet; it supports dp, tp, pp, cp, ep, "
+                        "fsdp and sequence_parallel")
+    if dims.fsdp and (dims.pp > 1 or dims.ep > 1 or dims.sequence_parallel):
         raise UserError(f"actor.engine=megatron builds fsdp=true with dp, tp and cp, not with pp={dims.pp} "
-                        f"ep={dims.ep} yet")
-    if shape.experts and dims.tp > 1:  # Megatron's MoE layers refuse to train under tp without it
-        raise UserError(f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet "
-                        "(it needs sequence parallelism); use dp, pp and ep")
+                        f"ep={dims.ep} sequence_parallel={str(dims.sequence_parallel).lower()} yet")
+    if shape.experts and dims.tp > 1:
+        raise UserError(f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet; "
+                        "use dp, pp and ep")
     shape.check_layout(dims.tp, dims.pp, dims.ep)
 
 
@@ -127,9 +131,18 @@ def vocab_parallel_outputs(logits: torch.Tensor, tokens: torch.Tensor, temperatu
 
 class ValueHead(torch.nn.Linear):
     """A critic's head in GPTModel's ``output_layer`` slot: hidden [s, b, H] -> values [s, b, 1]
-    (replicated over the TP ranks, whose hidden states are the same)."""
+    (replicated over the TP ranks, whose hidden states are the same once gathered from the sequence-
+    parallel split: each rank then computes the whole loss, so the gather's backward takes its slice)."""
+
+    def __init__(self, hidden: int, outputs: int, *, sequence_parallel: bool = False):
+        super().__init__(hidden, outputs)
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return super().forward(hidden), None
 
 
@@ -196,13 +209,17 @@ class MegatronTrainEngine:
         from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                               get_gpt_layer_with_transformer_engine_spec)
 
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
         from areal_hpc.parallel.megatron_attention import PackedCoreAttention
+        from areal_hpc.parallel.megatron_norm import MarkedRMSNorm
 
         dims = self.mesh.dims
         # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
         # which the gradient norm reads; the loaded weights then replace the random ones.
         self.config = transformer_config(self.shape, dims.tp, dims.pp, dims.ep, use_cpu_initialization=True,
                                          perform_initialization=True, calculate_per_token_loss=True,
+                                         sequence_parallel=dims.sequence_parallel,
                                          variable_seq_lengths=True,  # micro-batches of any length across stages
                                          moe_token_dispatcher_type="alltoall")  # "allgather" refuses the above
         experts = dict(num_experts=self.shape.experts or None, moe_grouped_gemm=False)  # one MLP per expert
@@ -210,7 +227,13 @@ class MegatronTrainEngine:
             spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.shape.qk_norm, **experts)
         else:
             spec = get_gpt_layer_local_spec(qk_layernorm=self.shape.qk_norm, normalization="RMSNorm", **experts)
-            spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+            layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+            attention.core_attention = PackedCoreAttention
+            layer.input_layernorm = layer.pre_mlp_layernorm = MarkedRMSNorm
+            if self.shape.qk_norm:
+                attention.q_layernorm = attention.k_layernorm = MarkedRMSNorm
+            spec = TransformerBlockSubmodules(layer_specs=[spec] * (self.shape.layers // dims.pp),
+                                              layer_norm=MarkedRMSNorm)
         self.first = parallel_state.is_pipeline_first_stage()
         self.last = parallel_state.is_pipeline_last_stage()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -219,7 +242,7 @@ class MegatronTrainEngine:
         model = GPTModel(self.config, spec, pre_process=self.first, post_process=self.last,
                          **gpt_model_args(self.shape))
         if self.critic and self.last:
-            model.output_layer = ValueHead(self.shape.hidden, 1)
+            model.output_layer = ValueHead(self.shape.hidden, 1, sequence_parallel=dims.sequence_parallel)
         self._idle = pack([[0, 0]], [[0, 1]]).to(self.device)  # the pass of a rank out of micro-batches
         return model.to(self.device)
 
@@ -277,7 +300,8 @@ class MegatronTrainEngine:
         """(sequence indices, packed micro-batch, packed fields) of this rank's share; under expert
         parallelism or FSDP (whose every pass exchanges over the data-parallel ranks) then idle passes
         (no indices) up to the most any data-parallel peer has; under context parallelism each pass's
-        share of this cp rank."""
+        share of this cp rank. Under sequence parallelism each rank's tokens of a pass must split evenly
+        over the TP ranks: sequences are padded (with cp) or a filler sequence ends the pass."""
         passes = []
         for indices in dynamic_microbatches([len(s) for s in batch.sequences], self.max_tokens_per_mb):
             packed, fields = batch.select(indices).packed()
@@ -286,9 +310,15 @@ class MegatronTrainEngine:
             count = torch.tensor(len(passes), device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh.group("dp"))
             passes += [([], self._idle, {})] * (int(count) - len(passes))
-        if self.mesh.dims.cp > 1:
-            passes = context_passes(passes, self.mesh.dims.cp, self.mesh.coords["cp"], self.mesh.group("cp"),
-                                    pad_to_chunks=True)
+        dims = self.mesh.dims
+        tp_split = dims.tp if dims.sequence_parallel else 1
+        if dims.cp > 1:
+            passes = context_passes(passes, dims.cp, self.mesh.coords["cp"], self.mesh.group("cp"),
+                                    pad_multiple=2 * dims.cp * tp_split)
+        elif tp_split > 1:
+            passes = [(indices, with_filler(packed, tp_split),
+                       {k: F.pad(v, (0, -len(v) % tp_split)) for k, v in fields.items()})
+                      for indices, packed, fields in passes]
         return passes
 
     def _outputs(self, logits: torch.Tensor, packed: PackedBatch) -> Outputs:
@@ -350,7 +380,7 @@ class MegatronTrainEngine:
             lengths = [len(batch.sequences[i]) for i in indices]
             for name, values in outputs.items():
                 per_sequence = out.setdefault(name, [None] * len(batch))
-                whole = packed.split.gather(values) if self.mesh.dims.cp > 1 else values
+                whole = packed.split.gather(values) if self.mesh.dims.cp > 1 else values[:sum(lengths)]
                 for i, part in zip(indices, whole.float().cpu().split(lengths)):
                     per_sequence[i] = part
             return torch.zeros(())

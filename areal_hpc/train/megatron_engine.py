@@ -14,10 +14,11 @@ its data-parallel ranks, loaded from and saved to Hugging Face folders (``parall
   expert-parallel ranks: a rank out of micro-batches runs idle ones (two tokens, nothing added to the
   gradients) until its peers are done. Expert gradients are summed over the expert-data-parallel
   ranks by DDP; each expert-parallel rank's experts are its own.
-- With ``fsdp`` (dp, tp and cp; not with pp or ep yet) Megatron's ``TorchFullyShardedDataParallel``
-  shards every layer and the root over the dp x cp ranks (FSDP2, gradient divide factor 1): every
-  pass gathers and reduces, so data-parallel ranks out of micro-batches run idle passes too; Adam's
-  moments are DTensor shards, saved per rank as their local shards.
+- With ``fsdp`` (dp, tp and cp; not with pp, ep or sequence parallelism yet) Megatron's
+  ``TorchFullyShardedDataParallel`` shards every layer and the root over the dp x cp ranks (FSDP2,
+  gradient divide factor 1): every pass gathers and reduces, so data-parallel ranks out of
+  micro-batches run idle passes too; Adam's moments are DTensor shards, saved per rank as their local
+  shards.
 - Under context parallelism every sequence of a micro-batch is padded at its end to a multiple of
   2 x cp tokens and dealt in zig-zag chunks over the cp ranks (``parallel.context``): Megatron's
   rotary embedding for packed sequences takes exactly those equal chunks, the core attention gathers
@@ -529,9 +530,11 @@ class MegatronTrainEngine:
         if self.optimizer is None or not (folder / TRAINING_STATE).exists():
             return
         training = torch.load(folder / TRAINING_STATE, map_location="cpu", weights_only=True)
-        if training.get("megatron_layout") != self._layout():
-            raise UserError(f"checkpoint {folder} holds optimizer state of layout {training.get('megatron_layout')}, "
-                            f"not this run's {self._layout()} (actor.engine=megatron resumes in the layout it saved)")
+        saved = training.get("megatron_layout")
+        saved = {"cp": 1, "fsdp": 0, **saved} if saved else saved  # checkpoints from before cp and fsdp
+        if saved != self._layout():
+            raise UserError(f"checkpoint {folder} holds optimizer state of layout {saved}, not this run's "
+                            f"{self._layout()} (actor.engine=megatron resumes in the layout it saved)")
         self.scheduler.load_state_dict(training["scheduler"])
         shard = torch.load(folder / OPTIMIZER_SHARDS / f"rank{self.rank}.pt", map_location=self.device,
                            weights_only=True)

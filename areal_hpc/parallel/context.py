@@ -1,12 +1,12 @@
-"""Context parallelism for the PyTorch-native engine: every packed micro-batch's tokens are dealt over
-the ``mesh["cp"]`` ranks, and attention gathers keys and values from all of them.
+"""Context parallelism for both training engines: every packed micro-batch's tokens are dealt over the
+``mesh["cp"]`` ranks, and attention gathers keys and values from all of them.
 
 Each sequence is cut into 2 x cp chunks and cp rank r keeps chunks r and 2cp-1-r (the zig-zag
 split Megatron and torchtitan use: causal attention work is then even over the ranks). Chunks may
 differ by a token (``tensor_split``), so the torch engine pads nothing; the Megatron engine pads each
-sequence at its end to a multiple of 2 x cp tokens (no targets), as Megatron's rotary embedding for
-packed sequences takes equal chunks. Everything but attention is per token:
-embeddings, MLPs, norms and the LM head run on a rank's own tokens only. Attention is
+sequence at its end to a multiple of 2 x cp tokens (no targets; x tp under sequence parallelism), as
+Megatron's rotary embedding for packed sequences takes equal chunks. Everything but attention is per
+token: embeddings, MLPs, norms and the LM head run on a rank's own tokens only. Attention is
 ``context_sdpa``: a rank's queries attend to the whole sequence's keys and values, all-gathered over
 the cp group (differentiable: the backward sums every rank's gradient for the rank's own keys and
 values), under a causal mask by position within the sequence.

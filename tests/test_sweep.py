@@ -18,7 +18,7 @@ import pytest
 
 from areal_hpc.errors import UserError
 from areal_hpc.launch.slurm_options import slurm_minutes
-from areal_hpc.launch.sweep import grid, read_metrics, split_items
+from areal_hpc.launch.sweep import grid, read_metrics, split_items, state_from_result
 from .conftest import REPO, run_cli
 from .slurm_jobs import wait_for
 from .test_async_rl import SMALL_RUN
@@ -159,3 +159,13 @@ def test_a_three_point_sweep_runs_as_one_array_requeues_a_stopped_element_and_re
     assert len(rows) == 3 and all(float(r["trained_tokens_per_s"]) > 0 for r in rows)
     assert (folder / "results.md").read_text().count("\n") == 5
     assert (folder / "results.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("outcome, state", [("success", "COMPLETED"), ("error", "FAILED")])
+def test_a_point_whose_function_returned_takes_its_state_from_submitits_result(outcome, state, tmp_path):
+    """sacct may still say RUNNING for seconds after an element's function returned (a sweep once
+    exited 1 on it in CI); the state then comes from the outcome submitit itself pickled."""
+    from submitit.core.utils import cloudpickle_dump
+
+    cloudpickle_dump((outcome, "value or traceback"), tmp_path / "result.pkl")
+    assert state_from_result(tmp_path / "result.pkl") == state

@@ -300,11 +300,23 @@ def point_states(record: dict) -> list[PointState]:
     states = []
     for point, job in zip(record["points"], jobs):
         state = job.watcher.get_state(job.job_id, mode="cache")
-        done = job.watcher.is_done(job.job_id, mode="cache") or job.paths.result_pickle.exists()
+        ended_in_slurm = job.watcher.is_done(job.job_id, mode="cache")
+        returned = job.paths.result_pickle.exists()
+        if returned and not ended_in_slurm:  # Slurm's accounting lags the function's return by seconds
+            state = state_from_result(job.paths.result_pickle)
+        done = ended_in_slurm or returned
         run_dir = Path(point["run_dir"])
         step = max((r["step"] for r in read_metrics(run_dir)), default=None)
         states.append(PointState(point["name"], job.job_id, state, done, step, point["total_steps"], run_dir))
     return states
+
+
+def state_from_result(result_pickle: Path) -> str:
+    """COMPLETED or FAILED, from the outcome submitit pickled when the point's function returned."""
+    from submitit.core.utils import pickle_load
+
+    outcome, _ = pickle_load(result_pickle)
+    return "COMPLETED" if outcome == "success" else "FAILED"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

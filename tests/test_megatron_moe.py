@@ -37,14 +37,15 @@ def moe_reference(tiny_moe_dir) -> dict:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world, options", [(1, ()), (2, ("dp=2", "ep=2")), (4, ("dp=4", "ep=2")),
-                                            (2, ("dp=2", "fsdp=1"))],
-                         ids=["one_process", "ep2", "ep2_edp2", "fsdp2"])
+                                            (2, ("dp=2", "fsdp=1")), (2, ("cp=2", "ep=2"))],
+                         ids=["one_process", "ep2", "ep2_edp2", "fsdp2", "cp2_ep2"])
 def test_moe_step_equals_the_torch_engine_in_one_process(world, options, tiny_moe_dir, moe_reference,
                                                          tmp_path):
     """Router (softmax, top 2, renormalised), experts and the tokens' exchange between expert-parallel
     ranks: logprobs, loss, gradient norm (each expert counted once) and updated weights; with dp=4
     each expert has two replicas, whose gradients DDP sums over the expert-data-parallel ranks; with
-    fsdp2 (no ep) the experts are sharded by FSDP like every other layer's weights."""
+    fsdp2 (no ep) the experts are sharded by FSDP like every other layer's weights; with cp2 x ep2 the
+    two context ranks' (padded, zig-zag) tokens meet their experts across the expert-parallel pair."""
     got = run_ranks(world, tiny_moe_dir, tmp_path / "out.pt", *options)
     assert_same_step(in_reference_order(got, moe_reference), moe_reference)
 

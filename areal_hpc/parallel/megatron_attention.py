@@ -65,12 +65,12 @@ class PackedCoreAttention(MegatronModule):
         if packed_seq_params is None or attention_bias is not None:
             raise ValueError("PackedCoreAttention takes packed (THD) sequences and no attention bias")
         q, k, v = (x.permute(1, 0, 2)[None] for x in (query, key, value))  # [1, heads, t, d]
-        split = getattr(packed_seq_params, "context_split", None)
+        split = packed_seq_params.context_split
         if split is not None:
             out, _ = context_sdpa(self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout,
                                   context_split=split)
         else:
-            groups = getattr(packed_seq_params, "groups", None) or padded_groups(packed_seq_params.cu_seqlens_q.long())
+            groups = packed_seq_params.groups or padded_groups(packed_seq_params.cu_seqlens_q.long())
             out, _ = varlen_sdpa(self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout,
                                  padded_groups=groups)
         return out[0].reshape(out.shape[1], -1)

@@ -184,8 +184,6 @@ class MegatronTrainEngine:
                                                                                    else {}))
         self.shape = ModelShape.from_hf(self.hf_config)
         self.shape = self.shape.critic() if self.critic else self.shape
-        # drawn before anything else draws from the default generator, as load_critic's head is
-        self.fresh_head = fresh_value_head(self.hf_config) if self.critic else {}
         check_layout(mesh.dims, self.shape)
         if self.device.type == "cpu":
             megatron_shim.apply()
@@ -279,7 +277,7 @@ class MegatronTrainEngine:
         """This rank's shards of the Hugging Face weights in ``folder`` (any layout saved them)."""
         hf_state = read_checkpoint(folder)
         if self.critic and "score.weight" not in hf_state:  # a critic starting from the policy's folder
-            hf_state.update(self.fresh_head)
+            hf_state.update(fresh_value_head(self.hf_config))
         dims, coords = self.mesh.dims, self.mesh.coords
         try:
             state = hf_to_megatron(hf_state, self.shape, coords["tp"], dims.tp, self.stage, dims.pp,

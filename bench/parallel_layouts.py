@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from recording import machine, run_and_record  # noqa: E402
 
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory  # noqa: E402
-from areal_hpc.launch.name_resolve import free_port  # noqa: E402
+from areal_hpc.runtime.name_resolve import free_port  # noqa: E402
 
 LAYOUTS = {  # name -> (processes, overrides); the single-process baseline first
     "single": (1, ()),

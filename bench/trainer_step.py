@@ -56,10 +56,10 @@ from areal_hpc.models.hf import load_model, load_tokenizer  # noqa: E402
 from areal_hpc.models.tiny import count_parameters, init_model  # noqa: E402
 from areal_hpc.train.actor import loss_config  # noqa: E402
 from areal_hpc.train.build import build_actor  # noqa: E402
-from areal_hpc.train.engine import TorchTrainEngine  # noqa: E402
-from areal_hpc.train import logprobs  # noqa: E402
-from areal_hpc.train.optim import build_optimizer, build_scheduler  # noqa: E402
-from areal_hpc.train.sequence_batch import SequenceBatch  # noqa: E402
+from areal_hpc.engines.torch.engine import TorchTrainEngine  # noqa: E402
+from areal_hpc.engines.torch.outputs import packed_policy_outputs  # noqa: E402
+from areal_hpc.engines.optim import build_optimizer, build_scheduler  # noqa: E402
+from areal_hpc.engines.sequence_batch import SequenceBatch  # noqa: E402
 from areal_hpc.train.trajectory_batch import build_batch, split_minibatches  # noqa: E402
 
 CONFIG = "configs/quickstart.yaml"
@@ -180,7 +180,7 @@ def dense_policy_outputs(model: torch.nn.Module, batch: PackedBatch, temperature
     """``packed_policy_outputs`` with the model's own sdpa over the packed row (Hugging Face builds a dense
     block-diagonal mask from the restarting position ids); everything else, the LM head included, unchanged."""
     with mock.patch.object(logprobs, "packed_attention", lambda model: contextlib.nullcontext()):
-        return logprobs.packed_policy_outputs(model, batch, temperature)
+        return packed_policy_outputs(model, batch, temperature)
 
 
 def mixed_length_batch(budget: int, vocab: int, rng: np.random.Generator) -> SequenceBatch:

@@ -58,7 +58,7 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.Co
 @contextlib.contextmanager
 def embedded_server(model_dir: Path, fileroot: Path, *extra: str):
     """A real ``areal-hpc serve`` process on a free loopback port; yields (process, host:port), then stops it."""
-    from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
+    from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve
 
     trial = uuid.uuid4().hex[:8]
     names = NameResolve(fileroot / "quickstart" / trial / "name_resolve")

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from areal_hpc.parallel.bootstrap import Placement, assigned_devices, cpu_threads, split_roles
+from areal_hpc.runtime.bootstrap import Placement, assigned_devices, cpu_threads, split_roles
 
 placement = Placement.detect()  # before MPI_Init: from what the launcher set alone
 n_trainers, with_mpi = int(sys.argv[1]), "--mpi" in sys.argv[2:]

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.bootstrap import (RENDEZVOUS, Placement, assigned_devices, cpu_threads, het_component,
+from areal_hpc.runtime.bootstrap import (RENDEZVOUS, Placement, assigned_devices, cpu_threads, het_component,
                                           new_incarnation, node_address, split_roles)
-from areal_hpc.parallel.rendezvous import ADDRESS_FILE, rendezvous_store
+from areal_hpc.runtime.rendezvous import ADDRESS_FILE, rendezvous_store
 from tests.conftest import REPO
 
 # Observed in job 20 on the dev cluster: `#SBATCH -p train -n 2 -c 1`, `#SBATCH hetjob`,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import load_config
 from areal_hpc.launch.local import core_shares
-from areal_hpc.launch.supervisor import SupervisedProcess
+from areal_hpc.runtime.supervisor import SupervisedProcess
 
 
 def config(*overrides: str):

@@ -1,7 +1,12 @@
-"""The folder tells the architecture: no module imports a module that imports it back (directly or
-through others), and the layers of DESIGN.md section 2 hold: the planner (``sched``) and the data
-layer never reach into training or rollout code, the rollout service never imports the trainer, and
-only the launchers import the launchers."""
+"""The folder tells the architecture (docs/architecture.md): no module imports a module that imports it
+back (directly or through others), and every import goes down the floors, never up or sideways:
+
+    errors  <  fsio, extras, config  <  algo, data, models, sched  <  runtime  <  parallel
+        <  engines, rollout  <  train, proxy  <  launch  <  cli  <  __main__
+
+A module imports its own package and packages on lower floors only; so ``launch`` is imported by the
+CLI alone, engines import nothing above them, and rollout and the proxy never import the trainer.
+Inside ``engines`` the two engines share ``engines.base`` and never import each other."""
 
 from __future__ import annotations
 
@@ -43,19 +48,67 @@ def test_no_module_imports_itself_back():
     assert not cycles, f"import cycles: {cycles}"
 
 
-@pytest.mark.parametrize("lower, upper", [
-    ("areal_hpc.sched", "areal_hpc.train"), ("areal_hpc.sched", "areal_hpc.rollout"),
-    ("areal_hpc.data", "areal_hpc.train"), ("areal_hpc.data", "areal_hpc.rollout"),
-    ("areal_hpc.models", "areal_hpc.data"), ("areal_hpc.algo", "areal_hpc.train"),
-    ("areal_hpc.rollout", "areal_hpc.train"), ("areal_hpc.parallel", "areal_hpc.rollout"),
-    ("areal_hpc.parallel", "areal_hpc.train"), ("areal_hpc.train", "areal_hpc.launch.local"),
-    ("areal_hpc.rollout", "areal_hpc.launch.local"),
+FLOORS = [
+    {"errors", "areal_hpc"},  # "areal_hpc": the package's own __init__
+    {"fsio", "extras", "config"},
+    {"algo", "data", "models", "sched"},
+    {"runtime"},
+    {"parallel"},
+    {"engines", "rollout"},
+    {"train", "proxy"},
+    {"launch"},
+    {"cli"},
+    {"__main__"},
+]
+FLOOR = {package: level for level, packages in enumerate(FLOORS) for package in packages}
+SIBLINGS_APART = [("areal_hpc.engines.torch", "areal_hpc.engines.megatron")]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def floor_violations(edges) -> list[str]:
+    """Each import (importer, imported) that goes up a floor, sideways to another package of the same
+    floor, or between two packages kept apart."""
+    wrong = []
+    for importer, imported in edges:
+        a, b = package_of(importer), package_of(imported)
+        if a != b and FLOOR[b] >= FLOOR[a]:
+            wrong.append(f"{importer} (floor {FLOOR[a]}) imports {imported} (floor {FLOOR[b]})")
+        wrong += [f"{importer} imports {imported}: {x} and {y} stay apart" for x, y in SIBLINGS_APART
+                  if (within(importer, x) and within(imported, y)) or (within(importer, y) and within(imported, x))]
+    return sorted(wrong)
+
+
+def test_every_package_has_a_floor():
+    assert not {package_of(m) for m in import_graph()} - set(FLOOR), "a new package needs a floor in FLOORS"
+
+
+def test_imports_only_go_down_the_floors():
+    wrong = floor_violations(import_graph().edges)
+    assert not wrong, "imports against the floors:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("areal_hpc.rollout.client", "areal_hpc.train.driver"),  # up
+    ("areal_hpc.train.build", "areal_hpc.launch.local"),  # the launchers, from below the CLI
+    ("areal_hpc.proxy.gateway", "areal_hpc.train.actor"),  # sideways
+    ("areal_hpc.engines.base", "areal_hpc.rollout.client"),  # sideways
+    ("areal_hpc.engines.megatron.engine", "areal_hpc.engines.torch.engine"),  # the two engines
+    ("areal_hpc.runtime.name_resolve", "areal_hpc.parallel.mesh"),  # up
 ])
-def test_lower_layers_never_import_upper_ones(lower, upper):
+def test_a_forbidden_import_is_caught(importer, imported):
     graph = import_graph()
-    wrong = sorted((a, b) for a, b in graph.edges
-                   if (a == lower or a.startswith(lower + ".")) and (b == upper or b.startswith(upper + ".")))
-    assert not wrong, f"{lower} must not import {upper}: {wrong}"
+    assert importer in graph and imported in graph
+    assert not floor_violations(graph.edges)
+    graph.add_edge(importer, imported)
+    assert floor_violations(graph.edges) == [w for w in floor_violations([(importer, imported)])] != []
 
 
 # What the package uses from the standard library that a Python release added, and that release.

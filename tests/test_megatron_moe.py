@@ -22,8 +22,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_model
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.megatron_convert import ModelShape, hf_to_megatron, is_expert, stage_names, stage_to_hf
-from areal_hpc.train.megatron_engine import check_layout
+from areal_hpc.engines.megatron.convert import ModelShape, hf_to_megatron, is_expert, stage_names, stage_to_hf
+from areal_hpc.engines.megatron.engine import check_layout
 from tests.native_ranks import reference_run
 from tests.test_megatron import assert_checkpoint_round_trip, in_reference_order, run_ranks
 from tests.test_native_parallel import assert_same_step
@@ -103,7 +103,7 @@ def test_moe_hf_to_megatron_shards_and_back_is_exact(experts, layers, tied, reno
 def test_router_matches_hf_top_k_rule():
     """norm_topk_prob=true: softmax over the top-k logits (= the top-k of the softmax, renormalised);
     false: the top-k of the softmax as it is (Megatron's pre-softmax)."""
-    from areal_hpc.parallel.megatron_convert import transformer_config
+    from areal_hpc.engines.megatron.convert import transformer_config
 
     for renormalise in (True, False):
         shape = ModelShape.from_hf(random_moe_model(4, 2, False, renormalise, 0).config)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from areal_hpc.parallel.bootstrap import RENDEZVOUS, node_address
+from areal_hpc.runtime.bootstrap import RENDEZVOUS, node_address
 from tests.conftest import REPO
 from tests.slurm_jobs import wait_for_end
 

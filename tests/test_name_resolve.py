@@ -11,14 +11,14 @@ import time
 import pytest
 
 from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve, ServerDirectory, registered, registered_server
-from areal_hpc.parallel.bootstrap import INCARNATION
+from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve, ServerDirectory, registered, registered_server
+from areal_hpc.runtime.bootstrap import INCARNATION
 from tests.conftest import REPO
 from tests.waiting import wait_until
 
 WRITER = """
 import sys, time
-from areal_hpc.launch.name_resolve import registered_server
+from areal_hpc.runtime.name_resolve import registered_server
 with registered_server(sys.argv[1], sys.argv[2], interval_s=float(sys.argv[3])):
     print("registered", flush=True)
     time.sleep(600)

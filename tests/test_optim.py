@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal_hpc.config import OptimizerConfig
-from areal_hpc.train.optim import build_optimizer, build_scheduler, lr_multiplier
+from areal_hpc.engines.optim import build_optimizer, build_scheduler, lr_multiplier
 
 
 @pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from areal_hpc.parallel.bootstrap import RENDEZVOUS
+from areal_hpc.runtime.bootstrap import RENDEZVOUS
 
 from .conftest import REPO
 from .slurm_jobs import wait_for_end

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from areal_hpc.config import load_config
-from areal_hpc.launch.supervisor import ServerLaunchError, SupervisedProcess
+from areal_hpc.runtime.supervisor import ServerLaunchError, SupervisedProcess
 from areal_hpc.rollout.client import RolloutClient
-from areal_hpc.launch.name_resolve import free_port
-from areal_hpc.parallel.bootstrap import node_address
+from areal_hpc.runtime.name_resolve import free_port
+from areal_hpc.runtime.bootstrap import node_address
 from areal_hpc.rollout.sglang_server import sglang_command
 from tests.conftest import embedded_server, run_cli
 

@@ -14,7 +14,8 @@ import pytest
 
 from areal_hpc.data.shards import TrajectoryShardWriter, TrajectoryStore
 from areal_hpc.data.shards import writer as writer_module
-from areal_hpc.train.checkpoint import latest_checkpoint, save_checkpoint
+from areal_hpc.runtime.run_state import latest_checkpoint
+from areal_hpc.train.checkpoint import save_checkpoint
 from tests.shard_processes import make_trajectory
 
 

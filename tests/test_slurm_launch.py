@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areal_hpc.parallel.bootstrap import RUN_MARKER
+from areal_hpc.runtime.bootstrap import RUN_MARKER
 from .conftest import REPO, run_cli
 from .run_audit import assert_each_trajectory_trained_once, read_audit
 from .slurm_jobs import cancel, components_of, submitted_job, wait_for, wait_for_end
@@ -232,7 +232,7 @@ def test_a_plan_becomes_one_component_per_pool_with_every_trainer_rank_first(tmp
     from areal_hpc.launch.submit import components_from_plan
 
     plan = tmp_path / "plan.yaml"
-    made = run_cli("plan", "--cluster", f"configs/clusters/{cluster}.yaml", "--model", "r1-distill-qwen-1.5b",
+    made = run_cli("plan", "--cluster", cluster, "--model", "r1-distill-qwen-1.5b",
                    "--out", str(plan))
     assert made.returncode == 0, made.stderr
     content = yaml.safe_load(plan.read_text())

@@ -16,7 +16,7 @@ from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.train.build import build_actor
-from areal_hpc.train.sequence_batch import SequenceBatch
+from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
 
 from .conftest import embedded_server

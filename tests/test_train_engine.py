@@ -13,9 +13,9 @@ from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
-from areal_hpc.train.engine import TorchTrainEngine
+from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.train.evaluate import evaluate_model
-from areal_hpc.train.logprobs import packed_policy_outputs
+from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.train.sft import sft_step
 
 

@@ -1,1 +1,2 @@
-"""Launching: name-resolve on the shared filesystem, server supervision, (next) local and Slurm launchers."""
+"""Launchers, the top floor below the CLI: the local launcher, Slurm heterogeneous jobs through
+submitit, plain-sbatch tasks, requeue on preemption, and sweeps. Nothing but ``cli.py`` imports them."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from areal_hpc.config import RunConfig
 from areal_hpc.errors import UserError
-from areal_hpc.launch.supervisor import SupervisedProcess
+from areal_hpc.runtime.supervisor import SupervisedProcess
 
 # `-c`, not `-m areal_hpc.train.driver`: reward workers (spawned) would re-import a `-m` main module and its torch.
 TRAINER = "import sys; from areal_hpc.train.driver import main; sys.exit(main(sys.argv[1:]))"

@@ -35,7 +35,7 @@ from areal_hpc.errors import UserError, closest
 from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
 from areal_hpc.launch.local import should_resume
-from areal_hpc.parallel.bootstrap import LAUNCHED_AT
+from areal_hpc.runtime.bootstrap import LAUNCHED_AT
 from areal_hpc.launch.slurm_task import run_task
 
 

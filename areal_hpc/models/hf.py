@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -93,3 +94,28 @@ def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
                                                        for e in range(count)])
         fused[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
     return fused
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read (the server answers 400 with this message)."""
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face safetensors checkpoint (one file or an indexed set of shards),
+    under the names a loaded model holds them (``fuse_expert_weights``): nothing is filled in, so a
+    missing tensor is seen (``from_pretrained`` would initialise it at random)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if not index.exists() and not (folder / "model.safetensors").exists():
+        raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json "
+                              "(the embedded engine loads safetensors checkpoints)")
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+            else ["model.safetensors"]
+        stored = {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
+        return fuse_expert_weights(stored)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise CheckpointError(f"could not read the checkpoint in {folder}: {type(exc).__name__}: {exc}") from exc

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from areal_hpc.launch.name_resolve import HEARTBEAT_INTERVAL_S
+from areal_hpc.runtime.name_resolve import HEARTBEAT_INTERVAL_S
 from areal_hpc.proxy import openai_api as api
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.openai_api import APIError

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from areal_hpc.launch.name_resolve import ROLLOUT_SERVERS, NameResolve
+from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve
 from areal_hpc.rollout.client import Generation, RolloutClient
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from aiohttp import web
 
 from areal_hpc.errors import UserError
-from areal_hpc.launch.name_resolve import NameResolve, bind
-from areal_hpc.launch.rollout_token import rollout_token
+from areal_hpc.runtime.name_resolve import NameResolve, bind
+from areal_hpc.runtime.rollout_token import rollout_token
 from areal_hpc.proxy.app import build_app
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.gateway import Proxy, ProxySettings

@@ -38,7 +38,8 @@ import torch
 
 from areal_hpc.rollout.decoder import SlotDecoder
 from areal_hpc.rollout.sampling import SlotSampler
-from areal_hpc.rollout.weights import CheckpointError, read_checkpoint, weight_mismatches
+from areal_hpc.models.hf import CheckpointError, read_checkpoint
+from areal_hpc.rollout.weights import weight_mismatches
 
 MIN_TEMPERATURE = 1e-6
 NOT_FINITE = "the model's logits are not finite (NaN or inf)"

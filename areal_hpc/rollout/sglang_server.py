@@ -19,9 +19,9 @@ import signal
 import sys
 
 from areal_hpc.extras import require
-from areal_hpc.launch.name_resolve import advertised_address, free_port, registered_server
-from areal_hpc.launch.rollout_token import server_token
-from areal_hpc.launch.supervisor import SupervisedProcess
+from areal_hpc.runtime.name_resolve import advertised_address, free_port, registered_server
+from areal_hpc.runtime.rollout_token import server_token
+from areal_hpc.runtime.supervisor import SupervisedProcess
 
 
 def sglang_command(cfg, port: int, python: str = sys.executable, token: str | None = None) -> list[str]:

@@ -1,41 +1,11 @@
-"""Weights a rollout server (or a trainer resuming) is asked to load, checked before they touch the live
-model: a safetensors checkpoint read as stored (nothing filled in; only Mixture-of-Experts tensors are
-renamed, stacked as the model holds them), and what keeps a set of tensors from loading."""
+"""What keeps a set of tensors from loading into a served model, checked before they touch the live
+model (the checkpoint itself is read by ``models.hf.read_checkpoint``)."""
 
 from __future__ import annotations
 
 import difflib
-import json
-from pathlib import Path
 
 import torch
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be read (the server answers 400 with this message)."""
-
-
-def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face safetensors checkpoint (one file or an indexed set of shards),
-    under the names a loaded model holds them (``fuse_expert_weights``): nothing is filled in, so a
-    missing tensor is seen (``from_pretrained`` would initialise it at random)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from areal_hpc.models.hf import fuse_expert_weights
-
-    folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    if not index.exists() and not (folder / "model.safetensors").exists():
-        raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json "
-                           "(the embedded engine loads safetensors checkpoints)")
-    try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-            else ["model.safetensors"]
-        stored = {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
-        return fuse_expert_weights(stored)
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
-        raise CheckpointError(f"could not read the checkpoint in {folder}: {type(exc).__name__}: {exc}") from exc
 
 
 def weight_mismatches(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor], complete: bool) -> list[str]:

@@ -1,2 +1,2 @@
-"""Training: the torch-native engine, the PPO actor, the asynchronous RL driver, checkpoints, weight
-sync, SFT, evaluation, metrics and plots."""
+"""Training on any engine: the PPO actor, the asynchronous RL driver, checkpoints, the weight push to
+rollout servers, SFT, evaluation, metrics and plots."""

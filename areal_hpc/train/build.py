@@ -24,9 +24,9 @@ from areal_hpc.data.shards.writer import PROXY_WRITER_PREFIX, TrajectoryShardWri
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
 from areal_hpc.extras import require
-from areal_hpc.launch.name_resolve import NameResolve, ServerDirectory
+from areal_hpc.runtime.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
-from areal_hpc.parallel.bootstrap import node_address
+from areal_hpc.runtime.bootstrap import node_address
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_mesh, init_distributed
@@ -34,8 +34,9 @@ from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutControll
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
 from areal_hpc.train.actor import PPOActor
-from areal_hpc.train.engine import TorchTrainEngine, TrainEngine
-from areal_hpc.train.logprobs import PolicyOutputs, ValueOutputs
+from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 SHARD_WRITER = "rollout"
@@ -76,7 +77,7 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
                       compute_dtype=model.compute_dtype)
         if actor_cfg.engine == "megatron":
             require("megatron.core")  # the extra `megatron`: one line naming it when it is missing
-            from areal_hpc.train.megatron_engine import MegatronTrainEngine
+            from areal_hpc.engines.megatron.engine import MegatronTrainEngine
 
             return MegatronTrainEngine(path, kind, temperature=temperature, **common)
         if kind == "critic":

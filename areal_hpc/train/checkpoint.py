@@ -19,17 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.errors import UserError
 from areal_hpc.fsio import atomic_write_json, atomic_write_text, fsync_path, fsync_tree
+from areal_hpc.runtime.run_state import checkpoint_root
 
 KEEP = 2
-# Exit code of a trainer that was told to stop (SIGUSR2 before a time limit or preemption, SIGTERM)
-# and saved a checkpoint first: its launcher requeues the job, which resumes from that checkpoint.
-SAVED_AND_STOPPED = 75  # EX_TEMPFAIL: "try again later"
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
 
 
 def save_checkpoint(run_dir: Path, step: int, engines: dict, driver: dict) -> Path:
@@ -56,17 +49,6 @@ def save_checkpoint(run_dir: Path, step: int, engines: dict, driver: dict) -> Pa
     for old in sorted(p for p in root.glob("step*") if p.is_dir() and not p.name.endswith(".partial"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = checkpoint_root(run_dir) / "latest"
-    if not pointer.exists():
-        return None
-    folder = checkpoint_root(run_dir) / pointer.read_text().strip()
-    if not (folder / "driver.json").exists():
-        raise UserError(f"{pointer} names {folder.name}, which is missing or incomplete; "
-                        f"remove {pointer} to start over")
-    return folder
 
 
 def load_checkpoint(folder: Path, engines: dict) -> dict:

@@ -32,13 +32,14 @@ from areal_hpc.data.registry import build_task
 from areal_hpc.data.shards.consumer import TrajectoryConsumer
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.errors import UserError
-from areal_hpc.launch.rollout_token import rollout_token
+from areal_hpc.runtime.rollout_token import rollout_token
 from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.rollout.client import RolloutClient, RolloutError
 from areal_hpc.rollout.workflows import Scorer
 from areal_hpc.train.build import (build_actor, build_controller, build_weight_sync, open_proxy_records, open_shards,
                                    recovered_episodes, start_trainer, take_proxy_records, wait_for_servers)
-from areal_hpc.train.checkpoint import SAVED_AND_STOPPED, latest_checkpoint, load_checkpoint, save_checkpoint
+from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
+from areal_hpc.train.checkpoint import load_checkpoint, save_checkpoint
 from areal_hpc.train.evaluate import evaluate_remote
 from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.trainer_group import TrainerGroup, follow

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.data.trajectory import Trajectory
-from areal_hpc.parallel.bootstrap import LAUNCHED_AT, TRAINERS_AT
+from areal_hpc.runtime.bootstrap import LAUNCHED_AT, TRAINERS_AT
 from areal_hpc.train.evaluate import EvalResult
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves

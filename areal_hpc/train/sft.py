@@ -29,12 +29,13 @@ from areal_hpc.models.chat import completion_ids, prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
 from areal_hpc.parallel.device import resolve_device
-from areal_hpc.train.engine import TorchTrainEngine, TrainEngine
+from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.train.evaluate import EvalResult, evaluate_model
-from areal_hpc.train.logprobs import packed_policy_outputs
+from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
-from areal_hpc.train.sequence_batch import SequenceBatch
+from areal_hpc.engines.sequence_batch import SequenceBatch
 
 
 @dataclass

@@ -15,7 +15,7 @@ from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.config import ActorConfig
 from areal_hpc.data.trajectory import Trajectory
-from areal_hpc.train.sequence_batch import SequenceBatch, balanced_parts
+from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 
 
 def trajectory_sequence(traj: Trajectory) -> tuple[list[int], list[int], torch.Tensor]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from areal_hpc.errors import UserError
 from areal_hpc.fsio import atomic_write_text
-from areal_hpc.parallel.bootstrap import node_address
+from areal_hpc.runtime.bootstrap import node_address
 
 ADDRESS_FILE = "store"  # in the rendezvous folder: "host:port" of rank 0's store
 RENDEZVOUS_TIMEOUT_S = 900.0  # how long ranks > 0 wait for rank 0 (it may still be loading its model)

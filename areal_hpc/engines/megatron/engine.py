@@ -1,7 +1,7 @@
 """``TrainEngine`` on Megatron-core (``actor.engine=megatron``): a GPTModel split over the trainer
 mesh's tensor-parallel, context-parallel and pipeline ranks (a Qwen3-MoE's experts also over its
 expert-parallel ranks), Megatron DDP (or, with ``actor.parallel.fsdp``, Megatron's FSDP2 wrapper) over
-its data-parallel ranks, loaded from and saved to Hugging Face folders (``parallel.megatron_convert``).
+its data-parallel ranks, loaded from and saved to Hugging Face folders (``engines.megatron.convert``).
 
 - Packed micro-batches run as THD ``PackedSeqParams`` through Megatron's schedules
   (``get_forward_backward_func``, variable sequence lengths across pipeline stages); on CPU the layer
@@ -27,7 +27,7 @@ its data-parallel ranks, loaded from and saved to Hugging Face folders (``parall
 - Sequence parallelism (``actor.parallel.sequence_parallel``, Megatron's own: norms and residuals on a
   TP rank's slice of the tokens) needs each rank's tokens of a pass to split evenly over the TP ranks:
   with cp, sequences are padded to a multiple of 2 x cp x tp; without, a filler sequence (no targets)
-  ends the pass. On the local spec the norms are ``parallel.megatron_norm.MarkedRMSNorm`` (marked for
+  ends the pass. On the local spec the norms are ``engines.megatron.norm.MarkedRMSNorm`` (marked for
   the TP sum of their gradients, as Megatron's fused norms are).
 - "logprobs" and "entropy" come from the vocabulary-parallel logits of the last stage (a logsumexp
   over the TP ranks), and reach every rank of the pipeline.
@@ -35,7 +35,7 @@ its data-parallel ranks, loaded from and saved to Hugging Face folders (``parall
   ``score`` head in the last stage's output-layer slot (``ValueHead``, replicated over TP), per-position
   "values" (on the last stage, where GAE reads them, and sent to every stage); a head the folder
   lacks takes the same draws as ``models.hf.load_critic``'s, so both engines start from one critic.
-- The optimizer and schedule are ``train.optim``'s on each rank's shards (Adam is elementwise); the
+- The optimizer and schedule are ``engines.optim``'s on each rank's shards (Adam is elementwise); the
   gradient norm counts each parameter once (TP duplicates and the last stage's tied-embedding copy
   excluded) over the model-parallel ranks, and each expert once over the expert-parallel ranks, as
   ``clip_grad_norm_`` does for one process.
@@ -54,20 +54,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack, with_filler
 from areal_hpc.config import OptimizerConfig
+from areal_hpc.engines.base import (OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket, merge_over_context,
+                                    merge_stats, weight_buckets)
+from areal_hpc.engines.megatron import shim as megatron_shim
+from areal_hpc.engines.megatron.convert import (ModelShape, gpt_model_args, hf_to_megatron, is_expert, stage_to_hf,
+                                                transformer_config)
+from areal_hpc.engines.optim import build_optimizer, build_scheduler
+from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import save_model
-from areal_hpc.parallel import megatron_shim
+from areal_hpc.models.hf import read_checkpoint, save_model
 from areal_hpc.parallel.context import context_passes
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.megatron_convert import (ModelShape, gpt_model_args, hf_to_megatron, is_expert, stage_to_hf,
-                                                 transformer_config)
 from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
-from areal_hpc.train.engine import (OPTIMIZER_SHARDS, TRAINING_STATE, LossFn, Outputs, WeightBucket,
-                                    merge_over_context, merge_stats, weight_buckets)
-from areal_hpc.rollout.weights import read_checkpoint
-from areal_hpc.train.optim import build_optimizer, build_scheduler
-from areal_hpc.train.sequence_batch import SequenceBatch
 
 DAY_MINUTES = 24 * 60
 
@@ -210,8 +209,8 @@ class MegatronTrainEngine:
 
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-        from areal_hpc.parallel.megatron_attention import PackedCoreAttention
-        from areal_hpc.parallel.megatron_norm import MarkedRMSNorm
+        from areal_hpc.engines.megatron.attention import PackedCoreAttention
+        from areal_hpc.engines.megatron.norm import MarkedRMSNorm
 
         dims = self.mesh.dims
         # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
@@ -336,7 +335,7 @@ class MegatronTrainEngine:
         fields)`` for each pass with sequences, which returns the micro-batch's loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from areal_hpc.parallel.megatron_attention import PackedSequences
+        from areal_hpc.engines.megatron.attention import PackedSequences
 
         def step(iterator, model):
             indices, packed, fields = next(iterator)

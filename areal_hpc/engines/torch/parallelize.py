@@ -9,12 +9,12 @@ What it does on purpose, and what it does not:
   log-softmax then needs no vocabulary-parallel logsumexp); no sequence parallelism.
 - Losses carry the whole minibatch's normaliser, so data-parallel gradients are summed, not averaged
   (gradient divide factor 1).
-- Pipeline parallelism cuts the model into stages first (``parallel.pipeline``: each rank keeps its
+- Pipeline parallelism cuts the model into stages first (``engines.torch.pipeline``: each rank keeps its
   stage's layers, the engine runs a 1F1B schedule); TP and data parallelism then apply per stage.
 - Context parallelism deals each micro-batch's tokens over ``mesh["cp"]`` (``parallel.context``);
   replicas then reduce gradients over ``mesh["dp_cp"]``.
 - Expert parallelism splits a Mixture-of-Experts model's experts over ``mesh["ep"]``
-  (``parallel.experts``); they stay out of the data-parallel wrapping.
+  (``engines.torch.experts``); they stay out of the data-parallel wrapping.
 - Virtual pipeline stages are not built: ``check_layout`` names them.
 """
 
@@ -31,9 +31,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.experts import shard_experts
+from areal_hpc.engines.torch.experts import shard_experts
 from areal_hpc.parallel.mesh import TrainMesh
-from areal_hpc.parallel.pipeline import check_stages, keep_stage
+from areal_hpc.engines.torch.pipeline import check_stages, keep_stage
 
 TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
@@ -84,7 +84,7 @@ def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -
     stage, stages = mesh.coords["pp"], mesh.dims.pp
     if stages > 1:
         if not hasattr(forward_fn, "head"):
-            raise TypeError("pipeline stages need a forward_fn with a head (train.logprobs.StageOutputs)")
+            raise TypeError("pipeline stages need a forward_fn with a head (engines.torch.outputs.StageOutputs)")
         keep_stage(model, stage, stages)
     layers = model.base_model.layers
     if mesh.dims.tp > 1:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from areal_hpc.errors import UserError
 from areal_hpc.fsio import atomic_write_text
-from areal_hpc.parallel.bootstrap import INCARNATION, node_address
+from areal_hpc.runtime.bootstrap import INCARNATION, node_address
 
 ROLLOUT_SERVERS = "rollout/servers"
 # A heartbeat every 5 s costs a shared filesystem one small rename per server; 30 s without one (six

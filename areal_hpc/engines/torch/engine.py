@@ -1,19 +1,12 @@
-"""Training engines: the ``TrainEngine`` protocol (DESIGN.md section 5) that the PPO actor, SFT,
-checkpoints and the weight push use, and its PyTorch-native implementation (the plain Hugging Face
-model parallelised by ``parallel.native``: DTensor TP, FSDP2 or replicate, pipeline stages run by
-``parallel.pipeline``; gloo on CPU, NCCL on GPU).
-A Megatron engine implements the same protocol.
-
-Losses are weighted sums whose weights already carry the normaliser of the whole minibatch (see
-``algo.ppo.token_weights``), so summing gradients over micro-batches and ranks is exact.
+"""The PyTorch-native ``TrainEngine``: the plain Hugging Face model parallelised by ``parallelize``
+(DTensor TP, FSDP2 or replicate, experts over ep), pipeline stages run by ``pipeline``, context shards
+by ``parallel.context``; gloo on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,98 +16,22 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig
-from areal_hpc.models.hf import DTYPES, save_model
+from areal_hpc.engines.base import (OPTIMIZER_SHARDS, TRAINING_STATE, ForwardFn, LossFn, WeightBucket,
+                                    merge_over_context, merge_stats, weight_buckets)
+from areal_hpc.engines.optim import build_optimizer, build_scheduler
+from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch.experts import reduce_expert_gradients
+from areal_hpc.engines.torch.parallelize import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
+from areal_hpc.engines.torch.pipeline import Pipeline
+from areal_hpc.models.hf import DTYPES, read_checkpoint, save_model
 from areal_hpc.parallel.context import context_passes
-from areal_hpc.parallel.experts import reduce_expert_gradients
 from areal_hpc.parallel.mesh import TrainMesh
-from areal_hpc.parallel.native import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
-from areal_hpc.parallel.pipeline import Pipeline
-from areal_hpc.rollout.weights import read_checkpoint
-from areal_hpc.train.optim import build_optimizer, build_scheduler
-from areal_hpc.train.sequence_batch import SequenceBatch
 
-Outputs = dict[str, torch.Tensor]  # per-position outputs of a packed micro-batch, e.g. {"logprobs", "entropy"}
-ForwardFn = Callable[[torch.nn.Module, PackedBatch], Outputs]
-LossFn = Callable[[Outputs, PackedBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
-WeightBucket = list[tuple[str, torch.Tensor]]
-TRAINING_STATE = "training_state.pt"
-OPTIMIZER_SHARDS = "optimizer"  # a sharded engine's optimizer state: one torch.distributed.checkpoint
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class TrainEngine(Protocol):
-    """What the actor, SFT, checkpoints and the weight push may use of an engine; nothing else.
-
-    ``forward`` and ``train_step`` take a ``SequenceBatch`` (whole sequences, per-position fields) and
-    cut it into packed micro-batches themselves. A policy engine's per-position output is
-    "logprobs", log π_T(token t+1 | tokens ≤ t) at the sampler's temperature T (``gconfig.temperature``:
-    rollout logprobs are those of ``log_softmax(logits / T)``), and "entropy", on target positions only
-    (0 elsewhere); a critic's is "values".
-    """
-
-    device: torch.device  # where this rank's tensors live (NCCL reduces device tensors only)
-    tokenizer: object  # saved with the weights, so a saved folder is a complete Hugging Face model
-
-    def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
-        """Each output as per-sequence [len] tensors, without gradient, in the model's evaluation mode.
-        Collective: every rank calls it with its data-parallel replica's share and gets all of its outputs."""
-
-    def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on this rank's share: ``loss_fn(outputs, packed, fields)`` per micro-batch,
-        gradients summed over micro-batches and data-parallel ranks, clipped, applied. Collective; the
-        statistics are the replica's own, the same on each of its ranks."""
-
-    def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """The weights rollout servers load, as (Hugging Face name, full tensor) buckets of at most
-        ``bucket_bytes`` each (a larger tensor gets a bucket of its own). Collective: every rank iterates
-        to the end; the buckets are complete on global rank 0 (other ranks may get empty ones)."""
-
-    def save(self, folder: Path, *, optimizer: bool = True) -> None:
-        """The model in Hugging Face format (what servers and ``areal-hpc eval`` load), plus optimizer
-        and schedule state unless ``optimizer=False``. Collective: every rank of the mesh calls it."""
-
-    def load(self, folder: Path) -> None:
-        """Restore what ``save`` wrote (optimizer state when present). Collective; every rank calls it."""
-
-
-def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Combine statistics of micro-batches or ranks: ``*_max`` keys by max, everything else summed."""
-    merged: dict[str, float] = defaultdict(float)
-    for part in parts:
-        for key, value in part.items():
-            merged[key] = max(merged.get(key, value), value) if key.endswith("_max") else merged[key] + value
-    return dict(merged)
-
-
-def merge_over_context(stats: dict[str, float], mesh: TrainMesh) -> dict[str, float]:
-    """A replica's statistics from its context-parallel ranks' (each saw part of every sequence, and
-    counted the same micro-batches)."""
-    if mesh is None or mesh.dims.cp == 1:
-        return stats
-    every = [None] * mesh.dims.cp
-    dist.all_gather_object(every, stats, group=mesh.group("cp"))
-    merged = merge_stats(every)
-    if "microbatches" in stats:
-        merged["microbatches"] = stats["microbatches"]
-    return merged
-
-
-def weight_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
-    """Consecutive (name, tensor) pairs grouped into buckets of at most ``bucket_bytes``."""
-    bucket, size = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 class TorchTrainEngine:
-    """``TrainEngine`` on a plain Hugging Face model, parallelised over ``mesh`` by ``parallel.native``
+    """``TrainEngine`` on a plain Hugging Face model, parallelised over ``mesh`` by ``engines.torch.parallelize``
     (tensor parallel, FSDP2 or replicated data parallel; one process when ``mesh`` is None).
 
     ``forward_fn`` turns the model and a packed micro-batch into per-position outputs (e.g.

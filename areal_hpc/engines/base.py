@@ -1,0 +1,99 @@
+"""What every training engine shares: the ``TrainEngine`` protocol that the PPO actor, SFT, checkpoints
+and the weight push use (nothing else of an engine), the types of its loss and weight buckets, and the
+helpers both engines call (statistics merged over micro-batches and ranks, weight bucketing).
+
+Losses are weighted sums whose weights already carry the normaliser of the whole minibatch (see
+``algo.ppo.token_weights``), so summing gradients over micro-batches and ranks is exact.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from areal_hpc.algo.packing import PackedBatch
+from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.parallel.mesh import TrainMesh
+
+Outputs = dict[str, torch.Tensor]  # per-position outputs of a packed micro-batch, e.g. {"logprobs", "entropy"}
+ForwardFn = Callable[[torch.nn.Module, PackedBatch], Outputs]
+LossFn = Callable[[Outputs, PackedBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+WeightBucket = list[tuple[str, torch.Tensor]]
+TRAINING_STATE = "training_state.pt"
+OPTIMIZER_SHARDS = "optimizer"  # a sharded engine's optimizer state: one torch.distributed.checkpoint
+
+
+class TrainEngine(Protocol):
+    """What the actor, SFT, checkpoints and the weight push may use of an engine; nothing else.
+
+    ``forward`` and ``train_step`` take a ``SequenceBatch`` (whole sequences, per-position fields) and
+    cut it into packed micro-batches themselves. A policy engine's per-position output is
+    "logprobs", log π_T(token t+1 | tokens ≤ t) at the sampler's temperature T (``gconfig.temperature``:
+    rollout logprobs are those of ``log_softmax(logits / T)``), and "entropy", on target positions only
+    (0 elsewhere); a critic's is "values".
+    """
+
+    device: torch.device  # where this rank's tensors live (NCCL reduces device tensors only)
+    tokenizer: object  # saved with the weights, so a saved folder is a complete Hugging Face model
+
+    def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
+        """Each output as per-sequence [len] tensors, without gradient, in the model's evaluation mode.
+        Collective: every rank calls it with its data-parallel replica's share and gets all of its outputs."""
+
+    def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on this rank's share: ``loss_fn(outputs, packed, fields)`` per micro-batch,
+        gradients summed over micro-batches and data-parallel ranks, clipped, applied. Collective; the
+        statistics are the replica's own, the same on each of its ranks."""
+
+    def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The weights rollout servers load, as (Hugging Face name, full tensor) buckets of at most
+        ``bucket_bytes`` each (a larger tensor gets a bucket of its own). Collective: every rank iterates
+        to the end; the buckets are complete on global rank 0 (other ranks may get empty ones)."""
+
+    def save(self, folder: Path, *, optimizer: bool = True) -> None:
+        """The model in Hugging Face format (what servers and ``areal-hpc eval`` load), plus optimizer
+        and schedule state unless ``optimizer=False``. Collective: every rank of the mesh calls it."""
+
+    def load(self, folder: Path) -> None:
+        """Restore what ``save`` wrote (optimizer state when present). Collective; every rank calls it."""
+
+
+def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Combine statistics of micro-batches or ranks: ``*_max`` keys by max, everything else summed."""
+    merged: dict[str, float] = defaultdict(float)
+    for part in parts:
+        for key, value in part.items():
+            merged[key] = max(merged.get(key, value), value) if key.endswith("_max") else merged[key] + value
+    return dict(merged)
+
+
+def merge_over_context(stats: dict[str, float], mesh: TrainMesh) -> dict[str, float]:
+    """A replica's statistics from its context-parallel ranks' (each saw part of every sequence, and
+    counted the same micro-batches)."""
+    if mesh is None or mesh.dims.cp == 1:
+        return stats
+    every = [None] * mesh.dims.cp
+    dist.all_gather_object(every, stats, group=mesh.group("cp"))
+    merged = merge_stats(every)
+    if "microbatches" in stats:
+        merged["microbatches"] = stats["microbatches"]
+    return merged
+
+
+def weight_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Consecutive (name, tensor) pairs grouped into buckets of at most ``bucket_bytes``."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -8,7 +8,7 @@ import yaml
 from areal_hpc.sched.repro_hex import MISSES
 from tests.conftest import run_cli
 
-PAPER_MIXED = "configs/clusters/paper-8h800-24h20.yaml"
+PAPER_MIXED = "paper-8h800-24h20"
 
 
 def write_cluster(tmp_path, pools, links=None):
@@ -75,6 +75,12 @@ def test_unreadable_yaml_is_one_line_exit_2(tmp_path):
     broken.write_text("pools: [device: H100\n")
     done = run_cli("plan", "--cluster", str(broken), "--model", "r1-distill-qwen-1.5b")
     assert done.returncode == 2 and "is not valid YAML" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_unknown_catalog_cluster_is_one_line_exit_2():
+    done = run_cli("plan", "--cluster", "paper-8h800", "--model", "r1-distill-qwen-1.5b")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "unknown cluster 'paper-8h800', did you mean 'paper-" in done.stderr and "example-site" in done.stderr
 
 
 def test_missing_files_are_one_line_exit_2(tmp_path):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from areal_hpc.errors import UserError
 from areal_hpc.sched import repro_hex
 from areal_hpc.sched.cost import CostModel, Workload
-from areal_hpc.sched.hardware import CATALOGUE, CLUSTERS, load_cluster, make_cluster
+from areal_hpc.sched.hardware import CATALOGUE, load_cluster, make_cluster
 from areal_hpc.sched.model_spec import load_model_spec
 from areal_hpc.sched.planner import HeteroPlanner
 from tests.test_sched_milp import COSTS, best_plan, enumerated_train, every_plan, scored
@@ -18,7 +18,7 @@ from tests.test_sched_milp import COSTS, best_plan, enumerated_train, every_plan
 
 def planner(cluster, model="r1-distill-qwen-7b", **options) -> HeteroPlanner:
     cost = CostModel(load_model_spec(model), repro_hex.WORKLOAD, repro_hex.CALIBRATED)
-    return HeteroPlanner(load_cluster(CLUSTERS / f"{cluster}.yaml"), cost, **options)
+    return HeteroPlanner(load_cluster(cluster), cost, **options)
 
 
 @pytest.mark.parametrize("model", ["r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "r1-distill-qwen-14b"])
@@ -102,10 +102,10 @@ def test_a_pool_behind_a_slow_link_idles_when_its_weight_sync_costs_more_than_it
 
 
 def test_example_site_beats_training_on_h100_and_a100_with_the_l40s_idle():
-    """The issue's second case, configs/clusters/example-site.yaml with 1.5B: train on H100 x16 + A100 x5,
+    """The issue's second case, the catalog's example-site cluster with 1.5B: train on H100 x16 + A100 x5,
     generate on 27 A100 (one replica each), leave the L40S (5 GB/s away) idle. The planner must do at
     least as well, and the cheapest plan reaching that placement's throughput must cost no more."""
-    cluster = load_cluster(CLUSTERS / "example-site.yaml")
+    cluster = load_cluster("example-site")
     cost = CostModel(load_model_spec("r1-distill-qwen-1.5b"), Workload(prompts=1024, answers=1))
     counts = {"h100": 16, "a100": 5, "l40s": 0}
     replica = cost.rollout_replica(next(p for p in cluster.pools if p.name == "a100"), 1, 1, cluster.bandwidth("a100", "a100"))

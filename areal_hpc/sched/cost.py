@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import lru_cache
-from pathlib import Path
+from importlib.resources.abc import Traversable
 
 from areal_hpc.errors import UserError, closest
 from areal_hpc.sched.hardware import CATALOGUE, NodePool, read_yaml
@@ -49,12 +49,12 @@ class Efficiency:
 DEVICE_SIDES = ("train", "decode")
 
 
-def load_efficiency(path: str | Path) -> Efficiency:
-    """Factors from a YAML mapping (e.g. configs/clusters/efficiency-areal-hex.yaml); the rest default.
+def load_efficiency(path: str | Traversable) -> Efficiency:
+    """Factors from a YAML mapping (e.g. areal_hpc/sched/catalog/efficiency-areal-hex.yaml); the rest default.
 
     ``per_device: {H20: {train: 0.6, decode: 0.9}}`` scales one device type against the global factors.
     """
-    values = read_yaml(path, "efficiency file", "see configs/clusters/efficiency-areal-hex.yaml") or {}
+    values = read_yaml(path, "efficiency file", "see areal_hpc/sched/catalog/efficiency-areal-hex.yaml") or {}
     if not isinstance(values, dict):
         raise UserError(f"efficiency file {path} must map factor names to numbers")
     known = [f.name for f in fields(Efficiency)]

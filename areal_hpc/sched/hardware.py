@@ -1,20 +1,21 @@
 """Accelerator catalogue and cluster specs: what a planner may place work on, and what it costs.
 
 A cluster YAML lists node pools (a name, a device type, nodes, devices per node, and the Slurm
-partition that holds them) and the bandwidth between machines for every pair of pools; see
-configs/clusters/ for the paper's clusters.
+partition that holds them) and the bandwidth between machines for every pair of pools. The shipped
+catalog (areal_hpc/sched/catalog/clusters/) holds the papers' clusters and an example site; ``--cluster``
+takes one of their names or a path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import yaml
 
 from areal_hpc.errors import UserError, closest
-
-CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "clusters"
+from areal_hpc.sched.catalog import CLUSTERS, cluster_names
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,9 @@ def make_cluster(name: str, pools: list[tuple[str, str, int, int]], inter_node_g
     return Cluster(name, built, links)
 
 
-def read_yaml(path: str | Path, what: str, hint: str):
+def read_yaml(path: str | Traversable, what: str, hint: str):
     """A YAML file's content; a missing or unparsable file is a one-line user error."""
-    path = Path(path)
+    path = Path(path) if isinstance(path, str) else path
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist ({hint})")
     try:
@@ -137,11 +138,24 @@ def read_yaml(path: str | Path, what: str, hint: str):
         raise UserError(f"{what} {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """Read a cluster YAML (see configs/clusters/paper-8h800-24h20.yaml for the format)."""
-    spec = read_yaml(path, "cluster file", "see configs/clusters/ for examples") or {}
+def cluster_file(cluster: str | Path) -> Traversable:
+    """What ``--cluster`` names: a YAML file, or a cluster of the shipped catalog by its name."""
+    path = Path(cluster)
+    if path.is_file() or path.suffix or len(path.parts) > 1:  # a path; read_yaml reports a missing one
+        return path
+    known = cluster_names()
+    if path.name not in known:
+        raise UserError(f"unknown cluster '{cluster}'{closest(path.name, known)} "
+                        f"(known: {', '.join(known)}; or give a cluster YAML file)")
+    return CLUSTERS / f"{path.name}.yaml"
+
+
+def load_cluster(cluster: str | Path) -> Cluster:
+    """Read a cluster YAML by path or catalog name (see the catalog's paper-8h800-24h20.yaml for the format)."""
+    path = cluster_file(cluster)
+    spec = read_yaml(path, "cluster file", f"give a cluster YAML or one of {', '.join(cluster_names())}") or {}
     if not isinstance(spec, dict):
-        raise UserError(f"cluster file {path} must be a mapping with 'pools' (see configs/clusters/)")
+        raise UserError(f"cluster file {path} must be a mapping with 'pools' (see areal_hpc/sched/catalog/clusters/)")
     rows = []
     for i, pool in enumerate(spec.get("pools") or []):
         missing = {"device", "nodes"} - set(pool if isinstance(pool, dict) else ())
@@ -150,7 +164,7 @@ def load_cluster(path: str | Path) -> Cluster:
                             f"(each pool needs device, nodes and optionally name, per_node)")
         rows.append((str(pool.get("name", pool["device"])), str(pool["device"]), pool["nodes"],
                      pool.get("per_node", 8)))
-    cluster = make_cluster(spec.get("name", Path(path).stem), rows, spec.get("inter_node_gbs"), spec.get("prices"))
+    cluster = make_cluster(spec.get("name", Path(path.name).stem), rows, spec.get("inter_node_gbs"), spec.get("prices"))
     partitions = {str(pool.get("name", pool["device"])): str(pool.get("partition", pool.get("name", pool["device"])))
                   for pool in spec["pools"]}
     return replace(cluster, pools=tuple(replace(p, partition=partitions[p.name]) for p in cluster.pools))

@@ -1,6 +1,7 @@
 """Model sizes the cost model needs (parameters, KV bytes per token), read from a Hugging Face config.json.
 
-``--model NAME`` looks in configs/models/NAME/config.json; a folder or a config.json path works too.
+``--model NAME`` looks in the shipped catalog (areal_hpc/sched/catalog/models/NAME/config.json); a folder
+or a config.json path works too.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_hpc.errors import UserError, closest
-
-MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
+from areal_hpc.sched.catalog import MODELS, model_names
 
 
 @dataclass(frozen=True)
@@ -44,25 +44,20 @@ class ModelSpec:
         return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 2.0
 
 
-def known_models() -> list[str]:
-    return sorted(p.parent.name for p in MODELS.glob("*/config.json"))
-
-
 def load_model_spec(name: str) -> ModelSpec:
-    """A model by its name under configs/models/, or by a path to a folder or a config.json."""
+    """A model by its name in the shipped catalog, or by a path to a folder or a config.json."""
     path = Path(name)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        path = MODELS / name / "config.json"
-    if not path.is_file():
-        raise UserError(f"unknown model '{name}'{closest(name, known_models())} "
-                        f"(known: {', '.join(known_models())}; or give a folder with a config.json)")
-    cfg = json.loads(path.read_text())
+    model, config = (path.parent.name, path) if path.is_file() else (name, MODELS / name / "config.json")
+    if not config.is_file():
+        raise UserError(f"unknown model '{name}'{closest(name, model_names())} "
+                        f"(known: {', '.join(model_names())}; or give a folder with a config.json)")
+    cfg = json.loads(config.read_text())
     try:
-        return ModelSpec(path.parent.name, cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+        return ModelSpec(model, cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
                          cfg.get("num_key_value_heads", cfg["num_attention_heads"]), cfg["intermediate_size"],
                          cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)))
     except KeyError as exc:
-        raise UserError(f"{path} lacks {exc.args[0]} (a decoder config.json needs hidden_size, num_hidden_layers, "
+        raise UserError(f"{config} lacks {exc.args[0]} (a decoder config.json needs hidden_size, num_hidden_layers, "
                         f"num_attention_heads, intermediate_size, vocab_size)") from None

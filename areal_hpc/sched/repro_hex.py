@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from areal_hpc.sched.calibrate import Measurement, fit_efficiency
+from areal_hpc.sched.catalog import EFFICIENCY_AREAL_HEX
 from areal_hpc.sched.cost import CostModel, Efficiency, Workload, load_efficiency
-from areal_hpc.sched.hardware import CLUSTERS, load_cluster
+from areal_hpc.sched.hardware import load_cluster
 from areal_hpc.sched.model_spec import load_model_spec
 from areal_hpc.sched.planner import HeteroPlanner
 
@@ -32,7 +33,7 @@ PAPER = {  # per model: (uniform, optimised) on 24 H800, hex throughput, sync H8
 # keeps its default: with H20's decode factor fitted, the rows leave it undetermined.
 FITTED = ("overall", "decode_hbm", "sync", "H20.train", "H20.decode")
 # Written from `areal-hpc repro hex --calibrate` (2026-11-23), fitted to the rows marked "fit".
-CALIBRATED = load_efficiency(CLUSTERS / "efficiency-areal-hex.yaml")
+CALIBRATED = load_efficiency(EFFICIENCY_AREAL_HEX)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Row:
 def planner(cluster: str, size: str, efficiency: Efficiency, workload: Workload = WORKLOAD,
             budget: float = float("inf")) -> HeteroPlanner:
     cost = CostModel(load_model_spec(MODELS[size]), workload, efficiency)
-    return HeteroPlanner(load_cluster(CLUSTERS / f"{cluster}.yaml"), cost, budget=budget)
+    return HeteroPlanner(load_cluster(cluster), cost, budget=budget)
 
 
 def uniform_split(p: HeteroPlanner):
@@ -67,7 +68,7 @@ def uniform_split(p: HeteroPlanner):
 def cost_per_token_ratio(e: Efficiency, side: str, workload: Workload = WORKLOAD) -> float:
     """Table 1: $/token of H800 over H20 for generation (side="inference"), H20 over H800 for training."""
     cost = CostModel(load_model_spec(MODELS["7B"]), workload, e)
-    pools = {p.name: p for p in load_cluster(CLUSTERS / "paper-8h800-24h20.yaml").pools}
+    pools = {p.name: p for p in load_cluster("paper-8h800-24h20").pools}
     per_dollar = {}
     for name, pool in pools.items():
         if side == "inference":

@@ -1,4 +1,7 @@
-"""The ``areal-hpc`` command: one subcommand per job a user runs.
+"""The ``areal-hpc`` command: one subcommand per job a user runs, all listed in the ``COMMANDS`` table.
+
+Each row names a subcommand, its help line, the function that declares its arguments and the one that runs
+it; the planner's (``sched/cli.py``) and the sweep's (``launch/sweep/cli.py``) live beside their code.
 
 User errors (bad config key, missing file, wrong value) print one line on stderr and exit with 2.
 Heavy modules (torch, transformers) are imported inside the subcommands, so ``--help`` is instant.
@@ -10,11 +13,13 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from areal_hpc.errors import UserError
-from areal_hpc.launch.sweep import add_sweep_command
-from areal_hpc.sched.cli import add_planner_commands
+from areal_hpc.launch.sweep import cli as sweep_cli
+from areal_hpc.sched import cli as planner_cli
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -24,11 +29,48 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+@dataclass(frozen=True)
+class Command:
+    """``areal-hpc NAME``: its help line, the function that declares its arguments on its parser and the one
+    that runs it (returns the exit code; it imports what it needs, so building the parser stays light)."""
+
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Group:
+    """``areal-hpc NAME ACTION``: a subcommand made of subcommands, called ``metavar`` in its usage line."""
+
+    name: str
+    help: str
+    metavar: str
+    commands: tuple[Command, ...]
+
+
+def _config_arguments(parser, required: bool = True) -> None:
+    parser.add_argument("--config", required=required, metavar="FILE", help="experiment YAML (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. actor.lr=1e-4")
+
+
+def _optional_config_arguments(parser) -> None:
+    _config_arguments(parser, required=False)
+
+
 def _config_show(args) -> int:
     from areal_hpc.config import load_config, to_yaml
 
     print(to_yaml(load_config(args.config, args.overrides)), end="")
     return 0
+
+
+def _init_model_arguments(init) -> None:
+    init.add_argument("--out", required=True, metavar="DIR", help="output folder (Hugging Face format)")
+    init.add_argument("--preset", default="tiny", choices=["tiny", "small", "tiny-moe"],
+                      help="model size and kind (default: tiny; tiny-moe: a Qwen3-MoE with 8 experts)")
+    init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
 
 
 def _init_model(args) -> int:
@@ -51,6 +93,14 @@ def _sft(args) -> int:
     print(f"eval accuracy: before {result.before.summary()} -> after {result.after.summary()} "
           f"in {result.seconds:.0f} s; model saved to {result.model_dir}")
     return 0
+
+
+def _eval_arguments(ev) -> None:
+    ev.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")
+    ev.add_argument("--task", choices=["arithmetic", "countdown", "gsm8k"], help="task (default: the config's)")
+    ev.add_argument("--limit", type=int, help="evaluate only the first N held-out problems")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    _optional_config_arguments(ev)
 
 
 def _eval(args) -> int:
@@ -93,6 +143,11 @@ def _exit_1_on_damage(handler):
     return run
 
 
+def _shard_path_argument(parser) -> None:
+    parser.add_argument("path", metavar="PATH",
+                        help="a shard file (.h5) or a folder of shards, e.g. <fileroot>/<experiment>/<trial>/shards")
+
+
 @_exit_1_on_damage
 def _shards_inspect(args) -> int:
     from areal_hpc.data.shards.report import inspect, open_store, problems_line
@@ -117,6 +172,16 @@ def _shards_verify(args) -> int:
         print(f"DAMAGE: {line}")
     print(f"{args.path}: {'damage found' if damage else 'ok'}, {records:,} committed records checked")
     return 1 if damage else 0
+
+
+def _shards_export_arguments(export) -> None:
+    _shard_path_argument(export)
+    export.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format (default: jsonl)")
+    export.add_argument("--output", metavar="FILE", help="write here instead of standard output")
+    export.add_argument("--tenant", help="only this tenant's trajectories")
+    export.add_argument("--eligible-only", action="store_true", help="only trajectories eligible for training")
+    export.add_argument("--min-version", type=int, metavar="V", help="oldest output token at least policy version V")
+    export.add_argument("--max-version", type=int, metavar="V", help="newest output token at most policy version V")
 
 
 @_exit_1_on_damage
@@ -146,10 +211,28 @@ def _shards_export(args) -> int:
     return 0
 
 
+def _train_arguments(train) -> None:
+    _config_arguments(train)
+    train.add_argument("--resume", nargs="?", const="always", default="never", choices=["always", "auto", "never"],
+                       help="continue the run from its latest checkpoint; --resume=auto: continue if there is "
+                            "one, else start (what a requeued job does)")
+
+
 def _train(args) -> int:
     from areal_hpc.launch.local import launch
 
     return launch(args.config, args.overrides, args.resume)
+
+
+def _submit_arguments(sub) -> None:
+    _config_arguments(sub)
+    sub.add_argument("--profile", metavar="FILE", help="site profile YAML under the config (e.g. slurm/profiles/dev.yaml)")
+    sub.add_argument("--plan", metavar="FILE", help="`areal-hpc plan --out` output: its pools' partitions become "
+                                                    "the job's components")
+    sub.add_argument("--resume", nargs="?", const="always", default="never", choices=["always", "auto", "never"],
+                     help="as for `train`: continue the run folder's run (a requeued job always does)")
+    sub.add_argument("--dry-run", action="store_true", help="print the job script and check it with "
+                                                            "`sbatch --test-only`; submit nothing")
 
 
 def _submit(args) -> int:
@@ -199,6 +282,11 @@ def _proxy(args) -> int:
     return 0
 
 
+def _proxy_key_arguments(key) -> None:
+    key.add_argument("--keys-file", required=True, metavar="FILE", help="the proxy's keys file (proxy.keys_file)")
+    key.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-')")
+
+
 def _proxy_key(args) -> int:
     from areal_hpc.proxy.tenants import add_key
 
@@ -214,100 +302,65 @@ def _serve_alias(item: str) -> str:
     return f"{SERVE_ALIASES.get(key, key)}{sep}{value}"
 
 
+# Every subcommand, in the order `areal-hpc --help` lists them.
+COMMANDS = (
+    Group("config", "inspect experiment configs", "ACTION", (
+        Command("show", "print the merged config (defaults <- YAML <- overrides)", _config_arguments, _config_show),
+    )),
+    Command("init-model", "write a tiny Qwen2 model + tokenizer, built offline", _init_model_arguments, _init_model),
+    Command("sft", "supervised fine-tuning with held-out evaluation", _config_arguments, _sft),
+    Command("train", "asynchronous RL: rollout servers + trainer processes on this machine", _train_arguments, _train),
+    Command("submit", "submit a run as one heterogeneous Slurm job (trainer + rollout components, through submitit)",
+            _submit_arguments, _submit),
+    Command("slurm-task", "one task of a run's Slurm job (what slurm/*.sbatch scripts run under srun); its role comes "
+                          "from its rank", _config_arguments, _slurm_task),
+    Command("eval", "greedy accuracy of a model on a task's held-out split", _eval_arguments, _eval),
+    Command("serve", "run a rollout server (embedded engine or SGLang) with SGLang's HTTP API",
+            _optional_config_arguments, _serve),
+    Command("proxy", "the login-node proxy: an OpenAI-compatible gateway whose sessions become trajectory records "
+                     "(no GPU, no torch)", _optional_config_arguments, _proxy),
+    Command("proxy-key", "make a tenant key for the proxy: prints it, stores its hash", _proxy_key_arguments,
+            _proxy_key),
+    Group("shards", "inspect, verify and export trajectory shards", "ACTION", (
+        Command("inspect", "summary: trajectories, tokens, rewards, versions, tenants", _shard_path_argument,
+                _shards_inspect),
+        Command("verify", "check checksums, commit counts and manifests (exit 1 on damage)", _shard_path_argument,
+                _shards_verify),
+        Command("export", "write the trajectories as JSON lines", _shards_export_arguments, _shards_export),
+    )),
+    Command("plan", "split a (heterogeneous) cluster between training and rollout", planner_cli.plan_arguments,
+            planner_cli.run_plan),
+    Command("simulate", "discrete-event simulation of asynchronous RL on a saved plan", planner_cli.simulate_arguments,
+            planner_cli.run_simulate),
+    Group("repro", "the papers' tables beside our predictions", "PAPER", (
+        Command("hex", "AReaL-Hex: Tables 1-4 and the same-budget ratios", planner_cli.repro_hex_arguments,
+                planner_cli.run_repro_hex),
+        Command("areal-eta", "AReaL: throughput vs staleness (Table 7)", planner_cli.repro_arguments,
+                planner_cli.run_repro_eta),
+    )),
+    Command("sweep", "a grid of runs as one Slurm job array (submitit), and its results", sweep_cli.sweep_arguments,
+            sweep_cli.run_sweep),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="areal-hpc",
                            description="Asynchronous RL of LLMs on Slurm clusters (AReaL, packaged for HPC).")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser, required=True)
-
-    def with_config(p, required=True):
-        p.add_argument("--config", required=required, metavar="FILE", help="experiment YAML (see configs/)")
-        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. actor.lr=1e-4")
-
-    config = commands.add_parser("config", help="inspect experiment configs")
-    config_commands = config.add_subparsers(dest="action", metavar="ACTION", parser_class=OneLineParser,
-                                            required=True)
-    show = config_commands.add_parser("show", help="print the merged config (defaults <- YAML <- overrides)")
-    with_config(show)
-    show.set_defaults(handler=_config_show)
-
-    init = commands.add_parser("init-model", help="write a tiny Qwen2 model + tokenizer, built offline")
-    init.add_argument("--out", required=True, metavar="DIR", help="output folder (Hugging Face format)")
-    init.add_argument("--preset", default="tiny", choices=["tiny", "small", "tiny-moe"],
-                      help="model size and kind (default: tiny; tiny-moe: a Qwen3-MoE with 8 experts)")
-    init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
-    init.set_defaults(handler=_init_model)
-
-    sft = commands.add_parser("sft", help="supervised fine-tuning with held-out evaluation")
-    with_config(sft)
-    sft.set_defaults(handler=_sft)
-
-    train = commands.add_parser("train", help="asynchronous RL: rollout servers + trainer processes on this machine")
-    with_config(train)
-    train.add_argument("--resume", nargs="?", const="always", default="never", choices=["always", "auto", "never"],
-                       help="continue the run from its latest checkpoint; --resume=auto: continue if there is "
-                            "one, else start (what a requeued job does)")
-    train.set_defaults(handler=_train)
-
-    sub = commands.add_parser("submit", help="submit a run as one heterogeneous Slurm job (trainer + rollout "
-                                             "components, through submitit)")
-    with_config(sub)
-    sub.add_argument("--profile", metavar="FILE", help="site profile YAML under the config (e.g. slurm/profiles/dev.yaml)")
-    sub.add_argument("--plan", metavar="FILE", help="`areal-hpc plan --out` output: its pools' partitions become "
-                                                    "the job's components")
-    sub.add_argument("--resume", nargs="?", const="always", default="never", choices=["always", "auto", "never"],
-                     help="as for `train`: continue the run folder's run (a requeued job always does)")
-    sub.add_argument("--dry-run", action="store_true", help="print the job script and check it with "
-                                                            "`sbatch --test-only`; submit nothing")
-    sub.set_defaults(handler=_submit)
-
-    task = commands.add_parser("slurm-task", help="one task of a run's Slurm job (what slurm/*.sbatch scripts run "
-                                                  "under srun); its role comes from its rank")
-    with_config(task)
-    task.set_defaults(handler=_slurm_task)
-
-    ev = commands.add_parser("eval", help="greedy accuracy of a model on a task's held-out split")
-    ev.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")
-    ev.add_argument("--task", choices=["arithmetic", "countdown", "gsm8k"], help="task (default: the config's)")
-    ev.add_argument("--limit", type=int, help="evaluate only the first N held-out problems")
-    ev.add_argument("--json", action="store_true", help="print one JSON object")
-    with_config(ev, required=False)
-    ev.set_defaults(handler=_eval)
-
-    serve = commands.add_parser("serve", help="run a rollout server (embedded engine or SGLang) with SGLang's HTTP API")
-    with_config(serve, required=False)
-    serve.set_defaults(handler=_serve)
-
-    proxy = commands.add_parser("proxy", help="the login-node proxy: an OpenAI-compatible gateway whose sessions "
-                                               "become trajectory records (no GPU, no torch)")
-    with_config(proxy, required=False)
-    proxy.set_defaults(handler=_proxy)
-    key = commands.add_parser("proxy-key", help="make a tenant key for the proxy: prints it, stores its hash")
-    key.add_argument("--keys-file", required=True, metavar="FILE", help="the proxy's keys file (proxy.keys_file)")
-    key.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-')")
-    key.set_defaults(handler=_proxy_key)
-
-    shards = commands.add_parser("shards", help="inspect, verify and export trajectory shards")
-    shard_commands = shards.add_subparsers(dest="action", metavar="ACTION", parser_class=OneLineParser,
-                                           required=True)
-    path_help = "a shard file (.h5) or a folder of shards, e.g. <fileroot>/<experiment>/<trial>/shards"
-    inspect = shard_commands.add_parser("inspect", help="summary: trajectories, tokens, rewards, versions, tenants")
-    inspect.add_argument("path", metavar="PATH", help=path_help)
-    inspect.set_defaults(handler=_shards_inspect)
-    verify = shard_commands.add_parser("verify", help="check checksums, commit counts and manifests (exit 1 on damage)")
-    verify.add_argument("path", metavar="PATH", help=path_help)
-    verify.set_defaults(handler=_shards_verify)
-    export = shard_commands.add_parser("export", help="write the trajectories as JSON lines")
-    export.add_argument("path", metavar="PATH", help=path_help)
-    export.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format (default: jsonl)")
-    export.add_argument("--output", metavar="FILE", help="write here instead of standard output")
-    export.add_argument("--tenant", help="only this tenant's trajectories")
-    export.add_argument("--eligible-only", action="store_true", help="only trajectories eligible for training")
-    export.add_argument("--min-version", type=int, metavar="V", help="oldest output token at least policy version V")
-    export.add_argument("--max-version", type=int, metavar="V", help="newest output token at most policy version V")
-    export.set_defaults(handler=_shards_export)
-    add_planner_commands(commands)  # plan, simulate, repro
-    add_sweep_command(commands)
+    _add_commands(parser, "COMMAND", COMMANDS)
     return parser
+
+
+def _add_commands(parser: argparse.ArgumentParser, metavar: str, commands: tuple[Command | Group, ...]) -> None:
+    """The table's rows as ``parser``'s subcommands; the one given lands in ``args.<metavar, lower case>``."""
+    subparsers = parser.add_subparsers(dest=metavar.lower(), metavar=metavar, parser_class=OneLineParser,
+                                       required=True)
+    for command in commands:
+        sub = subparsers.add_parser(command.name, help=command.help)
+        if isinstance(command, Group):
+            _add_commands(sub, command.metavar, command.commands)
+        else:
+            command.arguments(sub)
+            sub.set_defaults(handler=command.run)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
-"""``areal-hpc plan | simulate | repro``: the planner's subcommands (login-node safe: no torch).
+"""``areal-hpc plan | simulate | repro``: the planner's subcommands (login-node safe: no torch), each as the
+function that declares its arguments and the one that runs it; ``areal_hpc/cli.py`` lists them in its table.
 
-    areal-hpc plan --cluster configs/clusters/paper-8h800-24h20.yaml --model r1-distill-qwen-7b
+    areal-hpc plan --cluster paper-8h800-24h20 --model r1-distill-qwen-7b
     areal-hpc simulate --plan plan.yaml --staleness 0
     areal-hpc repro hex [--json]            areal-hpc repro areal-eta [--json]
 """
@@ -14,12 +15,12 @@ from pathlib import Path
 from areal_hpc.errors import UserError
 
 
-def add_planner_commands(commands) -> None:
-    """Register the planner's subcommands on the ``areal-hpc`` subparsers object."""
-    plan = commands.add_parser("plan", help="split a (heterogeneous) cluster between training and rollout")
-    plan.add_argument("--cluster", required=True, metavar="FILE", help="cluster YAML (see configs/clusters/)")
+def plan_arguments(plan) -> None:
+    """Declare ``plan``'s arguments on its parser."""
+    plan.add_argument("--cluster", required=True, metavar="NAME",
+                      help="a cluster of the shipped catalog (e.g. paper-8h800-24h20, example-site) or a cluster YAML")
     plan.add_argument("--model", required=True, metavar="NAME",
-                      help="a name under configs/models/ (e.g. r1-distill-qwen-7b) or a folder with a config.json")
+                      help="a model of the shipped catalog (e.g. r1-distill-qwen-7b) or a folder with a config.json")
     plan.add_argument("--budget-per-hour", type=float, metavar="USD", help="spend at most this much per hour")
     plan.add_argument("--objective", default="max-throughput", choices=["max-throughput", "min-cost"])
     plan.add_argument("--target-throughput", type=float, metavar="TOKENS_PER_S", help="for --objective min-cost")
@@ -31,9 +32,10 @@ def add_planner_commands(commands) -> None:
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan.add_argument("--out", metavar="FILE", help="also write the plan as YAML (input of `simulate`, the launcher)")
     plan.add_argument("--plot", metavar="PNG", help="also draw the plan")
-    plan.set_defaults(handler=_plan)
 
-    sim = commands.add_parser("simulate", help="discrete-event simulation of asynchronous RL on a saved plan")
+
+def simulate_arguments(sim) -> None:
+    """Declare ``simulate``'s arguments on its parser."""
     sim.add_argument("--plan", required=True, metavar="FILE", help="a plan YAML written by `areal-hpc plan --out`")
     sim.add_argument("--staleness", type=int, metavar="ETA", help="override the plan's staleness bound")
     sim.add_argument("--steps", type=int, default=20, help="training steps to simulate (default: 20)")
@@ -41,19 +43,19 @@ def add_planner_commands(commands) -> None:
     sim.add_argument("--not-interruptible", action="store_true", help="weight updates wait for in-flight answers")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", action="store_true", help="print one JSON object")
-    sim.set_defaults(handler=_simulate)
 
-    repro = commands.add_parser("repro", help="the papers' tables beside our predictions")
-    papers = repro.add_subparsers(dest="paper", metavar="PAPER", parser_class=type(repro), required=True)
-    for name, text in (("hex", "AReaL-Hex: Tables 1-4 and the same-budget ratios"),
-                       ("areal-eta", "AReaL: throughput vs staleness (Table 7)")):
-        paper = papers.add_parser(name, help=text)
-        paper.add_argument("--json", action="store_true", help="one JSON object per row")
-        paper.add_argument("--calibrate", action="store_true",
-                           help="refit the efficiency factors to the rows marked 'fit' first (minutes)")
-        if name == "hex":
-            paper.add_argument("--sequences", type=int, help="sequences per step (default: the assumed 64)")
-        paper.set_defaults(handler=_repro_hex if name == "hex" else _repro_eta)
+
+def repro_arguments(paper) -> None:
+    """Declare the arguments every ``repro PAPER`` takes on its parser."""
+    paper.add_argument("--json", action="store_true", help="one JSON object per row")
+    paper.add_argument("--calibrate", action="store_true",
+                       help="refit the efficiency factors to the rows marked 'fit' first (minutes)")
+
+
+def repro_hex_arguments(paper) -> None:
+    """Declare ``repro hex``'s arguments: those of every paper and the workload's size."""
+    repro_arguments(paper)
+    paper.add_argument("--sequences", type=int, help="sequences per step (default: the assumed 64)")
 
 
 def _positive(value, flag: str, what: str) -> None:
@@ -61,7 +63,7 @@ def _positive(value, flag: str, what: str) -> None:
         raise UserError(f"{flag} must be a positive {what}, got {value:g}")
 
 
-def _plan(args) -> int:
+def run_plan(args) -> int:
     import yaml
 
     from areal_hpc.sched.cost import CostModel, Efficiency, Workload, load_efficiency
@@ -96,7 +98,7 @@ def _plan(args) -> int:
     return 0
 
 
-def _simulate(args) -> int:
+def run_simulate(args) -> int:
     import numpy as np
 
     from areal_hpc.sched.hardware import read_yaml
@@ -151,7 +153,7 @@ def _fmt(value: float, unit: str) -> str:
     return f"{value:,.1f}" if unit == "s" else f"{value:,.0f}"
 
 
-def _repro_hex(args) -> int:
+def run_repro_hex(args) -> int:
     from dataclasses import replace
 
     from areal_hpc.sched import repro_hex
@@ -166,7 +168,7 @@ def _repro_hex(args) -> int:
     return 0
 
 
-def _repro_eta(args) -> int:
+def run_repro_eta(args) -> int:
     from areal_hpc.sched import repro_eta
 
     overall = repro_eta.calibrate() if args.calibrate else repro_eta.OVERALL

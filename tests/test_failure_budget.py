@@ -32,7 +32,7 @@ from areal_hpc.rollout.controller import FAILURE_KINDS, FailureBudget, FailureLo
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
 from areal_hpc.train.build import build_controller
-from areal_hpc.train.driver import shards
+from areal_hpc.train.rl_run import shards
 from tests import rewards_for_tests
 from tests.conftest import embedded_server
 from tests.waiting import serve_on_loopback, wait_until

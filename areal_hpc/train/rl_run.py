@@ -1,0 +1,178 @@
+"""What trainer rank 0's asynchronous loop works with, opened together and closed together: the reward
+pool, the progress display, the trajectory shards (and the proxy's records), the rollout client, the
+weight sync and the rollout controller; and the loop's steps that are not the algorithm itself
+(reading a batch back, pushing weights, evaluating, checkpointing).
+
+Opening it pushes the trainer's weights to every server, evaluates the starting policy and starts
+generation; closing it stops generation and the background tasks, however the run ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from areal_hpc.config import RunConfig
+from areal_hpc.data.prompts import PromptStream
+from areal_hpc.data.registry import build_task
+from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.shards.consumer import TrajectoryConsumer
+from areal_hpc.data.shards.writer import TrajectoryShardWriter
+from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.rollout.controller import Episode
+from areal_hpc.rollout.workflows import Scorer
+from areal_hpc.runtime.rollout_token import rollout_token
+from areal_hpc.train.build import (build_controller, build_weight_sync, open_proxy_records, open_shards,
+                                   recovered_episodes, take_proxy_records, wait_for_servers)
+from areal_hpc.train.checkpoint import save_checkpoint
+from areal_hpc.train.evaluate import evaluate_remote
+from areal_hpc.train.progress import RLProgress
+from areal_hpc.train.stopping import StopRequested
+from areal_hpc.train.trainer_group import TrainerGroup
+from areal_hpc.train.weight_push import admit_servers
+
+
+class RLRun:
+    """One run's open resources on trainer rank 0 (``open``), from its starting ``version``."""
+
+    def __init__(self, cfg: RunConfig, group: TrainerGroup, state: dict, task, rewards: RewardPool,
+                 progress: RLProgress, writer: TrajectoryShardWriter, consumer: TrajectoryConsumer, proxy_records,
+                 client: RolloutClient):
+        self.cfg, self.group, self.task, self.rewards, self.progress = cfg, group, task, rewards, progress
+        self.consumer, self.proxy_records, self.client = consumer, proxy_records, client
+        self.actor = group.engines["actor"]  # its saves and weight gatherings are collective over every rank
+        self.version = state["step"]
+        self.evaluated = state.get("evaluated", self.version)  # the last step evaluated
+        self.prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
+        self.sync = build_weight_sync(cfg, self.actor.device.type)
+        self.controller = build_controller(cfg, client, self.actor.tokenizer, Scorer(rewards), task.name,
+                                           self.prompts, writer, self.version, on_drop=self._drop)
+        self.controller.restore(recovered_episodes(consumer, self.version))
+        self.controller.dropped = state.get("dropped", 0)
+        # An evaluation of version v runs beside the training of step v + 1 and ends before the weights of
+        # v + 1 reach the servers, so every answer it scores is version v's.
+        self.evaluation: asyncio.Future = asyncio.create_task(asyncio.sleep(0))
+        self.background: list[asyncio.Task] = []
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, cfg: RunConfig, group: TrainerGroup, state: dict) -> AsyncIterator["RLRun"]:
+        task = build_task(cfg.dataset)
+        addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
+        in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # /generate at most
+        with (RewardPool(task.reward) as rewards, RLProgress(cfg, state["step"]) as progress,
+              shards(cfg, state.get("cursor", {})) as (writer, consumer),
+              open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):
+            async with RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
+                                     rollout_token(cfg.run_dir)) as client:
+                run = cls(cfg, group, state, task, rewards, progress, writer, consumer, proxy_records, client)
+                await run._start(servers)
+                try:
+                    yield run
+                finally:
+                    await run._stop()
+
+    async def _start(self, servers) -> None:
+        await self.sync.connect(self.client)
+        await self.sync.push(self.actor, self.client, self.version)  # the servers start from the trainer's weights
+        if self.version == 0 or (self._evaluation_due(self.version) and self.evaluated != self.version):
+            await self._evaluate(self.version)  # (a stop skipped it)
+        await self.controller.start()
+        self.progress.rollouts_started()
+        self.background = [asyncio.create_task(self.progress.watch(self.controller)),  # failures show meanwhile
+                           asyncio.create_task(admit_servers(servers, self.client, self.sync,  # new servers
+                                                             self.progress.console.print))]
+
+    async def _stop(self) -> None:
+        for task in [self.evaluation, *self.background]:
+            task.cancel()
+        await self.controller.stop()
+        self.progress.rollout_counts(self.controller)  # the last counts, however the run ends
+
+    def _drop(self, episode: Episode) -> None:
+        """Too stale to train: consumed without reading it back, and logged."""
+        self.consumer.mark_ids(episode.ids)
+        self.progress.dropped(episode.ids)
+
+    def read_back(self, episodes: list[Episode], step: int) -> list[Trajectory]:
+        """The batch of ``step``: its episodes read back from the shards, and agents' sessions through the
+        login-node proxy (those too stale are consumed and logged)."""
+        batch = self.consumer.take_ids([i for e in episodes for i in e.ids])
+        if self.proxy_records is not None:
+            fresh, stale = take_proxy_records(self.proxy_records, self.cfg.rl.proxy_records_per_step, step,
+                                              self.cfg.rollout.max_head_offpolicyness)
+            batch += fresh
+            if stale:
+                self.progress.dropped([t.id for t in stale])
+        return batch
+
+    async def push_weights(self, version: int) -> dict[str, float]:
+        """Pause (interrupt) or drain generation, give every server the weights of ``version``, continue."""
+        stats = await self.sync.stage(self.actor, version)  # written while generation goes on
+        await self.evaluation
+        await (self.controller.pause() if self.cfg.rl.interruptible else self.controller.drain())
+        stats |= await self.sync.push(self.actor, self.client, version)
+        self.controller.set_version(version)
+        await self.controller.resume()
+        return stats
+
+    def trained(self, version: int, batch: list[Trajectory], stats: dict[str, float], waited: float,
+                started: float) -> None:
+        self.progress.trained(version, batch, stats, waited, time.perf_counter() - started, self.controller)
+
+    async def evaluate_and_save(self, version: int) -> None:
+        """Start an evaluation of ``version`` when one is due (awaited at the last step), then save a
+        checkpoint when one is due (an evaluation still running is done again after a resume)."""
+        last = version == self.cfg.rl.total_train_steps
+        if self._evaluation_due(version):
+            self.evaluation = asyncio.create_task(self._evaluate(version))
+        if last:
+            await self.evaluation
+        if last or (self.cfg.saver.freq_steps and version % self.cfg.saver.freq_steps == 0):
+            self.checkpoint(version)
+
+    def save_and_stop(self, version: int) -> None:
+        self.checkpoint(version)
+        self.progress.stopped(version)
+        raise StopRequested
+
+    def checkpoint(self, version: int) -> None:
+        proxy_cursor = self.proxy_records.cursor.state_dict() if self.proxy_records is not None else None
+        save_checkpoint(self.cfg.run_dir, version, self.group.engines, {
+            "prompts_drawn": self.prompts.drawn, "dropped": self.controller.dropped,
+            "cursor": self.consumer.cursor.state_dict(), "proxy_cursor": proxy_cursor, "evaluated": self.evaluated})
+
+    def finish(self) -> None:
+        """After the last step: the model for ``areal-hpc eval --model`` and the run's plots."""
+        self.actor.save(self.cfg.run_dir / "model", optimizer=False)
+        self.progress.plot()
+
+    def _evaluation_due(self, version: int) -> bool:
+        every = self.cfg.rl.eval_every_steps
+        return version in (0, self.cfg.rl.total_train_steps) or bool(every and version % every == 0)
+
+    async def _evaluate(self, version: int) -> None:
+        result = await evaluate_remote(self.client, self.actor.tokenizer, self.task.eval, self.rewards,
+                                       self.cfg.gconfig.max_new_tokens)
+        self.progress.evaluated(version, result)
+        self.evaluated = version
+
+
+@contextlib.contextmanager
+def shards(cfg: RunConfig, cursor_state: dict) -> Iterator[tuple[TrajectoryShardWriter, TrajectoryConsumer]]:
+    """The run's shard writer and consumer, both closed when the run ends. After a failure the
+    writer's last commit may fail too (a full disk): that must not hide the error that stopped the run."""
+    writer, consumer = open_shards(cfg, cursor_state)
+    try:
+        yield writer, consumer
+    except BaseException:
+        with contextlib.suppress(OSError):
+            writer.close()
+        raise
+    else:
+        writer.close()
+    finally:
+        consumer.close()

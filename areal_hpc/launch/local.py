@@ -38,7 +38,6 @@ from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, R
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 
-RESUME_CHOICES = ("never", "always", "auto")
 
 
 def should_resume(cfg: RunConfig, resume: str) -> bool:

@@ -1,0 +1,193 @@
+"""Checkpoints of the Megatron model in Hugging Face folders: this rank's shards loaded from a folder
+(any layout saved it), the whole model gathered stage by stage onto global rank 0 in buckets (for the
+rollout push and the saved folder), and the optimizer state saved and resumed per rank.
+
+- A critic's head the folder lacks takes the same draws as ``models.hf.load_critic``'s, so both
+  engines start from one critic.
+- Optimizer state resumes in the layout that saved it only; FSDP's Adam moments are DTensor shards,
+  saved per rank as their local shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from areal_hpc.engines.base import OPTIMIZER_SHARDS, TRAINING_STATE, WeightBucket, weight_buckets
+from areal_hpc.engines.megatron.convert import ModelShape, hf_to_megatron, is_expert, stage_to_hf
+from areal_hpc.errors import UserError
+from areal_hpc.models.hf import read_checkpoint, save_model
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.mesh import TrainMesh
+
+
+def fresh_value_head(hf_config) -> dict[str, torch.Tensor]:
+    """HF's ``score`` weights as ``load_critic`` initialises them when the folder has none (the same
+    draws from the default generator: the critic's initialisation depends on the seed only)."""
+    from transformers import AutoModelForTokenClassification
+
+    with torch.device("meta"):
+        skeleton = AutoModelForTokenClassification.from_config(hf_config)
+    head = torch.nn.Linear(hf_config.hidden_size, 1, device="meta").to_empty(device="cpu")  # no draws
+    skeleton._init_weights(head)
+    return {"score.weight": head.weight.detach(), "score.bias": head.bias.detach()}
+
+
+def state_names(model) -> list[str]:
+    """The names of ``model``'s state dict that hold weights (Transformer Engine's extra state left out)."""
+    return [n for n in model.state_dict() if not n.endswith("_extra_state")]
+
+
+@torch.no_grad()
+def load_hf_weights(model, folder: Path, hf_config, shape: ModelShape, mesh: TrainMesh, stage: int, *,
+                    critic: bool) -> None:
+    """This rank's shards of the Hugging Face weights in ``folder`` into ``model`` (pipeline stage
+    ``stage``); a critic's head the folder lacks is drawn afresh."""
+    hf_state = read_checkpoint(folder)
+    if critic and "score.weight" not in hf_state:  # a critic starting from the policy's folder
+        hf_state.update(fresh_value_head(hf_config))
+    dims, coords = mesh.dims, mesh.coords
+    try:
+        state = hf_to_megatron(hf_state, shape, coords["tp"], dims.tp, stage, dims.pp, ep_rank=coords["ep"], ep=dims.ep)
+    except KeyError as missing:
+        raise RuntimeError(f"checkpoint {folder} lacks {missing}") from None
+    names = state_names(model)
+    if sorted(state) != sorted(names):
+        raise RuntimeError(f"Megatron stage {stage} has {sorted(set(names) ^ set(state))[:5]} beyond the converter's "
+                           "names")
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):  # FSDP's shard: every rank cuts its own from the full tensor
+            tensor.copy_(distribute_tensor(state[name].to(tensor.device), tensor.device_mesh, tensor.placements,
+                                           src_data_rank=None))
+        elif name in state:
+            tensor.copy_(state[name])
+
+
+def stage_hf_tensors(model, shape: ModelShape, mesh: TrainMesh, stage: int,
+                     tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of this stage on the stage's first replica's TP rank 0: FSDP's shards
+    gathered by every replica, then TP shards over the first replica, experts over the TP and EP
+    ranks of the first expert replica (the other ranks of those take part and get nothing; other
+    replicas do nothing more)."""
+    from megatron.core import parallel_state
+
+    state, coords = model.state_dict(), mesh.coords
+    first_replica = coords["dp"] == coords["cp"] == 0
+    takes_part = {False: first_replica, True: coords["edp"] == 0}  # keyed by: is it an expert's?
+    groups = {False: tp_group, True: parallel_state.get_expert_tensor_and_model_parallel_group()}
+
+    def gathered() -> Iterator[tuple[str, list[torch.Tensor]]]:
+        for name in state_names(model):
+            local = state[name].detach()
+            local = local.full_tensor() if isinstance(local, DTensor) else local
+            expert = is_expert(name)
+            if not takes_part[expert]:
+                continue
+            local = local.contiguous()
+            shards = [torch.empty_like(local) for _ in range(dist.get_world_size(groups[expert]))]
+            dist.all_gather(shards, local, group=groups[expert])  # EP rank major, then TP rank
+            yield name, shards
+    if first_replica and coords["tp"] == 0:
+        yield from stage_to_hf(gathered(), shape, stage, mesh.dims.pp, mesh.dims.ep)
+    else:
+        for _ in gathered():
+            pass
+
+
+def buckets_on_rank0(stage_tensors: Iterator[tuple[str, torch.Tensor]], mesh: TrainMesh, pp_group,
+                     bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Buckets of the whole model on global rank 0: its own stage's ``stage_tensors``, then each later
+    stage's leader sends its buckets (``None`` ends a stage). Collective: every rank iterates to the
+    end; the others' buckets are empty."""
+    leader = mesh.coords["dp"] == mesh.coords["cp"] == mesh.coords["tp"] == 0
+    buckets = weight_buckets(stage_tensors, bucket_bytes)
+    if dist.get_rank() == 0:
+        yield from buckets
+        for stage in range(1, mesh.dims.pp):
+            source = dist.get_global_rank(pp_group, stage)
+            while (bucket := _receive(source)) is not None:
+                yield bucket
+    elif leader:
+        for bucket in buckets:
+            dist.send_object_list([bucket], dst=0)
+        dist.send_object_list([None], dst=0)
+    else:
+        for _ in buckets:
+            pass
+
+
+def save_hf_folder(buckets: Iterator[WeightBucket], folder: Path, hf_config, tokenizer, *, critic: bool) -> None:
+    """Collective over ``buckets_on_rank0``'s ``buckets``: rank 0 writes them as the Hugging Face folder
+    of a causal LM (or with ``critic``, a token classifier)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    state = {name: tensor for bucket in buckets for name, tensor in bucket}
+    if dist.get_rank() == 0:
+        with torch.device("meta"):
+            kind = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+            skeleton = kind.from_config(hf_config)
+        save_model(skeleton, tokenizer, folder, state_dict=state)
+
+
+def save_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, scheduler, dims: ParallelDims) -> None:
+    """Collective, once rank 0 has written ``folder``: every rank its optimizer state
+    (``optimizer/rank{N}.pt``), rank 0 the schedule and layout (``training_state.pt``)."""
+    rank = dist.get_rank()
+    dist.barrier()  # rank 0 has renamed the folder into place
+    (folder / OPTIMIZER_SHARDS).mkdir(exist_ok=True)
+    torch.save(_local_shards(optimizer.state_dict()), folder / OPTIMIZER_SHARDS / f"rank{rank}.pt")
+    if rank == 0:
+        torch.save({"scheduler": scheduler.state_dict(), "megatron_layout": megatron_layout(dims)},
+                   folder / TRAINING_STATE)
+
+
+def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, scheduler, dims: ParallelDims,
+                         device: torch.device) -> None:
+    """This rank's optimizer state and the schedule from ``folder``, which a run of this layout saved."""
+    training = torch.load(folder / TRAINING_STATE, map_location="cpu", weights_only=True)
+    saved = training.get("megatron_layout")
+    saved = {"cp": 1, "fsdp": 0, **saved} if saved else saved  # checkpoints from before cp and fsdp
+    if saved != megatron_layout(dims):
+        raise UserError(f"checkpoint {folder} holds optimizer state of layout {saved}, not this run's "
+                        f"{megatron_layout(dims)} (actor.engine=megatron resumes in the layout it saved)")
+    scheduler.load_state_dict(training["scheduler"])
+    shard = torch.load(folder / OPTIMIZER_SHARDS / f"rank{dist.get_rank()}.pt", map_location=device,
+                       weights_only=True)
+    optimizer.load_state_dict(shard)
+    _placed_like_parameters(optimizer)
+
+
+def megatron_layout(dims: ParallelDims) -> dict[str, int]:
+    """The layout an optimizer checkpoint records, and must match to resume."""
+    return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep, "fsdp": int(dims.fsdp)}
+
+
+def _local_shards(state: dict) -> dict:
+    """An optimizer state dict with FSDP's DTensors as this rank's local shards (what its file holds)."""
+    local = {key: {name: value.to_local() if isinstance(value, DTensor) else value for name, value in entry.items()}
+             for key, entry in state["state"].items()}
+    return {**state, "state": local}
+
+
+def _placed_like_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """After loading local shards: each FSDP-sharded parameter's moments become DTensors placed as the
+    parameter is (its step count stays a plain tensor)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, DTensor):
+                continue
+            entry = optimizer.state[param]
+            for name, value in entry.items():
+                if torch.is_tensor(value) and not isinstance(value, DTensor) and name != "step":
+                    entry[name] = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
+                                                     stride=param.stride(), run_check=False)
+
+
+def _receive(source: int):
+    box = [None]
+    dist.recv_object_list(box, src=source)
+    return box[0]

@@ -1,0 +1,207 @@
+"""The Megatron-core GPTModel of this rank over the trainer mesh: Megatron readied on the process (the
+CPU shim, its process groups in the mesh's rank order), the layout check, the layer spec, the critic's
+value head, the DDP or FSDP2 wrapping, and the gradient norm over the model's shards.
+
+- On CPU the layer spec's core attention is ``PackedCoreAttention`` (Transformer Engine's on CUDA when
+  it imports) and its norms are ``engines.megatron.norm.MarkedRMSNorm`` (marked for the TP sum of
+  their gradients under sequence parallelism, as Megatron's fused norms are).
+- Losses already carry the whole minibatch's normaliser, so gradients are summed over micro-batches
+  and data-parallel ranks: ``calculate_per_token_loss`` stops Megatron dividing by the micro-batch
+  count and DDP by the dp size. DDP reduces gradients over dp x cp; expert gradients over the
+  expert-data-parallel ranks; each expert-parallel rank's experts are its own.
+- With ``fsdp`` (dp, tp and cp; not with pp, ep or sequence parallelism yet) Megatron's
+  ``TorchFullyShardedDataParallel`` shards every layer and the root over the dp x cp ranks (FSDP2,
+  gradient divide factor 1).
+- The PPO critic is HF's token classifier with one label: the same body, its ``score`` head in the
+  last stage's output-layer slot (``ValueHead``, replicated over TP).
+- The gradient norm counts each parameter once (TP duplicates and the last stage's tied-embedding
+  copy excluded) over the model-parallel ranks, and each expert once over the expert-parallel ranks,
+  as ``clip_grad_norm_`` does for one process.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from areal_hpc.engines.megatron import shim as megatron_shim
+from areal_hpc.engines.megatron.convert import ModelShape, gpt_model_args, transformer_config
+from areal_hpc.errors import UserError
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.mesh import TrainMesh
+
+DAY_MINUTES = 24 * 60
+
+
+def check_layout(dims: ParallelDims, shape: ModelShape) -> None:
+    """Raise ``UserError`` for a layout this engine does not build or the model cannot be split into."""
+    if dims.fsdp and (dims.pp > 1 or dims.ep > 1 or dims.sequence_parallel):
+        raise UserError(f"actor.engine=megatron builds fsdp=true with dp, tp and cp, not with pp={dims.pp} "
+                        f"ep={dims.ep} sequence_parallel={str(dims.sequence_parallel).lower()} yet")
+    if shape.experts and dims.tp > 1:
+        raise UserError(f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet; "
+                        "use dp, pp and ep")
+    shape.check_layout(dims.tp, dims.pp, dims.ep)
+
+
+def initialize_megatron(dims: ParallelDims, device: torch.device) -> None:
+    """Megatron ready on this process: the CPU shim on CPU (and Megatron without Transformer Engine
+    where that does not import), its process groups (the mesh's own: same rank order) and RNG
+    tracker, once per process."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if device.type == "cpu":
+        megatron_shim.apply()
+    if not has_transformer_engine():
+        megatron_shim.without_transformer_engine()
+    if parallel_state.model_parallel_is_initialized():
+        sizes = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_context_parallel_world_size(),
+                 parallel_state.get_expert_model_parallel_world_size())
+        if sizes != (dims.tp, dims.pp, dims.cp, dims.ep):
+            raise RuntimeError(f"Megatron is initialised for tp, pp, cp, ep = {sizes}, "
+                               f"not {(dims.tp, dims.pp, dims.cp, dims.ep)}")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+                                             context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep,
+                                             order="tp-cp-ep-dp-pp",
+                                             distributed_timeout_minutes=7 * DAY_MINUTES,
+                                             create_gloo_process_groups=False)
+    with torch.random.fork_rng(devices=[]):  # it reseeds the default generator; the caller's stream stays
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+class ValueHead(torch.nn.Linear):
+    """A critic's head in GPTModel's ``output_layer`` slot: hidden [s, b, H] -> values [s, b, 1]
+    (replicated over the TP ranks, whose hidden states are the same once gathered from the sequence-
+    parallel split: each rank then computes the whole loss, so the gather's backward takes its slice)."""
+
+    def __init__(self, hidden: int, outputs: int, *, sequence_parallel: bool = False):
+        super().__init__(hidden, outputs)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return super().forward(hidden), None
+
+
+class PipelineStage(NamedTuple):
+    """This rank's pipeline stage: its GPTModel, the model's ``TransformerConfig``, the stage's index,
+    and the tensor- and pipeline-parallel groups it runs over."""
+    model: torch.nn.Module
+    config: Any
+    index: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+
+
+def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, critic: bool) -> PipelineStage:
+    """This rank's pipeline stage of the GPTModel on ``device``, with randomly initialised weights (the
+    caller loads the real ones); a critic's last stage ends in a ``ValueHead``."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from areal_hpc.engines.megatron.attention import PackedCoreAttention
+    from areal_hpc.engines.megatron.norm import MarkedRMSNorm
+
+    # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
+    # which the gradient norm reads; the loaded weights then replace the random ones.
+    config = transformer_config(shape, dims.tp, dims.pp, dims.ep, use_cpu_initialization=True,
+                                perform_initialization=True, calculate_per_token_loss=True,
+                                sequence_parallel=dims.sequence_parallel,
+                                variable_seq_lengths=True,  # micro-batches of any length across stages
+                                moe_token_dispatcher_type="alltoall")  # "allgather" refuses the above
+    experts = dict(num_experts=shape.experts or None, moe_grouped_gemm=False)  # one MLP per expert
+    if device.type == "cuda" and has_transformer_engine():
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm, **experts)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm", **experts)
+        layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+        attention.core_attention = PackedCoreAttention
+        layer.input_layernorm = layer.pre_mlp_layernorm = MarkedRMSNorm
+        if shape.qk_norm:
+            attention.q_layernorm = attention.k_layernorm = MarkedRMSNorm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * (shape.layers // dims.pp), layer_norm=MarkedRMSNorm)
+    last = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(config, spec, pre_process=parallel_state.is_pipeline_first_stage(), post_process=last,
+                     **gpt_model_args(shape))
+    if critic and last:
+        model.output_layer = ValueHead(shape.hidden, 1, sequence_parallel=dims.sequence_parallel)
+    return PipelineStage(model.to(device), config, parallel_state.get_pipeline_model_parallel_rank(),
+                         parallel_state.get_tensor_model_parallel_group(),
+                         parallel_state.get_pipeline_model_parallel_group())
+
+
+def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool):
+    """Megatron DDP, or with ``sharded`` (``fsdp``) Megatron's FSDP2 wrapper (``fully_shard`` on every
+    layer, then the root, over the dp x cp ranks) with gradients summed, not averaged. Its default units
+    also take ``ColumnParallelLinear`` (inside the local spec's layers: FSDP2 wants inner units wrapped
+    first) and the embedding (whose weight a tied output layer reads outside its forward): both stay
+    with the root here."""
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig)
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.distributed.fsdp import FSDPModule
+
+    if not sharded:
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+        return DistributedDataParallel(config, ddp, model)
+    root = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model,
+                                         sub_modules_to_wrap={TransformerLayer}, process_group=mesh.group("dp_cp"))
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the minibatch
+            unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
+    return root
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, mesh: TrainMesh, *, sharded: bool) -> float:
+    """The norm of the whole model's gradient, each parameter counted once, and gradients scaled to
+    at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule). Experts (Megatron marks them
+    ``allreduce=False``) are summed over the expert-parallel ranks that hold them, the rest over the
+    model-parallel ranks (and with ``sharded``, FSDP's shards over the dp x cp ranks)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    total = 0.0
+    for expert, group in ((False, parallel_state.get_model_parallel_group()),
+                          (True, parallel_state.get_expert_tensor_model_pipeline_parallel_group())):
+        square = torch.zeros((), dtype=torch.float32, device=mesh.device)
+        for p in params:
+            if (param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+                    and expert != getattr(p, "allreduce", True)):
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                square += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+        dist.all_reduce(square, group=group)
+        if sharded:
+            dist.all_reduce(square, group=mesh.group("dp_cp"))
+        total += float(square)
+    norm = total ** 0.5
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return norm
+
+
+@functools.cache
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -149,7 +149,6 @@ class ParallelConfig:
     pp: int = spec(1, "pipeline-parallel size (layers split into stages)", ge=1)
     cp: int = spec(1, "context-parallel size (each sequence's tokens split over ranks)", ge=1)
     ep: int = spec(1, "expert-parallel size (MoE experts split over the data-parallel ranks); divides dp x cp", ge=1)
-    vpp: int = spec(1, "virtual pipeline stages per rank (megatron: interleaved schedule)", ge=1)
     sequence_parallel: bool = spec(False, "shard norms' and dropouts' activations over the tensor-parallel ranks")
     fsdp: bool = spec(False, "torch engine: shard parameters, gradients and optimizer state over the data-parallel "
                       "ranks (FSDP2) instead of replicating them")

@@ -47,6 +47,7 @@ from recording import machine, run_and_record  # noqa: E402
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches  # noqa: E402
 from areal_hpc.algo.ppo import decoupled_ppo_loss, token_weights  # noqa: E402
+from areal_hpc.algo.temperature import run_temperature  # noqa: E402
 from areal_hpc.config import RunConfig, load_config  # noqa: E402
 from areal_hpc.data.prompts import PromptStream  # noqa: E402
 from areal_hpc.data.registry import build_task, corpus_for_tokenizer  # noqa: E402
@@ -157,7 +158,7 @@ def quickstart_steps(cfg: RunConfig, steps: int) -> list[dict]:
     for step in range(steps + 1):
         for name, update in variants.items():
             started = time.perf_counter()
-            batch = build_batch(trajectories, cfg.actor, max_new)  # as TrainerGroup.update does, every step
+            batch = build_batch(trajectories, cfg.actor, max_new, run_temperature(cfg.gconfig))  # as TrainerGroup does
             stats = update(split_minibatches(batch, trajectories, cfg.actor, max_new))
             if step:
                 times[name].append({"step": time.perf_counter() - started, **stats})

@@ -29,9 +29,10 @@ from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 MAX_TOKENS_PER_MB = 40  # several micro-batches per share
 
 
-def seeded_batch(seed: int = 0, n: int = 9) -> SequenceBatch:
+def seeded_batch(seed: int = 0, n: int = 9, mixed_temperatures: bool = False) -> SequenceBatch:
     """Sequences with prompt and completion, and the fields of a PPO loss whose token weights carry
-    the whole batch's normaliser (token-mean)."""
+    the whole batch's normaliser (token-mean); ``mixed_temperatures``: each sequence's logprobs at its
+    own temperature (0.7 and 1.3 in turn, as records sampled at different ones), else the engine's."""
     generator = torch.Generator().manual_seed(seed)
     sequences, masks = [], []
     for _ in range(n):
@@ -43,7 +44,8 @@ def seeded_batch(seed: int = 0, n: int = 9) -> SequenceBatch:
     fields = {"weights": [t / total for t in targets],
               "advantages": [torch.randn(len(t), generator=generator) for t in targets],
               "old_logprobs": [-6.0 + 0.1 * torch.randn(len(t), generator=generator) for t in targets]}
-    return SequenceBatch(sequences, masks, fields)
+    temperatures = [torch.full((len(s),), (0.7, 1.3)[i % 2]) for i, s in enumerate(sequences)]
+    return SequenceBatch(sequences, masks, fields, temperatures if mixed_temperatures else None)
 
 
 def ppo_like_loss(outputs, packed, fields):
@@ -103,7 +105,7 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
         engine.load(Path(options["load"]))
         result = {"weights": weights_of(engine)}
     else:
-        batch = seeded_batch()
+        batch = seeded_batch(mixed_temperatures=options.get("temperatures") == "mixed")
         own = shares(batch, mesh.dims.dp, options.get("empty") == "1")[mesh.data_rank]
         outputs, stats = step(engine, batch.select(own), critic)
         result = {"indices": own, "outputs": outputs, "stats": stats,

@@ -52,14 +52,19 @@ def reference_folder(tmp_path_factory) -> str:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",)), (2, ("tp=2", "sp=1"))],
-                         ids=["one_process", "tp2", "cp2", "tp2_sequence_parallel"])
+@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",)), (2, ("tp=2", "sp=1")),
+                                            (2, ("cp=2", "temperatures=mixed")),
+                                            (2, ("tp=2", "sp=1", "temperatures=mixed"))],
+                         ids=["one_process", "tp2", "cp2", "tp2_sequence_parallel", "cp2_mixed_temperatures",
+                              "tp2_sequence_parallel_mixed_temperatures"])
 def test_forward_equals_hf_packed_policy_outputs(world, options, tiny_model_dir, tmp_path):
     """Per-sequence RoPE and attention over THD-packed rows, and the vocabulary-parallel log-softmax at
-    T = 0.7, against the Hugging Face model's own packed forward."""
+    T = 0.7 (or at each sequence's own temperature, as records sampled at different ones carry them,
+    through context shards and sequence-parallel padding), against the Hugging Face model's own packed
+    forward."""
     got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "temperature=0.7")
     for rank in got["ranks"]:
-        batch = seeded_batch().select(rank["indices"])
+        batch = seeded_batch(mixed_temperatures="temperatures=mixed" in options).select(rank["indices"])
         packed, _ = batch.packed()
         with torch.no_grad():
             expected = packed_policy_outputs(load_model(tiny_model_dir), packed, temperature=0.7)
@@ -189,7 +194,6 @@ def test_fused_qkv_interleaves_query_groups():
 @pytest.mark.parametrize("sizes, message", [
     (dict(tp=4), "tp=4 must divide the model's num_key_value_heads=2"),
     (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
-    (dict(dp=2, vpp=2, pp=2), "does not build vpp=2"),
     (dict(dp=2, tp=2, fsdp=True, sequence_parallel=True), "not with pp=1 ep=1 sequence_parallel=true"),
     (dict(dp=2, pp=2, fsdp=True), "fsdp=true with dp, tp and cp, not with pp=2"),
 ])

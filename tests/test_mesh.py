@@ -67,7 +67,6 @@ def test_sizes_from_config_fill_dp_and_accept_the_planners_allocation():
     (ParallelConfig(dp=2, tp=2), 8, "need 4 processes, but 8 were started"),
     (ParallelConfig(ep=3), 4, "actor.parallel.ep=3 must divide dp x cp = 4"),
     (ParallelConfig(sequence_parallel=True), 2, "sequence_parallel=true needs tp > 1"),
-    (ParallelConfig(vpp=2), 2, "vpp=2 needs pp > 1"),
     (ParallelConfig(allocation="megatron:8x1x1"), 8, "expected megatron:d<dp>p<pp>t<tp>"),
 ])
 def test_bad_sizes_are_one_clear_line(parallel, world, message):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.algo.packing import dynamic_microbatches, pack
+from areal_hpc.algo.packing import dynamic_microbatches, pack, with_filler
 from areal_hpc.models.hf import load_model
 from areal_hpc.models.varlen import PAD_TOLERANCE, length_groups
 from areal_hpc.parallel.context import shard
@@ -91,9 +91,12 @@ def test_length_groups_cover_every_sequence_within_the_padding_tolerance(lengths
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, 50), st.integers(2, 300), st.floats(0.3, 2.0), st.integers(1, 64))
-def test_chunked_logprobs_equal_full_log_softmax(rows, vocab, temperature, chunk_rows):
+@given(st.integers(1, 50), st.integers(2, 300), st.floats(0.3, 2.0), st.integers(1, 64), st.booleans())
+def test_chunked_logprobs_equal_full_log_softmax(rows, vocab, temperature, chunk_rows, per_row):
+    """At one temperature, or at each row's own (``per_row``: [rows, 1], as a batch of records carries them)."""
     generator = torch.Generator().manual_seed(rows * vocab)
+    if per_row:
+        temperature = temperature * (0.5 + torch.rand(rows, 1, generator=generator))
     hidden = torch.randn(rows, 16, generator=generator, dtype=torch.float64).float().requires_grad_()
     head = torch.nn.Linear(16, vocab, bias=False)
     tokens = torch.randint(0, vocab, (rows,), generator=generator)
@@ -115,10 +118,12 @@ def test_context_shares_cover_each_token_once_in_zigzag_chunks(lengths, cp, pad,
     """Megatron's contract for packed sequences under cp (written from its rotary embedding: each
     rank holds chunks r and 2cp-1-r of 2cp equal chunks of every padded sequence) when padded to a
     multiple of 2cp (x 2: as for sequence parallelism over 2 ranks); every token on exactly one rank,
-    and each rank's share of a per-position field is that field's values."""
+    and each rank's share of a per-position field, and of the per-position temperatures, is that field's
+    values (temperature 1 at padding)."""
     generator = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(1, 100, (n,), generator=generator).tolist() for n in lengths]
-    packed = pack(sequences, [[1] * n for n in lengths])
+    temperatures = 0.1 + torch.rand(sum(lengths), generator=generator)
+    packed = pack(sequences, [[1] * n for n in lengths], temperatures)
     field = torch.rand(packed.input_ids.shape[1], generator=generator)
     multiple = 2 * cp * pad if pad else 1
     shares = [shard(packed, cp, rank, None, pad_multiple=multiple) for rank in range(cp)]
@@ -139,4 +144,18 @@ def test_context_shares_cover_each_token_once_in_zigzag_chunks(lengths, cp, pad,
                 assert ids[start + offset] == expected_id
                 original = sum(lengths[:i]) + position
                 assert local[start + offset] == (field[original] if real else 0)
+                assert part.temperatures[start + offset] == (temperatures[original] if real else 1)
     assert sorted(owner) == [(i, p) for i, n in enumerate(padded) for p in range(n)]
+
+
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=6), st.integers(1, 8))
+def test_a_filler_sequence_keeps_each_positions_temperature(lengths, multiple):
+    sequences = [[1] * n for n in lengths]
+    temperatures = torch.arange(sum(lengths), dtype=torch.float32) + 0.5
+    filled = with_filler(pack(sequences, sequences, temperatures), multiple)
+    assert filled.input_ids.shape[1] % multiple == 0
+    assert torch.equal(filled.temperatures[:sum(lengths)], temperatures)
+    assert bool((filled.temperatures[sum(lengths):] == 1).all())
+    targets = filled.target_mask.nonzero()[:, 0]
+    assert torch.equal(filled.target_temperatures(targets, 7.0)[:, 0], temperatures[targets])
+    assert bool((pack(sequences, sequences).target_temperatures(targets, 7.0) == 7.0).all())

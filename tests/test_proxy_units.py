@@ -34,7 +34,8 @@ def test_turns_linked_by_prefix_make_records_that_are_exactly_each_conversation(
         assert parent is None or prompt[:len(parent.full_ids)] == parent.full_ids
         if base:  # the longest prefix is found: at least as long as the turn extended
             assert len(parent.full_ids) >= len(base)
-        session.turns.append(Turn(f"i{n}", prompt, output, [-1.0] * len(output), [n] * len(output), "stop", parent))
+        session.turns.append(Turn(f"i{n}", prompt, output, [-1.0] * len(output), [n] * len(output), "stop", 1.0,
+                                  parent))
     records = session.trajectories(discount=1.0)
     leaves = session.leaves()
     assert len(records) == len(leaves)
@@ -100,7 +101,7 @@ def test_a_tool_call_comes_back_as_tool_calls_and_the_next_turn_extends_it_thoug
     prompt = tok.encode(tok.render(messages, TOOLS))
     sampled = 'Adding.<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call>'
     output = tok.encode(sampled) + tok.eos_token_ids
-    turn = Turn("i0", prompt, output, [-1.0] * len(output), [0] * len(output), "stop",
+    turn = Turn("i0", prompt, output, [-1.0] * len(output), [0] * len(output), "stop", 1.0,
                 text=tok.decode(prompt + output, skip_special_tokens=False))
     keep_reply(turn, tok, messages, TOOLS)
     (call,) = turn.reply["tool_calls"]

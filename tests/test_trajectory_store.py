@@ -44,7 +44,8 @@ def trajectories(draw, tenants=("a", "b", "c")):
         segments.append(Segment(draw(st.lists(st.integers(0, 2**31 - 1), max_size=30)),
                                 draw(st.lists(st.integers(0, 2**31 - 1), min_size=n_out, max_size=n_out)),
                                 draw(st.lists(floats, min_size=n_out, max_size=n_out)), versions,
-                                draw(st.lists(st.integers(0, 1), min_size=n_out, max_size=n_out))))
+                                draw(st.lists(st.integers(0, 1), min_size=n_out, max_size=n_out)),
+                                draw(st.none() | st.just(0.0) | st.floats(1e-6, 4.0))))
     return Trajectory(segments, tenant=draw(st.sampled_from(tenants)), task=draw(st.sampled_from(["", "countdown"])),
                       group_id=draw(st.text(max_size=8)), session_id=draw(st.text(max_size=8)),
                       metadata=draw(st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5),
@@ -85,6 +86,28 @@ def test_filters_return_exactly_the_matching_records(tmp_path_factory, records, 
         picked = store.sample(3, np.random.default_rng(0), TrajectoryFilter(tenant=tenant))
     assert len({t.id for t in picked}) == len(picked) == min(3, sum(t.tenant == tenant for t in records))
     assert all(t.tenant == tenant for t in picked)
+
+
+def test_a_segment_without_a_temperature_is_stored_as_before_temperatures_and_reads_as_the_runs(tmp_path):
+    """Shards written before temperatures were recorded hold [n_input, n_output, version runs] per segment:
+    those read as None (the run's temperature); a recorded temperature is a fourth entry."""
+    write_all(tmp_path, [Trajectory([Segment([1], [2], [-0.1], [0])], id="old"),
+                         Trajectory([Segment([1], [2], [-0.1], [0], temperature=0.5), Segment([3], [4], [-0.2], [0])],
+                                    id="proxy")])
+    (shard,) = tmp_path.glob("*.h5")
+    with h5py.File(shard) as f:
+        headers = f["headers"][:].tobytes()
+    assert b'"segments":[[1,1,[[0,0]]]]' in headers and b'"segments":[[1,1,[[0,0]],0.5],[1,1,[[0,0]]]]' in headers
+    with TrajectoryStore(tmp_path) as store:
+        back = {t.id: t for t in store.trajectories()}
+    assert back["old"].segments[0].temperature is None
+    assert [s.temperature for s in back["proxy"].segments] == [0.5, None]
+
+
+@pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf")])
+def test_a_segment_temperature_must_be_a_finite_number_at_least_zero(temperature):
+    with pytest.raises(UserError, match="segment temperature"):
+        Segment([1], [2], [-0.1], [0], temperature=temperature)
 
 
 @given(st.lists(st.integers(-3, 3), max_size=50))

@@ -39,6 +39,7 @@ class PackedBatch:
     position_ids: torch.Tensor  # [1, T] restarting at 0 for every sequence
     target_mask: torch.Tensor  # [T] True where token t+1 is a trained target (never across sequences)
     cu_seqlens: torch.Tensor  # [n + 1] sequence boundaries
+    temperatures: torch.Tensor | None = None  # [T] the temperature of position t's logprob; None: the engine's
 
     @property
     def n_targets(self) -> int:
@@ -53,6 +54,13 @@ class PackedBatch:
         targets = self.target_mask.nonzero()[:, 0]
         return targets, self.input_ids[0, targets + 1]
 
+    def target_temperatures(self, targets: torch.Tensor, default: float) -> torch.Tensor:
+        """[N, 1]: the temperature to divide the logits of positions ``targets`` by (``default`` for a
+        batch without per-position temperatures)."""
+        if self.temperatures is None:
+            return torch.full((len(targets), 1), float(default), device=targets.device)
+        return self.temperatures[targets, None].float()
+
 
 def with_filler(packed: PackedBatch, multiple: int) -> PackedBatch:
     """``packed`` and, where its length is not a multiple of ``multiple``, one more sequence of token 0
@@ -61,14 +69,18 @@ def with_filler(packed: PackedBatch, multiple: int) -> PackedBatch:
     if not extra:
         return packed
     zeros = packed.input_ids.new_zeros(1, extra)
+    temperatures = packed.temperatures
     return PackedBatch(torch.cat([packed.input_ids, zeros], 1),
                        torch.cat([packed.position_ids, torch.arange(extra, device=zeros.device)[None]], 1),
                        torch.cat([packed.target_mask, packed.target_mask.new_zeros(extra)]),
-                       torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + extra]))
+                       torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + extra]),
+                       None if temperatures is None else torch.cat([temperatures, temperatures.new_ones(extra)]))
 
 
-def pack(sequences: list[list[int]], loss_masks: list[list[int]]) -> PackedBatch:
-    """Pack token sequences into one row; ``loss_masks[i][t]`` marks token t of sequence i as a target."""
+def pack(sequences: list[list[int]], loss_masks: list[list[int]],
+         temperatures: torch.Tensor | None = None) -> PackedBatch:
+    """Pack token sequences into one row; ``loss_masks[i][t]`` marks token t of sequence i as a target;
+    ``temperatures``: [T] per-position logprob temperatures in the packed layout, or None."""
     lengths = torch.tensor([len(s) for s in sequences])
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     ids = torch.tensor([tok for s in sequences for tok in s], dtype=torch.long)
@@ -78,4 +90,4 @@ def pack(sequences: list[list[int]], loss_masks: list[list[int]]) -> PackedBatch
     target_mask = torch.zeros_like(mask)
     target_mask[:-1] = mask[1:]
     target_mask[cu_seqlens[1:] - 1] = False
-    return PackedBatch(ids[None], positions[None], target_mask, cu_seqlens)
+    return PackedBatch(ids[None], positions[None], target_mask, cu_seqlens, temperatures)

@@ -25,7 +25,9 @@ class Segment:
     """One turn: ``input_ids`` (new context: the prompt, or the environment's reply) then the output.
 
     Concatenating ``input_ids + output_ids`` over all segments gives the full token sequence.
-    ``loss_mask`` and ``output_versions`` have one entry per output token.
+    ``loss_mask`` and ``output_versions`` have one entry per output token. ``temperature`` is the one
+    the output was sampled at (0: greedy), recorded where it may differ from the run's (the proxy's
+    turns); None: the run's sampling temperature (``gconfig``), what the run's own rollouts use.
     """
 
     input_ids: np.ndarray
@@ -33,6 +35,7 @@ class Segment:
     output_logprobs: np.ndarray
     output_versions: np.ndarray
     loss_mask: np.ndarray | None = None
+    temperature: float | None = None
 
     def __post_init__(self):
         self.input_ids = np.asarray(self.input_ids, dtype=np.int32).reshape(-1)
@@ -47,9 +50,13 @@ class Segment:
             if len(getattr(self, name)) != n:
                 raise UserError(f"segment {name} has {len(getattr(self, name))} entries; "
                                 f"it needs one per output token ({n})")
+        if self.temperature is not None:
+            self.temperature = float(self.temperature)
+            if not 0 <= self.temperature < float("inf"):
+                raise UserError(f"segment temperature {self.temperature!r} must be a finite number >= 0 (0: greedy)")
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Segment) and all(
+        return isinstance(other, Segment) and self.temperature == other.temperature and all(
             np.array_equal(getattr(self, k), getattr(other, k))
             for k in ("input_ids", "output_ids", "output_logprobs", "output_versions", "loss_mask"))
 

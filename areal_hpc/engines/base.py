@@ -33,9 +33,10 @@ class TrainEngine(Protocol):
 
     ``forward`` and ``train_step`` take a ``SequenceBatch`` (whole sequences, per-position fields) and
     cut it into packed micro-batches themselves. A policy engine's per-position output is
-    "logprobs", log π_T(token t+1 | tokens ≤ t) at the sampler's temperature T (``gconfig.temperature``:
-    rollout logprobs are those of ``log_softmax(logits / T)``), and "entropy", on target positions only
-    (0 elsewhere); a critic's is "values".
+    "logprobs", log π_T(token t+1 | tokens ≤ t) at the sampler's temperature T (rollout logprobs are
+    those of ``log_softmax(logits / T)``): the batch's ``temperatures`` per position where it carries
+    them (each record's own), else the engine's (``gconfig.temperature``); and "entropy", on target
+    positions only (0 elsewhere); a critic's is "values".
     """
 
     device: torch.device  # where this rank's tensors live (NCCL reduces device tensors only)

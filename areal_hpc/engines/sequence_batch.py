@@ -20,6 +20,8 @@ class SequenceBatch:
     sequences: list[list[int]]
     loss_masks: list[list[int]]  # per token: 1 where the token is trained (a model output)
     fields: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # name -> one [len] tensor per sequence
+    # per sequence, [len]: the temperature of each position's logprob (None: the engine's own)
+    temperatures: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -30,11 +32,13 @@ class SequenceBatch:
 
     def select(self, indices: list[int]) -> "SequenceBatch":
         return SequenceBatch([self.sequences[i] for i in indices], [self.loss_masks[i] for i in indices],
-                             {name: [values[i] for i in indices] for name, values in self.fields.items()})
+                             {name: [values[i] for i in indices] for name, values in self.fields.items()},
+                             None if self.temperatures is None else [self.temperatures[i] for i in indices])
 
     def packed(self) -> tuple[PackedBatch, dict[str, torch.Tensor]]:
         """One row of all sequences and each field concatenated in the same order."""
-        return (pack(self.sequences, self.loss_masks),
+        temperatures = None if self.temperatures is None else torch.cat(self.temperatures)
+        return (pack(self.sequences, self.loss_masks, temperatures),
                 {name: torch.cat(values) for name, values in self.fields.items()})
 
     def set_packed(self, name: str, values: torch.Tensor) -> None:

@@ -100,7 +100,9 @@ def pad_sequences(packed: PackedBatch, multiple: int) -> tuple[PackedBatch, torc
     ids = packed.input_ids.new_zeros(1, total).index_copy_(1, on, packed.input_ids)
     positions = torch.cat([torch.arange(n) for n in padded_lengths.tolist()])[None].to(device)
     targets = packed.target_mask.new_zeros(total).index_copy_(0, on, packed.target_mask)
-    return PackedBatch(ids, positions, targets, cu_seqlens.to(device)), kept
+    temperatures = (None if packed.temperatures is None else
+                    packed.temperatures.new_ones(total).index_copy_(0, on, packed.temperatures))
+    return PackedBatch(ids, positions, targets, cu_seqlens.to(device), temperatures), kept
 
 
 def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | None, *,
@@ -126,6 +128,7 @@ def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | No
     local_on = local.to(device)
     return ContextShard(input_ids=packed.input_ids[:, local_on], position_ids=packed.position_ids[:, local_on],
                         target_mask=packed.target_mask[local_on], cu_seqlens=bounds.to(device),
+                        temperatures=None if packed.temperatures is None else packed.temperatures[local_on],
                         next_ids=next_ids[local_on], split=split)
 
 

@@ -28,7 +28,6 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    vpp: int = 1
     sequence_parallel: bool = False
     fsdp: bool = False
 
@@ -49,7 +48,7 @@ class ParallelDims:
                 raise UserError(f"actor.parallel tp={tp} x pp={pp} x cp={parallel.cp} needs rl.trainer_processes to be "
                                 f"a multiple of {model_parallel}, got {world_size}")
             dp = world_size // model_parallel
-        dims = cls(dp=dp, tp=tp, pp=pp, cp=parallel.cp, ep=parallel.ep, vpp=parallel.vpp,
+        dims = cls(dp=dp, tp=tp, pp=pp, cp=parallel.cp, ep=parallel.ep,
                    sequence_parallel=parallel.sequence_parallel, fsdp=parallel.fsdp)
         dims.check(world_size)
         return dims
@@ -63,7 +62,7 @@ class ParallelDims:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
     def check(self, world_size: int) -> None:
-        if min(self.dp, self.tp, self.pp, self.cp, self.ep, self.vpp) < 1:
+        if min(self.dp, self.tp, self.pp, self.cp, self.ep) < 1:
             raise UserError(f"parallel sizes must be at least 1, got {self}")
         if self.world_size != world_size:
             raise UserError(f"parallel sizes dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} need "
@@ -74,8 +73,6 @@ class ParallelDims:
                             "(experts are split over the data-parallel ranks of a stage)")
         if self.sequence_parallel and self.tp == 1:
             raise UserError("actor.parallel.sequence_parallel=true needs tp > 1")
-        if self.vpp > 1 and self.pp == 1:
-            raise UserError(f"actor.parallel.vpp={self.vpp} needs pp > 1 (virtual stages interleave pipeline stages)")
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's position on each mesh dim (and its expert-parallel coordinates)."""

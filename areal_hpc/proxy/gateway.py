@@ -143,7 +143,7 @@ class Proxy:
             self.active[session.id] -= 1
         session.backend = out.server
         turn = Turn(new_id("chatcmpl-" if "messages" in body else "cmpl-"), ids, out.output_ids, out.logprobs,
-                    out.versions, api.finish_reason(out.finish_reason), parent,
+                    out.versions, api.finish_reason(out.finish_reason), params["temperature"], parent,
                     self.tokenizer.decode(ids + out.output_ids, skip_special_tokens=False))
         if messages is not None:
             keep_reply(turn, self.tokenizer, messages, body.get("tools"))

@@ -11,6 +11,8 @@ import reprlib
 import secrets
 import time
 
+from areal_hpc.algo.temperature import requested_temperature
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error"}
@@ -52,9 +54,7 @@ def sampling_params(body: dict, default_max_tokens: int, max_tokens_cap: int, st
         raise APIError(400, f"stop = {reprlib.repr(stop)}: stop strings are not supported (replies end at the "
                        "model's end-of-turn token or max_tokens)", param="stop", code="unsupported_parameter")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    temperature = number(body, "temperature", 1.0, 0.0, 2.0)
-    if 0 < temperature < 1e-6:
-        temperature = 0.0  # the servers refuse a near-zero temperature; it means greedy
+    temperature = requested_temperature(number(body, "temperature", 1.0, 0.0, 2.0))
     return {"max_new_tokens": number(body, limit, default_max_tokens, 1, max_tokens_cap, integer=True),
             "temperature": float(temperature), "top_p": float(number(body, "top_p", 1.0, 1e-9, 1.0)),
             "stop_token_ids": stop_ids}

@@ -30,6 +30,7 @@ class Turn:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    temperature: float  # sampled at (0: greedy); the trainer recomputes the logprobs at it
     parent: Turn | None = None
     text: str = ""  # prompt and output decoded with special tokens: what a prompt extending this turn starts with
     reply: dict | None = None  # a chat turn's assistant message, as the client got it
@@ -106,7 +107,8 @@ class Session:
             segments, rewards = [], []
             for step, turn in enumerate(chain):
                 known = len(turn.parent.full_ids) if turn.parent is not None else 0
-                segments.append(Segment(turn.prompt_ids[known:], turn.output_ids, turn.logprobs, turn.versions))
+                segments.append(Segment(turn.prompt_ids[known:], turn.output_ids, turn.logprobs, turn.versions,
+                                        temperature=turn.temperature))
                 if turn.interaction_id in self.rewards:
                     rewards.append(Reward(self.rewards[turn.interaction_id], step=step, source=REWARD_SOURCE))
             metadata = {**self.metadata, "interaction_ids": [t.interaction_id for t in chain], "discount": discount,

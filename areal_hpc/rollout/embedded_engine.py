@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
+from areal_hpc.algo.temperature import MIN_TEMPERATURE, is_servable
 from areal_hpc.rollout.decoder import SlotDecoder
 from areal_hpc.rollout.sampling import SlotSampler
 from areal_hpc.models.hf import CheckpointError, read_checkpoint
 from areal_hpc.rollout.weights import weight_mismatches
 
-MIN_TEMPERATURE = 1e-6
 NOT_FINITE = "the model's logits are not finite (NaN or inf)"
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _finite(value) -> float | None:
 SAMPLING_CHECKS = [  # field, what is valid, test
     ("max_new_tokens", "an integer >= 0", lambda v: type(v) is int and v >= 0),
     ("temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
-     lambda v: (t := _finite(v)) is not None and (t == 0 or t >= MIN_TEMPERATURE)),
+     lambda v: (t := _finite(v)) is not None and is_servable(t)),
     ("top_p", "a number in (0, 1]", lambda v: (p := _finite(v)) is not None and 0 < p <= 1),
     ("top_k", "-1 or an integer >= 1", lambda v: type(v) is int and (v == -1 or v >= 1)),
     ("stop_token_ids", "a list of integers", lambda v: type(v) is list and all(type(t) is int for t in v)),

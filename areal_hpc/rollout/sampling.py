@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from areal_hpc.algo.temperature import is_greedy, logprob_temperature
+
 
 class SlotSampler:
     """Per-row temperature, top-k, top-p and greedy flag; ``sample`` draws a token for rows first..first+n."""
@@ -22,7 +24,7 @@ class SlotSampler:
 
     def set(self, row: int, temperature: float, top_k: int, top_p: float) -> None:
         """A new request's parameters in ``row``: temperature 0 is greedy, top_k <= 0 keeps every token."""
-        self.temperature[row], self.greedy[row] = temperature or 1.0, temperature == 0
+        self.temperature[row], self.greedy[row] = logprob_temperature(temperature), is_greedy(temperature)
         self.top_k[row], self.top_p[row] = max(top_k, 0), top_p
 
     def move(self, source: int, target: int) -> None:

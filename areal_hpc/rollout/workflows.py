@@ -15,6 +15,7 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 
+from areal_hpc.algo.temperature import run_temperature
 from areal_hpc.data.rewards import RewardOutcome, RewardPool
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
@@ -35,8 +36,7 @@ class Sampling:
 
     @classmethod
     def from_config(cls, gconfig) -> "Sampling":
-        return cls(gconfig.max_new_tokens, 0.0 if gconfig.greedy else gconfig.temperature, gconfig.top_p,
-                   gconfig.top_k)
+        return cls(gconfig.max_new_tokens, run_temperature(gconfig), gconfig.top_p, gconfig.top_k)
 
     def params(self, stop_token_ids: list[int]) -> dict:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,

@@ -16,6 +16,7 @@ import time
 import torch
 
 from areal_hpc.algo.filters import is_informative_group
+from areal_hpc.algo.temperature import logprob_temperature, run_temperature
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
@@ -52,7 +53,7 @@ def start_trainer(cfg: RunConfig) -> tuple[int, TrainMesh]:
 def sampler_temperature(cfg: RunConfig) -> float:
     """The temperature of the rollout logprobs the trainer must match: ``gconfig.temperature``, or 1
     for greedy rollouts (temperature 0, whose logprobs servers report untempered)."""
-    return Sampling.from_config(cfg.gconfig).temperature or 1.0
+    return logprob_temperature(run_temperature(cfg.gconfig))
 
 
 def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[str, TrainEngine]]:

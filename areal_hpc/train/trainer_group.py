@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from areal_hpc.algo.temperature import run_temperature
 from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.parallel.mesh import TrainMesh
@@ -41,7 +42,7 @@ class TrainerGroup:
         """Recompute logprobs and take the PPO steps of one batch on every rank; summed statistics."""
         started = time.perf_counter()
         actor_cfg, max_new = self.cfg.actor, self.cfg.gconfig.max_new_tokens
-        batch = build_batch(trajectories, actor_cfg, max_new)
+        batch = build_batch(trajectories, actor_cfg, max_new, run_temperature(self.cfg.gconfig))
         minibatches = split_minibatches(batch, trajectories, actor_cfg, max_new)
         parts = data_parallel_parts(minibatches, self.mesh.dims.dp)
         own = _scatter([(UPDATE, parts[d]) for d in self.data_ranks])[1]

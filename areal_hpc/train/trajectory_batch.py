@@ -1,5 +1,6 @@
-"""From trajectory records to the RL training batch: token sequences, behaviour logprobs in the packed
-layout, shaped rewards, advantages, loss weights, split into PPO minibatches and data-parallel parts.
+"""From trajectory records to the RL training batch: token sequences, behaviour logprobs and the
+temperature they were sampled at in the packed layout, shaped rewards, advantages, loss weights, split
+into PPO minibatches and data-parallel parts.
 
 Everything here runs on trainer rank 0, which sees the whole batch (group statistics and the loss
 normaliser need it); the parts it hands to ranks are self-contained.
@@ -13,21 +14,28 @@ import torch
 from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, expand_to_tokens, sequence_advantages
 from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
+from areal_hpc.algo.temperature import logprob_temperature
 from areal_hpc.config import ActorConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 
 
-def trajectory_sequence(traj: Trajectory) -> tuple[list[int], list[int], torch.Tensor]:
-    """All segments back to back: tokens, per-token loss mask, behaviour logprobs at position t-1."""
-    tokens, mask, logprobs = [], [], []
+def trajectory_sequence(traj: Trajectory, run_temperature: float
+                        ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """All segments back to back: tokens, per-token loss mask, and at position t-1 the behaviour logprob
+    of token t and the temperature to recompute it at: the ``logprob_temperature`` of the one its segment
+    was sampled at (recorded, else the run's ``run_temperature``)."""
+    tokens, mask, logprobs, temperatures = [], [], [], []
     for seg in traj.segments:
         tokens += seg.input_ids.tolist() + seg.output_ids.tolist()
         mask += [0] * len(seg.input_ids) + seg.loss_mask.tolist()
         logprobs += [0.0] * len(seg.input_ids) + seg.output_logprobs.tolist()
-    behaviour = torch.zeros(len(tokens))
+        sampled_at = run_temperature if seg.temperature is None else seg.temperature
+        temperatures += [logprob_temperature(sampled_at)] * (len(seg.input_ids) + len(seg.output_ids))
+    behaviour, temperature = torch.zeros(len(tokens)), torch.ones(len(tokens))
     behaviour[:-1] = torch.tensor(logprobs[1:])  # position t holds the logprob of token t+1
-    return tokens, mask, behaviour
+    temperature[:-1] = torch.tensor(temperatures[1:])
+    return tokens, mask, behaviour, temperature
 
 
 def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> float:
@@ -39,11 +47,14 @@ def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> fl
     return reward
 
 
-def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens: int) -> SequenceBatch:
-    """Sequences with ``behav_logprobs``, ``rewards`` and (sequence estimators) ``advantages`` fields."""
-    sequences, masks, behaviour = zip(*map(trajectory_sequence, trajectories))
+def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens: int,
+                run_temperature: float) -> SequenceBatch:
+    """Sequences with their logprob temperatures, ``behav_logprobs``, ``rewards`` and (sequence
+    estimators) ``advantages`` fields. ``run_temperature``: the run's sampling temperature
+    (``algo.temperature.run_temperature``), that of records that recorded none."""
+    sequences, masks, behaviour, temperatures = zip(*(trajectory_sequence(t, run_temperature) for t in trajectories))
     rewards = torch.tensor([shaped_reward(t, cfg, max_new_tokens) for t in trajectories])
-    batch = SequenceBatch(list(sequences), list(masks), {"behav_logprobs": list(behaviour)})
+    batch = SequenceBatch(list(sequences), list(masks), {"behav_logprobs": list(behaviour)}, list(temperatures))
     batch.fields["rewards"] = [torch.full((len(s),), float(r)) for s, r in zip(sequences, rewards)]
     if cfg.adv_estimator in SEQUENCE_ESTIMATORS:
         _, group_ids = np.unique([t.group_id for t in trajectories], return_inverse=True)

@@ -3,7 +3,10 @@
 Datasets (all 1-D, chunked, extendible, created before SWMR mode starts):
   tokens   (id i4, logprob f4, loss_mask u1) per token: every trajectory's segments back to back
            (input tokens carry logprob 0 and mask 0)
-  headers  u1: one JSON object per trajectory (ids, segments, version runs, metadata, redactions)
+  headers  u1: one JSON object per trajectory (ids, metadata, redactions, and per segment
+           [n_input, n_output, version runs] with its sampling temperature appended where the record
+           has one; a segment without, as every segment written before temperatures were, reads as
+           None: the run's temperature)
   index    one fixed-width row per trajectory: where its tokens and header are, the record's CRC32
            (token rows and header bytes), filter columns, and last the row's own CRC32
   rewards  one row per reward event, keyed by trajectory id (late rewards land in any live shard),
@@ -190,7 +193,8 @@ def encode(traj: Trajectory) -> tuple[dict[str, list[np.ndarray]], np.ndarray, n
     header = np.frombuffer(json.dumps({
         "id": traj.id, "tenant": traj.tenant, "task": traj.task, "group_id": traj.group_id,
         "session_id": traj.session_id, "created": traj.created,
-        "segments": [[len(s.input_ids), len(s.output_ids), r] for s, r in zip(traj.segments, runs)],
+        "segments": [[len(s.input_ids), len(s.output_ids), r] + ([] if s.temperature is None else [s.temperature])
+                     for s, r in zip(traj.segments, runs)],
         "metadata": traj.metadata, "redactions": traj.redactions,
     }, separators=(",", ":")).encode(), dtype=np.uint8)
     versions = [v for segment_runs in runs for _, v in segment_runs] or [-1]
@@ -216,11 +220,12 @@ def decode(row: np.void, tokens: np.ndarray, meta: dict, experiment: str, trial:
            rewards: list[Reward]) -> Trajectory:
     """Rebuild a record from its index row, token rows and parsed header (all checked)."""
     segments, position = [], 0
-    for n_in, n_out, runs in meta["segments"]:
+    for n_in, n_out, runs, *temperature in meta["segments"]:
         out = tokens[position + n_in: position + n_in + n_out]
         segments.append(Segment(input_ids=tokens["id"][position:position + n_in], output_ids=out["id"],
                                 output_logprobs=out["logprob"], loss_mask=out["loss_mask"],
-                                output_versions=expand_version_runs(runs, n_out)))
+                                output_versions=expand_version_runs(runs, n_out),
+                                temperature=temperature[0] if temperature else None))
         position += n_in + n_out
     return Trajectory(segments=segments, id=meta["id"], task=meta["task"], group_id=meta["group_id"],
                       session_id=meta["session_id"], tenant=meta["tenant"], rewards=rewards,

@@ -171,7 +171,7 @@ def trajectory_to_json(traj: Trajectory) -> dict:
         "rewards": [{"step": r.step, "value": r.value, "source": r.source, "time": r.time} for r in traj.rewards],
         "segments": [{"input_ids": s.input_ids.tolist(), "output_ids": s.output_ids.tolist(),
                       "output_logprobs": s.output_logprobs.tolist(), "output_versions": s.output_versions.tolist(),
-                      "loss_mask": s.loss_mask.tolist()} for s in traj.segments],
+                      "loss_mask": s.loss_mask.tolist(), "temperature": s.temperature} for s in traj.segments],
         "metadata": traj.metadata, "redactions": traj.redactions,
     }
 

@@ -1,5 +1,7 @@
 """The per-position forwards of a packed batch that every trainer shares: the policy's logprob of
 the next token at the sampler's temperature (with the policy's entropy there), and a critic's value.
+The temperature is the batch's per position where it carries them (each record's own: a proxy
+turn's, ``algo.temperature``), else the engine's (``gconfig``'s).
 
 Rollout servers (the embedded engine and SGLang) report the logprob of each sampled token under
 ``log_softmax(logits / T)``, T the request's temperature, before any top-p / top-k truncation. The
@@ -43,9 +45,10 @@ def decoder_hidden(model: torch.nn.Module, batch: PackedBatch, hidden: torch.Ten
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
-                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p_T(token), entropy of p_T) for each row of ``hidden``, in float32."""
-    logits = F.linear(hidden, weight, bias).float() / temperature
+                    temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p_T(token), entropy of p_T) for each row of ``hidden``, T its row of ``temperatures`` [N, 1],
+    in float32."""
+    logits = F.linear(hidden, weight, bias).float() / temperatures
     normaliser = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, tokens[:, None])[:, 0] - normaliser
     with torch.no_grad():  # logged, not trained
@@ -53,13 +56,16 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return logprobs, entropy
 
 
-def target_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor, temperature: float = 1.0,
+def target_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
+                    temperatures: torch.Tensor | float = 1.0,
                     chunk_bytes: int = LOGITS_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of ``tokens`` [N] under softmax(head(hidden) / T) for ``hidden`` [N, H], and the entropies,
-    a chunk of rows at a time (recomputed in the backward pass when gradients are on)."""
+    a chunk of rows at a time (recomputed in the backward pass when gradients are on). T: one for all
+    rows, or each row's (``temperatures`` [N, 1])."""
     rows = max(1, chunk_bytes // (4 * head.weight.shape[0]))
+    temperatures = torch.as_tensor(temperatures, dtype=torch.float32, device=hidden.device).expand(len(hidden), 1)
     parts = []
-    for h, t in zip(hidden.split(rows), tokens.split(rows)):
+    for h, t, temperature in zip(hidden.split(rows), tokens.split(rows), temperatures.split(rows)):
         if torch.is_grad_enabled() and len(hidden) > rows:
             parts.append(checkpoint(_chunk_logprobs, h, head.weight, head.bias, t, temperature, use_reentrant=False))
         else:
@@ -85,17 +91,17 @@ class StageOutputs:
 
 
 class PolicyOutputs(StageOutputs):
-    """The policy's outputs at the sampler's temperature."""
+    """The policy's outputs at the sampler's temperature: the batch's per position, else ``temperature``."""
 
     def __init__(self, temperature: float = 1.0):
         self.temperature = temperature
 
     def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
         """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
-        softmax(logits / temperature), and the entropy of p_T there; 0 where nothing is predicted."""
+        softmax(logits / T), and the entropy of p_T there; 0 where nothing is predicted."""
         targets, tokens = batch.target_tokens()
         logprobs, entropy = target_logprobs(hidden[targets], model.get_output_embeddings(), tokens,
-                                            self.temperature)
+                                            batch.target_temperatures(targets, self.temperature))
         total = batch.input_ids.shape[1]
         return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
                 "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}

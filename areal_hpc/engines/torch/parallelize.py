@@ -60,9 +60,6 @@ class PackedForward(torch.nn.Module):
 
 def check_layout(dims: ParallelDims, config) -> None:
     """Raise ``UserError`` for a layout this engine does not build, or one the model cannot split into."""
-    if dims.vpp > 1:
-        raise UserError(f"actor.engine=torch does not build actor.parallel.vpp={dims.vpp} (virtual pipeline "
-                        "stages) yet; it supports dp (replicated or actor.parallel.fsdp=true), tp, pp, cp and ep")
     if dims.sequence_parallel:
         raise UserError("actor.engine=torch does not support actor.parallel.sequence_parallel=true (tp keeps "
                         "activations replicated); set it to false or use actor.engine=megatron")

@@ -74,8 +74,8 @@ def _init_model_arguments(init) -> None:
 
 
 def _init_model(args) -> int:
-    from areal_hpc.models.hf import load_model
     from areal_hpc.data.registry import corpus_for_tokenizer
+    from areal_hpc.models.hf import load_model
     from areal_hpc.models.tiny import count_parameters, init_model
 
     out = init_model(args.out, corpus_for_tokenizer(args.seed), preset=args.preset, seed=args.seed)
@@ -105,8 +105,8 @@ def _eval_arguments(ev) -> None:
 
 def _eval(args) -> int:
     from areal_hpc.config import load_config
-    from areal_hpc.data.rewards import RewardPool
     from areal_hpc.data.registry import build_task
+    from areal_hpc.data.rewards import RewardPool
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
     from areal_hpc.train.evaluate import evaluate_model

@@ -16,9 +16,9 @@ import sys
 import torch
 
 from areal_hpc.config import OptimizerConfig
+from areal_hpc.engines.megatron.engine import MegatronTrainEngine
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.parallel.mesh import close_distributed
-from areal_hpc.engines.megatron.engine import MegatronTrainEngine
 from tests import native_ranks
 
 

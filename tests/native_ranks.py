@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from areal_hpc.config import OptimizerConfig
+from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import build_mesh, close_distributed, init_distributed
-from areal_hpc.engines.torch.engine import TorchTrainEngine
-from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
-from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 
 MAX_TOKENS_PER_MB = 40  # several micro-batches per share
 

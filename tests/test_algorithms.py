@@ -19,8 +19,8 @@ from areal_hpc.algo.filters import is_informative_group, overlong_penalty
 from areal_hpc.algo.packing import pack
 from areal_hpc.algo.ppo import (AGGREGATIONS, BEHAV_CORRECTIONS, PPOLossConfig, decoupled_ppo_loss, token_weights,
                                 value_loss)
-from areal_hpc.models.hf import load_model
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
+from areal_hpc.models.hf import load_model
 
 FAST = settings(deadline=None, max_examples=40)
 lengths_st = st.lists(st.integers(1, 9), min_size=1, max_size=7)

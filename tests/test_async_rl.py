@@ -24,9 +24,10 @@ from areal_hpc.config import load_config
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Segment, Trajectory
+from areal_hpc.engines.optim import lr_multiplier
 from areal_hpc.fsio import read_json_lines
 from areal_hpc.runtime.bootstrap import RUN_MARKER
-from areal_hpc.engines.optim import lr_multiplier
+
 from .conftest import REPO, run_cli
 from .run_audit import assert_each_trajectory_trained_once, read_audit, untrained_at
 

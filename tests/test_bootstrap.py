@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.errors import UserError
 from areal_hpc.runtime.bootstrap import (RENDEZVOUS, Placement, assigned_devices, cpu_threads, het_component,
-                                          new_incarnation, node_address, split_roles)
+                                         new_incarnation, node_address, split_roles)
 from areal_hpc.runtime.rendezvous import ADDRESS_FILE, rendezvous_store
 from tests.conftest import REPO
 

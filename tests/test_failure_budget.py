@@ -37,7 +37,6 @@ from tests import rewards_for_tests
 from tests.conftest import embedded_server
 from tests.waiting import serve_on_loopback, wait_until
 
-
 # -- the budget and the log ----------------------------------------------------------------------
 
 @settings(max_examples=300, deadline=None)

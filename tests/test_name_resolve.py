@@ -11,8 +11,8 @@ import time
 import pytest
 
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve, ServerDirectory, registered, registered_server
 from areal_hpc.runtime.bootstrap import INCARNATION
+from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve, ServerDirectory, registered, registered_server
 from tests.conftest import REPO
 from tests.waiting import wait_until
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.algo.packing import dynamic_microbatches, pack, with_filler
+from areal_hpc.engines.torch.outputs import packed_policy_outputs, target_logprobs
 from areal_hpc.models.hf import load_model
 from areal_hpc.models.varlen import PAD_TOLERANCE, length_groups
 from areal_hpc.parallel.context import shard
-from areal_hpc.engines.torch.outputs import packed_policy_outputs, target_logprobs
 
 
 @settings(max_examples=300)

@@ -172,8 +172,8 @@ def test_proxy_records_for_training_are_rewarded_of_the_proxies_writers_and_too_
 
 def test_the_run_token_is_made_once_0600_shared_and_given_to_sglang_too(tmp_path):
     from areal_hpc.config import load_config
-    from areal_hpc.runtime.rollout_token import needs_token, rollout_token, server_token
     from areal_hpc.rollout.sglang_server import sglang_command
+    from areal_hpc.runtime.rollout_token import needs_token, rollout_token, server_token
 
     assert rollout_token(tmp_path) is None
     token = rollout_token(tmp_path, create=True)

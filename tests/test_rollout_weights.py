@@ -22,10 +22,9 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.models.chat import prompt_ids
-from areal_hpc.models.hf import load_model, load_tokenizer, save_model
+from areal_hpc.models.hf import CheckpointError, load_model, load_tokenizer, read_checkpoint, save_model
 from areal_hpc.parallel.weight_group import broadcast_tensor, host_store, join_update_group
 from areal_hpc.rollout.client import RolloutClient
-from areal_hpc.models.hf import CheckpointError, read_checkpoint
 from areal_hpc.train.weight_push import DTYPE_NAMES, DistributedWeightSync
 from tests.conftest import REPO, embedded_server
 from tests.test_rollout_server import PROMPT, generate, in_background, model_info, post, wait_for

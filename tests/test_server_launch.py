@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from areal_hpc.config import load_config
-from areal_hpc.runtime.supervisor import ServerLaunchError, SupervisedProcess
 from areal_hpc.rollout.client import RolloutClient
-from areal_hpc.runtime.name_resolve import free_port
-from areal_hpc.runtime.bootstrap import node_address
 from areal_hpc.rollout.sglang_server import sglang_command
+from areal_hpc.runtime.bootstrap import node_address
+from areal_hpc.runtime.name_resolve import free_port
+from areal_hpc.runtime.supervisor import ServerLaunchError, SupervisedProcess
 from tests.conftest import embedded_server, run_cli
 
 

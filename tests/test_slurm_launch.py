@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from areal_hpc.runtime.bootstrap import RUN_MARKER
+
 from .conftest import REPO, run_cli
 from .run_audit import assert_each_trajectory_trained_once, read_audit
 from .slurm_jobs import cancel, components_of, submitted_job, wait_for, wait_for_end

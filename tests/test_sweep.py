@@ -20,6 +20,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.launch.slurm_options import slurm_minutes
 from areal_hpc.launch.sweep.grid import grid, split_items
 from areal_hpc.launch.sweep.results import read_metrics, state_from_result
+
 from .conftest import REPO, run_cli
 from .slurm_jobs import wait_for
 from .test_async_rl import SMALL_RUN

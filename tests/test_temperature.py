@@ -20,6 +20,7 @@ from areal_hpc.algo.temperature import (MIN_TEMPERATURE, is_greedy, is_servable,
                                         requested_temperature, run_temperature)
 from areal_hpc.config import GenerationConfig, load_config
 from areal_hpc.data.shards import TrajectoryStore
+from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.proxy.openai_api import sampling_params
@@ -28,7 +29,6 @@ from areal_hpc.rollout.embedded_engine import RequestError, SamplingParams
 from areal_hpc.rollout.sampling import SlotSampler
 from areal_hpc.rollout.workflows import Sampling
 from areal_hpc.train.build import build_actor, sampler_temperature
-from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
 
 from .conftest import embedded_server

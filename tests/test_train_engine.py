@@ -11,11 +11,11 @@ import torch
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
-from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.train.evaluate import evaluate_model
-from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.train.sft import sft_step
 
 

@@ -9,15 +9,15 @@ import asyncio
 import pytest
 import torch
 
+from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.name_resolve import bind
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.runtime.name_resolve import bind
 from areal_hpc.train import weight_push
-from areal_hpc.engines.torch.engine import TorchTrainEngine
-from areal_hpc.engines.torch.outputs import packed_policy_outputs
-from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 from .conftest import embedded_server

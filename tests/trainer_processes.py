@@ -23,10 +23,10 @@ import torch
 
 from areal_hpc.config import load_config
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
-from areal_hpc.train.trainer_group import TrainerGroup, follow
-from areal_hpc.runtime.name_resolve import free_port
 from areal_hpc.parallel.mesh import close_distributed
+from areal_hpc.runtime.name_resolve import free_port
 from areal_hpc.train.build import build_actor, start_trainer
+from areal_hpc.train.trainer_group import TrainerGroup, follow
 
 REPO = Path(__file__).resolve().parent.parent
 

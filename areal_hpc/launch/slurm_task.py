@@ -32,10 +32,10 @@ from areal_hpc.launch.preemption import StopForwarder
 from areal_hpc.launch.roles import (config_args, forget_other_incarnations, incarnation_folder, initial_model,
                                     prepare_start_model, server_command, start_model_path, trainer_command,
                                     wait_for_model)
-from areal_hpc.runtime.supervisor import SupervisedProcess
 from areal_hpc.runtime.bootstrap import (INCARNATION, INTERFACE, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT,
-                                          Placement, assigned_devices, cpu_threads, new_incarnation, split_roles)
+                                         Placement, assigned_devices, cpu_threads, new_incarnation, split_roles)
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED
+from areal_hpc.runtime.supervisor import SupervisedProcess
 
 POLL_S = 1.0
 COMMENT_CHARS = 200  # of a failure's first line, kept as the job's comment

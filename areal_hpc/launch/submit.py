@@ -30,13 +30,13 @@ import yaml
 from submitit.helpers import DelayedSubmission
 
 from areal_hpc.config import RunConfig, absolute_path_overrides, load_config, to_yaml
-from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.errors import UserError, closest
 from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
 from areal_hpc.launch.local import should_resume
-from areal_hpc.runtime.bootstrap import LAUNCHED_AT
 from areal_hpc.launch.slurm_task import run_task
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.runtime.bootstrap import LAUNCHED_AT
 
 
 @dataclass(frozen=True)

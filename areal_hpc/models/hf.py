@@ -10,7 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
+                          PreTrainedModel)
 
 from areal_hpc.errors import UserError
 

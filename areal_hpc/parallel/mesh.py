@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.bootstrap import INTERFACE, RENDEZVOUS, Placement, assigned_devices
 from areal_hpc.parallel.dims import MESH_DIMS, ParallelDims
+from areal_hpc.runtime.bootstrap import INTERFACE, RENDEZVOUS, Placement, assigned_devices
 from areal_hpc.runtime.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_store
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from areal_hpc.runtime.name_resolve import HEARTBEAT_INTERVAL_S
 from areal_hpc.proxy import openai_api as api
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.openai_api import APIError
@@ -21,6 +20,7 @@ from areal_hpc.proxy.router import BackendRouter
 from areal_hpc.proxy.sessions import REWARD_SOURCE, Session, Turn, keep_reply, new_id
 from areal_hpc.proxy.tenants import QuotaMeter, TenantKeys, hash_key, retry_after
 from areal_hpc.rollout.client import ConnectionFailedError, NoServerError, ServerReplyError
+from areal_hpc.runtime.name_resolve import HEARTBEAT_INTERVAL_S
 
 log = logging.getLogger(__name__)
 

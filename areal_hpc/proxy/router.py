@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve
 from areal_hpc.rollout.client import Generation, RolloutClient
+from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve
 
 
 class BackendRouter:

@@ -9,14 +9,15 @@ from pathlib import Path
 from aiohttp import web
 
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.name_resolve import NameResolve, bind
-from areal_hpc.runtime.rollout_token import rollout_token
 from areal_hpc.proxy.app import build_app
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.gateway import Proxy, ProxySettings
 from areal_hpc.proxy.records import RecordSink
 from areal_hpc.proxy.router import BackendRouter
 from areal_hpc.proxy.tenants import Quota, TenantKeys
+from areal_hpc.runtime.name_resolve import NameResolve, bind
+from areal_hpc.runtime.rollout_token import rollout_token
+
 
 def build_proxy(cfg) -> Proxy:
     p = cfg.proxy

@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from areal_hpc.algo.temperature import MIN_TEMPERATURE, is_servable
+from areal_hpc.models.hf import CheckpointError, read_checkpoint
 from areal_hpc.rollout.decoder import SlotDecoder
 from areal_hpc.rollout.sampling import SlotSampler
-from areal_hpc.models.hf import CheckpointError, read_checkpoint
 from areal_hpc.rollout.weights import weight_mismatches
 
 NOT_FINITE = "the model's logits are not finite (NaN or inf)"

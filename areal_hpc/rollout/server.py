@@ -329,10 +329,10 @@ def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None, token: st
 
 def serve_embedded(cfg) -> None:
     """Load the model, start the engine, listen, register in name-resolve; run until SIGINT/SIGTERM."""
-    from areal_hpc.runtime.name_resolve import advertised_address, bind, registered_server
-    from areal_hpc.runtime.rollout_token import server_token
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
+    from areal_hpc.runtime.name_resolve import advertised_address, bind, registered_server
+    from areal_hpc.runtime.rollout_token import server_token
 
     sock = bind(cfg.rollout.host, cfg.rollout.port)  # a taken port fails before minutes of model loading
     token = server_token(cfg.run_dir, cfg.rollout.host)

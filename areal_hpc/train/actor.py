@@ -16,8 +16,8 @@ import torch.distributed as dist
 from areal_hpc.algo.advantages import gae, outcome_token_rewards
 from areal_hpc.algo.ppo import PPOLossConfig, decoupled_ppo_loss, value_loss
 from areal_hpc.config import ActorConfig
-from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.base import TrainEngine, merge_stats
+from areal_hpc.engines.sequence_batch import SequenceBatch
 
 
 def loss_config(cfg: ActorConfig) -> PPOLossConfig:

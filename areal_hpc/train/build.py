@@ -23,21 +23,21 @@ from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import PROXY_WRITER_PREFIX, TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.errors import UserError
 from areal_hpc.extras import require
-from areal_hpc.runtime.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
-from areal_hpc.runtime.bootstrap import node_address
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_mesh, init_distributed
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
+from areal_hpc.runtime.bootstrap import node_address
+from areal_hpc.runtime.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.train.actor import PPOActor
-from areal_hpc.engines.base import TrainEngine
-from areal_hpc.engines.torch.engine import TorchTrainEngine
-from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 SHARD_WRITER = "rollout"

@@ -22,20 +22,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.config import RunConfig, save_resolved
-from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.registry import build_task, corpus_for_tokenizer
+from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
+from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.models.chat import completion_ids, prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
 from areal_hpc.parallel.device import resolve_device
-from areal_hpc.engines.base import TrainEngine
-from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.train.evaluate import EvalResult, evaluate_model
-from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
-from areal_hpc.engines.sequence_batch import SequenceBatch
 
 
 @dataclass

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from areal_hpc.algo.temperature import run_temperature
 from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.engines.base import TrainEngine, WeightBucket, merge_stats
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.train.actor import PPOActor
-from areal_hpc.engines.base import TrainEngine, WeightBucket, merge_stats
 from areal_hpc.train.trajectory_batch import build_batch, data_parallel_parts, split_minibatches
 
 UPDATE, SAVE, WEIGHTS, STOP = "update", "save", "weights", "stop"

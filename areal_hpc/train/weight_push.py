@@ -38,12 +38,12 @@ from pathlib import Path
 
 import aiohttp
 
-from areal_hpc.runtime.name_resolve import ServerDirectory
+from areal_hpc.engines.base import TrainEngine, WeightBucket
 from areal_hpc.models.hf import DTYPES
 from areal_hpc.parallel.weight_group import (GROUP_TIMEOUT_S, UpdateGroup, broadcast_tensor, host_store,
                                              join_update_group)
 from areal_hpc.rollout.client import NoServerError, RolloutClient, RolloutError, ServerReplyError, disk_update
-from areal_hpc.engines.base import TrainEngine, WeightBucket
+from areal_hpc.runtime.name_resolve import ServerDirectory
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 GROUP_NAME = "areal_weight_update"  # each group formed gets a suffix of its own (see _form)

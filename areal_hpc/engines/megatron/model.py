@@ -110,7 +110,6 @@ def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
-
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from areal_hpc.engines.megatron.attention import PackedCoreAttention

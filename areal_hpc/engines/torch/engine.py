@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.config import OptimizerConfig

@@ -29,11 +29,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from areal_hpc.engines.torch.experts import shard_experts
+from areal_hpc.engines.torch.pipeline import check_stages, keep_stage
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.engines.torch.experts import shard_experts
 from areal_hpc.parallel.mesh import TrainMesh
-from areal_hpc.engines.torch.pipeline import check_stages, keep_stage
 
 TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",

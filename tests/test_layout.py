@@ -11,6 +11,7 @@ Inside ``engines`` the two engines share ``engines.base`` and never import each 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx as nx
@@ -24,6 +25,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def import_graph() -> nx.DiGraph:
     """Module -> areal_hpc modules it imports (anywhere in the file, lazy imports included)."""
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -104,11 +106,12 @@ def test_imports_only_go_down_the_floors():
     ("areal_hpc.runtime.name_resolve", "areal_hpc.parallel.mesh"),  # up
 ])
 def test_a_forbidden_import_is_caught(importer, imported):
-    graph = import_graph()
+    graph = import_graph().copy()
     assert importer in graph and imported in graph
     assert not floor_violations(graph.edges)
     graph.add_edge(importer, imported)
-    assert floor_violations(graph.edges) == [w for w in floor_violations([(importer, imported)])] != []
+    (wrong,) = floor_violations(graph.edges)
+    assert wrong.startswith(f"{importer} ") and f" imports {imported}" in wrong
 
 
 # What the package uses from the standard library that a Python release added, and that release.

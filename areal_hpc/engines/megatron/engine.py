@@ -61,8 +61,8 @@ class MegatronTrainEngine:
         self.critic = kind == "critic"
         self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **({"num_labels": 1} if self.critic
                                                                                    else {}))
-        self.shape = ModelShape.from_hf(self.hf_config)
-        self.shape = self.shape.critic() if self.critic else self.shape
+        shape = ModelShape.from_hf(self.hf_config)
+        self.shape = shape.critic() if self.critic else shape
         check_layout(mesh.dims, self.shape)
         initialize_megatron(mesh.dims, self.device)
         with torch.random.fork_rng(devices=[]):  # the throwaway initialisation draws from the default generator

@@ -34,7 +34,7 @@ class TorchTrainEngine:
     (tensor parallel, FSDP2 or replicated data parallel; one process when ``mesh`` is None).
 
     ``forward_fn`` turns the model and a packed micro-batch into per-position outputs (e.g.
-    ``logprobs.packed_policy_outputs`` at the sampler's temperature, or ``packed_values``). Every rank
+    ``outputs.packed_policy_outputs`` at the sampler's temperature, or ``packed_values``). Every rank
     of the mesh calls ``forward`` and ``train_step`` with its data-parallel replica's share (tensor-
     parallel peers with the same one) and gets complete results; ``rollout_weights``, ``save`` and
     ``load`` are collective over the whole mesh.

@@ -97,36 +97,56 @@ def _sft(args) -> int:
 
 def _eval_arguments(ev) -> None:
     ev.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")
-    ev.add_argument("--task", choices=["arithmetic", "countdown", "gsm8k"], help="task (default: the config's)")
+    ev.add_argument("--task", choices=["arithmetic", "countdown", "gsm8k", "custom"],
+                    help="task (default: the config's; custom: dataset.path and reward.fn)")
     ev.add_argument("--limit", type=int, help="evaluate only the first N held-out problems")
+    ev.add_argument("--samples", type=int, default=1, metavar="N",
+                    help="episodes per prompt: 1 is greedy; N > 1 samples at gconfig.temperature (pass@k)")
+    ev.add_argument("--out", metavar="FILE.jsonl", help="write every episode (prompt, completion, reward) here")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     _optional_config_arguments(ev)
 
 
 def _eval(args) -> int:
+    from areal_hpc.agents.engine import Sampling
+    from areal_hpc.agents.registry import build_workflow
     from areal_hpc.config import load_config
-    from areal_hpc.data.registry import build_task
-    from areal_hpc.data.rewards import RewardPool
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
     from areal_hpc.train.evaluate import evaluate_model
+    from areal_hpc.train.task_setup import open_task, reward_pool
 
     overrides = list(args.overrides) + ([f"dataset.task={args.task}"] if args.task else [])
     cfg = load_config(args.config, overrides)
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be a positive number of problems, got {args.limit}")
-    task = build_task(cfg.dataset)
-    model = load_model(args.model, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
+    if args.samples < 1:
+        raise UserError(f"--samples must be a positive number of episodes per prompt, got {args.samples}")
     tokenizer = load_tokenizer(args.model)
-    with RewardPool(task.reward) as rewards:
-        result = evaluate_model(model, tokenizer, task.eval[: args.limit], rewards, cfg.gconfig.max_new_tokens)
+    task = open_task(cfg, tokenizer, args.model, lambda line: print(line, file=sys.stderr))
+    workflow = build_workflow(cfg.rollout)
+    out = Path(args.out) if args.out else None
+    if out is not None and not out.parent.is_dir():
+        raise UserError(f"--out {args.out}: folder {out.parent} does not exist")
+    model = load_model(args.model, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
+    with reward_pool(cfg, task) as rewards:
+        result = evaluate_model(model, tokenizer, task.eval[: args.limit], rewards, Sampling.from_config(cfg.gconfig),
+                                workflow, args.model, n_samples=args.samples, greedy=args.samples == 1,
+                                discount=cfg.rollout.turn_discount)
+    if out is not None:
+        out.write_text("".join(json.dumps(row) + "\n" for row in result.episodes))
+    passes = {f"pass@{k}": v for k, v in result.pass_at.items()}
     if args.json:
         print(json.dumps({"task": task.name, "model": args.model, "accuracy": result.accuracy, "n": result.n,
-                          "correct": result.correct, "mean_reward": result.mean_reward}))
+                          "correct": result.correct, "mean_reward": result.mean_reward, "samples": args.samples,
+                          **passes, "reward_failures": result.reward_failures,
+                          "episode_failures": result.episode_failures}))
     else:
         for prompt, completion, value in result.samples:
             print(f"  {prompt!r} -> {completion!r}  reward {value:g}")
-        print(f"{task.name} accuracy of {args.model}: {result.summary()}, mean reward {result.mean_reward:.3f}")
+        shown = "  ".join(f"{k} {v:.1%}" for k, v in passes.items())
+        print(f"{task.name} accuracy of {args.model}: {result.summary()}, mean reward {result.mean_reward:.3f}, "
+              f"{shown}" + (f"; episodes written to {out}" if out else ""))
     return 0
 
 
@@ -314,7 +334,8 @@ COMMANDS = (
             _submit_arguments, _submit),
     Command("slurm-task", "one task of a run's Slurm job (what slurm/*.sbatch scripts run under srun); its role comes "
                           "from its rank", _config_arguments, _slurm_task),
-    Command("eval", "greedy accuracy of a model on a task's held-out split", _eval_arguments, _eval),
+    Command("eval", "a model on a task's held-out split through its workflow: accuracy, mean reward, pass@k", _eval_arguments,
+            _eval),
     Command("serve", "run a rollout server (embedded engine or SGLang) with SGLang's HTTP API",
             _optional_config_arguments, _serve),
     Command("proxy", "the login-node proxy: an OpenAI-compatible gateway whose sessions become trajectory records "

@@ -25,8 +25,8 @@ from areal_hpc.errors import UserError, closest
 def spec(default: Any, help: str, *, choices=None, ge=None, gt=None, le=None):
     """A dataclass field carrying its help text and the constraints ``validate`` enforces."""
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -81,14 +81,34 @@ class CountdownConfig:
 
 @dataclass
 class DatasetConfig:
-    task: str = spec("arithmetic", "task with a verifiable reward", choices=["arithmetic", "countdown", "gsm8k"])
-    path: str = spec("", "GSM8K-format JSONL (question, answer '... #### N'); empty uses the shipped sample")
-    eval_path: str = spec("", "held-out GSM8K-format JSONL; empty holds out part of `path`")
-    seed: int = spec(0, "seed of the task generator and of the train/eval split", ge=0)
-    train_size: int = spec(20000, "training problems to generate", ge=1)
+    task: str = spec("arithmetic", "a built-in task, or custom: your data from `path` (with reward.fn)",
+                     choices=["arithmetic", "countdown", "gsm8k", "custom"])
+    path: str = spec("", "custom, gsm8k: your data: a JSONL, Parquet or Arrow file, a glob of them, a folder of them or "
+                     "a datasets.save_to_disk folder (gsm8k: empty uses the shipped sample)")
+    eval_path: str = spec("", "held-out data in the same forms; empty: eval_split of a saved DatasetDict, else "
+                          "eval_size rows held out of `path`")
+    eval_split: str = spec("test", "split of a datasets.save_to_disk DatasetDict folder used for evaluation")
+    prompt_field: str = spec("", "column of the prompt: text (a user turn) or chat messages; empty: 'prompt', "
+                             "else 'messages'")
+    answer_field: str = spec("answer", "column the reward checks (passed to it as `answer`)")
+    target_field: str = spec("", "column of a reference completion for SFT; empty: 'target' when there is one")
+    max_prompt_tokens: int = spec(0, "prompts longer than this many tokens are dropped and counted; 0: the "
+                                  "context length less gconfig.max_new_tokens", ge=0)
+    seed: int = spec(0, "seed of the task generator, of the train/eval split and of the row order of your data",
+                     ge=0)
+    train_size: int = spec(20000, "training problems to generate (at most this many rows of your data)", ge=1)
     eval_size: int = spec(200, "held-out problems used for accuracy", ge=1)
     arithmetic: ArithmeticConfig = section(ArithmeticConfig)
     countdown: CountdownConfig = section(CountdownConfig)
+
+
+@dataclass
+class RewardConfig:
+    fn: str = spec("", "your reward: 'package.module:function' or 'path/to/file.py:function', called as "
+                   "fn(prompt, completion, prompt_ids, completion_ids, **fields) (sync or async) and returning a "
+                   "number or {'reward': number, metric: number}; empty: the task's own")
+    timeout_s: float = spec(5.0, "seconds one reward call may take; a slower one fails (counted, scored 0)", gt=0.0)
+    workers: int = spec(1, "reward worker processes", ge=1)
 
 
 @dataclass
@@ -139,6 +159,12 @@ class RolloutConfig:
     tp_size: int = spec(1, "sglang: tensor-parallel size per server", ge=1)
     dp_size: int = spec(1, "sglang: data-parallel replicas per server", ge=1)
     mem_fraction_static: float = spec(0.8, "sglang: GPU memory fraction for weights and KV cache", gt=0.0, le=1.0)
+    workflow: str = spec("", "what one episode is: a built-in (rlvr, multi_turn_math, calculator, python_tool, search) "
+                         "or your class 'package.module:Class' / 'path/to/file.py:Class' with "
+                         "`async arun_episode(engine, example)`; empty: rlvr")
+    workflow_args: dict = spec({}, "keyword arguments the workflow class is built with")
+    turn_discount: float = spec(1.0, "multi-turn episodes: a turn's reward reaches each earlier turn multiplied by "
+                                "this (the episode's reward is its first turn's discounted return)", ge=0.0, le=1.0)
     failure_budget: FailureBudgetConfig = section(FailureBudgetConfig)
 
 
@@ -292,6 +318,7 @@ class RunConfig:
     model: ModelConfig = section(ModelConfig)
     tokenizer: TokenizerConfig = section(TokenizerConfig)
     dataset: DatasetConfig = section(DatasetConfig)
+    reward: RewardConfig = section(RewardConfig)
     optimizer: OptimizerConfig = section(OptimizerConfig)
     sft: SFTConfig = section(SFTConfig)
     rollout: RolloutConfig = section(RolloutConfig)
@@ -437,17 +464,21 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] = ()) 
 
 
 PATH_KEYS = ("cluster.fileroot", "model.path", "tokenizer.path", "dataset.path", "dataset.eval_path")
+SPEC_KEYS = ("reward.fn", "rollout.workflow")  # 'path/to/file.py:name' specs
 
 
 def absolute_path_overrides(cfg: RunConfig) -> list[str]:
     """``key=/absolute/path`` for every relative path the config sets (resolved from this folder): a
     Slurm job runs on other nodes and from another folder than the one it was submitted from."""
     overrides = []
-    for key in PATH_KEYS:
+    for key in PATH_KEYS + SPEC_KEYS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value and not Path(value).is_absolute():
-            overrides.append(f"{key}={Path(value).resolve()}")
+        path, sep, attr = value.rpartition(":") if key in SPEC_KEYS else (value, "", "")
+        if key in SPEC_KEYS and not path.endswith(".py"):
+            continue
+        if path and not Path(path).is_absolute():
+            overrides.append(f"{key}={Path(path).resolve()}{sep}{attr}")
     return overrides
 
 

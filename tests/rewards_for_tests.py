@@ -1,36 +1,41 @@
-"""Reward functions that misbehave on purpose; module-level so reward worker processes can import them."""
+"""Reward functions that misbehave on purpose; module-level so reward worker processes can import them.
+Each has the reward signature: (prompt, completion, prompt_ids, completion_ids, **fields)."""
 
 import os
 import time
 
 
-def hangs(completion, example):
+def hangs(prompt, completion, prompt_ids, completion_ids, **fields):
     if completion == "hang":
         time.sleep(3600)
     return 1.0
 
 
-def raises(completion, example):
+def raises(prompt, completion, prompt_ids, completion_ids, **fields):
     if completion == "boom":
         raise ValueError("bad reward code")
     return 1.0
 
 
-def exits(completion, example):
+def exits(prompt, completion, prompt_ids, completion_ids, **fields):
     if completion == "die":
         os._exit(1)
     return 1.0
 
 
-def hangs_always(completion, example):
+def not_a_number(prompt, completion, prompt_ids, completion_ids, **fields):
+    return {"nan": float("nan"), "text": "1.0", "none": None, "dict": {"score": 1.0}}.get(completion, 1.0)
+
+
+def hangs_always(prompt, completion, prompt_ids, completion_ids, **fields):
     time.sleep(3600)
 
 
-def exact_answer(completion, example):
+def exact_answer(prompt, completion, prompt_ids, completion_ids, answer, **fields):
     from areal_hpc.data.rewards import last_number, parse_number
 
-    return float(last_number(completion) == parse_number(example.answer))
+    return float(last_number(completion) == parse_number(answer))
 
 
-def raises_always(completion, example):
+def raises_always(prompt, completion, prompt_ids, completion_ids, **fields):
     raise ValueError(f"reward code cannot parse {completion[:10]!r}")

@@ -7,5 +7,5 @@ if multiprocessing.parent_process() is not None:
     time.sleep(3)
 
 
-def correct(completion, example):
+def correct(prompt, completion, prompt_ids, completion_ids, **fields):
     return 1.0

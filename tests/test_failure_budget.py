@@ -30,10 +30,11 @@ from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.rollout.client import NoServerError, RolloutClient, RolloutError
 from areal_hpc.rollout.controller import FAILURE_KINDS, FailureBudget, FailureLog, RolloutController, RolloutFailure
 from areal_hpc.rollout.staleness import StalenessGate
-from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
+from areal_hpc.agents.engine import Sampling
 from areal_hpc.train.build import build_controller
 from areal_hpc.train.rl_run import shards
 from tests import rewards_for_tests
+from tests.workflow_helpers import episode_groups
 from tests.conftest import embedded_server
 from tests.waiting import serve_on_loopback, wait_until
 
@@ -114,7 +115,7 @@ def test_a_server_answering_500_to_generate_spends_the_budget(tiny_model_dir):
     async def run():
         async with answering_500(health_status=200) as (server, calls), RolloutClient([server]) as client:
             with RewardPool(rewards_for_tests.exact_answer) as pool:
-                workflow = RLVRWorkflow(load_tokenizer(tiny_model_dir), Sampling(4), 2, Scorer(pool), "arithmetic")
+                workflow = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2)
                 controller = RolloutController(client, workflow, StalenessGate(2, 0, 4), examples(8),
                                                budget=FailureBudget(max_consecutive=5))
                 return await until_stopped(controller), controller, calls["generate"]
@@ -132,7 +133,7 @@ def test_a_server_answering_500_to_everything_is_dropped_and_rollouts_stop(tiny_
     async def run():
         async with answering_500(health_status=500) as (server, _), RolloutClient([server]) as client:
             with RewardPool(rewards_for_tests.exact_answer) as pool:
-                workflow = RLVRWorkflow(load_tokenizer(tiny_model_dir), Sampling(4), 2, Scorer(pool), "arithmetic")
+                workflow = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2)
                 controller = RolloutController(client, workflow, StalenessGate(2, 0, 4), examples(8))
                 return await until_stopped(controller), client.alive
 
@@ -158,8 +159,8 @@ def test_a_full_disk_in_the_shard_commit_spends_the_budget(tiny_model_dir, tmp_p
     async def run(server):
         async with RolloutClient([server]) as client:
             with RewardPool(task.reward) as pool:
-                controller = build_controller(cfg, client, load_tokenizer(tiny_model_dir), Scorer(pool), task.name,
-                                              PromptStream(task.train, 0, 0),
+                groups = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2, task_name=task.name)
+                controller = build_controller(cfg, client, groups, PromptStream(task.train, 0, 0),
                                               FullDiskWriter(tmp_path / "shards", "rollout"), 0, on_drop=None)
                 return await until_stopped(controller), controller
 
@@ -178,7 +179,7 @@ def test_prompts_longer_than_the_context_spend_the_budget(tiny_model_dir, tmp_pa
     async def run(server):
         async with RolloutClient([server]) as client:
             with RewardPool(rewards_for_tests.exact_answer) as pool:
-                workflow = RLVRWorkflow(tokenizer, Sampling(4), 2, Scorer(pool), "arithmetic")
+                workflow = episode_groups(tokenizer, pool, Sampling(4), 2)
                 controller = RolloutController(client, workflow, StalenessGate(2, 0, 4), examples(8, long_prompt),
                                                budget=FailureBudget(max_consecutive=3))
                 return await until_stopped(controller), controller
@@ -201,7 +202,7 @@ def test_a_reward_failing_on_every_input_spends_the_budget(tiny_model_dir, tmp_p
     async def run(server):
         async with RolloutClient([server]) as client:
             with RewardPool(reward_fn, timeout_s=1.0) as pool:
-                workflow = RLVRWorkflow(load_tokenizer(tiny_model_dir), Sampling(4), 2, Scorer(pool), "arithmetic")
+                workflow = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2)
                 accepted = []
                 controller = RolloutController(client, workflow, StalenessGate(2, 0, 2), examples(8),
                                                on_accept=accepted.append, budget=FailureBudget(max_consecutive=2))

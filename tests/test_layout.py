@@ -1,8 +1,8 @@
 """The folder tells the architecture (docs/architecture.md): no module imports a module that imports it
 back (directly or through others), and every import goes down the floors, never up or sideways:
 
-    errors  <  fsio, extras, config  <  algo, data, models, sched  <  runtime  <  parallel
-        <  engines, rollout  <  train, proxy  <  launch  <  cli  <  __main__
+    errors  <  fsio, extras, config, plugins  <  algo, data, models, sched, reward  <  runtime  <  parallel
+        <  engines, rollout  <  proxy  <  agents  <  train  <  launch  <  cli  <  __main__
 
 A module imports its own package and packages on lower floors only; so ``launch`` is imported by the
 CLI alone, engines import nothing above them, and rollout and the proxy never import the trainer.
@@ -52,12 +52,14 @@ def test_no_module_imports_itself_back():
 
 FLOORS = [
     {"errors", "areal_hpc"},  # "areal_hpc": the package's own __init__
-    {"fsio", "extras", "config"},
-    {"algo", "data", "models", "sched"},
+    {"fsio", "extras", "config", "plugins"},
+    {"algo", "data", "models", "sched", "reward"},
     {"runtime"},
     {"parallel"},
     {"engines", "rollout"},
-    {"train", "proxy"},
+    {"proxy"},
+    {"agents"},
+    {"train"},
     {"launch"},
     {"cli"},
     {"__main__"},

@@ -1,34 +1,82 @@
-"""A reward that hangs, raises or kills its worker is a recorded failure of its kind; the other scores
-survive, and the workers' start-up is not charged to the first call's timeout."""
+"""A reward that hangs, raises, kills its worker or returns something that is not a finite number is a
+recorded failure of its kind; the other scores survive, and the workers' start-up is not charged to the
+first call's timeout. A reward named by file path, async, or returning metrics scores in the workers."""
 
 import time
 
 import pytest
 
-from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.rewards import RewardFunction, RewardPool, RewardRequest
+from areal_hpc.errors import UserError
 
 from . import rewards_for_tests as bad
 from . import slow_start_reward
+
+
+def request(completion: str, **fields) -> RewardRequest:
+    return RewardRequest("What is 2+2?", completion, [1, 2], [3], {"answer": "4", **fields})
 
 
 @pytest.mark.parametrize("reward_fn, poison, error, kind", [
     (bad.hangs, "hang", "timed out", "timeout"),
     (bad.raises, "boom", "ValueError: bad reward code", "exception"),
     (bad.exits, "die", "timed out", "timeout"),
+    (bad.not_a_number, "nan", "returned nan", "invalid"),
+    (bad.not_a_number, "text", "returned '1.0' (str)", "invalid"),
+    (bad.not_a_number, "none", "returned None", "invalid"),
+    (bad.not_a_number, "dict", "without 'reward'", "invalid"),
 ])
 def test_failures_are_recorded_and_other_items_still_score(reward_fn, poison, error, kind):
-    pairs = [("ok", None), (poison, None), ("ok", None), ("ok", None)]
+    requests = [request("ok"), request(poison), request("ok"), request("ok")]
     started = time.monotonic()
     with RewardPool(reward_fn, workers=2, timeout_s=2.0) as pool:
-        outcomes = pool.score(pairs)
+        outcomes = pool.score(requests)
         assert [o.value for o in outcomes] == [1.0, 0.0, 1.0, 1.0]
         assert error in outcomes[1].error and outcomes[1].error_kind == kind
         assert all(o.error is None and o.error_kind is None for i, o in enumerate(outcomes) if i != 1)
-        assert pool.score([("ok", None)])[0].value == 1.0  # the pool keeps serving afterwards
+        assert pool.score([request("ok")])[0].value == 1.0  # the pool keeps serving afterwards
     assert time.monotonic() - started < 30
 
 
 def test_worker_start_up_is_not_charged_to_the_reward_timeout():
     with RewardPool(slow_start_reward.correct, workers=2, timeout_s=1.0) as pool:
-        outcomes = pool.score([("a", None), ("b", None), ("c", None)])
+        outcomes = pool.score([request("a"), request("b"), request("c")])
     assert [(o.value, o.error) for o in outcomes] == [(1.0, None)] * 3
+
+
+USER_REWARD = '''
+import asyncio
+
+async def graded(prompt, completion, prompt_ids, completion_ids, answer, weight=1.0, **fields):
+    await asyncio.sleep(0)
+    right = completion.strip() == answer
+    return {"reward": weight * right, "length": len(completion_ids), "saw_prompt": float(prompt.startswith("What"))}
+'''
+
+
+def test_a_reward_by_file_path_runs_async_in_the_workers_and_returns_metrics(tmp_path):
+    (tmp_path / "my_reward.py").write_text(USER_REWARD)
+    spec = f"{tmp_path / 'my_reward.py'}:graded"
+    with RewardPool(RewardFunction(spec), workers=2, timeout_s=5.0) as pool:
+        right, wrong = pool.score([request("4", weight=0.5), request("5")])
+    assert (right.value, right.metrics) == (0.5, {"length": 1.0, "saw_prompt": 1.0})
+    assert (wrong.value, wrong.error) == (0.0, None)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("no_colon", ["'reward.fn'", "'no_colon'", "package.module:name"]),
+    ("areal_hpc.no_such_module:f", ["cannot import", "areal_hpc.no_such_module"]),
+    ("areal_hpc.data.rewards:no_such_function", ["has no 'no_such_function'", "RewardPool"]),
+    ("areal_hpc.data.rewards:MAX_SCORED_CHARS", ["is a int, not a function"]),
+    ("missing/file.py:f", ["no file", "missing/file.py"]),
+])
+def test_a_bad_reward_spec_is_one_line_naming_it(spec, words):
+    with pytest.raises(UserError) as err:
+        RewardFunction(spec).load()
+    assert all(w in str(err.value) for w in words) and "\n" not in str(err.value)
+
+
+def test_a_reward_file_that_fails_to_import_says_why(tmp_path):
+    (tmp_path / "broken.py").write_text("import no_such_package_anywhere\n")
+    with pytest.raises(UserError, match="broken.py failed to load: ModuleNotFoundError"):
+        RewardFunction(f"{tmp_path / 'broken.py'}:f").load()

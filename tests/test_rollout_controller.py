@@ -18,8 +18,10 @@ from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode, RolloutController
 from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
-from areal_hpc.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, Sampling, Scorer
+from areal_hpc.agents.engine import Sampling
+from areal_hpc.agents.multi_turn_math import MultiTurnMathWorkflow
 from tests import rewards_for_tests
+from tests.workflow_helpers import episode_groups
 from tests.conftest import embedded_server
 from tests.waiting import model_info, wait_until
 
@@ -125,8 +127,7 @@ def test_weight_updates_interrupt_generation_and_later_tokens_come_from_the_new_
     async def run(address):
         async with RolloutClient([address]) as client:
             with RewardPool(rewards_for_tests.exact_answer) as pool:
-                workflow = RLVRWorkflow(tokenizer, Sampling(max_new_tokens=200), n_samples=2, scorer=Scorer(pool),
-                                        task_name="arithmetic")
+                workflow = episode_groups(tokenizer, pool, Sampling(max_new_tokens=200), n_samples=2)
                 gate = StalenessGate(batch, eta, max_concurrent=4)
                 written: list[Episode] = []
                 controller = RolloutController(client, workflow, gate, examples(20), on_accept=written.append)
@@ -177,9 +178,9 @@ def test_multi_turn_episode_is_token_in_token_out_with_turn_rewards(tiny_model_d
     async def run(address):
         async with RolloutClient([address]) as client:
             with RewardPool(rewards_for_tests.exact_answer) as pool:
-                workflow = MultiTurnWorkflow(tokenizer, Sampling(max_new_tokens=6, temperature=0.0),
-                                             Scorer(pool), task_name="arithmetic", max_turns=3)
-                return await workflow.run(client, examples(2)[1])
+                groups = episode_groups(tokenizer, pool, Sampling(max_new_tokens=6, temperature=0.0), 1,
+                                        MultiTurnMathWorkflow(max_turns=3))
+                return await groups.run(client, examples(2)[1])
 
     with embedded_server(tiny_model_dir, tmp_path) as (_, address):
         [traj] = asyncio.run(run(address))

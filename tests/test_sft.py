@@ -11,12 +11,14 @@ import yaml
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
+from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.config import load_config
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.registry import build_task
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
-from areal_hpc.train.evaluate import evaluate_model, evaluate_remote
+from areal_hpc.train.evaluate import evaluate, evaluate_model
 
 from .conftest import embedded_server, run_cli
 
@@ -53,11 +55,13 @@ def test_sft_raises_eval_accuracy_and_writes_every_output(tmp_path):
     task, tokenizer = build_task(cfg.dataset), load_tokenizer(run_dir / "model")
     with RewardPool(task.reward) as rewards:
         at_250 = evaluate_model(load_model(run_dir / "checkpoints" / "step250"), tokenizer, task.eval, rewards,
-                                cfg.gconfig.max_new_tokens)
+                                Sampling.from_config(cfg.gconfig))
         with embedded_server(run_dir / "model", tmp_path) as (_, address):
             async def served():
                 async with RolloutClient([address]) as client:
-                    return await evaluate_remote(client, tokenizer, task.eval, rewards, cfg.gconfig.max_new_tokens)
+                    settings = EngineSettings(client.generate, tokenizer, Sampling.from_config(cfg.gconfig),
+                                              Scorer(rewards))
+                    return await evaluate(settings, RLVRWorkflow(), task.eval)
             behind_server = asyncio.run(served())
     assert at_250.accuracy == pytest.approx(accuracy[250])
     # the server batches requests as they arrive: float sums may differ in the last bits, so a near-tie

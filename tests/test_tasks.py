@@ -9,10 +9,16 @@ from hypothesis import strategies as st
 from areal_hpc.config import DatasetConfig
 from areal_hpc.data import arithmetic, countdown, gsm8k
 from areal_hpc.data.registry import build_task
+from areal_hpc.data.rewards import RewardRequest
 from areal_hpc.data.tasks import Example
 from areal_hpc.errors import UserError
 
 TASKS = ["arithmetic", "countdown", "gsm8k"]
+
+
+def score(reward, completion: str, example: Example) -> float:
+    """A reward's value for ``completion`` of ``example``, called as the reward pool calls it."""
+    return reward("", completion, [], [], **example.reward_fields())
 
 
 def small(task: str, **kw) -> DatasetConfig:
@@ -37,7 +43,7 @@ def test_another_seed_gives_other_problems_and_eval_ignores_train_size(name):
 @pytest.mark.parametrize("name", TASKS)
 def test_reference_targets_score_one(name):
     task = build_task(small(name))
-    assert all(task.reward(ex.target, ex) == 1.0 for ex in task.train + task.eval)
+    assert all(task.reward(RewardRequest('', ex.target, [], [], ex.reward_fields()))[0] == 1.0 for ex in task.train + task.eval)
 
 
 def test_arithmetic_respects_digits_and_operators():
@@ -63,48 +69,48 @@ def problem(a: int, b: int) -> Example:
 @settings(max_examples=300)
 @given(st.integers(0, 10**12), st.integers(0, 10**12), st.text(max_size=30).filter(lambda t: not any(c.isdigit() for c in t) and not t.endswith("-")))
 def test_arithmetic_correct_answer_always_scores_one(a, b, prefix):
-    assert arithmetic.reward(f"{prefix}{a + b}", problem(a, b)) == 1.0
+    assert score(arithmetic.reward, f"{prefix}{a + b}", problem(a, b)) == 1.0
 
 
 @settings(max_examples=300)
 @given(st.integers(0, 10**12), st.integers(0, 10**12), st.integers(-10**6, 10**6).filter(lambda d: d != 0))
 def test_arithmetic_corrupted_answer_never_scores_one(a, b, delta):
-    assert arithmetic.reward(str(a + b + delta), problem(a, b)) == 0.0
-    assert arithmetic.reward(f"{a + b}{abs(delta)}", problem(a, b)) == 0.0
+    assert score(arithmetic.reward, str(a + b + delta), problem(a, b)) == 0.0
+    assert score(arithmetic.reward, f"{a + b}{abs(delta)}", problem(a, b)) == 0.0
 
 
 def countdown_problem(numbers, target) -> Example:
-    return Example(uid="t", prompt="", target="", answer=str(target), numbers=tuple(numbers))
+    return Example(uid="t", prompt="", target="", answer=str(target), fields={"numbers": list(numbers)})
 
 
 @settings(max_examples=200)
 @given(st.randoms(use_true_random=False), st.integers(2, 6))
 def test_countdown_rewards_correct_wrong_and_malformed(rng, count):
     ex = countdown.draw_problem(rng, num_count=count, max_number=30)
-    assert countdown.reward(ex.target, ex) == 1.0
+    assert score(countdown.reward, ex.target, ex) == 1.0
     expression = ex.target.removeprefix("<answer>").removesuffix("</answer>")
-    assert countdown.reward(f"<answer>{expression}+1</answer>", ex) == 0.1  # extra number: wrong
-    assert countdown.reward(f"<answer>({expression})*2</answer>", ex) == 0.1
-    assert countdown.reward(expression, ex) == 0.0  # no answer tags
-    assert countdown.reward(f"<answer>{expression} and more</answer>", ex) == 0.0
+    assert score(countdown.reward, f"<answer>{expression}+1</answer>", ex) == 0.1  # extra number: wrong
+    assert score(countdown.reward, f"<answer>({expression})*2</answer>", ex) == 0.1
+    assert score(countdown.reward, expression, ex) == 0.0  # no answer tags
+    assert score(countdown.reward, f"<answer>{expression} and more</answer>", ex) == 0.0
 
 
 def test_countdown_requires_each_number_exactly_once():
     ex = countdown_problem([3, 4, 5], 12)
-    assert countdown.reward("<answer>3*4</answer>", ex) == 0.1  # right value, 5 unused
-    assert countdown.reward("<answer>3*4*5/5</answer>", ex) == 0.1  # 5 used twice
-    assert countdown.reward("<answer>(5-3)*4+4</answer>", ex) == 0.1
-    assert countdown.reward("<answer>3+4+5</answer>", ex) == 1.0
-    assert countdown.reward("<answer>3/(4-4)</answer>", ex) == 0.1  # well-formed, divides by zero
-    assert countdown.reward("<answer>3**4</answer>", ex) == 0.0
+    assert score(countdown.reward, "<answer>3*4</answer>", ex) == 0.1  # right value, 5 unused
+    assert score(countdown.reward, "<answer>3*4*5/5</answer>", ex) == 0.1  # 5 used twice
+    assert score(countdown.reward, "<answer>(5-3)*4+4</answer>", ex) == 0.1
+    assert score(countdown.reward, "<answer>3+4+5</answer>", ex) == 1.0
+    assert score(countdown.reward, "<answer>3/(4-4)</answer>", ex) == 0.1  # well-formed, divides by zero
+    assert score(countdown.reward, "<answer>3**4</answer>", ex) == 0.0
 
 
 @settings(max_examples=300)
 @given(st.integers(-10**9, 10**9), st.sampled_from(["", "The answer is ", "so #### ", "#### $"]))
 def test_gsm8k_final_answer(value, lead):
     ex = Example(uid="t", prompt="", target="", answer=f"{value:,}")
-    assert gsm8k.reward(f"reasoning 1+2=3\n{lead}{value}", ex) == 1.0
-    assert gsm8k.reward(f"#### {value + 1}", ex) == 0.0
+    assert score(gsm8k.reward, f"reasoning 1+2=3\n{lead}{value}", ex) == 1.0
+    assert score(gsm8k.reward, f"#### {value + 1}", ex) == 0.0
 
 
 GARBAGE = st.one_of(st.text(max_size=400), st.binary(max_size=200).map(lambda b: b.decode("latin-1")),
@@ -118,7 +124,7 @@ def test_garbage_never_raises(text):
     examples = {arithmetic.reward: problem(2, 3), countdown.reward: countdown_problem([1, 2, 3], 6),
                 gsm8k.reward: Example(uid="t", prompt="", target="", answer="42")}
     for reward, ex in examples.items():
-        assert reward(text, ex) in (0.0, 0.1, 1.0)
+        assert score(reward, text, ex) in (0.0, 0.1, 1.0)
 
 
 @pytest.mark.parametrize("text", ["(" * 5000 + "1" + ")" * 5000, "9" * 1_000_000, "<answer>" + "9*" * 10**5 + "9</answer>",
@@ -129,25 +135,26 @@ def test_pathological_completions_are_scored_quickly(text):
     started = time.perf_counter()
     for reward, ex in ((arithmetic.reward, problem(2, 3)), (countdown.reward, countdown_problem([1, 2, 3], 6)),
                        (gsm8k.reward, Example(uid="t", prompt="", target="", answer="42"))):
-        reward(text, ex)
+        score(reward, text, ex)
     assert time.perf_counter() - started < 2.0
 
 
 def test_gsm8k_sample_ships_with_the_package_and_loads():
-    rows = gsm8k.load_jsonl(gsm8k.sample_path())
-    assert len(rows) >= 20 and all(gsm8k.reward(r.target, r) == 1.0 for r in rows)
+    task = build_task(DatasetConfig(task="gsm8k", eval_size=5))
+    rows = task.train + task.eval
+    assert len(rows) >= 20 and all(score(gsm8k.reward, r.target, r) == 1.0 for r in rows)
 
 
 @pytest.mark.parametrize("line, words", [
-    ("not json", ["bad.jsonl:2", "question"]),
-    ('{"question": "q"}', ["bad.jsonl:2", "answer"]),
-    ('{"question": "q", "answer": "no marker"}', ["bad.jsonl:2", "####"]),
+    ("not json", ["bad.jsonl", "cannot read"]),
+    ('{"question": "q"}', ["bad.jsonl row 1", "answer"]),
+    ('{"question": "q", "answer": "no marker"}', ["bad.jsonl row 1", "####"]),
 ])
-def test_gsm8k_bad_rows_name_file_and_line(tmp_path, line, words):
+def test_gsm8k_bad_rows_name_file_and_row(tmp_path, line, words):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + line + "\n")
     with pytest.raises(UserError) as err:
-        gsm8k.load_jsonl(path)
+        build_task(DatasetConfig(task="gsm8k", path=str(path)))
     assert all(w in str(err.value) for w in words)
 
 
@@ -156,4 +163,4 @@ def test_gsm8k_separate_eval_file(tmp_path):
     path.write_text(json.dumps({"question": "How many?", "answer": "#### 3"}) + "\n")
     task = build_task(DatasetConfig(task="gsm8k", eval_path=str(path)))
     assert [ex.prompt for ex in task.eval] == ["How many?"]
-    assert len(task.train) == len(gsm8k.load_jsonl(gsm8k.sample_path()))
+    assert len(task.train) == len(gsm8k.sample_path().read_text().strip().splitlines())  # every sample row

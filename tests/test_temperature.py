@@ -27,7 +27,7 @@ from areal_hpc.proxy.openai_api import sampling_params
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.embedded_engine import RequestError, SamplingParams
 from areal_hpc.rollout.sampling import SlotSampler
-from areal_hpc.rollout.workflows import Sampling
+from areal_hpc.agents.engine import Sampling
 from areal_hpc.train.build import build_actor, sampler_temperature
 from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
 

@@ -15,13 +15,14 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
+from areal_hpc.agents.engine import Sampling
 from areal_hpc.train.evaluate import evaluate_model
 from areal_hpc.train.sft import sft_step
 
 
-def is_target(completion: str, example: Example) -> float:
-    """A reward (module level, so reward workers import it): the completion is exactly the target."""
-    return float(completion == example.target)
+def is_target(prompt, completion: str, prompt_ids, completion_ids, answer: str, **fields) -> float:
+    """A reward (module level, so reward workers import it): the completion is exactly the answer."""
+    return float(completion == answer)
 
 
 def engine_on(model_dir, clip: float = 0.0, max_tokens_per_mb: int = 4096) -> TorchTrainEngine:
@@ -106,10 +107,10 @@ def test_in_process_evaluation_decodes_like_transformers_greedy_generate(tiny_mo
                              pad_token_id=tokenizer.pad_token_id)
         expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     # the reward says whether the completion is the one transformers decoded
-    examples = [Example(str(i), prompt, target, "") for i, (prompt, target)
+    examples = [Example(str(i), prompt, answer=target) for i, (prompt, target)
                 in enumerate(zip(prompts, expected[:2] + ["not that"]))]
     with RewardPool(is_target) as rewards:
-        result = evaluate_model(model, tokenizer, examples, rewards, max_new_tokens=8)
+        result = evaluate_model(model, tokenizer, examples, rewards, Sampling(max_new_tokens=8))
     assert len(set(expected)) == 3 and all(len(set(text.split())) > 2 for text in expected)
     assert [completion for _, completion, _ in result.samples] == expected
     assert (result.correct, result.n) == (2, 3)

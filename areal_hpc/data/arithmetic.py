@@ -6,7 +6,7 @@ import random
 from functools import partial
 
 from areal_hpc.config import DatasetConfig
-from areal_hpc.data.rewards import last_number, parse_number
+from areal_hpc.data.rewards import RewardFunction, last_number, parse_number
 from areal_hpc.data.split import generate_split
 from areal_hpc.data.tasks import Example, Task
 from areal_hpc.errors import UserError
@@ -26,10 +26,10 @@ def draw_problem(rng: random.Random, min_digits: int, max_digits: int, ops: str)
     return Example(uid="", prompt=f"What is {a}{op}{b}?", target=str(result), answer=str(result))
 
 
-def reward(completion: str, example: Example) -> float:
+def reward(prompt: str, completion: str, prompt_ids, completion_ids, answer: str, **fields) -> float:
     """1.0 when the last number in the completion equals the answer, else 0.0."""
     got = last_number(completion)
-    return 1.0 if got is not None and got == parse_number(example.answer) else 0.0
+    return 1.0 if got is not None and got == parse_number(answer) else 0.0
 
 
 def make_task(cfg: DatasetConfig) -> Task:
@@ -40,4 +40,4 @@ def make_task(cfg: DatasetConfig) -> Task:
         raise UserError(f"config key 'dataset.arithmetic.min_digits': {a.min_digits} is above max_digits={a.max_digits}")
     draw = partial(draw_problem, min_digits=a.min_digits, max_digits=a.max_digits, ops=a.ops)
     train, held_out = generate_split(draw, cfg.seed, cfg.train_size, cfg.eval_size, "arithmetic")
-    return Task("arithmetic", train, held_out, reward)
+    return Task("arithmetic", train, held_out, RewardFunction(reward))

@@ -14,7 +14,7 @@ from fractions import Fraction
 from functools import partial
 
 from areal_hpc.config import DatasetConfig
-from areal_hpc.data.rewards import tail
+from areal_hpc.data.rewards import RewardFunction, tail
 from areal_hpc.data.split import generate_split
 from areal_hpc.data.tasks import Example, Task
 
@@ -46,7 +46,7 @@ def draw_problem(rng: random.Random, num_count: int, max_number: int) -> Example
     prompt = (f"Using the numbers {numbers}, create an equation that equals {value}. "
               "Use each number once with + - * /. Answer as <answer>equation</answer>.")
     return Example(uid="", prompt=prompt, target=f"<answer>{expression}</answer>", answer=str(value),
-                   numbers=tuple(numbers))
+                   fields={"numbers": numbers})
 
 
 def evaluate_expression(text: str) -> tuple[Fraction | None, list[int]] | None:
@@ -72,7 +72,8 @@ def _eval_node(node, used: list[int]) -> Fraction:
     raise ValueError("not a + - * / expression over integers")
 
 
-def reward(completion: str, example: Example) -> float:
+def reward(prompt: str, completion: str, prompt_ids, completion_ids, answer: str, numbers: list[int],
+           **fields) -> float:
     answers = _ANSWER.findall(tail(completion))
     if not answers:
         return 0.0
@@ -80,11 +81,11 @@ def reward(completion: str, example: Example) -> float:
     if result is None:
         return 0.0
     value, used = result
-    correct = value is not None and value == int(example.answer) and sorted(used) == sorted(example.numbers)
+    correct = value is not None and value == int(answer) and sorted(used) == sorted(numbers)
     return 1.0 if correct else 0.1
 
 
 def make_task(cfg: DatasetConfig) -> Task:
     draw = partial(draw_problem, num_count=cfg.countdown.num_count, max_number=cfg.countdown.max_number)
     train, held_out = generate_split(draw, cfg.seed, cfg.train_size, cfg.eval_size, "countdown")
-    return Task("countdown", train, held_out, reward)
+    return Task("countdown", train, held_out, RewardFunction(reward))

@@ -1,4 +1,5 @@
-"""GSM8K-format word problems from a local JSONL file: {"question": ..., "answer": "... #### N"}.
+"""GSM8K-format word problems from local data ({"question": ..., "answer": "... #### N"} rows, in any
+form ``dataset.path`` takes: JSONL, Parquet, Arrow, a folder).
 
 Reward 1.0 when the completion's final answer (after the last '####', else its last number) equals N.
 Nothing is downloaded: point ``dataset.path`` at a local copy; the shipped sample serves tests.
@@ -6,14 +7,14 @@ Nothing is downloaded: point ``dataset.path`` at a local copy; the shipped sampl
 
 from __future__ import annotations
 
-import json
-import random
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
 from areal_hpc.config import DatasetConfig
-from areal_hpc.data.rewards import last_number, parse_number, tail
-from areal_hpc.data.tasks import Example, Task
+from areal_hpc.data.rewards import RewardFunction, last_number, parse_number, tail
+from areal_hpc.data.tasks import Task
+from areal_hpc.data.user_data import read_rows, split_examples
 from areal_hpc.errors import UserError
 
 SAMPLE = "gsm8k_sample.jsonl"
@@ -30,40 +31,28 @@ def final_answer(text: str):
     return last_number(text[marker + 4:] if marker >= 0 else text)
 
 
-def load_jsonl(path: str | Path) -> list[Example]:
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"GSM8K file not found: {path} (dataset.path must be a local JSONL file)")
-    examples = []
-    for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            question, answer = row["question"], row["answer"]
-        except (json.JSONDecodeError, TypeError, KeyError) as exc:
-            raise UserError(f"{path}:{lineno}: not a GSM8K row with 'question' and 'answer' ({exc})") from None
-        number = final_answer(answer) if "####" in answer else None
-        if number is None:
-            raise UserError(f"{path}:{lineno}: answer must end with '#### <number>', got {answer[-40:]!r}")
-        examples.append(Example(uid=f"{file.stem}/{lineno}", prompt=question, target=answer.strip(),
-                                answer=answer.rsplit("####", 1)[1].strip()))
-    if not examples:
-        raise UserError(f"GSM8K file {path} holds no rows")
-    return examples
+def gsm8k_rows(path: str, key: str, split: str) -> list[dict]:
+    """GSM8K rows as the generic mapping reads them: prompt (the question), target (the worked answer) and
+    answer (its number after '####')."""
+    rows = []
+    for i, row in enumerate(read_rows(path, key, split)):
+        question, answer = row.get("question"), row.get("answer")
+        if not isinstance(question, str) or not isinstance(answer, str):
+            raise UserError(f"{path} row {i}: not a GSM8K row with text 'question' and 'answer' "
+                            f"(its columns: {', '.join(row)})")
+        if "####" not in answer or final_answer(answer) is None:
+            raise UserError(f"{path} row {i}: answer must end with '#### <number>', got {answer[-40:]!r}")
+        rows.append({"prompt": question, "target": answer.strip(), "answer": answer.rsplit("####", 1)[1].strip()})
+    return rows
 
 
-def reward(completion: str, example: Example) -> float:
+def reward(prompt: str, completion: str, prompt_ids, completion_ids, answer: str, **fields) -> float:
     got = final_answer(completion)
-    return 1.0 if got is not None and got == parse_number(example.answer) else 0.0
+    return 1.0 if got is not None and got == parse_number(answer) else 0.0
 
 
 def make_task(cfg: DatasetConfig) -> Task:
-    rows = load_jsonl(cfg.path or sample_path())
-    if cfg.eval_path:
-        train, held_out = rows, load_jsonl(cfg.eval_path)
-    else:  # hold out a seeded part of the one file, at most half of it
-        rows = random.Random(f"gsm8k-{cfg.seed}").sample(rows, len(rows))
-        n_eval = min(cfg.eval_size, len(rows) // 2)
-        train, held_out = rows[n_eval:], rows[:n_eval]
-    return Task("gsm8k", train[: cfg.train_size], held_out[: cfg.eval_size], reward)
+    mapping = replace(cfg, path=cfg.path or str(sample_path()), prompt_field="prompt", answer_field="answer",
+                      target_field="target")
+    train, held_out = split_examples(mapping, "gsm8k", gsm8k_rows)
+    return Task("gsm8k", train, held_out, RewardFunction(reward))

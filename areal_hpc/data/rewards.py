@@ -1,15 +1,21 @@
-"""Shared reward pieces: bounded answer parsing, and a worker pool that turns a hanging or crashing
-reward function into a recorded failure instead of a stalled caller.
+"""Shared reward pieces: bounded answer parsing, the handle of a reward function (built in or the
+user's ``reward.fn``, loaded in each worker), and a worker pool that turns a hanging, crashing or
+non-numeric reward into a recorded failure instead of a stalled caller or a silent zero.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import math
 import multiprocessing as mp
 import re
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
+
+from areal_hpc.plugins import load_object
 
 # Rewards look at the tail of a completion only: parsing cost stays bounded whatever the model writes.
 MAX_SCORED_CHARS = 4096
@@ -36,14 +42,88 @@ def last_number(text: str) -> Fraction | None:
 
 
 @dataclass(frozen=True)
+class RewardRequest:
+    """One completion to score: the reward function's arguments."""
+
+    prompt: str
+    completion: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    fields: dict  # the example's answer and other columns
+
+
+@dataclass(frozen=True)
 class RewardOutcome:
     value: float
     error: str | None = None  # why the reward failed; the value is then 0
-    error_kind: str | None = None  # "exception" (the reward function raised) or "timeout" (it hung or died)
+    error_kind: str | None = None  # "exception" (it raised), "timeout" (it hung or died), "invalid" (not a number)
+    metrics: dict = field(default_factory=dict)  # the other numbers a reward returned beside "reward"
 
 
-def _call(reward_fn, completion, example):
-    return float(reward_fn(completion, example))
+class InvalidReward(ValueError):
+    """A reward function returned something that is not a finite number (or a dict holding one)."""
+
+
+class RewardFunction:
+    """A picklable handle of a reward: a module-level function, or a ``reward.fn`` spec string that each
+    worker process loads itself (a file-path spec cannot be pickled as a function). A coroutine
+    function is run to completion. Calling it returns ``(reward, metrics)`` or raises ``InvalidReward``."""
+
+    def __init__(self, target, key: str = "reward.fn"):
+        self.target, self.key = target, key
+        self._fn = None if isinstance(target, str) else target
+
+    def load(self):
+        if self._fn is None:
+            self._fn = load_object(self.target, self.key)
+        return self._fn
+
+    @property
+    def name(self) -> str:
+        return self.target if isinstance(self.target, str) else f"{self.target.__module__}:{self.target.__qualname__}"
+
+    def __getstate__(self):
+        return {"target": self.target, "key": self.key}
+
+    def __setstate__(self, state):
+        self.__init__(state["target"], state["key"])
+
+    def __call__(self, request: RewardRequest) -> tuple[float, dict]:
+        result = self.load()(request.prompt, request.completion, request.prompt_ids, request.completion_ids,
+                             **request.fields)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        return checked_reward(result)
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def checked_reward(result) -> tuple[float, dict]:
+    """(reward, metrics) of what a reward function returned: a number, or {"reward": number, name: number}."""
+    metrics = {}
+    if isinstance(result, dict):
+        if "reward" not in result:
+            raise InvalidReward(f"returned a dict without 'reward' (keys: {sorted(result)[:10]})")
+        metrics = {k: v for k, v in result.items() if k != "reward"}
+        result = result["reward"]
+        for name, value in metrics.items():
+            if not _is_finite_number(value):
+                raise InvalidReward(f"returned metric {name!r} = {value!r}; metrics must be finite numbers")
+    if not _is_finite_number(result):
+        raise InvalidReward(f"returned {result!r} ({type(result).__name__}); a reward must be a finite number "
+                            "or a dict with a finite 'reward'")
+    return float(result), {k: float(v) for k, v in metrics.items()}
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        or type(value).__module__ == "numpy" and _is_finite_number(value.item())
+
+
+def _call(reward_fn: RewardFunction, request: RewardRequest) -> tuple[float, dict]:
+    return reward_fn(request)
 
 
 def _ignore_stop_warning() -> None:
@@ -51,16 +131,18 @@ def _ignore_stop_warning() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
-def _load(reward_fn) -> None:
-    """Nothing: a worker receiving the reward function imports its module (start-up, not scoring)."""
+def _load(reward_fn: RewardFunction) -> None:
+    """A worker imports the reward's module when it starts (start-up, not scoring)."""
+    reward_fn.load()
 
 
 class RewardPool:
-    """Scores (completion, example) pairs in worker processes, each call bounded by ``timeout_s``.
-    Starting the workers (spawn, imports: seconds on a loaded machine) is not charged to a call."""
+    """Scores ``RewardRequest``s in worker processes, each call bounded by ``timeout_s``. Starting the
+    workers (spawn, imports: seconds on a loaded machine) is not charged to a call."""
 
     def __init__(self, reward_fn, workers: int = 1, timeout_s: float = 5.0):
-        self.reward_fn, self.workers, self.timeout_s = reward_fn, workers, timeout_s
+        self.reward_fn = reward_fn if isinstance(reward_fn, RewardFunction) else RewardFunction(reward_fn)
+        self.workers, self.timeout_s = workers, timeout_s
         self._pool = None
         self._lock = threading.Lock()  # calls from several threads (rollouts, an evaluation) run one at a time
 
@@ -71,26 +153,29 @@ class RewardPool:
         self._pool.map_async(_load, [self.reward_fn] * self.workers, chunksize=1).wait(STARTUP_TIMEOUT_S)
         return self._pool
 
-    def score(self, pairs: list[tuple[str, object]]) -> list[RewardOutcome]:
+    def score(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
         with self._lock:
-            return self._score(pairs)
+            return self._score(requests)
 
-    def _score(self, pairs: list[tuple[str, object]]) -> list[RewardOutcome]:
-        outcomes: list[RewardOutcome | None] = [None] * len(pairs)
-        pending = list(range(len(pairs)))
+    def _score(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
+        outcomes: list[RewardOutcome | None] = [None] * len(requests)
+        pending = list(range(len(requests)))
         while pending:
             pool = self._pool or self._fresh_pool()
-            handles = [(i, pool.apply_async(_call, (self.reward_fn, *pairs[i]))) for i in pending]
+            handles = [(i, pool.apply_async(_call, (self.reward_fn, requests[i]))) for i in pending]
             pending = []
             for k, (i, handle) in enumerate(handles):
                 try:
-                    outcomes[i] = RewardOutcome(handle.get(timeout=self.timeout_s))
+                    value, metrics = handle.get(timeout=self.timeout_s)
+                    outcomes[i] = RewardOutcome(value, metrics=metrics)
                 except mp.TimeoutError:
                     # The worker may be stuck for good: replace the pool, re-run what is left.
                     outcomes[i] = RewardOutcome(0.0, f"reward timed out after {self.timeout_s:g}s", "timeout")
                     self.close()
                     pending = [j for j, _ in handles[k + 1:]]
                     break
+                except InvalidReward as exc:
+                    outcomes[i] = RewardOutcome(0.0, f"reward {self.reward_fn.name} {exc}", "invalid")
                 except Exception as exc:  # noqa: BLE001 - any failure of user reward code is recorded
                     outcomes[i] = RewardOutcome(0.0, f"reward raised {type(exc).__name__}: {exc}", "exception")
         return outcomes

@@ -1,25 +1,31 @@
-"""The task interface: examples with a reference answer, a train/eval split and a pure reward.
+"""The task interface: examples (a prompt, the reference answer and any other columns), a train/eval
+split, and the reward that scores a completion of one.
 
-A task's ``reward(completion, example)`` is a module-level function (so it pickles into a reward
-worker process), never raises and is bounded in time. ``data.registry.build_task`` builds one by name.
+Every reward has one signature, AReaL's, whether built in or a user's ``reward.fn``::
+
+    reward(prompt, completion, prompt_ids, completion_ids, **fields) -> float | {"reward": float, metric: float}
+
+``fields`` are the example's ``answer`` and its other columns. ``data.registry.build_task`` builds a
+task by name (the built-in generators) or from the user's files and reward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Example:
     uid: str
-    prompt: str  # the user turn, before the chat template
-    target: str  # one correct completion, used as the SFT label
-    answer: str  # what the reward checks: a number, or the Countdown target
-    numbers: tuple[int, ...] = ()  # Countdown only: the numbers to use
+    prompt: str  # the user turn, before the chat template ("" when the prompt is ``messages``)
+    target: str = ""  # one correct completion, the SFT label ("" when the data has none)
+    answer: str = ""  # what the reward checks
+    fields: dict = field(default_factory=dict)  # every other column, passed to the reward and the workflow
+    messages: tuple = ()  # a chat prompt ([{"role", "content"}, ...]), rendered by the model's chat template
 
-
-RewardFn = Callable[[str, Example], float]
+    def reward_fields(self) -> dict:
+        """The keyword arguments a reward receives with the completion: ``answer`` and the other columns."""
+        return {**self.fields, "answer": self.answer}
 
 
 @dataclass
@@ -27,4 +33,4 @@ class Task:
     name: str
     train: list[Example]
     eval: list[Example]
-    reward: RewardFn
+    reward: object  # a ``data.rewards.RewardFunction`` (picklable into reward workers)

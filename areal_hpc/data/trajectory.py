@@ -119,16 +119,18 @@ class Trajectory:
 
     @property
     def reward(self) -> float | None:
-        """Total reward (see :func:`total_reward`); None while no reward is bound."""
-        return total_reward(self.rewards)
+        """The episode's reward: its turns' rewards discounted to the first turn by ``metadata["discount"]``
+        (1 when absent: their sum; see :func:`total_reward`); None while no reward is bound."""
+        return total_reward(self.rewards, float(self.metadata.get("discount", 1.0)))
 
 
-def total_reward(events: list[Reward]) -> float | None:
-    """The latest event of each step, summed; None while no reward is bound."""
+def total_reward(events: list[Reward], discount: float = 1.0) -> float | None:
+    """The latest event of each step, each multiplied by ``discount ** step`` and summed; None while no
+    reward is bound."""
     latest: dict[int, Reward] = {}
     for event in sorted(events, key=lambda r: r.time):
         latest[event.step] = event
-    return sum(r.value for r in latest.values()) if latest else None
+    return sum(r.value * discount ** r.step for r in latest.values()) if latest else None
 
 
 def check_name(what: str, value: str, max_bytes: int, allow_empty: bool = True) -> None:

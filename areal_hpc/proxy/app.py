@@ -210,7 +210,8 @@ async def health(request: web.Request) -> web.Response:
                               "ended": proxy.ended, "records": proxy.sink.written})
 
 
-def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
+def openai_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
+    """The routes alone: agent workflows serve them in the trainer's process (``agents.chat``)."""
     app = web.Application(middlewares=[errors_as_openai], client_max_size=max_request_bytes)
     app[PROXY] = proxy
     app.add_routes([
@@ -219,6 +220,12 @@ def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
         web.post("/rl/end_session", end_session), web.post("/rl/set_reward", set_reward),
         web.get("/rl/sessions/{session_id}", get_session), web.get("/health", health),
     ])
+    return app
+
+
+def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
+    """The login-node proxy: the routes, its backends probed, idle sessions swept, records written."""
+    app = openai_app(proxy, max_request_bytes)
 
     async def lifecycle(app: web.Application):
         await proxy.router.start()

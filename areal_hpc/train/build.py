@@ -15,10 +15,13 @@ import time
 
 import torch
 
+from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
+from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.algo.filters import is_informative_group
 from areal_hpc.algo.temperature import logprob_temperature, run_temperature
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
+from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.shards.consumer import ConsumerCursor, TrajectoryConsumer
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import PROXY_WRITER_PREFIX, TrajectoryShardWriter
@@ -34,7 +37,6 @@ from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_mesh, init_distributed
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
-from areal_hpc.rollout.workflows import RLVRWorkflow, Sampling, Scorer
 from areal_hpc.runtime.bootstrap import node_address
 from areal_hpc.runtime.name_resolve import NameResolve, ServerDirectory
 from areal_hpc.train.actor import PPOActor
@@ -119,9 +121,14 @@ def build_weight_sync(cfg: RunConfig, device_type: str):
     return DistributedWeightSync(backend, cfg.rl.weight_sync_bucket_mb << 20, host=node_address(cfg.cluster.interface))
 
 
-def build_controller(cfg: RunConfig, client, tokenizer, scorer: Scorer, task_name: str, prompts: PromptStream,
+def engine_settings(cfg: RunConfig, generate, tokenizer, rewards: RewardPool, chat=None) -> EngineSettings:
+    """What every episode's engine shares: ``generate`` (the rollout client's), the run's sampling and reward."""
+    return EngineSettings(generate, tokenizer, Sampling.from_config(cfg.gconfig), Scorer(rewards), chat,
+                          cfg.rollout.turn_discount)
+
+
+def build_controller(cfg: RunConfig, client, workflow: EpisodeGroups, prompts: PromptStream,
                      writer: TrajectoryShardWriter, version: int, on_drop) -> RolloutController:
-    workflow = RLVRWorkflow(tokenizer, Sampling.from_config(cfg.gconfig), cfg.gconfig.n_samples, scorer, task_name)
     gate = StalenessGate.resumed(cfg.rollout.consumer_batch_size, cfg.rollout.max_head_offpolicyness,
                                  cfg.rollout.max_concurrent_rollouts, version)
 

@@ -1,37 +1,46 @@
-"""Held-out accuracy, one path: greedy completions of the eval prompts from a ``generate`` function,
-scored by the task's reward in workers.
+"""Held-out evaluation, one path for every task and workflow: each eval prompt runs the run's workflow
+(greedy by default, or ``n_samples`` sampled episodes for pass@k), scored by the run's reward.
 
-During RL ``generate`` is the rollout servers' (``RolloutClient.generate``); for a model in this
-process (SFT, ``areal-hpc eval``) it is an ``EmbeddedEngine`` running on that model, the decoder the
-embedded servers run, so a model scores the same in-process and behind a server.
+During RL the engine generates on the rollout servers (``RolloutClient.generate``); for a model in
+this process (SFT, ``areal-hpc eval``) on an ``EmbeddedEngine`` running it, the decoder the embedded
+servers run, so a model scores the same in-process and behind a server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from areal_hpc.agents.chat import ChatGateway
+from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
+from areal_hpc.agents.groups import run_episode
+from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
-from areal_hpc.models.chat import prompt_ids
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Result, SamplingParams
+from areal_hpc.errors import UserError
+from areal_hpc.models.chat import example_prompt_ids
+from areal_hpc.rollout.client import Generation
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
 
-# (prompt ids, SGLang sampling params) -> anything with ``output_ids``
-GenerateFn = Callable[[list[int], dict], Awaitable]
 EVAL_SLOTS = 64  # sequences an in-process evaluation decodes together
+CHAT_HEADROOM = 4  # an in-process engine's context: this many times prompt + max_new_tokens (agents' turns)
 
 
 @dataclass
 class EvalResult:
-    n: int
-    correct: int
+    n: int  # prompts
+    correct: int  # prompts whose first episode scored 1
     mean_reward: float
     reward_failures: int
     samples: list[tuple[str, str, float]] = field(default_factory=list)  # (prompt, completion, reward)
+    pass_at: dict[int, float] = field(default_factory=dict)  # k -> pass@k (unbiased, over n samples a prompt)
+    episodes: list[dict] = field(default_factory=list)  # one per episode: what `areal-hpc eval --out` writes
+    episode_failures: int = 0  # episodes whose workflow raised (scored 0)
 
     @property
     def accuracy(self) -> float:
@@ -44,46 +53,90 @@ class EvalResult:
         return {"eval/accuracy": self.accuracy, "eval/mean_reward": self.mean_reward}
 
 
-async def evaluate(generate: GenerateFn, tokenizer, examples: list[Example], rewards: RewardPool,
-                   max_new_tokens: int) -> EvalResult:
-    """Greedy accuracy of whatever ``generate`` decodes with (special tokens stripped from the text)."""
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "stop_token_ids": [tokenizer.eos_token_id]}
-    generations = await asyncio.gather(*(generate(prompt_ids(tokenizer, ex.prompt), sampling) for ex in examples))
-    completions = [tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in generations]
-    return await asyncio.to_thread(score_completions, examples, completions, rewards)
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of ``c`` correct out of ``n`` samples (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-async def evaluate_remote(client, tokenizer, examples: list[Example], rewards: RewardPool,
-                          max_new_tokens: int) -> EvalResult:
-    """Greedy accuracy of the weights the rollout servers hold, asked over their HTTP API."""
-    return await evaluate(client.generate, tokenizer, examples, rewards, max_new_tokens)
+async def evaluate(settings: EngineSettings, workflow, examples: list[Example], n_samples: int = 1,
+                   greedy: bool = True, samples_kept: int = 3) -> EvalResult:
+    """Run ``workflow`` ``n_samples`` times on each example (greedy: at temperature 0)."""
+    if greedy:
+        settings = replace(settings, sampling=settings.sampling.greedy())
+    engines = [[AgentEngine(settings) for _ in range(n_samples)] for _ in examples]
+    outcomes = await asyncio.gather(*(run_episode(workflow, engine, ex) for ex, row in zip(examples, engines)
+                                      for engine in row), return_exceptions=True)
+    episodes, failures = [], 0
+    for i, (example, row) in enumerate(zip(examples, engines)):
+        for j, engine in enumerate(row):
+            outcome = outcomes[i * n_samples + j]
+            failures += isinstance(outcome, BaseException)
+            episodes.append(_episode_row(example, engine, outcome))
+    values = [e["reward"] for e in episodes]
+    correct = [sum(e["reward"] == 1.0 for e in episodes[i * n_samples:(i + 1) * n_samples]) for i in range(len(examples))]
+    ks = sorted({1, n_samples} | {k for k in (2, 4, 8, 16, 32, 64) if k < n_samples})
+    return EvalResult(
+        n=len(examples), correct=sum(e["reward"] == 1.0 for e in episodes[::n_samples]),
+        mean_reward=sum(values) / max(1, len(values)),
+        reward_failures=sum(sum(o.error is not None for o in engine.outcomes) for row in engines for engine in row),
+        samples=[(e["prompt"], e["completion"], e["reward"]) for e in episodes[::n_samples][:samples_kept]],
+        pass_at={k: sum(pass_at_k(n_samples, c, k) for c in correct) / max(1, len(examples)) for k in ks},
+        episodes=episodes, episode_failures=failures)
+
+
+def _episode_row(example: Example, engine: AgentEngine, outcome) -> dict:
+    if isinstance(outcome, BaseException):
+        return {"example": example.uid, "prompt": example.prompt, "completion": "", "reward": 0.0, "turns": 0,
+                "error": f"{type(outcome).__name__}: {outcome}"}
+    reward = outcome[0].reward or 0.0 if outcome else 0.0
+    last = outcome[0].segments[-1].output_ids if outcome else []
+    return {"example": example.uid, "prompt": example.prompt or str(list(example.messages)),
+            "completion": engine.decode(last), "reward": reward, "turns": len(outcome[0].segments) if outcome else 0,
+            "answer": str(example.answer)}
+
+
+@contextlib.asynccontextmanager
+async def optional_chat(generate, model_folder, discount: float):
+    """A chat gateway for the workflows' OpenAI clients, or None when the model folder cannot serve chat
+    (no chat template): workflows that do not chat run all the same."""
+    if model_folder is None:
+        yield None
+        return
+    try:
+        gateway = ChatGateway(generate, model_folder, discount)
+    except UserError:
+        yield None
+        return
+    async with gateway:
+        yield gateway
 
 
 def evaluate_model(model: torch.nn.Module, tokenizer, examples: list[Example], rewards: RewardPool,
-                   max_new_tokens: int) -> EvalResult:
-    """Greedy accuracy of a model in this process, decoded by an embedded engine on it (which puts
-    the model in evaluation mode; a training step puts it back)."""
-    longest = max((len(prompt_ids(tokenizer, ex.prompt)) for ex in examples), default=1)
-    engine = EmbeddedEngine(model, slots=min(EVAL_SLOTS, max(1, len(examples))),
-                            context_length=longest + max_new_tokens, eos_token_ids=[tokenizer.eos_token_id])
+                   sampling: Sampling, workflow=None, model_folder=None, n_samples: int = 1, greedy: bool = True,
+                   discount: float = 1.0) -> EvalResult:
+    """Evaluate a model in this process, decoded by an embedded engine on it (which puts the model in
+    evaluation mode; a training step puts it back). ``model_folder``: where its tokenizer and chat
+    template are, for workflows that chat."""
+    longest = max((len(example_prompt_ids(tokenizer, ex)) for ex in examples), default=1)
+    engine = EmbeddedEngine(model, slots=min(EVAL_SLOTS, max(1, len(examples) * n_samples)),
+                            context_length=min(model.config.max_position_embeddings,
+                                               CHAT_HEADROOM * (longest + sampling.max_new_tokens)),
+                            eos_token_ids=[tokenizer.eos_token_id])
 
-    async def generate(input_ids: list[int], sampling: dict) -> Result:
-        return await engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(sampling))
+    async def generate(input_ids: list[int], params: dict) -> Generation:
+        result = await engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(params))
+        if result.error:
+            raise RuntimeError(result.error)
+        return Generation(list(input_ids), result.output_ids, result.logprobs, result.versions, result.finish_reason)
+
+    async def run() -> EvalResult:
+        async with optional_chat(generate, model_folder, discount) as chat:
+            settings = EngineSettings(generate, tokenizer, sampling, Scorer(rewards), chat, discount)
+            return await evaluate(settings, workflow or RLVRWorkflow(), examples, n_samples, greedy)
 
     try:
-        return asyncio.run(evaluate(generate, tokenizer, examples, rewards, max_new_tokens))
+        return asyncio.run(run())
     finally:
         engine.stop()
-
-
-def score_completions(examples: list[Example], completions: list[str], rewards: RewardPool,
-                      n_samples_kept: int = 3) -> EvalResult:
-    outcomes = rewards.score(list(zip(completions, examples)))
-    values = [o.value for o in outcomes]
-    return EvalResult(
-        n=len(examples),
-        correct=sum(v == 1.0 for v in values),
-        mean_reward=sum(values) / max(1, len(values)),
-        reward_failures=sum(o.error is not None for o in outcomes),
-        samples=[(ex.prompt, c, v) for ex, c, v in list(zip(examples, completions, values))[:n_samples_kept]],
-    )

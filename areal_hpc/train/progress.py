@@ -73,7 +73,8 @@ class RLProgress:
         scalars = {**stats, "rollout/reward": float(np.mean(rewards)),
                    "rollout/output_tokens": float(np.mean([t.n_output_tokens for t in batch])),
                    "rollout/interruptions": float(sum(t.metadata.get("interruptions", 0) for t in batch)),
-                   **self._counts,
+                   "rollout/turns": float(np.mean([len(t.segments) for t in batch])),
+                   **reward_metrics(batch), **self._counts,
                    "staleness/mean": float(np.mean(staleness)), "staleness/max": float(max(staleness)),
                    "time/generate_wait": waited, "time/step": seconds,
                    "perf/trained_tokens_per_s": stats["train/trained_tokens"] / seconds,
@@ -114,3 +115,12 @@ class RLProgress:
             out = plot_curves(self.metrics.records, panels, self.cfg.run_dir / "rl_curves.png",
                               f"asynchronous RL on {self.cfg.dataset.task}")
             self.console.print(f"curves: {out}")
+
+
+def reward_metrics(batch: list[Trajectory]) -> dict[str, float]:
+    """``reward/<name>``: the batch mean of each extra number the reward function returned."""
+    values: dict[str, list[float]] = {}
+    for trajectory in batch:
+        for name, value in trajectory.metadata.get("reward_metrics", {}).items():
+            values.setdefault(f"reward/{name}", []).append(value)
+    return {name: float(np.mean(v)) for name, v in values.items()}

@@ -1,6 +1,7 @@
-"""What trainer rank 0's asynchronous loop works with, opened together and closed together: the reward
-pool, the progress display, the trajectory shards (and the proxy's records), the rollout client, the
-weight sync and the rollout controller; and the loop's steps that are not the algorithm itself
+"""What trainer rank 0's asynchronous loop works with, opened together and closed together: the task
+and its workflow, the reward pool, the progress display, the trajectory shards (and the proxy's
+records), the rollout client, the chat gateway agent workflows talk to, the weight sync and the rollout
+controller; and the loop's steps that are not the algorithm itself
 (reading a batch back, pushing weights, evaluating, checkpointing).
 
 Opening it pushes the trainer's weights to every server, evaluates the starting policy and starts
@@ -16,21 +17,22 @@ from collections.abc import AsyncIterator, Iterator
 
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
-from areal_hpc.data.registry import build_task
-from areal_hpc.data.rewards import RewardPool
+from areal_hpc.agents.engine import EngineSettings
+from areal_hpc.agents.groups import EpisodeGroups
+from areal_hpc.agents.registry import build_workflow
 from areal_hpc.data.shards.consumer import TrajectoryConsumer
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode
-from areal_hpc.rollout.workflows import Scorer
 from areal_hpc.runtime.rollout_token import rollout_token
-from areal_hpc.train.build import (build_controller, build_weight_sync, open_proxy_records, open_shards,
-                                   recovered_episodes, take_proxy_records, wait_for_servers)
+from areal_hpc.train.build import (build_controller, build_weight_sync, engine_settings, open_proxy_records,
+                                   open_shards, recovered_episodes, take_proxy_records, wait_for_servers)
 from areal_hpc.train.checkpoint import save_checkpoint
-from areal_hpc.train.evaluate import evaluate_remote
+from areal_hpc.train.evaluate import evaluate, optional_chat
 from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.stopping import StopRequested
+from areal_hpc.train.task_setup import open_task, reward_pool
 from areal_hpc.train.trainer_group import TrainerGroup
 from areal_hpc.train.weight_push import admit_servers
 
@@ -38,18 +40,19 @@ from areal_hpc.train.weight_push import admit_servers
 class RLRun:
     """One run's open resources on trainer rank 0 (``open``), from its starting ``version``."""
 
-    def __init__(self, cfg: RunConfig, group: TrainerGroup, state: dict, task, rewards: RewardPool,
+    def __init__(self, cfg: RunConfig, group: TrainerGroup, state: dict, task, workflow, settings: EngineSettings,
                  progress: RLProgress, writer: TrajectoryShardWriter, consumer: TrajectoryConsumer, proxy_records,
                  client: RolloutClient):
-        self.cfg, self.group, self.task, self.rewards, self.progress = cfg, group, task, rewards, progress
-        self.consumer, self.proxy_records, self.client = consumer, proxy_records, client
+        self.cfg, self.group, self.task, self.workflow, self.progress = cfg, group, task, workflow, progress
+        self.settings, self.consumer, self.proxy_records, self.client = settings, consumer, proxy_records, client
         self.actor = group.engines["actor"]  # its saves and weight gatherings are collective over every rank
         self.version = state["step"]
         self.evaluated = state.get("evaluated", self.version)  # the last step evaluated
         self.prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
         self.sync = build_weight_sync(cfg, self.actor.device.type)
-        self.controller = build_controller(cfg, client, self.actor.tokenizer, Scorer(rewards), task.name,
-                                           self.prompts, writer, self.version, on_drop=self._drop)
+        groups = EpisodeGroups(workflow, lambda _client: settings, cfg.gconfig.n_samples, task.name)
+        self.controller = build_controller(cfg, client, groups, self.prompts, writer, self.version,
+                                           on_drop=self._drop)
         self.controller.restore(recovered_episodes(consumer, self.version))
         self.controller.dropped = state.get("dropped", 0)
         # An evaluation of version v runs beside the training of step v + 1 and ends before the weights of
@@ -60,15 +63,20 @@ class RLRun:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, cfg: RunConfig, group: TrainerGroup, state: dict) -> AsyncIterator["RLRun"]:
-        task = build_task(cfg.dataset)
+        tokenizer, model_dir = group.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path
+        task = open_task(cfg, tokenizer, model_dir)
+        workflow = build_workflow(cfg.rollout)
         addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
         in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # /generate at most
-        with (RewardPool(task.reward) as rewards, RLProgress(cfg, state["step"]) as progress,
+        with (reward_pool(cfg, task) as rewards, RLProgress(cfg, state["step"]) as progress,
               shards(cfg, state.get("cursor", {})) as (writer, consumer),
               open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):
-            async with RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
-                                     rollout_token(cfg.run_dir)) as client:
-                run = cls(cfg, group, state, task, rewards, progress, writer, consumer, proxy_records, client)
+            async with (RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
+                                      rollout_token(cfg.run_dir)) as client,
+                        optional_chat(client.generate, model_dir, cfg.rollout.turn_discount) as chat):
+                settings = engine_settings(cfg, client.generate, tokenizer, rewards, chat)
+                run = cls(cfg, group, state, task, workflow, settings, progress, writer, consumer, proxy_records,
+                          client)
                 await run._start(servers)
                 try:
                     yield run
@@ -155,8 +163,7 @@ class RLRun:
         return version in (0, self.cfg.rl.total_train_steps) or bool(every and version % every == 0)
 
     async def _evaluate(self, version: int) -> None:
-        result = await evaluate_remote(self.client, self.actor.tokenizer, self.task.eval, self.rewards,
-                                       self.cfg.gconfig.max_new_tokens)
+        result = await evaluate(self.settings, self.workflow, self.task.eval)
         self.progress.evaluated(version, result)
         self.evaluated = version
 

@@ -21,21 +21,24 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from areal_hpc.algo.ppo import token_weights
+from areal_hpc.agents.engine import Sampling
+from areal_hpc.agents.registry import build_workflow
 from areal_hpc.config import RunConfig, save_resolved
-from areal_hpc.data.registry import build_task, corpus_for_tokenizer
-from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.data.tasks import Example
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
-from areal_hpc.models.chat import completion_ids, prompt_ids
+from areal_hpc.errors import UserError
+from areal_hpc.models.chat import completion_ids, example_prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.train.evaluate import EvalResult, evaluate_model
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
+from areal_hpc.train.task_setup import open_task, reward_pool
 
 
 @dataclass
@@ -48,7 +51,7 @@ class SFTResult:
 
 def sft_sequence(tokenizer, example: Example) -> tuple[list[int], list[int]]:
     """Prompt + completion ids and the loss mask (1 on completion tokens)."""
-    prompt, completion = prompt_ids(tokenizer, example.prompt), completion_ids(tokenizer, example.target)
+    prompt, completion = example_prompt_ids(tokenizer, example), completion_ids(tokenizer, example.target)
     return prompt + completion, [0] * len(prompt) + [1] * len(completion)
 
 
@@ -97,8 +100,12 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     model_dir = prepare_model_dir(cfg)
     model = load_model(model_dir, cfg.model.dtype, cfg.model.attn_impl, device)
     tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
-    task = build_task(cfg.dataset)
+    task = open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print)
+    if not all(ex.target for ex in task.train):
+        raise UserError(f"config key 'dataset.target_field': SFT trains on reference completions; "
+                        f"{task.train[0].uid} has none (name the column that holds them)")
     train = [sft_sequence(tokenizer, ex) for ex in task.train]
+    workflow = build_workflow(cfg.rollout)
     save_resolved(cfg)  # only once every input has been checked: a bad one leaves the folder as it was
     console.print(f"[bold]SFT[/] {task.name}: {len(task.train)} train / {len(task.eval)} eval problems, "
                   f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}",
@@ -108,11 +115,12 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                               total_steps=cfg.sft.total_train_steps, max_tokens_per_mb=cfg.sft.max_tokens_per_mb,
                               tokenizer=tokenizer, compute_dtype=cfg.model.compute_dtype)
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
-    rewards = RewardPool(task.reward)
+    rewards = reward_pool(cfg, task)
     order = index_stream(len(train), cfg.experiment.seed)
 
     def run_eval(step: int) -> EvalResult:
-        result = evaluate_model(model, tokenizer, task.eval, rewards, cfg.gconfig.max_new_tokens)
+        result = evaluate_model(model, tokenizer, task.eval, rewards, Sampling.from_config(cfg.gconfig), workflow,
+                                cfg.tokenizer.path or model_dir, discount=cfg.rollout.turn_discount)
         metrics.log(step, result.scalars())
         return result
 

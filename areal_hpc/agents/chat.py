@@ -1,0 +1,113 @@
+"""Chat for agent workflows: the login-node proxy's own routes (one implementation: template rendering,
+tool-call parsing, turns linked token for token), served on loopback inside the process that runs the
+episodes, over the run's rollout client. Each ``client()`` is an ``openai.AsyncOpenAI`` with its own
+session; its records are the session's conversations (``Session.trajectories``), returned to the
+episode instead of written by a proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import openai
+from aiohttp import web
+
+from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.proxy.app import openai_app
+from areal_hpc.proxy.chat_template import ChatTokenizer
+from areal_hpc.proxy.gateway import Proxy, ProxySettings
+from areal_hpc.proxy.sessions import Session
+from areal_hpc.proxy.tenants import Quota, hash_key, new_key
+from areal_hpc.runtime.name_resolve import bind
+
+TENANT = "default"
+UNLIMITED = Quota(0, 0)
+
+
+class EpisodeKeys:
+    """The keys of the gateway's one tenant: only sessions it opened itself are let in."""
+
+    def __init__(self):
+        self.tenant_key_hash = hash_key(new_key("sk"))
+
+    def reload(self) -> None:
+        """Nothing to re-read: the keys live in memory."""
+
+    def tenant(self, key_hash: str) -> str | None:
+        return TENANT if key_hash == self.tenant_key_hash else None
+
+    def quota(self, tenant: str) -> Quota:
+        return UNLIMITED
+
+
+class ClientRouter:
+    """The proxy's router over a ``generate`` the caller owns (the run's rollout client)."""
+
+    def __init__(self, generate):
+        self._generate, self.version, self.healthy = generate, 0, ["run"]
+
+    async def generate(self, body: dict, prefer: str | None):
+        return await self._generate(body["input_ids"], body["sampling_params"])
+
+    async def refresh(self) -> None:
+        """The rollout client keeps its own servers."""
+
+
+class RecordingOpenAI(openai.AsyncOpenAI):
+    """An ``openai.AsyncOpenAI`` whose turns are recorded in its session; ``set_reward`` binds a reward
+    to a turn (default: the latest), ``records()`` are the session's conversations."""
+
+    def __init__(self, gateway: "ChatGateway", session: Session, key: str):
+        super().__init__(api_key=key, base_url=gateway.base_url, http_client=gateway.http, max_retries=0)
+        self.gateway, self.session = gateway, session
+
+    def set_reward(self, value: float, interaction_id: str | None = None) -> None:
+        turn = self.session.turn(interaction_id)
+        if turn is None:
+            raise ValueError(f"no turn {interaction_id!r} to reward in this episode's chat session")
+        self.session.rewards[turn.interaction_id] = float(value)
+
+    def records(self) -> list[Trajectory]:
+        return self.gateway.close_session(self.session)
+
+
+class ChatGateway:
+    """``async with ChatGateway(generate, model_folder) as chat``: the routes on 127.0.0.1, a free port."""
+
+    def __init__(self, generate, model_folder: str | Path, discount: float = 1.0, max_tokens_cap: int = 4096,
+                 default_max_tokens: int = 256):
+        settings = ProxySettings(model_name=Path(model_folder).name, default_max_tokens=default_max_tokens,
+                                 max_tokens_cap=max_tokens_cap, discount=discount)
+        self.keys = EpisodeKeys()
+        self.proxy = Proxy(settings, ChatTokenizer(model_folder), self.keys, ClientRouter(generate), sink=None)
+        self.model_name, self.discount = settings.model_name, discount
+        self.base_url, self.http, self._runner = "", None, None
+
+    async def __aenter__(self) -> "ChatGateway":
+        self._runner = web.AppRunner(openai_app(self.proxy, 1 << 24), access_log=None)
+        await self._runner.setup()
+        sock = bind("127.0.0.1", 0)
+        await web.SockSite(self._runner, sock).start()
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        self.http = openai.DefaultAsyncHttpxClient()  # one connection pool for every episode's client
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.aclose()
+        await self._runner.cleanup()
+
+    def client(self, metadata: dict) -> RecordingOpenAI:
+        key = new_key("sk")
+        session = Session(tenant=TENANT, tenant_key_hash=self.keys.tenant_key_hash, key_hash=hash_key(key),
+                          metadata=dict(metadata))
+        self.proxy.sessions[session.id] = session
+        self.proxy.by_key[session.key_hash] = session
+        self.proxy.last_seen[session.id] = time.monotonic()
+        return RecordingOpenAI(self, session, key)
+
+    def close_session(self, session: Session) -> list[Trajectory]:
+        """The session's records (one per conversation); it takes no more turns."""
+        session.ended_at = time.monotonic()
+        self.proxy.forget(session)
+        return session.trajectories(self.discount) if session.turns else []

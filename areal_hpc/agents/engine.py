@@ -1,0 +1,125 @@
+"""What a workflow's ``arun_episode(engine, example)`` works with: the ``AgentEngine`` of one episode.
+
+- ``agenerate(ids, sampling)``: one generation from the rollout servers (interruptible: a weight
+  update mid-turn resumes it on the new weights, each token keeping the version that made it);
+- ``episode(example)``: a token-level multi-turn record (``TokenEpisode``): the model's turns and the
+  environment's tokens between them, exactly as the model saw them;
+- ``openai_client()``: an ``openai.AsyncOpenAI`` bound to the rollout servers through the proxy's chat
+  code, recording every turn token for token (agents written for the ``openai`` SDK or the OpenAI
+  Agents SDK run unchanged);
+- ``reward(example, completion, ...)``: the run's reward function, in the reward pool with its timeout;
+  a failure (exception, timeout, not a number) scores 0 and is counted, never silently.
+
+One engine serves one episode; the group runner (``agents.groups``) makes a fresh one per episode and
+collects what it recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+
+from areal_hpc.agents.token_episode import TokenEpisode
+from areal_hpc.algo.temperature import run_temperature
+from areal_hpc.data.rewards import RewardOutcome, RewardPool, RewardRequest
+from areal_hpc.data.tasks import Example
+from areal_hpc.models.chat import example_prompt_ids
+
+
+@dataclass
+class Sampling:
+    """The sampling parameters of a workflow, in SGLang's names."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @classmethod
+    def from_config(cls, gconfig) -> "Sampling":
+        return cls(gconfig.max_new_tokens, run_temperature(gconfig), gconfig.top_p, gconfig.top_k)
+
+    def params(self, stop_token_ids: list[int]) -> dict:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "stop_token_ids": stop_token_ids}
+
+    def greedy(self) -> "Sampling":
+        return replace(self, temperature=0.0)
+
+
+class Scorer:
+    """One reward pool shared by concurrent episodes, called off the event loop (the pool runs one
+    call at a time)."""
+
+    def __init__(self, pool: RewardPool):
+        self.pool = pool
+
+    async def __call__(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
+        return await asyncio.to_thread(self.pool.score, requests)
+
+
+@dataclass
+class EngineSettings:
+    """What every episode's engine shares: built once per run (or per evaluation)."""
+
+    generate: object  # async (input_ids, sampling params) -> a Generation (RolloutClient.generate)
+    tokenizer: object
+    sampling: Sampling
+    scorer: Scorer
+    chat: object = None  # an ``agents.chat.ChatGateway`` when the run serves chat to its workflows
+    discount: float = 1.0  # rollout.turn_discount
+
+
+class AgentEngine:
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.tokenizer, self.sampling = settings.tokenizer, settings.sampling
+        self.stop_token_ids = [settings.tokenizer.eos_token_id]
+        self.generations: list = []  # every generation of this episode (interruptions are counted from them)
+        self.outcomes: list[RewardOutcome] = []  # every reward call of this episode
+        self.recorders: list = []  # token episodes and chat clients handed out: their records if none returned
+
+    @property
+    def model_name(self) -> str:
+        """The ``model`` chat requests name."""
+        return self.settings.chat.model_name if self.settings.chat is not None else ""
+
+    async def agenerate(self, input_ids: list[int], sampling: Sampling | None = None,
+                        stop_token_ids: list[int] | None = None):
+        """Generate after ``input_ids`` (a ``rollout.client.Generation``: output ids, logprobs, versions)."""
+        params = (sampling or self.sampling).params(stop_token_ids or self.stop_token_ids)
+        generation = await self.settings.generate(list(input_ids), params)
+        self.generations.append(generation)
+        return generation
+
+    def prompt_ids(self, example: Example) -> list[int]:
+        return example_prompt_ids(self.tokenizer, example)
+
+    def episode(self, example: Example | None = None, prompt_ids: list[int] | None = None) -> TokenEpisode:
+        """A token-level record starting from the example's rendered prompt (or ``prompt_ids``)."""
+        recorder = TokenEpisode(self, self.prompt_ids(example) if prompt_ids is None else prompt_ids,
+                                self.settings.discount)
+        self.recorders.append(recorder)
+        return recorder
+
+    def openai_client(self, **metadata):
+        """An ``openai.AsyncOpenAI`` whose every turn is recorded (one session: its conversations become
+        records when the episode ends); ``metadata`` is stored with them."""
+        if self.settings.chat is None:
+            raise RuntimeError("this engine serves no chat client (agents.chat.ChatGateway not started)")
+        client = self.settings.chat.client(metadata)
+        self.recorders.append(client)
+        return client
+
+    async def reward(self, example: Example, completion: str, completion_ids: list[int] = (),
+                     prompt_ids: list[int] | None = None, prompt: str | None = None) -> float:
+        """The run's reward of ``completion`` (0 when it failed; the failure is counted)."""
+        prompt_ids = self.prompt_ids(example) if prompt_ids is None else prompt_ids
+        text = prompt if prompt is not None else self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        [outcome] = await self.settings.scorer([RewardRequest(text, completion, list(prompt_ids),
+                                                              list(completion_ids), example.reward_fields())])
+        self.outcomes.append(outcome)
+        return outcome.value
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

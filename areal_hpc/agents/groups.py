@@ -1,0 +1,88 @@
+"""Episodes in groups: the rollout controller's unit of work. For each prompt, ``n_samples`` episodes of
+the workflow run concurrently (each on its own ``AgentEngine``) and their records form one group (GRPO
+normalises rewards within it); the staleness gate counts the group once.
+
+A workflow's ``arun_episode(engine, example)`` returns its records (a ``Trajectory`` or a list), or
+None to take every conversation its engine recorded (token episodes, chat clients). The runner stamps
+each record with the task, the group and the episode's bookkeeping: the example, interruptions,
+finish reasons, failed rewards (``reward_error``/``reward_error_kind``, which the controller counts) and
+the reward functions' extra metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+from areal_hpc.agents.engine import AgentEngine, EngineSettings
+from areal_hpc.data.tasks import Example
+from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.errors import UserError
+
+
+class WorkflowResultError(TypeError):
+    """A workflow returned something that is not trajectory records."""
+
+
+class EpisodeGroups:
+    """``run(client, example)``: the controller's workflow protocol, over a user-shaped workflow."""
+
+    def __init__(self, workflow, settings_for: Callable[[object], EngineSettings], n_samples: int, task_name: str):
+        if not callable(getattr(workflow, "arun_episode", None)):
+            raise UserError(f"the workflow {type(workflow).__name__} has no `async def arun_episode(self, engine, "
+                            "example)`")
+        self.workflow, self.settings_for = workflow, settings_for
+        self.n_samples, self.task_name = n_samples, task_name
+
+    async def run(self, client, example: Example) -> list[Trajectory]:
+        settings = self.settings_for(client)
+        group_id = f"{example.uid}-{uuid.uuid4().hex[:8]}"
+        async with asyncio.TaskGroup() as episodes:  # one failure cancels its siblings
+            tasks = [episodes.create_task(run_episode(self.workflow, AgentEngine(settings), example))
+                     for _ in range(self.n_samples)]
+        records = []
+        for task in tasks:
+            for record in task.result():
+                record.task, record.group_id = self.task_name, group_id
+                records.append(record)
+        return records
+
+
+async def run_episode(workflow, engine: AgentEngine, example: Example) -> list[Trajectory]:
+    """One episode's records, with its bookkeeping in their metadata."""
+    returned = await workflow.arun_episode(engine, example)
+    records = recorded(engine) if returned is None else as_records(returned, type(workflow).__name__)
+    meta = episode_metadata(engine, example)
+    for record in records:
+        record.metadata = {**record.metadata, **meta}
+    return records
+
+
+def recorded(engine: AgentEngine) -> list[Trajectory]:
+    return [record for recorder in engine.recorders for record in recorder.records()]
+
+
+def as_records(returned, name: str) -> list[Trajectory]:
+    records = [returned] if isinstance(returned, Trajectory) else returned
+    if not isinstance(records, list) or not all(isinstance(r, Trajectory) for r in records):
+        raise WorkflowResultError(f"{name}.arun_episode returned {type(returned).__name__}; it must return a "
+                                  "Trajectory, a list of them, or None (the conversations its engine recorded)")
+    return records
+
+
+def episode_metadata(engine: AgentEngine, example: Example) -> dict:
+    meta = {"example": example.uid, "answer": str(example.answer),
+            "interruptions": sum(getattr(g, "interruptions", 0) for g in engine.generations),
+            "finish_reasons": [g.finish_reason for g in engine.generations]}
+    failed = [o for o in engine.outcomes if o.error]
+    if failed:  # the controller counts them by kind ("exception", "timeout", "invalid")
+        meta["reward_error"] = [o.error for o in failed]
+        meta["reward_error_kind"] = [o.error_kind for o in failed]
+    metrics: dict[str, list[float]] = {}
+    for outcome in engine.outcomes:
+        for name, value in outcome.metrics.items():
+            metrics.setdefault(name, []).append(value)
+    if metrics:
+        meta["reward_metrics"] = {name: sum(v) / len(v) for name, v in metrics.items()}
+    return meta

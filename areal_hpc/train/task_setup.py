@@ -1,0 +1,53 @@
+"""A run's task as the trainer, SFT and ``areal-hpc eval`` use it: built from the config (your data,
+reward and workflow, or a built-in), prompts longer than the context dropped and counted, and the
+reward pool it is scored in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from areal_hpc.config import RunConfig
+from areal_hpc.data.registry import build_task
+from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.tasks import Example, Task
+from areal_hpc.errors import UserError
+from areal_hpc.models.chat import example_prompt_ids
+
+
+def prompt_token_limit(cfg: RunConfig, model_dir: str | Path) -> int:
+    """``dataset.max_prompt_tokens``, else the context (``rollout.context_length`` or the model's) less
+    ``gconfig.max_new_tokens``."""
+    if cfg.dataset.max_prompt_tokens:
+        return cfg.dataset.max_prompt_tokens
+    context = cfg.rollout.context_length
+    if not context:
+        try:
+            context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+        except (OSError, ValueError, KeyError):
+            return 1 << 30  # a model folder that does not say: the servers refuse what does not fit
+    return max(1, context - cfg.gconfig.max_new_tokens)
+
+
+def fit_prompts(examples: list[Example], tokenizer, limit: int) -> tuple[list[Example], int]:
+    """(the examples whose rendered prompt has at most ``limit`` tokens, how many were dropped)."""
+    kept = [ex for ex in examples if len(example_prompt_ids(tokenizer, ex)) <= limit]
+    return kept, len(examples) - len(kept)
+
+
+def open_task(cfg: RunConfig, tokenizer, model_dir: str | Path, say=print) -> Task:
+    """The run's task with the prompts that fit (what was dropped is said through ``say``)."""
+    task = build_task(cfg.dataset, cfg.reward)
+    limit = prompt_token_limit(cfg, model_dir)
+    task.train, dropped_train = fit_prompts(task.train, tokenizer, limit)
+    task.eval, dropped_eval = fit_prompts(task.eval, tokenizer, limit)
+    if dropped_train or dropped_eval:
+        say(f"dropped {dropped_train} training and {dropped_eval} held-out prompts longer than {limit} tokens")
+    if not task.train:
+        raise UserError(f"no training prompt of {cfg.dataset.task} fits in {limit} tokens (set "
+                        "dataset.max_prompt_tokens, rollout.context_length or gconfig.max_new_tokens)")
+    return task
+
+
+def reward_pool(cfg: RunConfig, task: Task) -> RewardPool:
+    return RewardPool(task.reward, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)

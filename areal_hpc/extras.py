@@ -1,4 +1,4 @@
-"""Optional extras (megatron, sglang, te, npu, mpi): imported lazily, with an install hint when absent."""
+"""Optional extras (megatron, sglang, te, npu, mpi, agents): imported lazily, with an install hint when absent."""
 
 import importlib
 
@@ -9,6 +9,7 @@ EXTRAS = {
     "transformer_engine": "te",
     "torch_npu": "npu",
     "mpi4py": "mpi",
+    "agents": "agents",  # the OpenAI Agents SDK (package openai-agents)
 }
 
 

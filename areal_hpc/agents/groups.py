@@ -73,8 +73,9 @@ def as_records(returned, name: str) -> list[Trajectory]:
 
 def episode_metadata(engine: AgentEngine, example: Example) -> dict:
     meta = {"example": example.uid, "answer": str(example.answer),
-            "interruptions": sum(getattr(g, "interruptions", 0) for g in engine.generations),
-            "finish_reasons": [g.finish_reason for g in engine.generations]}
+            "interruptions": sum(getattr(g, "interruptions", 0) for g in engine.generations)}
+    if engine.generations:  # chat turns' finish reasons are in their records already
+        meta["finish_reasons"] = [g.finish_reason for g in engine.generations]
     failed = [o for o in engine.outcomes if o.error]
     if failed:  # the controller counts them by kind ("exception", "timeout", "invalid")
         meta["reward_error"] = [o.error for o in failed]

@@ -9,6 +9,10 @@ from areal_hpc.plugins import load_object
 BUILT_IN = {
     "rlvr": "areal_hpc.agents.rlvr:RLVRWorkflow",
     "multi_turn_math": "areal_hpc.agents.multi_turn_math:MultiTurnMathWorkflow",
+    "search": "areal_hpc.agents.search.workflow:SearchAgentWorkflow",
+    "calculator": "areal_hpc.agents.calculator:CalculatorWorkflow",
+    "python_tool": "areal_hpc.agents.python_tool:PythonToolWorkflow",
+    "agents_sdk": "areal_hpc.agents.sdk_agent:AgentsSDKWorkflow",
 }
 
 

@@ -1,0 +1,167 @@
+"""Your task, your reward, your agent, as a user brings them: a project outside the package (Parquet
+data, a reward by file path, an agent class on the ``openai`` client) trains through ``areal-hpc train``;
+an agent's records are the tokens its conversation renders to, with everything the environment said
+(tool output, user turns) outside the loss (hypothesis, through the real ``openai`` client); an agent
+written with the OpenAI Agents SDK trains unchanged; bad user code is one line."""
+
+import asyncio
+import uuid
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.agents.chat import ChatGateway
+from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
+from areal_hpc.agents.groups import run_episode
+from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.shards.reader import TrajectoryStore
+from areal_hpc.data.tasks import Example
+from areal_hpc.models.hf import load_model, load_tokenizer
+from areal_hpc.proxy.chat_template import ChatTokenizer
+from areal_hpc.rollout.client import Generation
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
+
+from . import rewards_for_tests
+from .conftest import REPO, run_cli
+from .test_async_rl import SMALL_RUN, metrics
+from .user_project import write_project
+
+
+class InProcessModel:
+    """The tiny model decoded in this process (the embedded servers' engine), as a ``generate``."""
+
+    def __init__(self, model_dir):
+        tokenizer = load_tokenizer(model_dir)
+        self.engine = EmbeddedEngine(load_model(model_dir), slots=8, eos_token_ids=[tokenizer.eos_token_id])
+
+    async def generate(self, input_ids, params) -> Generation:
+        result = await self.engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(params))
+        return Generation(list(input_ids), result.output_ids, result.logprobs, result.versions, result.finish_reason)
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_model_dir):
+    model = InProcessModel(tiny_model_dir)
+    yield model
+    model.engine.stop()
+
+
+class Conversation:
+    """An agent whose environment says scripted things between the model's turns (as a tool or user)."""
+
+    def __init__(self, replies: list[tuple[str, str]], max_tokens: int):
+        self.replies, self.max_tokens = replies, max_tokens
+        self.messages: list[dict] = []
+
+    async def arun_episode(self, engine, example):
+        client = engine.openai_client()
+        self.messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": example.prompt}]
+        for role, content in [*self.replies, (None, None)]:
+            reply = await client.chat.completions.create(model=engine.model_name, messages=self.messages,
+                                                         max_tokens=self.max_tokens, temperature=0.7)
+            self.messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+            if role is not None:
+                self.messages.append({"role": role, "content": content})
+        client.set_reward(1.0)
+        return None
+
+
+MARKER = st.text("abcdefghijklmnopqrstuvwxyz0123456789", min_size=10, max_size=10).map(lambda s: f"ENV{s}")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(replies=st.lists(st.tuples(st.sampled_from(["tool", "user"]), MARKER), max_size=4),
+       max_tokens=st.integers(1, 12))
+def test_an_openai_agents_record_is_its_conversation_and_the_environment_is_outside_the_loss(
+        in_process, tiny_model_dir, replies, max_tokens):
+    agent = Conversation(replies, max_tokens)
+    tokenizer = load_tokenizer(tiny_model_dir)
+
+    async def run():
+        with RewardPool(rewards_for_tests.exact_answer) as pool:
+            async with ChatGateway(in_process.generate, tiny_model_dir) as chat:
+                settings_ = EngineSettings(in_process.generate, tokenizer, Sampling(8), Scorer(pool), chat)
+                return await run_episode(agent, AgentEngine(settings_), Example("q", "What is 2+3?", answer="5"))
+
+    [record] = asyncio.run(run())
+    assert len(record.segments) == len(replies) + 1 and record.reward == 1.0
+    ids = np.concatenate([np.concatenate([s.input_ids, s.output_ids]) for s in record.segments]).tolist()
+    # the re-tokenised conversation: what the template renders of it, each assistant turn as the model wrote
+    # it (the client's text drops special tokens a random model may emit), closed as the model closed the last
+    outputs = iter(s.output_ids.tolist() for s in record.segments)
+    written = [{**m, "content": tokenizer.decode(_without_eos(next(outputs), tokenizer), skip_special_tokens=False)}
+               if m["role"] == "assistant" else m for m in agent.messages]
+    assert [m["content"] for m in agent.messages if m["role"] == "assistant"] == [
+        tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in record.segments]
+    rendered = ChatTokenizer(tiny_model_dir).render(written, add_generation_prompt=False)
+    decoded = tokenizer.decode(ids, skip_special_tokens=False)
+    assert rendered.startswith(decoded) and rendered[len(decoded):] in ("", "\n", "<|im_end|>\n")
+    for _, marker in replies:  # what the environment said is context, never a trained token
+        assert any(marker in tokenizer.decode(s.input_ids) for s in record.segments)
+        assert not any(marker in tokenizer.decode(s.output_ids) for s in record.segments)
+    assert all(s.loss_mask.all() and len(s.output_logprobs) == len(s.output_ids) for s in record.segments)
+    assert all(s.temperature == 0.7 for s in record.segments)
+
+
+def _without_eos(ids: list[int], tokenizer) -> list[int]:
+    return ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids
+
+
+def test_an_agents_sdk_agent_runs_unchanged_and_its_turns_are_recorded(in_process, tiny_model_dir):
+    from areal_hpc.agents.sdk_agent import AgentsSDKWorkflow
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+
+    async def run():
+        with RewardPool(rewards_for_tests.exact_answer) as pool:
+            async with ChatGateway(in_process.generate, tiny_model_dir) as chat:
+                settings_ = EngineSettings(in_process.generate, tokenizer, Sampling(6), Scorer(pool), chat)
+                return await run_episode(AgentsSDKWorkflow(), AgentEngine(settings_), Example("q", "What is 2+3?",
+                                                                                             answer="5"))
+
+    [record] = asyncio.run(run())
+    prompt = tokenizer.decode(record.segments[0].input_ids, skip_special_tokens=False)
+    assert "Use the calculator tool" in prompt and "What is 2+3?" in prompt  # the SDK's instructions and input
+    assert record.metadata["example"] == "q" and record.rewards and record.rewards[-1].value == 0.0
+    assert all(len(s.output_ids) <= 6 for s in record.segments)
+
+
+@pytest.mark.slow
+def test_a_users_project_trains_through_areal_hpc_train_without_touching_the_package(tmp_path):
+    project = write_project(tmp_path / "project")
+    overrides = [f"{k}={v}" for k, v in project.items()]
+    result = run_cli("train", "--config", str(REPO / "configs" / "quickstart.yaml"), f"cluster.fileroot={tmp_path / 'runs'}",
+                     *SMALL_RUN, "rl.total_train_steps=3", "rl.eval_every_steps=0", "gconfig.max_new_tokens=6",
+                     "model.compute_dtype=float32", *overrides, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "quickstart" / "trial0"
+    steps = [r for r in metrics(run) if "rollout/turns" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["rollout/turns"] == 2.0 and r["reward/unit_is_cm"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in steps)
+    assert any("eval/accuracy" in r for r in metrics(run))
+    with TrajectoryStore(run / "shards") as store:
+        records = list(store.trajectories())
+    tokenizer = load_tokenizer(run / "init_model")
+    assert records and all(len(r.segments) == 2 for r in records)
+    assert all("ruler says" in tokenizer.decode(r.segments[1].input_ids) for r in records)  # the tool's words: masked
+    assert len({r.group_id for r in records}) == len(records) // 4  # gconfig.n_samples=4 episodes a group
+
+
+@pytest.mark.parametrize("override, words", [
+    ("reward.fn=nowhere.py:reward", ["'reward.fn'", "no file", "nowhere.py"]),
+    ("reward.fn=json:no_such", ["'reward.fn'", "has no 'no_such'"]),
+    ("rollout.workflow=json:loads_", ["'rollout.workflow'", "has no 'loads_'"]),
+    ("rollout.workflow=json:JSONDecoder", ["'rollout.workflow'", "no `async def arun_episode"]),
+    ("dataset.prompt_field=title", ["'dataset.prompt_field'", "no column 'title'", "question, answer, unit"]),
+    ("dataset.path=missing.parquet", ["'dataset.path'", "missing.parquet", "does not exist"]),
+])
+def test_bad_user_code_or_data_is_one_line_and_exit_2(tmp_path, override, words):
+    project = write_project(tmp_path / "project")
+    overrides = [f"{k}={v}" for k, v in project.items() if k != override.split("=")[0]]
+    result = run_cli("train", "--config", str(REPO / "configs" / "quickstart.yaml"), f"cluster.fileroot={tmp_path / 'runs'}",
+                     *SMALL_RUN, *overrides, override, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert all(w in line for w in words), line

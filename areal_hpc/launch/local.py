@@ -37,6 +37,7 @@ from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, R
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 from areal_hpc.runtime.supervisor import SupervisedProcess
+from areal_hpc.train.task_setup import check_task
 
 
 def should_resume(cfg: RunConfig, resume: str) -> bool:
@@ -57,6 +58,7 @@ def should_resume(cfg: RunConfig, resume: str) -> bool:
 def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
     ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
+    check_task(cfg)  # your data, reward and workflow load
     resume = should_resume(cfg, resume)
     run_dir = cfg.run_dir
     incarnation = f"{new_incarnation()}.{os.getpid()}"  # two launches inside one Slurm allocation differ too

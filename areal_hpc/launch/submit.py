@@ -37,6 +37,7 @@ from areal_hpc.launch.local import should_resume
 from areal_hpc.launch.slurm_task import run_task
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.runtime.bootstrap import LAUNCHED_AT
+from areal_hpc.train.task_setup import check_task
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
         components = components_from_config(cfg)
     cfg = load_config(files, [*overrides, *plan_overrides, *absolute_path_overrides(cfg)])  # tasks start elsewhere
     ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
+    check_task(cfg)  # your data, reward and workflow load
     check_components(components, read_partitions(), cfg.slurm.gres)
     should_resume(cfg, resume)
     run_dir = cfg.run_dir

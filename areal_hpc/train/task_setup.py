@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from areal_hpc.agents.registry import build_workflow
 from areal_hpc.config import RunConfig
 from areal_hpc.data.registry import build_task
 from areal_hpc.data.rewards import RewardPool
@@ -47,6 +48,13 @@ def open_task(cfg: RunConfig, tokenizer, model_dir: str | Path, say=print) -> Ta
         raise UserError(f"no training prompt of {cfg.dataset.task} fits in {limit} tokens (set "
                         "dataset.max_prompt_tokens, rollout.context_length or gconfig.max_new_tokens)")
     return task
+
+
+def check_task(cfg: RunConfig) -> None:
+    """Read the data, load the reward and build the workflow once before anything starts: a bad path, a
+    missing column or user code that does not import is one line, not a failed job."""
+    build_task(cfg.dataset, cfg.reward)
+    build_workflow(cfg.rollout)
 
 
 def reward_pool(cfg: RunConfig, task: Task) -> RewardPool:

@@ -1,0 +1,1 @@
+"""Built-in reward functions (math, exact and regex match, code tests) and a sandbox for untrusted code."""

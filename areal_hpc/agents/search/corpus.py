@@ -1,0 +1,195 @@
+"""The search agent's local corpus and its multi-hop questions, generated in code from a seed.
+
+A fictional world: countries, cities (each in one country), people (each born in one city) and
+companies (each founded by one person, headquartered in one city), one short page each, with an id
+(``city-07``) and a title (the entity's name). Every name is a made-up word used once in the whole
+world, so a question's answer is unambiguous and searching a name finds its page.
+
+Questions follow 2 or 3 hops through the pages::
+
+    In which country was the founder of Kelvoro Systems born?   company -> person -> city -> country
+    In which city was the founder of Kelvoro Systems born?      company -> person -> city
+    In which country is Kelvoro Systems headquartered?          company -> city -> country
+    In which country was Velmora Quist born?                    person -> city -> country
+
+``corpus(seed)`` and ``questions(seed)`` are cached per process; ``write_dataset(folder)`` writes
+``train.jsonl`` and ``test.jsonl`` (columns ``prompt``, ``answer``, ``question``, ``hops``, ``path``:
+the ids of the pages the hops go through, the last one holding the answer), read by
+``dataset.task=custom dataset.path=FOLDER/train.jsonl dataset.eval_path=FOLDER/test.jsonl``.
+``python -m areal_hpc.agents.search.corpus FOLDER`` does the same from a shell.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+N_COUNTRIES, CITIES_PER_COUNTRY, N_PEOPLE, N_COMPANIES = 10, 4, 150, 60
+
+INSTRUCTIONS = ("Answer the question with tools, one per turn: <search>words</search>, <open>page id</open>, "
+                "then <answer>answer</answer>.")
+
+_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr", "st",
+           "gl", "pl", "sk", "th", "sh"]
+_VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ei", "ou"]
+_CODAS = ["", "", "", "n", "r", "l", "s", "m", "k", "th", "x", "nd", "rt"]
+_REGIONS = ["northern", "southern", "eastern", "western", "central"]
+_PROFESSIONS = ["painter", "engineer", "chemist", "novelist", "architect", "economist", "composer", "surgeon",
+                "botanist", "sculptor", "lawyer", "astronomer"]
+_INDUSTRIES = [("software", "Systems"), ("robotics", "Robotics"), ("food", "Foods"), ("textile", "Textiles"),
+               ("shipping", "Shipping"), ("energy", "Energy"), ("publishing", "Press"), ("aircraft", "Aeronautics"),
+               ("chemicals", "Chemicals"), ("banking", "Bank")]
+_SETTINGS = ["on a river", "on the coast", "in the mountains", "on a wide plain", "beside a lake", "in a valley"]
+
+
+@dataclass(frozen=True)
+class Page:
+    id: str
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Question:
+    question: str
+    answer: str
+    hops: int
+    path: tuple[str, ...]  # page ids along the hops; the last holds the answer
+
+
+@dataclass(frozen=True)
+class World:
+    pages: tuple[Page, ...]
+    questions: tuple[Question, ...]
+
+    @functools.cached_property
+    def by_id(self) -> dict[str, Page]:
+        return {page.id: page for page in self.pages}
+
+
+# Words of the pages and questions themselves (and English stop words): never a name.
+_RESERVED = set(" ".join([INSTRUCTIONS, *_REGIONS, *_PROFESSIONS, *(w for pair in _INDUSTRIES for w in pair),
+                          *_SETTINGS, "country part continent capital other cities million inhabitants city lies "
+                          "has about born was company founded headquarters are which founder headquartered "
+                          "question there their these those where while about after before other"]).lower().split())
+
+
+class _Names:
+    """Made-up words, each used once (compared in lower case: what BM25 sees)."""
+
+    def __init__(self, rng: random.Random):
+        self.rng, self.used = rng, set(_RESERVED)
+
+    def word(self) -> str:
+        while True:
+            syllables = self.rng.choice([2, 2, 3])
+            word = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(syllables))
+            word += self.rng.choice(_CODAS)
+            if len(word) >= 5 and word not in self.used:
+                self.used.add(word)
+                return word.capitalize()
+
+
+def _a(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def _join(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+@functools.lru_cache(maxsize=4)
+def build_world(seed: int = 0) -> World:
+    """The pages and questions of ``seed`` (the same on every machine and Python version: one
+    ``random.Random`` drawn in a fixed order)."""
+    rng = random.Random(f"areal-hpc-search-{seed}")
+    names = _Names(rng)
+    pages: list[Page] = []
+    questions: list[Question] = []
+
+    countries = [(f"country-{i:02d}", names.word()) for i in range(N_COUNTRIES)]
+    cities = []  # (id, name, country index)
+    for c in range(N_COUNTRIES):
+        for _ in range(CITIES_PER_COUNTRY):
+            cities.append((f"city-{len(cities):02d}", names.word(), c))
+    for c, (cid, country) in enumerate(countries):
+        own = [name for _, name, country_of in cities if country_of == c]
+        pages.append(Page(cid, country, f"{country} is a country in the {rng.choice(_REGIONS)} part of the continent. "
+                                        f"Its capital is {own[0]}; its other cities are {_join(own[1:])}. "
+                                        f"{country} has about {rng.randint(2, 90)} million inhabitants."))
+    for cid, city, c in cities:
+        pages.append(Page(cid, city, f"{city} is a city in {countries[c][1]}. {city} lies {rng.choice(_SETTINGS)} and "
+                                     f"has about {rng.randint(20, 900) * 1000} inhabitants."))
+
+    people = []  # (id, name, city index)
+    for i in range(N_PEOPLE):
+        name, city = f"{names.word()} {names.word()}", rng.randrange(len(cities))
+        people.append((f"person-{i:03d}", name, city))
+        profession = rng.choice(_PROFESSIONS)
+        pages.append(Page(people[-1][0], name, f"{name} (born {rng.randint(1900, 1990)}) is {_a(profession)} "
+                                               f"{profession}. {name} was born in {cities[city][1]}."))
+
+    for i in range(N_COMPANIES):
+        industry, suffix = rng.choice(_INDUSTRIES)
+        name, founder, hq = f"{names.word()} {suffix}", rng.randrange(N_PEOPLE), rng.randrange(len(cities))
+        pid = f"company-{i:02d}"
+        pages.append(Page(pid, name, f"{name} is {_a(industry)} {industry} company founded in {rng.randint(1920, 2020)} by "
+                                     f"{people[founder][1]}. Its headquarters are in {cities[hq][1]}."))
+        fid, _, born = people[founder]
+        questions += [
+            Question(f"In which country was the founder of {name} born?", countries[cities[born][2]][1], 3,
+                     (pid, fid, cities[born][0], countries[cities[born][2]][0])),
+            Question(f"In which city was the founder of {name} born?", cities[born][1], 2,
+                     (pid, fid, cities[born][0])),
+            Question(f"In which country is {name} headquartered?", countries[cities[hq][2]][1], 2,
+                     (pid, cities[hq][0], countries[cities[hq][2]][0])),
+        ]
+    for pid, name, born in people:
+        questions.append(Question(f"In which country was {name} born?", countries[cities[born][2]][1], 2,
+                                  (pid, cities[born][0], countries[cities[born][2]][0])))
+    return World(tuple(pages), tuple(questions))
+
+
+def corpus(seed: int = 0) -> tuple[Page, ...]:
+    return build_world(seed).pages
+
+
+def questions(seed: int = 0) -> tuple[Question, ...]:
+    return build_world(seed).questions
+
+
+def prompt_of(question: str) -> str:
+    return f"{INSTRUCTIONS}\nQuestion: {question}"
+
+
+def rows(seed: int = 0, test_fraction: float = 0.2) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows): every question once, split by a seeded shuffle."""
+    order = list(questions(seed))
+    random.Random(f"areal-hpc-search-split-{seed}").shuffle(order)
+    table = [{"prompt": prompt_of(q.question), "answer": q.answer, "question": q.question, "hops": q.hops,
+              "path": list(q.path)} for q in order]
+    n_test = max(1, round(len(table) * test_fraction))
+    return table[n_test:], table[:n_test]
+
+
+def write_dataset(folder: str | Path, seed: int = 0, test_fraction: float = 0.2) -> tuple[Path, Path]:
+    """Write ``train.jsonl`` and ``test.jsonl`` into ``folder`` (created); returns their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = folder / "train.jsonl", folder / "test.jsonl"
+    for path, table in zip(paths, rows(seed, test_fraction)):
+        staging = path.with_name(path.name + ".partial")
+        staging.write_text("".join(json.dumps(row) + "\n" for row in table))
+        staging.replace(path)  # readers never see half a file
+    return paths
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python -m areal_hpc.agents.search.corpus FOLDER [SEED]")
+    train, test = write_dataset(sys.argv[1], int(sys.argv[2]) if len(sys.argv) == 3 else 0)
+    print(f"wrote {train} and {test}")

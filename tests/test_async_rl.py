@@ -207,6 +207,7 @@ def test_a_run_whose_rollouts_all_fail_stops_with_one_line_and_its_failures_in_t
         json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(4)))
     result = run_cli(*train_args(tiny_model_dir, tmp_path, "dataset.task=gsm8k", f"dataset.path={tmp_path}/long.jsonl",
                                  f"dataset.eval_path={tmp_path}/short.jsonl", "rollout.context_length=64",
+                                 "dataset.max_prompt_tokens=4096",  # kept by the trainer, refused by the servers
                                  "stats.tensorboard=true"), timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr

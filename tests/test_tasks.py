@@ -164,3 +164,13 @@ def test_gsm8k_separate_eval_file(tmp_path):
     task = build_task(DatasetConfig(task="gsm8k", eval_path=str(path)))
     assert [ex.prompt for ex in task.eval] == ["How many?"]
     assert len(task.train) == len(gsm8k.sample_path().read_text().strip().splitlines())  # every sample row
+
+
+def test_prompts_longer_than_the_limit_are_dropped_and_counted(tiny_model_dir):
+    from areal_hpc.models.hf import load_tokenizer
+    from areal_hpc.train.task_setup import fit_prompts
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    examples = [Example(str(n), "word " * n) for n in (1, 5, 50, 500)]
+    kept, dropped = fit_prompts(examples, tokenizer, limit=60)
+    assert [ex.uid for ex in kept] == ["1", "5"] and dropped == 2

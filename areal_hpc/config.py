@@ -82,7 +82,7 @@ class CountdownConfig:
 @dataclass
 class DatasetConfig:
     task: str = spec("arithmetic", "a built-in task, or custom: your data from `path` (with reward.fn)",
-                     choices=["arithmetic", "countdown", "gsm8k", "custom"])
+                     choices=["arithmetic", "countdown", "gsm8k", "calculator", "custom"])
     path: str = spec("", "custom, gsm8k: your data: a JSONL, Parquet or Arrow file, a glob of them, a folder of them or "
                      "a datasets.save_to_disk folder (gsm8k: empty uses the shipped sample)")
     eval_path: str = spec("", "held-out data in the same forms; empty: eval_split of a saved DatasetDict, else "

@@ -4,14 +4,15 @@ data with your reward) and the text the tiny tokenizer is trained on."""
 from __future__ import annotations
 
 from areal_hpc.config import DatasetConfig, RewardConfig
-from areal_hpc.data import arithmetic, countdown, gsm8k
+from areal_hpc.data import arithmetic, calculator, countdown, gsm8k
 from areal_hpc.data.rewards import RewardFunction
 from areal_hpc.data.tasks import Task
 from areal_hpc.data.user_data import read_rows, split_examples
 from areal_hpc.errors import UserError
 from areal_hpc.plugins import load_object
 
-BUILT_IN = {"arithmetic": arithmetic.make_task, "countdown": countdown.make_task, "gsm8k": gsm8k.make_task}
+BUILT_IN = {"arithmetic": arithmetic.make_task, "countdown": countdown.make_task, "gsm8k": gsm8k.make_task,
+            "calculator": calculator.make_task}
 
 
 def build_task(cfg: DatasetConfig, reward: RewardConfig | None = None) -> Task:

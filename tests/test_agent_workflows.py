@@ -5,6 +5,7 @@ an agent's records are the tokens its conversation renders to, with everything t
 written with the OpenAI Agents SDK trains unchanged; bad user code is one line."""
 
 import asyncio
+import json
 import uuid
 
 import numpy as np
@@ -190,3 +191,62 @@ def test_a_users_project_trains_through_areal_hpc_submit_on_the_dev_cluster(tiny
     run = tmp_path / "runs" / "quickstart" / "trial0"
     assert [r["step"] for r in metrics(run) if "rollout/turns" in r] == [1, 2]
     assert all(r["rollout/turns"] == 2.0 for r in metrics(run) if "rollout/turns" in r)
+
+
+@given(n=st.integers(1, 8), data=st.data())
+def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_correct_one(n, data):
+    """Against every k-subset of n samples, enumerated."""
+    from itertools import combinations
+
+    from areal_hpc.train.evaluate import pass_at_k
+
+    c, k = data.draw(st.integers(0, n)), data.draw(st.integers(1, n))
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(combinations(samples, k))
+    assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+class Raises:
+    async def arun_episode(self, engine, example):
+        raise KeyError("the agent's own bug")
+
+
+def test_a_workflow_that_raises_is_counted_and_spends_the_failure_budget(tiny_model_dir):
+    from areal_hpc.rollout.client import RolloutClient
+    from areal_hpc.rollout.controller import FailureBudget, RolloutController, RolloutFailure
+    from areal_hpc.rollout.staleness import StalenessGate
+
+    from .workflow_helpers import episode_groups
+
+    async def run():
+        async with RolloutClient(["127.0.0.1:9"]) as client:  # never contacted: the agent fails first
+            with RewardPool(rewards_for_tests.exact_answer) as pool:
+                groups = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2, Raises())
+                controller = RolloutController(client, groups, StalenessGate(2, 0, 2),
+                                               [Example(str(i), "q", answer="1") for i in range(8)],
+                                               budget=FailureBudget(max_consecutive=3))
+                await controller.start()
+                with pytest.raises(RolloutFailure) as err:
+                    await asyncio.wait_for(controller.prepare_batch(2), 60)
+                await controller.stop()
+                return err.value, controller
+
+    error, controller = asyncio.run(run())
+    assert "3 episodes in a row failed (workflow 3)" in str(error) and "KeyError" in str(error)
+    assert controller.failures.counts["workflow"] >= 3 and controller.failures.total == controller.failures.counts["workflow"]
+
+
+@pytest.mark.slow
+def test_eval_runs_a_users_workflow_with_samples_pass_at_k_and_writes_every_episode(tmp_path, tiny_model_dir):
+    project = write_project(tmp_path / "project")
+    out = tmp_path / "episodes.jsonl"
+    result = run_cli("eval", "--model", str(tiny_model_dir), "--config", str(REPO / "configs" / "quickstart.yaml"),
+                     "--samples", "3", "--out", str(out), "--json", "gconfig.max_new_tokens=4",
+                     *[f"{k}={v}" for k, v in project.items()], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["n"] == 4 and summary["samples"] == 3 and {"pass@1", "pass@2", "pass@3"} <= set(summary)
+    assert summary["pass@1"] <= summary["pass@2"] <= summary["pass@3"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 12 and all(row["turns"] == 2 and row["reward"] in (0.0, 1.0) for row in rows)
+    assert summary["mean_reward"] == pytest.approx(sum(r["reward"] for r in rows) / 12)

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from areal_hpc.agents.engine import AgentEngine, EngineSettings
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
-from areal_hpc.errors import UserError
 
 
 class WorkflowResultError(TypeError):
@@ -29,9 +28,6 @@ class EpisodeGroups:
     """``run(client, example)``: the controller's workflow protocol, over a user-shaped workflow."""
 
     def __init__(self, workflow, settings_for: Callable[[object], EngineSettings], n_samples: int, task_name: str):
-        if not callable(getattr(workflow, "arun_episode", None)):
-            raise UserError(f"the workflow {type(workflow).__name__} has no `async def arun_episode(self, engine, "
-                            "example)`")
         self.workflow, self.settings_for = workflow, settings_for
         self.n_samples, self.task_name = n_samples, task_name
 

@@ -17,7 +17,7 @@ collects what it recorded.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from areal_hpc.agents.token_episode import TokenEpisode
 from areal_hpc.algo.temperature import run_temperature
@@ -58,6 +58,9 @@ class Scorer:
         return await asyncio.to_thread(self.pool.score, requests)
 
 
+PROMPT_CACHE = 4096  # rendered prompts kept (examples in flight are far fewer)
+
+
 @dataclass
 class EngineSettings:
     """What every episode's engine shares: built once per run (or per evaluation)."""
@@ -68,6 +71,16 @@ class EngineSettings:
     scorer: Scorer
     chat: object = None  # an ``agents.chat.ChatGateway`` when the run serves chat to its workflows
     discount: float = 1.0  # rollout.turn_discount
+    prompts: dict = field(default_factory=dict)  # example uid -> (rendered prompt ids, their text), the latest
+
+    def rendered_prompt(self, example: Example) -> tuple[list[int], str]:
+        """An example's prompt ids and text, rendered once for all the episodes of its group."""
+        if example.uid not in self.prompts:
+            if len(self.prompts) >= PROMPT_CACHE:
+                self.prompts.pop(next(iter(self.prompts)))
+            ids = example_prompt_ids(self.tokenizer, example)
+            self.prompts[example.uid] = ids, self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.prompts[example.uid]
 
 
 class AgentEngine:
@@ -93,7 +106,7 @@ class AgentEngine:
         return generation
 
     def prompt_ids(self, example: Example) -> list[int]:
-        return example_prompt_ids(self.tokenizer, example)
+        return list(self.settings.rendered_prompt(example)[0])
 
     def episode(self, example: Example | None = None, prompt_ids: list[int] | None = None) -> TokenEpisode:
         """A token-level record starting from the example's rendered prompt (or ``prompt_ids``)."""
@@ -114,8 +127,11 @@ class AgentEngine:
     async def reward(self, example: Example, completion: str, completion_ids: list[int] = (),
                      prompt_ids: list[int] | None = None, prompt: str | None = None) -> float:
         """The run's reward of ``completion`` (0 when it failed; the failure is counted)."""
-        prompt_ids = self.prompt_ids(example) if prompt_ids is None else prompt_ids
-        text = prompt if prompt is not None else self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        if prompt_ids is None:
+            prompt_ids, text = self.settings.rendered_prompt(example)
+        else:
+            text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        text = text if prompt is None else prompt
         [outcome] = await self.settings.scorer([RewardRequest(text, completion, list(prompt_ids),
                                                               list(completion_ids), example.reward_fields())])
         self.outcomes.append(outcome)

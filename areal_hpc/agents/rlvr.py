@@ -10,6 +10,5 @@ class RLVRWorkflow:
     async def arun_episode(self, engine, example: Example):
         episode = engine.episode(example)
         generation = await episode.generate()
-        episode.reward(await engine.reward(example, engine.decode(generation.output_ids), generation.output_ids,
-                                           prompt_ids=generation.input_ids))
+        episode.reward(await engine.reward(example, engine.decode(generation.output_ids), generation.output_ids))
         return [episode.trajectory()]

@@ -1,0 +1,363 @@
+"""What the agent workflow layer costs: the same multi-turn episodes issued straight to the rollout client
+and through the workflow layer (token level and chat level), and single-turn episodes of the same
+generated tokens.
+
+    .venv/bin/python bench/agent_workflow_overhead.py [--turns 4] [--max-new-tokens 16] [--groups 16]
+        [--n-samples 4] [--repeats 5] [--out results.md]
+
+One embedded rollout server (``areal-hpc serve``, the tiny model, its own process on core 0, one torch
+thread); the episodes run in this process on core 1 (their reward worker too). Each round runs every
+variant once (``--groups`` x ``--n-samples`` episodes in flight at once), variants interleaved over
+``--repeats`` rounds after one warm-up round; medians. Variants, each episode ``--turns`` turns of
+``--max-new-tokens`` tokens at temperature 1 with a fixed environment message between turns:
+
+- A  direct: ``RolloutClient.generate`` in a plain loop (output ids + ``next_turn_ids`` of the
+     message appended), no workflow layer, no reward; its records are made in the conversion step;
+- B  token workflow: a ``MultiTurnMathWorkflow``-shaped workflow (``engine.episode``, ``generate``,
+     ``engine.reward`` every turn, ``observe_message``), always ``--turns`` turns, through
+     ``EpisodeGroups`` with ``AgentEngine`` settings and a ``RewardPool`` of the task's reward;
+- B0 the same without the reward calls (the layer alone);
+- C  chat workflow: the same turns through ``engine.openai_client()`` (the real ``openai`` client, the
+     in-process ``ChatGateway``), a reward every turn;
+- D  single turn: ``RLVRWorkflow`` through the same layer, ``turns x max-new-tokens`` new tokens per
+     episode (what a single-turn workflow pays for the same generated tokens); D0 the same generate
+     straight on the client.
+
+"trained tokens" are the loss-masked (generated) tokens; record->batch is ``build_batch`` of the
+variant's records (for A and D0 the ``Trajectory`` objects are made there too), the least of three builds.
+CPU seconds of this process, the reward worker and the server (from /proc) are taken per run: where
+other processes share the cores, client CPU per turn is the steadier measure of what the layer costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+SERVER_CORES, CLIENT_CORES = {0}, {1}
+FEEDBACK = "That is not correct. Try again and give only the final answer."
+VARIANTS = ["A", "B", "B0", "C", "D", "D0"]
+NAMES = {"A": "A direct client loop (k turns)", "B": "B token workflow + reward/turn",
+         "B0": "B0 token workflow, no reward", "C": "C chat workflow (openai) + reward/turn",
+         "D": "D single-turn workflow (k*M tokens)", "D0": "D0 single generate on the client"}
+
+
+def start_server(model: Path, fileroot: Path) -> tuple[subprocess.Popen, str]:
+    """``areal-hpc serve`` (embedded) on core 0, once it has registered in name-resolve."""
+    from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve
+
+    trial = uuid.uuid4().hex[:8]
+    names = NameResolve(fileroot / "quickstart" / trial / "name_resolve")
+    names.root.mkdir(parents=True)
+    log = open(names.root.parent / "server.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={model}", "port=0",
+         f"cluster.fileroot={fileroot}", f"experiment.trial={trial}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.sched_setaffinity(0, SERVER_CORES),
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 180
+    while not names.values(ROLLOUT_SERVERS):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server did not register: {Path(log.name).read_text()[-2000:]}")
+        time.sleep(0.1)
+    return process, names.values(ROLLOUT_SERVERS)[0]
+
+
+class TokenTurns:
+    """``MultiTurnMathWorkflow`` without its early stop: exactly ``turns`` turns, each scored."""
+
+    def __init__(self, turns: int, score: bool = True):
+        self.turns, self.score = turns, score
+
+    async def arun_episode(self, engine, example):
+        episode = engine.episode(example)
+        for turn in range(self.turns):
+            generation = await episode.generate()
+            if self.score:
+                value = await engine.reward(example, engine.decode(generation.output_ids), generation.output_ids,
+                                            prompt_ids=episode.context[:-len(generation.output_ids) or None])
+                episode.reward(value)
+            if turn < self.turns - 1:
+                episode.observe_message(FEEDBACK)
+        return [episode.trajectory()]
+
+
+class ChatTurns:
+    """The same turns as an ``openai`` agent: messages in, text out, the reward set on each turn."""
+
+    def __init__(self, turns: int, max_tokens: int, temperature: float):
+        self.turns, self.max_tokens, self.temperature = turns, max_tokens, temperature
+
+    async def arun_episode(self, engine, example):
+        client = engine.openai_client()
+        messages = [{"role": "user", "content": example.prompt}]
+        for turn in range(self.turns):
+            reply = await client.chat.completions.create(model=engine.model_name, messages=messages,
+                                                         max_tokens=self.max_tokens, temperature=self.temperature)
+            content = reply.choices[0].message.content or ""
+            client.set_reward(await engine.reward(example, content))
+            messages.append({"role": "assistant", "content": content})
+            if turn < self.turns - 1:
+                messages.append({"role": "user", "content": FEEDBACK})
+        return None
+
+
+async def direct_episode(client, tokenizer, prompt_ids: list[int], turns: int, params: dict) -> list[tuple]:
+    """A: the turns on the client alone; (input ids, generation) per turn."""
+    from areal_hpc.models.chat import next_turn_ids
+
+    context, pending, out = list(prompt_ids), list(prompt_ids), []
+    for turn in range(turns):
+        generation = await client.generate(context, params)
+        out.append((pending, generation))
+        context += generation.output_ids
+        pending = []
+        if turn < turns - 1:
+            pending = next_turn_ids(tokenizer, "user", FEEDBACK, generation.output_ids)
+            context += pending
+    return out
+
+
+def direct_records(episodes: list[tuple[str, list[tuple]]]):
+    from areal_hpc.data.trajectory import Segment, Trajectory
+
+    return [Trajectory([Segment(ids, g.output_ids, g.logprobs, g.versions) for ids, g in turns], group_id=group)
+            for group, turns in episodes]
+
+
+async def one_run(variant: str, ctx: dict) -> dict:
+    """One variant over every group at once: wall time, records (or what makes them), token counts."""
+    from areal_hpc.agents.groups import EpisodeGroups
+
+    args, client, examples = ctx["args"], ctx["client"], ctx["examples"]
+    params = ctx["sampling"].params([ctx["tokenizer"].eos_token_id])
+    cpu_before = time.process_time(), cpu_seconds(ctx["server_pid"]), reward_cpu(ctx["pool"])
+    started = time.perf_counter()
+    if variant in ("A", "D0"):
+        turns = args.turns if variant == "A" else 1
+        if variant == "D0":
+            params = {**params, "max_new_tokens": args.turns * args.max_new_tokens}
+
+        async def group(example):
+            prompt = ctx["prompt_ids"][example.uid]
+            return [(example.uid, turns_) for turns_ in await asyncio.gather(
+                *(direct_episode(client, ctx["tokenizer"], prompt, turns, params) for _ in range(args.n_samples)))]
+        raw = [e for g in await asyncio.gather(*(group(ex) for ex in examples)) for e in g]
+        wall = time.perf_counter() - started
+        converted = time.perf_counter()
+        records = direct_records(raw)
+    else:
+        workflow = {"B": TokenTurns(args.turns), "B0": TokenTurns(args.turns, score=False),
+                    "C": ChatTurns(args.turns, args.max_new_tokens, args.temperature), "D": ctx["rlvr"]}[variant]
+        settings = ctx["settings_D"] if variant == "D" else ctx["settings"]
+        groups = EpisodeGroups(workflow, lambda _: settings, args.n_samples, "arithmetic")
+        records = [r for g in await asyncio.gather(*(groups.run(client, ex) for ex in examples)) for r in g]
+        wall = time.perf_counter() - started
+        converted = time.perf_counter()
+    cpu = time.process_time() - cpu_before[0], cpu_seconds(ctx["server_pid"]) - cpu_before[1], \
+        reward_cpu(ctx["pool"]) - cpu_before[2]
+    records_s = time.perf_counter() - converted  # A, D0: their Trajectory objects are made here
+    batch_s = []
+    for _ in range(3):  # the least of three builds of the batch from the same records (this box is noisy)
+        again = time.perf_counter()
+        batch = build(records, ctx)
+        batch_s.append(time.perf_counter() - again)
+    convert_s = records_s + min(batch_s)
+    trained = sum(map(sum, batch.loss_masks))
+    return {"wall_s": wall, "convert_s": convert_s, "episodes": len(records), "turns": sum(len(r.segments) for r in records),
+            "generated": sum(r.n_output_tokens for r in records), "tokens": sum(r.n_tokens for r in records),
+            "trained": trained, "client_cpu_s": cpu[0], "server_cpu_s": cpu[1], "reward_cpu_s": cpu[2]}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def reward_cpu(pool) -> float:
+    """CPU time of the reward pool's worker processes so far (0 before it started)."""
+    workers = getattr(pool._pool, "_pool", None) or []
+    return sum(cpu_seconds(w.pid) for w in workers)
+
+
+def build(records, ctx):
+    from areal_hpc.config import ActorConfig
+    from areal_hpc.train.trajectory_batch import build_batch
+
+    return build_batch(records, ActorConfig(), ctx["args"].turns * ctx["args"].max_new_tokens, ctx["args"].temperature)
+
+
+async def measure(args, server: str, server_pid: int, model: Path) -> dict:
+    from dataclasses import replace
+
+    from areal_hpc.agents.chat import ChatGateway
+    from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
+    from areal_hpc.agents.rlvr import RLVRWorkflow
+    from areal_hpc.config import DatasetConfig
+    from areal_hpc.data.registry import build_task
+    from areal_hpc.data.rewards import RewardPool
+    from areal_hpc.models.chat import example_prompt_ids
+    from areal_hpc.models.hf import load_tokenizer
+    from areal_hpc.rollout.client import RolloutClient
+
+    task = build_task(DatasetConfig(task="arithmetic", seed=0, train_size=args.groups, eval_size=1))
+    examples = task.train[:args.groups]
+    tokenizer = load_tokenizer(model)
+    sampling = Sampling(args.max_new_tokens, temperature=args.temperature)
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    with RewardPool(task.reward) as pool:
+        async with RolloutClient([server], max_requests=4 * args.groups * args.n_samples) as client, \
+                ChatGateway(client.generate, model, default_max_tokens=args.max_new_tokens) as chat:
+            settings = EngineSettings(client.generate, tokenizer, sampling, Scorer(pool), chat)
+            ctx = {"args": args, "client": client, "examples": examples, "tokenizer": tokenizer, "sampling": sampling,
+                   "prompt_ids": {ex.uid: example_prompt_ids(tokenizer, ex) for ex in examples},
+                   "settings": settings, "rlvr": RLVRWorkflow(), "server_pid": server_pid, "pool": pool,
+                   "settings_D": replace(settings, sampling=replace(sampling, max_new_tokens=args.turns
+                                                                    * args.max_new_tokens))}
+            for variant in args.variants:  # warm-up: connections, reward worker, template caches
+                await one_run(variant, ctx)
+            for _ in range(args.repeats):
+                for variant in args.variants:
+                    runs[variant].append(await one_run(variant, ctx))
+                    print(variant, {k: round(v, 4) if isinstance(v, float) else v
+                                    for k, v in runs[variant][-1].items()}, flush=True)
+    return runs
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    out = {}
+    for variant, rs in runs.items():
+        med = statistics.median
+        out[variant] = {
+            "episodes_per_s": med(r["episodes"] / r["wall_s"] for r in rs),
+            "generated_per_s": med(r["generated"] / r["wall_s"] for r in rs),
+            "trained_per_s": med(r["trained"] / (r["wall_s"] + r["convert_s"]) for r in rs),
+            "best_trained_per_s": max(r["trained"] / (r["wall_s"] + r["convert_s"]) for r in rs),
+            "batch_tokens_per_s": med(r["tokens"] / r["convert_s"] for r in rs),
+            "convert_ms": med(1e3 * r["convert_s"] for r in rs),
+            "wall_s": med(r["wall_s"] for r in rs),
+            "generated": med(r["generated"] for r in rs), "tokens": med(r["tokens"] for r in rs),
+            "turns": med(r["turns"] for r in rs), "episodes": rs[0]["episodes"],
+            "client_cpu_ms_per_turn": med(1e3 * r["client_cpu_s"] / r["turns"] for r in rs),
+            "reward_cpu_ms_per_turn": med(1e3 * r["reward_cpu_s"] / r["turns"] for r in rs),
+            "server_cpu_ms_per_turn": med(1e3 * r["server_cpu_s"] / r["turns"] for r in rs),
+            "client_core_busy": med(r["client_cpu_s"] / r["wall_s"] for r in rs),
+            "server_core_busy": med(r["server_cpu_s"] / r["wall_s"] for r in rs),
+            "ratio_runs": [],
+        }
+    if "A" in runs:  # per-round ratios against A (the same round: the machine's load then)
+        for variant, rs in runs.items():
+            out[variant]["ratio_runs"] = [(r["generated"] / r["wall_s"]) / (a["generated"] / a["wall_s"])
+                                          for r, a in zip(rs, runs["A"])]
+    return out
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def report(args, summary: dict, meta: dict) -> str:
+    a = summary.get("A")
+    lines = ["| variant | episodes/s | generated tok/s | trained tok/s (rollout + batch) | record->batch tok/s "
+             "| batch ms | tokens generated / in records | turns | vs A (gen tok/s, median of rounds) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for variant, s in summary.items():
+        ratio = statistics.median(s["ratio_runs"]) if a else float("nan")
+        spread = f" ({min(s['ratio_runs']):.2f}-{max(s['ratio_runs']):.2f})" if a else ""
+        lines.append(f"| {NAMES[variant]} | {s['episodes_per_s']:.1f} | {s['generated_per_s']:.0f} | "
+                     f"{s['trained_per_s']:.0f} | {s['batch_tokens_per_s']:.0f} | {s['convert_ms']:.1f} | "
+                     f"{s['generated']:.0f} / {s['tokens']:.0f} | {s['turns']:.0f} | {ratio:.3f}{spread} |")
+    lines += ["", "| variant | client CPU ms/turn | reward worker CPU ms/turn | server CPU ms/turn | client CPU / wall "
+              "| server CPU / wall |", "|---|---|---|---|---|---|"]
+    for variant, s in summary.items():
+        lines.append(f"| {variant} | {s['client_cpu_ms_per_turn']:.2f} | {s['reward_cpu_ms_per_turn']:.2f} | "
+                     f"{s['server_cpu_ms_per_turn']:.2f} | {s['client_core_busy']:.2f} | {s['server_core_busy']:.2f} |")
+    if a:
+        lines.append("")
+        for variant in ("B", "B0", "C", "D"):
+            if variant in summary:
+                s = summary[variant]
+                lines.append(f"{variant}/A: episodes/s {s['episodes_per_s'] / a['episodes_per_s']:.3f}, generated "
+                             f"tok/s {s['generated_per_s'] / a['generated_per_s']:.3f}, trained tok/s "
+                             f"{s['trained_per_s'] / a['trained_per_s']:.3f} ("
+                             + (f"overhead {100 * (1 - s['trained_per_s'] / a['trained_per_s']):+.1f}%; "
+                                if variant != "D" else "") + "best rounds "
+                             f"{s['best_trained_per_s'] / a['best_trained_per_s']:.3f}); client CPU "
+                             f"{s['client_cpu_ms_per_turn'] + s['reward_cpu_ms_per_turn']:.2f} ms/turn vs A's "
+                             f"{a['client_cpu_ms_per_turn']:.2f}")
+    lines.append("")
+    lines.append(f"settings: turns k={args.turns}, M={args.max_new_tokens} new tokens/turn, {args.groups} groups x "
+                 f"{args.n_samples} samples = {args.groups * args.n_samples} episodes in flight, temperature "
+                 f"{args.temperature}, {args.repeats} interleaved rounds after 1 warm-up; {meta}")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--n-samples", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--model", type=Path, help="a model folder (default: build the tiny model)")
+    parser.add_argument("--out", type=Path, help="also write the table here")
+    args = parser.parse_args()
+    args.variants = args.variants.split(",")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import openai
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        model = args.model
+        if model is None:
+            from areal_hpc.data.registry import corpus_for_tokenizer
+            from areal_hpc.models.tiny import init_model
+            model = init_model(scratch / "tiny", corpus_for_tokenizer(0), preset="tiny", seed=0)
+        server, address = start_server(model, scratch)
+        try:
+            os.sched_setaffinity(0, CLIENT_CORES)  # before the reward worker is spawned: it inherits core 1
+            load_before = os.getloadavg()
+            started = time.perf_counter()
+            runs = asyncio.run(measure(args, address, server.pid, model))
+            elapsed = time.perf_counter() - started
+            load_after = os.getloadavg()
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.node()}: {os.cpu_count()} cores ({cpu_model()}), {platform.platform()}",
+            "versions": f"python {platform.python_version()}, torch {torch.__version__}, openai {openai.__version__}",
+            "load_average_1_5_15": f"{'/'.join(f'{x:.2f}' for x in load_before)} before, "
+                                   f"{'/'.join(f'{x:.2f}' for x in load_after)} after",
+            "measured_s": round(elapsed, 1)}
+    text = report(args, summarise(runs), meta)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

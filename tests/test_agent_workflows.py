@@ -250,3 +250,26 @@ def test_eval_runs_a_users_workflow_with_samples_pass_at_k_and_writes_every_epis
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 12 and all(row["turns"] == 2 and row["reward"] in (0.0, 1.0) for row in rows)
     assert summary["mean_reward"] == pytest.approx(sum(r["reward"] for r in rows) / 12)
+
+
+def test_a_model_without_a_chat_template_serves_no_client_and_says_why(tiny_model_dir, tmp_path):
+    import shutil
+
+    from areal_hpc.errors import UserError
+    from areal_hpc.train.evaluate import optional_chat
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+
+    async def run():
+        async with optional_chat(None, folder, 1.0) as chat:
+            engine = AgentEngine(EngineSettings(None, load_tokenizer(tiny_model_dir), Sampling(4), None, chat))
+            with pytest.raises(UserError, match="serves no OpenAI client.*no chat template"):
+                engine.openai_client()
+            return engine.model_name
+
+    assert asyncio.run(run()) == ""

@@ -14,6 +14,7 @@ import openai
 from aiohttp import web
 
 from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.errors import UserError
 from areal_hpc.proxy.app import openai_app
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.gateway import Proxy, ProxySettings
@@ -111,3 +112,16 @@ class ChatGateway:
         session.ended_at = time.monotonic()
         self.proxy.forget(session)
         return session.trajectories(self.discount) if session.turns else []
+
+
+class NoChat:
+    """Where no gateway could start (a model folder without a chat template): workflows that chat are
+    told why, the others run all the same."""
+
+    model_name = ""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def client(self, metadata: dict):
+        raise UserError(f"this run serves no OpenAI client to its workflow: {self.reason}")

@@ -23,6 +23,7 @@ from areal_hpc.agents.token_episode import TokenEpisode
 from areal_hpc.algo.temperature import run_temperature
 from areal_hpc.data.rewards import RewardOutcome, RewardPool, RewardRequest
 from areal_hpc.data.tasks import Example
+from areal_hpc.errors import UserError
 from areal_hpc.models.chat import example_prompt_ids
 
 
@@ -69,7 +70,7 @@ class EngineSettings:
     tokenizer: object
     sampling: Sampling
     scorer: Scorer
-    chat: object = None  # an ``agents.chat.ChatGateway`` when the run serves chat to its workflows
+    chat: object = None  # an ``agents.chat.ChatGateway`` (or ``NoChat``: why not) for workflows that chat
     discount: float = 1.0  # rollout.turn_discount
     prompts: dict = field(default_factory=dict)  # example uid -> (rendered prompt ids, their text), the latest
 
@@ -95,7 +96,7 @@ class AgentEngine:
     @property
     def model_name(self) -> str:
         """The ``model`` chat requests name."""
-        return self.settings.chat.model_name if self.settings.chat is not None else ""
+        return getattr(self.settings.chat, "model_name", "")
 
     async def agenerate(self, input_ids: list[int], sampling: Sampling | None = None,
                         stop_token_ids: list[int] | None = None):
@@ -119,7 +120,7 @@ class AgentEngine:
         """An ``openai.AsyncOpenAI`` whose every turn is recorded (one session: its conversations become
         records when the episode ends); ``metadata`` is stored with them."""
         if self.settings.chat is None:
-            raise RuntimeError("this engine serves no chat client (agents.chat.ChatGateway not started)")
+            raise UserError("this engine serves no OpenAI client: build its settings with an agents.chat.ChatGateway")
         client = self.settings.chat.client(metadata)
         self.recorders.append(client)
         return client

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from areal_hpc.agents.chat import ChatGateway
+from areal_hpc.agents.chat import ChatGateway, NoChat
 from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.rlvr import RLVRWorkflow
@@ -99,15 +99,15 @@ def _episode_row(example: Example, engine: AgentEngine, outcome) -> dict:
 
 @contextlib.asynccontextmanager
 async def optional_chat(generate, model_folder, discount: float):
-    """A chat gateway for the workflows' OpenAI clients, or None when the model folder cannot serve chat
-    (no chat template): workflows that do not chat run all the same."""
+    """A chat gateway for the workflows' OpenAI clients, or a ``NoChat`` saying why there is none (no
+    model folder, or no chat template in it): workflows that do not chat run all the same."""
     if model_folder is None:
-        yield None
+        yield NoChat("no model folder to read the tokenizer and chat template from")
         return
     try:
         gateway = ChatGateway(generate, model_folder, discount)
-    except UserError:
-        yield None
+    except UserError as exc:
+        yield NoChat(str(exc))
         return
     async with gateway:
         yield gateway

@@ -273,3 +273,91 @@ def test_a_model_without_a_chat_template_serves_no_client_and_says_why(tiny_mode
             return engine.model_name
 
     assert asyncio.run(run()) == ""
+
+
+TOOL_CALL = '<tool_call>{"name":"calculate","arguments":{"a":2,"op":"+","b":3}}</tool_call>'
+
+
+def memorise(model, tokenizer, pairs: list[tuple[list[int], str]], max_steps: int = 600) -> None:
+    """Teach the tiny model to say each completion after its prompt, greedily (a stand-in for a
+    tool-calling model); one thread: the steps are small."""
+    import torch
+
+    batch = [(prompt, tokenizer(text + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
+             for prompt, text in pairs]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(max_steps):
+            optimizer.zero_grad()
+            said = []
+            for prompt, completion in batch:
+                logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+                torch.nn.functional.cross_entropy(logits, torch.tensor(completion)).backward()
+                said.append(logits.argmax(-1).tolist() == completion)
+            if all(said):
+                return
+            optimizer.step()
+        raise AssertionError(f"the model did not learn to say {[text for _, text in pairs]} in {max_steps} steps")
+    finally:
+        torch.set_num_threads(threads)
+        model.eval()
+
+
+@pytest.mark.slow
+def test_an_agents_sdk_agent_calls_its_function_tool_and_the_tool_output_is_masked(tiny_model_dir, tmp_path):
+    """A model that calls the SDK agent's tool (taught here, turn by turn, from the prompts the SDK
+    really sends): the SDK runs the tool, the model answers from its result, and the record is the
+    model's two turns with the tool's output between them as context."""
+    import shutil
+
+    import torch
+
+    from areal_hpc.agents.sdk_agent import AgentsSDKWorkflow
+
+    from .test_proxy_units import TOOL_TEMPLATE
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    tokenizer, model = load_tokenizer(folder), load_model(folder)
+    torch.manual_seed(0)
+
+    def episode(max_new_tokens: int):
+        engine = EmbeddedEngine(model, slots=2, eos_token_ids=[tokenizer.eos_token_id])
+
+        async def generate(input_ids, params):
+            result = await engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(params))
+            return Generation(list(input_ids), result.output_ids, result.logprobs, result.versions,
+                              result.finish_reason)
+
+        async def run():
+            with RewardPool(rewards_for_tests.exact_answer) as pool:
+                async with ChatGateway(generate, folder) as chat:
+                    settings_ = EngineSettings(generate, tokenizer, Sampling(max_new_tokens, temperature=0.0), Scorer(pool), chat)
+                    return await run_episode(AgentsSDKWorkflow(max_turns=3), AgentEngine(settings_),
+                                             Example("q", "What is 2+3?", answer="5"))
+        try:
+            [record] = asyncio.run(run())
+        finally:
+            engine.stop()
+        return record
+
+    call_length = len(tokenizer(TOOL_CALL + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
+    first_prompt = episode(1).segments[0].input_ids.tolist()  # what the SDK sends: instructions, tools, input
+    memorise(model, tokenizer, [(first_prompt, TOOL_CALL)])
+    called = episode(call_length)
+    assert tokenizer.decode(called.segments[0].output_ids, skip_special_tokens=True) == TOOL_CALL
+    second_prompt = np.concatenate([called.segments[0].input_ids, called.segments[0].output_ids,
+                                    called.segments[1].input_ids]).tolist()
+    memorise(model, tokenizer, [(first_prompt, TOOL_CALL), (second_prompt, "5")])
+
+    record = episode(call_length)
+    assert len(record.segments) == 2 and record.reward == 1.0
+    call, answer = record.segments
+    assert tokenizer.decode(call.output_ids, skip_special_tokens=True) == TOOL_CALL
+    tool_output = tokenizer.decode(answer.input_ids, skip_special_tokens=False)
+    assert "<|im_start|>tool\n5.0<|im_end|>" in tool_output  # the SDK ran calculate(2, "+", 3): context only
+    assert tokenizer.decode(answer.output_ids, skip_special_tokens=True) == "5"
+    assert not any("5.0" in tokenizer.decode(s.output_ids) for s in record.segments)

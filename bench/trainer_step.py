@@ -58,6 +58,7 @@ from areal_hpc.models.tiny import count_parameters, init_model  # noqa: E402
 from areal_hpc.train.actor import loss_config  # noqa: E402
 from areal_hpc.train.build import build_actor  # noqa: E402
 from areal_hpc.engines.torch.engine import TorchTrainEngine  # noqa: E402
+from areal_hpc.engines.torch import outputs  # noqa: E402
 from areal_hpc.engines.torch.outputs import packed_policy_outputs  # noqa: E402
 from areal_hpc.engines.optim import build_optimizer, build_scheduler  # noqa: E402
 from areal_hpc.engines.sequence_batch import SequenceBatch  # noqa: E402
@@ -180,7 +181,7 @@ def quickstart_steps(cfg: RunConfig, steps: int) -> list[dict]:
 def dense_policy_outputs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """``packed_policy_outputs`` with the model's own sdpa over the packed row (Hugging Face builds a dense
     block-diagonal mask from the restarting position ids); everything else, the LM head included, unchanged."""
-    with mock.patch.object(logprobs, "packed_attention", lambda model: contextlib.nullcontext()):
+    with mock.patch.object(outputs, "packed_attention", lambda *args: contextlib.nullcontext()):
         return packed_policy_outputs(model, batch, temperature)
 
 

@@ -22,11 +22,12 @@ from areal_hpc.data.registry import BUILT_IN as TASKS
 from areal_hpc.data.registry import build_task, corpus_for_tokenizer
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
-from areal_hpc.models.chat import completion_ids, next_turn_ids, prompt_ids
+from areal_hpc.models.chat import next_turn_ids, prompt_ids
 from areal_hpc.models.hf import load_tokenizer
-from areal_hpc.rollout.client import Generation, RolloutClient
+from areal_hpc.rollout.client import RolloutClient
 
 from .conftest import embedded_server, run_cli
+from .workflow_helpers import ScriptedModel
 
 REPLY = re.compile(r"<result>-?\d+</result>|<error>[^<>]*</error>")
 
@@ -104,24 +105,11 @@ def ids(array) -> list[int]:
     return [int(v) for v in array]
 
 
-class Scripted:
-    """A model that says the given turns, in order (for the record's bookkeeping alone)."""
-
-    def __init__(self, tokenizer, turns: list[str]):
-        self.outputs = [completion_ids(tokenizer, turn) for turn in turns]
-        self.seen: list[list[int]] = []
-
-    async def __call__(self, input_ids, params):
-        self.seen.append(list(input_ids))
-        output = self.outputs[len(self.seen) - 1]
-        return Generation(list(input_ids), output, [-0.1] * len(output), [0] * len(output), "stop")
-
-
 EXAMPLE = Example("calculator/eval/0", "What is 482*3712?", "1789184", "1789184")
 
 
 def scripted_episode(tokenizer, pool, turns: list[str], max_turns: int = 3):
-    model = Scripted(tokenizer, turns)
+    model = ScriptedModel(tokenizer, turns)
     engine = AgentEngine(EngineSettings(model, tokenizer, Sampling(max_new_tokens=16), Scorer(pool)))
     [record] = asyncio.run(run_episode(CalculatorWorkflow(max_turns), engine, EXAMPLE))
     return model, record

@@ -22,26 +22,13 @@ from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.reward.sandbox import SandboxResult, _descendants
 from areal_hpc.rollout.client import Generation, RolloutClient
 from tests.conftest import embedded_server
-from tests.workflow_helpers import episode_groups
+from tests.workflow_helpers import ScriptedModel, episode_groups
 
 EXAMPLE = Example("arithmetic/eval/0", "What is 6*7?", "42", "42")
 
 
 def code(program: str) -> str:
     return f"Let me compute it.\n```python\n{program}\n```"
-
-
-class Scripted:
-    """A model that says the given turns, in order; records what it was asked to continue."""
-
-    def __init__(self, tokenizer, turns: list[str]):
-        self.outputs = [completion_ids(tokenizer, turn) for turn in turns]
-        self.seen: list[list[int]] = []
-
-    async def __call__(self, input_ids, params):
-        self.seen.append(list(input_ids))
-        output = self.outputs[len(self.seen) - 1]
-        return Generation(list(input_ids), output, [-0.1] * len(output), [0] * len(output), "stop")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +43,7 @@ def pool():
 
 
 def scripted_episode(tokenizer, pool, turns: list[str], **workflow_args):
-    model = Scripted(tokenizer, turns)
+    model = ScriptedModel(tokenizer, turns)
     engine = AgentEngine(EngineSettings(generate=model, tokenizer=tokenizer, sampling=Sampling(32),
                                         scorer=Scorer(pool)))
     [record] = asyncio.run(run_episode(PythonToolWorkflow(**workflow_args), engine, EXAMPLE))

@@ -32,12 +32,17 @@ def reward(prompt: str, completion: str, prompt_ids, completion_ids, answer: str
     return 1.0 if got is not None and got == parse_number(answer) else 0.0
 
 
-def make_task(cfg: DatasetConfig) -> Task:
+def split(cfg: DatasetConfig, name: str) -> tuple[list[Example], list[Example]]:
+    """The (train, eval) problems ``dataset.arithmetic`` describes, checked, split under ``name``."""
     a = cfg.arithmetic
     if not a.ops or set(a.ops) - set(OPERATORS):
         raise UserError(f"config key 'dataset.arithmetic.ops': {a.ops!r} must use only {' '.join(OPERATORS)}")
     if a.min_digits > a.max_digits:
         raise UserError(f"config key 'dataset.arithmetic.min_digits': {a.min_digits} is above max_digits={a.max_digits}")
     draw = partial(draw_problem, min_digits=a.min_digits, max_digits=a.max_digits, ops=a.ops)
-    train, held_out = generate_split(draw, cfg.seed, cfg.train_size, cfg.eval_size, "arithmetic")
+    return generate_split(draw, cfg.seed, cfg.train_size, cfg.eval_size, name)
+
+
+def make_task(cfg: DatasetConfig) -> Task:
+    train, held_out = split(cfg, "arithmetic")
     return Task("arithmetic", train, held_out, RewardFunction(reward))

@@ -361,3 +361,17 @@ def test_an_agents_sdk_agent_calls_its_function_tool_and_the_tool_output_is_mask
     assert "<|im_start|>tool\n5.0<|im_end|>" in tool_output  # the SDK ran calculate(2, "+", 3): context only
     assert tokenizer.decode(answer.output_ids, skip_special_tokens=True) == "5"
     assert not any("5.0" in tokenizer.decode(s.output_ids) for s in record.segments)
+
+
+@pytest.mark.slow
+def test_the_agents_sdk_config_trains_through_areal_hpc_train(tmp_path):
+    result = run_cli("train", "--config", str(REPO / "configs" / "agent_sdk.yaml"), f"cluster.fileroot={tmp_path}",
+                     *SMALL_RUN, "rl.total_train_steps=2", "rl.eval_every_steps=0", "dataset.eval_size=4",
+                     cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "agent_sdk" / "trial0"
+    steps = [r for r in metrics(run) if "rollout/turns" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["train/trained_tokens"] > 0 for r in steps)
+    with TrajectoryStore(run / "shards") as store:
+        prompts = [load_tokenizer(run / "init_model").decode(t.segments[0].input_ids) for t in store.trajectories()]
+    assert prompts and all("Use the calculator tool" in p for p in prompts)  # the SDK's instructions

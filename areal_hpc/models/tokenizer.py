@@ -13,6 +13,7 @@ from transformers import Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+VOCAB_MULTIPLE = 16  # the vocabulary's size is a multiple of this (tensor parallelism up to 16 splits it)
 
 # Rendered with whitespace trimming, so every newline is written explicitly.
 CHAT_TEMPLATE = (
@@ -41,9 +42,12 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 1024) -> Qwen2Tokenizer
     bpe.train_from_iterator(corpus + ["system", "user", "assistant"], trainer=trainer)
     trained = json.loads(bpe.to_str())["model"]
     vocab, merges = trained["vocab"], [tuple(m) for m in trained["merges"]]
+    # Reserved special tokens fill the vocabulary up to a multiple of VOCAB_MULTIPLE (as Qwen's do):
+    # tensor-parallel ranks split it evenly, whatever text the tokenizer was trained on.
+    reserved = [f"<|reserved_{i}|>" for i in range(-len(vocab) % VOCAB_MULTIPLE)]
     tokenizer = Qwen2Tokenizer(
         vocab=vocab, merges=merges, eos_token=IM_END, pad_token=PAD, unk_token=None,
-        additional_special_tokens=[IM_START, IM_END],
+        additional_special_tokens=[IM_START, IM_END, *reserved],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

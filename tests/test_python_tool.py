@@ -6,6 +6,7 @@ through a real rollout server is recorded token for token."""
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 
@@ -73,8 +74,20 @@ HOSTILE = {
 }
 
 
+def programs_alive() -> set[int]:
+    """This test process's descendants but the reward pool's workers (started whenever it first scores)."""
+    alive = set()
+    for pid in _descendants(os.getpid()):
+        try:
+            if b"multiprocessing" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                alive.add(pid)
+        except OSError:  # ended meanwhile
+            continue
+    return alive
+
+
 def test_hostile_programs_are_killed_and_the_episode_goes_on(tokenizer, pool):
-    before = set(_descendants(os.getpid()))
+    before = programs_alive()
     turns = [code(HOSTILE["loop"]), code(HOSTILE["fork"]), code(HOSTILE["memory"]), code("print(6*7)"), "42"]
     model, _, record = scripted_episode(tokenizer, pool, turns, max_turns=5, timeout_s=1.0)
     replies = [tokenizer.decode(s.input_ids) for s in record.segments[1:]]
@@ -85,7 +98,7 @@ def test_hostile_programs_are_killed_and_the_episode_goes_on(tokenizer, pool):
     assert record.metadata["tool_calls"] == 4 and record.metadata["tool_kills"] == 3
     assert record.metadata["tool_killed_by"][1:] == ["processes", "memory"]
     assert record.reward == 1.0  # the episode survived its programs and was scored
-    assert set(_descendants(os.getpid())) <= before  # nothing a program started is alive
+    assert programs_alive() <= before  # nothing a program started is alive
 
 
 def test_an_episode_still_writing_code_scores_the_empty_answer(tokenizer, pool):

@@ -256,7 +256,7 @@ def test_a_model_without_a_chat_template_serves_no_client_and_says_why(tiny_mode
     import shutil
 
     from areal_hpc.errors import UserError
-    from areal_hpc.train.evaluate import optional_chat
+    from areal_hpc.agents.chat import optional_chat
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)

@@ -7,6 +7,7 @@ episode instead of written by a proxy.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -125,3 +126,19 @@ class NoChat:
 
     def client(self, metadata: dict):
         raise UserError(f"this run serves no OpenAI client to its workflow: {self.reason}")
+
+
+@contextlib.asynccontextmanager
+async def optional_chat(generate, model_folder, discount: float):
+    """A chat gateway for the workflows' OpenAI clients, or a ``NoChat`` saying why there is none (no
+    model folder, or no chat template in it): workflows that do not chat run all the same."""
+    if model_folder is None:
+        yield NoChat("no model folder to read the tokenizer and chat template from")
+        return
+    try:
+        gateway = ChatGateway(generate, model_folder, discount)
+    except UserError as exc:
+        yield NoChat(str(exc))
+        return
+    async with gateway:
+        yield gateway

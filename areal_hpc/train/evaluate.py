@@ -9,20 +9,18 @@ servers run, so a model scores the same in-process and behind a server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import uuid
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from areal_hpc.agents.chat import ChatGateway, NoChat
+from areal_hpc.agents.chat import optional_chat
 from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
-from areal_hpc.errors import UserError
 from areal_hpc.models.chat import example_prompt_ids
 from areal_hpc.rollout.client import Generation
 from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
@@ -95,22 +93,6 @@ def _episode_row(example: Example, engine: AgentEngine, outcome) -> dict:
     return {"example": example.uid, "prompt": example.prompt or str(list(example.messages)),
             "completion": engine.decode(last), "reward": reward, "turns": len(outcome[0].segments) if outcome else 0,
             "answer": str(example.answer)}
-
-
-@contextlib.asynccontextmanager
-async def optional_chat(generate, model_folder, discount: float):
-    """A chat gateway for the workflows' OpenAI clients, or a ``NoChat`` saying why there is none (no
-    model folder, or no chat template in it): workflows that do not chat run all the same."""
-    if model_folder is None:
-        yield NoChat("no model folder to read the tokenizer and chat template from")
-        return
-    try:
-        gateway = ChatGateway(generate, model_folder, discount)
-    except UserError as exc:
-        yield NoChat(str(exc))
-        return
-    async with gateway:
-        yield gateway
 
 
 def evaluate_model(model: torch.nn.Module, tokenizer, examples: list[Example], rewards: RewardPool,

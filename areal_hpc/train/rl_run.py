@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
+from areal_hpc.agents.chat import optional_chat
 from areal_hpc.agents.engine import EngineSettings
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.agents.registry import build_workflow
@@ -29,7 +30,7 @@ from areal_hpc.runtime.rollout_token import rollout_token
 from areal_hpc.train.build import (build_controller, build_weight_sync, engine_settings, open_proxy_records,
                                    open_shards, recovered_episodes, take_proxy_records, wait_for_servers)
 from areal_hpc.train.checkpoint import save_checkpoint
-from areal_hpc.train.evaluate import evaluate, optional_chat
+from areal_hpc.train.evaluate import evaluate
 from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.stopping import StopRequested
 from areal_hpc.train.task_setup import open_task, reward_pool

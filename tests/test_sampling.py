@@ -1,14 +1,18 @@
 """The vectorised sampler: top-k/top-p keep what a plain per-row filter keeps, draws follow the truncated
-distribution, logprobs are those of the whole tempered distribution, and rows do not disturb each other."""
+distribution, logprobs are those of the whole tempered distribution, rows do not disturb each other, and
+the largest parameters the engine admits fit the sampler's tensors."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2
 
-from areal_hpc.rollout.sampling import SlotSampler, truncate
+from areal_hpc.rollout.sampling import MAX_TEMPERATURE, MAX_TOP_K, SlotSampler, truncate
 
 
 def kept_by_reference(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -83,3 +87,15 @@ def test_the_same_seed_draws_the_same_tokens():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
     draws = [sampler_with([(1.0, -1, 0.95)] * 8, seed=3).sample(logits, 0)[0] for _ in range(2)]
     assert torch.equal(*draws)
+
+
+def test_the_largest_parameters_the_engine_admits_fit_the_sampler_and_larger_ones_do_not():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)) * 3
+    # top_p 5e-324 is 0 in float32: the most probable token only, as top_p -> 0 would keep
+    sampler = sampler_with([(MAX_TEMPERATURE, MAX_TOP_K, 1.0), (1.0, MAX_TOP_K, 0.5), (1.0, -1, 5e-324)])
+    tokens, logprobs, finite = sampler.sample(logits, 0)
+    assert finite.all() and tokens[2] == logits[2].argmax()
+    assert torch.allclose(logprobs[0], torch.tensor(-math.log(50)))  # T = float32's max: uniform
+    for temperature, top_k in [(math.nextafter(MAX_TEMPERATURE, math.inf), -1), (1.0, MAX_TOP_K + 1)]:
+        with pytest.raises((RuntimeError, ValueError), match="(?i)overflow"):  # torch's words for "does not fit"
+            sampler.set(0, temperature, top_k, 1.0)

@@ -13,11 +13,14 @@ logprobs are those of T = 1, as SGLang reports them. Temperatures in (0, 1e-6) a
 overflows float32 as T nears 0 (1e-40 gives NaN probabilities), and SGLang would serve them greedily
 with T = 1 logprobs, which the trainer could not reproduce.
 
+Sampling parameters beyond what the sampler's tensors hold (a temperature above float32's largest
+number, a top_k beyond int64) and stop tokens outside the vocabulary are refused before queueing.
 Failures stay with their request: a row whose logits are not finite fails alone, a forward pass that
-raises is rerun one row at a time and only the rows that fail alone are failed. Weight updates are all
-or nothing: tensors are checked against the live model (names, shapes, floating dtypes; a disk
-checkpoint must hold every tensor) before any is copied in, so a refused update changes neither the
-weights nor the version. Another floating dtype is cast to the live one, as SGLang's loader does.
+raises (a prefill includes setting its rows' sampling parameters) is rerun one row at a time and only
+the rows that fail alone are failed. Weight updates are all or nothing: tensors are checked against
+the live model (names, shapes, floating dtypes; a disk checkpoint must hold every tensor) before any
+is copied in, so a refused update changes neither the weights nor the version. Another floating
+dtype is cast to the live one, as SGLang's loader does.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 from areal_hpc.algo.temperature import MIN_TEMPERATURE, is_servable
 from areal_hpc.models.hf import CheckpointError, read_checkpoint
 from areal_hpc.rollout.decoder import SlotDecoder
-from areal_hpc.rollout.sampling import SlotSampler
+from areal_hpc.rollout.sampling import MAX_TEMPERATURE, MAX_TOP_K, SlotSampler
 from areal_hpc.rollout.weights import weight_mismatches
 
 NOT_FINITE = "the model's logits are not finite (NaN or inf)"
@@ -65,12 +68,13 @@ def _finite(value) -> float | None:
     return number if math.isfinite(number) else None
 
 
-SAMPLING_CHECKS = [  # field, what is valid, test
-    ("max_new_tokens", "an integer >= 0", lambda v: type(v) is int and v >= 0),
+SAMPLING_CHECKS = [  # field, what is valid, test; in order (a later test may assume an earlier one passed)
+    ("max_new_tokens", "an integer >= 0", lambda v: type(v) is int and v >= 0),  # context length: EmbeddedEngine.check
     ("temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
      lambda v: (t := _finite(v)) is not None and is_servable(t)),
+    ("temperature", f"at most {MAX_TEMPERATURE!r} (float32's largest number)", lambda v: v <= MAX_TEMPERATURE),
     ("top_p", "a number in (0, 1]", lambda v: (p := _finite(v)) is not None and 0 < p <= 1),
-    ("top_k", "-1 or an integer >= 1", lambda v: type(v) is int and (v == -1 or v >= 1)),
+    ("top_k", f"-1 or an integer in [1, {MAX_TOP_K}]", lambda v: type(v) is int and (v == -1 or 1 <= v <= MAX_TOP_K)),
     ("stop_token_ids", "a list of integers", lambda v: type(v) is list and all(type(t) is int for t in v)),
     ("ignore_eos", "true or false", lambda v: type(v) is bool),
 ]
@@ -162,6 +166,9 @@ class EmbeddedEngine:
         if max(input_ids) >= vocab:
             raise RequestError(f"input_ids hold token {reprlib.repr(max(input_ids))}; "
                                f"the vocabulary has {vocab} tokens")
+        if not all(0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError(f"sampling_params.stop_token_ids = {reprlib.repr(params.stop_token_ids)}; "
+                               f"they must be token ids in [0, {vocab})")
         if len(input_ids) + params.max_new_tokens > self.context_length:
             raise RequestError(f"too many tokens: {len(input_ids)} prompt + {reprlib.repr(params.max_new_tokens)} "
                                f"max_new_tokens > context length {self.context_length}")
@@ -296,9 +303,14 @@ class EmbeddedEngine:
         if batch:
             first = len(self._running)
             self._running += batch
-            for row, request in enumerate(batch, start=first):
-                self.sampler.set(row, request.params.temperature, request.params.top_k, request.params.top_p)
-            self._advance(first, batch, lambda row, requests: self.decoder.prefill(row, [r.input_ids for r in requests]))
+            self._advance(first, batch, self._prefill)
+
+    def _prefill(self, first: int, requests: list[Request]) -> torch.Tensor:
+        """Set the rows' sampling parameters and prefill their prompts: a request whose parameters the
+        sampler cannot take fails in ``_advance`` as one whose prompt the model cannot run does, alone."""
+        for row, request in enumerate(requests, start=first):
+            self.sampler.set(row, request.params.temperature, request.params.top_k, request.params.top_p)
+        return self.decoder.prefill(first, [r.input_ids for r in requests])
 
     def _step(self) -> None:
         """Feed every running request its last token (the decoder keeps them): one more token each."""

@@ -3,6 +3,8 @@
 Each KV row's sampling parameters live in tensors beside the cache (set when a request is admitted,
 moved with its row), so a step samples all rows with a fixed number of tensor operations and no
 Python per row. A draw picks token i with probability p_i / sum(p), as ``torch.multinomial`` does.
+Those tensors bound what a request may ask for (``MAX_TEMPERATURE``, ``MAX_TOP_K``): the engine refuses
+larger values before a request is admitted.
 """
 
 from __future__ import annotations
@@ -11,19 +13,23 @@ import torch
 
 from areal_hpc.algo.temperature import is_greedy, logprob_temperature
 
+MAX_TEMPERATURE = torch.finfo(torch.float32).max  # the per-row temperatures are float32
+MAX_TOP_K = torch.iinfo(torch.long).max  # the per-row top-k are int64 (any k >= the vocabulary keeps it all)
+
 
 class SlotSampler:
     """Per-row temperature, top-k, top-p and greedy flag; ``sample`` draws a token for rows first..first+n."""
 
     def __init__(self, slots: int, device: torch.device, seed: int = 0):
-        self.temperature = torch.ones(slots, device=device)  # 1 for greedy rows: their logprobs are at T = 1
+        self.temperature = torch.ones(slots, dtype=torch.float32, device=device)  # 1 for greedy rows: logprobs at T = 1
         self.top_k = torch.zeros(slots, dtype=torch.long, device=device)  # 0: no top-k
-        self.top_p = torch.ones(slots, device=device)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
         self.greedy = torch.zeros(slots, dtype=torch.bool, device=device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def set(self, row: int, temperature: float, top_k: int, top_p: float) -> None:
-        """A new request's parameters in ``row``: temperature 0 is greedy, top_k <= 0 keeps every token."""
+        """A new request's parameters in ``row``: temperature 0 is greedy, top_k <= 0 keeps every token.
+        A temperature above MAX_TEMPERATURE or a top_k above MAX_TOP_K does not fit its tensor: it raises."""
         self.temperature[row], self.greedy[row] = logprob_temperature(temperature), is_greedy(temperature)
         self.top_k[row], self.top_p[row] = max(top_k, 0), top_p
 

@@ -29,8 +29,10 @@ TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def hash_key(key: str) -> str:
-    """How a key is stored and looked up: keys are 256-bit random tokens, so an unsalted hash is enough."""
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    """How a key is stored and looked up: keys are 256-bit random tokens, so an unsalted hash is enough.
+    A key from a header is hashed as the bytes sent: aiohttp hands bytes that are not UTF-8 over as
+    surrogates, which ``surrogateescape`` turns back (such a key matches none, and is refused as unknown)."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def new_key(prefix: str) -> str:

@@ -67,7 +67,8 @@ def flag(body: dict, name: str) -> bool:
 async def token_required(request: web.Request, handler):
     """Every route but the health probes needs the run's token (rollout_token.py) when one is set."""
     expected = f"Bearer {request.app[TOKEN]}".encode()
-    given = request.headers.get("Authorization", "").encode()
+    # the header's bytes as sent: aiohttp hands bytes that are not UTF-8 over as surrogates
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
     if request.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected):
         return error(401, "this server needs the run's rollout token: 'Authorization: Bearer <token>' "
                           "(<run folder>/rollout_token)")
@@ -308,8 +309,9 @@ def _version(body: dict) -> int | None:
 
 
 def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None, token: str | None = None) -> web.Application:
-    """``token``: required on every route but the health probes (servers bound beyond loopback)."""
-    app = web.Application(middlewares=([token_required] if token else []) + [errors_as_json],
+    """``token``: required on every route but the health probes (servers bound beyond loopback); its
+    check runs inside the JSON error handler, as the routes do."""
+    app = web.Application(middlewares=[errors_as_json] + ([token_required] if token else []),
                           client_max_size=64 << 20)
     app[ENGINE], app[STATE] = engine, {"model_path": model_path, "tokenizer": tokenizer}
     if token:

@@ -1,5 +1,5 @@
-"""Helpers for the proxy tests: a keys file, a proxy built from the config and run in a thread on
-loopback, and plain HTTP calls that return (status, JSON body, headers)."""
+"""Helpers for the proxy tests: a keys file, an aiohttp app (a proxy built from the config) run in a
+thread on loopback, and plain HTTP calls that return (status, JSON body, headers)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,11 @@ def proxy_config(model_dir: Path, run_root: Path, backends: list[str], keys_file
 
 
 @contextlib.contextmanager
-def running_proxy(cfg):
-    """The proxy of ``cfg`` on a free loopback port, its event loop in a thread; yields
-    (base url, the Proxy object, run(coroutine) -> result on that loop)."""
+def serving(app):
+    """The aiohttp ``app`` on a free loopback port, its event loop in a thread; yields (base url,
+    run(coroutine) -> result on that loop)."""
     from aiohttp import web
 
-    from areal_hpc.proxy.app import build_app
-    from areal_hpc.proxy.serve import build_proxy
-
-    proxy = build_proxy(cfg)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -48,7 +44,7 @@ def running_proxy(cfg):
         return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
 
     async def start():
-        runner = web.AppRunner(build_app(proxy, cfg.proxy.max_request_bytes))
+        runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -56,12 +52,24 @@ def running_proxy(cfg):
 
     runner, port = run(start())
     try:
-        yield f"http://127.0.0.1:{port}", proxy, run
+        yield f"http://127.0.0.1:{port}", run
     finally:
         run(runner.cleanup())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         loop.close()
+
+
+@contextlib.contextmanager
+def running_proxy(cfg):
+    """The proxy of ``cfg`` on a free loopback port, its event loop in a thread; yields
+    (base url, the Proxy object, run(coroutine) -> result on that loop)."""
+    from areal_hpc.proxy.app import build_app
+    from areal_hpc.proxy.serve import build_proxy
+
+    proxy = build_proxy(cfg)
+    with serving(build_app(proxy, cfg.proxy.max_request_bytes)) as (base, run):
+        yield base, proxy, run
 
 
 def call(base: str, route: str, body=None, key: str | None = None, raw: bytes | None = None,

@@ -111,7 +111,8 @@ def test_a_tool_call_comes_back_as_tool_calls_and_the_next_turn_extends_it_thoug
     following = messages + [turn.reply, {"role": "tool", "content": "3"}]
     text = tok.render(following, TOOLS)
     assert not text.startswith(turn.text)  # the template writes the call its own way
-    parent, rest = session.extension(text)
+    parent, bridge, start = session.extension(text)
+    rest = bridge + text[start:]
     assert parent is turn and turn.bridge == ""  # this template closes a message with <|im_end|>: the model's own
     assert rest.startswith("<|im_start|>tool\n3") and text.endswith(tok.decode(tok.encode(rest),
                                                                                 skip_special_tokens=False))
@@ -138,13 +139,18 @@ def test_keys_file_hashes_revocation_and_refusals(tmp_path, capsys):
             TenantKeys(keys, Quota(0, 0))
 
 
-def test_quota_meter_admits_up_to_the_rate_then_says_how_long_to_wait():
+def test_quota_meter_admits_up_to_the_rate_reserves_tokens_and_says_how_long_to_wait():
     meter, quota = QuotaMeter(), Quota(requests_per_minute=3, tokens_per_minute=50)
     assert [meter.admit("t", quota) for _ in range(3)] == [0, 0, 0]
     assert 0 < meter.admit("t", quota) <= 20
     assert meter.admit("other", quota) == 0  # tenants do not share buckets
-    meter.charge("other", quota, 80)  # overdrawn by one request: the next waits for the tokens
-    assert meter.admit("other", quota) > 0
+    assert meter.reserve("other", quota, 30) == 0
+    assert 0 < meter.reserve("other", quota, 30) <= 60 * 10 / 50 + 0.1  # 20 left: never overdrawn
+    assert meter.admit("other", quota, tokens=30) > 0  # nor admitted while the bucket cannot hold its least
+    meter.refund("other", quota, 25)  # the first used 5 of its 30
+    assert meter.reserve("other", quota, 30) == 0
+    meter.refund("other", quota, 1000)
+    assert meter.reserve("other", quota, 51) > 0  # a refund never fills the bucket past its size
 
 
 def test_proxy_records_for_training_are_rewarded_of_the_proxies_writers_and_too_stale_ones_are_consumed(tmp_path):

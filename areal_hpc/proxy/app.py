@@ -1,7 +1,8 @@
 """The proxy's HTTP surface on aiohttp: OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and
 ``/v1/models`` for agents (authenticated by a session key), and ``/rl/*`` to open and end sessions and
-give rewards (a tenant key opens a session). Every error is OpenAI's JSON shape and the proxy keeps
-serving; what the routes do with sessions is in gateway.py.
+give rewards (a tenant key opens a session, counted against its requests per minute). Every error is
+OpenAI's JSON shape and the proxy keeps serving; a reply is sent inside its turn, so a client gone by
+then leaves no turn behind. What the routes do with sessions is in gateway.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import time
 from aiohttp import web
 
 from areal_hpc.proxy import openai_api as api
-from areal_hpc.proxy.chat_template import TemplateRenderError
 from areal_hpc.proxy.gateway import Proxy
 from areal_hpc.proxy.openai_api import APIError
 from areal_hpc.proxy.sessions import Session, session_returns
@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 
 
 PROXY = web.AppKey("proxy", Proxy)
+MAX_METADATA_BYTES = 4096  # a session's metadata, as JSON: it is kept in memory and in each of its records
+
+
+class ClientLeft(Exception):
+    """The client closed its connection before its reply was sent."""
 
 
 async def read_json(request: web.Request) -> dict:
@@ -47,6 +52,9 @@ async def errors_as_openai(request: web.Request, handler):
         return await handler(request)
     except APIError as exc:
         return error_response(exc)
+    except ClientLeft:
+        log.info("%s: the client left before its reply was sent; its turn is dropped", request.path)
+        return web.Response(status=499)  # nobody reads it: aiohttp drops it quietly on the closed connection
     except web.HTTPException as exc:  # aiohttp's own 404, 405, 413
         if exc.status == 413:
             return error_response(APIError(413, f"request body too large ({exc.text})", code="request_too_large"))
@@ -71,30 +79,32 @@ def session_of(proxy: Proxy, request: web.Request) -> Session:
     return session
 
 
+def params_of(proxy: Proxy, body: dict) -> dict:
+    settings = proxy.settings
+    return api.sampling_params(body, settings.default_max_tokens, settings.max_tokens_cap,
+                               proxy.tokenizer.eos_token_ids)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY]
     session = session_of(proxy, request)
     body = await read_json(request)
     check_model(proxy, body)
-    messages = api.messages_of(body)
-    stream = api.flag(body, "stream")
-    want_logprobs = api.flag(body, "logprobs")
-    try:
-        text = proxy.tokenizer.render(messages, body.get("tools"))
-    except TemplateRenderError as exc:
-        raise APIError(400, str(exc), param="messages", code="template_error") from None
-    turn = await proxy.turn(session, body, text=text, messages=messages)
-    usage = api.usage(len(turn.prompt_ids), len(turn.output_ids))
-    name = proxy.settings.model_name
-    if stream:
-        calls = turn.reply.get("tool_calls")
-        pieces = proxy.tokenizer.pieces(turn.output_ids) if not calls else [turn.reply["content"] or ""]
-        return await send_events(request, api.chat_chunks(turn.interaction_id, name, pieces, turn.finish_reason,
-                                                          usage if api.include_usage(body) else None, calls))
-    logprobs = (api.logprobs_content(proxy.tokenizer.token_texts(turn.output_ids), turn.logprobs)
-                if want_logprobs else None)
-    return web.json_response(api.chat_reply(turn.interaction_id, name, turn.reply, turn.finish_reason, usage,
-                                            logprobs))
+    messages, tools = api.chat_of(body)
+    stream, want_logprobs = api.flag(body, "stream"), api.flag(body, "logprobs")
+    async with proxy.turn(session, params_of(proxy, body), chat=(messages, tools)) as turn:
+        usage = api.usage(len(turn.prompt_ids), len(turn.output_ids))
+        name = proxy.settings.model_name
+        if stream:
+            calls = turn.reply.get("tool_calls")
+            pieces = proxy.tokenizer.pieces(turn.output_ids) if not calls else [turn.reply["content"] or ""]
+            return await send_events(request, api.chat_chunks(
+                turn.interaction_id, name, pieces, turn.finish_reason, usage if api.include_usage(body) else None,
+                calls))
+        logprobs = (api.logprobs_content(proxy.tokenizer.token_texts(turn.output_ids), turn.logprobs)
+                    if want_logprobs else None)
+        return await send(request, web.json_response(api.chat_reply(turn.interaction_id, name, turn.reply,
+                                                                    turn.finish_reason, usage, logprobs)))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -105,30 +115,42 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        turn = await proxy.turn(session, body, text=prompt)
-    elif isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
-        turn = await proxy.turn(session, body, ids=prompt)
-    else:
+    if not (isinstance(prompt, str) and prompt
+            or isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt)):
         raise api.bad("prompt", prompt, "a non-empty string or list of token ids (one prompt per request)")
-    name, text = proxy.settings.model_name, proxy.tokenizer.decode(turn.output_ids)
-    if api.flag(body, "stream"):
-        pieces = proxy.tokenizer.pieces(turn.output_ids)
-        return await send_events(request, api.completion_chunks(turn.interaction_id, name, pieces,
-                                                                turn.finish_reason))
-    want_logprobs = body.get("logprobs") is not None
-    return web.json_response(api.completion_reply(
-        turn.interaction_id, name, text, turn.finish_reason, api.usage(len(turn.prompt_ids), len(turn.output_ids)),
-        turn.logprobs if want_logprobs else None, proxy.tokenizer.token_texts(turn.output_ids)))
+    want_logprobs = api.number(body, "logprobs", None, 0, 5, integer=True) is not None
+    stream = api.flag(body, "stream")
+    api.check_common(body)
+    async with proxy.turn(session, params_of(proxy, body), prompt=prompt) as turn:
+        name = proxy.settings.model_name
+        if stream:
+            pieces = proxy.tokenizer.pieces(turn.output_ids)
+            return await send_events(request, api.completion_chunks(turn.interaction_id, name, pieces,
+                                                                    turn.finish_reason))
+        return await send(request, web.json_response(api.completion_reply(
+            turn.interaction_id, name, proxy.tokenizer.decode(turn.output_ids), turn.finish_reason,
+            api.usage(len(turn.prompt_ids), len(turn.output_ids)), turn.logprobs if want_logprobs else None,
+            proxy.tokenizer.token_texts(turn.output_ids))))
+
+
+async def send(request: web.Request, response: web.StreamResponse, events=()) -> web.StreamResponse:
+    """Send ``response`` (then ``events``) now, from inside the turn, which is kept only if this returns:
+    a client that has left raises ``ClientLeft``."""
+    try:
+        if request.transport is None or request.transport.is_closing():
+            raise ConnectionResetError("the connection is closed")
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+        await response.write_eof()
+    except ConnectionError as exc:
+        raise ClientLeft(str(exc)) from None
+    return response
 
 
 async def send_events(request: web.Request, events) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    for event in events:
-        await response.write(event)
-    await response.write_eof()
-    return response
+    return await send(request, web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"}), events)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -144,10 +166,15 @@ async def start_session(request: web.Request) -> web.Response:
     if own is not None:
         raise APIError(403, "start_session needs a tenant key, not a session key", code="tenant_key_required")
     body = await read_json(request)
-    proxy.admit_session()
     metadata = body.get("metadata", {})
     if not isinstance(metadata, dict):
-        raise api.bad("metadata", metadata, "a JSON object (stored with the session's records)")
+        raise api.bad("metadata", metadata, "a JSON object (stored with the session's records)", "invalid_type")
+    size = len(json.dumps(metadata).encode())
+    if size > MAX_METADATA_BYTES:
+        raise api.bad("metadata", metadata, f"a JSON object of at most {MAX_METADATA_BYTES} bytes as JSON, not "
+                      f"{size} (stored with each of the session's records)")
+    proxy.admit_request(tenant, proxy.keys.quota(tenant))
+    proxy.admit_session()
     key = new_key("sk")
     auth = request.headers["Authorization"].partition(" ")[2].strip()
     session = Session(tenant=tenant, tenant_key_hash=hash_key(auth), key_hash=hash_key(key), metadata=metadata)
@@ -224,10 +251,12 @@ def openai_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
 
 
 def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
-    """The login-node proxy: the routes, its backends probed, idle sessions swept, records written."""
+    """The login-node proxy: the routes, its backends probed, idle sessions swept, records written, the
+    sessions ended within the reward grace period before it started taken back for their late rewards."""
     app = openai_app(proxy, max_request_bytes)
 
     async def lifecycle(app: web.Application):
+        await proxy.restore_ended()
         await proxy.router.start()
         sweeper = asyncio.create_task(proxy.sweep())
         yield
@@ -236,6 +265,7 @@ def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
             await proxy.end(session)
         await proxy.router.close()
         await asyncio.to_thread(proxy.sink.close)
+        proxy.long_prompts.shutdown()
 
     app.cleanup_ctx.append(lifecycle)
     return app

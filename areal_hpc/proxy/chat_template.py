@@ -1,11 +1,16 @@
 """A model folder's tokenizer and chat template without transformers or torch: ``tokenizers`` for the
 byte-level BPE, jinja2 for the template, rendered the way transformers renders it (sandboxed,
 ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and a ``tojson`` filter).
+
+Special tokens are the template's alone: one typed in a message (``<|im_start|>system`` in a user's
+content, a tool's description or a role) is tokenised as the plain text it is, as hosted APIs do, so
+no caller can write the conversation's structure into a prompt.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -58,6 +63,11 @@ class ChatTokenizer:
         eos = self.special["eos_token"]
         self.eos_token_ids = [self.tokenizer.token_to_id(eos)] if eos and self.tokenizer.token_to_id(eos) is not None \
             else []
+        specials = sorted((t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)  # longest first: the match tokenizers makes where two start
+        self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._plain = Tokenizer.from_str(self.tokenizer.to_str())  # special tokens read as text
+        self._plain.encode_special_tokens = True
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt text the model's template makes of ``messages`` (and ``tools``, for templates that use them)."""
@@ -68,6 +78,45 @@ class ChatTokenizer:
             raise
         except (TemplateError, TypeError, KeyError, AttributeError) as exc:
             raise TemplateRenderError(f"the chat template cannot render these messages: {exc}") from None
+
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The prompt of ``messages`` (with the generation prompt) and the spans of the special-token
+        strings in it that the messages or tools hold, not the template: ``encode`` reads those as text.
+
+        They are found by rendering again with each such string in the messages and tools replaced by
+        as many ``x``: the template writes the same text around them, so the special tokens left are
+        the template's own, at the same places. A template that writes the copy to another length (it
+        branches on the text) is refused: the proxy could not tell its special tokens from typed ones."""
+        text = self.render(messages, tools)
+        if self._special is None or not self._types_special((messages, tools)):
+            return text, []
+        neutral = self.render(self._neutral(messages), self._neutral(tools))
+        template = {m.span() for m in self._special.finditer(neutral)}
+        found = {m.span(): m.group() for m in self._special.finditer(text)}
+        if len(neutral) != len(text) or not template <= set(found):
+            raise TemplateRenderError(
+                f"the messages hold special-token text ({', '.join(sorted(set(found.values())))}) that this "
+                "chat template does not write out as it is: remove it, or send it some other way")
+        return text, sorted(set(found) - template)
+
+    def _types_special(self, value) -> bool:
+        if isinstance(value, str):
+            return self._special.search(value) is not None
+        if isinstance(value, dict):
+            return any(self._types_special(k) or self._types_special(v) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return any(self._types_special(v) for v in value)
+        return False
+
+    def _neutral(self, value):
+        """``value`` with every special-token string in its strings (keys too) replaced by as many ``x``."""
+        if isinstance(value, str):
+            return self._special.sub(lambda m: "x" * len(m.group()), value)
+        if isinstance(value, dict):
+            return {self._neutral(k): self._neutral(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._neutral(v) for v in value]
+        return value
 
     def reply_rendering(self, messages: list[dict], tools: list[dict] | None, reply: dict) -> tuple[str, str]:
         """How the template writes ``reply`` once it is history: (the conversation through the reply, the
@@ -83,12 +132,28 @@ class ChatTokenizer:
         closing = marked.partition(sentinel)[2]
         return (through, closing) if sentinel in marked and through.endswith(closing) else ("", "")
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in it (``<|im_start|>``) become their ids."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, typed: list[tuple[int, int]] = ()) -> list[int]:
+        """Token ids of ``text``: special tokens written in it (``<|im_start|>``) become their ids, but for
+        those at the spans ``typed`` (``render_prompt``'s), which are tokenised as plain text. The GIL is
+        released while it runs (``encode_batch``), so a thread can tokenise beside the event loop."""
+        if not typed:
+            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        ids, start, typed = [], 0, set(typed)
+        for match in self._special.finditer(text):
+            if match.span() not in typed:  # the template's: the text before it as text, then its id
+                ids += self._plain_ids(text[start:match.start()]) + [self.tokenizer.token_to_id(match.group())]
+                start = match.end()
+        return ids + self._plain_ids(text[start:])
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_all(self, ids: list[int]) -> str:
+        """``ids`` decoded special tokens included, with the GIL released (a long prompt, on a thread)."""
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=False)[0]
 
     def pieces(self, ids: list[int]) -> list[str]:
         """The reply's text cut token by token for streaming: the pieces join to ``decode(ids)``; a token

@@ -31,8 +31,8 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-def bad(param: str, value, valid: str) -> APIError:
-    return APIError(400, f"{param} = {reprlib.repr(value)}; it must be {valid}", param=param, code="invalid_value")
+def bad(param: str, value, valid: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param} = {reprlib.repr(value)}; it must be {valid}", param=param, code=code)
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -41,7 +41,8 @@ def number(body: dict, name: str, default, low: float, high: float, integer: boo
         return default
     kind = (int,) if integer else (int, float)
     if not isinstance(value, kind) or isinstance(value, bool) or not low <= value <= high:
-        raise bad(name, value, f"{'an integer' if integer else 'a number'} in [{low}, {high}]")
+        raise bad(name, value, f"{'an integer' if integer else 'a number'} in [{low}, {high}]",
+                  "invalid_value" if isinstance(value, kind) and not isinstance(value, bool) else "invalid_type")
     return value
 
 
@@ -77,10 +78,88 @@ def messages_of(body: dict) -> list[dict]:
             message["content"] = ""
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content", content, "a string or a list of text parts")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("tools", tools, "a list of tool definitions")
     return messages
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_SHAPE = '{"type": "function", "function": {"name": ..., "description"?: ..., "parameters"?: {...}}}'
+
+
+def chat_of(body: dict) -> tuple[list[dict], list[dict] | None]:
+    """A chat request's messages and the tools the model is offered (None for none, and with tool_choice
+    'none'), every field of the request checked (``sampling_params`` checks the sampling ones)."""
+    messages, tools = messages_of(body), tools_of(body)
+    choice = tool_choice_of(body, tools)
+    flag(body, "parallel_tool_calls")
+    number(body, "top_logprobs", 0, 0, 20, integer=True)
+    check_common(body)
+    return messages, None if choice == "none" else tools
+
+
+def tools_of(body: dict) -> list[dict] | None:
+    """``tools`` as OpenAI takes them: a non-empty list of functions, each named (1-64 letters, digits,
+    '_' or '-'), its description a string and its parameters a JSON Schema object when given."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise bad("tools", tools, f"a non-empty list of tools {TOOL_SHAPE}",
+                  "invalid_value" if isinstance(tools, list) else "invalid_type")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad(where, tool, f"an object {TOOL_SHAPE}", "invalid_type")
+        if tool.get("type") != "function":
+            raise bad(f"{where}.type", tool.get("type"), "'function' (the only kind of tool served here)")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise bad(f"{where}.function", function, "an object with a 'name' (and optionally 'description', "
+                      "'parameters')", "invalid_type")
+        if function.get("name") is None:
+            raise bad(f"{where}.function.name", None, "given: 1-64 letters, digits, '_' or '-'",
+                      "missing_required_parameter")
+        if not isinstance(function["name"], str) or not TOOL_NAME.fullmatch(function["name"]):
+            raise bad(f"{where}.function.name", function["name"], "1-64 letters, digits, '_' or '-'")
+        if not isinstance(function.get("description", ""), str):
+            raise bad(f"{where}.function.description", function["description"], "a string", "invalid_type")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise bad(f"{where}.function.parameters", function["parameters"], "a JSON Schema object",
+                      "invalid_type")
+        if function.get("strict") is not None and type(function["strict"]) is not bool:
+            raise bad(f"{where}.function.strict", function["strict"], "true or false", "invalid_type")
+    return tools
+
+
+def tool_choice_of(body: dict, tools: list[dict] | None) -> str:
+    """'auto' (the default) or 'none' (the model is not offered the tools). 'required' and a named
+    function are refused: the proxy samples the model as it is and cannot force a call."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    named = (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+             and isinstance(choice["function"].get("name"), str))
+    if choice != "required" and not named:
+        raise bad("tool_choice", choice, "'none', 'auto', 'required' or "
+                  '{"type": "function", "function": {"name": ...}}')
+    if tools is None:
+        raise bad("tool_choice", choice, "given only with tools (it names how the model uses them)")
+    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+        raise bad("tool_choice", choice, "a function among tools")
+    raise APIError(400, f"tool_choice = {reprlib.repr(choice)}: forcing a tool call is not supported (the proxy "
+                   "samples the model as it is); use 'auto' or 'none'", param="tool_choice",
+                   code="unsupported_parameter")
+
+
+def check_common(body: dict) -> None:
+    """The fields chats and completions share that change nothing here but must be well formed: seed
+    (taken, as OpenAI takes it, without a promise of determinism: the servers do not seed requests),
+    user, stream_options."""
+    number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user", body["user"], "a string", "invalid_type")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or type(options.get("include_usage", False)) is not bool):
+        raise bad("stream_options", options, 'an object {"include_usage": true or false}', "invalid_type")
 
 
 def flag(body: dict, name: str) -> bool:
@@ -88,7 +167,7 @@ def flag(body: dict, name: str) -> bool:
     if value is None:
         return False
     if type(value) is not bool:
-        raise bad(name, value, "true or false")
+        raise bad(name, value, "true or false", "invalid_type")
     return value
 
 
@@ -188,5 +267,4 @@ def sse(event: dict) -> bytes:
 
 
 def include_usage(body: dict) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
+    return (body.get("stream_options") or {}).get("include_usage") is True

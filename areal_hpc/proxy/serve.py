@@ -1,5 +1,6 @@
 """``areal-hpc proxy --config FILE``: build the proxy from the config's ``proxy:`` section and serve it
-until SIGINT/SIGTERM (open sessions are then ended and written, the live shard finalised).
+until SIGINT/SIGTERM (open sessions are then ended and written, the live shard finalised; ended
+sessions stay in ``<shards dir>/ended-sessions/`` for late rewards to a restarted proxy).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from aiohttp import web
 from areal_hpc.errors import UserError
 from areal_hpc.proxy.app import build_app
 from areal_hpc.proxy.chat_template import ChatTokenizer
+from areal_hpc.proxy.ended import EndedSessions
 from areal_hpc.proxy.gateway import Proxy, ProxySettings
 from areal_hpc.proxy.records import RecordSink
 from areal_hpc.proxy.router import BackendRouter
@@ -41,7 +43,8 @@ def build_proxy(cfg) -> Proxy:
     router = BackendRouter(backends, names, read_token(p.rollout_token_file, cfg.run_dir), p.request_timeout_s)
     sink = RecordSink(p.shards_dir or cfg.run_dir / "shards", experiment=cfg.experiment.name,
                       trial=cfg.experiment.trial)
-    return Proxy(settings, ChatTokenizer(folder), keys, router, sink)
+    return Proxy(settings, ChatTokenizer(folder), keys, router, sink,
+                 ended_sessions=EndedSessions(sink.writer.directory / "ended-sessions"))
 
 
 def read_token(path: str, run_dir: Path) -> str | None:

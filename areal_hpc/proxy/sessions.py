@@ -73,14 +73,15 @@ class Session:
     trajectory_ids: dict[str, str] = field(default_factory=dict)  # leaf interaction id -> record id, once written
     backend: str | None = None  # the server that holds this session's prefix cache
 
-    def extension(self, text: str) -> tuple[Turn, str] | None:
-        """(the turn ``text`` extends, the text after that turn's ids), longest match first (the newest
-        on a tie); None when it extends none."""
-        links = [(len(key), t, bridge + text[len(key):]) for t in reversed(self.turns)
+    def extension(self, text: str) -> tuple[Turn, str, int] | None:
+        """(the turn ``text`` extends, the bridge, where in ``text`` the rest starts): the text after that
+        turn's ids is the bridge then ``text[start:]``; longest match first (the newest on a tie); None
+        when it extends none."""
+        links = [(len(key), t, bridge) for t in reversed(self.turns)
                  for key, bridge in ((t.text, ""), (t.rendered, t.bridge))
                  if key and len(text) > len(key) and text.startswith(key)]
         best = max(links, key=lambda link: link[0], default=None)
-        return None if best is None else (best[1], best[2])
+        return None if best is None else (best[1], best[2], best[0])
 
     def parent_by_ids(self, ids: list[int]) -> Turn | None:
         """The turn whose prompt and output ``ids`` extends, longest first (the newest on a tie)."""

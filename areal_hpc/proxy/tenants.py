@@ -135,8 +135,9 @@ def add_key(path: str | Path, tenant: str) -> str:
 
 
 class QuotaMeter:
-    """Per-tenant token buckets: requests per minute, and prompt + completion tokens per minute (charged
-    after a request, so one request may overdraw; the next waits until the bucket is positive again)."""
+    """Per-tenant token buckets: requests per minute, and prompt + completion tokens per minute. A request
+    reserves its prompt and its ``max_tokens`` before it runs and gives back what it did not use after, so
+    concurrent requests together never spend more than the bucket holds."""
 
     def __init__(self):
         self._buckets: dict[tuple[str, str], list[float]] = {}  # (tenant, kind) -> [level, last refill time]
@@ -148,13 +149,15 @@ class QuotaMeter:
         bucket[1] = t
         return bucket
 
-    def admit(self, tenant: str, quota: Quota) -> float:
-        """0 when a request may start now (and count it), else the seconds until one may."""
+    def admit(self, tenant: str, quota: Quota, tokens: int = 0) -> float:
+        """Count a request: 0 when it may start now (one request taken), else the seconds until it may.
+        ``tokens``: what it will reserve at least, which the token bucket must hold already (nothing is
+        taken from it here: the request reserves once its prompt is tokenised)."""
         waits = []
         if quota.tokens_per_minute:
-            tokens = self._level(tenant, "tokens", quota.tokens_per_minute)
-            if tokens[0] <= 0:
-                waits.append((1 - tokens[0]) * 60.0 / quota.tokens_per_minute)
+            level = self._level(tenant, "tokens", quota.tokens_per_minute)[0]
+            if level < tokens:
+                waits.append((tokens - level) * 60.0 / quota.tokens_per_minute)
         if quota.requests_per_minute:
             requests = self._level(tenant, "requests", quota.requests_per_minute)
             if requests[0] < 1:
@@ -165,9 +168,21 @@ class QuotaMeter:
             requests[0] -= 1
         return 0.0
 
-    def charge(self, tenant: str, quota: Quota, tokens: int) -> None:
-        if quota.tokens_per_minute:
-            self._level(tenant, "tokens", quota.tokens_per_minute)[0] -= tokens
+    def reserve(self, tenant: str, quota: Quota, tokens: int) -> float:
+        """Take ``tokens`` from the token bucket: 0 when taken, else the seconds until the bucket holds them."""
+        if not quota.tokens_per_minute:
+            return 0.0
+        bucket = self._level(tenant, "tokens", quota.tokens_per_minute)
+        if bucket[0] < tokens:
+            return (tokens - bucket[0]) * 60.0 / quota.tokens_per_minute
+        bucket[0] -= tokens
+        return 0.0
+
+    def refund(self, tenant: str, quota: Quota, tokens: int) -> None:
+        """Give back the part of a reservation a request did not use."""
+        if quota.tokens_per_minute and tokens > 0:
+            bucket = self._level(tenant, "tokens", quota.tokens_per_minute)
+            bucket[0] = min(quota.tokens_per_minute, bucket[0] + tokens)
 
 
 def retry_after(seconds: float) -> str:

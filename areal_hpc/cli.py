@@ -166,13 +166,33 @@ def _exit_1_on_damage(handler):
 def _shard_path_argument(parser) -> None:
     parser.add_argument("path", metavar="PATH",
                         help="a shard file (.h5) or a folder of shards, e.g. <fileroot>/<experiment>/<trial>/shards")
+    parser.add_argument("--metadata-wait", type=_seconds, metavar="S",
+                        help="how long a live shard's metadata may fail its checksum (its writer may be rewriting "
+                             "it) before it counts as damage (default: 1 s)")
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds >= 0")
+    return seconds
+
+
+def _metadata_wait(args) -> float:
+    """``--metadata-wait``, else the readers' default (imported only now, so building the parser stays light)."""
+    from areal_hpc.data.shards.format import METADATA_WAIT
+
+    return METADATA_WAIT if args.metadata_wait is None else args.metadata_wait
 
 
 @_exit_1_on_damage
 def _shards_inspect(args) -> int:
     from areal_hpc.data.shards.report import inspect, open_store, problems_line
 
-    with open_store(args.path) as store:
+    with open_store(args.path, _metadata_wait(args)) as store:
         if store.shards:
             print(inspect(store))
         if store.problems():
@@ -185,7 +205,7 @@ def _shards_inspect(args) -> int:
 def _shards_verify(args) -> int:
     from areal_hpc.data.shards.report import verify
 
-    damage, notes, records = verify(Path(args.path))
+    damage, notes, records = verify(Path(args.path), _metadata_wait(args))
     for line in notes:
         print(f"note: {line}")
     for line in damage:
@@ -212,7 +232,7 @@ def _shards_export(args) -> int:
 
     where = TrajectoryFilter(tenant=args.tenant, min_version=args.min_version, max_version=args.max_version,
                              eligible_only=args.eligible_only)
-    with open_store(args.path) as store:
+    with open_store(args.path, _metadata_wait(args)) as store:
         if store.problems():  # an export that silently left records out would look complete
             raise ShardDamageError(problems_line(store))
         if args.output is None:

@@ -28,9 +28,9 @@ def opened(monkeypatch) -> list:
     """Every shard file the store code opens, in order."""
     paths, real = [], reader_module.open_shard
 
-    def open_shard(path):
+    def open_shard(path, *args):
         paths.append(path.name)
-        return real(path)
+        return real(path, *args)
 
     monkeypatch.setattr(reader_module, "open_shard", open_shard)
     return paths

@@ -21,7 +21,10 @@ committed counts and fsyncs again. Raw data bypasses HDF5's buffers, so each ste
 before the next begins (a killed process), and the fsyncs put it on disk in that order (a crashed
 node): a reader trusts only committed rows, and intended > committed marks a torn tail.
 Every index and reward row ends with the CRC32 of its other bytes (``seal``), so damage to a filter
-column or a reward is caught in live shards too, which no manifest covers yet.
+column or a reward is caught in live shards too, which no manifest covers yet. HDF5 checksums its own
+metadata; text attributes are stored fixed-length (``fixed_text``) so that they are part of it. A reader
+of a live shard re-reads metadata failing its checksum for a bounded time (``read_attempts``), then
+calls it damage, and checks that the file still holds every committed byte (``reader.py``).
 Flat arrays plus offsets rather than variable-length datasets: SWMR readers of vlen data fail
 intermittently with HDF5 2.0 (ENVIRONMENT.md). No compression filter: with a flush per trajectory
 every partial chunk is re-compressed and re-allocated at each flush (measured with lzf: files 5x the
@@ -30,9 +33,14 @@ raw size, 0.03x raw write speed); the versions, the one column that compresses w
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import json
+import math
 import os
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +56,7 @@ FORMAT = "areal-hpc/trajectory-shard"
 SCHEMA_VERSION = 2  # 2: index and reward rows carry their own CRC32
 LIVE_SUFFIX = ".live.h5"  # a shard its writer still appends to (or a writer that died)
 FINAL_SUFFIX = ".h5"
+METADATA_WAIT = 1.0  # seconds a live shard's reader re-reads metadata failing its checksum before calling it damage
 
 TOKEN_DTYPE = np.dtype([("id", "<i4"), ("logprob", "<f4"), ("loss_mask", "u1")])
 INDEX_DTYPE = np.dtype([
@@ -106,14 +115,14 @@ def create_shard(path: Path, experiment: str, trial: str, writer: str, durable: 
     """
     staging = path.with_name(f".{path.name}.tmp")
     f = h5py.File(h5py.h5f.create(str(staging).encode(), h5py.h5f.ACC_TRUNC, fapl=_unbuffered_access()))
-    f.attrs.update(format=FORMAT, schema_version=SCHEMA_VERSION, experiment=experiment, trial=trial,
-                   writer=writer)
+    f.attrs.update(format=fixed_text(FORMAT), schema_version=SCHEMA_VERSION, experiment=fixed_text(experiment),
+                   trial=fixed_text(trial), writer=fixed_text(writer))
     for name, column in COLUMNS.items():
         scale = column.dtype.itemsize if column.as_bytes else 1
         dataset = f.create_dataset(name, shape=(0,), maxshape=(None,), chunks=(column.chunk * scale,),
                                    dtype="u1" if column.as_bytes else column.dtype)
         if column.as_bytes:
-            dataset.attrs["row_dtype"] = json.dumps(column.dtype.descr)
+            dataset.attrs["row_dtype"] = fixed_text(json.dumps(column.dtype.descr))
     f.create_dataset("state", data=np.zeros(2 * len(COUNTED), dtype="<i8"))
     f.swmr_mode = True
     if durable:
@@ -131,6 +140,19 @@ def create_shard(path: Path, experiment: str, trial: str, writer: str, durable: 
     return f
 
 
+def fixed_text(value: str) -> np.ndarray:
+    """A text attribute stored fixed-length, inside its object header, which HDF5 checksums. Python
+    strings become variable-length ones, kept in HDF5's global heap: no checksum, and HDF5 2.0 loops
+    forever on some damaged heaps (shards written before 2026-11-26 hold theirs there)."""
+    encoded = value.encode()
+    return np.array(encoded, dtype=h5py.string_dtype("utf-8", max(1, len(encoded))))
+
+
+def attribute_text(value: bytes | str) -> str:
+    """A text attribute as written by ``fixed_text`` (read as bytes) or as a variable-length string."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def _unbuffered_access() -> h5py.h5p.PropFAID:
     """Raw data goes straight to the OS: no chunk cache (it would rewrite whole chunks at every
     flush) and no sieve buffer (so the ``state`` counts are in the file the moment they are written).
@@ -143,38 +165,92 @@ def _unbuffered_access() -> h5py.h5p.PropFAID:
     return fapl
 
 
-def open_shard(path: Path) -> h5py.File:
+def open_shard(path: Path, metadata_wait: float = METADATA_WAIT) -> h5py.File:
     """Open a shard read-only, or say clearly why not.
 
     Live shards (and those a dead writer left) open in SWMR mode so they can be tailed. Finalised
     ones open normally: HDF5 then checks the file end, which SWMR skips, so a truncated copy is
-    refused at once instead of reading as zeros (or retrying metadata reads for minutes).
+    refused at once instead of reading as zeros. A SWMR reader re-reads metadata failing its
+    checksum (the writer may be rewriting it); ``metadata_wait`` bounds how long (see ``read_attempts``).
     """
     if not path.exists():
         raise UserError(f"no such file or directory: {path}")
     if not h5py.is_hdf5(path):
+        if path.name.endswith(LIVE_SUFFIX):  # only a writer names a file so, once it is a complete shard
+            raise ShardDamageError(f"{path}: HDF5 cannot open it (no HDF5 signature: truncated or damaged)")
         raise UserError(f"{path} is not an HDF5 file")
-    try:
+    access = _read_access(metadata_wait)
+    with hdf5_damage(path, "open"):  # truncated or damaged beyond HDF5's own structure, or gone meanwhile
         try:
-            f = h5py.File(path, "r", swmr=path.name.endswith(LIVE_SUFFIX), locking="best-effort")
+            f = _open_read_only(path, access, swmr=path.name.endswith(LIVE_SUFFIX))
         except OSError as exc:
             if "already open for write" not in str(exc):
                 raise
-            f = h5py.File(path, "r", swmr=True, locking="best-effort")  # a live shard renamed by hand
-    except OSError as exc:  # truncated or damaged beyond HDF5's own structure, or gone meanwhile
-        raise ShardDamageError(f"{path}: HDF5 cannot open it ({str(exc).splitlines()[0]})") from exc
-    if f.attrs.get("format") != FORMAT:
-        f.close()
+            f = _open_read_only(path, access, swmr=True)  # a live shard renamed by hand
+        try:
+            _check_schema(path, f)
+        except BaseException:
+            f.close()
+            raise
+    return f
+
+
+@contextlib.contextmanager
+def hdf5_damage(path: Path, action: str = "read") -> Iterator[None]:
+    """h5py's errors on a shard's own structure (damaged metadata, missing bytes) as one ShardDamageError.
+
+    h5py raises OSError, KeyError, RuntimeError or ValueError depending on where HDF5 failed: keep
+    the block to HDF5 calls, so that no error of the caller's own is called damage."""
+    try:
+        yield
+    except (OSError, KeyError, RuntimeError, ValueError) as exc:
+        reason = str(exc.args[0]) if exc.args else type(exc).__name__
+        raise ShardDamageError(f"{path}: HDF5 cannot {action} it ({reason.splitlines()[0]})") from exc
+
+
+def read_attempts(metadata_wait: float) -> int:
+    """How many times a SWMR reader reads a metadata block failing its checksum: HDF5 sleeps 1, 2, 4...
+    ns after each try, so n tries wait 2**n - 1 ns in all (less than twice ``metadata_wait`` seconds).
+    HDF5's default of 100 tries would wait 2**100 ns: a damaged byte in a live shard hung every reader."""
+    if metadata_wait < 0:
+        raise ValueError(f"metadata_wait must be >= 0 seconds, got {metadata_wait}")
+    return max(1, math.ceil(math.log2(metadata_wait * 1e9 + 1)))
+
+
+def _read_access(metadata_wait: float) -> h5py.h5p.PropFAID:
+    """File access for readers; the read attempts apply to SWMR opens only (HDF5 makes it 1 otherwise)."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_file_locking(True, True)  # lock where the filesystem can, carry on where it cannot
+    if _set_metadata_read_attempts()(fapl.id, read_attempts(metadata_wait)) < 0:
+        raise RuntimeError("HDF5 refused H5Pset_metadata_read_attempts")
+    return fapl
+
+
+def _open_read_only(path: Path, access: h5py.h5p.PropFAID, swmr: bool) -> h5py.File:
+    flags = h5py.h5f.ACC_RDONLY | (h5py.h5f.ACC_SWMR_READ if swmr else 0)
+    return h5py.File(h5py.h5f.open(str(path).encode(), flags, fapl=access))
+
+
+@functools.cache
+def _set_metadata_read_attempts():
+    """HDF5's ``H5Pset_metadata_read_attempts``, which h5py does not wrap. Looked up through one of h5py's
+    own extension modules, so the symbol comes from the HDF5 library h5py loaded (one with its own
+    identifier space: another copy of HDF5 would not know the property list)."""
+    function = ctypes.CDLL(h5py.h5p.__file__).H5Pset_metadata_read_attempts
+    function.argtypes, function.restype = [ctypes.c_int64, ctypes.c_uint], ctypes.c_int  # hid_t is 64-bit
+    return function
+
+
+def _check_schema(path: Path, f: h5py.File) -> None:
+    if attribute_text(f.attrs.get("format", "")) != FORMAT:
         raise UserError(f"{path} is an HDF5 file but not an areal-hpc trajectory shard")
     version = int(f.attrs["schema_version"])
     if version != SCHEMA_VERSION:
-        f.close()
         remedy = ("upgrade areal-hpc to read it" if version > SCHEMA_VERSION else
                   "its index and reward rows carry no checksum; export it with an areal-hpc from before schema 2, "
                   "e.g. git commit ffe43b9")
         raise UserError(f"{path} uses trajectory schema version {version}; this areal-hpc reads version "
                         f"{SCHEMA_VERSION} ({remedy})")
-    return f
 
 
 def encode(traj: Trajectory) -> tuple[dict[str, list[np.ndarray]], np.ndarray, np.ndarray]:

@@ -1,8 +1,9 @@
 """Read trajectory shards: one file or a whole store directory, finalised, live or left by a dead writer.
 
 Only committed records are ever returned (see ``format.py``); each is checked against its CRC32.
-Files are opened in SWMR mode, so a reader can tail shards that another process is still writing:
-call ``refresh()`` to see what has been committed since.
+Live files are opened in SWMR mode, so a reader can tail shards that another process is still writing:
+call ``refresh()`` to see what has been committed since. Damage HDF5 trips over (metadata failing its
+checksum, a live shard cut short) is a ShardDamageError within about ``metadata_wait`` seconds.
 
     with TrajectoryStore(run_dir / "shards") as store:
         for traj in store.trajectories(TrajectoryFilter(tenant="team-a", eligible_only=True)):
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
+import os
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,9 +24,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX, REWARD_DTYPE,
-                                          TOKEN_DTYPE, ShardDamageError, decode, intact, open_shard,
-                                          record_checksum, reward_from_row, shard_stem, text)
+from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX, METADATA_WAIT,
+                                          REWARD_DTYPE, TOKEN_DTYPE, ShardDamageError, attribute_text, decode,
+                                          hdf5_damage, intact, open_shard, record_checksum, reward_from_row,
+                                          shard_stem, text)
 from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.errors import UserError
 
@@ -64,15 +67,19 @@ class RecordDamageError(ShardDamageError):
 class ShardFile:
     """One shard: its committed index and reward rows (read incrementally, each checked against its
     row CRC32) and checked record reads. A finalised shard is read once and its file closed (HDF5
-    keeps ~0.5 MB per open file): record reads reopen it."""
+    keeps ~0.5 MB per open file): record reads reopen it. ``metadata_wait``: see ``open_shard``."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, metadata_wait: float = METADATA_WAIT):
         self.path, self.stem = path, shard_stem(path)
         self.writer = self.stem.rpartition("-")[0]  # shards are named <writer>-<sequence>
-        self._file: h5py.File | None = open_shard(path)
+        self.metadata_wait = metadata_wait
+        self._file: h5py.File | None = open_shard(path, metadata_wait)
         try:
-            self.experiment = str(self._file.attrs["experiment"])
-            self.trial = str(self._file.attrs["trial"])
+            with hdf5_damage(path):
+                self.experiment = attribute_text(self._file.attrs["experiment"])
+                self.trial = attribute_text(self._file.attrs["trial"])
+            self._checked_bytes = dict.fromkeys(COLUMNS, 0)  # committed bytes known to lie within the file
+            self._chunk_offsets: dict[str, tuple[int, list[int | None]]] = {}  # see _chunks_up_to
             self.index = np.empty(0, dtype=INDEX_DTYPE)
             self.rewards = np.empty(0, dtype=REWARD_DTYPE)
             self.index_intact = self.rewards_intact = np.empty(0, dtype=bool)  # rows matching their row CRC32
@@ -116,11 +123,15 @@ class ShardFile:
         """Pick up newly committed rows; returns the intact reward rows that arrived since the last call."""
         if self._file is None:
             return self.rewards[:0]
-        state_ds = self._file["state"]
-        state_ds.refresh()
-        state = state_ds[:].tolist()
+        with hdf5_damage(self.path):
+            state_ds = self._file["state"]
+            state_ds.refresh()
+            state = state_ds[:].tolist()
+            counts_end = state_ds.id.get_offset() + state_ds.id.get_storage_size()
         self.committed = dict(zip(COUNTED, state[:len(COUNTED)]))
         self.intended = dict(zip(COUNTED, state[len(COUNTED):]))
+        if self.live:
+            self._check_within_file(counts_end)
         before = len(self.rewards)
         self.index, self.index_intact = self._extend(self.index, self.index_intact, "index")
         self.rewards, self.rewards_intact = self._extend(self.rewards, self.rewards_intact, "rewards")
@@ -205,8 +216,45 @@ class ShardFile:
         if self._file is not None:
             yield self._file
         else:
-            with open_shard(self.path) as f:
+            with open_shard(self.path, self.metadata_wait) as f:
                 yield f
+
+    def _check_within_file(self, counts_end: int) -> None:
+        """ShardDamageError unless the commit counts and every committed byte lie within the file.
+
+        HDF5 checks the file end when it opens a finalised shard; a SWMR reader skips that check and
+        reads zeros past the end, so a live shard cut short read as holding nothing, or as records
+        failing their checksums only once read. A commit writes its data before its counts, so in an
+        intact file the data is there whenever the counts are. Each chunk's place in the file is
+        looked up once (an unfiltered chunk never moves): tailing a live shard stays cheap."""
+        size = os.fstat(self._file.id.get_vfd_handle()).st_size
+        if counts_end > size:
+            raise ShardDamageError(f"{self.path}: truncated: the commit counts lie past the end of the file "
+                                   f"({size:,} bytes)")
+        for name, column in COLUMNS.items():
+            committed = self.committed[column.counter]
+            checked, end = self._checked_bytes[name], committed * column.dtype.itemsize
+            if end <= checked:
+                continue
+            width, offsets = self._chunks_up_to(name, committed, end)
+            for chunk in range(checked // width, -(-end // width)):
+                if offsets[chunk] is None or offsets[chunk] + min(width, end - chunk * width) > size:
+                    raise ShardDamageError(f"{self.path}: truncated: committed {name} data lies past the end of "
+                                           f"the file ({size:,} bytes)")
+            self._checked_bytes[name] = end
+
+    def _chunks_up_to(self, name: str, committed: int, end: int) -> tuple[int, list[int | None]]:
+        """Column ``name``'s chunk width and the file offset of each of its chunks holding bytes before
+        ``end`` (None: no chunk stored), from the lookups of earlier calls and new ones as needed."""
+        width, offsets = self._chunk_offsets.get(name, (0, []))
+        if len(offsets) * width < end:
+            with hdf5_damage(self.path):
+                dataset = self._column(self._file, name, committed)
+                width = dataset.chunks[0]  # every column is stored as bytes (u1)
+                offsets += [dataset.id.get_chunk_info_by_coord((start,)).byte_offset
+                            for start in range(len(offsets) * width, end, width)]
+            self._chunk_offsets[name] = (width, offsets)
+        return width, offsets
 
     def _extend(self, have: np.ndarray, have_intact: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``have`` with the rows committed since, and which of all of them match their row CRC32."""
@@ -218,14 +266,21 @@ class ShardFile:
 
     def _slice(self, f: h5py.File, name: str, start: int, end: int) -> np.ndarray:
         """Entries [start, end) of a column (record rows are stored as bytes: viewed back as records)."""
+        column = COLUMNS[name]
+        scale = column.dtype.itemsize if column.as_bytes else 1
+        with hdf5_damage(self.path):
+            values = self._column(f, name, end)[int(start) * scale:int(end) * scale]
+        return values.view(column.dtype) if column.as_bytes else values
+
+    def _column(self, f: h5py.File, name: str, end: int) -> h5py.Dataset:
+        """Column ``name``, refreshed, once it is known to hold ``end`` entries."""
         column, dataset = COLUMNS[name], f[name]
         scale = column.dtype.itemsize if column.as_bytes else 1
         dataset.refresh()
         if end * scale > dataset.shape[0]:
             raise ShardDamageError(f"{self.path}: committed {name} entries end at {end} but the dataset "
                                    f"holds {dataset.shape[0] // scale} (truncated file?)")
-        values = dataset[int(start) * scale:int(end) * scale]
-        return values.view(column.dtype) if column.as_bytes else values
+        return dataset
 
 
 class TrajectoryStore:
@@ -235,10 +290,12 @@ class TrajectoryStore:
     every reward look-up (and so every record read) raises ShardDamageError rather than guess.
     """
 
-    def __init__(self, path: str | Path, skip_unreadable: bool = False):
-        """``skip_unreadable``: list shards HDF5 cannot open in ``unreadable`` instead of raising."""
+    def __init__(self, path: str | Path, skip_unreadable: bool = False, metadata_wait: float = METADATA_WAIT):
+        """``skip_unreadable``: list shards HDF5 cannot open in ``unreadable`` instead of raising.
+        ``metadata_wait``: how long a live shard's metadata may fail its checksum before it is damage
+        (HDF5 retries, as a writer may be rewriting it; see ``format.read_attempts``)."""
         self.path = Path(path)
-        self.skip_unreadable = skip_unreadable
+        self.skip_unreadable, self.metadata_wait = skip_unreadable, metadata_wait
         self.unreadable: dict[Path, str] = {}
         self.shards: dict[str, ShardFile] = {}
         self._rewards: dict[str, list[Reward]] = defaultdict(list)
@@ -325,7 +382,7 @@ class TrajectoryStore:
     def _open(self, path: Path) -> ShardFile | None:
         """``open_listed``, but with ``skip_unreadable`` a shard HDF5 cannot open is listed, not raised."""
         try:
-            return open_listed(path)
+            return open_listed(path, self.metadata_wait)
         except ShardDamageError as exc:
             if not self.skip_unreadable:
                 raise
@@ -333,16 +390,16 @@ class TrajectoryStore:
         return None
 
 
-def open_listed(path: Path) -> ShardFile | None:
+def open_listed(path: Path, metadata_wait: float = METADATA_WAIT) -> ShardFile | None:
     """Open a shard found by a directory listing: the finalised file if its writer renamed it since,
     None if it is gone."""
     try:
-        return ShardFile(path)
+        return ShardFile(path, metadata_wait)
     except UserError:
         if path.exists():
             raise
     final = path.with_name(shard_stem(path) + FINAL_SUFFIX)
-    return open_listed(final) if final != path and final.exists() else None
+    return open_listed(final, metadata_wait) if final != path and final.exists() else None
 
 
 def shard_paths(path: Path) -> list[Path]:

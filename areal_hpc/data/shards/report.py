@@ -16,7 +16,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from areal_hpc.data.shards.format import COUNTED, INDEX_DTYPE, ShardDamageError, text
+from areal_hpc.data.shards.format import COUNTED, INDEX_DTYPE, METADATA_WAIT, ShardDamageError, text
 from areal_hpc.data.shards.reader import ShardFile, TrajectoryFilter, TrajectoryStore, open_listed, shard_paths
 from areal_hpc.data.trajectory import Trajectory, total_reward
 from areal_hpc.errors import UserError
@@ -25,9 +25,9 @@ BAR_WIDTH = 30
 MANIFEST_KEYS = ("name", "trajectories", "tokens", "rewards", "bytes", "index_crc32", "rewards_crc32")
 
 
-def open_store(path: str | Path) -> TrajectoryStore:
+def open_store(path: str | Path, metadata_wait: float = METADATA_WAIT) -> TrajectoryStore:
     """The store the CLI reports on: a shard HDF5 cannot open is listed (``problems()``), not fatal."""
-    store = TrajectoryStore(path, skip_unreadable=True)
+    store = TrajectoryStore(path, skip_unreadable=True, metadata_wait=metadata_wait)
     if not store.shards and not store.unreadable:
         store.close()
         raise UserError(f"{path} holds no trajectory shards (*.h5)")
@@ -85,10 +85,11 @@ def inspect(store: TrajectoryStore) -> str:
     return "\n".join(lines)
 
 
-def verify(path: Path) -> tuple[list[str], list[str], int]:
-    """Check every shard under ``path``, one at a time: that HDF5 can open it, every index and reward
-    row and every record against its CRC32, the commit counts, finalised shards against their
-    manifest. Returns (damage, notes, committed records checked)."""
+def verify(path: Path, metadata_wait: float = METADATA_WAIT) -> tuple[list[str], list[str], int]:
+    """Check every shard under ``path``, one at a time: that HDF5 can open and read it, that a live
+    one holds every byte it committed, every index and reward row and every record against its CRC32,
+    the commit counts, finalised shards against their manifest. Returns (damage, notes, committed
+    records checked)."""
     paths = shard_paths(path)
     if not paths:
         raise UserError(f"{path} holds no trajectory shards (*.h5)")
@@ -108,18 +109,19 @@ def verify(path: Path) -> tuple[list[str], list[str], int]:
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         bar = progress.add_task("verify", total=len(paths), records=0)
         for shard_path in paths:
+            name = shard_path.name
             try:
-                shard = open_listed(shard_path)
-            except ShardDamageError as exc:
+                shard = open_listed(shard_path, metadata_wait)
+                if shard is not None:
+                    with shard:
+                        name = shard.path.name  # the finalised name, if its writer renamed it meanwhile
+                        records += len(shard.index)
+                        damage += _shard_damage(shard, listed.get(name))
+                        notes += _shard_notes(shard, listed_somewhere=name in listed or path.is_file())
+                    seen.add(name)
+            except ShardDamageError as exc:  # unopenable, or HDF5 failed part-way (damaged metadata)
                 damage.append(str(exc))
-                seen.add(shard_path.name)
-                shard = None
-            if shard is not None:
-                with shard:
-                    seen.add(shard.path.name)
-                    records += len(shard.index)
-                    damage += _shard_damage(shard, listed.get(shard.path.name))
-                    notes += _shard_notes(shard, listed_somewhere=shard.path.name in listed or path.is_file())
+                seen.add(name)
             progress.update(bar, advance=1, records=records)
     damage += [f"{name}: listed in {manifest} but missing" for name, (manifest, _) in listed.items()
                if name not in seen]

@@ -132,7 +132,7 @@ def _eval(args) -> int:
     with reward_pool(cfg, task) as rewards:
         result = evaluate_model(model, tokenizer, task.eval[: args.limit], rewards, Sampling.from_config(cfg.gconfig),
                                 workflow, args.model, n_samples=args.samples, greedy=args.samples == 1,
-                                discount=cfg.rollout.turn_discount)
+                                discount=cfg.rollout.turn_discount, seed=cfg.experiment.seed)
     if out is not None:
         out.write_text("".join(json.dumps(row) + "\n" for row in result.episodes))
     passes = {f"pass@{k}": v for k, v in result.pass_at.items()}

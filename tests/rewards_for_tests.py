@@ -1,4 +1,4 @@
-"""Reward functions that misbehave on purpose; module-level so reward worker processes can import them.
+"""Reward functions for tests (most misbehave on purpose); module-level so reward worker processes can import them.
 Each has the reward signature: (prompt, completion, prompt_ids, completion_ids, **fields)."""
 
 import os
@@ -39,3 +39,9 @@ def exact_answer(prompt, completion, prompt_ids, completion_ids, answer, **field
 
 def raises_always(prompt, completion, prompt_ids, completion_ids, **fields):
     raise ValueError(f"reward code cannot parse {completion[:10]!r}")
+
+
+def digit_share(prompt, completion, prompt_ids, completion_ids, **fields):
+    """The share of the completion's characters that are digits: a reward even an untrained model's
+    samples differ in, so every group has advantages to learn from."""
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))

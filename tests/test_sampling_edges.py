@@ -66,6 +66,8 @@ def is_valid(field: str, value, vocab: int) -> bool:
         return type(value) is int and (value == -1 or 1 <= value <= INT64_MAX)
     if field == "stop_token_ids":
         return type(value) is list and all(type(t) is int and 0 <= t < vocab for t in value)
+    if field == "sampling_seed":
+        return value is None or (type(value) is int and 0 <= value <= INT64_MAX)
     assert field == "ignore_eos"
     return type(value) is bool
 
@@ -80,7 +82,7 @@ def sampling_params(vocab: int) -> st.SearchStrategy:
               "top_k": edges((vocab - 1, vocab, vocab + 1)),
               "stop_token_ids": st.lists(st.sampled_from(INTS + [vocab - 1, vocab]) | st.integers(), max_size=3)
               | edges(),
-              "ignore_eos": edges()}
+              "ignore_eos": edges(), "sampling_seed": edges() | st.none()}
     one = st.sampled_from(sorted(fields)).flatmap(lambda name: st.fixed_dictionaries({name: fields[name]}))
     return one | st.fixed_dictionaries({}, optional=fields)
 

@@ -11,12 +11,15 @@
   a failure (exception, timeout, not a number) scores 0 and is counted, never silently.
 
 One engine serves one episode; the group runner (``agents.groups``) makes a fresh one per episode and
-collects what it recorded.
+collects what it recorded. An engine built with a ``seed`` sends each generation a ``sampling_seed``
+derived from it and the generation's number in the episode, so an episode's samples are a function of
+its seed, prompt and weights (what makes synchronous runs repeat exactly).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from dataclasses import dataclass, field, replace
 
 from areal_hpc.agents.token_episode import TokenEpisode
@@ -59,6 +62,12 @@ class Scorer:
         return await asyncio.to_thread(self.pool.score, requests)
 
 
+def derive_seed(*parts) -> int:
+    """A sampling seed in [0, 2**63) from any values (e.g. run seed, episode number, sample index)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 PROMPT_CACHE = 4096  # rendered prompts kept (examples in flight are far fewer)
 
 
@@ -85,8 +94,9 @@ class EngineSettings:
 
 
 class AgentEngine:
-    def __init__(self, settings: EngineSettings):
-        self.settings = settings
+    def __init__(self, settings: EngineSettings, seed: int | None = None):
+        """``seed``: this episode's sampling seed (None: the servers pick)."""
+        self.settings, self.seed = settings, seed
         self.tokenizer, self.sampling = settings.tokenizer, settings.sampling
         self.stop_token_ids = [settings.tokenizer.eos_token_id]
         self.generations: list = []  # every generation of this episode (interruptions are counted from them)
@@ -102,6 +112,8 @@ class AgentEngine:
                         stop_token_ids: list[int] | None = None):
         """Generate after ``input_ids`` (a ``rollout.client.Generation``: output ids, logprobs, versions)."""
         params = (sampling or self.sampling).params(stop_token_ids or self.stop_token_ids)
+        if self.seed is not None:
+            params["sampling_seed"] = derive_seed(self.seed, len(self.generations))
         generation = await self.settings.generate(list(input_ids), params)
         self.generations.append(generation)
         return generation

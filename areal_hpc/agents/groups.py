@@ -1,6 +1,8 @@
 """Episodes in groups: the rollout controller's unit of work. For each prompt, ``n_samples`` episodes of
 the workflow run concurrently (each on its own ``AgentEngine``) and their records form one group (GRPO
-normalises rewards within it); the staleness gate counts the group once.
+normalises rewards within it); the staleness gate counts the group once. Groups are numbered in the
+order they start (from ``first_group``, e.g. the prompts a resumed run had drawn); with a run ``seed``
+episode j of group g samples with seed ``derive_seed(seed, g, j)``.
 
 A workflow's ``arun_episode(engine, example)`` returns its records (a ``Trajectory`` or a list), or
 None to take every conversation its engine recorded (token episodes, chat clients). The runner stamps
@@ -15,7 +17,7 @@ import asyncio
 import uuid
 from collections.abc import Callable
 
-from areal_hpc.agents.engine import AgentEngine, EngineSettings
+from areal_hpc.agents.engine import AgentEngine, EngineSettings, derive_seed
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
 
@@ -27,16 +29,20 @@ class WorkflowResultError(TypeError):
 class EpisodeGroups:
     """``run(client, example)``: the controller's workflow protocol, over a user-shaped workflow."""
 
-    def __init__(self, workflow, settings_for: Callable[[object], EngineSettings], n_samples: int, task_name: str):
+    def __init__(self, workflow, settings_for: Callable[[object], EngineSettings], n_samples: int, task_name: str,
+                 seed: int | None = None, first_group: int = 0):
         self.workflow, self.settings_for = workflow, settings_for
         self.n_samples, self.task_name = n_samples, task_name
+        self.seed, self.started = seed, first_group
 
     async def run(self, client, example: Example) -> list[Trajectory]:
         settings = self.settings_for(client)
+        number, self.started = self.started, self.started + 1
         group_id = f"{example.uid}-{uuid.uuid4().hex[:8]}"
+        seeds = [None if self.seed is None else derive_seed(self.seed, number, j) for j in range(self.n_samples)]
         async with asyncio.TaskGroup() as episodes:  # one failure cancels its siblings
-            tasks = [episodes.create_task(run_episode(self.workflow, AgentEngine(settings), example))
-                     for _ in range(self.n_samples)]
+            tasks = [episodes.create_task(run_episode(self.workflow, AgentEngine(settings, seed), example))
+                     for seed in seeds]
         records = []
         for task in tasks:
             for record in task.result():

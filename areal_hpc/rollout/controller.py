@@ -45,6 +45,7 @@ class RolloutFailure(RolloutError):
 class Episode:
     trajectories: list[Trajectory]
     version: int  # trainer version when the episode started (its oldest possible token)
+    number: int = -1  # the order it was started in (its prompt's draw); -1: read back after a restart
 
     @property
     def ids(self) -> list[str]:
@@ -123,6 +124,7 @@ class RolloutController:
         self._loop_task: asyncio.Task | None = None
         self.failures = FailureLog()
         self.dropped = 0  # episodes that finished too late to train within eta
+        self.started = 0  # episodes started (numbered in that order)
         self.filtered = 0  # groups the accept filter rejected (e.g. DAPO: all rewards equal)
 
     async def start(self) -> None:
@@ -141,7 +143,8 @@ class RolloutController:
                 "rollout/filtered_total": float(self.filtered), "rollout/dropped_total": float(self.dropped)}
 
     async def prepare_batch(self, size: int) -> list[Episode]:
-        """Wait for ``size`` finished episodes no more than eta versions behind, oldest first."""
+        """Wait for ``size`` finished episodes no more than eta versions behind, oldest first, in the
+        order they were started (not the order they finished: a synchronous run's batches repeat)."""
         batch: list[Episode] = []
         while len(batch) < size:
             taken, dropped = self._ready.take(size - len(batch), self.gate.version, self.gate.max_staleness)
@@ -162,7 +165,7 @@ class RolloutController:
                 if self._fatal.done():
                     raise self._fatal.exception()
                 self._arrived.clear()
-        return batch
+        return sorted(batch, key=lambda episode: (episode.version, episode.number))
 
     async def pause(self) -> None:
         """Stop starting episodes and abort in-flight generation (it resumes after ``resume``)."""
@@ -202,13 +205,14 @@ class RolloutController:
         while not self._fatal.done():  # with every server gone or the budget spent, rollouts stop
             while not self._paused and self.gate.capacity() > 0:
                 self.gate.start()
-                task = asyncio.create_task(self._episode(next(self._examples), self.gate.version))
+                task = asyncio.create_task(self._episode(next(self._examples), self.gate.version, self.started))
+                self.started += 1
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             self._changed.clear()
             await self._changed.wait()
 
-    async def _episode(self, example: Example, version: int) -> None:
+    async def _episode(self, example: Example, version: int, number: int) -> None:
         accepted = False
         try:
             trajectories = await self.workflow.run(self.client, example)
@@ -219,7 +223,7 @@ class RolloutController:
             if not self.accept(trajectories):
                 self.filtered += 1
             else:
-                episode = Episode(trajectories, version)
+                episode = Episode(trajectories, version, number)
                 if self.on_accept is not None:
                     try:
                         async with self._accepting:  # e.g. a shard commit (fsync): off the event loop, one at a time

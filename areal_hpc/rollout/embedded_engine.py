@@ -42,7 +42,7 @@ import torch
 from areal_hpc.algo.temperature import MIN_TEMPERATURE, is_servable
 from areal_hpc.models.hf import CheckpointError, read_checkpoint
 from areal_hpc.rollout.decoder import SlotDecoder
-from areal_hpc.rollout.sampling import MAX_TEMPERATURE, MAX_TOP_K, SlotSampler
+from areal_hpc.rollout.sampling import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, SlotSampler
 from areal_hpc.rollout.weights import weight_mismatches
 
 NOT_FINITE = "the model's logits are not finite (NaN or inf)"
@@ -77,6 +77,7 @@ SAMPLING_CHECKS = [  # field, what is valid, test; in order (a later test may as
     ("top_k", f"-1 or an integer in [1, {MAX_TOP_K}]", lambda v: type(v) is int and (v == -1 or 1 <= v <= MAX_TOP_K)),
     ("stop_token_ids", "a list of integers", lambda v: type(v) is list and all(type(t) is int for t in v)),
     ("ignore_eos", "true or false", lambda v: type(v) is bool),
+    ("sampling_seed", f"null or an integer in [0, {MAX_SEED}]", lambda v: v is None or (type(v) is int and 0 <= v <= MAX_SEED)),
 ]
 
 
@@ -88,6 +89,7 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    sampling_seed: int | None = None  # the same seed, prompt and weights give the same tokens (None: the engine's)
 
     @classmethod
     def from_json(cls, obj) -> "SamplingParams":
@@ -309,7 +311,9 @@ class EmbeddedEngine:
         """Set the rows' sampling parameters and prefill their prompts: a request whose parameters the
         sampler cannot take fails in ``_advance`` as one whose prompt the model cannot run does, alone."""
         for row, request in enumerate(requests, start=first):
-            self.sampler.set(row, request.params.temperature, request.params.top_k, request.params.top_p)
+            params = request.params
+            self.sampler.set(row, params.temperature, params.top_k, params.top_p, params.sampling_seed,
+                             len(request.input_ids))
         return self.decoder.prefill(first, [r.input_ids for r in requests])
 
     def _step(self) -> None:

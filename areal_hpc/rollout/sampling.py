@@ -5,6 +5,13 @@ moved with its row), so a step samples all rows with a fixed number of tensor op
 Python per row. A draw picks token i with probability p_i / sum(p), as ``torch.multinomial`` does.
 Those tensors bound what a request may ask for (``MAX_TEMPERATURE``, ``MAX_TOP_K``): the engine refuses
 larger values before a request is admitted.
+
+Draws are seeded per request, not per batch: the uniform number that picks a row's token is a hash of
+the request's seed and the token's position in its sequence (SplitMix64, ``seeded_uniform``). A
+request's tokens therefore depend on its seed, prompt and the model only, never on which other
+requests share the batch or in which row it runs, and a request resumed after an interruption (its
+earlier output now part of the prompt) continues the same stream. That is what makes synchronous RL
+repeat itself exactly (SGLang's ``sampling_seed`` serves the same purpose).
 """
 
 from __future__ import annotations
@@ -15,6 +22,31 @@ from areal_hpc.algo.temperature import is_greedy, logprob_temperature
 
 MAX_TEMPERATURE = torch.finfo(torch.float32).max  # the per-row temperatures are float32
 MAX_TOP_K = torch.iinfo(torch.long).max  # the per-row top-k are int64 (any k >= the vocabulary keeps it all)
+MAX_SEED = torch.iinfo(torch.long).max  # the per-row seeds are int64
+
+
+def _int64(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+GOLDEN_GAMMA = _int64(0x9E3779B97F4A7C15)
+MIX1, MIX2 = _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 values: torch's >> is arithmetic."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """float64 numbers in (0, 1], one per row: SplitMix64's output for state seed + (position + 1)·γ,
+    its top 53 bits. int64 arithmetic wraps modulo 2**64 as the algorithm needs."""
+    z = seeds + (positions + 1) * GOLDEN_GAMMA
+    z = (z ^ _shift_right(z, 30)) * MIX1
+    z = (z ^ _shift_right(z, 27)) * MIX2
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 11) + 1).double() * 2.0 ** -53
 
 
 class SlotSampler:
@@ -25,16 +57,22 @@ class SlotSampler:
         self.top_k = torch.zeros(slots, dtype=torch.long, device=device)  # 0: no top-k
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
         self.greedy = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seed = torch.zeros(slots, dtype=torch.long, device=device)
+        self.position = torch.zeros(slots, dtype=torch.long, device=device)  # of the row's next token
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # seeds of requests that bring none
 
-    def set(self, row: int, temperature: float, top_k: int, top_p: float) -> None:
-        """A new request's parameters in ``row``: temperature 0 is greedy, top_k <= 0 keeps every token.
+    def set(self, row: int, temperature: float, top_k: int, top_p: float, seed: int | None, position: int) -> None:
+        """A new request's parameters in ``row``: temperature 0 is greedy, top_k <= 0 keeps every token;
+        ``seed`` (None: one from this sampler's generator) and the position of its first new token.
         A temperature above MAX_TEMPERATURE or a top_k above MAX_TOP_K does not fit its tensor: it raises."""
         self.temperature[row], self.greedy[row] = logprob_temperature(temperature), is_greedy(temperature)
         self.top_k[row], self.top_p[row] = max(top_k, 0), top_p
+        if seed is None:
+            seed = int(torch.randint(0, MAX_SEED, (), generator=self.generator, device=self.generator.device))
+        self.seed[row], self.position[row] = seed, position
 
     def move(self, source: int, target: int) -> None:
-        for values in (self.temperature, self.top_k, self.top_p, self.greedy):
+        for values in (self.temperature, self.top_k, self.top_p, self.greedy, self.seed, self.position):
             values[target] = values[source]
 
     def sample(self, logits: torch.Tensor, first_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,7 +88,8 @@ class SlotSampler:
             top_k, top_p = self.top_k[rows], self.top_p[rows]
             if bool(((top_k > 0) | (top_p < 1)).any()):
                 probs = truncate(probs, top_k, top_p)
-            tokens = torch.where(greedy, tokens, draw(probs, self.generator))
+            tokens = torch.where(greedy, tokens, draw(probs, seeded_uniform(self.seed[rows], self.position[rows])))
+        self.position[rows] += 1
         tokens = tokens.masked_fill_(~finite, 0)
         return tokens, logprobs.gather(1, tokens[:, None])[:, 0], finite
 
@@ -75,14 +114,14 @@ def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(probs).scatter_(1, order, ordered)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row with probability proportional to ``probs`` [n, V] (unnormalised, >= 0, some > 0).
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row with probability proportional to ``probs`` [n, V] (unnormalised, >= 0, some > 0),
+    picked by ``uniform`` [n] (float64 in (0, 1], one per row).
 
-    Inverse CDF: the first token whose cumulative mass reaches u x total, u uniform in (0, 1]. One
-    random number per row (an exponential race needs V), and a zero-probability token is never
+    Inverse CDF: the first token whose cumulative mass reaches u x total. One random number per row
+    (an exponential race needs V), and a zero-probability token is never
     picked: its cumulative mass equals its predecessor's. Float64 keeps a small probability's share
     of the cumulative sum exact enough at any vocabulary size.
     """
     cumulative = probs.double().cumsum(dim=-1)
-    u = 1 - torch.rand(len(probs), 1, dtype=torch.float64, device=probs.device, generator=generator)
-    return torch.searchsorted(cumulative, u * cumulative[:, -1:])[:, 0]
+    return torch.searchsorted(cumulative, uniform[:, None] * cumulative[:, -1:])[:, 0]

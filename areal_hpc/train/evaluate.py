@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from areal_hpc.agents.chat import optional_chat
-from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
+from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer, derive_seed
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.data.rewards import RewardPool
@@ -59,11 +59,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 async def evaluate(settings: EngineSettings, workflow, examples: list[Example], n_samples: int = 1,
-                   greedy: bool = True, samples_kept: int = 3) -> EvalResult:
-    """Run ``workflow`` ``n_samples`` times on each example (greedy: at temperature 0)."""
+                   greedy: bool = True, samples_kept: int = 3, seed: int | None = None) -> EvalResult:
+    """Run ``workflow`` ``n_samples`` times on each example (greedy: at temperature 0); sampled episodes
+    with a ``seed`` draw the same samples every time (sample j of example i: seed (seed, i, j))."""
     if greedy:
         settings = replace(settings, sampling=settings.sampling.greedy())
-    engines = [[AgentEngine(settings) for _ in range(n_samples)] for _ in examples]
+    engines = [[AgentEngine(settings, None if seed is None else derive_seed(seed, i, j)) for j in range(n_samples)]
+               for i in range(len(examples))]
     outcomes = await asyncio.gather(*(run_episode(workflow, engine, ex) for ex, row in zip(examples, engines)
                                       for engine in row), return_exceptions=True)
     episodes, failures = [], 0
@@ -97,7 +99,7 @@ def _episode_row(example: Example, engine: AgentEngine, outcome) -> dict:
 
 def evaluate_model(model: torch.nn.Module, tokenizer, examples: list[Example], rewards: RewardPool,
                    sampling: Sampling, workflow=None, model_folder=None, n_samples: int = 1, greedy: bool = True,
-                   discount: float = 1.0) -> EvalResult:
+                   discount: float = 1.0, seed: int | None = None) -> EvalResult:
     """Evaluate a model in this process, decoded by an embedded engine on it (which puts the model in
     evaluation mode; a training step puts it back). ``model_folder``: where its tokenizer and chat
     template are, for workflows that chat."""
@@ -116,7 +118,7 @@ def evaluate_model(model: torch.nn.Module, tokenizer, examples: list[Example], r
     async def run() -> EvalResult:
         async with optional_chat(generate, model_folder, discount) as chat:
             settings = EngineSettings(generate, tokenizer, sampling, Scorer(rewards), chat, discount)
-            return await evaluate(settings, workflow or RLVRWorkflow(), examples, n_samples, greedy)
+            return await evaluate(settings, workflow or RLVRWorkflow(), examples, n_samples, greedy, seed=seed)
 
     try:
         return asyncio.run(run())

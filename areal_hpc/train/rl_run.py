@@ -51,7 +51,8 @@ class RLRun:
         self.evaluated = state.get("evaluated", self.version)  # the last step evaluated
         self.prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
         self.sync = build_weight_sync(cfg, self.actor.device.type)
-        groups = EpisodeGroups(workflow, lambda _client: settings, cfg.gconfig.n_samples, task.name)
+        groups = EpisodeGroups(workflow, lambda _client: settings, cfg.gconfig.n_samples, task.name,
+                               seed=cfg.experiment.seed, first_group=self.prompts.drawn)
         self.controller = build_controller(cfg, client, groups, self.prompts, writer, self.version,
                                            on_drop=self._drop)
         self.controller.restore(recovered_episodes(consumer, self.version))

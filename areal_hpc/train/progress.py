@@ -109,12 +109,27 @@ class RLProgress:
     def dropped(self, ids: list[str]) -> None:
         self._audit.write(json.dumps({"dropped": ids}) + "\n")
 
-    def plot(self) -> None:
+    def finish(self) -> None:
+        """The run's result in one line (held-out accuracy at the start and the mean of the last three
+        evaluations: one evaluation alone is noisy), and its curves."""
+        gain = accuracy_gain(self.metrics.records)
+        title = f"asynchronous RL on {self.cfg.dataset.task}"
+        if gain is not None:
+            start, last3 = gain
+            line = f"held-out accuracy {start:.1%} at the start, {last3:.1%} over the last 3 evaluations " \
+                   f"({100 * (last3 - start):+.1f} points)"
+            self.console.print(line, soft_wrap=True)
+            title += f": {line}"
         if self.cfg.stats.plot:
             panels = {"reward": "rollout/reward", "eval accuracy": "eval/accuracy", "policy entropy": "actor/entropy"}
-            out = plot_curves(self.metrics.records, panels, self.cfg.run_dir / "rl_curves.png",
-                              f"asynchronous RL on {self.cfg.dataset.task}")
+            out = plot_curves(self.metrics.records, panels, self.cfg.run_dir / "rl_curves.png", title)
             self.console.print(f"curves: {out}")
+
+
+def accuracy_gain(records: list[dict]) -> tuple[float, float] | None:
+    """(first evaluation's accuracy, mean of the last three), or None before two evaluations."""
+    accuracy = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    return (accuracy[0], float(np.mean(accuracy[-3:]))) if len(accuracy) >= 2 else None
 
 
 def reward_metrics(batch: list[Trajectory]) -> dict[str, float]:

@@ -158,7 +158,7 @@ class RLRun:
     def finish(self) -> None:
         """After the last step: the model for ``areal-hpc eval --model`` and the run's plots."""
         self.actor.save(self.cfg.run_dir / "model", optimizer=False)
-        self.progress.plot()
+        self.progress.finish()
 
     def _evaluation_due(self, version: int) -> bool:
         every = self.cfg.rl.eval_every_steps

@@ -131,6 +131,8 @@ class SFTConfig:
     batch_size: int = spec(64, "sequences per optimizer step", ge=1)
     max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)
     eval_every_steps: int = spec(100, "steps between evaluations; 0 evaluates only before and after", ge=0)
+    stop_at_accuracy: float = spec(0.0, "stop once an evaluation reaches this held-out accuracy (total_train_steps "
+                                   "caps it; needs eval_every_steps); 0: train every step", ge=0.0, le=1.0)
 
 
 @dataclass

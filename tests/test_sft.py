@@ -5,6 +5,7 @@ real rollout server (one evaluation path)."""
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -72,3 +73,27 @@ def test_sft_raises_eval_accuracy_and_writes_every_output(tmp_path):
     out = run_cli("eval", "--model", str(run_dir / "model"), "--config", "configs/sft_tiny.yaml", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["accuracy"] == pytest.approx(accuracy[500])
+
+
+@pytest.mark.slow
+def test_sft_stops_at_the_first_evaluation_that_reaches_stop_at_accuracy(tmp_path, tiny_model_dir):
+    """Four problems to memorise (train and held out alike): accuracy climbs from 0 to 100% within the
+    step cap, and SFT ends at the first evaluation at or above the target, not at the cap."""
+    data = tmp_path / "four.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a} plus {a}?", "answer": str(2 * a), "target": str(2 * a)}) + "\n"
+                            for a in (3, 14, 25, 36)))
+    common = ["--config", "configs/sft_tiny.yaml", f"model.path={tiny_model_dir}", "dataset.task=custom",
+              f"dataset.path={data}", f"dataset.eval_path={data}",
+              f"reward.fn={Path(__file__).parent / 'rewards_for_tests.py'}:exact_answer", "sft.total_train_steps=400",
+              "sft.batch_size=8", "optimizer.lr_scheduler_type=constant", "stats.plot=false", "saver.freq_steps=0"]
+    refused = run_cli("sft", *common, f"cluster.fileroot={tmp_path / 'refused'}", "sft.stop_at_accuracy=0.5",
+                      "sft.eval_every_steps=0")
+    assert refused.returncode == 2 and "sft.stop_at_accuracy" in refused.stderr and "eval_every_steps" in refused.stderr
+    out = run_cli("sft", *common, f"cluster.fileroot={tmp_path}", "sft.stop_at_accuracy=0.75", "sft.eval_every_steps=5")
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "sft_tiny" / "trial0" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert accuracy[-1][1] >= 0.75 and all(a < 0.75 for _, a in accuracy[:-1])
+    assert steps[-1] == accuracy[-1][0] < 400 and steps[-1] % 5 == 0
+    assert "reached sft.stop_at_accuracy 75%" in out.stdout

@@ -5,8 +5,11 @@
 SFT is a loss function (mean NLL of the completion tokens) on the same ``TorchTrainEngine`` the RL
 actor trains with: the same packed micro-batches (no padding), AdamW with warm-up + decay and
 gradient clipping. Held-out greedy evaluation before, during and after training runs the embedded
-rollout engine on the model (``train.evaluate``); HF-format checkpoints, metrics in JSONL and
-TensorBoard, a PNG curve. One process on CPU or one accelerator.
+rollout engine on the model (``train.evaluate``); it never touches the training RNG or data order, so
+evaluating changes nothing trained. ``sft.stop_at_accuracy`` ends training at the first evaluation that
+reaches it: SFT's accuracy rises steeply at a point that varies with the seed, so a fixed step count
+lands anywhere from 10% to 35% (500 steps, 3 seeds) where a target lands within one evaluation's rise.
+HF-format checkpoints, metrics in JSONL and TensorBoard, a PNG curve. One process on CPU or one accelerator.
 Simplifications on purpose: no resume (SFT here is a minutes-long warm-up), no data parallelism.
 """
 
@@ -101,6 +104,9 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     model = load_model(model_dir, cfg.model.dtype, cfg.model.attn_impl, device)
     tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
     task = open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print)
+    if cfg.sft.stop_at_accuracy and not cfg.sft.eval_every_steps:
+        raise UserError(f"config key 'sft.stop_at_accuracy' = {cfg.sft.stop_at_accuracy:g} needs evaluations to "
+                        "check it: set sft.eval_every_steps (e.g. 25)")
     if not all(ex.target for ex in task.train):
         raise UserError(f"config key 'dataset.target_field': SFT trains on reference completions; "
                         f"{task.train[0].uid} has none (name the column that holds them)")
@@ -138,13 +144,19 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                 stats["train/tokens_per_s"] = stats["train/tokens"] / (time.time() - tick)
                 metrics.log(step, stats)
                 last = step == cfg.sft.total_train_steps
-                if last or (cfg.sft.eval_every_steps and step % cfg.sft.eval_every_steps == 0):
+                evaluated = last or bool(cfg.sft.eval_every_steps and step % cfg.sft.eval_every_steps == 0)
+                if evaluated:
                     after = run_eval(step)
                     progress.console.print(f"step {step}: eval accuracy {after.summary()}", soft_wrap=True)
-                if cfg.saver.freq_steps and step % cfg.saver.freq_steps == 0 and not last:
+                reached = evaluated and bool(cfg.sft.stop_at_accuracy) and after.accuracy >= cfg.sft.stop_at_accuracy
+                if cfg.saver.freq_steps and step % cfg.saver.freq_steps == 0 and not (last or reached):
                     engine.save(cfg.run_dir / "checkpoints" / f"step{step}", optimizer=False)
                 progress.update(bar, advance=1, loss=stats["train/loss"], acc=after.summary(),
                                 tps=stats["train/tokens_per_s"])
+                if reached:
+                    progress.console.print(f"step {step}: reached sft.stop_at_accuracy "
+                                           f"{cfg.sft.stop_at_accuracy:.0%}: SFT stops here", soft_wrap=True)
+                    break
     finally:
         rewards.close()
         metrics.close()

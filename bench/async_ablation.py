@@ -81,6 +81,8 @@ def run(args) -> dict:
     rows = []
     for seed in args.seeds:  # seeds outermost: an interrupted ablation has every setting at the first seeds
         for setting in args.settings:
+            if args.cached_only and not (run_dir(args, setting, seed) / "done.json").exists():
+                continue
             rows.append(run_one(args, setting, seed))
             row = rows[-1]
             print(f"{setting} seed {seed}: start {row['start']:.3f} peak {row['peak']:.3f} final {row['final']:.3f} "
@@ -127,10 +129,12 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "async_ablation")
+    parser.add_argument("--cached-only", action="store_true", help="report the finished runs in --workdir only")
+    parser.add_argument("--label", default="", help="results file async_ablation-LABEL-<date>")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     args = parser.parse_args()
     args.start_model = args.start_model.resolve()
-    run_and_record("async_ablation", args, run, report)
+    run_and_record("-".join(["async_ablation", *filter(None, [args.label])]), args, run, report)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def test_vectorised_top_k_top_p_keeps_the_same_tokens_as_a_per_row_filter(rows, 
 def sampler_with(rows: list[tuple[float, int, float]], seed: int = 0) -> SlotSampler:
     sampler = SlotSampler(len(rows), torch.device("cpu"), seed)
     for row, (temperature, top_k, top_p) in enumerate(rows):
-        sampler.set(row, temperature, top_k, top_p, None, 0)
+        sampler.set(row, temperature, top_k, top_p)
     return sampler
 
 
@@ -99,7 +99,7 @@ def test_the_largest_parameters_the_engine_admits_fit_the_sampler_and_larger_one
     assert torch.allclose(logprobs[0], torch.tensor(-math.log(50)))  # T = float32's max: uniform
     for temperature, top_k in [(math.nextafter(MAX_TEMPERATURE, math.inf), -1), (1.0, MAX_TOP_K + 1)]:
         with pytest.raises((RuntimeError, ValueError), match="(?i)overflow"):  # torch's words for "does not fit"
-            sampler.set(0, temperature, top_k, 1.0, None, 0)
+            sampler.set(0, temperature, top_k, 1.0)
 
 
 def splitmix64_uniform(seed: int, position: int) -> float:

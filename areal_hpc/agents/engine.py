@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from areal_hpc.agents.token_episode import TokenEpisode
@@ -51,15 +53,71 @@ class Sampling:
         return replace(self, temperature=0.0)
 
 
+class SameTickBatch:
+    """Calls made in one turn of the event loop, run as one call of ``run(items) -> results`` (a result
+    per item, in order; an exception fails every call of the batch). A group's episodes start
+    together, so their first generations (and, answered together, their rewards) meet in one turn.
+    A batch whose callers all left (cancelled) is cancelled."""
+
+    def __init__(self, run: Callable[[list], Awaitable[list]]):
+        self._run = run
+        self._waiting: list[tuple[object, asyncio.Future]] = []
+        self._running: set[asyncio.Task] = set()
+
+    async def __call__(self, item):
+        loop = asyncio.get_running_loop()
+        if not self._waiting:
+            loop.call_soon(self._flush)  # after the other callers of this turn
+        future = loop.create_future()
+        self._waiting.append((item, future))
+        return await future
+
+    def _flush(self) -> None:
+        batch, self._waiting = [(item, f) for item, f in self._waiting if not f.done()], []
+        if not batch:
+            return
+        task = asyncio.ensure_future(self._run([item for item, _ in batch]))
+        self._running.add(task)
+        task.add_done_callback(lambda done: self._answer(done, [f for _, f in batch]))
+
+        def left(_) -> None:
+            if all(f.done() for _, f in batch):
+                task.cancel()
+        for _, future in batch:
+            future.add_done_callback(left)
+
+    def _answer(self, task: asyncio.Task, futures: list[asyncio.Future]) -> None:
+        self._running.discard(task)
+        if task.cancelled():
+            results = None
+        elif (error := task.exception()) is not None:
+            for future in futures:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        else:
+            results = task.result()
+        for k, future in enumerate(futures):
+            if not future.done():
+                future.cancel() if results is None else future.set_result(results[k])
+
+
 class Scorer:
     """One reward pool shared by concurrent episodes, called off the event loop (the pool runs one
-    call at a time)."""
+    call at a time); the requests of one turn of the event loop (a group's samples, answered
+    together) go to the pool as one call."""
 
     def __init__(self, pool: RewardPool):
         self.pool = pool
+        self._batch = SameTickBatch(self._score)
 
     async def __call__(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
-        return await asyncio.to_thread(self.pool.score, requests)
+        return await self._batch(requests)
+
+    async def _score(self, calls: list[list[RewardRequest]]) -> list[list[RewardOutcome]]:
+        outcomes = await asyncio.to_thread(self.pool.score, [r for requests in calls for r in requests])
+        ends = list(itertools.accumulate(len(requests) for requests in calls))
+        return [outcomes[end - len(requests):end] for requests, end in zip(calls, ends)]
 
 
 def derive_seed(*parts) -> int:
@@ -82,6 +140,17 @@ class EngineSettings:
     chat: object = None  # an ``agents.chat.ChatGateway`` (or ``NoChat``: why not) for workflows that chat
     discount: float = 1.0  # rollout.turn_discount
     prompts: dict = field(default_factory=dict)  # example uid -> (rendered prompt ids, their text), the latest
+    # async (list of input_ids, list of sampling params) -> Generations, as one request
+    # (RolloutClient.generate_batch); None: each generation is its own request
+    generate_batch: object = None
+
+    def for_group(self) -> "EngineSettings":
+        """These settings for the episodes of one group: generations they ask for in the same turn of
+        the event loop (every sample's first turn) go to the servers as one batched /generate."""
+        if self.generate_batch is None:
+            return self
+        batch = SameTickBatch(lambda calls: self.generate_batch([ids for ids, _ in calls], [p for _, p in calls]))
+        return replace(self, generate=lambda input_ids, params: batch((input_ids, params)))
 
     def rendered_prompt(self, example: Example) -> tuple[list[int], str]:
         """An example's prompt ids and text, rendered once for all the episodes of its group."""

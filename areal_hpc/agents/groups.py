@@ -2,7 +2,8 @@
 the workflow run concurrently (each on its own ``AgentEngine``) and their records form one group (GRPO
 normalises rewards within it); the staleness gate counts the group once. Groups are numbered in the
 order they start (from ``first_group``, e.g. the prompts a resumed run had drawn); with a run ``seed``
-episode j of group g samples with seed ``derive_seed(seed, g, j)``.
+episode j of group g samples with seed ``derive_seed(seed, g, j)``. The episodes' first generations
+leave together, as one batched request (``EngineSettings.for_group``).
 
 A workflow's ``arun_episode(engine, example)`` returns its records (a ``Trajectory`` or a list), or
 None to take every conversation its engine recorded (token episodes, chat clients). The runner stamps
@@ -36,7 +37,7 @@ class EpisodeGroups:
         self.seed, self.started = seed, first_group
 
     async def run(self, client, example: Example) -> list[Trajectory]:
-        settings = self.settings_for(client)
+        settings = self.settings_for(client).for_group()  # the samples' first turns: one /generate
         number, self.started = self.started, self.started + 1
         group_id = f"{example.uid}-{uuid.uuid4().hex[:8]}"
         seeds = [None if self.seed is None else derive_seed(self.seed, number, j) for j in range(self.n_samples)]

@@ -4,9 +4,11 @@
 request comes back with finish reason ``abort`` and its partial output; it is re-submitted with
 that output appended to the prompt and ``max_new_tokens`` lowered, to the same server (request-id
 affinity), so tokens made before the update keep their old version tag. New requests go to the
-server with the fewest outstanding requests. When a request fails (its connection, or a 5xx), the
-server's ``/health`` decides: a server that is not healthy is dropped and its requests resume on the
-others from their last returned output (nothing is lost); a live one is asked again, a few times.
+server with the fewest outstanding requests; ``generate_batch`` sends several (a GRPO group's samples)
+as one request in SGLang's batch form and resumes each from its own output. When a request fails (its
+connection, or a 5xx), the server's ``/health`` decides: a server that is not healthy is dropped and
+its requests resume on the others from their last returned output (nothing is lost); a live one is
+asked again, a few times.
 
 Servers can join while the client runs (``add_server``: one that registered late, or restarted): the
 caller first gives it the current weights, then admits it with their version.
@@ -79,6 +81,14 @@ def token_version(reported, known: int) -> int:
         return known
 
 
+def _batch_body(bodies: list[dict]) -> dict:
+    """One /generate body: a single request as it is, several in SGLang's batch form (a list per field)."""
+    if len(bodies) == 1:
+        return bodies[0]
+    return {"input_ids": [b["input_ids"] for b in bodies], "rid": [b["rid"] for b in bodies], "return_logprob": True,
+            "sampling_params": [b["sampling_params"] for b in bodies]}
+
+
 def disk_update(model_path: str, version: int) -> dict:
     """The body of /update_weights_from_disk (SGLang takes the version as a string)."""
     return {"model_path": model_path, "weight_version": str(version)}
@@ -121,24 +131,37 @@ class RolloutClient:
                        prefer: str | None = None) -> Generation:
         """Generate to a stop token or ``max_new_tokens``, across pauses and server failures; on
         ``prefer`` while it is alive (a conversation's server, which holds its prefix in cache)."""
-        rid = rid or uuid.uuid4().hex
+        [generation] = await self.generate_batch([input_ids], [sampling], [rid or uuid.uuid4().hex], prefer)
+        return generation
+
+    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict], rids: list[str] | None = None,
+                             prefer: str | None = None) -> list[Generation]:
+        """Several generations as one /generate (SGLang's batch form: lists of ``input_ids``,
+        ``sampling_params`` and ``rid``) on one server, each resumed after a pause from its own output
+        (those that finished are not sent again). They succeed or fail together, as a GRPO group does:
+        one HTTP request and reply instead of one per sample."""
+        rids = rids or [uuid.uuid4().hex for _ in prompts]
+        key = rids[0]  # the batch's server affinity
         if prefer in self.alive:
-            self._affinity[rid] = prefer
-        out = Generation(list(input_ids))
-        budget = sampling.get("max_new_tokens", 128)
+            self._affinity[key] = prefer
+        outs = [Generation(list(ids)) for ids in prompts]
+        pending = list(range(len(prompts)))  # those not finished yet
+        budgets = [sampling.get("max_new_tokens", 128) for sampling in samplings]
         failed_attempts = 0
         try:
-            while True:
-                server = self._pick(rid)
-                body = {"input_ids": out.input_ids + out.output_ids, "rid": rid, "return_logprob": True,
-                        "sampling_params": {**sampling, "max_new_tokens": budget - len(out.output_ids)}}
+            while pending:
+                server = self._pick(key)
+                bodies = [{"input_ids": outs[i].input_ids + outs[i].output_ids, "rid": rids[i], "return_logprob": True,
+                           "sampling_params": {**samplings[i], "max_new_tokens": budgets[i] - len(outs[i].output_ids)}}
+                          for i in pending]
                 try:
-                    reply = await self.post(server, "/generate", body)
+                    replies = await self.post(server, "/generate", _batch_body(bodies))
                 except ServerReplyError as exc:
                     if exc.status < 500 or await self.healthy(server):
                         raise  # a wrong request (e.g. longer than the context), or one the server failed: no retry
                     self.drop(server, str(exc))
-                    out.interruptions += 1
+                    for i in pending:
+                        outs[i].interruptions += 1
                     continue
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                     reason = f"{server}/generate: {str(exc) or type(exc).__name__}"
@@ -149,21 +172,30 @@ class RolloutClient:
                     else:
                         raise ConnectionFailedError(f"{reason} ({failed_attempts} times in a row, though "
                                                     f"the server answers /health)") from exc
-                    out.interruptions += 1
+                    for i in pending:
+                        outs[i].interruptions += 1
                     continue
                 failed_attempts = 0
-                meta = reply["meta_info"]
-                out.output_ids += reply["output_ids"]
-                out.logprobs += [entry[0] for entry in meta["output_token_logprobs"]]
-                out.versions += (meta.get("output_token_versions")
-                                 or [token_version(meta.get("weight_version"), self.versions[server])]
-                                 * len(reply["output_ids"]))
-                out.finish_reason, out.server = meta["finish_reason"]["type"], server
-                if out.finish_reason != "abort" or len(out.output_ids) >= budget:
-                    return out
-                out.interruptions += 1
+                replies = replies if len(bodies) > 1 else [replies]
+                for i, reply in zip(pending, replies):
+                    self._take_reply(outs[i], reply, server)
+                pending = [i for i in pending
+                           if outs[i].finish_reason == "abort" and len(outs[i].output_ids) < budgets[i]]
+                for i in pending:
+                    outs[i].interruptions += 1
+            return outs
         finally:
-            self._affinity.pop(rid, None)
+            self._affinity.pop(key, None)
+
+    def _take_reply(self, out: Generation, reply: dict, server: str) -> None:
+        """Append one /generate answer (part of a generation, or all of it) to ``out``."""
+        meta = reply["meta_info"]
+        out.output_ids += reply["output_ids"]
+        out.logprobs += [entry[0] for entry in meta["output_token_logprobs"]]
+        out.versions += (meta.get("output_token_versions")
+                         or [token_version(meta.get("weight_version"), self.versions[server])]
+                         * len(reply["output_ids"]))
+        out.finish_reason, out.server = meta["finish_reason"]["type"], server
 
     async def broadcast(self, route: str, body: dict | None = None, servers: list[str] | None = None) -> list[dict]:
         """POST to every live server at once (pause, continue, weight updates), or to ``servers``; those
@@ -253,8 +285,9 @@ class RolloutClient:
     async def post(self, server: str, route: str, body: dict) -> dict:
         """POST ``body`` to ``server``: /generate on the generation pool, anything else on the control pool."""
         generation = route == "/generate"
+        requests = len(body["rid"]) if generation and isinstance(body.get("rid"), list) else 1
         if generation:
-            self.outstanding[server] += 1
+            self.outstanding[server] += requests  # a batch counts each of its requests
         try:
             session = self._generation if generation else self._control
             async with session.post(f"http://{server}{route}", json=body) as response:
@@ -269,4 +302,4 @@ class RolloutClient:
                 return reply
         finally:
             if generation:
-                self.outstanding[server] -= 1
+                self.outstanding[server] -= requests

@@ -89,9 +89,10 @@ async def errors_as_json(request: web.Request, handler):
 
 
 async def generate(request: web.Request) -> web.Response:
-    """SGLang's /generate on token ids: ``input_ids`` (one prompt or a list), ``sampling_params``,
-    ``return_logprob``, ``rid``. Each answer has ``output_ids``, ``meta_info.finish_reason``,
-    ``weight_version`` and ``output_token_versions`` (the weight version of each token) and, with
+    """SGLang's /generate on token ids: ``input_ids`` (one prompt or a list), ``sampling_params`` (for a
+    list of prompts: one object for all, or a list of one per prompt), ``return_logprob``, ``rid``. Each
+    answer has ``output_ids``, ``meta_info.finish_reason``, ``weight_version`` and
+    ``output_token_versions`` (the weight version of each token) and, with
     return_logprob, ``output_token_logprobs`` as ``[logprob, token, null]``: the token's logprob under
     ``log_softmax(logits / temperature)``, the whole tempered distribution before top-p/top-k
     truncation; with temperature 0 (greedy) under ``log_softmax(logits)``, i.e. at temperature 1."""
@@ -105,15 +106,16 @@ async def generate(request: web.Request) -> web.Response:
         raise RequestError("stream=true is not supported by the embedded engine")
     return_logprob = flag(body, "return_logprob")
     prompts, batched = _prompts(body.get("input_ids"))
-    params = SamplingParams.from_json(body.get("sampling_params"))
+    params = _sampling_params(body.get("sampling_params"), len(prompts), batched)
     rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
     rids = [rids] if isinstance(rids, str) else rids
     if not isinstance(rids, list) or len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids):
         raise RequestError("rid must be a string (or a list of strings, one per prompt)")
     engine = request.app[ENGINE]
-    for prompt in prompts:  # all or nothing: refuse the batch before any prompt is queued
-        engine.check(prompt, params)
-    runs = [asyncio.ensure_future(engine.generate(rid, ids, params)) for rid, ids in zip(rids, prompts)]
+    for prompt, sampling in zip(prompts, params):  # all or nothing: refuse the batch before any prompt is queued
+        engine.check(prompt, sampling)
+    runs = [asyncio.ensure_future(engine.generate(rid, ids, sampling))
+            for rid, ids, sampling in zip(rids, prompts, params)]
     try:
         results = await asyncio.gather(*runs)
     finally:  # one prompt failed (or the client left): abort the batch's others, they have no reader
@@ -132,6 +134,15 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
         if not isinstance(prompt, list) or not all(type(t) is int and t >= 0 for t in prompt):
             raise RequestError("input_ids must be a list of non-negative integers (or a list of such lists)")
     return prompts, batched
+
+
+def _sampling_params(given, n: int, batched: bool) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt: a batch may give one object for all, or a list (SGLang's forms)."""
+    if not batched or not isinstance(given, list):
+        return [SamplingParams.from_json(given)] * n
+    if len(given) != n:
+        raise RequestError(f"sampling_params is a list of {len(given)}; give one object, or one per prompt ({n})")
+    return [SamplingParams.from_json(p) for p in given]
 
 
 def _sglang_response(result: Result, tokenizer, return_logprob: bool) -> dict:

@@ -35,6 +35,7 @@ from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_mesh, init_distributed
+from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.runtime.bootstrap import node_address
@@ -121,10 +122,11 @@ def build_weight_sync(cfg: RunConfig, device_type: str):
     return DistributedWeightSync(backend, cfg.rl.weight_sync_bucket_mb << 20, host=node_address(cfg.cluster.interface))
 
 
-def engine_settings(cfg: RunConfig, generate, tokenizer, rewards: RewardPool, chat=None) -> EngineSettings:
-    """What every episode's engine shares: ``generate`` (the rollout client's), the run's sampling and reward."""
-    return EngineSettings(generate, tokenizer, Sampling.from_config(cfg.gconfig), Scorer(rewards), chat,
-                          cfg.rollout.turn_discount)
+def engine_settings(cfg: RunConfig, client: RolloutClient, tokenizer, rewards: RewardPool, chat=None) -> EngineSettings:
+    """What every episode's engine shares: the rollout client's ``generate`` (and its batch form, for a
+    group's samples), the run's sampling and reward."""
+    return EngineSettings(client.generate, tokenizer, Sampling.from_config(cfg.gconfig), Scorer(rewards), chat,
+                          cfg.rollout.turn_discount, generate_batch=client.generate_batch)
 
 
 def build_controller(cfg: RunConfig, client, workflow: EpisodeGroups, prompts: PromptStream,

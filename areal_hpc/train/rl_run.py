@@ -76,7 +76,7 @@ class RLRun:
             async with (RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
                                       rollout_token(cfg.run_dir)) as client,
                         optional_chat(client.generate, model_dir, cfg.rollout.turn_discount) as chat):
-                settings = engine_settings(cfg, client.generate, tokenizer, rewards, chat)
+                settings = engine_settings(cfg, client, tokenizer, rewards, chat)
                 run = cls(cfg, group, state, task, workflow, settings, progress, writer, consumer, proxy_records,
                           client)
                 await run._start(servers)

@@ -1,0 +1,166 @@
+"""One /generate per GRPO group: the first turns of a group's samples go to a rollout server as one
+batched request (SGLang's list form, a sampling seed per sample), and generate what one request each
+would; a batch cut short by a pause resumes each sample from its own output; the rewards of one turn
+of the event loop are one call of the reward pool."""
+
+import asyncio
+
+import pytest
+
+from areal_hpc.agents.engine import EngineSettings, SameTickBatch, Sampling, Scorer
+from areal_hpc.agents.groups import EpisodeGroups
+from areal_hpc.agents.rlvr import RLVRWorkflow
+from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.tasks import Example
+from areal_hpc.models.hf import load_tokenizer
+from areal_hpc.rollout.client import Generation, RolloutClient, ServerReplyError
+from tests import rewards_for_tests
+from tests.conftest import embedded_server
+from tests.waiting import model_info, wait_until
+
+PROMPTS = [[5, 17, 33, 2, 9], [5, 17, 33, 2, 9], [3, 4, 5]]
+
+
+def test_a_batch_generates_what_its_requests_generate_one_by_one(tiny_model_dir, tmp_path):
+    samplings = [{"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": seed} for seed in (11, 12, 13)]
+
+    async def run(server):
+        async with RolloutClient([server]) as client:
+            batched = await client.generate_batch(PROMPTS, samplings)
+            alone = [await client.generate(ids, sampling) for ids, sampling in zip(PROMPTS, samplings)]
+            with pytest.raises(ServerReplyError, match="sampling_params is a list of 2; give one object, or one per"):
+                await client.post(server, "/generate", {"input_ids": PROMPTS, "sampling_params": samplings[:2]})
+            return batched, alone
+
+    # one slot: a row's logits do not depend on what else is decoded with it
+    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=1") as (_, server):
+        batched, alone = asyncio.run(run(server))
+    for b, a in zip(batched, alone):
+        assert (b.input_ids, b.output_ids, b.logprobs, b.versions) == (a.input_ids, a.output_ids, a.logprobs,
+                                                                       a.versions)
+        assert b.finish_reason == a.finish_reason and b.interruptions == 0
+    assert batched[0].output_ids != batched[1].output_ids  # the same prompt, its own seed
+
+
+def test_a_paused_batch_resumes_each_sample_from_its_own_output(tiny_model_dir, tmp_path):
+    budget = 400
+
+    async def run(server):
+        async with RolloutClient([server]) as client:
+            samplings = [{"max_new_tokens": budget, "ignore_eos": True, "sampling_seed": s} for s in range(3)]
+            batch = asyncio.create_task(client.generate_batch(PROMPTS, samplings))
+            await wait_until(lambda: _running(server), what="the batch to be decoding")
+            await client.pause()
+            await client.resume()
+            return await asyncio.wait_for(batch, timeout=120)
+
+    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=2") as (_, server):
+        generations = asyncio.run(run(server))
+    assert [g.input_ids for g in generations] == PROMPTS
+    assert all(len(g.output_ids) == len(g.logprobs) == len(g.versions) == budget for g in generations)
+    assert all(g.finish_reason == "length" for g in generations)
+    assert sum(g.interruptions for g in generations) >= 2  # the two decoding when it paused
+
+
+async def _running(server: str) -> bool:
+    return (await model_info(server))["running_requests"] > 0
+
+
+class BatchingClient:
+    """A stand-in client that answers every generation with the same completion and counts requests."""
+
+    def __init__(self, completion: list[int]):
+        self.completion, self.requests = completion, []
+
+    async def generate(self, input_ids, params) -> Generation:
+        self.requests.append([params])
+        return self._answer(input_ids)
+
+    async def generate_batch(self, prompts, samplings) -> list[Generation]:
+        self.requests.append(samplings)
+        return [self._answer(ids) for ids in prompts]
+
+    def _answer(self, input_ids) -> Generation:
+        n = len(self.completion)
+        return Generation(list(input_ids), list(self.completion), [-0.5] * n, [0] * n, "stop")
+
+
+class CountingPool:
+    def __init__(self, pool: RewardPool):
+        self.pool, self.calls = pool, []
+
+    def score(self, requests):
+        self.calls.append(len(requests))
+        return self.pool.score(requests)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_group_asks_one_request_and_one_reward_call_and_records_the_same(tiny_model_dir, batched):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    completion = tokenizer.encode("5", add_special_tokens=False) + [tokenizer.eos_token_id]
+    client = BatchingClient(completion)
+    with RewardPool(rewards_for_tests.exact_answer) as pool:
+        counting = CountingPool(pool)
+
+        def settings(client_):
+            return EngineSettings(client_.generate, tokenizer, Sampling(4), Scorer(counting),
+                                  generate_batch=client_.generate_batch if batched else None)
+
+        groups = EpisodeGroups(RLVRWorkflow(), settings, 4, "arithmetic", seed=1)
+        records = asyncio.run(groups.run(client, Example("e1", "What is 2+3?", answer="5")))
+    assert [len(r) for r in client.requests] == ([4] if batched else [1, 1, 1, 1])
+    seeds = [params["sampling_seed"] for request in client.requests for params in request]
+    assert len(set(seeds)) == 4  # every sample its own seed, batched or not
+    assert counting.calls == [4]  # the four rewards, answered together, in one call of the pool
+    assert [r.reward for r in records] == [1.0] * 4 and all(r.group_id == records[0].group_id for r in records)
+    assert [list(r.segments[-1].output_ids) for r in records] == [completion] * 4
+
+
+def test_same_tick_batch_runs_one_call_per_turn_and_shares_its_outcome():
+    runs = []
+
+    async def run(items):
+        runs.append(list(items))
+        await asyncio.sleep(0)
+        if "bad" in items:
+            raise ValueError("bad item")
+        return [item * 2 for item in items]
+
+    async def main():
+        batch = SameTickBatch(run)
+        together = await asyncio.gather(batch("a"), batch("b"), batch("c"))
+        later = await batch("d")
+        failed = await asyncio.gather(batch("x"), batch("bad"), return_exceptions=True)
+        return together, later, failed
+
+    together, later, failed = asyncio.run(main())
+    assert runs == [["a", "b", "c"], ["d"], ["x", "bad"]]
+    assert together == ["aa", "bb", "cc"] and later == "dd"
+    assert all(isinstance(e, ValueError) for e in failed)
+
+
+def test_same_tick_batch_is_cancelled_when_every_caller_left():
+    started, cancelled = asyncio.Event(), []
+
+    async def run(items):
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(items)
+            raise
+
+    async def main():
+        batch = SameTickBatch(run)
+        callers = [asyncio.create_task(batch(i)) for i in range(3)]
+        await started.wait()
+        callers[0].cancel()
+        await asyncio.sleep(0.01)
+        assert not cancelled  # two callers still wait for it
+        for caller in callers[1:]:
+            caller.cancel()
+        await asyncio.gather(*callers, return_exceptions=True)
+        await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert cancelled == [[0, 1, 2]]

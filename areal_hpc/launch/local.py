@@ -11,7 +11,8 @@ when the run ends, fails, or is interrupted; children die with it even on SIGKIL
 trainer save and stop, then the job is requeued when it runs under Slurm (``preemption.py``). CPU cores
 are dealt out disjointly to servers and trainer ranks (``core_shares``: each process pinned to its own),
 so neither starves the other, and so are listed accelerators (CUDA_VISIBLE_DEVICES,
-ASCEND_RT_VISIBLE_DEVICES; ``device_shares``).
+ASCEND_RT_VISIBLE_DEVICES; ``device_shares``). Trainer rank 0 runs its update on its own cores and its
+rollout side (controller, client, rewards, shard commits) on the servers' (``train/placement.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, R
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 from areal_hpc.runtime.supervisor import SupervisedProcess
+from areal_hpc.train.placement import rollout_cores_env
 from areal_hpc.train.task_setup import check_task
 
 
@@ -104,11 +106,12 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads)}
             start_model = prepare_start_model(cfg, args, warm_up_env, on_initial_model=start_servers)
             env[TRAINERS_AT] = str(time.time())
+            beside_servers = rollout_cores_env([share.cores for share in server_cores])  # rank 0's rollout side
             for rank in range(cfg.rl.trainer_processes):
                 start(f"trainer rank {rank}", trainer_command(args, start_model, resume),
                       None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log", trainer_cores[rank],
                       {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
-                       **trainer_devices[rank]})
+                       **trainer_devices[rank], **(beside_servers if rank == 0 else {})})
             trainers = started[-cfg.rl.trainer_processes:]
             stop_warning.set_target(trainers[0].process.pid)
             code = _supervise(started[:-cfg.rl.trainer_processes], trainers, stop_warning)

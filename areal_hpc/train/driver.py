@@ -46,7 +46,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
                                                  on_stop=lambda: run.save_and_stop(step))
             waited = time.perf_counter() - started
             batch = run.read_back(episodes, step)  # from the HDF5 shards, with agents' proxy records
-            stats = await asyncio.to_thread(group.update, batch)  # proximal logprobs + decoupled-PPO steps
+            stats = await run.update(batch)  # proximal logprobs + decoupled-PPO steps, on the training thread
 
             def trained_then_stop() -> None:  # the step is trained; its weight push is not needed
                 run.trained(step + 1, batch, stats, waited, started)

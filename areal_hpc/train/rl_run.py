@@ -31,6 +31,7 @@ from areal_hpc.train.build import (build_controller, build_weight_sync, engine_s
                                    open_shards, recovered_episodes, take_proxy_records, wait_for_servers)
 from areal_hpc.train.checkpoint import save_checkpoint
 from areal_hpc.train.evaluate import evaluate
+from areal_hpc.train.placement import ThreadPlacement
 from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.stopping import StopRequested
 from areal_hpc.train.task_setup import open_task, reward_pool
@@ -43,8 +44,9 @@ class RLRun:
 
     def __init__(self, cfg: RunConfig, group: TrainerGroup, state: dict, task, workflow, settings: EngineSettings,
                  progress: RLProgress, writer: TrajectoryShardWriter, consumer: TrajectoryConsumer, proxy_records,
-                 client: RolloutClient):
+                 client: RolloutClient, placement: ThreadPlacement):
         self.cfg, self.group, self.task, self.workflow, self.progress = cfg, group, task, workflow, progress
+        self.placement = placement
         self.settings, self.consumer, self.proxy_records, self.client = settings, consumer, proxy_records, client
         self.actor = group.engines["actor"]  # its saves and weight gatherings are collective over every rank
         self.version = state["step"]
@@ -65,25 +67,26 @@ class RLRun:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, cfg: RunConfig, group: TrainerGroup, state: dict) -> AsyncIterator["RLRun"]:
-        tokenizer, model_dir = group.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path
-        task = open_task(cfg, tokenizer, model_dir)
-        workflow = build_workflow(cfg.rollout)
-        addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
-        in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # /generate at most
-        with (reward_pool(cfg, task) as rewards, RLProgress(cfg, state["step"]) as progress,
-              shards(cfg, state.get("cursor", {})) as (writer, consumer),
-              open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):
-            async with (RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
-                                      rollout_token(cfg.run_dir)) as client,
-                        optional_chat(client.generate, model_dir, cfg.rollout.turn_discount) as chat):
-                settings = engine_settings(cfg, client, tokenizer, rewards, chat)
-                run = cls(cfg, group, state, task, workflow, settings, progress, writer, consumer, proxy_records,
-                          client)
-                await run._start(servers)
-                try:
-                    yield run
-                finally:
-                    await run._stop()
+        with ThreadPlacement() as placement:  # the update on this process's cores, this thread beside the servers
+            tokenizer, model_dir = group.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path
+            task = open_task(cfg, tokenizer, model_dir)
+            workflow = build_workflow(cfg.rollout)
+            addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
+            in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # requests at most
+            with (reward_pool(cfg, task) as rewards, RLProgress(cfg, state["step"]) as progress,
+                  shards(cfg, state.get("cursor", {})) as (writer, consumer),
+                  open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):
+                async with (RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
+                                          rollout_token(cfg.run_dir)) as client,
+                            optional_chat(client.generate, model_dir, cfg.rollout.turn_discount) as chat):
+                    settings = engine_settings(cfg, client, tokenizer, rewards, chat)
+                    run = cls(cfg, group, state, task, workflow, settings, progress, writer, consumer, proxy_records,
+                              client, placement)
+                    await run._start(servers)
+                    try:
+                        yield run
+                    finally:
+                        await run._stop()
 
     async def _start(self, servers) -> None:
         await self.sync.connect(self.client)
@@ -119,15 +122,21 @@ class RLRun:
                 self.progress.dropped([t.id for t in stale])
         return batch
 
+    async def update(self, batch: list[Trajectory]) -> dict[str, float]:
+        """Proximal logprobs and the decoupled-PPO steps of ``batch`` on every rank, on the training thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.placement.training, self.group.update, batch)
+
     async def push_weights(self, version: int) -> dict[str, float]:
-        """Pause (interrupt) or drain generation, give every server the weights of ``version``, continue."""
+        """Pause (interrupt) or drain generation, give every server the weights of ``version``, continue;
+        ``time/push``: all of it, the weights' staging included."""
+        started = time.perf_counter()
         stats = await self.sync.stage(self.actor, version)  # written while generation goes on
         await self.evaluation
         await (self.controller.pause() if self.cfg.rl.interruptible else self.controller.drain())
         stats |= await self.sync.push(self.actor, self.client, version)
         self.controller.set_version(version)
         await self.controller.resume()
-        return stats
+        return stats | {"time/push": time.perf_counter() - started}
 
     def trained(self, version: int, batch: list[Trajectory], stats: dict[str, float], waited: float,
                 started: float) -> None:

@@ -1,0 +1,40 @@
+"""Trainer rank 0's threads on a machine it shares with its rollout servers: the update on the
+trainer's cores, the event loop and what it starts (threads, reward workers) on the servers' cores."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from areal_hpc.config import load_config
+from areal_hpc.launch.local import core_shares
+from areal_hpc.train.placement import ROLLOUT_CORES, rollout_cores_env
+
+
+def test_rank_0_learns_the_servers_cores_only_when_they_are_pinned():
+    cfg = load_config("configs/quickstart.yaml", [])
+    _, servers = core_shares(cfg, [0, 1])
+    assert rollout_cores_env([s.cores for s in servers]) == {ROLLOUT_CORES: "0"}
+    _, servers = core_shares(load_config("configs/quickstart.yaml", ["cluster.pin_cores=false"]), [0, 1])
+    assert rollout_cores_env([s.cores for s in servers]) == {}
+    assert rollout_cores_env([[2, 3], [0, 1]]) == {ROLLOUT_CORES: "0,1,2,3"}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_update_stays_on_the_trainers_cores_and_the_rest_moves_to_the_servers():
+    rollout, trainer = sorted(os.sched_getaffinity(0))[:2]
+    script = (
+        "import os, threading, multiprocessing as mp\n"
+        "from areal_hpc.train.placement import ThreadPlacement\n"
+        "with ThreadPlacement() as p:\n"
+        "    training = p.training.submit(lambda: sorted(os.sched_getaffinity(0))).result()\n"
+        "    seen = []\n"
+        "    t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0)))); t.start(); t.join()\n"
+        "    with mp.get_context('spawn').Pool(1) as pool:\n"
+        "        worker = pool.apply(os.sched_getaffinity, (0,))\n"
+        "    print(training, sorted(os.sched_getaffinity(0)), seen[0], sorted(worker))\n")
+    done = subprocess.run(["taskset", "-c", str(trainer), sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, ROLLOUT_CORES: str(rollout)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == f"[{trainer}] [{rollout}] [{rollout}] [{rollout}]"

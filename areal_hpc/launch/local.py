@@ -12,7 +12,8 @@ trainer save and stop, then the job is requeued when it runs under Slurm (``pree
 are dealt out disjointly to servers and trainer ranks (``core_shares``: each process pinned to its own),
 so neither starves the other, and so are listed accelerators (CUDA_VISIBLE_DEVICES,
 ASCEND_RT_VISIBLE_DEVICES; ``device_shares``). Trainer rank 0 runs its update on its own cores and its
-rollout side (controller, client, rewards, shard commits) on the servers' (``train/placement.py``).
+rollout side (controller, client, rewards, shard commits) on the servers' or its own, whichever is free
+(``train/placement.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, R
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 from areal_hpc.runtime.supervisor import SupervisedProcess
-from areal_hpc.train.placement import rollout_cores_env
+from areal_hpc.train.placement import rollout_side_env
 from areal_hpc.train.task_setup import check_task
 
 
@@ -106,12 +107,12 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads)}
             start_model = prepare_start_model(cfg, args, warm_up_env, on_initial_model=start_servers)
             env[TRAINERS_AT] = str(time.time())
-            beside_servers = rollout_cores_env([share.cores for share in server_cores])  # rank 0's rollout side
+            rollout_side = rollout_side_env([share.cores for share in server_cores], trainer_cores[0].cores)
             for rank in range(cfg.rl.trainer_processes):
                 start(f"trainer rank {rank}", trainer_command(args, start_model, resume),
                       None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log", trainer_cores[rank],
                       {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
-                       **trainer_devices[rank], **(beside_servers if rank == 0 else {})})
+                       **trainer_devices[rank], **(rollout_side if rank == 0 else {})})
             trainers = started[-cfg.rl.trainer_processes:]
             stop_warning.set_target(trainers[0].process.pid)
             code = _supervise(started[:-cfg.rl.trainer_processes], trainers, stop_warning)

@@ -1,11 +1,12 @@
 """Where trainer rank 0's threads run on a machine it shares with its rollout servers: the update on
 the trainer's own cores, the rest of rank 0 (the rollout controller's event loop, the rollout client,
-reward workers, shard commits, evaluation) on the rollout servers' cores, beside the generation it drives.
+reward workers, shard commits, weight staging, evaluation) on any core of the run, the servers' included.
 
 On 2 cores the local launcher pins the server to core 0 and the trainer to core 1. Rank 0's rollout
-side takes about a third of its CPU; on core 1 it stretched the update while core 0 idled between
-generations. The launcher names the servers' cores in ``ROLLOUT_CORES``; without them (Slurm, pinning
-off) nothing moves, and the update runs on a thread of its own all the same.
+side takes about a third of its CPU; held on core 1 it stretched the update while core 0 idled between
+generations, and held on core 0 it queued behind generation while core 1 idled between updates. The
+launcher names the cores in ``ROLLOUT_SIDE_CORES``; without them (Slurm, pinning off) nothing moves,
+and the update runs on a thread of its own all the same.
 """
 
 from __future__ import annotations
@@ -13,33 +14,35 @@ from __future__ import annotations
 import concurrent.futures
 import os
 
-ROLLOUT_CORES = "AREAL_HPC_ROLLOUT_CORES"  # e.g. "0" or "0,1": the rollout servers' cores on this machine
+ROLLOUT_SIDE_CORES = "AREAL_HPC_ROLLOUT_SIDE_CORES"  # e.g. "0,1": the servers' cores and trainer rank 0's
 
 
 class ThreadPlacement:
     """``with ThreadPlacement() as placement``: from then on the calling thread, and the threads and
-    processes it starts, run on the rollout servers' cores; ``placement.training`` is a one-thread
-    executor for the update, on the cores this process had when the placement was made."""
+    processes it starts, run on ``ROLLOUT_SIDE_CORES``; ``placement.training`` is a one-thread executor
+    for the update, on the cores this process had when the placement was made."""
 
     def __init__(self, environ=os.environ):
         self.training_cores = sorted(os.sched_getaffinity(0))
-        self.rollout_cores = sorted({int(c) for c in environ.get(ROLLOUT_CORES, "").split(",") if c.strip()})
+        self.rollout_side_cores = sorted({int(c) for c in environ.get(ROLLOUT_SIDE_CORES, "").split(",") if c.strip()})
         self.training = concurrent.futures.ThreadPoolExecutor(1, "training", initializer=self._pin_training)
 
     def _pin_training(self) -> None:
         os.sched_setaffinity(0, self.training_cores)  # Linux: the calling thread only
 
     def __enter__(self) -> "ThreadPlacement":
-        if self.rollout_cores:
-            os.sched_setaffinity(0, self.rollout_cores)
+        if self.rollout_side_cores:
+            os.sched_setaffinity(0, self.rollout_side_cores)
         return self
 
     def __exit__(self, *exc) -> None:
         self.training.shutdown(wait=True)
 
 
-def rollout_cores_env(server_cores: list[list[int] | None]) -> dict[str, str]:
-    """The launcher's side: ``ROLLOUT_CORES`` for trainer rank 0 when every server is pinned, else nothing."""
-    if not server_cores or not all(server_cores):
+def rollout_side_env(server_cores: list[list[int] | None], trainer_cores: list[int] | None) -> dict[str, str]:
+    """The launcher's side: ``ROLLOUT_SIDE_CORES`` for trainer rank 0 (the servers' cores and its own)
+    when the servers and rank 0 are pinned, else nothing."""
+    if not trainer_cores or not server_cores or not all(server_cores):
         return {}
-    return {ROLLOUT_CORES: ",".join(map(str, sorted({c for cores in server_cores for c in cores})))}
+    cores = {c for share in [*server_cores, trainer_cores] for c in share}
+    return {ROLLOUT_SIDE_CORES: ",".join(map(str, sorted(cores)))}

@@ -67,7 +67,7 @@ class RLRun:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, cfg: RunConfig, group: TrainerGroup, state: dict) -> AsyncIterator["RLRun"]:
-        with ThreadPlacement() as placement:  # the update on this process's cores, this thread beside the servers
+        with ThreadPlacement() as placement:  # the update on this process's cores, this thread on the run's
             tokenizer, model_dir = group.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path
             task = open_task(cfg, tokenizer, model_dir)
             workflow = build_workflow(cfg.rollout)

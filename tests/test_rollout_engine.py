@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.models.hf import load_model
+from areal_hpc.rollout.decoder import FIRST_CAPACITY
 from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams
 from tests.test_rollout_server import PROMPT, teacher_forced_logprobs
 
@@ -82,3 +83,32 @@ def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
             logits = model(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1:-1]
         expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
         assert result.error is None and torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)
+
+
+def test_the_kv_cache_grows_under_running_sequences_without_changing_what_they_decode(tiny_model_dir):
+    """The cache starts at FIRST_CAPACITY columns per row and doubles when a sequence needs more:
+    sequences already decoding keep their keys and values through each growth (to 128, then to the
+    context length 256 here), checked against a teacher-forced pass of the Hugging Face model."""
+    engine = EmbeddedEngine(load_model(tiny_model_dir), slots=4, context_length=256, eos_token_ids=[])
+    assert engine.decoder.capacity == FIRST_CAPACITY < 256
+    requests = {"short": (PROMPT, 10), "past-64": (PROMPT * 2, 70), "past-128": (PROMPT, 150),
+                "to-the-end": (PROMPT * 3, 256 - len(PROMPT) * 3)}
+    results, all_done = {}, threading.Event()
+
+    def on_done(result):
+        results[result.rid] = result
+        if len(results) == len(requests):
+            all_done.set()
+
+    for rid, (prompt, new_tokens) in requests.items():
+        engine.submit(Request(rid, prompt, SamplingParams(max_new_tokens=new_tokens), on_done))
+    try:
+        assert all_done.wait(timeout=300)
+    finally:
+        engine.stop()
+    assert engine.decoder.capacity == 256
+    for rid, (prompt, new_tokens) in requests.items():
+        result = results[rid]
+        assert result.error is None and len(result.output_ids) == new_tokens
+        expected = teacher_forced_logprobs(tiny_model_dir, prompt, result.output_ids)
+        assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)

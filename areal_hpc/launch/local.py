@@ -34,8 +34,8 @@ from areal_hpc.launch.preemption import StopForwarder
 from areal_hpc.launch.roles import (config_args, forget_other_incarnations, incarnation_folder, prepare_start_model,
                                     server_command, trainer_command)
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, cpu_threads,
-                                         new_incarnation)
+from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, allocator_env,
+                                         cpu_threads, new_incarnation)
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 from areal_hpc.runtime.supervisor import SupervisedProcess
@@ -68,7 +68,8 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     shutil.rmtree(run_dir / "name_resolve" / ROLLOUT_SERVERS, ignore_errors=True)  # addresses of a killed run
     forget_other_incarnations(run_dir, incarnation)
     env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), INCARNATION: incarnation,
-           RENDEZVOUS: str(incarnation_folder(run_dir, incarnation) / "trainer"), "HF_HUB_OFFLINE": "1"}
+           RENDEZVOUS: str(incarnation_folder(run_dir, incarnation) / "trainer"), "HF_HUB_OFFLINE": "1",
+           **allocator_env()}
     args = config_args(config, overrides)
     started: list[SupervisedProcess] = []
     trainer_devices, server_devices = device_shares(cfg)

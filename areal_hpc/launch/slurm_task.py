@@ -33,7 +33,8 @@ from areal_hpc.launch.roles import (config_args, forget_other_incarnations, inca
                                     prepare_start_model, server_command, start_model_path, trainer_command,
                                     wait_for_model)
 from areal_hpc.runtime.bootstrap import (INCARNATION, INTERFACE, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT,
-                                         Placement, assigned_devices, cpu_threads, new_incarnation, split_roles)
+                                         Placement, allocator_env, assigned_devices, cpu_threads, new_incarnation,
+                                         split_roles)
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED
 from areal_hpc.runtime.supervisor import SupervisedProcess
 
@@ -67,7 +68,7 @@ def run_task(config: str, overrides: list[str]) -> int:
     run_dir, restart, incarnation = cfg.run_dir, os.environ.get("SLURM_RESTART_COUNT", "0"), new_incarnation()
     marks = incarnation_folder(run_dir, incarnation)
     env = {RUN_MARKER: str(run_dir.resolve()), INCARNATION: incarnation, INTERFACE: cfg.cluster.interface,
-           "HF_HUB_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", **allocator_env(),
            LAUNCHED_AT: os.environ.get(LAUNCHED_AT, str(time.time())),
            RENDEZVOUS: str(marks / "trainer"), **_threads_and_devices(role, placement, layout)}
     args = config_args(config, overrides)

@@ -36,6 +36,7 @@ from areal_hpc.launch.roles import (config_args, forget_other_incarnations, inca
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, allocator_env,
                                          cpu_threads, new_incarnation)
+from areal_hpc.runtime.forkserver import ForkServer, accelerators_present
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 from areal_hpc.runtime.supervisor import SupervisedProcess
@@ -78,9 +79,11 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
         print("cores: " + ", ".join([f"rollout server {i} on {p.cores}" for i, p in enumerate(server_cores)]
                                     + [f"trainer rank {i} on {p.cores}" for i, p in enumerate(trainer_cores)]))
 
+    fork_server = ForkServer(env).start() if forks_processes(cfg) else None
+
     def start(name: str, command: list[str], log: Path | None, cores: CoreShare, extra_env: dict) -> SupervisedProcess:
         process = SupervisedProcess(name, command, log, {**env, "OMP_NUM_THREADS": str(cores.threads), **extra_env},
-                                    cores=cores.cores)
+                                    cores=cores.cores, fork_server=fork_server)
         started.append(process.start())
         return process
 
@@ -114,6 +117,8 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
                       None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log", trainer_cores[rank],
                       {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
                        **trainer_devices[rank], **(rollout_side if rank == 0 else {})})
+            if fork_server is not None:  # every process is started: its pages no child shares are freed
+                fork_server.close()
             trainers = started[-cfg.rl.trainer_processes:]
             stop_warning.set_target(trainers[0].process.pid)
             code = _supervise(started[:-cfg.rl.trainer_processes], trainers, stop_warning)
@@ -122,11 +127,20 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             for proc in reversed(started):
                 proc.stop(grace_s=10)
             memory.stop()
+            if fork_server is not None:
+                fork_server.close()
             signal.signal(signal.SIGTERM, previous)
         if code == SAVED_AND_STOPPED and not stop_warning.requeue():
             again = shlex.join(["areal-hpc", "train", "--config", config, *overrides, "--resume"])
             print(f"areal-hpc: stopped on request; continue with: {again}", file=sys.stderr)
     return code
+
+
+def forks_processes(cfg: RunConfig) -> bool:
+    """Whether rollout servers and trainer ranks start as forks of one preloaded interpreter
+    (``cluster.fork_server``): only where no accelerator may be initialised before a fork."""
+    cpu = cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not accelerators_present())
+    return cfg.cluster.fork_server and cpu
 
 
 class RunMemory:

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from areal_hpc.errors import UserError
+from areal_hpc.runtime.forkserver import AdoptedProcess, ForkServer
 
 LOG_TAIL_LINES = 20
 
@@ -43,17 +44,21 @@ def _child_setup(cores: list[int] | None) -> None:
 
 class SupervisedProcess:
     """``log_path=None`` keeps the child on this terminal (the trainer's progress line); ``cores`` pins
-    the child and everything it starts to those CPU cores."""
+    the child and everything it starts to those CPU cores; with ``fork_server`` the child is a fork of it
+    (``python -m`` and ``python -c`` commands only)."""
 
     def __init__(self, name: str, command: list[str], log_path: Path | None, env: dict | None = None,
-                 cores: list[int] | None = None):
+                 cores: list[int] | None = None, fork_server: ForkServer | None = None):
         self.name, self.command, self.log_path = name, command, log_path and Path(log_path)
-        self.env, self.cores = env, cores
-        self.process: subprocess.Popen | None = None
+        self.env, self.cores, self.fork_server = env, cores, fork_server
+        self.process: subprocess.Popen | AdoptedProcess | None = None
 
     def start(self) -> "SupervisedProcess":
-        options = dict(env={**os.environ, **(self.env or {})}, start_new_session=True,
-                       preexec_fn=functools.partial(_child_setup, self.cores))
+        env = {**os.environ, **(self.env or {})}
+        if self.fork_server is not None:
+            self.process = self.fork_server.spawn(self.name, self.command, env, self.cores, self.log_path)
+            return self
+        options = dict(env=env, start_new_session=True, preexec_fn=functools.partial(_child_setup, self.cores))
         if self.log_path is None:
             self.process = subprocess.Popen(self.command, **options)
             return self

@@ -118,7 +118,7 @@ def report(result: dict) -> str:
              "| variant | role | steady | peak |", "|---|---|---|---|"]
     for row in result["rows"]:
         for r, values in row.items():
-            if r != "variant":
+            if r != "variant" and values["peak_mib"] >= 1:  # a role seen only while starting or gone
                 lines.append(f"| {row['variant']} | {r} | {values['steady_mib']:.0f} | {values['peak_mib']:.0f} |")
     totals = result["peak_total_mib"]
     lines += ["", f"Peak of the whole tree (median over repeats): defaults {totals['defaults'] / 1024:.2f} GiB, "

@@ -109,7 +109,8 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             # the warm-up is trainer rank 0's work: its threads, not every core (on a busy 2-core machine two
             # OpenMP threads spin against the other processes: SFT steps took ~7 s with 2 threads, ~1 s with 1)
             warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads)}
-            start_model = prepare_start_model(cfg, args, warm_up_env, on_initial_model=start_servers)
+            start_model = prepare_start_model(cfg, args, warm_up_env, on_initial_model=start_servers,
+                                              fork_server=fork_server)
             env[TRAINERS_AT] = str(time.time())
             rollout_side = rollout_side_env([share.cores for share in server_cores], trainer_cores[0].cores)
             for rank in range(cfg.rl.trainer_processes):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from areal_hpc.config import RunConfig
 from areal_hpc.errors import UserError
+from areal_hpc.runtime.forkserver import ForkServer
 from areal_hpc.runtime.supervisor import SupervisedProcess
 
 # `-c`, not `-m areal_hpc.train.driver`: reward workers (spawned) would re-import a `-m` main module and its torch.
@@ -52,21 +53,23 @@ def initial_model(cfg: RunConfig) -> Path:
     return Path(cfg.model.path) if cfg.model.path else cfg.run_dir / "init_model"
 
 
-def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, on_initial_model=None) -> Path:
+def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, on_initial_model=None,
+                        fork_server: ForkServer | None = None) -> Path:
     """Write the initial model if the run has none, then (fresh runs with ``rl.sft_warmup_steps``) run
     the SFT warm-up; returns the model the trainer starts from. ``on_initial_model`` runs as soon as the
-    initial model exists (the local launcher starts its servers then, so they load during the warm-up)."""
+    initial model exists (the local launcher starts its servers then, so they load during the warm-up).
+    With ``fork_server`` both stages are forks of it."""
     model = initial_model(cfg)
     if not cfg.model.path and not (model / "config.json").exists():
         run_stage("model initialisation", [*areal_cli(), "init-model", "--out", str(model), "--preset",
-                                            cfg.model.preset, "--seed", str(cfg.experiment.seed)], env)
+                                            cfg.model.preset, "--seed", str(cfg.experiment.seed)], env, fork_server)
     if on_initial_model is not None:
         on_initial_model(model)
     warm = start_model_path(cfg)
     if warm != model and not warm.exists():
         run_stage("SFT warm-up", [*areal_cli(), "sft", *args, f"model.path={model}",
                                    f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
-                                   f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env)
+                                   f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env, fork_server)
     return warm
 
 
@@ -94,10 +97,10 @@ def trainer_command(args: list[str], start_model: Path, resume: bool) -> list[st
     return [sys.executable, "-c", TRAINER, *args, f"model.path={start_model}", *(["--resume"] if resume else [])]
 
 
-def run_stage(name: str, command: list[str], env: dict) -> None:
+def run_stage(name: str, command: list[str], env: dict, fork_server: ForkServer | None = None) -> None:
     """A preparation step (model init, SFT warm-up) with its output on this terminal; it dies with the
     launcher, and its failure ends the launch."""
-    stage = SupervisedProcess(name, command, None, env).start()
+    stage = SupervisedProcess(name, command, None, env, fork_server=fork_server).start()
     try:
         code = stage.process.wait()
     finally:

@@ -1,7 +1,9 @@
-"""A fork server for the local launcher's rollout servers and trainer ranks on a CPU machine: one
-interpreter imports what they all import (torch, transformers, the server, the trainer), and each of
-them starts as a fork of it, so those pages are shared instead of copied per process. Importing them
-costs a process ~380-450 MB, most of the quickstart's memory; shared three ways they cost about a third.
+"""A fork server for the local launcher's processes on a CPU machine (SFT warm-up, rollout servers,
+trainer ranks): one interpreter imports what they all import (torch, transformers, the server, the
+trainer), and each of them starts as a fork of it, so those pages are shared instead of copied per
+process. Importing them costs a process ~380-450 MB, most of the quickstart's memory; shared, they
+cost it once. The launcher closes the fork server once every process is started (what no child shares
+is then freed): the quickstart's RL run peaked at 0.86 GiB instead of 1.17 (``bench/run_memory.py``).
 
     launcher ── fork server (imports once, then waits for commands on its stdin)
        └─ adopted: rollout server 0, trainer rank 0, ...  (forked twice, so the launcher is their parent)
@@ -32,7 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "areal_hpc.rollout.server", "areal_hpc.train.driver")
+PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "areal_hpc.rollout.server", "areal_hpc.train.driver",
+           "areal_hpc.train.sft")
 PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
 ADOPTION_TIMEOUT_S = 10.0
 

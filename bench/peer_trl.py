@@ -19,7 +19,7 @@ TRL is a bench-only extra: ``.venv/bin/pip install -c constraints/cpu.txt -e '.[
   warm-up schedule passed in as ``optimizers=``; the quickstart's clip, eps, temperature, top-p/top-k,
   max_new_tokens, KL coefficient (0) and bfloat16 compute; token-mean loss (``loss_type="dapo"``),
   group-normalised advantages (``scale_rewards="group"``). A ``TrainerCallback`` evaluates the model in
-  memory with ``areal_hpc.train.evaluate.evaluate_model`` (greedy, the same 200 held-out problems) at step 0,
+  memory with ``areal_hpc.train.evaluate.evaluate_model`` (greedy, the quickstart's held-out problems) at step 0,
   every ``rl.eval_every_steps`` and at the end, and writes the run's metrics.jsonl as ours does.
 
 Both: s/step is the mean of the steps after the first ``SKIP_STEPS`` (ours: the driver's ``time/step``;
@@ -380,7 +380,7 @@ def report(r: dict) -> str:
     lines = [f"# ours vs TRL GRPOTrainer on the quickstart ({r['date']})", "",
              f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
              f"{r['steps']} steps of 16 prompts x 8 samples from {r['start_model']}, seeds {r['seeds']}, evaluated "
-             f"greedily on the 200 held-out problems every {r['eval_every']} steps; s/step over the steps after the "
+             f"greedily on the {load_config(CONFIG, []).dataset.eval_size} held-out problems every {r['eval_every']} steps; s/step over the steps after the "
              f"first {r['skip_steps']}, final accuracy the mean of the last {r['last_evals']} evaluations, memory the "
              "PSS of each run's process tree.", "",
              f"TRL's torch threads: {r['trl_threads']}; ours: the quickstart's launcher (rollout server and trainer "

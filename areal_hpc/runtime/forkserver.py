@@ -167,18 +167,23 @@ def _run_adopted(request: dict) -> int:
         os.sched_setaffinity(0, request["cores"])
     for sig, action in ((signal.SIGINT, signal.default_int_handler), (signal.SIGUSR2, signal.SIG_IGN)):
         signal.signal(sig, action)  # SIGUSR2 as every supervised child (see ``runtime.supervisor``)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
+    _redirect(os.open(os.devnull, os.O_RDONLY), 0)  # the fork server's stdin is its command pipe
+    sys.stdin = open(0, closefd=False)
     if request["log"]:
         Path(request["log"]).parent.mkdir(parents=True, exist_ok=True)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
-        os.dup2(log, 2)
+        _redirect(log, 2)
     os.environ.clear()
     os.environ.update(request["env"])
     import torch  # preloaded; not imported at the top, where the launcher (which imports this module) would
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     return _run_command(request["command"])
+
+
+def _redirect(fd: int, to: int) -> None:
+    os.dup2(fd, to)
+    os.close(fd)
 
 
 def _run_command(command: list[str]) -> int:

@@ -42,7 +42,8 @@ SETTINGS = {
     "eta0_float32": ["rollout.max_head_offpolicyness=0", "model.compute_dtype=float32"],
     "eta2_lr1e-4": ["rollout.max_head_offpolicyness=2", "actor.lr=1e-4"],
     "eta2_lr1e-3": ["rollout.max_head_offpolicyness=2", "actor.lr=1e-3"],
-    "eta0_lr1e-3": ["rollout.max_head_offpolicyness=0", "actor.lr=1e-3"],
+    "eta0_lr1e-4": ["rollout.max_head_offpolicyness=0", "actor.lr=1e-4"],
+    "eta2_lr5e-5": ["rollout.max_head_offpolicyness=2", "actor.lr=5e-5"],
     "eta2_minibatches4": ["rollout.max_head_offpolicyness=2", "actor.ppo_n_minibatches=4"],
 }
 QUIET = ["saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false", "rl.sft_warmup_steps=0"]

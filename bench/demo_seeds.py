@@ -97,7 +97,7 @@ def verdict(rows: list[dict]) -> str:
     peaks = [r["peak_gib"] for r in rows if r.get("peak_gib") is not None]
     checks = [(f"SFT point in {low:.0%}-{high:.0%}", all(low <= p <= high for p in points),
                ", ".join(f"{p:.1%}" for p in points)),
-              (f"SFT point within ±{100 * TARGETS['sft_spread']:.0f} points of the mean",
+              (f"SFT points within one ±{100 * TARGETS['sft_spread']:.0f}-point band (range <= {200 * TARGETS['sft_spread']:.0f})",
                max(points) - min(points) <= 2 * TARGETS["sft_spread"], f"range {100 * (max(points) - min(points)):.1f}"),
               (f"gain >= +{100 * TARGETS['gain']:.0f} points (mean of seeds)", np.mean(gains) >= TARGETS["gain"],
                f"{100 * np.mean(gains):+.1f} (each: {', '.join(f'{100 * g:+.1f}' for g in gains)})"),

@@ -73,7 +73,7 @@ class ForkServer:
 
     def spawn(self, name: str, command: list[str], env: dict[str, str], cores: list[int] | None,
               log_path: Path | None) -> "AdoptedProcess":
-        """Start ``command`` (``python -m MODULE ...`` or ``python -c CODE ...``) as a fork; its pid."""
+        """Start ``command`` (``python -m MODULE ...`` or ``python -c CODE ...``) as a fork of the server."""
         if len(command) < 3 or command[1] not in ("-m", "-c"):
             raise ForkServerError(f"the fork server runs 'python -m' and 'python -c' commands, not {command!r}")
         request = {"name": name, "command": command, "env": env, "cores": cores, "parent": os.getpid(),
@@ -121,7 +121,7 @@ class AdoptedProcess:
             os.kill(self.pid, sig)
 
 
-def _serve(replies: int) -> None:
+def _serve(replies: int) -> int:
     """The fork server's loop: one JSON request per stdin line, the adopted child's pid (or an error)
     on ``replies``. In a child this returns the command's exit code instead of looping."""
     for module in PRELOAD:

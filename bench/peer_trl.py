@@ -60,6 +60,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).parent))
 from async_vs_sync import cpu_seconds  # noqa: E402
 from recording import machine, save  # noqa: E402
+from run_processes import process_tree, pss_mib  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
 from areal_hpc.fsio import read_json_lines  # noqa: E402
@@ -71,34 +72,6 @@ SKIP_STEPS = 3  # steps left out of s/step: start-up, the servers' first episode
 LAST_EVALS = 3  # evaluations averaged into the final accuracy
 SAMPLE_S = 0.5  # seconds between memory samples
 RUN_FILE = "quickstart/trial0/metrics.jsonl"  # under a run's fileroot, for both sides
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants that are alive now."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, queue = [], [root]
-    while queue:
-        pid = queue.pop()
-        tree.append(pid)
-        queue += children.get(pid, [])
-    return tree
-
-
-def pss_mib(pid: int) -> float:
-    """Proportional set size of one process (0 once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return 0.0
 
 
 class TreeMemory:

@@ -36,7 +36,9 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from async_vs_sync import cpu_seconds  # noqa: E402
 from recording import machine, run_and_record  # noqa: E402
+from run_processes import role  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
 
@@ -81,16 +83,9 @@ def run_cpu(marker: bytes) -> dict[str, float]:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # gone meanwhile
-        role = ("rollout server" if b" serve " in command else "trainer" if b"driver" in command
-                else "launcher" if b" train " in command else "reward workers")
-        by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+        name = role(int(pid))
+        by_role[name] = by_role.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
     return by_role
-
-
-def machine_cpu() -> float:
-    """CPU seconds every core spent busy since boot (/proc/stat)."""
-    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / TICK
 
 
 def last_step(metrics: Path) -> int:
@@ -114,7 +109,7 @@ def run_once(tree: Path, overrides: list[str], model: Path, fileroot: Path, step
     while process.poll() is None:
         step = last_step(metrics)
         if (not marks and step >= skip) or (len(marks) == 1 and step >= steps - 1):
-            marks.append((step, time.monotonic(), run_cpu(str(fileroot).encode()), machine_cpu()))
+            marks.append((step, time.monotonic(), run_cpu(str(fileroot).encode()), cpu_seconds()[0]))
         time.sleep(0.05)
     output = process.stdout.read()
     if process.returncode or len(marks) < 2:
@@ -186,7 +181,7 @@ def report(r: dict) -> str:
              f"`areal-hpc train --config {CONFIG}` from {r['start_model']}, medians over the steps after the first "
              f"{r['skip']}; the table: medians over the repeats.", "",
              "| variant | commit, overrides | s/step | vs first (median of per-repeat ratios) | train (s) | "
-             "wait for batch (s) | push (s) | CPU-s/step (trainer, server, reward, launcher) | other load (cores) | "
+             "wait for batch (s) | push (s) | CPU-s/step (trainer, server, helpers, launcher) | other load (cores) | "
              "s/step of each repeat |", "|---" * 10 + "|"]
     for row in r["rows"]:
         cpu = row["cpu_per_step"]
@@ -195,7 +190,7 @@ def report(r: dict) -> str:
             f"| {row['variant']} | {row['commit']} {' '.join(row['overrides'])} | {row['time/step']:.3f} | "
             f"**{row['ratio_vs_first']:.2f}x** | {row['time/train']:.3f} | {row['time/generate_wait']:.3f} | {push} | "
             f"{row['cpu_per_step_total']:.3f} ({cpu.get('trainer', 0):.3f}, {cpu.get('rollout server', 0):.3f}, "
-            f"{cpu.get('reward workers', 0):.3f}, {cpu.get('launcher', 0):.3f}) | {row['other_load_cores']:.2f} | "
+            f"{cpu.get('helpers', 0):.3f}, {cpu.get('launcher', 0):.3f}) | {row['other_load_cores']:.2f} | "
             + ", ".join(f"{s:.3f}" for s in row["s_per_step_each"]) + " |")
     return "\n".join(lines)
 

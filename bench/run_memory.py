@@ -29,8 +29,8 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_trl import pss_mib, process_tree  # noqa: E402
 from recording import machine, run_and_record  # noqa: E402
+from run_processes import process_tree, pss_mib, role  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_S = 0.5
@@ -43,29 +43,13 @@ VARIANTS = {
 }
 
 
-def role(pid: int) -> str:
-    """What a process of the run is, from its command line or (for a fork) its name."""
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        name = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "gone"
-    for prefix, label in (("rollout server", "rollout server"), ("trainer rank", "trainer")):
-        if name.startswith(prefix):  # a fork of the fork server, named by the launcher
-            return label
-    for needle, label in ((" serve ", "rollout server"), ("train.driver", "trainer"), ("forkserver", "fork server"),
-                          ("multiprocessing", "helpers"), (" train ", "launcher")):
-        if needle in command:
-            return label
-    return "other"
-
-
 def sample_roles(root: int, done: threading.Event, samples: list) -> None:
     start = time.monotonic()
     while not done.is_set():
         by_role: dict[str, float] = {}
         for pid in process_tree(root):
-            by_role[role(pid)] = by_role.get(role(pid), 0.0) + pss_mib(pid)
+            name = role(pid)
+            by_role[name] = by_role.get(name, 0.0) + pss_mib(pid)
         samples.append((time.monotonic() - start, by_role))
         done.wait(SAMPLE_S)
 

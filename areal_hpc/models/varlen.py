@@ -8,13 +8,16 @@ never reaches a real query under a causal mask, so no mask is needed), and the o
 back into the packed row. Linear layers, norms and the LM head never see padding. A group's padded
 attention costs at most ``PAD_TOLERANCE`` times its sequences' own Σ L².
 
-On CUDA with flash-attn installed, Hugging Face's ``flash_attention_2`` does the same from the
-restarting position ids (varlen kernels); that path has not run on this project's CI.
+On CUDA with bf16/fp16 compute, torch's own flash-attention varlen kernel (``torch.nn.attention.varlen``)
+takes the packed row as it is, no padding at all; with flash-attn installed, Hugging Face's
+``flash_attention_2`` does the same from the restarting position ids. Neither runs on CPU CI: ``bench/
+gpu_check.py`` checks them against dense-mask sdpa on a GPU.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 VARLEN_SDPA = "varlen_sdpa"
+VARLEN_FLASH = "varlen_flash"
 PAD_TOLERANCE = 1.5  # padded attention work of a group / the work of its sequences alone
 
 
@@ -78,9 +82,11 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
             block = x.new_zeros(x.shape[1], group.n * group.length, dim)
             block = block.index_copy(1, group.slots, x[0].index_select(1, group.tokens))
             blocks.append(block.view(x.shape[1], group.n, group.length, dim).transpose(0, 1))
-        with torch.autocast(query.device.type, enabled=False):  # CPU's bfloat16 attention backward is slow
-            attended = F.scaled_dot_product_attention(*(b.float() for b in blocks), is_causal=True, scale=scaling,
-                                                      dropout_p=dropout if module.training else 0.0, enable_gqa=gqa)
+        precision = torch.float32 if query.device.type == "cpu" else query.dtype  # CPU's bf16 backward is slow
+        with torch.autocast(query.device.type, enabled=False):
+            attended = F.scaled_dot_product_attention(*(b.to(precision) for b in blocks), is_causal=True,
+                                                      scale=scaling, dropout_p=dropout if module.training else 0.0,
+                                                      enable_gqa=gqa)
         attended = attended.to(query.dtype).transpose(0, 1).reshape(heads, group.n * group.length, dim)
         out = out.index_copy(1, group.tokens, attended.index_select(1, group.slots))
     return out.transpose(0, 1)[None], None
@@ -89,21 +95,61 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 AttentionInterface.register(VARLEN_SDPA, varlen_sdpa)
 
 
-def packed_attention_implementation(device: torch.device) -> str:
-    """flash-attn's varlen kernels on CUDA when installed, else per-sequence sdpa."""
+def _torch_varlen_attn():
+    """torch's flash-attention kernel over packed sequences (``torch.nn.attention.varlen``, CUDA), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_flash(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask, *, scaling: float | None = None, cu_seqlens: torch.Tensor, max_length: int,
+                 **_) -> tuple[torch.Tensor, None]:
+    """Hugging Face attention-interface function on torch's varlen flash kernel: q [1, H, T, D], k/v
+    [1, H_kv, T, D] of a packed row -> [1, T, H, D], each sequence attending causally to itself only.
+    Takes bf16/fp16 inputs and no dropout (``packed_attention_inputs`` chooses it only then)."""
+    varlen_attn = _torch_varlen_attn()
+    options = inspect.signature(varlen_attn).parameters  # torch 2.9-2.11 name causality and GQA differently
+    causal = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    if "enable_gqa" in options:
+        causal["enable_gqa"] = k.shape[1] != q.shape[1]
+    elif k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scaling, **causal)
+    return out[None], None
+
+
+AttentionInterface.register(VARLEN_FLASH, varlen_flash)
+
+
+def packed_attention_inputs(model: torch.nn.Module, cu_seqlens: torch.Tensor) -> tuple[str, dict]:
+    """The attention implementation for a packed row of ``model`` and the keyword arguments it takes:
+    flash-attn's varlen kernels on CUDA when installed (they read the restarting position ids); else
+    torch's varlen flash kernel on CUDA for bf16/fp16 compute (autocast or half weights) without
+    dropout; else per-sequence sdpa."""
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return VARLEN_SDPA
+        return "flash_attention_2", {}
+    half = dtype in (torch.bfloat16, torch.float16) or (torch.is_autocast_enabled(device.type) and
+                                                        torch.get_autocast_dtype(device.type) != torch.float32)
+    no_dropout = not model.training or getattr(model.config, "attention_dropout", 0.0) == 0.0
+    if device.type == "cuda" and half and no_dropout and _torch_varlen_attn() is not None:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        return VARLEN_FLASH, {"cu_seqlens": cu_seqlens.to(torch.int32), "max_length": int(lengths.max())}
+    return VARLEN_SDPA, {"padded_groups": padded_groups(cu_seqlens)}
 
 
 @contextmanager
-def packed_attention(model: torch.nn.Module, implementation: str | None = None):
-    """Within the block, ``model`` attends over packed rows sequence by sequence (with ``implementation``
-    when given, e.g. context parallelism's). The model keeps its own implementation outside (the
-    in-process evaluation decodes with it and a KV cache)."""
+def packed_attention(model: torch.nn.Module, implementation: str):
+    """Within the block, ``model`` attends with ``implementation`` (one of ``packed_attention_inputs``, or
+    context parallelism's). The model keeps its own implementation outside (the in-process evaluation
+    decodes with it and a KV cache)."""
     config = model.config
     before = config._attn_implementation
-    config._attn_implementation = implementation or packed_attention_implementation(next(model.parameters()).device)
+    config._attn_implementation = implementation
     try:
         yield
     finally:

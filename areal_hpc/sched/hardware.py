@@ -34,6 +34,7 @@ class Accelerator:
 # AReaL-Hex paper's; the other prices are typical 2025 cloud list prices, to be overridden per site.
 CATALOGUE = {a.name: a for a in [
     Accelerator("H100", 989.0, 3350.0, 80.0, 450.0, 6.00),
+    Accelerator("H200", 989.0, 4800.0, 141.0, 450.0, 7.00),
     Accelerator("H800", 989.0, 3350.0, 80.0, 200.0, 5.28),
     Accelerator("H20", 148.0, 4000.0, 96.0, 450.0, 1.85),
     Accelerator("A100", 312.0, 2039.0, 80.0, 300.0, 2.50),

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from areal_hpc.algo.packing import PackedBatch
-from areal_hpc.models.varlen import packed_attention, padded_groups
+from areal_hpc.models.varlen import packed_attention, packed_attention_inputs
 from areal_hpc.parallel.context import CONTEXT_SDPA, ContextShard
 
 LOGITS_CHUNK_BYTES = 128 * 2**20
@@ -38,7 +38,7 @@ def decoder_hidden(model: torch.nn.Module, batch: PackedBatch, hidden: torch.Ten
     if isinstance(batch, ContextShard):  # a context-parallel rank's tokens: attention over every rank's
         implementation, attention = CONTEXT_SDPA, {"context_split": batch.split}
     else:
-        implementation, attention = None, {"padded_groups": padded_groups(batch.cu_seqlens)}
+        implementation, attention = packed_attention_inputs(model, batch.cu_seqlens)
     with packed_attention(model, implementation):
         return model.base_model(**inputs, position_ids=batch.position_ids, use_cache=False,
                                 **attention).last_hidden_state[0]

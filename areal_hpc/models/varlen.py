@@ -16,6 +16,7 @@ gpu_check.py`` checks them against dense-mask sdpa on a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from contextlib import contextmanager
@@ -95,6 +96,7 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 AttentionInterface.register(VARLEN_SDPA, varlen_sdpa)
 
 
+@functools.cache
 def _torch_varlen_attn():
     """torch's flash-attention kernel over packed sequences (``torch.nn.attention.varlen``, CUDA), or None."""
     try:
@@ -113,7 +115,9 @@ def varlen_flash(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     varlen_attn = _torch_varlen_attn()
     options = inspect.signature(varlen_attn).parameters  # torch 2.9-2.11 name causality and GQA differently
     causal = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    autocast = torch.is_autocast_enabled(query.device.type)  # rotary embeddings leave q, k in float32 there
+    dtype = torch.get_autocast_dtype(query.device.type) if autocast else query.dtype
+    q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))  # [T, heads, D]
     if "enable_gqa" in options:
         causal["enable_gqa"] = k.shape[1] != q.shape[1]
     elif k.shape[1] != q.shape[1]:

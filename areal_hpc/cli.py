@@ -273,12 +273,19 @@ def _submit_arguments(sub) -> None:
                      help="as for `train`: continue the run folder's run (a requeued job always does)")
     sub.add_argument("--dry-run", action="store_true", help="print the job script and check it with "
                                                             "`sbatch --test-only`; submit nothing")
+    sub.add_argument("--check-memory", metavar="DEVICE", help="refuse the run, before anything is queued, if a "
+                     "trainer rank or a rollout server would not fit in DEVICE's memory: a device type (H100, H20, "
+                     "...) or a size in GB (e.g. 24)")
 
 
 def _submit(args) -> int:
     from areal_hpc.launch.submit import describe, prepare, script, submit, test_only
 
     submission = prepare(args.config, args.overrides, args.profile, args.plan, args.resume)
+    if args.check_memory:
+        from areal_hpc.engines.torch.outputs import LOGITS_CHUNK_BYTES
+
+        print(planner_cli.check_run_memory(submission.cfg, args.check_memory, LOGITS_CHUNK_BYTES), file=sys.stderr)
     if args.dry_run:
         print(script(submission))
         print(f"sbatch --test-only: {test_only(script(submission))}", file=sys.stderr)

@@ -49,7 +49,7 @@ def test_plan_json_min_cost():
     ("min-cost without target", ["--model", "r1-distill-qwen-1.5b", "--objective", "min-cost"], "needs --target"),
 ])
 def test_bad_plan_input_is_one_line_exit_2(tmp_path, case, args, message):
-    small = write_cluster(tmp_path, [{"device": "L40S", "nodes": 1, "per_node": 1}])
+    small = write_cluster(tmp_path, [{"device": "L40S", "nodes": 1, "per_node": 2}])  # 1.5B trains on 2, not 1
     done = run_cli("plan", "--cluster", small, *args)
     assert done.returncode == 2, case
     assert message in done.stderr and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

@@ -84,10 +84,13 @@ def run_plan(args) -> int:
     workload = Workload(prompts=args.sequences, answers=1, prompt_len=args.prompt_len, gen_mean=args.answer_len,
                         gen_max=2 * args.answer_len)
     efficiency = load_efficiency(args.efficiency) if args.efficiency else Efficiency()
-    planner = HeteroPlanner(cluster, CostModel(model, workload, efficiency), args.staleness,
-                            args.budget_per_hour or math.inf, args.objective, args.target_throughput)
-    record = plan_dict(planner.plan(), cluster, model.name, workload)
-    print(json.dumps(record) if args.json else plan_text(record))
+    cost = CostModel(model, workload, efficiency)
+    planner = HeteroPlanner(cluster, cost, args.staleness, args.budget_per_hour or math.inf, args.objective,
+                            args.target_throughput)
+    plan = planner.plan()
+    record = plan_dict(plan, cluster, model.name, workload)
+    record["memory"] = plan_memory(plan, cost, cluster)
+    print(json.dumps(record) if args.json else plan_text(record) + "\n\n" + memory_text(record["memory"]))
     try:
         if args.out:
             Path(args.out).write_text(yaml.safe_dump(record, sort_keys=False))
@@ -96,6 +99,90 @@ def run_plan(args) -> int:
     except OSError as exc:
         raise UserError(f"cannot write {exc.filename}: {exc.strerror}") from None
     return 0
+
+
+def plan_memory(plan, cost, cluster) -> list[dict]:
+    """Per role of ``plan``: one device's estimated memory (GB, by kind) and whether it fits that device."""
+    from areal_hpc.sched.memory import GB
+
+    devices = {p.name: p.device for p in cluster.pools}
+    roles = [(f"train dp{g.dp} tp{g.tp} pp{g.pp}", g.pool, cost.train_memory(g.dp, g.tp, g.pp)) for g in plan.train]
+    roles += [(f"rollout tp{r.tp} pp{r.pp} x{r.batch} seqs", r.pool, cost.rollout_memory(r)) for r, _ in plan.rollout.replicas]
+    return [{"role": role, "pool": pool, "device": devices[pool].name, "device_gb": devices[pool].memory_gb,
+             **{kind: round(value / GB, 2) for kind, value in estimate.breakdown().items()},
+             "fits": estimate.fits(devices[pool].memory_gb * GB)} for role, pool, estimate in roles]
+
+
+def memory_text(rows: list[dict]) -> str:
+    from areal_hpc.sched.memory import RESERVE_FRACTION
+    from areal_hpc.sched.report import table
+
+    kinds = ["params", "grads", "optimizer", "activations", "kv_cache", "total"]
+    body = [[r["role"], r["device"], *(f"{r.get(k, 0):.1f}" for k in kinds),
+             f"{'yes' if r['fits'] else 'NO'} ({r['device_gb'] * (1 - RESERVE_FRACTION):.0f} of {r['device_gb']:.0f})"]
+            for r in rows]
+    return (f"memory per device, GB (estimated; {RESERVE_FRACTION:.0%} of each device kept for the framework):\n"
+            + table(["role", "device", *kinds, "fits"], body))
+
+
+def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
+    """``submit --check-memory DEVICE``: a trainer rank and a rollout server of ``cfg`` on a device of the
+    catalogue (H100, ...) or of DEVICE GB; raises ``UserError`` (one line: what, how much, what would fit)
+    for one that cannot fit, else says what each needs. ``logits_chunk_bytes``: the torch engine's chunk
+    of float32 logits (the caller imports the engine; this module stays free of torch)."""
+    from areal_hpc.parallel.dims import ParallelDims
+    from areal_hpc.sched.hardware import CATALOGUE
+    from areal_hpc.sched.memory import (GB, Precision, TrainLayout, largest_micro_tokens, rollout_estimate,
+                                        rollout_slots, train_estimate, usable_bytes)
+    from areal_hpc.sched.model_spec import load_model_spec
+
+    if device in CATALOGUE:
+        device_bytes = CATALOGUE[device].memory_gb * GB
+    else:
+        try:
+            device_bytes = float(device.upper().removesuffix("GB").removesuffix("G")) * GB
+        except ValueError:
+            device_bytes = 0.0
+        if not device_bytes > 0:
+            raise UserError(f"--check-memory {device!r} is neither a device type ({', '.join(CATALOGUE)}) nor a "
+                            f"size in GB (e.g. 24)")
+    if not cfg.model.path:
+        raise UserError("--check-memory needs model.path (a folder with the model's config.json)")
+    model = load_model_spec(cfg.model.path)
+    room = f"{usable_bytes(device_bytes) / GB:.1f} GB usable of {device}'s {device_bytes / GB:.0f} GB"
+    megatron = cfg.actor.engine == "megatron"
+    if megatron:  # bf16 compute: Megatron's mixed precision (bf16 weights, fp32 gradients and master weights)
+        precision = Precision(cfg.model.compute_dtype if cfg.model.compute_dtype == "bfloat16" else cfg.model.dtype,
+                              cfg.model.compute_dtype, "float32", "float32")
+    else:  # the torch engine: gradients and Adam's moments in the weights' dtype, autocast for bf16 compute
+        precision = Precision(cfg.model.dtype, cfg.model.compute_dtype, cfg.model.dtype, cfg.model.dtype)
+    layout = TrainLayout(ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes), precision,
+                         cfg.actor.max_tokens_per_mb, shard_optimizer=False, vocab_parallel=megatron,
+                         logit_tokens=None if megatron else max(1, logits_chunk_bytes // (4 * model.vocab)))
+    trainer = train_estimate(model, layout)
+    if not trainer.fits(device_bytes):
+        tokens = largest_micro_tokens(model, layout, device_bytes)
+        fix = (f"actor.max_tokens_per_mb<={tokens} would fit" if tokens >= 16 else
+               "its weights, gradients and optimizer states alone do not fit: shard them over more ranks "
+               "(actor.parallel.fsdp=true, tp, pp) or use a larger device")
+        raise UserError(f"--check-memory {device}: a trainer rank needs {trainer.describe()[len('trainer: '):]} "
+                        f"but has {room}; {fix}")
+    tp = cfg.rollout.tp_size if cfg.rollout.backend == "sglang" else 1
+    context = cfg.rollout.context_length or model_max_context(cfg.model.path)
+    server = rollout_estimate(model, tp, 1, cfg.rollout.max_running_requests, context, cfg.model.dtype)
+    if not server.fits(device_bytes):
+        slots = rollout_slots(model, device_bytes, tp, 1, context, cfg.model.dtype)
+        fix = (f"rollout.max_running_requests<={slots} (or a shorter rollout.context_length) would fit" if slots else
+               "its weights alone do not fit: raise rollout.tp_size (sglang) or use a larger device")
+        raise UserError(f"--check-memory {device}: a rollout server of {cfg.rollout.max_running_requests} sequences of "
+                        f"{context} tokens needs {server.describe()[len('rollout: '):]} but has {room}; {fix}")
+    return f"memory check on {device}: {trainer.describe(device_bytes)}; {server.describe(device_bytes)}"
+
+
+def model_max_context(path: str) -> int:
+    """The model's longest sequence (config.json's max_position_embeddings), the embedded engine's default."""
+    config = Path(path) / "config.json"
+    return int(json.loads(config.read_text()).get("max_position_embeddings", 32768))
 
 
 def run_simulate(args) -> int:

@@ -11,10 +11,15 @@ from functools import lru_cache
 from importlib.resources.abc import Traversable
 
 from areal_hpc.errors import UserError, closest
+from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.sched.hardware import CATALOGUE, NodePool, read_yaml
+from areal_hpc.sched.memory import (GB, MemoryEstimate, Precision, TrainLayout, kv_shards, rollout_estimate,
+                                    rollout_slots, train_estimate)
 from areal_hpc.sched.model_spec import ModelSpec
 
-GB = 1e9
+# What the planner assumes of a trainer: Megatron-LM's defaults for mixed precision (bfloat16 weights and
+# gradients, float32 master weights and moments), its distributed optimizer, full activation recomputation.
+MEGATRON_MIXED = Precision("bfloat16", "bfloat16", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -159,8 +164,7 @@ class CostModel:
         """Throughput of one rollout replica, or None when the weights leave no room for a KV cache."""
         m, w, e, dev = self.model, self.workload, self.eff, pool.device
         n = tp * pp
-        free = dev.memory_gb * GB * 0.9 - m.weight_bytes / n - 2 * GB  # 2 GB: activations, graphs
-        batch = min(w.max_running, int(free / (m.kv_bytes_per_token * w.seq_tokens / self._kv_shards(tp, pp))))
+        batch = min(w.max_running, rollout_slots(m, dev.memory_gb * GB, tp, pp, w.seq_tokens))
         if batch < 1 or pp > m.layers:
             return None
         prefill_s = 2 * m.params * w.prompt_len / (n * dev.tflops * 1e12 * e.prefill_mfu * e.overall)
@@ -175,7 +179,7 @@ class CostModel:
         n = tp * pp
         context = w.prompt_len + w.gen_mean / 2
         # Each of the pp micro-batches reads its stage's weights, so PP does not cut weight reads.
-        read = m.weight_bytes / tp + running * context * m.kv_bytes_per_token / self._kv_shards(tp, pp)
+        read = m.weight_bytes / tp + running * context * m.kv_bytes_per_token / kv_shards(m, tp, pp)
         device = e.overall * e.factor(f"{dev.name}.decode")
         memory_s = read / (dev.hbm_gbs * GB * e.decode_hbm * device)
         compute_s = 2 * m.params * running / n / (dev.tflops * 1e12 * e.decode_mfu * device)
@@ -183,10 +187,6 @@ class CostModel:
         pp_gbs = dev.link_gbs if n <= pool.per_node else inter_gbs
         pp_s = (pp - 1) * (running * m.hidden * 2 / (pp_gbs * GB * e.link) + e.latency_s)
         return max(memory_s, compute_s) + tp_s + pp_s
-
-    def _kv_shards(self, tp: int, pp: int) -> int:
-        """Ways the KV cache splits: by layer over pp, by KV head over tp (TP beyond the KV heads replicates)."""
-        return min(tp, self.model.kv_heads) * pp
 
     def rollout_replicas(self, pool: NodePool, devices: int, inter_gbs: float) -> list[RolloutReplica]:
         """Every feasible replica configuration of at most ``devices`` devices of ``pool``."""
@@ -198,12 +198,15 @@ class CostModel:
                     found.append(replica)
         return found
 
-    def train_memory_fits(self, pool: NodePool, dp: int, tp: int, pp: int) -> bool:
-        """bf16 weights and grads, fp32 master + Adam (distributed optimizer), checkpointed activations."""
-        m, w = self.model, self.workload
-        states = 4 * m.params / (tp * pp) + 12 * m.params / (tp * pp * dp)
-        activations = w.micro_tokens * m.hidden * 2 * (m.layers / pp + 34 / tp) + w.micro_tokens * m.vocab * 4 / tp
-        return states + activations <= pool.device.memory_gb * GB * 0.9
+    def train_memory(self, dp: int, tp: int, pp: int) -> MemoryEstimate:
+        """A trainer rank's memory in a dp x tp x pp group, as the planner assumes trainers run (``MEGATRON_MIXED``)."""
+        layout = TrainLayout(ParallelDims(dp=dp, tp=tp, pp=pp), MEGATRON_MIXED, self.workload.micro_tokens,
+                             recompute="full", shard_optimizer=True)
+        return train_estimate(self.model, layout)
+
+    def rollout_memory(self, replica: RolloutReplica) -> MemoryEstimate:
+        """A device's memory in a rollout replica: its ``batch`` sequences of prompt and mean answer."""
+        return rollout_estimate(self.model, replica.tp, replica.pp, replica.batch, self.workload.seq_tokens)
 
     def _train_layouts(self, pool: NodePool, devices: int, inter_gbs: float) -> tuple[TrainGroup, ...]:
         """Every dp x tp x pp layout of exactly ``devices`` devices of ``pool`` that fits in memory."""
@@ -212,7 +215,7 @@ class CostModel:
         for tp in powers_of_two(min(pool.per_node, m.heads)):
             for pp in range(1, min(devices // tp, m.layers) + 1):
                 dp, rest = divmod(devices, tp * pp)
-                if rest or not self.train_memory_fits(pool, dp, tp, pp):
+                if rest or not self.train_memory(dp, tp, pp).fits(dev.memory_gb * GB):
                     continue
                 micro_batches = max(1.0, w.step_tokens / dp / w.micro_tokens)
                 # 8 = 6 (forward + backward) + 2 (forward that recomputes the proximal log-probs)

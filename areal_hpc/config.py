@@ -60,8 +60,11 @@ class ModelConfig:
     preset: str = spec("tiny", "architecture used when `path` is empty", choices=["tiny", "small", "tiny-moe"])
     dtype: str = spec("float32", "parameter dtype", choices=["float32", "bfloat16", "float16"])
     attn_impl: str = spec("sdpa", "attention implementation", choices=["sdpa", "eager", "flash_attention_2"])
-    compute_dtype: str = spec("float32", "dtype of the trainer's matrix multiplies: bfloat16 autocasts them (weights, "
-                              "gradients and optimizer state stay in `dtype`)", choices=["float32", "bfloat16"])
+    compute_dtype: str = spec("float32", "dtype of the trainer's matrix multiplies. bfloat16: the torch engine "
+                              "autocasts them (weights, gradients and optimizer state stay in `dtype`); "
+                              "actor.engine=megatron trains Megatron's bf16 mixed precision (bf16 weights and "
+                              "rollout push, fp32 gradients, master weights and optimizer state; not with fsdp)",
+                              choices=["float32", "bfloat16"])
 
 
 @dataclass

@@ -5,7 +5,8 @@ rollout push and the saved folder), and the optimizer state saved and resumed pe
 - A critic's head the folder lacks takes the same draws as ``models.hf.load_critic``'s, so both
   engines start from one critic.
 - Optimizer state resumes in the layout that saved it only; FSDP's Adam moments are DTensor shards,
-  saved per rank as their local shards.
+  saved per rank as their local shards. In bf16 it is Megatron's mixed-precision optimizer's: the fp32
+  master weights beside the torch optimizer's state.
 """
 
 from __future__ import annotations
@@ -133,37 +134,59 @@ def save_hf_folder(buckets: Iterator[WeightBucket], folder: Path, hf_config, tok
         save_model(skeleton, tokenizer, folder, state_dict=state)
 
 
-def save_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, scheduler, dims: ParallelDims) -> None:
+def save_optimizer_state(folder: Path, optimizer, scheduler, dims: ParallelDims) -> None:
     """Collective, once rank 0 has written ``folder``: every rank its optimizer state
     (``optimizer/rank{N}.pt``), rank 0 the schedule and layout (``training_state.pt``)."""
     rank = dist.get_rank()
     dist.barrier()  # rank 0 has renamed the folder into place
     (folder / OPTIMIZER_SHARDS).mkdir(exist_ok=True)
-    torch.save(_local_shards(optimizer.state_dict()), folder / OPTIMIZER_SHARDS / f"rank{rank}.pt")
+    state = optimizer.state_dict()
+    torch.save(_local_shards(state) if dims.fsdp else state, folder / OPTIMIZER_SHARDS / f"rank{rank}.pt")
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "megatron_layout": megatron_layout(dims)},
+        torch.save({"scheduler": scheduler.state_dict(), "megatron_layout": megatron_layout(dims, optimizer)},
                    folder / TRAINING_STATE)
 
 
-def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, scheduler, dims: ParallelDims,
-                         device: torch.device) -> None:
+def load_optimizer_state(folder: Path, optimizer, scheduler, dims: ParallelDims, device: torch.device) -> None:
     """This rank's optimizer state and the schedule from ``folder``, which a run of this layout saved."""
     training = torch.load(folder / TRAINING_STATE, map_location="cpu", weights_only=True)
     saved = training.get("megatron_layout")
-    saved = {"cp": 1, "fsdp": 0, **saved} if saved else saved  # checkpoints from before cp and fsdp
-    if saved != megatron_layout(dims):
+    saved = {"cp": 1, "fsdp": 0, "bf16": 0, **saved} if saved else saved  # checkpoints from before cp, fsdp, bf16
+    if saved != megatron_layout(dims, optimizer):
         raise UserError(f"checkpoint {folder} holds optimizer state of layout {saved}, not this run's "
-                        f"{megatron_layout(dims)} (actor.engine=megatron resumes in the layout it saved)")
+                        f"{megatron_layout(dims, optimizer)} (actor.engine=megatron resumes in the layout it saved)")
     scheduler.load_state_dict(training["scheduler"])
     shard = torch.load(folder / OPTIMIZER_SHARDS / f"rank{dist.get_rank()}.pt", map_location=device,
                        weights_only=True)
-    optimizer.load_state_dict(shard)
+    if has_master_weights(optimizer):
+        _load_mixed_precision_state(optimizer, shard)
+    else:
+        optimizer.load_state_dict(shard)
     _placed_like_parameters(optimizer)
 
 
-def megatron_layout(dims: ParallelDims) -> dict[str, int]:
-    """The layout an optimizer checkpoint records, and must match to resume."""
-    return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep, "fsdp": int(dims.fsdp)}
+def has_master_weights(optimizer) -> bool:
+    """Whether ``optimizer`` is Megatron's mixed-precision one (fp32 masters of bf16 parameters)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    return isinstance(optimizer, Float16OptimizerWithFloat16Params)
+
+
+def megatron_layout(dims: ParallelDims, optimizer) -> dict[str, int]:
+    """The layout an optimizer checkpoint records, and must match to resume (bf16: fp32 master weights)."""
+    return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep, "fsdp": int(dims.fsdp),
+            "bf16": int(has_master_weights(optimizer))}
+
+
+def _load_mixed_precision_state(optimizer, state: dict) -> None:
+    """Megatron's mixed-precision optimizer state (its ``state_dict()``) into ``optimizer``: the torch
+    optimizer's, then the fp32 master weights. (Megatron's own ``load_state_dict`` matches parameter
+    groups by Megatron's group keys, which ``engines.optim``'s groups do not carry.)"""
+    optimizer.optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():
+        for masters, saved in zip(optimizer.fp32_from_float16_groups, state["fp32_from_fp16_params"], strict=True):
+            for master, value in zip(masters, saved, strict=True):
+                master.copy_(value)
 
 
 def _local_shards(state: dict) -> dict:

@@ -10,6 +10,10 @@ rollout push, optimizer state) and ``convert`` (HF <-> Megatron tensors).
   the last stage and reach every rank of the pipeline.
 - The optimizer and schedule are ``engines.optim``'s on each rank's shards (Adam is elementwise);
   gradients are finalised without Megatron's per-token scaling.
+- ``compute_dtype="bfloat16"`` is Megatron's bf16 mixed precision (``model``): bf16 parameters and
+  compute, fp32 gradients, fp32 master weights and Adam state. The rollout push and the saved folder
+  hold the bf16 parameters (what the trainer computes with; servers cast them to their own dtype); the
+  optimizer shards hold the fp32 masters.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from areal_hpc.engines.base import TRAINING_STATE, LossFn, Outputs, WeightBucket
 from areal_hpc.engines.megatron.checkpoint import (buckets_on_rank0, load_hf_weights, load_optimizer_state,
                                                    save_hf_folder, save_optimizer_state, stage_hf_tensors)
 from areal_hpc.engines.megatron.convert import ModelShape
-from areal_hpc.engines.megatron.model import (build_stage, check_layout, clip_grad_norm, initialize_megatron,
-                                              wrap_data_parallel)
+from areal_hpc.engines.megatron.model import (build_stage, check_layout, clip_grad_norm, in_compute_dtype,
+                                              initialize_megatron, with_fp32_master_weights, wrap_data_parallel)
 from areal_hpc.engines.megatron.outputs import per_position_outputs
 from areal_hpc.engines.megatron.schedule import Pass, from_last_stage, microbatches, run_schedule
 from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
-from areal_hpc.errors import UserError
+from areal_hpc.models.hf import DTYPES
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
@@ -48,9 +52,6 @@ class MegatronTrainEngine:
                  max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32"):
         from transformers import AutoConfig
 
-        if compute_dtype != "float32":
-            raise UserError(f"actor.engine=megatron does not build model.compute_dtype={compute_dtype} yet (Megatron's "
-                            "linear layers take no autocast); set model.compute_dtype=float32")
         if mesh is None:  # one process: a group of one
             device = resolve_device("auto")
             if not dist.is_initialized():
@@ -63,20 +64,24 @@ class MegatronTrainEngine:
                                                                                    else {}))
         shape = ModelShape.from_hf(self.hf_config)
         self.shape = shape.critic() if self.critic else shape
-        check_layout(mesh.dims, self.shape)
+        self.bf16 = DTYPES[compute_dtype] == torch.bfloat16
+        check_layout(mesh.dims, self.shape, bf16=self.bf16)
         initialize_megatron(mesh.dims, self.device)
         with torch.random.fork_rng(devices=[]):  # the throwaway initialisation draws from the default generator
             self.model, self.config, self.stage, self.tp_group, self.pp_group = build_stage(
-                self.shape, mesh.dims, self.device, critic=self.critic)
+                self.shape, mesh.dims, self.device, critic=self.critic, dtype=DTYPES[compute_dtype])
         self._load_hf(Path(path))
         self.trainable = optimizer is not None
         self.model.requires_grad_(self.trainable)
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
         self.sharded = self.trainable and mesh.dims.fsdp
-        self.root = (wrap_data_parallel(self.model, self.config, mesh, sharded=self.sharded) if self.trainable
-                     else self.model)
-        self.optimizer = build_optimizer(self.model, optimizer, lr) if optimizer else None  # FSDP's shards, if any
-        self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
+        self.root = in_compute_dtype(self.model, self.config)
+        if self.trainable:
+            self.root = wrap_data_parallel(self.root, self.config, mesh, sharded=self.sharded)
+        torch_optimizer = build_optimizer(self.model, optimizer, lr) if optimizer else None  # FSDP's shards, if any
+        self.optimizer = (with_fp32_master_weights(torch_optimizer) if self.bf16 and torch_optimizer
+                          else torch_optimizer)
+        self.scheduler = build_scheduler(torch_optimizer, optimizer, total_steps) if optimizer else None
 
     def _load_hf(self, folder: Path) -> None:
         load_hf_weights(self.model, folder, self.hf_config, self.shape, self.mesh, self.stage, critic=self.critic)
@@ -123,11 +128,15 @@ class MegatronTrainEngine:
         run_schedule(self.root, self._passes(batch), self._outputs, loss, forward_only=False)
         stats = from_last_stage(merge_over_context(merge_stats(parts), self.mesh), self.mesh, self.pp_group)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if not self.sharded:  # FSDP has summed each pass's gradient shards over dp x cp in its backward
+        if self.sharded:  # FSDP has summed each pass's gradient shards over dp x cp in its backward
+            grads = [p.grad for p in params]
+        else:
             finalize_model_grads([self.root])  # DDP's sum over dp, tied-embedding grads over pp; no scaling
-            for p in params:
-                p.grad = p.main_grad
-        grad_norm = clip_grad_norm(params, self.clip if self.clip > 0 else float("inf"), self.mesh,
+            grads = [p.main_grad for p in params]  # fp32 (DDP's grad_reduce_in_fp32) whatever the parameters'
+            if not self.bf16:  # the bf16 optimizer hands the main gradients to its fp32 masters itself
+                for p in params:
+                    p.grad = p.main_grad
+        grad_norm = clip_grad_norm(params, grads, self.clip if self.clip > 0 else float("inf"), self.mesh,
                                    sharded=self.sharded)
         stats["grad_norm"], stats["lr"] = grad_norm, self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -152,8 +161,11 @@ class MegatronTrainEngine:
             save_optimizer_state(folder, self.optimizer, self.scheduler, self.mesh.dims)
 
     def load(self, folder: Path) -> None:
-        """Collective. Weights load into any layout; optimizer state into the layout that saved it."""
+        """Collective. Weights load into any layout; optimizer state (with bf16, the fp32 master weights)
+        into the layout that saved it."""
         folder = Path(folder)
         self._load_hf(folder)
+        if self.bf16 and self.optimizer is not None:  # fp32 masters of the loaded weights (exact ones follow)
+            self.optimizer.reload_model_params()
         if self.optimizer is not None and (folder / TRAINING_STATE).exists():
             load_optimizer_state(folder, self.optimizer, self.scheduler, self.mesh.dims, self.device)

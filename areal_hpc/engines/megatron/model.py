@@ -1,6 +1,7 @@
 """The Megatron-core GPTModel of this rank over the trainer mesh: Megatron readied on the process (the
 CPU shim, its process groups in the mesh's rank order), the layout check, the layer spec, the critic's
-value head, the DDP or FSDP2 wrapping, and the gradient norm over the model's shards.
+value head, the bf16 and DDP or FSDP2 wrapping, the fp32 master weights, and the gradient norm over the
+model's shards.
 
 - On CPU the layer spec's core attention is ``PackedCoreAttention`` (Transformer Engine's on CUDA when
   it imports) and its norms are ``engines.megatron.norm.MarkedRMSNorm`` (marked for the TP sum of
@@ -12,6 +13,10 @@ value head, the DDP or FSDP2 wrapping, and the gradient norm over the model's sh
 - With ``fsdp`` (dp, tp and cp; not with pp, ep or sequence parallelism yet) Megatron's
   ``TorchFullyShardedDataParallel`` shards every layer and the root over the dp x cp ranks (FSDP2,
   gradient divide factor 1).
+- bf16 mixed precision is Megatron's: bf16 parameters and compute (``Float16Module``, fp32 logits out),
+  gradients accumulated and reduced in DDP's fp32 ``main_grad`` buffer, and
+  ``Float16OptimizerWithFloat16Params`` around ``engines.optim``'s AdamW, which steps fp32 master
+  copies (its state fp32 too) and copies them back into the bf16 parameters. Not with FSDP yet.
 - The PPO critic is HF's token classifier with one label: the same body, its ``score`` head in the
   last stage's output-layer slot (``ValueHead``, replicated over TP).
 - The gradient norm counts each parameter once (TP duplicates and the last stage's tied-embedding
@@ -37,8 +42,12 @@ from areal_hpc.parallel.mesh import TrainMesh
 DAY_MINUTES = 24 * 60
 
 
-def check_layout(dims: ParallelDims, shape: ModelShape) -> None:
-    """Raise ``UserError`` for a layout this engine does not build or the model cannot be split into."""
+def check_layout(dims: ParallelDims, shape: ModelShape, *, bf16: bool = False) -> None:
+    """Raise ``UserError`` for a layout this engine does not build (``bf16``: in bf16 mixed precision) or
+    the model cannot be split into."""
+    if bf16 and dims.fsdp:
+        raise UserError("actor.engine=megatron builds model.compute_dtype=bfloat16 with fsdp=false only yet; "
+                        "set actor.parallel.fsdp=false or model.compute_dtype=float32")
     if dims.fsdp and (dims.pp > 1 or dims.ep > 1 or dims.sequence_parallel):
         raise UserError(f"actor.engine=megatron builds fsdp=true with dp, tp and cp, not with pp={dims.pp} "
                         f"ep={dims.ep} sequence_parallel={str(dims.sequence_parallel).lower()} yet")
@@ -103,9 +112,11 @@ class PipelineStage(NamedTuple):
     pp_group: dist.ProcessGroup
 
 
-def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, critic: bool) -> PipelineStage:
-    """This rank's pipeline stage of the GPTModel on ``device``, with randomly initialised weights (the
-    caller loads the real ones); a critic's last stage ends in a ``ValueHead``."""
+def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, critic: bool,
+                dtype: torch.dtype = torch.float32) -> PipelineStage:
+    """This rank's pipeline stage of the GPTModel on ``device`` with ``dtype`` parameters (bf16: Megatron's
+    bf16 mode), randomly initialised (the caller loads the real weights); a critic's last stage ends in
+    a ``ValueHead``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
@@ -117,8 +128,8 @@ def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, 
 
     # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
     # which the gradient norm reads; the loaded weights then replace the random ones.
-    config = transformer_config(shape, dims.tp, dims.pp, dims.ep, use_cpu_initialization=True,
-                                perform_initialization=True, calculate_per_token_loss=True,
+    config = transformer_config(shape, dims.tp, dims.pp, dims.ep, dtype, bf16=dtype == torch.bfloat16,
+                                use_cpu_initialization=True, perform_initialization=True, calculate_per_token_loss=True,
                                 sequence_parallel=dims.sequence_parallel,
                                 variable_seq_lengths=True,  # micro-batches of any length across stages
                                 moe_token_dispatcher_type="alltoall")  # "allgather" refuses the above
@@ -141,6 +152,26 @@ def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, 
     return PipelineStage(model.to(device), config, parallel_state.get_pipeline_model_parallel_rank(),
                          parallel_state.get_tensor_model_parallel_group(),
                          parallel_state.get_pipeline_model_parallel_group())
+
+
+def in_compute_dtype(model, config):
+    """``model`` in Megatron's ``Float16Module`` when its config is bf16 (every parameter bf16, the last
+    stage's output upcast to fp32), else itself."""
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, model) if config.bf16 else model
+
+
+def with_fp32_master_weights(optimizer: torch.optim.Optimizer):
+    """Megatron's ``Float16OptimizerWithFloat16Params`` around ``optimizer`` (built on bf16 parameters):
+    its parameter groups then hold fp32 master copies, it takes each parameter's fp32 ``main_grad`` as
+    the master's gradient and copies the stepped masters back. No loss scaling (bf16 needs none) and no
+    clipping of its own: the engine clips the main gradients with ``clip_grad_norm`` first."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    return Float16OptimizerWithFloat16Params(optimizer, OptimizerConfig(bf16=True, clip_grad=0.0), grad_scaler=None,
+                                             init_state_fn=None)
 
 
 def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool):
@@ -167,11 +198,13 @@ def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool):
     return root
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, mesh: TrainMesh, *, sharded: bool) -> float:
-    """The norm of the whole model's gradient, each parameter counted once, and gradients scaled to
-    at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule). Experts (Megatron marks them
-    ``allreduce=False``) are summed over the expert-parallel ranks that hold them, the rest over the
-    model-parallel ranks (and with ``sharded``, FSDP's shards over the dp x cp ranks)."""
+def clip_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor], max_norm: float, mesh: TrainMesh, *,
+                   sharded: bool) -> float:
+    """The norm of the whole model's gradient (``grads``, one per parameter of ``params``), each parameter
+    counted once, and the gradients scaled in place to at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s
+    rule). Experts (Megatron marks them ``allreduce=False``) are summed over the expert-parallel ranks that
+    hold them, the rest over the model-parallel ranks (and with ``sharded``, FSDP's shards over the dp x cp
+    ranks)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
@@ -180,10 +213,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, mesh: Trai
     for expert, group in ((False, parallel_state.get_model_parallel_group()),
                           (True, parallel_state.get_expert_tensor_model_pipeline_parallel_group())):
         square = torch.zeros((), dtype=torch.float32, device=mesh.device)
-        for p in params:
+        for p, grad in zip(params, grads):
             if (param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
                     and expert != getattr(p, "allreduce", True)):
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad = grad.to_local() if isinstance(grad, DTensor) else grad
                 square += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
         dist.all_reduce(square, group=group)
         if sharded:
@@ -192,8 +225,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, mesh: Trai
     norm = total ** 0.5
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:
-        for p in params:
-            p.grad.mul_(coef)
+        for grad in grads:
+            grad.mul_(coef)
     return norm
 
 

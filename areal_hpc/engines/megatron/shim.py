@@ -87,6 +87,7 @@ MODULES = (
     "megatron.core.tensor_parallel.layers",  # sequence parallelism: the gathered input's buffer on current_device()
     "megatron.core.transformer.moe.router",  # moves a CPU router weight to current_device()
     "megatron.core.transformer.moe.token_dispatcher",  # a device-to-host copy stream and its event
+    "megatron.core.optimizer.optimizer",  # the bf16 optimizer's unit loss scale on "cuda"
 )
 
 
@@ -114,17 +115,31 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
-def _tensors_stay_on_cpu(method):
-    """``method`` with ``Tensor.cuda()`` returning the tensor itself while it runs."""
+def _with_tensor_method(method, name: str, replacement):
+    """``method`` with ``torch.Tensor.<name>`` replaced by ``replacement(original)`` while it runs."""
     @functools.wraps(method)
     def run(*args, **kwargs):
-        cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda tensor, *_, **__: tensor
+        original = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, replacement(original))
         try:
             return method(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = cuda
+            setattr(torch.Tensor, name, original)
     return run
+
+
+def _stays_on_cpu(cuda):
+    """``Tensor.cuda()`` returning the tensor itself."""
+    return lambda tensor, *args, **kwargs: tensor
+
+
+def _typed_as_cuda(type_of):
+    """``Tensor.type()`` naming a CPU tensor's type as its CUDA twin's ("torch.cuda.BFloat16Tensor")."""
+    def named(tensor, *args, **kwargs):
+        if args or kwargs or tensor.is_cuda:
+            return type_of(tensor, *args, **kwargs)
+        return type_of(tensor).replace("torch.", "torch.cuda.", 1)
+    return named
 
 
 def apply() -> None:
@@ -142,7 +157,11 @@ def apply() -> None:
     importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel").DeviceMesh = _CpuDeviceMesh
     language = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
     # With pp > 1 and tied embeddings the last stage's copy is synchronised after weight.data.cuda().
-    language.setup_embeddings_and_output_layer = _tensors_stay_on_cpu(language.setup_embeddings_and_output_layer)
+    language.setup_embeddings_and_output_layer = _with_tensor_method(language.setup_embeddings_and_output_layer,
+                                                                     "cuda", _stays_on_cpu)
+    # The bf16 optimizer takes a parameter for fp32 master weights only if its type() is a CUDA one.
+    mixed = importlib.import_module("megatron.core.optimizer.optimizer").Float16OptimizerWithFloat16Params
+    mixed.__init__ = _with_tensor_method(mixed.__init__, "type", _typed_as_cuda)
     _applied = True
 
 

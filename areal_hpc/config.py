@@ -282,6 +282,9 @@ class SlurmConfig:
     gres: str = spec("gpu", "GRES name of the accelerators (gpu; npu on Ascend sites)")
     mpi: str = spec("", "srun --mpi plugin for the job's step (pmix where MPI is used); empty: the site default")
     extra_sbatch: list = spec([], "extra '#SBATCH' lines for every component, e.g. ['--exclusive']")
+    task_groups: list = spec([], "the job's tasks in global-rank order, each [role, tasks, accelerators per task, "
+                             "tensor-parallel size], role trainer or rollout (submit --plan writes it); empty: "
+                             "rl.trainer_processes trainer ranks, then rollout.n_servers servers")
     trainer: SlurmTrainerConfig = section(SlurmTrainerConfig)
     rollout: SlurmRolloutConfig = section(SlurmRolloutConfig)
 

@@ -13,13 +13,14 @@ import json
 import os
 import sys
 
-from areal_hpc.runtime.bootstrap import Placement, assigned_devices, cpu_threads, split_roles
+from areal_hpc.runtime.bootstrap import Placement, TaskGroup, assigned_devices, cpu_threads, task_role
 
 placement = Placement.detect()  # before MPI_Init: from what the launcher set alone
 n_trainers, with_mpi = int(sys.argv[1]), "--mpi" in sys.argv[2:]
 report = {**dataclasses.asdict(placement), "threads": cpu_threads(),
           "devices": assigned_devices(placement.local_rank, 1)}
-report["role"], report["index"] = split_roles(placement, n_trainers)
+role = task_role(placement, [TaskGroup("trainer", n_trainers), TaskGroup("rollout", placement.world - n_trainers)])
+report["role"], report["index"] = role.role, role.index
 if with_mpi:
     from mpi4py import MPI
 

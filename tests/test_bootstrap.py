@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.errors import UserError
 from areal_hpc.runtime.bootstrap import (RENDEZVOUS, Placement, assigned_devices, cpu_threads, het_component,
-                                         new_incarnation, node_address, split_roles)
+                                         new_incarnation, node_address, TaskGroup, task_role)
 from areal_hpc.runtime.rendezvous import ADDRESS_FILE, rendezvous_store
 from tests.conftest import REPO
 
@@ -49,10 +49,12 @@ def test_slurm_step():
 def test_het_step_spans_every_component():
     placement = Placement.detect(HET_STEP_RANK_2)
     assert placement == Placement(rank=2, world=3, local_rank=0, node="rollout1", source="slurm")
-    assert split_roles(placement, n_trainers=2) == ("rollout", 0)
+    groups = [TaskGroup("trainer", 2), TaskGroup("rollout", 1)]
+    assert (task_role(placement, groups).role, task_role(placement, groups).index) == ("rollout", 0)
     assert het_component(HET_STEP_RANK_2) == 1 and cpu_threads(HET_STEP_RANK_2) == 2
     trainer = {**HET_STEP_RANK_2, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURMD_NODENAME": "train1"}
-    assert split_roles(Placement.detect(trainer), n_trainers=2) == ("trainer", 1)
+    role = task_role(Placement.detect(trainer), groups)
+    assert (role.role, role.index) == ("trainer", 1)
     assert het_component(trainer) == 0 and cpu_threads(trainer) == 1
 
 
@@ -96,11 +98,15 @@ def test_bad_values_are_one_line_errors():
         Placement.detect({"SLURM_STEP_ID": "0", "SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "4"})
 
 
-def test_split_roles():
-    roles = [split_roles(Placement(r, 5, 0, "n", "slurm"), 3) for r in range(5)]
-    assert roles == [("trainer", 0), ("trainer", 1), ("trainer", 2), ("rollout", 0), ("rollout", 1)]
-    with pytest.raises(UserError, match="6 trainer ranks do not fit a world of 5"):
-        split_roles(Placement(0, 5, 0, "n", "slurm"), 6)
+def test_task_roles_follow_the_groups_in_rank_order():
+    groups = [TaskGroup("trainer", 2, 1), TaskGroup("rollout", 1, 1), TaskGroup("trainer", 1, 1),
+              TaskGroup("rollout", 2, 2, tp=2)]
+    roles = [task_role(Placement(r, 6, r % 3, f"n{r // 3}", "slurm"), groups) for r in range(6)]
+    assert [(t.role, t.index, t.first_accelerator, t.tp) for t in roles] == [
+        ("trainer", 0, 0, 1), ("trainer", 1, 1, 1), ("rollout", 0, 2, 1),  # node n0: 3 accelerators
+        ("trainer", 2, 0, 1), ("rollout", 1, 1, 2), ("rollout", 2, 3, 2)]  # node n1: 5
+    with pytest.raises(UserError, match=r"task groups \(2 trainer \+ 1 rollout\) do not add up to its world of 5"):
+        task_role(Placement(0, 5, 0, "n", "slurm"), groups[:2])
 
 
 def test_cpu_threads():
@@ -108,26 +114,37 @@ def test_cpu_threads():
     assert cpu_threads({}) is None
 
 
-@given(tasks=st.integers(1, 8), per_task=st.integers(1, 4), spare=st.integers(0, 3), data=st.data())
-def test_device_shares_are_disjoint_and_cover_the_node(tasks, per_task, spare, data):
-    ids = data.draw(st.permutations([str(i) for i in range(tasks * per_task + min(spare, per_task - 1))]))
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(ids), "SLURM_GPUS_ON_NODE": str(len(ids))}
-    shares = [assigned_devices(r, per_task, env) for r in range(tasks)]
-    taken = [d for share in shares for d in share]
-    assert all(len(share) == per_task for share in shares)
-    assert len(set(taken)) == len(taken)  # disjoint
-    assert set(taken) == set(ids[:tasks * per_task])  # the node's devices, all of them when counts fit
-    with pytest.raises(UserError, match=f"local rank {tasks} needs accelerators"):
-        assigned_devices(tasks, per_task, env)
+@given(sizes=st.lists(st.tuples(st.sampled_from(["trainer", "rollout"]), st.integers(1, 4), st.integers(0, 4)),
+                     min_size=1, max_size=5), per_node=st.integers(1, 6), data=st.data())
+def test_device_shares_are_disjoint_and_cover_the_node(sizes, per_node, data):
+    """Any task groups, blocks of ``per_node`` consecutive ranks per node: each task gets its own count of
+    the node's accelerators, disjoint from its neighbours', and the node's are all used when counts fit."""
+    groups = [TaskGroup(role, tasks, accelerators) for role, tasks, accelerators in sizes]
+    world = sum(g.tasks for g in groups)
+    per_rank = [g for g in groups for _ in range(g.tasks)]
+    for start in range(0, world, per_node):
+        node_tasks = per_rank[start:start + per_node]
+        needed = sum(g.accelerators for g in node_tasks)
+        ids = data.draw(st.permutations([str(i) for i in range(needed)]))
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(ids), "SLURM_GPUS_ON_NODE": str(len(ids))}
+        shares = []
+        for local in range(len(node_tasks)):
+            role = task_role(Placement(start + local, world, local, "n", "slurm"), groups)
+            shares.append(assigned_devices(role.first_accelerator, role.accelerators, env))
+        taken = [d for share in shares for d in share]
+        assert [len(share) for share in shares] == [g.accelerators for g in node_tasks]
+        assert sorted(taken) == sorted(ids)  # disjoint, and the node's devices all used
 
 
 def test_devices_slurm_bound_per_task_and_npu():
     # --gpus-per-task=1 or --gpu-bind: each task sees its own, SLURM_GPUS_ON_NODE counts the node's (observed)
     assert assigned_devices(1, 1, {"CUDA_VISIBLE_DEVICES": "1", "SLURM_GPUS_ON_NODE": "2"}) == ["1"]
-    assert assigned_devices(1, 2, {"ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7", "CUDA_VISIBLE_DEVICES": "0"}) == ["6", "7"]
-    assert assigned_devices(1, 2, {}) == ["2", "3"]  # nothing narrowed: every device, numbered from 0
+    assert assigned_devices(2, 2, {"ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7", "CUDA_VISIBLE_DEVICES": "0"}) == ["6", "7"]
+    assert assigned_devices(2, 2, {}) == ["2", "3"]  # nothing narrowed: every device, numbered from 0
     with pytest.raises(UserError, match=r"node train1 shows 1 \(CUDA_VISIBLE_DEVICES='0'\); request at least 2"):
         assigned_devices(1, 1, {"CUDA_VISIBLE_DEVICES": "0", "SLURM_GPUS_ON_NODE": "1", "SLURMD_NODENAME": "train1"})
+    with pytest.raises(UserError, match=r"this task needs accelerators 2\.\.3 but node n shows 3"):
+        assigned_devices(2, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2", "SLURMD_NODENAME": "n"})
 
 
 def test_node_address_of_an_interface():

@@ -107,6 +107,30 @@ def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path
     assert ended[f"{job}+0"][2] == {"train": "train1", "rollout": "rollout1"}[pools[groups["train"][0]["pool"]]]
 
 
+def test_a_plan_with_servers_of_two_sizes_and_a_pool_that_trains_and_serves_runs_as_planned(tiny_model_dir, tmp_path,
+                                                                                              submit):
+    """train1 holds the trainer rank and a server of tp 1, rollout1 one server of tp 2 (both fake GPUs):
+    each task takes the accelerators and tensor-parallel size the plan gives it, and the run completes."""
+    plan = tmp_path / "plan.yaml"
+    pools = {name: {"device": device, "partition": name, "nodes": 1, "per_node": 2}
+             for name, device in (("train", "H100"), ("rollout", "H20"))}
+    plan.write_text(yaml.safe_dump({
+        "pools": pools, "train": [{"pool": "train", "devices": 1, "dp": 1, "tp": 1, "pp": 1}],
+        "rollout": [{"pool": "train", "replicas": 1, "devices": 1, "tp": 1, "pp": 1},
+                    {"pool": "rollout", "replicas": 1, "devices": 2, "tp": 2, "pp": 1}]}))
+    job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=2"), "--plan", str(plan))
+    ended = wait_for_end(job, 300, components=2)
+    assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
+    assert (ended[f"{job}+0"][2], ended[f"{job}+1"][2]) == ("train1", "rollout1")
+    logs = run_folder(tmp_path) / "logs"
+    first_lines = {name: (logs / f"{name}.restart0.log").read_text().splitlines()[0]
+                   for name in ("trainer-0", "rollout-0", "rollout-1")}
+    assert first_lines["trainer-0"].endswith("on train1: accelerators 0")
+    assert first_lines["rollout-0"].endswith("on train1: accelerators 1, tensor-parallel size 1")
+    assert first_lines["rollout-1"].endswith("on rollout1: accelerators 0,1, tensor-parallel size 2")
+    assert [r["step"] for r in metrics(run_folder(tmp_path)) if "rollout/reward" in r] == [1, 2]
+
+
 def wait_for_step(run: Path, step: int, job: str, timeout: float = 180) -> None:
     def reached():
         state = components_of(job)
@@ -222,23 +246,36 @@ def test_the_plain_sbatch_scripts_run_a_tiny_run(tiny_model_dir, tmp_path, scrip
         assert (run / "logs" / "trainer-0.restart0.log").exists() and (run / "logs" / "rollout-0.restart0.log").exists()
 
 
+def placed_tasks(components, groups):
+    """Each task's role as the job's tasks would see it: Slurm places a component's tasks on its nodes in
+    blocks of ``tasks_per_node`` (the last may hold fewer), components after one another."""
+    from areal_hpc.runtime.bootstrap import Placement, task_role
+
+    world, placed, rank = sum(c.tasks for c in components), [], 0
+    for index, c in enumerate(components):
+        for local in range(c.tasks):
+            node = f"c{index}n{local // c.tasks_per_node}"
+            placed.append((c, node, task_role(Placement(rank, world, local % c.tasks_per_node, node, "slurm"), groups)))
+            rank += 1
+    return placed
+
+
 @pytest.mark.parametrize("cluster", ["example-site", "paper-8h800-24h20", "paper-48h20"])
-def test_a_plan_becomes_one_component_per_pool_with_every_trainer_rank_first(tmp_path, cluster):
+def test_a_plan_becomes_one_component_per_pool_and_every_task_knows_its_share(tmp_path, cluster):
     """Any plan the planner writes for the shipped clusters maps onto components: one per pool, holding
-    exactly that pool's share of the plan (a pool may both train and serve: example-site's A100s do), on
-    its own nodes, with trainer ranks before servers in rank order, also when a pool's tasks do not fill
-    its nodes evenly."""
+    exactly that pool's share of the plan (a pool may both train and serve: example-site's A100s do) on
+    its own nodes, also when a pool's tasks do not fill its nodes evenly; and the task groups give every
+    task its role and accelerators, disjoint on each node and within the component's request."""
     from areal_hpc.config import load_config
     from areal_hpc.launch.hetjob import HetJobExecutor, JobSpec
+    from areal_hpc.launch.slurm_task import task_groups
     from areal_hpc.launch.submit import components_from_plan
 
     plan = tmp_path / "plan.yaml"
-    made = run_cli("plan", "--cluster", cluster, "--model", "r1-distill-qwen-1.5b",
-                   "--out", str(plan))
+    made = run_cli("plan", "--cluster", cluster, "--model", "r1-distill-qwen-1.5b", "--out", str(plan))
     assert made.returncode == 0, made.stderr
     content = yaml.safe_load(plan.read_text())
     components, overrides = components_from_plan(content, load_config(None))
-    per_server = content["rollout"][0]["tp"] * content["rollout"][0]["pp"]
     for name, pool in content["pools"].items():
         trainers = sum(g["devices"] for g in content["train"] if g["pool"] == name)
         servers = sum(g["replicas"] for g in content["rollout"] if g["pool"] == name)
@@ -247,9 +284,17 @@ def test_a_plan_becomes_one_component_per_pool_with_every_trainer_rank_first(tmp
         for c in mine:
             assert c.gpus_per_node <= pool["per_node"] and (c.nodes - 1) * c.tasks_per_node < c.tasks
     roles = [c.role for c in components]
-    assert roles == sorted(roles, key=["trainer", "trainer+rollout", "rollout"].index)  # trainer ranks first
-    assert roles.count("trainer+rollout") <= 1
-    assert f"rl.trainer_processes={sum(g['devices'] for g in content['train'])}" in overrides
+    assert roles == sorted(roles, key=["trainer", "trainer+rollout", "rollout"].index)
+    cfg = load_config(None, overrides)
+    placed = placed_tasks(components, task_groups(cfg))
+    assert [t.index for _, _, t in placed if t.role == "trainer"] == list(range(cfg.rl.trainer_processes))
+    assert sorted(t.index for _, _, t in placed if t.role == "rollout") == list(range(cfg.rollout.n_servers))
+    servers = sorted((t.accelerators, t.tp) for _, _, t in placed if t.role == "rollout")
+    assert servers == sorted((g["tp"] * g["pp"], g["tp"]) for g in content["rollout"] for _ in range(g["replicas"]))
+    for node in {n for _, n, _ in placed}:
+        on_node = [(c, t) for c, n, t in placed if n == node]
+        taken = [a for _, t in on_node for a in range(t.first_accelerator, t.first_accelerator + t.accelerators)]
+        assert len(set(taken)) == len(taken) and max(taken) < on_node[0][0].gpus_per_node
     train = content["train"]  # the mesh: every replica of the plan's training groups, when they share a shape
     allocation = [o for o in overrides if o.startswith("actor.parallel.allocation=")]
     if len({(g["tp"], g["pp"]) for g in train}) == 1:
@@ -257,13 +302,44 @@ def test_a_plan_becomes_one_component_per_pool_with_every_trainer_rank_first(tmp
                               f"t{train[0]['tp']}"]
     else:
         assert allocation == []
-    assert f"rollout.n_servers={sum(g['replicas'] for g in content['rollout'])}" in overrides
-    assert f"slurm.rollout.gpus_per_server={per_server}" in overrides
     script = HetJobExecutor(tmp_path / "submitit", JobSpec("x", "01:00:00"), components, 1)._make_submission_file_text(
         "true", "test")
     assert script.count("#SBATCH hetjob") == len(components) - 1
     for c in components:
         assert (f"--ntasks={c.tasks}" in script) == (c.tasks != c.nodes * c.tasks_per_node)
+
+
+def test_rollout_groups_of_different_sizes_and_two_pools_that_train_and_serve():
+    """What the planner may write for larger models: servers of tp 1, 2 and 4 in one run, and two pools
+    that each train and serve; every node's tasks get disjoint accelerators within its request."""
+    from areal_hpc.config import load_config
+    from areal_hpc.launch.slurm_task import task_groups
+    from areal_hpc.launch.submit import components_from_plan
+
+    plan = {"pools": {"a": {"device": "H100", "partition": "pa", "nodes": 2, "per_node": 8},
+                      "b": {"device": "A100", "partition": "pb", "nodes": 3, "per_node": 8},
+                      "c": {"device": "H20", "partition": "pc", "nodes": 2, "per_node": 8}},
+            "train": [{"pool": "a", "devices": 6, "dp": 3, "tp": 2, "pp": 1},
+                      {"pool": "b", "devices": 4, "dp": 2, "tp": 2, "pp": 1}],
+            "rollout": [{"pool": "a", "replicas": 5, "devices": 10, "tp": 2, "pp": 1},
+                        {"pool": "b", "replicas": 4, "devices": 4, "tp": 1, "pp": 1},
+                        {"pool": "b", "replicas": 3, "devices": 12, "tp": 4, "pp": 1},
+                        {"pool": "c", "replicas": 4, "devices": 16, "tp": 4, "pp": 1}]}
+    components, overrides = components_from_plan(plan, load_config(None))
+    # No even spread fits pa or pb: nodes filled in turn. pa: 6 trainers + 1 server, then 4 servers of 2
+    # (one component, at most 7 per node); pb: 4 trainers + 4 servers of 1, then servers of 4, two a node.
+    assert [(c.role, c.partition, c.nodes, c.tasks_per_node, c.tasks, c.gpus_per_node) for c in components] == [
+        ("trainer+rollout", "pa", 2, 7, 11, 8), ("trainer+rollout", "pb", 1, 8, 8, 8), ("rollout", "pb", 2, 2, 3, 8),
+        ("rollout", "pc", 2, 2, 4, 8)]
+    assert "slurm.task_groups=[[trainer,6,1,1],[rollout,5,2,2],[trainer,4,1,1],[rollout,4,1,1],[rollout,3,4,4]," \
+           "[rollout,4,4,4]]" in overrides
+    assert "actor.parallel.allocation=megatron:d5p1t2" in overrides
+    placed = placed_tasks(components, task_groups(load_config(None, overrides)))
+    assert [t.index for _, _, t in placed if t.role == "trainer"] == list(range(10))
+    for node in {n for _, n, _ in placed}:
+        on_node = [(c, t) for c, n, t in placed if n == node]
+        taken = [a for _, t in on_node for a in range(t.first_accelerator, t.first_accelerator + t.accelerators)]
+        assert len(set(taken)) == len(taken) and max(taken) < on_node[0][0].gpus_per_node <= 8
 
 
 def test_groups_that_do_not_fill_their_nodes_are_spread_with_a_per_node_cap(tmp_path):

@@ -5,6 +5,10 @@ in ``slurm/`` (``areal-hpc slurm-task``) both end here, on every task of the one
     global ranks [0, trainers)          trainer ranks (rank 0 prepares the model, then drives)
     global ranks [trainers, world)      rollout servers, one per task
 
+or, for a plan (``slurm.task_groups``, written by ``submit --plan``), its groups of trainer ranks and
+servers in rank order, each server with its own tensor-parallel size and accelerator count; a task's
+accelerators follow those of the tasks before it on its node.
+
 Each role's output goes to ``<run>/logs/<role>-<i>.restart<N>.log`` (N: ``SLURM_RESTART_COUNT``). The
 run ends when trainer rank 0 finishes: it leaves a ``finished`` mark for this incarnation, the other
 tasks see it, stop their process and exit 0. A task whose process fails writes the reason into
@@ -21,7 +25,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from areal_hpc.config import RunConfig, load_config
@@ -33,8 +36,8 @@ from areal_hpc.launch.roles import (config_args, forget_other_incarnations, inca
                                     prepare_start_model, server_command, start_model_path, trainer_command,
                                     wait_for_model)
 from areal_hpc.runtime.bootstrap import (INCARNATION, INTERFACE, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT,
-                                         Placement, allocator_env, assigned_devices, cpu_threads, new_incarnation,
-                                         split_roles)
+                                         Placement, TaskGroup, TaskRole, allocator_env, assigned_devices, cpu_threads,
+                                         new_incarnation, task_role)
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED
 from areal_hpc.runtime.supervisor import SupervisedProcess
 
@@ -42,18 +45,27 @@ POLL_S = 1.0
 COMMENT_CHARS = 200  # of a failure's first line, kept as the job's comment
 
 
-@dataclass(frozen=True)
-class JobLayout:
-    """How the job's tasks divide into roles, and the accelerators each task takes from its node."""
-
-    trainers: int
-    gpus_per_trainer: int = 0
-    gpus_per_server: int = 0
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> "JobLayout":
-        return cls(cfg.rl.trainer_processes, 1 if cfg.slurm.trainer.gpus_per_node else 0,
-                   cfg.slurm.rollout.gpus_per_server)
+def task_groups(cfg: RunConfig) -> list[TaskGroup]:
+    """The job's tasks in global-rank order: ``slurm.task_groups`` (a plan's), else the trainer ranks
+    (one accelerator each when ``slurm.trainer.gpus_per_node``), then the servers. ``UserError`` when
+    the groups do not hold exactly the config's trainer ranks and servers."""
+    if not cfg.slurm.task_groups:
+        return [TaskGroup("trainer", cfg.rl.trainer_processes, 1 if cfg.slurm.trainer.gpus_per_node else 0),
+                TaskGroup("rollout", cfg.rollout.n_servers, cfg.slurm.rollout.gpus_per_server, cfg.rollout.tp_size)]
+    groups = []
+    for entry in cfg.slurm.task_groups:
+        entry = list(entry)
+        if not (len(entry) == 4 and entry[0] in ("trainer", "rollout")
+                and all(type(n) is int and n >= 0 for n in entry[1:]) and entry[3] >= 1):
+            raise UserError(f"slurm.task_groups entry {entry} is not [trainer|rollout, tasks, accelerators per task, "
+                            f"tensor-parallel size >= 1]")
+        groups.append(TaskGroup(*entry))
+    for role, expected, key in (("trainer", cfg.rl.trainer_processes, "rl.trainer_processes"),
+                                ("rollout", cfg.rollout.n_servers, "rollout.n_servers")):
+        if sum(g.tasks for g in groups if g.role == role) != expected:
+            raise UserError(f"slurm.task_groups hold {sum(g.tasks for g in groups if g.role == role)} {role} tasks "
+                            f"but {key}={expected}")
+    return groups
 
 
 class TaskFailed(RuntimeError):
@@ -62,23 +74,25 @@ class TaskFailed(RuntimeError):
 
 def run_task(config: str, overrides: list[str]) -> int:
     cfg = load_config(config, overrides)
-    layout = JobLayout.from_config(cfg)
     placement = Placement.detect()
-    role, index = split_roles(placement, layout.trainers)
+    task = task_role(placement, task_groups(cfg))
+    role, index = task.role, task.index
     run_dir, restart, incarnation = cfg.run_dir, os.environ.get("SLURM_RESTART_COUNT", "0"), new_incarnation()
     marks = incarnation_folder(run_dir, incarnation)
     env = {RUN_MARKER: str(run_dir.resolve()), INCARNATION: incarnation, INTERFACE: cfg.cluster.interface,
            "HF_HUB_OFFLINE": "1", **allocator_env(),
            LAUNCHED_AT: os.environ.get(LAUNCHED_AT, str(time.time())),
-           RENDEZVOUS: str(marks / "trainer"), **_threads_and_devices(role, placement, layout)}
+           RENDEZVOUS: str(marks / "trainer"), **_threads_and_devices(task)}
     args = config_args(config, overrides)
     log = run_dir / "logs" / f"{role}-{index}.restart{restart}.log"
+    _note_placement(log, task, placement, env)
     if role == "rollout":
         model = wait_for_model(initial_model(cfg))
-        command = [*server_command(args, model), "rollout.host=0.0.0.0"]
+        command = [*server_command(args, model), "rollout.host=0.0.0.0", f"rollout.tp_size={task.tp}"]
         return _supervise(SupervisedProcess(f"rollout server {index}", command, log, env), cfg, marks)
     resume = should_resume(cfg, "auto")  # the same answer on every rank: nothing is written before they meet
-    env.update({"RANK": str(index), "WORLD_SIZE": str(layout.trainers), "LOCAL_RANK": str(placement.local_rank)})
+    env.update({"RANK": str(index), "WORLD_SIZE": str(cfg.rl.trainer_processes),
+                "LOCAL_RANK": str(placement.local_rank)})
     if index > 0:
         start_model = wait_for_model(start_model_path(cfg))
         env[TRAINERS_AT] = str(time.time())
@@ -92,16 +106,24 @@ def run_task(config: str, overrides: list[str]) -> int:
         return _supervise(trainer, cfg, marks, stop_warning)
 
 
-def _threads_and_devices(role: str, placement: Placement, layout: JobLayout) -> dict[str, str]:
+def _threads_and_devices(task: TaskRole) -> dict[str, str]:
     env = {}
     threads = cpu_threads()
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    per_task = layout.gpus_per_trainer if role == "trainer" else layout.gpus_per_server
-    if per_task:
-        devices = ",".join(assigned_devices(placement.local_rank, per_task))
+    if task.accelerators:
+        devices = ",".join(assigned_devices(task.first_accelerator, task.accelerators))
         env["CUDA_VISIBLE_DEVICES"] = env["ASCEND_RT_VISIBLE_DEVICES"] = devices
     return env
+
+
+def _note_placement(log: Path, task: TaskRole, placement: Placement, env: dict[str, str]) -> None:
+    """The role's log starts with where the task runs: node, accelerators and a server's TP size."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    line = (f"[slurm-task] {task.role} {task.index} (global rank {placement.rank}) on {placement.node}: "
+            f"accelerators {env.get('CUDA_VISIBLE_DEVICES', 'none')}")
+    with open(log, "a") as out:
+        out.write(line + (f", tensor-parallel size {task.tp}\n" if task.role == "rollout" else "\n"))
 
 
 def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, stop_warning: StopForwarder | None = None) -> int:

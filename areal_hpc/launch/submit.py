@@ -3,12 +3,13 @@
     areal-hpc submit --config configs/quickstart.yaml [--profile slurm/profiles/dev.yaml]
                      [--plan plan.yaml] [--dry-run] [key=value ...]
 
-Components: the trainer ranks first (one component per training pool of a plan, else
-``slurm.trainer``), then the rollout servers (one component per rollout pool, else ``slurm.rollout``).
-``--plan`` takes ``areal-hpc plan --out``: each pool's partition (named in the cluster YAML) receives
-the planner's groups, and the plan fixes ``rl.trainer_processes``, the trainer mesh
+Components: the trainer ranks (``slurm.trainer``), then the rollout servers (``slurm.rollout``); or,
+with ``--plan`` (``areal-hpc plan --out``), one component per pool of the plan on the pool's partition
+(named in the cluster YAML), holding the planner's groups there: trainer ranks, servers of any
+tensor-parallel size, or both. The plan fixes ``rl.trainer_processes``, ``rollout.n_servers``, each
+task's role, accelerators and tensor-parallel size (``slurm.task_groups``) and the trainer mesh
 (``actor.parallel.allocation``, when every training group has one tp x pp shape; groups of different
-shapes train as data parallel over all their ranks), ``rollout.n_servers`` and the accelerators per task. Everything is checked before anything is submitted: config keys, the plan's
+shapes train as data parallel over all their ranks). Everything is checked before anything is submitted: config keys, the plan's
 arithmetic, and each component against the live cluster (partition exists, enough nodes, accelerators
 and cores per node). The resolved config is written into the run folder with absolute paths, so the
 job does not depend on the folder it was submitted from; submitit's files go to ``<run>/submitit/``
@@ -34,9 +35,9 @@ from areal_hpc.errors import UserError, closest
 from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
 from areal_hpc.launch.local import should_resume
-from areal_hpc.launch.slurm_task import run_task
+from areal_hpc.launch.slurm_task import run_task, task_groups
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.runtime.bootstrap import LAUNCHED_AT
+from areal_hpc.runtime.bootstrap import LAUNCHED_AT, TaskGroup
 from areal_hpc.train.task_setup import check_task
 
 
@@ -70,20 +71,17 @@ def components_from_config(cfg: RunConfig) -> list[Component]:
 
 
 def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], list[str]]:
-    """The plan as components, and the config overrides it implies. One component per pool, in the
-    order that keeps every trainer rank before every server (roles follow global ranks): pools that only
-    train, then the one pool that may both train and serve (its trainer tasks first), then pools that
-    only serve. Groups of one pool share its component: each component takes nodes of its own."""
+    """The plan as components, and the config overrides it implies. One component per pool (more when
+    its nodes must hold different numbers of tasks; each takes nodes of its own): pools that only
+    train, then pools that train and serve, then pools that only serve; within a pool its trainer
+    ranks, then its servers, group by group. ``slurm.task_groups``
+    records that order, so each task knows its role, its accelerators and its server's tensor-parallel
+    size: rollout groups of different sizes and several pools that both train and serve run as planned."""
     pools = plan.get("pools")
     if not isinstance(pools, dict) or not plan.get("train") or not plan.get("rollout"):
         raise UserError("the plan lacks pools, train or rollout groups; write it with `areal-hpc plan --out FILE`")
-    shapes = {(g["tp"], g["pp"]) for g in plan["rollout"]}
-    if len(shapes) > 1:
-        raise UserError("plan: rollout groups of different tensor/pipeline sizes in one run are not supported yet")
-    per_server = math.prod(shapes.pop())
-    train_shapes = {(g["tp"], g["pp"]) for g in plan["train"]}
-    tasks: dict[str, list[int]] = {}  # pool -> [trainer ranks, servers]
-    for role, slot in (("train", 0), ("rollout", 1)):
+    groups: dict[str, list[TaskGroup]] = {}
+    for role in ("train", "rollout"):
         for group in plan[role]:
             if group["pool"] not in pools:
                 raise UserError(f"plan group on pool '{group['pool']}' names no pool of the plan's cluster "
@@ -92,38 +90,72 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
                 raise UserError(f"plan: training on '{group['pool']}' uses {group['devices']} devices but "
                                 f"dp{group['dp']} x tp{group['tp']} x pp{group['pp']} = "
                                 f"{group['dp'] * group['tp'] * group['pp']}")
-            tasks.setdefault(group["pool"], [0, 0])[slot] += group["devices"] if role == "train" else group["replicas"]
-    for name, (trainers, servers) in tasks.items():
-        pool, used = pools[name], trainers + servers * per_server
+            task = (TaskGroup("trainer", group["devices"], 1) if role == "train" else
+                    TaskGroup("rollout", group["replicas"], group["tp"] * group["pp"], group["tp"]))
+            groups.setdefault(group["pool"], []).append(task)
+    for name, tasks in groups.items():
+        pool, used = pools[name], sum(g.tasks * g.accelerators for g in tasks)
         if used > pool["nodes"] * pool["per_node"]:
             raise UserError(f"plan: pool '{name}' has {pool['nodes'] * pool['per_node']} devices but the plan uses {used}")
-    mixed = [name for name, (trainers, servers) in tasks.items() if trainers and servers]
-    if len(mixed) > 1 or (mixed and per_server > 1):
-        raise UserError(f"plan: pools {', '.join(mixed)} both train and serve rollouts; one job keeps its trainer "
-                        f"ranks first in at most one such pool, with one accelerator per server")
-    order = sorted(tasks, key=lambda name: (not tasks[name][0], bool(tasks[name][1])))  # train, both, serve
-    components = [_pool_component(pools[name], *tasks[name], per_server, cfg) for name in order]
-    servers = plan["rollout"]
-    overrides = [f"rl.trainer_processes={sum(t for t, _ in tasks.values())}",
-                 f"rollout.n_servers={sum(s for _, s in tasks.values())}", f"rollout.tp_size={servers[0]['tp']}",
-                 f"slurm.rollout.gpus_per_server={per_server}", f"slurm.trainer.gpus_per_node={components[0].gpus_per_node}"]
+
+    def serves_only_then_trains(name: str) -> tuple[bool, bool]:
+        roles = {g.role for g in groups[name]}
+        return "trainer" not in roles, "rollout" in roles
+    order = sorted(groups, key=serves_only_then_trains)  # train, both, serve
+    components = [c for name in order for c in _pool_components(name, pools[name], groups[name], cfg)]
+    in_rank_order = [g for name in order for g in groups[name]]
+    overrides = [f"rl.trainer_processes={sum(g.tasks for g in in_rank_order if g.role == 'trainer')}",
+                 f"rollout.n_servers={sum(g.tasks for g in in_rank_order if g.role == 'rollout')}",
+                 "slurm.task_groups=[" + ",".join(f"[{g.role},{g.tasks},{g.accelerators},{g.tp}]"
+                                                  for g in in_rank_order) + "]"]
+    train_shapes = {(g["tp"], g["pp"]) for g in plan["train"]}
     if len(train_shapes) == 1:  # one trainer mesh holds replicas of one shape; else data parallel over all ranks
         (tp, pp), = train_shapes
         overrides.append(f"actor.parallel.allocation=megatron:d{sum(g['dp'] for g in plan['train'])}p{pp}t{tp}")
     return components, overrides
 
 
-def _pool_component(pool: dict, trainers: int, servers: int, per_server: int, cfg: RunConfig) -> Component:
-    """One pool's tasks: its trainer ranks (one accelerator each), then its servers."""
-    per_task = per_server if not trainers else 1
-    tasks = trainers + servers
-    nodes = math.ceil(tasks / max(1, pool["per_node"] // per_task))
-    tasks_per_node = math.ceil(tasks / nodes)  # spread evenly; the last node may hold fewer
+def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunConfig) -> list[Component]:
+    """One pool's tasks (in rank order) on its nodes: one component spread evenly over the fewest nodes
+    that hold it (the last node may hold fewer); when no even spread fits (mixed accelerator counts
+    that fill the nodes exactly), nodes filled in turn, one component per run of nodes holding as many
+    tasks. Slurm places a component's consecutive tasks on a node."""
+    per_rank = [g for g in groups for _ in range(g.tasks)]
+
+    def load(block: list[TaskGroup]) -> int:
+        return sum(g.accelerators for g in block)
+    for nodes in range(1, pool["nodes"] + 1):
+        per_node = math.ceil(len(per_rank) / nodes)
+        blocks = [per_rank[i:i + per_node] for i in range(0, len(per_rank), per_node)]
+        if max(map(load, blocks)) <= pool["per_node"]:
+            return [_component(pool, blocks, cfg)]
+    blocks = [[]]
+    for task in per_rank:
+        if blocks[-1] and load(blocks[-1]) + task.accelerators > pool["per_node"]:
+            blocks.append([])
+        blocks[-1].append(task)
+    if len(blocks) > pool["nodes"] or max(map(load, blocks)) > pool["per_node"]:
+        asked = ", ".join(f"{g.tasks} {g.role} x {g.accelerators}" for g in groups)
+        raise UserError(f"plan: pool '{name}' cannot place its tasks ({asked} accelerators) on {pool['nodes']} "
+                        f"nodes of {pool['per_node']} accelerators")
+    runs: list[list[list[TaskGroup]]] = []
+    for i, block in enumerate(blocks):  # a node joins the run before it when as full (the last: or less full)
+        if runs and (len(block) == len(runs[-1][0]) or (i == len(blocks) - 1 and len(block) < len(runs[-1][0]))):
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return [_component(pool, run, cfg) for run in runs]
+
+
+def _component(pool: dict, blocks: list[list[TaskGroup]], cfg: RunConfig) -> Component:
+    """The component of consecutive nodes holding ``blocks``, each node's tasks."""
+    roles = {task.role for block in blocks for task in block}
     trainer, rollout = cfg.slurm.trainer, cfg.slurm.rollout
-    role = "trainer" if not servers else "rollout" if not trainers else "trainer+rollout"
-    cpus = max(trainer.cpus_per_task if trainers else 0, rollout.cpus_per_server if servers else 0)
-    return Component(role, pool["partition"], nodes, tasks_per_node, cpus, per_task * tasks_per_node,
-                     trainer.mem if trainers else rollout.mem, tasks)
+    role = "trainer+rollout" if len(roles) == 2 else roles.pop()
+    cpus = max(trainer.cpus_per_task if "trainer" in role else 0, rollout.cpus_per_server if "rollout" in role else 0)
+    return Component(role, pool["partition"], len(blocks), len(blocks[0]), cpus,
+                     max(sum(task.accelerators for task in block) for block in blocks),
+                     trainer.mem if "trainer" in role else rollout.mem, sum(map(len, blocks)))
 
 
 def read_partitions() -> dict[str, Partition]:
@@ -196,6 +228,7 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
         components = components_from_config(cfg)
     cfg = load_config(files, [*overrides, *plan_overrides, *absolute_path_overrides(cfg)])  # tasks start elsewhere
     ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
+    task_groups(cfg)  # the tasks' roles add up
     check_task(cfg)  # your data, reward and workflow load
     check_components(components, read_partitions(), cfg.slurm.gres)
     should_resume(cfg, resume)

@@ -99,16 +99,41 @@ class Placement:
             on_node.Free()
 
 
-def split_roles(placement: Placement, n_trainers: int) -> tuple[str, int]:
-    """("trainer", rank among trainers) for the first ``n_trainers`` global ranks, else ("rollout",
-    server index). In a het step the first component's ranks come first, so the trainers are
-    component 0 when ``n_trainers`` is its task count."""
-    if not 0 <= n_trainers <= placement.world:
-        raise UserError(f"{n_trainers} trainer ranks do not fit a world of {placement.world} processes "
-                        f"(valid: 0..{placement.world})")
-    if placement.rank < n_trainers:
-        return "trainer", placement.rank
-    return "rollout", placement.rank - n_trainers
+@dataclass(frozen=True)
+class TaskGroup:
+    """Consecutive global ranks of one role: ``tasks`` trainer ranks or rollout servers, ``accelerators``
+    each; a server group's ``tp`` is each server's tensor-parallel size."""
+
+    role: str  # "trainer" or "rollout"
+    tasks: int
+    accelerators: int = 0
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class TaskRole:
+    """What one task of the job is: its role, its index among that role's tasks, its accelerators (the
+    node's visible ones from ``first_accelerator``) and, for a server, its tensor-parallel size."""
+
+    role: str
+    index: int
+    accelerators: int
+    first_accelerator: int
+    tp: int
+
+
+def task_role(placement: Placement, groups: list[TaskGroup]) -> TaskRole:
+    """This task's role from ``groups``, the job's tasks in global-rank order. A node's tasks are
+    consecutive ranks (Slurm's block distribution, within each het component), so a task's accelerators
+    follow those of the node's tasks before it."""
+    if sum(g.tasks for g in groups) != placement.world:
+        layout = " + ".join(f"{g.tasks} {g.role}" for g in groups)
+        raise UserError(f"the job's task groups ({layout}) do not add up to its world of {placement.world} processes")
+    per_rank = [g for g in groups for _ in range(g.tasks)]
+    mine = per_rank[placement.rank]
+    node_start = placement.rank - placement.local_rank
+    return TaskRole(mine.role, sum(g.role == mine.role for g in per_rank[:placement.rank]), mine.accelerators,
+                    sum(g.accelerators for g in per_rank[node_start:placement.rank]), mine.tp)
 
 
 def het_component(environ: Mapping[str, str] = os.environ) -> int | None:
@@ -149,24 +174,22 @@ def allocator_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return {name: value for name, value in ALLOCATOR_DEFAULTS.items() if name not in environ}
 
 
-def assigned_devices(local_rank: int, per_task: int, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """This task's share of the node's visible accelerators as Slurm's GRES set them: entries
-    [local_rank*per_task, (local_rank+1)*per_task) of CUDA_VISIBLE_DEVICES (ASCEND_RT_VISIBLE_DEVICES
-    on NPU), or the first ``per_task`` when Slurm bound each task its own. Without either variable
-    every device is visible, numbered from 0."""
+def assigned_devices(first: int, count: int, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """This task's accelerators as Slurm's GRES set them: entries [first, first + count) of
+    CUDA_VISIBLE_DEVICES (ASCEND_RT_VISIBLE_DEVICES on NPU), or the first ``count`` when Slurm bound each
+    task its own. Without either variable every device is visible, numbered from 0."""
     name = "ASCEND_RT_VISIBLE_DEVICES" if "ASCEND_RT_VISIBLE_DEVICES" in environ else "CUDA_VISIBLE_DEVICES"
-    first = local_rank * per_task
     if name not in environ:
-        return [str(i) for i in range(first, first + per_task)]
+        return [str(i) for i in range(first, first + count)]
     visible = [d for d in environ[name].split(",") if d]
     if _int(environ, "SLURM_GPUS_ON_NODE", 0) > len(visible):  # --gpus-per-task / --gpu-bind: ours alone
         first = 0
-    if first + per_task > len(visible):
+    if first + count > len(visible):
         node = environ.get("SLURMD_NODENAME") or socket.gethostname()
-        raise UserError(f"local rank {local_rank} needs accelerators {first}..{first + per_task - 1} but node {node} "
+        raise UserError(f"this task needs accelerators {first}..{first + count - 1} but node {node} "
                         f"shows {len(visible)} ({name}={environ[name]!r}); request at least "
-                        f"{first + per_task} per node (--gres=gpu:N) or start fewer tasks per node")
-    return visible[first:first + per_task]
+                        f"{first + count} per node (--gres=gpu:N) or start fewer tasks per node")
+    return visible[first:first + count]
 
 
 def node_address(interface: str = "", environ: Mapping[str, str] = os.environ) -> str:

@@ -188,6 +188,8 @@ class ParallelConfig:
                       "ranks (FSDP2) instead of replicating them")
     allocation: str = spec("", "the planner's training allocation, e.g. megatron:d8p1t1 (sets dp, pp and tp; "
                            "`areal-hpc plan` prints it)")
+    dp_weights: list = spec([], "each data-parallel replica's relative share of every batch, e.g. [3, 1] (submit "
+                            "--plan sets them from the planner's speed of each group's devices); empty: equal")
 
 
 @dataclass

@@ -88,9 +88,13 @@ def test_a_run_submitted_from_tmp_completes_as_one_heterogeneous_job(tiny_model_
     assert yaml.safe_load((run / "job" / "config.yaml").read_text())["cluster"]["fileroot"] == str(tmp_path)
 
 
-def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path, submit):
+@pytest.mark.parametrize("cluster", ["cluster.yaml", "cluster-mixed.yaml"])
+def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path, submit, cluster):
+    """The planner's own plan for the dev cluster runs as one job: one pool trains, the other serves; and,
+    with A100s in partition rollout, both pools train and serve, each trainer rank's share of a batch
+    set by its device's planned speed."""
     plan = tmp_path / "plan.yaml"
-    made = run_cli("plan", "--cluster", "slurm/dev/cluster.yaml", "--model", "r1-distill-qwen-1.5b", "--out", str(plan))
+    made = run_cli("plan", "--cluster", f"slurm/dev/{cluster}", "--model", "r1-distill-qwen-1.5b", "--out", str(plan))
     assert made.returncode == 0, made.stderr
     groups = yaml.safe_load(plan.read_text())
     trainers = sum(g["devices"] for g in groups["train"])
@@ -105,6 +109,9 @@ def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path
     assert (resolved["rl"]["trainer_processes"], resolved["rollout"]["n_servers"]) == (trainers, servers)
     pools = {g["pool"]: groups["pools"][g["pool"]]["partition"] for g in groups["train"] + groups["rollout"]}
     assert ended[f"{job}+0"][2] == {"train": "train1", "rollout": "rollout1"}[pools[groups["train"][0]["pool"]]]
+    speeds = [g["tokens_per_s"] / g["devices"] for g in groups["train"] for _ in range(g["devices"])]
+    weights = resolved["actor"]["parallel"]["dp_weights"]
+    assert weights == ([] if len(set(speeds)) == 1 else pytest.approx([s / sum(speeds) for s in speeds], rel=1e-3))
 
 
 def test_a_plan_with_servers_of_two_sizes_and_a_pool_that_trains_and_serves_runs_as_planned(tiny_model_dir, tmp_path,
@@ -311,7 +318,8 @@ def test_a_plan_becomes_one_component_per_pool_and_every_task_knows_its_share(tm
 
 def test_rollout_groups_of_different_sizes_and_two_pools_that_train_and_serve():
     """What the planner may write for larger models: servers of tp 1, 2 and 4 in one run, and two pools
-    that each train and serve; every node's tasks get disjoint accelerators within its request."""
+    that each train and serve; every node's tasks get disjoint accelerators within its request, and each
+    replica's share of a batch follows its devices' planned speed."""
     from areal_hpc.config import load_config
     from areal_hpc.launch.slurm_task import task_groups
     from areal_hpc.launch.submit import components_from_plan
@@ -319,8 +327,8 @@ def test_rollout_groups_of_different_sizes_and_two_pools_that_train_and_serve():
     plan = {"pools": {"a": {"device": "H100", "partition": "pa", "nodes": 2, "per_node": 8},
                       "b": {"device": "A100", "partition": "pb", "nodes": 3, "per_node": 8},
                       "c": {"device": "H20", "partition": "pc", "nodes": 2, "per_node": 8}},
-            "train": [{"pool": "a", "devices": 6, "dp": 3, "tp": 2, "pp": 1},
-                      {"pool": "b", "devices": 4, "dp": 2, "tp": 2, "pp": 1}],
+            "train": [{"pool": "a", "devices": 6, "dp": 3, "tp": 2, "pp": 1, "tokens_per_s": 6000.0},
+                      {"pool": "b", "devices": 4, "dp": 2, "tp": 2, "pp": 1, "tokens_per_s": 1000.0}],
             "rollout": [{"pool": "a", "replicas": 5, "devices": 10, "tp": 2, "pp": 1},
                         {"pool": "b", "replicas": 4, "devices": 4, "tp": 1, "pp": 1},
                         {"pool": "b", "replicas": 3, "devices": 12, "tp": 4, "pp": 1},
@@ -334,6 +342,7 @@ def test_rollout_groups_of_different_sizes_and_two_pools_that_train_and_serve():
     assert "slurm.task_groups=[[trainer,6,1,1],[rollout,5,2,2],[trainer,4,1,1],[rollout,4,1,1],[rollout,3,4,4]," \
            "[rollout,4,4,4]]" in overrides
     assert "actor.parallel.allocation=megatron:d5p1t2" in overrides
+    assert "actor.parallel.dp_weights=[0.2857,0.2857,0.2857,0.07143,0.07143]" in overrides  # 1000 vs 250 per device
     placed = placed_tasks(components, task_groups(load_config(None, overrides)))
     assert [t.index for _, _, t in placed if t.role == "trainer"] == list(range(10))
     for node in {n for _, n, _ in placed}:

@@ -46,13 +46,15 @@ class SequenceBatch:
         self.fields[name] = list(values.split([len(s) for s in self.sequences]))
 
 
-def balanced_parts(lengths: list[int], parts: int) -> list[list[int]]:
-    """Split sequence indices into ``parts`` groups of near-equal token counts (longest first, to the
-    lightest group), so data-parallel ranks finish a step together."""
+def balanced_parts(lengths: list[int], parts: int, weights: list[float] | None = None) -> list[list[int]]:
+    """Split sequence indices into ``parts`` groups whose token counts follow ``weights`` (default: equal):
+    longest first, each to the group least loaded for its weight, so data-parallel ranks of different
+    speeds finish a step together."""
+    weights = weights or [1.0] * parts
     groups: list[list[int]] = [[] for _ in range(parts)]
     loads = [0] * parts
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        lightest = loads.index(min(loads))
+        lightest = min(range(parts), key=lambda g: (loads[g] + lengths[i]) / weights[g])
         groups[lightest].append(i)
         loads[lightest] += lengths[i]
     return groups

@@ -39,6 +39,7 @@ from areal_hpc.launch.slurm_task import run_task, task_groups
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.runtime.bootstrap import LAUNCHED_AT, TaskGroup
 from areal_hpc.train.task_setup import check_task
+from areal_hpc.train.trajectory_batch import data_parallel_weights
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
     if not isinstance(pools, dict) or not plan.get("train") or not plan.get("rollout"):
         raise UserError("the plan lacks pools, train or rollout groups; write it with `areal-hpc plan --out FILE`")
     groups: dict[str, list[TaskGroup]] = {}
+    device_speeds: dict[str, list[float]] = {}
     for role in ("train", "rollout"):
         for group in plan[role]:
             if group["pool"] not in pools:
@@ -93,6 +95,9 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
             task = (TaskGroup("trainer", group["devices"], 1) if role == "train" else
                     TaskGroup("rollout", group["replicas"], group["tp"] * group["pp"], group["tp"]))
             groups.setdefault(group["pool"], []).append(task)
+            if role == "train":  # each device's planned training speed, for the batch split
+                device_speeds.setdefault(group["pool"], []).extend(
+                    [group.get("tokens_per_s", 1.0) / group["devices"]] * group["devices"])
     for name, tasks in groups.items():
         pool, used = pools[name], sum(g.tasks * g.accelerators for g in tasks)
         if used > pool["nodes"] * pool["per_node"]:
@@ -109,10 +114,24 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
                  "slurm.task_groups=[" + ",".join(f"[{g.role},{g.tasks},{g.accelerators},{g.tp}]"
                                                   for g in in_rank_order) + "]"]
     train_shapes = {(g["tp"], g["pp"]) for g in plan["train"]}
-    if len(train_shapes) == 1:  # one trainer mesh holds replicas of one shape; else data parallel over all ranks
+    trainers = sum(g.tasks for g in in_rank_order if g.role == "trainer")
+    dims = ParallelDims(dp=trainers)  # groups of different shapes: data parallel over all their ranks
+    if len(train_shapes) == 1:  # one trainer mesh holds replicas of one shape
         (tp, pp), = train_shapes
-        overrides.append(f"actor.parallel.allocation=megatron:d{sum(g['dp'] for g in plan['train'])}p{pp}t{tp}")
+        dims = ParallelDims(dp=sum(g["dp"] for g in plan["train"]), tp=tp, pp=pp)
+        overrides.append(f"actor.parallel.allocation=megatron:d{dims.dp}p{pp}t{tp}")
+    weights = replica_weights(dims, [speed for name in order for speed in device_speeds.get(name, [])])
+    if len(set(weights)) > 1:
+        overrides.append("actor.parallel.dp_weights=[" + ",".join(f"{w:.4g}" for w in weights) + "]")
     return components, overrides
+
+
+def replica_weights(dims: ParallelDims, device_speeds: list[float]) -> list[float]:
+    """Each data-parallel replica's share of a batch: the planned speed of its slowest device (trainer
+    ranks in rank order), normalised to sum to 1."""
+    slowest = [min(speed for rank, speed in enumerate(device_speeds) if dims.coordinates(rank)["dp"] == replica)
+               for replica in range(dims.dp)]
+    return [speed / sum(slowest) for speed in slowest]
 
 
 def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunConfig) -> list[Component]:
@@ -227,7 +246,8 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
     else:
         components = components_from_config(cfg)
     cfg = load_config(files, [*overrides, *plan_overrides, *absolute_path_overrides(cfg)])  # tasks start elsewhere
-    ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
+    dims = ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the mesh fits its ranks
+    data_parallel_weights(cfg.actor.parallel, dims.dp)
     task_groups(cfg)  # the tasks' roles add up
     check_task(cfg)  # your data, reward and workflow load
     check_components(components, read_partitions(), cfg.slurm.gres)

@@ -23,7 +23,8 @@ from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.base import TrainEngine, WeightBucket, merge_stats
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.train.actor import PPOActor
-from areal_hpc.train.trajectory_batch import build_batch, data_parallel_parts, split_minibatches
+from areal_hpc.train.trajectory_batch import (build_batch, data_parallel_parts, data_parallel_weights,
+                                             split_minibatches)
 
 UPDATE, SAVE, WEIGHTS, STOP = "update", "save", "weights", "stop"
 PER_STEP_KEYS = ("grad_norm", "lr")  # equal on every rank after the all-reduce: not summed over ranks
@@ -36,6 +37,7 @@ class TrainerGroup:
         every = [mesh.dims.coordinates(rank) for rank in range(self.world)]
         self.data_ranks = [coords["dp"] for coords in every]  # which share each rank trains on
         self.leaders = [r for r, c in enumerate(every) if c["tp"] == c["cp"] == c["pp"] == 0]  # one per replica
+        self.dp_weights = data_parallel_weights(cfg.actor.parallel, mesh.dims.dp)  # faster replicas train more
         self.engines = {name: LeaderEngine(name, engine, self._announce) for name, engine in engines.items()}
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -44,7 +46,7 @@ class TrainerGroup:
         actor_cfg, max_new = self.cfg.actor, self.cfg.gconfig.max_new_tokens
         batch = build_batch(trajectories, actor_cfg, max_new, run_temperature(self.cfg.gconfig))
         minibatches = split_minibatches(batch, trajectories, actor_cfg, max_new)
-        parts = data_parallel_parts(minibatches, self.mesh.dims.dp)
+        parts = data_parallel_parts(minibatches, self.mesh.dims.dp, self.dp_weights)
         own = _scatter([(UPDATE, parts[d]) for d in self.data_ranks])[1]
         gathered = _gather(self.actor.update(own))
         every = [gathered[r] for r in self.leaders]  # a replica's ranks report the same numbers once

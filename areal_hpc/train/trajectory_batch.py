@@ -15,9 +15,10 @@ from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, expand_to_tokens, seq
 from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.algo.temperature import logprob_temperature
-from areal_hpc.config import ActorConfig
+from areal_hpc.config import ActorConfig, ParallelConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
+from areal_hpc.errors import UserError
 
 
 def trajectory_sequence(traj: Trajectory, run_temperature: float
@@ -83,10 +84,22 @@ def split_minibatches(batch: SequenceBatch, trajectories: list[Trajectory], cfg:
     return minibatches
 
 
-def data_parallel_parts(minibatches: list[SequenceBatch], world_size: int) -> list[list[SequenceBatch]]:
-    """Rank r's share of every minibatch (balanced by tokens): ``parts[r][k]``."""
+def data_parallel_parts(minibatches: list[SequenceBatch], world_size: int,
+                        weights: list[float] | None = None) -> list[list[SequenceBatch]]:
+    """Rank r's share of every minibatch (by tokens, in proportion to ``weights``): ``parts[r][k]``."""
     parts: list[list[SequenceBatch]] = [[] for _ in range(world_size)]
     for mb in minibatches:
-        for rank, indices in enumerate(balanced_parts([len(s) for s in mb.sequences], world_size)):
+        for rank, indices in enumerate(balanced_parts([len(s) for s in mb.sequences], world_size, weights)):
             parts[rank].append(mb.select(indices))
     return parts
+
+
+def data_parallel_weights(cfg: ParallelConfig, dp: int) -> list[float] | None:
+    """``actor.parallel.dp_weights`` checked against the mesh's ``dp`` replicas (None: equal shares)."""
+    weights = list(cfg.dp_weights)
+    if not weights:
+        return None
+    if len(weights) != dp or not all(isinstance(w, (int, float)) and w > 0 for w in weights):
+        raise UserError(f"actor.parallel.dp_weights={weights} must hold {dp} positive numbers, one per "
+                        f"data-parallel replica")
+    return [float(w) for w in weights]

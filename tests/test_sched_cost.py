@@ -99,3 +99,34 @@ def test_efficiency_yaml_reads_per_device_factors(tmp_path):
     path.write_text("per_device:\n  H2O: {train: 0.7}\n")
     with pytest.raises(UserError, match="unknown device type 'H2O', did you mean 'H20'"):
         load_efficiency(path)
+
+
+def test_decode_turns_compute_bound_on_h20_at_large_batches_and_stays_hbm_bound_on_h800():
+    """With the paper's calibrated global factors, H20 (148 TFLOP/s, 4.0 TB/s) is compute-bound at a full
+    batch and an H800 (989 TFLOP/s, 3.35 TB/s) HBM-bound: fewer decode FLOP/s slow H20's full batch only."""
+    from areal_hpc.sched.repro_hex import CALIBRATED
+    cost = CostModel(load_model_spec("r1-distill-qwen-7b"), Workload(prompt_len=1024, gen_mean=8192), CALIBRATED)
+    fewer_flops = CostModel(cost.model, cost.workload, CALIBRATED.replace(decode_mfu=CALIBRATED.decode_mfu / 2))
+    h20, h800 = cost.rollout_replica(pool("H20"), 2, 1, 5), cost.rollout_replica(pool("H800"), 2, 1, 5)
+    assert fewer_flops.rollout_replica(pool("H20"), 2, 1, 5).step_full_s > 1.5 * h20.step_full_s
+    assert fewer_flops.rollout_replica(pool("H20"), 2, 1, 5).step_1_s == pytest.approx(h20.step_1_s)
+    assert fewer_flops.rollout_replica(pool("H800"), 2, 1, 5) == h800
+
+
+def test_prefill_of_a_short_prompt_is_bound_by_reading_the_weights():
+    cost = COSTS["r1-distill-qwen-7b"]
+    e, dev = cost.eff, CATALOGUE["H800"]
+    short = CostModel(cost.model, Workload(prompt_len=8), e)
+    weights_s = cost.model.weight_bytes / (dev.hbm_gbs * 1e9 * e.decode_hbm * e.overall)
+    assert short.prefill_s(pool("H800"), 1, 1) == pytest.approx(weights_s)
+    long_s = 2 * cost.model.params * cost.workload.prompt_len / (dev.tflops * 1e12 * e.prefill_mfu * e.overall)
+    assert cost.prefill_s(pool("H800"), 1, 1) == pytest.approx(long_s)
+
+
+def test_tensor_parallel_collective_latency_is_paid_per_micro_batch_not_per_token():
+    """A tp=2 trainer on NVLink loses little to its all-reduces (a 10 us latency per token would cost it 10x)."""
+    cost = COSTS["r1-distill-qwen-14b"]
+    no_links = CostModel(cost.model, cost.workload, Efficiency(latency_s=0.0, link=1e6))
+    group, ideal = (next(g for g in c.train_layouts(pool("H800"), 8, 5) if (g.dp, g.tp, g.pp) == (4, 2, 1))
+                    for c in (cost, no_links))
+    assert 0.85 * ideal.tokens_per_s < group.tokens_per_s < ideal.tokens_per_s

@@ -1,7 +1,18 @@
 """HexGen-style cost model: rollout replica throughput, training step time, weight sync, memory.
 
-Every speed is a roofline (peak FLOP/s or bytes/s of the device or link) times an efficiency factor
-from ``Efficiency``; ``areal_hpc.sched.calibrate`` fits those factors to measured runs.
+Each phase is a roofline on the device's datasheet figures (``hardware.CATALOGUE``) times an efficiency
+factor from ``Efficiency``, which ``areal_hpc.sched.calibrate`` fits to measured runs:
+
+- prefill of a prompt: max(2·params·prompt FLOPs / FLOP/s, its weights read once / HBM bytes/s);
+- decode step of ``b`` running sequences: max((weights + b contexts of KV) / HBM, 2·params·b / FLOP/s), plus
+  the TP all-reduces and PP sends of ``b`` hidden vectors; ``b`` is at most the slots the KV cache holds
+  (``memory.rollout_slots``), so a device with little memory runs small, weight-bound batches;
+- training: 8·params FLOPs per token (forward and backward, and the forward of the proximal log-probs) at
+  the training FLOP/s, stretched by the pipeline bubble, plus TP all-reduces and PP sends per micro-batch;
+- weight sync: the bf16 weights over the slowest link from a trainer to a rollout replica.
+
+The same global factors hold for every device, so a device low on FLOP/s and high on HBM bandwidth (H20:
+148 TFLOP/s, 4.0 TB/s) comes out good at decode, compute-bound at large batches, and slow to train.
 """
 
 from __future__ import annotations
@@ -167,14 +178,22 @@ class CostModel:
         batch = min(w.max_running, rollout_slots(m, dev.memory_gb * GB, tp, pp, w.seq_tokens))
         if batch < 1 or pp > m.layers:
             return None
-        prefill_s = 2 * m.params * w.prompt_len / (n * dev.tflops * 1e12 * e.prefill_mfu * e.overall)
-        seconds = batch * prefill_s + w.gen_mean * self.decode_step_s(pool, tp, pp, batch, inter_gbs)
+        seconds = batch * self.prefill_s(pool, tp, pp) + w.gen_mean * self.decode_step_s(pool, tp, pp, batch, inter_gbs)
         return RolloutReplica(pool.name, tp, pp, batch, batch * w.seq_tokens / seconds, n * dev.price_per_hour,
                               self.decode_step_s(pool, tp, pp, 1, inter_gbs),
                               self.decode_step_s(pool, tp, pp, batch, inter_gbs))
 
+    def prefill_s(self, pool: NodePool, tp: int, pp: int) -> float:
+        """One prompt's prefill on a replica: its FLOPs, or one read of each device's weights if slower
+        (short prompts); the pp stages work on successive prompts, so all ``tp·pp`` devices count."""
+        m, w, e, dev = self.model, self.workload, self.eff, pool.device
+        compute_s = 2 * m.params * w.prompt_len / (tp * pp * dev.tflops * 1e12 * e.prefill_mfu * e.overall)
+        memory_s = m.weight_bytes / (tp * pp) / (dev.hbm_gbs * GB * e.decode_hbm * e.overall)
+        return max(compute_s, memory_s)
+
     def decode_step_s(self, pool: NodePool, tp: int, pp: int, running: int, inter_gbs: float) -> float:
-        """One decode iteration of a replica with ``running`` sequences (one new token each)."""
+        """One decode iteration of a replica with ``running`` sequences (one new token each): HBM-bound on
+        the weights and the KV cache read, or compute-bound at large ``running`` on a device with few FLOP/s."""
         m, w, e, dev = self.model, self.workload, self.eff, pool.device
         n = tp * pp
         context = w.prompt_len + w.gen_mean / 2
@@ -222,7 +241,9 @@ class CostModel:
                 bubble = 1 + (pp - 1) / micro_batches
                 flops = dev.tflops * 1e12 * e.train_mfu * e.overall * e.factor(f"{dev.name}.train")
                 compute = 8 * m.params / (tp * pp * flops) * bubble
-                tp_comm = 4 * m.layers / pp * self._collective_s(m.hidden * 2, tp, dev.link_gbs)
+                # per token: 4 all-reduces a layer (2 forward, 2 backward), each run once per micro-batch
+                tp_comm = 4 * m.layers / pp * self._collective_s(w.micro_tokens * m.hidden * 2, tp,
+                                                                 dev.link_gbs) / w.micro_tokens
                 pp_gbs = dev.link_gbs if tp * pp <= pool.per_node else inter_gbs
                 pp_comm = (pp > 1) * 2 * m.hidden * 2 / (pp_gbs * GB * e.link)
                 dp_gbs = dev.link_gbs if devices <= pool.per_node else inter_gbs

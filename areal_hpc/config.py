@@ -61,7 +61,10 @@ class ModelConfig:
     dtype: str = spec("float32", "parameter dtype", choices=["float32", "bfloat16", "float16"])
     attn_impl: str = spec("sdpa", "attention implementation", choices=["sdpa", "eager", "flash_attention_2"])
     compute_dtype: str = spec("float32", "dtype of the trainer's matrix multiplies. bfloat16: the torch engine "
-                              "autocasts them (weights, gradients and optimizer state stay in `dtype`); "
+                              "with actor.parallel.fsdp over several replicas computes in it by FSDP2's mixed "
+                              "precision (bf16 gathered weights and activations, fp32 gradient reduction), else "
+                              "autocasts the matrix multiplies; either way the weights, gradients, optimizer state "
+                              "and rollout push stay in `dtype`; "
                               "actor.engine=megatron trains Megatron's bf16 mixed precision (bf16 weights and "
                               "rollout push, fp32 gradients, master weights and optimizer state; not with fsdp)",
                               choices=["float32", "bfloat16"])
@@ -186,6 +189,11 @@ class ParallelConfig:
     sequence_parallel: bool = spec(False, "shard norms' and dropouts' activations over the tensor-parallel ranks")
     fsdp: bool = spec(False, "torch engine: shard parameters, gradients and optimizer state over the data-parallel "
                       "ranks (FSDP2) instead of replicating them")
+    distributed_optimizer: bool = spec(False, "actor.engine=megatron: shard the optimizer state (fp32 master weights "
+                                       "and Adam moments) over the data-parallel ranks (ZeRO-1, Megatron's "
+                                       "distributed optimizer); not with fsdp")
+    vpp: int = spec(1, "actor.engine=megatron: virtual pipeline stages per pipeline rank (interleaved 1F1B); "
+                    "needs pp > 1, and pp x vpp must divide the layers", ge=1)
     allocation: str = spec("", "the planner's training allocation, e.g. megatron:d8p1t1 (sets dp, pp and tp; "
                            "`areal-hpc plan` prints it)")
     dp_weights: list = spec([], "each data-parallel replica's relative share of every batch, e.g. [3, 1] (submit "
@@ -211,6 +219,14 @@ class ActorConfig:
     ppo_n_minibatches: int = spec(1, "PPO minibatches per training step", ge=1)
     kl_ctl: float = spec(0.0, "KL penalty coefficient to the reference model (the starting weights)", ge=0.0)
     max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)
+    recompute: str = spec("none", "activation recomputation in the backward pass, trading compute for memory: none, "
+                          "selective (each layer's core attention recomputed; the torch engine: its whole attention "
+                          "block) or full (each layer's whole forward recomputed from its input)",
+                          choices=["none", "selective", "full"])
+    tree_training: str = spec("off", "AReaL-DTA tree training: dta trains each batch's prefix tree depth first (a "
+                              "shared prefix, such as a GRPO group's prompt, computed once; exact gradients; the torch "
+                              "engine in one process, token-level losses) instead of packed micro-batches",
+                              choices=["off", "dta"])
     dynamic_sampling: bool = spec(False, "DAPO: drop groups whose rewards are all equal (they carry no signal)")
     overlong_cache_tokens: int = spec(0, "DAPO overlong penalty: length band before max_new_tokens; 0 disables", ge=0)
     overlong_penalty: float = spec(1.0, "DAPO overlong penalty at max_new_tokens", ge=0.0)

@@ -159,7 +159,7 @@ class Check:
     """The run's shared state: model folder, device, sizes, and the results recorded so far."""
 
     def __init__(self, args):
-        self.dry_run, self.out = args.dry_run, Path(args.out)
+        self.dry_run, self.out, self.overrides = args.dry_run, Path(args.out), list(args.set or [])
         self.sizes = DRY if args.dry_run else FULL
         self.device = torch.device("cpu") if args.dry_run else torch.device("cuda")
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check-"))
@@ -170,14 +170,14 @@ class Check:
                        "versions": {"python": platform.python_version(), "torch": torch.__version__,
                                     "cuda": torch.version.cuda, "transformers": transformers.__version__,
                                     "megatron-core": _version("megatron-core")},
-                       "sizes": dataclasses.asdict(self.sizes), "sections": {}}
+                       "sizes": dataclasses.asdict(self.sizes), "overrides": self.overrides, "sections": {}}
         self.shape = make_model(self.model_dir, self.device, self.dry_run)
         self.result["model"] = self.shape
 
     def config(self, *overrides: str):
         return load_config("configs/quickstart.yaml", [f"model.path={self.model_dir}", f"cluster.fileroot={self.tmp}",
                                                        f"actor.max_tokens_per_mb={self.sizes.tokens_per_mb}",
-                                                       "model.compute_dtype=bfloat16", *overrides])
+                                                       "model.compute_dtype=bfloat16", *overrides, *self.overrides])
 
     def training_batch(self, vocab: int) -> SequenceBatch:
         return mixed_length_batch(self.sizes.tokens_per_step, vocab, np.random.default_rng(0))
@@ -402,7 +402,8 @@ def _fmt(value, spec: str = ".3g") -> str:
 def report(r: dict) -> str:
     s, m = r["sections"], r["model"]
     lines = [f"# GPU check{' (dry run, CPU, toy sizes)' if r['dry_run'] else ''}: {r['device']} ({r['date']})", "",
-             f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
+             f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + "."
+             + (f" Overrides: {' '.join(r['overrides'])}." if r.get("overrides") else ""),
              f"Model: Qwen2-shaped, {m['parameters'] / 1e6:,.1f}M parameters ({m['layers']} layers, hidden "
              f"{m['hidden']}, vocabulary {m['vocab']}), random weights. Peak dense bf16: "
              f"{_fmt(r['peak_bf16_tflops'])} TFLOP/s.", ""]
@@ -456,6 +457,8 @@ if __name__ == "__main__":
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: the same code paths, for CI")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for the JSON and table")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run these sections only")
+    parser.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="config overrides of the trainer sections, "
+                        "e.g. actor.recompute=full")
     parser.add_argument("--save", action="store_true", help="also record the result in bench/results/")
     arguments = parser.parse_args()
     result = run(arguments)

@@ -138,6 +138,8 @@ def test_pp2_checkpoint_restores_the_step(tiny_model_dir, reference, tmp_path):
 @pytest.mark.parametrize("sizes, message", [
     (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
     (dict(tp=3), "tp=3 must divide the model's num_attention_heads=4"),
+    (dict(dp=2, distributed_optimizer=True), "does not build actor.parallel.distributed_optimizer=true"),
+    (dict(pp=2, vpp=2), "does not build actor.parallel.vpp=2"),
 ])
 def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
     config = load_model(tiny_model_dir).config

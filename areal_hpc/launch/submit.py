@@ -9,11 +9,11 @@ with ``--plan`` (``areal-hpc plan --out``), one component per pool of the plan o
 tensor-parallel size, or both. The plan fixes ``rl.trainer_processes``, ``rollout.n_servers``, each
 task's role, accelerators and tensor-parallel size (``slurm.task_groups``) and the trainer mesh
 (``actor.parallel.allocation``, when every training group has one tp x pp shape; groups of different
-shapes train as data parallel over all their ranks). Everything is checked before anything is submitted: config keys, the plan's
-arithmetic, and each component against the live cluster (partition exists, enough nodes, accelerators
-and cores per node). The resolved config is written into the run folder with absolute paths, so the
-job does not depend on the folder it was submitted from; submitit's files go to ``<run>/submitit/``
-and each role's log to ``<run>/logs/``. ``--dry-run`` prints the job script and has
+shapes train as data parallel over all their ranks). Everything is checked before anything is
+submitted: config keys, the plan's arithmetic, and each component against the live cluster
+(partition exists, enough nodes, accelerators and cores per node). The resolved config is written
+into the run folder with absolute paths, so the job does not depend on the folder it was submitted
+from; submitit's files go to ``<run>/submitit/`` and each role's log to ``<run>/logs/``. ``--dry-run`` prints the job script and has
 ``sbatch --test-only`` check it, submitting nothing.
 """
 

@@ -30,6 +30,8 @@ class ParallelDims:
     ep: int = 1
     sequence_parallel: bool = False
     fsdp: bool = False
+    distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over dp x cp (Megatron's)
+    vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
 
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "ParallelDims":
@@ -49,7 +51,8 @@ class ParallelDims:
                                 f"a multiple of {model_parallel}, got {world_size}")
             dp = world_size // model_parallel
         dims = cls(dp=dp, tp=tp, pp=pp, cp=parallel.cp, ep=parallel.ep,
-                   sequence_parallel=parallel.sequence_parallel, fsdp=parallel.fsdp)
+                   sequence_parallel=parallel.sequence_parallel, fsdp=parallel.fsdp,
+                   distributed_optimizer=parallel.distributed_optimizer, vpp=parallel.vpp)
         dims.check(world_size)
         return dims
 
@@ -62,7 +65,7 @@ class ParallelDims:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
     def check(self, world_size: int) -> None:
-        if min(self.dp, self.tp, self.pp, self.cp, self.ep) < 1:
+        if min(self.dp, self.tp, self.pp, self.cp, self.ep, self.vpp) < 1:
             raise UserError(f"parallel sizes must be at least 1, got {self}")
         if self.world_size != world_size:
             raise UserError(f"parallel sizes dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} need "
@@ -73,6 +76,9 @@ class ParallelDims:
                             "(experts are split over the data-parallel ranks of a stage)")
         if self.sequence_parallel and self.tp == 1:
             raise UserError("actor.parallel.sequence_parallel=true needs tp > 1")
+        if self.vpp > 1 and self.pp == 1:
+            raise UserError(f"actor.parallel.vpp={self.vpp} needs pp > 1 (virtual stages interleave pipeline ranks); "
+                            "set actor.parallel.vpp=1 or pp >= 2")
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's position on each mesh dim (and its expert-parallel coordinates)."""

@@ -69,6 +69,10 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
     if actor_cfg.importance_level == "sequence" and mesh is not None and mesh.dims.cp > 1:
         raise UserError(f"actor.importance_level=sequence (GSPO) takes each sequence's ratio over all its tokens, "
                         f"but actor.parallel.cp={mesh.dims.cp} deals them over several ranks; use cp=1 with GSPO")
+    if actor_cfg.tree_training == "dta" and (actor_cfg.engine != "torch" or actor_cfg.importance_level != "token"):
+        raise UserError(f"actor.tree_training=dta needs actor.engine=torch and actor.importance_level=token (a loss "
+                        f"summed per token), got engine={actor_cfg.engine}, importance_level="
+                        f"{actor_cfg.importance_level}; set actor.tree_training=off")
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
     optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
     temperature = sampler_temperature(cfg)
@@ -78,7 +82,7 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
         """kind: "policy" or "critic"; without ``lr`` the engine is frozen (the reference)."""
         common = dict(mesh=mesh, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0, total_steps=optimizer_steps,
                       max_tokens_per_mb=actor_cfg.max_tokens_per_mb, tokenizer=tokenizer,
-                      compute_dtype=model.compute_dtype)
+                      compute_dtype=model.compute_dtype, recompute=actor_cfg.recompute)
         if actor_cfg.engine == "megatron":
             require("megatron.core")  # the extra `megatron`: one line naming it when it is missing
             from areal_hpc.engines.megatron.engine import MegatronTrainEngine
@@ -86,9 +90,9 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
             return MegatronTrainEngine(path, kind, temperature=temperature, **common)
         if kind == "critic":
             return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, device), ValueOutputs(),
-                                    **common)
+                                    tree_training=actor_cfg.tree_training, **common)
         network = load_model(path, model.dtype, model.attn_impl, device).requires_grad_(lr is not None)
-        return TorchTrainEngine(network, PolicyOutputs(temperature), **common)
+        return TorchTrainEngine(network, PolicyOutputs(temperature), tree_training=actor_cfg.tree_training, **common)
 
     engines = {"actor": engine("policy", actor_cfg.lr)}
     if actor_cfg.adv_estimator == "ppo":

@@ -119,7 +119,8 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
 
     engine = TorchTrainEngine(model, packed_policy_outputs, optimizer=cfg.optimizer, lr=cfg.sft.lr,
                               total_steps=cfg.sft.total_train_steps, max_tokens_per_mb=cfg.sft.max_tokens_per_mb,
-                              tokenizer=tokenizer, compute_dtype=cfg.model.compute_dtype)
+                              tokenizer=tokenizer, compute_dtype=cfg.model.compute_dtype,
+                              recompute=cfg.actor.recompute)  # the actor's model, the actor's memory trade
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
     rewards = reward_pool(cfg, task)
     order = index_stream(len(train), cfg.experiment.seed)

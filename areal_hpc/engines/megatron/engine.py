@@ -14,6 +14,11 @@ rollout push, optimizer state) and ``convert`` (HF <-> Megatron tensors).
   compute, fp32 gradients, fp32 master weights and Adam state. The rollout push and the saved folder
   hold the bf16 parameters (what the trainer computes with; servers cast them to their own dtype); the
   optimizer shards hold the fp32 masters.
+- ``recompute`` (``actor.recompute``) is Megatron's activation recomputation: "selective" reruns each
+  layer's core attention in the backward pass, "full" each layer's forward from its input.
+- ``actor.parallel.distributed_optimizer`` is Megatron's distributed optimizer (ZeRO-1) around the same
+  AdamW: DDP reduce-scatters the gradients, each dp x cp rank clips and steps its share of the fp32
+  master weights and Adam state, and the parameters are all-gathered; its checkpoint resumes in any dp.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from areal_hpc.engines.megatron.checkpoint import (buckets_on_rank0, load_hf_wei
                                                    save_hf_folder, save_optimizer_state, stage_hf_tensors)
 from areal_hpc.engines.megatron.convert import ModelShape
 from areal_hpc.engines.megatron.model import (build_stage, check_layout, clip_grad_norm, in_compute_dtype,
-                                              initialize_megatron, with_fp32_master_weights, wrap_data_parallel)
+                                              initialize_megatron, with_distributed_optimizer,
+                                              with_fp32_master_weights, wrap_data_parallel)
 from areal_hpc.engines.megatron.outputs import per_position_outputs
 from areal_hpc.engines.megatron.schedule import Pass, from_last_stage, microbatches, run_schedule
 from areal_hpc.engines.optim import build_optimizer, build_scheduler
@@ -49,7 +55,8 @@ class MegatronTrainEngine:
 
     def __init__(self, path: str, kind: str, *, temperature: float = 1.0, mesh: TrainMesh | None = None,
                  optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
-                 max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32"):
+                 max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32",
+                 recompute: str = "none"):
         from transformers import AutoConfig
 
         if mesh is None:  # one process: a group of one
@@ -68,23 +75,32 @@ class MegatronTrainEngine:
         check_layout(mesh.dims, self.shape, bf16=self.bf16)
         initialize_megatron(mesh.dims, self.device)
         with torch.random.fork_rng(devices=[]):  # the throwaway initialisation draws from the default generator
-            self.model, self.config, self.stage, self.tp_group, self.pp_group = build_stage(
-                self.shape, mesh.dims, self.device, critic=self.critic, dtype=DTYPES[compute_dtype])
+            self.stage = build_stage(self.shape, mesh.dims, self.device, critic=self.critic,
+                                     dtype=DTYPES[compute_dtype], recompute=recompute)
+        self.config, self.tp_group, self.pp_group = self.stage.config, self.stage.tp_group, self.stage.pp_group
+        self.model = torch.nn.ModuleList(self.stage.chunks)  # every chunk's parameters
         self._load_hf(Path(path))
         self.trainable = optimizer is not None
         self.model.requires_grad_(self.trainable)
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
         self.sharded = self.trainable and mesh.dims.fsdp
-        self.root = in_compute_dtype(self.model, self.config)
+        self.zero1 = self.trainable and mesh.dims.distributed_optimizer
+        self.roots = [in_compute_dtype(chunk, self.config) for chunk in self.stage.chunks]  # what the schedule runs
         if self.trainable:
-            self.root = wrap_data_parallel(self.root, self.config, mesh, sharded=self.sharded)
+            self.roots = [wrap_data_parallel(root, self.config, mesh, sharded=self.sharded,
+                                             distributed_optimizer=self.zero1) for root in self.roots]
         torch_optimizer = build_optimizer(self.model, optimizer, lr) if optimizer else None  # FSDP's shards, if any
-        self.optimizer = (with_fp32_master_weights(torch_optimizer) if self.bf16 and torch_optimizer
-                          else torch_optimizer)
+        if self.zero1:  # its shards of the parameters replace the torch optimizer's groups' parameters
+            self.optimizer = with_distributed_optimizer(torch_optimizer, self.roots, self.clip or float("inf"),
+                                                        bf16=self.bf16)
+        elif self.bf16 and torch_optimizer:
+            self.optimizer = with_fp32_master_weights(torch_optimizer)
+        else:
+            self.optimizer = torch_optimizer
         self.scheduler = build_scheduler(torch_optimizer, optimizer, total_steps) if optimizer else None
 
     def _load_hf(self, folder: Path) -> None:
-        load_hf_weights(self.model, folder, self.hf_config, self.shape, self.mesh, self.stage, critic=self.critic)
+        load_hf_weights(self.stage, folder, self.hf_config, self.shape, self.mesh, critic=self.critic)
 
     def _outputs(self, logits: torch.Tensor, packed: PackedBatch) -> Outputs:
         return per_position_outputs(logits, packed, critic=self.critic, temperature=self.temperature,
@@ -98,7 +114,8 @@ class MegatronTrainEngine:
     def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
         """Each output as per-sequence [len] tensors, without gradient, in evaluation mode. Collective
         over the mesh: every rank calls it with its data-parallel replica's share."""
-        self.root.eval()
+        for root in self.roots:
+            root.eval()
         out: dict[str, list[torch.Tensor | None]] = {}
         passes = self._passes(batch)
 
@@ -110,51 +127,62 @@ class MegatronTrainEngine:
                 for i, part in zip(indices, whole.float().cpu().split(lengths)):
                     per_sequence[i] = part
             return torch.zeros(())
-        run_schedule(self.root, passes, self._outputs, keep, forward_only=True)
+        run_schedule(self.roots, passes, self._outputs, keep, forward_only=True)
         return from_last_stage(out, self.mesh, self.pp_group)
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on this rank's part of a minibatch (which may be empty)."""
-        from megatron.core.distributed import finalize_model_grads
-
-        self.root.train()
-        self.root.zero_grad_buffer()
+        for root in self.roots:
+            root.train()
+            root.zero_grad_buffer()
         parts = []
 
         def loss(indices: list[int], outputs: Outputs, packed: PackedBatch, fields) -> torch.Tensor:
             value, mb_stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": value.item(), "microbatches": 1.0, **mb_stats})
             return value
-        run_schedule(self.root, self._passes(batch), self._outputs, loss, forward_only=False)
+        run_schedule(self.roots, self._passes(batch), self._outputs, loss, forward_only=False)
         stats = from_last_stage(merge_over_context(merge_stats(parts), self.mesh), self.mesh, self.pp_group)
+        stats["grad_norm"], stats["lr"] = self._optimizer_step(), self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return stats
+
+    def _optimizer_step(self) -> float:
+        """Gradients reduced over the data-parallel ranks, clipped and stepped; the gradient norm."""
+        from megatron.core.distributed import finalize_model_grads
+
+        if self.zero1:  # reduce-scattered; the optimizer clips and steps its shards, then all-gathers
+            finalize_model_grads(self.roots)
+            _, grad_norm, _ = self.optimizer.step()
+            self.optimizer.zero_grad()
+            return grad_norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.sharded:  # FSDP has summed each pass's gradient shards over dp x cp in its backward
             grads = [p.grad for p in params]
         else:
-            finalize_model_grads([self.root])  # DDP's sum over dp, tied-embedding grads over pp; no scaling
+            finalize_model_grads(self.roots)  # DDP's sum over dp, tied-embedding grads over pp; no scaling
             grads = [p.main_grad for p in params]  # fp32 (DDP's grad_reduce_in_fp32) whatever the parameters'
             if not self.bf16:  # the bf16 optimizer hands the main gradients to its fp32 masters itself
                 for p in params:
                     p.grad = p.main_grad
         grad_norm = clip_grad_norm(params, grads, self.clip if self.clip > 0 else float("inf"), self.mesh,
                                    sharded=self.sharded)
-        stats["grad_norm"], stats["lr"] = grad_norm, self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        self.scheduler.step()
         for p in params:
             p.grad = None
-        return stats
+        return grad_norm
 
     def rollout_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """The full state dict under its Hugging Face names (a tied embedding under both names).
         Collective: every rank iterates to the end; global rank 0's buckets hold the tensors, the
         others' are empty."""
-        tensors = stage_hf_tensors(self.model, self.shape, self.mesh, self.stage, self.tp_group)
+        tensors = stage_hf_tensors(self.stage, self.shape, self.mesh)
         return buckets_on_rank0(tensors, self.mesh, self.pp_group, bucket_bytes)
 
     def save(self, folder: Path, *, optimizer: bool = True) -> None:
         """Collective: rank 0 writes the Hugging Face folder; every rank its optimizer state
-        (``optimizer/rank{N}.pt``), rank 0 the schedule and layout (``training_state.pt``)."""
+        (``optimizer/rank{N}.pt``; the distributed optimizer's gathered per tp x pp rank,
+        ``optimizer/tp{T}_pp{P}.pt``), rank 0 the schedule and layout (``training_state.pt``)."""
         folder = Path(folder)
         save_hf_folder(self.rollout_weights(1 << 30), folder, self.hf_config, self.tokenizer, critic=self.critic)
         if optimizer and self.optimizer is not None:
@@ -162,7 +190,7 @@ class MegatronTrainEngine:
 
     def load(self, folder: Path) -> None:
         """Collective. Weights load into any layout; optimizer state (with bf16, the fp32 master weights)
-        into the layout that saved it."""
+        into the layout that saved it (the distributed optimizer's into any dp)."""
         folder = Path(folder)
         self._load_hf(folder)
         if self.bf16 and self.optimizer is not None:  # fp32 masters of the loaded weights (exact ones follow)

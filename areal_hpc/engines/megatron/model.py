@@ -1,7 +1,7 @@
 """The Megatron-core GPTModel of this rank over the trainer mesh: Megatron readied on the process (the
 CPU shim, its process groups in the mesh's rank order), the layout check, the layer spec, the critic's
-value head, the bf16 and DDP or FSDP2 wrapping, the fp32 master weights, and the gradient norm over the
-model's shards.
+value head, activation recomputation, the bf16 and DDP or FSDP2 wrapping, the fp32 master weights or the
+distributed optimizer (ZeRO-1), and the gradient norm over the model's shards.
 
 - On CPU the layer spec's core attention is ``PackedCoreAttention`` (Transformer Engine's on CUDA when
   it imports) and its norms are ``engines.megatron.norm.MarkedRMSNorm`` (marked for the TP sum of
@@ -40,6 +40,10 @@ from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh
 
 DAY_MINUTES = 24 * 60
+# ``actor.recompute`` as Megatron's settings: "selective" recomputes each layer's core attention (its
+# default ``recompute_modules``), "full" each layer's whole forward from its input, one layer at a time.
+RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
+             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
 
 
 def check_layout(dims: ParallelDims, shape: ModelShape, *, bf16: bool = False) -> None:
@@ -51,36 +55,50 @@ def check_layout(dims: ParallelDims, shape: ModelShape, *, bf16: bool = False) -
     if dims.fsdp and (dims.pp > 1 or dims.ep > 1 or dims.sequence_parallel):
         raise UserError(f"actor.engine=megatron builds fsdp=true with dp, tp and cp, not with pp={dims.pp} "
                         f"ep={dims.ep} sequence_parallel={str(dims.sequence_parallel).lower()} yet")
+    if dims.distributed_optimizer and dims.fsdp:
+        raise UserError("actor.parallel.distributed_optimizer=true shards the optimizer state that fsdp=true already "
+                        "shards; set one of them")
+    if dims.distributed_optimizer and shape.experts:
+        raise UserError("actor.engine=megatron does not build distributed_optimizer=true for a Mixture-of-Experts "
+                        "model yet; set actor.parallel.distributed_optimizer=false")
     if shape.experts and dims.tp > 1:
         raise UserError(f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet; "
                         "use dp, pp and ep")
     shape.check_layout(dims.tp, dims.pp, dims.ep)
+    if shape.layers % (dims.pp * dims.vpp):
+        raise UserError(f"actor.parallel.pp={dims.pp} x vpp={dims.vpp} = {dims.pp * dims.vpp} virtual stages must "
+                        f"divide the model's num_hidden_layers={shape.layers}")
 
 
 def initialize_megatron(dims: ParallelDims, device: torch.device) -> None:
     """Megatron ready on this process: the CPU shim on CPU (and Megatron without Transformer Engine
-    where that does not import), its process groups (the mesh's own: same rank order) and RNG
-    tracker, once per process."""
+    where that does not import), its process groups (the mesh's own: same rank order; with the
+    distributed optimizer also gloo twins of the data-parallel ones, through which it gathers and scatters
+    its state on the host for checkpoints) and RNG tracker, once per process."""
     from megatron.core import parallel_state, tensor_parallel
 
     if device.type == "cpu":
         megatron_shim.apply()
     if not has_transformer_engine():
         megatron_shim.without_transformer_engine()
+    if dims.vpp > 1:
+        megatron_shim.interleaving_shapes_by_direction()
     if parallel_state.model_parallel_is_initialized():
         sizes = (parallel_state.get_tensor_model_parallel_world_size(),
                  parallel_state.get_pipeline_model_parallel_world_size(),
                  parallel_state.get_context_parallel_world_size(),
-                 parallel_state.get_expert_model_parallel_world_size())
-        if sizes != (dims.tp, dims.pp, dims.cp, dims.ep):
-            raise RuntimeError(f"Megatron is initialised for tp, pp, cp, ep = {sizes}, "
-                               f"not {(dims.tp, dims.pp, dims.cp, dims.ep)}")
+                 parallel_state.get_expert_model_parallel_world_size(),
+                 parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+        if sizes != (dims.tp, dims.pp, dims.cp, dims.ep, dims.vpp):
+            raise RuntimeError(f"Megatron is initialised for tp, pp, cp, ep, vpp = {sizes}, "
+                               f"not {(dims.tp, dims.pp, dims.cp, dims.ep, dims.vpp)}")
         return
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                              context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep,
+                                             virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
                                              order="tp-cp-ep-dp-pp",
                                              distributed_timeout_minutes=7 * DAY_MINUTES,
-                                             create_gloo_process_groups=False)
+                                             create_gloo_process_groups=dims.distributed_optimizer)
     with torch.random.fork_rng(devices=[]):  # it reseeds the default generator; the caller's stream stays
         tensor_parallel.model_parallel_cuda_manual_seed(0)
 
@@ -103,20 +121,27 @@ class ValueHead(torch.nn.Linear):
 
 
 class PipelineStage(NamedTuple):
-    """This rank's pipeline stage: its GPTModel, the model's ``TransformerConfig``, the stage's index,
-    and the tensor- and pipeline-parallel groups it runs over."""
-    model: torch.nn.Module
+    """This rank's pipeline stage: its GPTModel chunks (one per virtual stage: ``vpp`` of them, the
+    layers of virtual stages ``index``, ``index + pp``, ...), the model's ``TransformerConfig``, the
+    stage's index, and the tensor- and pipeline-parallel groups it runs over."""
+    chunks: list[torch.nn.Module]
     config: Any
     index: int
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
 
+    def virtual_stages(self) -> list[int]:
+        """The virtual stage (of pp x vpp, in layer order) each chunk is."""
+        pp = self.pp_group.size()
+        return [chunk * pp + self.index for chunk in range(len(self.chunks))]
+
 
 def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, critic: bool,
-                dtype: torch.dtype = torch.float32) -> PipelineStage:
+                dtype: torch.dtype = torch.float32, recompute: str = "none") -> PipelineStage:
     """This rank's pipeline stage of the GPTModel on ``device`` with ``dtype`` parameters (bf16: Megatron's
     bf16 mode), randomly initialised (the caller loads the real weights); a critic's last stage ends in
-    a ``ValueHead``."""
+    a ``ValueHead``. ``recompute`` ("none", "selective", "full") picks Megatron's activation
+    recomputation (``RECOMPUTE``); with ``dims.vpp`` > 1, one chunk per virtual stage (interleaved 1F1B)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
@@ -132,7 +157,10 @@ def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, 
                                 use_cpu_initialization=True, perform_initialization=True, calculate_per_token_loss=True,
                                 sequence_parallel=dims.sequence_parallel,
                                 variable_seq_lengths=True,  # micro-batches of any length across stages
-                                moe_token_dispatcher_type="alltoall")  # "allgather" refuses the above
+                                moe_token_dispatcher_type="alltoall",  # "allgather" refuses the above
+                                virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+                                batch_p2p_comm=dims.vpp == 1,  # interleaved: each direction on its own group
+                                **RECOMPUTE[recompute])
     experts = dict(num_experts=shape.experts or None, moe_grouped_gemm=False)  # one MLP per expert
     if device.type == "cuda" and has_transformer_engine():
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm, **experts)
@@ -143,13 +171,19 @@ def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, 
         layer.input_layernorm = layer.pre_mlp_layernorm = MarkedRMSNorm
         if shape.qk_norm:
             attention.q_layernorm = attention.k_layernorm = MarkedRMSNorm
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * (shape.layers // dims.pp), layer_norm=MarkedRMSNorm)
-    last = parallel_state.is_pipeline_last_stage()
-    model = GPTModel(config, spec, pre_process=parallel_state.is_pipeline_first_stage(), post_process=last,
-                     **gpt_model_args(shape))
-    if critic and last:
-        model.output_layer = ValueHead(shape.hidden, 1, sequence_parallel=dims.sequence_parallel)
-    return PipelineStage(model.to(device), config, parallel_state.get_pipeline_model_parallel_rank(),
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * (shape.layers // (dims.pp * dims.vpp)),
+                                          layer_norm=MarkedRMSNorm)
+    chunks = []
+    for virtual in range(dims.vpp):
+        vp_stage = virtual if dims.vpp > 1 else None
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(config, spec, post_process=last, vp_stage=vp_stage,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         **gpt_model_args(shape))
+        if critic and last:
+            model.output_layer = ValueHead(shape.hidden, 1, sequence_parallel=dims.sequence_parallel)
+        chunks.append(model.to(device))
+    return PipelineStage(chunks, config, parallel_state.get_pipeline_model_parallel_rank(),
                          parallel_state.get_tensor_model_parallel_group(),
                          parallel_state.get_pipeline_model_parallel_group())
 
@@ -174,12 +208,34 @@ def with_fp32_master_weights(optimizer: torch.optim.Optimizer):
                                              init_state_fn=None)
 
 
-def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool):
-    """Megatron DDP, or with ``sharded`` (``fsdp``) Megatron's FSDP2 wrapper (``fully_shard`` on every
-    layer, then the root, over the dp x cp ranks) with gradients summed, not averaged. Its default units
-    also take ``ColumnParallelLinear`` (inside the local spec's layers: FSDP2 wants inner units wrapped
-    first) and the embedding (whose weight a tied output layer reads outside its forward): both stay
-    with the root here."""
+def with_distributed_optimizer(optimizer: torch.optim.Optimizer, roots: list, max_norm: float, *, bf16: bool):
+    """Megatron's ``DistributedOptimizer`` (ZeRO-1) around ``optimizer`` (built on the parameters of the DDP
+    model chunks ``roots``, which reduce-scatter gradients): each dp x cp rank keeps the fp32 master
+    weights (in fp32, views of the parameters) and Adam state of its contiguous share of each gradient
+    buffer, steps them, and all-gathers the parameters. It clips at ``max_norm`` itself (``inf``: no
+    clipping) over its shards, counting each parameter once over all ranks, and returns the norm from
+    ``step()``."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    config = OptimizerConfig(bf16=bf16, clip_grad=max_norm, use_distributed_optimizer=True)
+    sharded = DistributedOptimizer(
+        optimizer, config, grad_scaler=None, init_state_fn=None, model_chunks=roots,
+        per_model_buffers={i: root.buffers for i, root in enumerate(roots)},
+        data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        data_parallel_group_gloo=parallel_state.get_data_parallel_group_gloo(with_context_parallel=True),
+        data_parallel_group_idx=parallel_state.get_model_parallel_group().rank(), distributed_optimizer_instance_id=0)
+    sharded.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
+    return sharded
+
+
+def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool, distributed_optimizer: bool = False):
+    """Megatron DDP (reduce-scattering the gradients for the ``distributed_optimizer``), or with ``sharded``
+    (``fsdp``) Megatron's FSDP2 wrapper (``fully_shard`` on every layer, then the root, over the dp x cp
+    ranks), with gradients summed, not averaged. Its default units also take ``ColumnParallelLinear``
+    (inside the local spec's layers: FSDP2 wants inner units wrapped first) and the embedding (whose
+    weight a tied output layer reads outside its forward): both stay with the root here."""
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig)
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -187,7 +243,7 @@ def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool):
 
     if not sharded:
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
+                                            use_distributed_optimizer=distributed_optimizer)
         return DistributedDataParallel(config, ddp, model)
     root = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model,
                                          sub_modules_to_wrap={TransformerLayer}, process_group=mesh.group("dp_cp"))

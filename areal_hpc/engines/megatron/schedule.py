@@ -6,6 +6,8 @@ from its share of a batch, run as THD ``PackedSeqParams`` through ``get_forward_
   of them (or none) -- except under expert parallelism, where every MoE layer exchanges tokens over
   the expert-parallel ranks, and under FSDP, whose every pass gathers and reduces: a rank out of
   micro-batches runs idle ones (two tokens, nothing added to the gradients) until its peers are done.
+- With virtual pipeline stages (``vpp``), Megatron's interleaved 1F1B takes micro-batches in groups
+  of pp: idle passes complete the last group.
 - Under context parallelism every sequence of a micro-batch is padded at its end to a multiple of
   2 x cp tokens and dealt in zig-zag chunks over the cp ranks (``parallel.context``): Megatron's
   rotary embedding for packed sequences takes exactly those equal chunks, the core attention gathers
@@ -42,11 +44,13 @@ def microbatches(batch: SequenceBatch, mesh: TrainMesh, max_tokens_per_mb: int, 
     for indices in dynamic_microbatches([len(s) for s in batch.sequences], max_tokens_per_mb):
         packed, fields = batch.select(indices).packed()
         passes.append((indices, packed.to(mesh.device), {k: v.to(mesh.device) for k, v in fields.items()}))
+    idle = ([], pack([[0, 0]], [[0, 1]]).to(mesh.device), {})  # the pass of a rank out of micro-batches
     if mesh.dims.ep > 1 or sharded:
         count = torch.tensor(len(passes), device=mesh.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh.group("dp"))
-        idle = pack([[0, 0]], [[0, 1]]).to(mesh.device)  # the pass of a rank out of micro-batches
-        passes += [([], idle, {})] * (int(count) - len(passes))
+        passes += [idle] * (int(count) - len(passes))
+    if mesh.dims.vpp > 1 and passes:  # the interleaved schedule runs micro-batches in groups of pp
+        passes += [idle] * (-len(passes) % mesh.dims.pp)
     dims = mesh.dims
     tp_split = dims.tp if dims.sequence_parallel else 1
     if dims.cp > 1:
@@ -59,12 +63,13 @@ def microbatches(batch: SequenceBatch, mesh: TrainMesh, max_tokens_per_mb: int, 
     return passes
 
 
-def run_schedule(root, passes: list[Pass], outputs_of: Callable[[torch.Tensor, PackedBatch], Outputs],
+def run_schedule(roots: list, passes: list[Pass], outputs_of: Callable[[torch.Tensor, PackedBatch], Outputs],
                  on_outputs: Callable[[list[int], Outputs, PackedBatch, dict[str, torch.Tensor]], torch.Tensor],
                  *, forward_only: bool) -> None:
-    """Megatron's schedule of the (wrapped) model ``root`` over ``passes``; the last stage turns each
-    pass's logits into ``outputs_of(logits, packed)`` and calls ``on_outputs(indices, outputs, packed,
-    fields)`` for each pass with sequences, which returns the micro-batch's loss."""
+    """Megatron's schedule of the (wrapped) model chunks ``roots`` over ``passes`` (interleaved 1F1B with
+    several chunks: each reads every pass, for its positions and sequence boundaries); the last stage
+    turns each pass's logits into ``outputs_of(logits, packed)`` and calls ``on_outputs(indices, outputs,
+    packed, fields)`` for each pass with sequences, which returns the micro-batch's loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from areal_hpc.engines.megatron.attention import PackedSequences
@@ -84,7 +89,8 @@ def run_schedule(root, passes: list[Pass], outputs_of: Callable[[torch.Tensor, P
     if not passes:
         return
     get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(passes), model=[root], num_microbatches=len(passes),
+        forward_step_func=step, data_iterator=[iter(passes) for _ in roots], model=roots,
+        num_microbatches=len(passes),
         seq_length=max(p.input_ids.shape[1] for _, p, _ in passes), micro_batch_size=1,
         forward_only=forward_only)
 

@@ -1,6 +1,7 @@
 """Megatron-core 0.16 on CPU (gloo): the few places where it calls CUDA unconditionally, redirected to
 the CPU in one place. ``apply()`` is idempotent and is called only when the trainer's device is CPU;
-on CUDA Megatron runs untouched (but for ``without_transformer_engine``, where that is absent).
+on CUDA Megatron runs untouched (but for ``without_transformer_engine``, where that is absent, and
+``interleaving_shapes_by_direction`` under virtual pipeline stages).
 
 Each patched module sees ``torch`` through ``_CpuTorch``: ``torch.cuda.current_device()`` is the CPU,
 tensor factories asked for ``device="cuda"`` make CPU tensors, streams and synchronisation are no-ops,
@@ -88,6 +89,7 @@ MODULES = (
     "megatron.core.transformer.moe.router",  # moves a CPU router weight to current_device()
     "megatron.core.transformer.moe.token_dispatcher",  # a device-to-host copy stream and its event
     "megatron.core.optimizer.optimizer",  # the bf16 optimizer's unit loss scale on "cuda"
+    "megatron.core.optimizer.clip_grads",  # the distributed optimizer's gradient norm on "cuda"
 )
 
 
@@ -159,10 +161,46 @@ def apply() -> None:
     # With pp > 1 and tied embeddings the last stage's copy is synchronised after weight.data.cuda().
     language.setup_embeddings_and_output_layer = _with_tensor_method(language.setup_embeddings_and_output_layer,
                                                                      "cuda", _stays_on_cpu)
-    # The bf16 optimizer takes a parameter for fp32 master weights only if its type() is a CUDA one.
-    mixed = importlib.import_module("megatron.core.optimizer.optimizer").Float16OptimizerWithFloat16Params
-    mixed.__init__ = _with_tensor_method(mixed.__init__, "type", _typed_as_cuda)
+    # The bf16 and distributed optimizers take a parameter (for fp32 master weights, or a shard of it) only
+    # if its type() is a CUDA one.
+    for optimizer in (importlib.import_module("megatron.core.optimizer.optimizer").Float16OptimizerWithFloat16Params,
+                      importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer):
+        optimizer.__init__ = _with_tensor_method(optimizer.__init__, "type", _typed_as_cuda)
+    # Its clipping asserts that the shards' gradients are "torch.cuda.FloatTensor".
+    optimizer_module = importlib.import_module("megatron.core.optimizer.optimizer")
+    optimizer_module.clip_grad_by_total_norm_fp32 = _with_tensor_method(optimizer_module.clip_grad_by_total_norm_fp32,
+                                                                        "type", _typed_as_cuda)
     _applied = True
+
+
+def _shapes_by_direction(self, tensor_send_next, tensor_send_prev, recv_prev: bool, recv_next: bool):
+    """``P2PCommunicator._communicate_shapes`` through ``_p2p_ops``, as the tensors go without batching.
+    With pp = 2 a stage's previous and next stage are one peer, and interleaved 1F1B sends both ways at
+    once: the batched exchange then hands a shape sent backward to the receive of one sent forward (a
+    micro-batch's length for another's). ``_p2p_ops`` keeps the two directions on two process groups."""
+    p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
+    device = p2p.torch.cuda.current_device()
+
+    def shape_of(tensor):
+        return None if tensor is None else torch.tensor(tensor.size(), dtype=torch.int64, device=device)
+
+    def buffer(wanted: bool):
+        return torch.empty(3, dtype=torch.int64, device=device) if wanted else None
+    received = {"prev": buffer(recv_prev), "next": buffer(recv_next)}
+    requests = p2p._p2p_ops(tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=received["prev"],
+                            tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=received["next"],
+                            group=self.pp_group, prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank)
+    for request in requests.values():
+        request.wait()
+    return tuple([0, 0, 0] if shape is None else shape.tolist() for shape in received.values())
+
+
+def interleaving_shapes_by_direction() -> None:
+    """Megatron's interleaved schedule with micro-batches of varied lengths (any device): their shapes
+    exchanged direction by direction (``_shapes_by_direction``); the engine also sends the tensors
+    unbatched (``batch_p2p_comm=False``), which does the same for them."""
+    p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
+    p2p.P2PCommunicator._communicate_shapes = _shapes_by_direction
 
 
 def without_transformer_engine() -> None:

@@ -1,6 +1,19 @@
 """The PyTorch-native ``TrainEngine``: the plain Hugging Face model parallelised by ``parallelize``
 (DTensor TP, FSDP2 or replicate, experts over ep), pipeline stages run by ``pipeline``, context shards
 by ``parallel.context``; gloo on CPU, NCCL on GPU.
+
+Precision (``model.compute_dtype=bfloat16``): with FSDP2 over several replicas (``actor.parallel.fsdp``),
+FSDP's ``MixedPrecisionPolicy``: float32 sharded master weights and Adam state, bf16 parameters
+all-gathered for the forward and backward (activations in bf16 too), float32 gradient reduction.
+Everywhere else (one process, replicate, TP alone, experts over ep) ``torch.autocast``: float32 weights,
+matrix multiplies in bf16. Either way the weight push, checkpoints and ``load`` see the float32 masters
+(``model.dtype``): ``rollout_weights`` hands out full tensors in that dtype, labelled with it, and each
+rollout server casts them to its own (the embedded engine's ``copy_``, SGLang's loader).
+
+Activation recomputation (``actor.recompute``): ``engines.torch.recompute``, in every layout.
+
+Tree training (``actor.tree_training=dta``): ``train_step`` runs ``engines.torch.tree`` over the prefix
+tree of the whole share instead of packed micro-batches; ``forward`` stays packed.
 """
 
 from __future__ import annotations
@@ -14,14 +27,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
+from areal_hpc.algo.prefix_tree import build_prefix_tree
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.engines.base import (OPTIMIZER_SHARDS, TRAINING_STATE, ForwardFn, LossFn, WeightBucket,
                                     merge_over_context, merge_stats, weight_buckets)
 from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch.experts import reduce_expert_gradients
-from areal_hpc.engines.torch.parallelize import PackedForward, clip_grad_norm, full_state, load_full_state, parallelize
+from areal_hpc.engines.torch.parallelize import (PackedForward, clip_grad_norm, full_state, load_full_state,
+                                                 parallelize, sharded_mixed_precision)
 from areal_hpc.engines.torch.pipeline import Pipeline
+from areal_hpc.engines.torch.recompute import recompute_activations
+from areal_hpc.engines.torch.tree import check_tree_layout, tree_train_pass
 from areal_hpc.models.hf import DTYPES, read_checkpoint, save_model
 from areal_hpc.parallel.context import context_passes
 from areal_hpc.parallel.mesh import TrainMesh
@@ -37,19 +54,28 @@ class TorchTrainEngine:
     ``outputs.packed_policy_outputs`` at the sampler's temperature, or ``packed_values``). Every rank
     of the mesh calls ``forward`` and ``train_step`` with its data-parallel replica's share (tensor-
     parallel peers with the same one) and gets complete results; ``rollout_weights``, ``save`` and
-    ``load`` are collective over the whole mesh.
+    ``load`` are collective over the whole mesh. ``compute_dtype``, ``recompute`` and ``tree_training``
+    as the module says.
     """
 
     def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, mesh: TrainMesh | None = None,
                  optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
-                 max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32"):
+                 max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32",
+                 recompute: str = "none", tree_training: str = "off"):
+        check_tree_layout(tree_training, mesh, recompute, forward_fn)
+        self.tree_training = tree_training
         self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
         self.device = next(model.parameters()).device
-        self.compute_dtype = DTYPES[compute_dtype]
+        weights_dtype, compute = next(model.parameters()).dtype, DTYPES[compute_dtype]
+        sharded = mesh is not None and sharded_mixed_precision(mesh.dims, compute)
+        self.autocast_dtype = weights_dtype if sharded else compute  # FSDP casts the parameters itself
         self.max_tokens_per_mb = max_tokens_per_mb
         self.rank = dist.get_rank() if mesh is not None else 0
-        self.root = parallelize(model, forward_fn, mesh) if mesh is not None else PackedForward(model, forward_fn)
-        self.pipeline = Pipeline(model, mesh) if mesh is not None and mesh.dims.pp > 1 else None
+        recompute_activations(model, recompute)
+        self.root = (parallelize(model, forward_fn, mesh, compute) if mesh is not None
+                     else PackedForward(model, forward_fn))
+        activations = compute if sharded else weights_dtype
+        self.pipeline = Pipeline(model, mesh, activations) if mesh is not None and mesh.dims.pp > 1 else None
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
         self.optimizer = build_optimizer(model, optimizer, lr) if optimizer else None  # on the sharded parameters
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
@@ -63,9 +89,10 @@ class TorchTrainEngine:
         return self.mesh is not None and self.mesh.dims.cp > 1
 
     def _compute(self):
-        """Autocast to ``compute_dtype`` (matrix multiplies in bfloat16, master weights kept)."""
-        lower = self.compute_dtype != torch.float32
-        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=lower)
+        """Autocast to ``compute_dtype`` where FSDP's mixed precision does not apply (matrix multiplies in
+        bfloat16, master weights kept)."""
+        lower = self.autocast_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=lower)
 
     def _passes(self, batch: SequenceBatch) -> list[tuple[list[int], PackedBatch, dict[str, torch.Tensor]]]:
         """(sequence indices, packed micro-batch, packed fields) of this rank's share, then idle passes
@@ -117,7 +144,7 @@ class TorchTrainEngine:
         self.root.train()
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
-        passes = self._passes(batch)
+        passes = [] if self.tree_training == "dta" else self._passes(batch)
 
         def run(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
             """Pass i's loss (its output activation on a pipeline stage before the last)."""
@@ -136,7 +163,13 @@ class TorchTrainEngine:
             if self._data_parallel():  # reduce once, in the last pass's backward
                 self.root.set_requires_gradient_sync(i == len(passes) - 1)
 
-        if self.pipeline is None:
+        if self.tree_training == "dta":
+            tree = build_prefix_tree(batch.sequences)
+            with self._compute():
+                parts += tree_train_pass(self.model, self.root.forward_fn.head, tree, batch, loss_fn)
+            # "loss" is the nodes' sum: 0 with no trained target, as for flat micro-batches without one
+            parts.append({"loss": 0.0, "microbatches": 1.0, "tree_tokens": float(tree.n_tokens)})
+        elif self.pipeline is None:
             for i in range(len(passes)):
                 before_backward(i)
                 run(i, None).backward()

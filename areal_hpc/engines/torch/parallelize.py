@@ -7,6 +7,11 @@ What it does on purpose, and what it does not:
   attention reads its local head count from the q/k/v shapes (transformers 5 views them as ``-1``
   heads), so nothing in the model changes. Embeddings, norms and the LM head stay replicated (the
   log-softmax then needs no vocabulary-parallel logsumexp); no sequence parallelism.
+- With ``model.compute_dtype=bfloat16``, FSDP2 computes in it by its ``MixedPrecisionPolicy``
+  (``sharded_mixed_precision``): float32 sharded parameters (the optimizer's masters), bf16 all-gathered
+  ones for the forward and backward, gradients reduced and kept in float32. Replicate, TP alone and
+  expert parallelism (experts stay outside FSDP's units) leave the parameters as they are; the engine
+  autocasts there.
 - Losses carry the whole minibatch's normaliser, so data-parallel gradients are summed, not averaged
   (gradient divide factor 1).
 - Pipeline parallelism cuts the model into stages first (``engines.torch.pipeline``: each rank keeps its
@@ -25,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -63,6 +68,12 @@ def check_layout(dims: ParallelDims, config) -> None:
     if dims.sequence_parallel:
         raise UserError("actor.engine=torch does not support actor.parallel.sequence_parallel=true (tp keeps "
                         "activations replicated); set it to false or use actor.engine=megatron")
+    if dims.distributed_optimizer:
+        raise UserError("actor.engine=torch does not build actor.parallel.distributed_optimizer=true (Megatron's "
+                        "ZeRO-1); use actor.parallel.fsdp=true to shard its optimizer state, or actor.engine=megatron")
+    if dims.vpp > 1:
+        raise UserError(f"actor.engine=torch does not build actor.parallel.vpp={dims.vpp} (virtual pipeline stages); "
+                        "set vpp=1 or use actor.engine=megatron")
     sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size}
     for name, size in sizes.items():
@@ -72,9 +83,17 @@ def check_layout(dims: ParallelDims, config) -> None:
         check_stages(config, dims.pp)
 
 
-def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -> PackedForward:
+def sharded_mixed_precision(dims: ParallelDims, compute_dtype: torch.dtype) -> bool:
+    """Whether FSDP2's ``MixedPrecisionPolicy`` computes in ``compute_dtype`` (rather than autocast):
+    lower than float32, with FSDP units over more than one replica and no experts outside them."""
+    return compute_dtype != torch.float32 and dims.fsdp and dims.dp * dims.cp > 1 and dims.ep == 1
+
+
+def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh,
+                compute_dtype: torch.dtype = torch.float32) -> PackedForward:
     """The model's packed forward, parallelised in place over ``mesh`` (collective: every rank calls it).
-    Every rank starts from global rank 0's weights (a freshly initialised head differs between ranks)."""
+    Every rank starts from global rank 0's weights (a freshly initialised head differs between ranks).
+    FSDP2 casts the all-gathered parameters to ``compute_dtype`` where ``sharded_mixed_precision``."""
     check_layout(mesh.dims, model.config)
     for tensor in [*model.parameters(), *model.buffers()]:
         dist.broadcast(tensor.data, src=0)
@@ -93,9 +112,13 @@ def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh) -
         root.expert_params = shard_experts(model, mesh)
     if mesh.dims.dp * mesh.dims.cp > 1:  # context-parallel ranks' gradients are partial sums too
         wrap = fully_shard if mesh.dims.fsdp else replicate
+        options = {}
+        if sharded_mixed_precision(mesh.dims, compute_dtype):  # the batch's float temperatures stay float32
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                                        cast_forward_inputs=False)
         replicas = mesh["dp"] if mesh.dims.cp == 1 else mesh["dp_cp"]
         for unit in [*layers, root]:  # root last: it holds what no layer does (embeddings, norm, head)
-            wrap(unit, mesh=replicas, ignored_params=set(root.expert_params))
+            wrap(unit, mesh=replicas, ignored_params=set(root.expert_params), **options)
             unit.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the whole minibatch
             unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
     return root

@@ -73,14 +73,16 @@ class Pipeline:
     """The schedule of one stage of a replica's pipeline, and the transfers that make a pipelined
     model look whole: outputs and statistics on every stage, full weights on global rank 0."""
 
-    def __init__(self, model: torch.nn.Module, mesh: TrainMesh):
+    def __init__(self, model: torch.nn.Module, mesh: TrainMesh, activation_dtype: torch.dtype):
+        """``activation_dtype``: the residual stream's between stages (the parameters' under autocast,
+        the compute dtype under FSDP's mixed precision)."""
         self.mesh = mesh
         self.stage, self.stages = mesh.coords["pp"], mesh.dims.pp
         self.ranks = dist.get_process_group_ranks(mesh.group("pp"))
         self.prev = self.ranks[self.stage - 1] if self.stage > 0 else None
         self.next = self.ranks[self.stage + 1] if self.stage < self.stages - 1 else None
         self.hidden_size = model.config.hidden_size
-        self.dtype = next(model.parameters()).dtype  # the residual stream's (autocast keeps it)
+        self.dtype = activation_dtype
         self.device = mesh.device
         # The same answer on every stage: a causal LM keeps its (emptied) ``lm_head`` slot when cut.
         ties = getattr(model.config, "tie_word_embeddings", False) and "lm_head" in model._modules

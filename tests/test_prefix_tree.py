@@ -1,0 +1,83 @@
+"""The prefix tree of a training batch (``algo.prefix_tree``): every sequence comes back from its path,
+every position lies in exactly one node, shared prefixes are stored once (hypothesis over batches with
+shared prefixes, sequences that are prefixes of others, duplicates and one-token sequences)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.algo.prefix_tree import build_prefix_tree
+from areal_hpc.errors import UserError
+
+
+@st.composite
+def shared_prefix_batches(draw, vocab: int = 4, max_sequences: int = 8) -> list[list[int]]:
+    """Sequences each grown from a prefix of an earlier one (cut anywhere, whole included) plus new
+    tokens (possibly none: a prefix of another, or a duplicate); a small vocabulary adds chance sharing."""
+    token = st.integers(0, vocab - 1)
+    sequences = [draw(st.lists(token, min_size=1, max_size=6))]
+    for _ in range(draw(st.integers(0, max_sequences - 1))):
+        base = draw(st.sampled_from(sequences))
+        prefix = base[:draw(st.integers(0, len(base)))]
+        sequences.append(prefix + draw(st.lists(token, min_size=0 if prefix else 1, max_size=5)))
+    return sequences
+
+
+@settings(max_examples=200, deadline=None)
+@given(shared_prefix_batches())
+def test_paths_give_back_every_sequence_and_each_position_lies_in_one_node(sequences):
+    tree = build_prefix_tree(sequences)
+    assert [tree.sequence(i) for i in range(len(sequences))] == sequences
+    assert tree.n_sequence_tokens == sum(map(len, sequences))
+    assert tree.n_tokens <= tree.n_sequence_tokens and tree.compression >= 1.0
+    covered = set()
+    for n, node in enumerate(tree.nodes):
+        assert node.parent < n  # pre-order: parents first
+        assert node.start == (tree.nodes[node.parent].stop if node.parent >= 0 else 0)
+        for s in node.sequences:  # a field of s sliced [start, stop) is this node's tokens' field
+            assert sequences[s][node.start:node.stop] == node.tokens
+            covered |= {(s, t) for t in range(node.start, node.stop)}
+    assert covered == {(i, t) for i, s in enumerate(sequences) for t in range(len(s))}
+    for i, s in enumerate(sequences):
+        for t, token in enumerate(s):
+            node, offset = tree.locate(i, t)
+            assert tree.nodes[node].tokens[offset] == token and i in tree.nodes[node].sequences
+
+
+@settings(max_examples=200, deadline=None)
+@given(shared_prefix_batches())
+def test_the_trie_is_compressed(sequences):
+    """Siblings start with different tokens, and a node with one child is where some sequence ends
+    (else the two would be one segment): each distinct prefix is stored once."""
+    tree = build_prefix_tree(sequences)
+    distinct = {tuple(s[:t]) for s in sequences for t in range(1, len(s) + 1)}
+    assert tree.n_tokens == len(distinct)
+    ends = {tree.paths[i][-1] for i in range(len(sequences))}
+    for parents in [tree.roots, *(node.children for node in tree.nodes)]:
+        firsts = [tree.nodes[c].tokens[0] for c in parents]
+        assert len(firsts) == len(set(firsts))
+    for n, node in enumerate(tree.nodes):
+        assert len(node.children) != 1 or n in ends
+        assert node.children or n in ends
+
+
+def test_grpo_groups_compress_by_their_shared_prompt():
+    prompt = list(range(100, 140))
+    group = [prompt + [1000 + 20 * k + t for t in range(20)] for k in range(8)]  # 8 samples, 40-token prompt
+    tree = build_prefix_tree(group)
+    assert tree.n_tokens == 40 + 8 * 20
+    assert tree.compression == pytest.approx(8 * 60 / 200)  # 2.4
+
+
+def test_a_sequence_that_is_a_prefix_of_another_ends_at_an_internal_node():
+    tree = build_prefix_tree([[1, 2, 3, 4], [1, 2], [1, 2, 5]])
+    assert [node.tokens for node in tree.nodes] == [[1, 2], [3, 4], [5]]
+    assert tree.paths == [[0, 1], [0], [0, 2]]
+
+
+@pytest.mark.parametrize("sequences, message", [([], "empty batch"), ([[1, 2], []], "sequence 1 with no tokens")])
+def test_bad_batches_are_one_user_error(sequences, message):
+    with pytest.raises(UserError, match=message):
+        build_prefix_tree(sequences)

@@ -1,0 +1,216 @@
+"""Tree training (``engines.torch.tree``, ``actor.tree_training=dta``) is exact: on random prefix trees
+(depth, fan-out, sequences that are prefixes of others, duplicates, one-token segments and sequences),
+the per-token logprobs and entropies, the loss and every parameter's gradient equal those of the flat
+engine and of Hugging Face's own forward of each sequence alone, within float32 tolerance
+(``RTOL``: relative to the largest magnitude of each tensor, with a floor where a gradient vanishes
+exactly); through ``PPOActor``'s decoupled PPO
+loss on GRPO groups sharing a prompt, and for a critic's value loss."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.algo.packing import pack
+from areal_hpc.algo.ppo import decoupled_ppo_loss, token_weights, value_loss
+from areal_hpc.algo.prefix_tree import build_prefix_tree
+from areal_hpc.config import ActorConfig, OptimizerConfig, load_config
+from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
+from areal_hpc.engines.torch.tree import check_tree_layout
+from areal_hpc.errors import UserError
+from areal_hpc.models.hf import load_critic, load_model
+from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.train.actor import PPOActor
+from areal_hpc.train.build import build_actor
+from tests.test_prefix_tree import shared_prefix_batches
+
+RTOL = 1e-5  # float32: |tree − reference| ≤ RTOL · max |reference| per tensor
+FLOOR = 1e-7  # ... + FLOOR · the largest gradient entry of the model (rounding noise where one is exactly 0)
+TEMPERATURE = 0.9  # the engine's, for batches without per-position temperatures
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def engine(model: torch.nn.Module, tree_training: str, forward_fn=None) -> TorchTrainEngine:
+    """An engine on a copy of ``model``; the flat one cuts its batches into several micro-batches."""
+    return TorchTrainEngine(copy.deepcopy(model), forward_fn or PolicyOutputs(TEMPERATURE), lr=1e-3,
+                            optimizer=OptimizerConfig(gradient_clipping=0.0), max_tokens_per_mb=24,
+                            tree_training=tree_training)
+
+
+def ppo_batch(sequences: list[list[int]], seed: int, per_position_temperatures: bool) -> SequenceBatch:
+    """Random loss masks, behaviour logprobs and advantages; token-mean weights over the batch; each
+    position's temperature (where asked) and ``where`` = 1000·sequence + position, to find each output."""
+    generator = torch.Generator().manual_seed(seed)
+    masks = [(torch.rand(len(s), generator=generator) < 0.7).int().tolist() for s in sequences]
+    temperatures = [0.5 + torch.rand(len(s), generator=generator) for s in sequences]
+    batch = SequenceBatch(sequences, masks, {
+        "behav_logprobs": [-5.0 + 0.3 * torch.randn(len(s), generator=generator) for s in sequences],
+        "advantages": [torch.randn(len(s), generator=generator) for s in sequences],
+        "where": [1000 * i + torch.arange(len(s)) for i, s in enumerate(sequences)],
+    }, temperatures if per_position_temperatures else None)
+    packed, _ = batch.packed()
+    batch.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, "token-mean",
+                                              packed.n_targets, len(sequences), 0))
+    return batch
+
+
+def recording(loss_fn, seen: dict):
+    """``loss_fn``, noting (logprob, entropy) of every target by its ``where``."""
+    def loss(outputs, packed, fields):
+        for where, logprob, entropy in zip(fields["where"][packed.target_mask].tolist(),
+                                           outputs["logprobs"][packed.target_mask].tolist(),
+                                           outputs["entropy"][packed.target_mask].tolist()):
+            seen[where] = (logprob, entropy)
+        return loss_fn(outputs, packed, fields)
+    return loss
+
+
+def each_sequence_alone(model, batch: SequenceBatch, cfg) -> tuple[torch.Tensor, dict]:
+    """The decoupled PPO loss from Hugging Face's forward of each sequence by itself (backward run),
+    and (logprob, entropy) of every target by its ``where``."""
+    loss, seen = torch.zeros(()), {}
+    for i, tokens in enumerate(batch.sequences):
+        packed = pack([tokens], [batch.loss_masks[i]])
+        temperatures = (batch.temperatures[i] if batch.temperatures is not None
+                        else torch.full((len(tokens),), TEMPERATURE))
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float() / temperatures[:, None]
+        log_p = logits.log_softmax(-1)
+        logprobs = torch.cat([log_p[:-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0], torch.zeros(1)])
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        f = {name: values[i] for name, values in batch.fields.items()}
+        part, _ = decoupled_ppo_loss(logprobs, logprobs.detach(), f["behav_logprobs"], f["advantages"],
+                                     packed.target_mask, packed.cu_seqlens, f["weights"], cfg)
+        loss = loss + part
+        for t in packed.target_mask.nonzero()[:, 0].tolist():
+            seen[1000 * i + t] = (logprobs[t].item(), entropy[t].item())
+    loss.backward()
+    return loss.detach(), seen
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| over max |b|."""
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    theirs = {name: p.grad for name, p in reference.named_parameters()}
+    largest = max(float(g.abs().max()) for g in theirs.values())
+    for name, p in model.named_parameters():
+        tolerance = RTOL * float(theirs[name].abs().max()) + FLOOR * largest
+        assert float((p.grad - theirs[name]).abs().max()) <= tolerance, name
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shared_prefix_batches(), st.integers(0, 2**16), st.booleans())
+def test_tree_step_equals_the_flat_step_and_each_sequence_alone(policy, sequences, seed, per_position_temperatures):
+    sequences = [[3 + 41 * token for token in s] for s in sequences]
+    batch = ppo_batch(sequences, seed, per_position_temperatures)
+    tree, flat = engine(policy, "dta"), engine(policy, "off")
+    tree_actor, flat_actor = PPOActor(tree, ActorConfig()), PPOActor(flat, ActorConfig())
+    tree_seen, flat_seen = {}, {}
+    tree_stats = tree.train_step(batch, recording(tree_actor._policy_loss, tree_seen))
+    flat_stats = flat.train_step(batch, recording(flat_actor._policy_loss, flat_seen))
+    reference = copy.deepcopy(policy)
+    reference_loss, reference_seen = each_sequence_alone(reference, batch, tree_actor.loss_cfg)
+
+    assert tree_seen.keys() == flat_seen.keys() == reference_seen.keys()
+    for seen in (tree_seen, flat_seen):
+        got, want = torch.tensor([seen[k] for k in reference_seen]), torch.tensor(list(reference_seen.values()))
+        if len(want):
+            assert relative_difference(got, want) <= RTOL
+    assert tree_stats["loss"] == pytest.approx(reference_loss.item(), rel=RTOL, abs=1e-7)
+    assert tree_stats["loss"] == pytest.approx(flat_stats["loss"], rel=RTOL, abs=1e-7)
+    for key in ("loss_tokens", "kept_tokens", "capped_tokens"):
+        assert tree_stats.get(key, 0.0) == flat_stats.get(key, 0.0)
+    if reference_seen:  # some target: every parameter has a gradient
+        assert_same_gradients(tree.model, reference)
+        assert_same_gradients(flat.model, reference)
+
+
+def grpo_groups(groups: int = 2, samples: int = 4, prompt: int = 12, seed: int = 0) -> SequenceBatch:
+    """GRPO groups of ``samples`` completions sharing a prompt, one completion a prefix of another and one
+    a duplicate (as sampling at low temperature gives), with group-normalised advantages."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences, masks, advantages = [], [], []
+    for _ in range(groups):
+        shared = torch.randint(3, 600, (prompt,), generator=generator).tolist()
+        completions = [torch.randint(3, 600, (int(n),), generator=generator).tolist()
+                       for n in torch.randint(1, 10, (samples - 2,), generator=generator)]
+        completions += [completions[0][:1], completions[1]]
+        rewards = torch.rand(samples, generator=generator)
+        for completion, advantage in zip(completions, (rewards - rewards.mean()) / (rewards.std() + 1e-6)):
+            sequences.append(shared + completion)
+            masks.append([0] * prompt + [1] * len(completion))
+            advantages.append(torch.full((prompt + len(completion),), float(advantage)))
+    behaviour = [-5.0 + 0.3 * torch.randn(len(s), generator=generator) for s in sequences]
+    batch = SequenceBatch(sequences, masks, {"advantages": advantages, "behav_logprobs": behaviour})
+    packed, _ = batch.packed()
+    batch.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, "seq-mean-token-mean",
+                                              packed.n_targets, len(sequences), 0))
+    return batch
+
+
+def test_ppo_actor_update_on_grpo_groups_equals_flat(policy):
+    batch = grpo_groups()
+    assert build_prefix_tree(batch.sequences).compression > 2.0
+    tree, flat = engine(policy, "dta"), engine(policy, "off")
+    tree_stats = PPOActor(tree, ActorConfig()).update([batch])
+    flat_stats = PPOActor(flat, ActorConfig()).update([batch])
+    assert tree_stats["actor/loss"] == pytest.approx(flat_stats["actor/loss"], rel=RTOL)
+    assert tree_stats["actor/entropy_sum"] == pytest.approx(flat_stats["actor/entropy_sum"], rel=RTOL)
+    assert tree_stats["actor/grad_norm"] == pytest.approx(flat_stats["actor/grad_norm"], rel=RTOL)
+    assert tree_stats["actor/loss_tokens"] == flat_stats["actor/loss_tokens"]
+    assert tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences).n_tokens
+    assert_same_gradients(tree.model, flat.model)
+
+
+def test_critic_value_loss_step_equals_flat(tiny_model_dir):
+    torch.manual_seed(0)
+    critic = load_critic(tiny_model_dir)
+    batch = grpo_groups(seed=1)
+    generator = torch.Generator().manual_seed(2)
+    batch.fields["old_values"] = [torch.randn(len(s), generator=generator) for s in batch.sequences]
+    batch.fields["returns"] = [torch.randn(len(s), generator=generator) for s in batch.sequences]
+
+    def loss(outputs, packed, f):
+        return value_loss(outputs["values"], f["old_values"], f["returns"], packed.target_mask, f["weights"]), {}
+
+    tree, flat = engine(critic, "dta", ValueOutputs()), engine(critic, "off", ValueOutputs())
+    tree_stats, flat_stats = tree.train_step(batch, loss), flat.train_step(batch, loss)
+    assert tree_stats["loss"] == pytest.approx(flat_stats["loss"], rel=RTOL)
+    assert_same_gradients(tree.model, flat.model)
+
+
+def test_an_empty_batch_is_one_user_error(policy):
+    with pytest.raises(UserError, match="empty batch"):
+        engine(policy, "dta").train_step(SequenceBatch([], []), lambda outputs, packed, fields: (0.0, {}))
+
+
+@pytest.mark.parametrize("dims, recompute, message", [
+    (ParallelDims(dp=2), "none", "one trainer process"),
+    (ParallelDims(tp=2), "none", "one trainer process"),
+    (ParallelDims(dp=2, fsdp=True), "none", "one trainer process"),
+    (None, "full", "actor.recompute=full"),
+])
+def test_unsupported_layouts_are_one_user_error(dims, recompute, message):
+    mesh = None if dims is None else SimpleNamespace(dims=dims)
+    with pytest.raises(UserError, match=message):
+        check_tree_layout("dta", mesh, recompute, PolicyOutputs())
+
+
+@pytest.mark.parametrize("override", ["actor.importance_level=sequence", "actor.engine=megatron"])
+def test_a_loss_or_engine_tree_training_cannot_sum_per_node_is_one_user_error(override, tiny_model_dir):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "actor.tree_training=dta", override])
+    with pytest.raises(UserError, match="actor.tree_training=dta needs"):
+        build_actor(cfg, None)

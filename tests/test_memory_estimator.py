@@ -208,25 +208,37 @@ def test_largest_micro_batch_is_the_edge_of_the_fit():
     assert fits == [True, False]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["actor.max_tokens_per_mb=65536"], "actor.max_tokens_per_mb<="),
-    (["actor.max_tokens_per_mb=1024", "rollout.max_running_requests=512"], "rollout.max_running_requests<="),
-])
-def test_submit_check_memory_refuses_a_layout_that_cannot_fit(extra, message, tmp_path, monkeypatch):
-    """A Qwen2.5-1.5B shape (float32 weights) on an L40S: one line, exit code 2, nothing queued. A stand-in
-    ``sinfo`` describes the partitions (the check follows submit's own, before anything is queued)."""
-    bin_dir, model = tmp_path / "bin", tmp_path / "model"
-    bin_dir.mkdir()
-    (bin_dir / "sinfo").write_text("#!/bin/sh\nprintf 'train1|train|8|gpu:8\\nrollout1|rollout|8|gpu:8\\n'\n")
-    (bin_dir / "sinfo").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+def check_memory_on_l40s(tmp_path, *extra: str):
+    """``submit --check-memory L40S`` of the quickstart on a Qwen2.5-1.5B shape (float32 weights,
+    bf16 compute), against the dev cluster's real ``sinfo`` (the check follows submit's own, before
+    anything is queued)."""
+    model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
         "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
         "intermediate_size": 8960, "vocab_size": 151936, "max_position_embeddings": 4096}))
-    done = run_cli("submit", "--check-memory", "L40S", "--config", "configs/quickstart.yaml", f"model.path={model}",
-                   f"cluster.fileroot={tmp_path}", *extra)
+    return run_cli("submit", "--check-memory", "L40S", "--dry-run", "--config", "configs/quickstart.yaml",
+                   f"model.path={model}", f"cluster.fileroot={tmp_path}", *extra)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("extra, message", [
+    (["actor.max_tokens_per_mb=65536"], "actor.max_tokens_per_mb<="),
+    (["actor.max_tokens_per_mb=8192"], "actor.max_tokens_per_mb<="),  # 65 GB without recomputation
+    (["actor.max_tokens_per_mb=1024", "rollout.max_running_requests=512"], "rollout.max_running_requests<="),
+])
+def test_submit_check_memory_refuses_a_layout_that_cannot_fit(extra, message, tmp_path):
+    done = check_memory_on_l40s(tmp_path, *extra)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "L40S" in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert not (tmp_path / "quickstart").exists()
+
+
+@pytest.mark.slurm
+def test_submit_check_memory_counts_activation_recomputation(tmp_path):
+    """The same 8192-token micro-batches fit with every layer recomputed (34.8 GB of 43.2 usable)."""
+    done = check_memory_on_l40s(tmp_path, "actor.max_tokens_per_mb=8192", "actor.recompute=full",
+                                "rollout.max_running_requests=16")
+    assert done.returncode == 0, done.stderr
+    assert "memory check on L40S: trainer: 34.77 GB" in done.stderr and "fits in 43.2" in done.stderr

@@ -156,8 +156,9 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
                               cfg.model.compute_dtype, "float32", "float32")
     else:  # the torch engine: gradients and Adam's moments in the weights' dtype, autocast for bf16 compute
         precision = Precision(cfg.model.dtype, cfg.model.compute_dtype, cfg.model.dtype, cfg.model.dtype)
-    layout = TrainLayout(ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes), precision,
-                         cfg.actor.max_tokens_per_mb, shard_optimizer=False, vocab_parallel=megatron,
+    dims = ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
+    layout = TrainLayout(dims, precision, cfg.actor.max_tokens_per_mb, recompute=cfg.actor.recompute,
+                         shard_optimizer=dims.distributed_optimizer, vocab_parallel=megatron,
                          logit_tokens=None if megatron else max(1, logits_chunk_bytes // (4 * model.vocab)))
     trainer = train_estimate(model, layout)
     if not trainer.fits(device_bytes):

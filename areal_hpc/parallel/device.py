@@ -31,3 +31,23 @@ def resolve_device(kind: str = "auto") -> torch.device:
         if not torch.npu.is_available():
             raise UserError("cluster.device=npu but no Ascend NPU is visible; use cluster.device=cpu or auto")
     return torch.device(kind)
+
+
+def computes_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` has bfloat16 arithmetic of its own (CUDA: compute capability 8.0+, not the slow
+    emulation older GPUs offer; Ascend: what torch-npu reports; CPUs: always, through torch)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "npu":
+        return torch.npu.is_bf16_supported()
+    return True
+
+
+def check_precision(device: torch.device, **dtypes: str) -> None:
+    """``UserError`` (one line) when a dtype setting, given as ``key=value`` (e.g. ``model_compute_dtype=
+    "bfloat16"``), asks ``device`` for bfloat16 it cannot compute in."""
+    for key, dtype in dtypes.items():
+        if dtype == "bfloat16" and not computes_bfloat16(device):
+            name = key.replace("_", ".", 1)
+            raise UserError(f"{name}=bfloat16 but the {device.type} device here has no bfloat16 arithmetic "
+                            f"(NVIDIA GPUs need compute capability 8.0 or later, e.g. A100, H100); set {name}=float32")

@@ -32,7 +32,7 @@ from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.errors import UserError
 from areal_hpc.extras import require
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
-from areal_hpc.parallel.device import resolve_device
+from areal_hpc.parallel.device import check_precision, resolve_device
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_mesh, init_distributed
 from areal_hpc.rollout.client import RolloutClient
@@ -77,6 +77,7 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
     optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
     temperature = sampler_temperature(cfg)
     device = mesh.device if mesh is not None else resolve_device(cfg.cluster.device)
+    check_precision(device, model_dtype=model.dtype, model_compute_dtype=model.compute_dtype)
 
     def engine(kind: str, lr: float | None = None) -> TrainEngine:
         """kind: "policy" or "critic"; without ``lr`` the engine is frozen (the reference)."""

@@ -37,7 +37,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.models.chat import completion_ids, example_prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
-from areal_hpc.parallel.device import resolve_device
+from areal_hpc.parallel.device import check_precision, resolve_device
 from areal_hpc.train.evaluate import EvalResult, evaluate_model
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
@@ -100,6 +100,7 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     started = time.time()
     torch.manual_seed(cfg.experiment.seed)
     device = resolve_device(cfg.cluster.device)
+    check_precision(device, model_dtype=cfg.model.dtype, model_compute_dtype=cfg.model.compute_dtype)
     model_dir = prepare_model_dir(cfg)
     model = load_model(model_dir, cfg.model.dtype, cfg.model.attn_impl, device)
     tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)

@@ -202,4 +202,6 @@ def _run_command(command: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(int(sys.argv[1])))
+    code = _serve(int(sys.argv[1]))  # the fork server's, or in a child its command's
+    gc.unfreeze()  # the interpreter's exit frees what was imported (extensions check that it did: nanobind)
+    sys.exit(code)

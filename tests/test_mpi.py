@@ -61,7 +61,8 @@ srun --mpi=pmix --het-group=0,1 {sys.executable} -m tests.rank_allreduce 2 --mpi
                                env=_clean_environ())
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
-    states = [state for state, _, _ in wait_for_end(job, 45, components=2).values()]
+    ended = wait_for_end(job, 90, components=2)  # ~5 s alone; the suite may load both nodes
+    states = [state for state, _, _ in ended.values()]
     output = out.read_text() if out.exists() else "(no output file)"
     assert states == ["COMPLETED", "COMPLETED"], output
     reports = _reports(output)

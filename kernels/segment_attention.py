@@ -60,18 +60,26 @@ def _load_rows(ptr, rows, n_rows, n_heads, head, dims, D):
 
 
 @triton.jit
+def _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head, n_kv_heads, scale_log2, D,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Keys n0.. of one K/V block list (key j at position key_start + j): their k and v rows, and q's
+    scores against them (scaled to base 2), -inf where a key is after the query or past the list."""
+    keys, dims = n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    k = _load_rows(k_ptr, keys, n_keys, n_kv_heads, kv_head, dims, D)
+    v = _load_rows(v_ptr, keys, n_keys, n_kv_heads, kv_head, dims, D)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    visible = (key_start + keys[None, :] <= query_positions[:, None]) & (keys[None, :] < n_keys)
+    return k, v, tl.where(visible, scores, float("-inf"))
+
+
+@triton.jit
 def _forward_over_keys(acc, row_max, row_sum, q, query_positions, k_ptr, v_ptr, key_start, n_keys, stop,
                        kv_head, n_kv_heads, scale_log2, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        PRECISION: tl.constexpr):
     """The online softmax over keys [0, stop) of one K/V block list whose key j sits at key_start + j."""
-    dims = tl.arange(0, BLOCK_D)
     for n0 in range(0, stop, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_ptr, keys, n_keys, n_kv_heads, kv_head, dims, D)
-        v = _load_rows(v_ptr, keys, n_keys, n_kv_heads, kv_head, dims, D)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = (key_start + keys[None, :] <= query_positions[:, None]) & (keys[None, :] < n_keys)
-        scores = tl.where(visible, scores, float("-inf"))
+        k, v, scores = _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head, n_kv_heads,
+                                  scale_log2, D, BLOCK_N, BLOCK_D, PRECISION)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         correction = tl.exp2(row_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
@@ -109,14 +117,10 @@ def _query_gradients_over_keys(dq, q, do, lse, delta, query_positions, k_ptr, v_
                                kv_head, n_kv_heads, scale_log2, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                PRECISION: tl.constexpr):
     """dq (unscaled) += dS k over keys [0, stop) of one K/V block list whose key j sits at key_start + j."""
-    dims = tl.arange(0, BLOCK_D)
     for n0 in range(0, stop, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_ptr, keys, n_keys, n_kv_heads, kv_head, dims, D)
-        v = _load_rows(v_ptr, keys, n_keys, n_kv_heads, kv_head, dims, D)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = (key_start + keys[None, :] <= query_positions[:, None]) & (keys[None, :] < n_keys)
-        p = tl.exp2(tl.where(visible, scores, float("-inf")) - lse[:, None])
+        k, v, scores = _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head, n_kv_heads,
+                                  scale_log2, D, BLOCK_N, BLOCK_D, PRECISION)
+        p = tl.exp2(scores - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)

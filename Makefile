@@ -28,7 +28,14 @@ demo: venv
 # Tests run in a fresh random order every time (modules shuffled, and tests within each module); the
 # seed is printed at the top: `make test PYTEST_ARGS=--random-order-seed=N` repeats an order.
 PYTEST_ARGS ?=
-test: venv
+KERNELS_STAMP := $(VENV)/.kernels
+
+$(KERNELS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[dev,kernels]'
+	touch $(KERNELS_STAMP)
+
+# The suite also needs triton (the `kernels` extra), which `make demo` goes without (see pyproject.toml).
+test: venv $(KERNELS_STAMP)
 	$(BIN)/python -m pytest --random-order $(PYTEST_ARGS)
 
 clean:

@@ -219,3 +219,17 @@ def test_the_local_launcher_deals_out_listed_accelerators_disjointly():
     assert [s["CUDA_VISIBLE_DEVICES"] for s in servers] == ["6,7", "8,9"]
     assert device_shares(cfg, {"CUDA_VISIBLE_DEVICES": "0,1"}) == ([{}, {}], [{}, {}])  # too few: shared as before
     assert device_shares(load_config(None, ["cluster.device=cpu"]), {"CUDA_VISIBLE_DEVICES": "0,1"}) == ([{}], [{}])
+
+
+@pytest.mark.parametrize("groups, message", [
+    ("[[worker,1,1,1],[rollout,1,1,1]]", r"entry \['worker', 1, 1, 1\] is not \[trainer\|rollout"),
+    ("[[trainer,1,1,0],[rollout,1,1,1]]", r"tensor-parallel size >= 1"),
+    ("[[trainer,2,1,1],[rollout,1,1,1]]", "hold 2 trainer tasks but rl.trainer_processes=1"),
+])
+def test_task_groups_that_do_not_match_the_run_are_one_line(groups, message):
+    from areal_hpc.config import load_config
+    from areal_hpc.launch.slurm_task import task_groups
+
+    cfg = load_config(None, [f"slurm.task_groups={groups}", "rl.trainer_processes=1", "rollout.n_servers=1"])
+    with pytest.raises(UserError, match=message):
+        task_groups(cfg)

@@ -129,9 +129,12 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
 def replica_weights(dims: ParallelDims, device_speeds: list[float]) -> list[float]:
     """Each data-parallel replica's share of a batch: the planned speed of its slowest device (trainer
     ranks in rank order), normalised to sum to 1."""
-    slowest = [min(speed for rank, speed in enumerate(device_speeds) if dims.coordinates(rank)["dp"] == replica)
-               for replica in range(dims.dp)]
-    return [speed / sum(slowest) for speed in slowest]
+    slowest: dict[int, float] = {}
+    for rank, speed in enumerate(device_speeds):
+        replica = dims.coordinates(rank)["dp"]
+        slowest[replica] = min(speed, slowest.get(replica, speed))
+    total = sum(slowest.values())
+    return [slowest[replica] / total for replica in range(dims.dp)]
 
 
 def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunConfig) -> list[Component]:

@@ -98,12 +98,13 @@ AttentionInterface.register(VARLEN_SDPA, varlen_sdpa)
 
 @functools.cache
 def _torch_varlen_attn():
-    """torch's flash-attention kernel over packed sequences (``torch.nn.attention.varlen``, CUDA), or None."""
+    """torch's flash-attention kernel over packed sequences (``torch.nn.attention.varlen``, CUDA) and the
+    names of its parameters (torch 2.9-2.11 name causality and GQA differently), or None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def varlen_flash(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -112,8 +113,7 @@ def varlen_flash(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     """Hugging Face attention-interface function on torch's varlen flash kernel: q [1, H, T, D], k/v
     [1, H_kv, T, D] of a packed row -> [1, T, H, D], each sequence attending causally to itself only.
     Takes bf16/fp16 inputs and no dropout (``packed_attention_inputs`` chooses it only then)."""
-    varlen_attn = _torch_varlen_attn()
-    options = inspect.signature(varlen_attn).parameters  # torch 2.9-2.11 name causality and GQA differently
+    varlen_attn, options = _torch_varlen_attn()
     causal = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
     autocast = torch.is_autocast_enabled(query.device.type)  # rotary embeddings leave q, k in float32 there
     dtype = torch.get_autocast_dtype(query.device.type) if autocast else query.dtype
@@ -134,7 +134,8 @@ def packed_attention_inputs(model: torch.nn.Module, cu_seqlens: torch.Tensor) ->
     flash-attn's varlen kernels on CUDA when installed (they read the restarting position ids); else
     torch's varlen flash kernel on CUDA for bf16/fp16 compute (autocast or half weights) without
     dropout; else per-sequence sdpa."""
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    weight = next(model.parameters())
+    device, dtype = weight.device, weight.dtype
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2", {}
     half = dtype in (torch.bfloat16, torch.float16) or (torch.is_autocast_enabled(device.type) and

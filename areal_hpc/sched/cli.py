@@ -169,7 +169,7 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
         raise UserError(f"--check-memory {device}: a trainer rank needs {trainer.describe()[len('trainer: '):]} "
                         f"but has {room}; {fix}")
     tp = cfg.rollout.tp_size if cfg.rollout.backend == "sglang" else 1
-    context = cfg.rollout.context_length or model_max_context(cfg.model.path)
+    context = cfg.rollout.context_length or model.max_context  # the embedded engine's default
     server = rollout_estimate(model, tp, 1, cfg.rollout.max_running_requests, context, cfg.model.dtype)
     if not server.fits(device_bytes):
         slots = rollout_slots(model, device_bytes, tp, 1, context, cfg.model.dtype)
@@ -178,12 +178,6 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
         raise UserError(f"--check-memory {device}: a rollout server of {cfg.rollout.max_running_requests} sequences of "
                         f"{context} tokens needs {server.describe()[len('rollout: '):]} but has {room}; {fix}")
     return f"memory check on {device}: {trainer.describe(device_bytes)}; {server.describe(device_bytes)}"
-
-
-def model_max_context(path: str) -> int:
-    """The model's longest sequence (config.json's max_position_embeddings), the embedded engine's default."""
-    config = Path(path) / "config.json"
-    return int(json.loads(config.read_text()).get("max_position_embeddings", 32768))
 
 
 def run_simulate(args) -> int:

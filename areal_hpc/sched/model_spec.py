@@ -26,6 +26,7 @@ class ModelSpec:
     intermediate: int
     vocab: int
     tied_embeddings: bool
+    max_context: int = 32768  # config.json's max_position_embeddings: the longest sequence it serves
 
     @property
     def params(self) -> float:
@@ -57,7 +58,8 @@ def load_model_spec(name: str) -> ModelSpec:
     try:
         return ModelSpec(model, cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
                          cfg.get("num_key_value_heads", cfg["num_attention_heads"]), cfg["intermediate_size"],
-                         cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)))
+                         cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)),
+                         int(cfg.get("max_position_embeddings", 32768)))
     except KeyError as exc:
         raise UserError(f"{config} lacks {exc.args[0]} (a decoder config.json needs hidden_size, num_hidden_layers, "
                         f"num_attention_heads, intermediate_size, vocab_size)") from None

@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 import traceback
+from datetime import date
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from recording import machine  # noqa: E402
 
 ATTENTION_CASES = [dict(S=512, P=2048, H=12, H_kv=2, D=128), dict(S=2048, P=0, H=12, H_kv=2, D=128),
                    dict(S=128, P=8192, H=32, H_kv=8, D=128)]
@@ -173,7 +176,7 @@ def logprob_rows(case: dict, device, dtype, repeats: int):
 
 def markdown(record: dict) -> str:
     lines = [f"# Triton kernels ({record['device']}, torch {record['torch']}, triton {record['triton']}"
-             f"{', dry run' if record['dry_run'] else ''})", "",
+             f"{', dry run' if record['dry_run'] else ''}), {record['date']}", "", f"Machine: {record['machine']}.", "",
              "| kernel | case | implementation | forward ms | fwd+bwd ms | fwd+bwd peak MiB | max abs error | "
              "max abs grad error |", "|---|---|---|---|---|---|---|---|"]
     for row in record["rows"]:
@@ -204,7 +207,8 @@ def main() -> None:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     repeats = args.repeats or (1 if args.dry_run else 10)
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
+    record = {"date": date.today().isoformat(), "machine": machine(),
+              "device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype).removeprefix("torch."),
               "dry_run": args.dry_run, "repeats": repeats, "rows": []}
     cases = [("segment_attention", attention_rows, DRY_ATTENTION_CASES if args.dry_run else ATTENTION_CASES),

@@ -193,7 +193,7 @@ class MegatronTrainEngine:
         into the layout that saved it (the distributed optimizer's into any dp)."""
         folder = Path(folder)
         self._load_hf(folder)
-        if self.bf16 and self.optimizer is not None:  # fp32 masters of the loaded weights (exact ones follow)
-            self.optimizer.reload_model_params()
-        if self.optimizer is not None and (folder / TRAINING_STATE).exists():
+        if self.optimizer is not None and (folder / TRAINING_STATE).exists():  # with bf16, the exact fp32 masters
             load_optimizer_state(folder, self.optimizer, self.scheduler, self.mesh.dims, self.device)
+        elif self.bf16 and self.optimizer is not None:  # weights alone: fp32 masters of the loaded bf16 weights
+            self.optimizer.reload_model_params()

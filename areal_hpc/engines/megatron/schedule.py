@@ -44,13 +44,15 @@ def microbatches(batch: SequenceBatch, mesh: TrainMesh, max_tokens_per_mb: int, 
     for indices in dynamic_microbatches([len(s) for s in batch.sequences], max_tokens_per_mb):
         packed, fields = batch.select(indices).packed()
         passes.append((indices, packed.to(mesh.device), {k: v.to(mesh.device) for k, v in fields.items()}))
-    idle = ([], pack([[0, 0]], [[0, 1]]).to(mesh.device), {})  # the pass of a rank out of micro-batches
+    def idle() -> Pass:
+        """The pass of a rank out of micro-batches."""
+        return [], pack([[0, 0]], [[0, 1]]).to(mesh.device), {}
     if mesh.dims.ep > 1 or sharded:
         count = torch.tensor(len(passes), device=mesh.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh.group("dp"))
-        passes += [idle] * (int(count) - len(passes))
+        passes += [idle()] * (int(count) - len(passes))
     if mesh.dims.vpp > 1 and passes:  # the interleaved schedule runs micro-batches in groups of pp
-        passes += [idle] * (-len(passes) % mesh.dims.pp)
+        passes += [idle()] * (-len(passes) % mesh.dims.pp)
     dims = mesh.dims
     tp_split = dims.tp if dims.sequence_parallel else 1
     if dims.cp > 1:

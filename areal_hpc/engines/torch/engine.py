@@ -143,8 +143,29 @@ class TorchTrainEngine:
         """One optimizer step on this rank's part of a minibatch (which may be empty)."""
         self.root.train()
         self.optimizer.zero_grad(set_to_none=True)
+        gradients = self._tree_gradients if self.tree_training == "dta" else self._micro_batch_gradients
+        parts = gradients(batch, loss_fn)
+        if self.root.expert_params:
+            reduce_expert_gradients(self.root.expert_params, self.mesh)
+        stats = merge_over_context(merge_stats(parts), self.mesh)
+        if self.pipeline is not None:
+            stats = self.pipeline.from_last_stage(stats)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.clip if self.clip > 0 else float("inf")
+        if self.pipeline is None:
+            grad_norm = clip_grad_norm(params, max_norm)
+        else:
+            grad_norm = clip_grad_norm(params, max_norm, self.mesh.group("pp"), self.pipeline.uncounted)
+        stats["grad_norm"], stats["lr"] = float(grad_norm), self.scheduler.get_last_lr()[0]  # the lr of this step
+        self.optimizer.step()
+        self.scheduler.step()
+        return stats
+
+    def _micro_batch_gradients(self, batch: SequenceBatch, loss_fn: LossFn) -> list[dict[str, float]]:
+        """The gradients of ``batch`` through packed micro-batches (a pipeline's schedule with pp);
+        each micro-batch's statistics."""
         parts = []
-        passes = [] if self.tree_training == "dta" else self._passes(batch)
+        passes = self._passes(batch)
 
         def run(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
             """Pass i's loss (its output activation on a pipeline stage before the last)."""
@@ -163,34 +184,23 @@ class TorchTrainEngine:
             if self._data_parallel():  # reduce once, in the last pass's backward
                 self.root.set_requires_gradient_sync(i == len(passes) - 1)
 
-        if self.tree_training == "dta":
-            tree = build_prefix_tree(batch.sequences)
-            with self._compute():
-                parts += tree_train_pass(self.model, self.root.forward_fn.head, tree, batch, loss_fn)
-            # "loss" is the nodes' sum: 0 with no trained target, as for flat micro-batches without one
-            parts.append({"loss": 0.0, "microbatches": 1.0, "tree_tokens": float(tree.n_tokens)})
-        elif self.pipeline is None:
+        if self.pipeline is None:
             for i in range(len(passes)):
                 before_backward(i)
                 run(i, None).backward()
         else:
             self.pipeline.train([p.input_ids.shape[1] for _, p, _ in passes], run, before_backward)
             self.pipeline.sum_tied_gradients()
-        if self.root.expert_params:
-            reduce_expert_gradients(self.root.expert_params, self.mesh)
-        stats = merge_over_context(merge_stats(parts), self.mesh)
-        if self.pipeline is not None:
-            stats = self.pipeline.from_last_stage(stats)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.clip if self.clip > 0 else float("inf")
-        if self.pipeline is None:
-            grad_norm = clip_grad_norm(params, max_norm)
-        else:
-            grad_norm = clip_grad_norm(params, max_norm, self.mesh.group("pp"), self.pipeline.uncounted)
-        stats["grad_norm"], stats["lr"] = float(grad_norm), self.scheduler.get_last_lr()[0]  # the lr of this step
-        self.optimizer.step()
-        self.scheduler.step()
-        return stats
+        return parts
+
+    def _tree_gradients(self, batch: SequenceBatch, loss_fn: LossFn) -> list[dict[str, float]]:
+        """The gradients of ``batch`` by depth-first tree training over its prefix tree; each node's
+        statistics, and the tree's size."""
+        tree = build_prefix_tree(batch.sequences)
+        with self._compute():
+            parts = tree_train_pass(self.model, self.root.forward_fn.head, tree, batch, loss_fn)
+        # "loss" is the nodes' sum: 0 with no trained target, as for flat micro-batches without one
+        return parts + [{"loss": 0.0, "microbatches": 1.0, "tree_tokens": float(tree.n_tokens)}]
 
     def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) of the whole model on global rank 0, nothing on the other

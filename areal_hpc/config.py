@@ -225,8 +225,11 @@ class ActorConfig:
                           choices=["none", "selective", "full"])
     tree_training: str = spec("off", "AReaL-DTA tree training: dta trains each batch's prefix tree depth first (a "
                               "shared prefix, such as a GRPO group's prompt, computed once; exact gradients; the torch "
-                              "engine in one process, token-level losses) instead of packed micro-batches",
-                              choices=["off", "dta"])
+                              "engine, one process or data-parallel replicas, token-level losses) instead of packed "
+                              "micro-batches", choices=["off", "dta"])
+    tree_cost: list = spec([0.0, 1.0, 0.0, 0.0, 0.0], "tree training over dp replicas: the cost model that cuts each "
+                           "minibatch's tree into equal parts, coefficients of [leaves, tokens, fork tokens, prefix "
+                           "tokens, levels]; 'areal-hpc tree-cost RUN_DIR' fits them from a run")
     dynamic_sampling: bool = spec(False, "DAPO: drop groups whose rewards are all equal (they carry no signal)")
     overlong_cache_tokens: int = spec(0, "DAPO overlong penalty: length band before max_new_tokens; 0 disables", ge=0)
     overlong_penalty: float = spec(1.0, "DAPO overlong penalty at max_new_tokens", ge=0.0)

@@ -4,11 +4,13 @@ the per-token logprobs and entropies, the loss and every parameter's gradient eq
 engine and of Hugging Face's own forward of each sequence alone, within float32 tolerance
 (``RTOL``: relative to the largest magnitude of each tensor, with a floor where a gradient vanishes
 exactly); through ``PPOActor``'s decoupled PPO
-loss on GRPO groups sharing a prompt, and for a critic's value loss."""
+loss on GRPO groups sharing a prompt, and for a critic's value loss; and over two data-parallel replicas
+(replicate and FSDP2 on gloo) through the trainer's own path, against the flat engine in one process."""
 
 from __future__ import annotations
 
 import copy
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +31,9 @@ from areal_hpc.models.hf import load_critic, load_model
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.build import build_actor
+from tests.test_parallel_layouts import STEP, assert_same_step
 from tests.test_prefix_tree import shared_prefix_batches
+from tests.trainer_processes import run_ranks
 
 RTOL = 1e-5  # float32: |tree − reference| ≤ RTOL · max |reference| per tensor
 FLOOR = 1e-7  # ... + FLOOR · the largest gradient entry of the model (rounding noise where one is exactly 0)
@@ -198,9 +202,10 @@ def test_an_empty_batch_is_one_user_error(policy):
 
 
 @pytest.mark.parametrize("dims, recompute, message", [
-    (ParallelDims(dp=2), "none", "one trainer process"),
-    (ParallelDims(tp=2), "none", "one trainer process"),
-    (ParallelDims(dp=2, fsdp=True), "none", "one trainer process"),
+    (ParallelDims(tp=2), "none", "data-parallel replicas only"),
+    (ParallelDims(pp=2, dp=2, fsdp=True), "none", "data-parallel replicas only"),
+    (ParallelDims(cp=2), "none", "data-parallel replicas only"),
+    (ParallelDims(dp=2, ep=2), "none", "data-parallel replicas only"),
     (None, "full", "actor.recompute=full"),
 ])
 def test_unsupported_layouts_are_one_user_error(dims, recompute, message):
@@ -214,3 +219,29 @@ def test_a_loss_or_engine_tree_training_cannot_sum_per_node_is_one_user_error(ov
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "actor.tree_training=dta", override])
     with pytest.raises(UserError, match="actor.tree_training=dta needs"):
         build_actor(cfg, None)
+
+
+TREE_LAYOUTS = {"dp2": (), "fsdp2": ("actor.parallel.fsdp=true",)}
+ESTIMATORS = {"grpo": (), "ppo_critic": ("actor.adv_estimator=ppo",)}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("layout", TREE_LAYOUTS)
+def test_tree_training_over_two_replicas_takes_the_flat_step_of_one_process(layout, estimator, tiny_model_dir,
+                                                                            tmp_path_factory):
+    """The trainer's own path on two gloo ranks (``TrainerGroup`` cutting each minibatch's tree into two
+    parts, each rank training its part depth first, one reduction): two optimizer steps of the actor (and
+    the critic) equal the flat engine's in one process."""
+    folder = tmp_path_factory.mktemp(f"tree-{layout}-{estimator}")
+    reference = flat_single_process(str(tiny_model_dir), estimator, str(tmp_path_factory.getbasetemp()))
+    ours = run_ranks(2, tiny_model_dir, folder / "tree.pt", *STEP, *ESTIMATORS[estimator], *TREE_LAYOUTS[layout],
+                     "actor.tree_training=dta")
+    assert ours["stats"]["actor/tree_tokens"] < ours["stats"]["train/tokens"]  # the groups' prompts shared
+    assert_same_step(ours, reference)
+
+
+@functools.cache
+def flat_single_process(model_dir: str, estimator: str, folder: str) -> dict:
+    return run_ranks(1, model_dir, f"{folder}/flat-{estimator}.pt", *STEP, *ESTIMATORS[estimator])

@@ -19,6 +19,7 @@ from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.algo.filters import is_informative_group
 from areal_hpc.algo.temperature import logprob_temperature, run_temperature
+from areal_hpc.algo.tree_balance import check_cost
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.rewards import RewardPool
@@ -73,6 +74,8 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
         raise UserError(f"actor.tree_training=dta needs actor.engine=torch and actor.importance_level=token (a loss "
                         f"summed per token), got engine={actor_cfg.engine}, importance_level="
                         f"{actor_cfg.importance_level}; set actor.tree_training=off")
+    if actor_cfg.tree_training == "dta":
+        check_cost(actor_cfg.tree_cost)
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
     optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
     temperature = sampler_temperature(cfg)

@@ -38,6 +38,7 @@ class TrainerGroup:
         self.data_ranks = [coords["dp"] for coords in every]  # which share each rank trains on
         self.leaders = [r for r, c in enumerate(every) if c["tp"] == c["cp"] == c["pp"] == 0]  # one per replica
         self.dp_weights = data_parallel_weights(cfg.actor.parallel, mesh.dims.dp)  # faster replicas train more
+        self.tree_cost = list(cfg.actor.tree_cost) if cfg.actor.tree_training == "dta" else None
         self.engines = {name: LeaderEngine(name, engine, self._announce) for name, engine in engines.items()}
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -46,7 +47,7 @@ class TrainerGroup:
         actor_cfg, max_new = self.cfg.actor, self.cfg.gconfig.max_new_tokens
         batch = build_batch(trajectories, actor_cfg, max_new, run_temperature(self.cfg.gconfig))
         minibatches = split_minibatches(batch, trajectories, actor_cfg, max_new)
-        parts = data_parallel_parts(minibatches, self.mesh.dims.dp, self.dp_weights)
+        parts = data_parallel_parts(minibatches, self.mesh.dims.dp, self.dp_weights, self.tree_cost)
         own = _scatter([(UPDATE, parts[d]) for d in self.data_ranks])[1]
         gathered = _gather(self.actor.update(own))
         every = [gathered[r] for r in self.leaders]  # a replica's ranks report the same numbers once

@@ -17,6 +17,7 @@ from areal_hpc.algo.ppo import token_weights
 from areal_hpc.algo.temperature import logprob_temperature
 from areal_hpc.config import ActorConfig, ParallelConfig
 from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.algo.tree_balance import tree_parts
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 from areal_hpc.errors import UserError
 
@@ -84,12 +85,18 @@ def split_minibatches(batch: SequenceBatch, trajectories: list[Trajectory], cfg:
     return minibatches
 
 
-def data_parallel_parts(minibatches: list[SequenceBatch], world_size: int,
-                        weights: list[float] | None = None) -> list[list[SequenceBatch]]:
-    """Rank r's share of every minibatch (by tokens, in proportion to ``weights``): ``parts[r][k]``."""
+def data_parallel_parts(minibatches: list[SequenceBatch], world_size: int, weights: list[float] | None = None,
+                        tree_cost: list[float] | None = None) -> list[list[SequenceBatch]]:
+    """Rank r's share of every minibatch, in proportion to ``weights``: ``parts[r][k]``. By tokens, or
+    with ``tree_cost`` (tree training) contiguous runs of the minibatch's prefix tree balanced by that
+    cost model (``algo.tree_balance``)."""
     parts: list[list[SequenceBatch]] = [[] for _ in range(world_size)]
     for mb in minibatches:
-        for rank, indices in enumerate(balanced_parts([len(s) for s in mb.sequences], world_size, weights)):
+        if tree_cost is not None:
+            shares = tree_parts(mb.sequences, world_size, tree_cost, weights)
+        else:
+            shares = balanced_parts([len(s) for s in mb.sequences], world_size, weights)
+        for rank, indices in enumerate(shares):
             parts[rank].append(mb.select(indices))
     return parts
 

@@ -18,6 +18,7 @@ tree of the whole share instead of packed micro-batches; ``forward`` stays packe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,9 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.algo.prefix_tree import build_prefix_tree
+from areal_hpc.algo.tree_balance import TREE_FEATURES, node_features
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.engines.base import (OPTIMIZER_SHARDS, TRAINING_STATE, ForwardFn, LossFn, WeightBucket,
                                     merge_over_context, merge_stats, weight_buckets)
@@ -194,13 +197,40 @@ class TorchTrainEngine:
         return parts
 
     def _tree_gradients(self, batch: SequenceBatch, loss_fn: LossFn) -> list[dict[str, float]]:
-        """The gradients of ``batch`` by depth-first tree training over its prefix tree; each node's
-        statistics, and the tree's size."""
-        tree = build_prefix_tree(batch.sequences)
-        with self._compute():
-            parts = tree_train_pass(self.model, self.root.forward_fn.head, tree, batch, loss_fn)
-        # "loss" is the nodes' sum: 0 with no trained target, as for flat micro-batches without one
-        return parts + [{"loss": 0.0, "microbatches": 1.0, "tree_tokens": float(tree.n_tokens)}]
+        """The gradients of ``batch`` by depth-first tree training over its prefix tree; each chunk's
+        statistics, and the tree's size. Data-parallel replicas gather their parameters once, train
+        their own trees without communicating (an empty share trains nothing), then reduce the
+        gradients in one idle pass."""
+        if self._data_parallel():
+            self._hold_parameters(True)
+        parts = []
+        if len(batch) or not self._data_parallel():
+            tree, started = build_prefix_tree(batch.sequences), time.perf_counter()
+            with self._compute():
+                parts = tree_train_pass(self.root, tree, batch, loss_fn, self.max_tokens_per_mb)
+            # "loss" is the chunks' sum: 0 with no trained target, as for flat micro-batches without one;
+            # the tree's features and seconds are what 'areal-hpc tree-cost' fits the cost model on
+            features = dict(zip(TREE_FEATURES, node_features(tree).sum(0).tolist()))
+            parts.append({"loss": 0.0, "microbatches": 1.0, **{f"tree_{k}": v for k, v in features.items()},
+                          "tree_seconds": time.perf_counter() - started})
+        if self._data_parallel():
+            self._hold_parameters(False)
+            with self._compute():
+                outputs = self.root(self._idle)
+            (sum(values.sum() for values in outputs.values()) * 0.0).backward()  # reduces what accumulated
+        return parts
+
+    def _hold_parameters(self, hold: bool) -> None:
+        """Hold every FSDP unit's parameters gathered and its gradients unreduced (``True``: no
+        collective until released), or go back to gathering per forward and reducing in each backward."""
+        self.root.set_requires_gradient_sync(not hold)
+        if self.mesh.dims.fsdp:
+            self.root.set_reshard_after_forward(not hold)
+            self.root.set_reshard_after_backward(not hold)
+        if hold:
+            for unit in self.root.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.unshard()
 
     def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) of the whole model on global rank 0, nothing on the other

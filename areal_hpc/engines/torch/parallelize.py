@@ -57,7 +57,11 @@ class PackedForward(torch.nn.Module):
         self.pipelined, self.last_stage = stages > 1, stage == stages - 1
         self.expert_params: list[torch.nn.Parameter] = []  # split over the ep ranks, reduced over edp
 
-    def forward(self, packed, hidden=None):
+    def forward(self, packed, hidden=None, *, run: Callable | None = None):
+        """``forward_fn``'s outputs; with ``run``, ``run(model)``'s instead, under the same hooks (the
+        segment forwards of tree training)."""
+        if run is not None:
+            return run(self.model)
         if not self.pipelined:
             return self.forward_fn(self.model, packed)
         return self.forward_fn(self.model, packed, hidden, last=self.last_stage)

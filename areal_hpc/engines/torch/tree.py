@@ -1,12 +1,13 @@
 """Tree training (AReaL-DTA, ``actor.tree_training=dta``): a depth-first forward and backward over a
 batch's prefix tree (``algo.prefix_tree``), so a prefix that several sequences share is computed once.
 
-Each node's segment runs through the Hugging Face decoder with its ancestors' K/V as the cache
-(positions continuing from its depth). Its children read that cache through leaf copies (detached,
-requiring grad), whose ``.grad`` sums what every descendant's attention sent back; when the node's
-subtree is done, one backward through the node's own forward carries its loss and those K/V
-gradients, and its graph is freed. Gradients are exact, and only the graphs of one root-to-leaf path
-are alive at a time (each node's attention keeps the K/V of its whole prefix).
+Siblings (nodes with the same parent, and the roots of the forest) run together: one padded forward
+per chunk of them (at most ``max_tokens`` rows, longest first), each over their parent's K/V as the
+Hugging Face cache (positions continuing from their depth). A node's children read that cache through
+leaf copies (detached, requiring grad), whose ``.grad`` sums what every descendant's attention sent
+back; when the chunk's subtrees are done, one backward through the chunk's own forward carries its loss
+and those K/V gradients, and its graph is freed. Gradients are exact, and only the graphs of one chunk
+per level of one root-to-leaf path are alive at a time (each keeping the K/V of its prefix).
 
 A node's loss is ``loss_fn`` over its tokens as each sequence through it sees them: one piece per
 sequence, the node's segment plus that sequence's next token (its child's first token, which the
@@ -16,9 +17,11 @@ token level, the value loss, SFT's NLL) then add up over nodes to the flat loss;
 ratio does not (``build`` refuses it). A trained token that several sequences share goes through the
 LM head once per sequence.
 
-One process only for now: data-parallel wrappers reduce in each backward and expect one forward per
-step, tp/pp/cp shard what this pass reads whole, and activation recomputation would rerun the cache
-updates; ``check_tree_layout`` refuses them with one line.
+Data parallelism (replicate or FSDP2 over ``dp``): each replica trains its own part of the minibatch's
+tree (``algo.tree_balance`` cuts the depth-first order). Its parameters are gathered once, before the
+pass, and gradients accumulate locally; one idle pass at the end reduces them (so replicas may run
+different numbers of forwards). tp/pp/cp/ep shard what this pass reads whole, and activation
+recomputation would rerun the cache updates: ``check_tree_layout`` refuses them with one line.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ def check_tree_layout(tree_training: str, mesh: TrainMesh | None, recompute: str
         raise UserError(f"actor.tree_training={tree_training!r}; valid: {', '.join(TREE_TRAINING)}")
     if tree_training == "off":
         return
-    if mesh is not None and mesh.dims.world_size > 1:
-        raise UserError(f"actor.tree_training=dta runs in one trainer process for now, not on the layout "
-                        f"{mesh.dims}; set rl.trainer_processes=1 or actor.tree_training=off")
+    if mesh is not None and (mesh.dims.world_size != mesh.dims.dp or mesh.dims.ep > 1):
+        raise UserError(f"actor.tree_training=dta runs over data-parallel replicas only (dp, with or without "
+                        f"fsdp), not on the layout {mesh.dims}; set tp=pp=cp=ep=1 or actor.tree_training=off")
     if recompute != "none":
         raise UserError(f"actor.tree_training=dta does not support actor.recompute={recompute} (the rerun would "
                         f"append to the prefix cache again); set actor.recompute=none")
@@ -55,57 +58,84 @@ def check_tree_layout(tree_training: str, mesh: TrainMesh | None, recompute: str
         raise TypeError("tree training needs a forward_fn with a head (engines.torch.outputs.StageOutputs)")
 
 
-def node_pieces(tree: PrefixTree, n: int,
-                batch: SequenceBatch) -> tuple[list[int], PackedBatch, dict[str, torch.Tensor]]:
-    """(rows, packed pieces, packed fields) of node n: per sequence through it, its positions
-    [start, stop] (stop: the next token, where the sequence goes on). ``rows`` index the node's hidden
-    states, ``len(segment)`` standing for the next token (which predicts nothing here)."""
-    node = tree.nodes[n]
+def sibling_chunks(tree: PrefixTree, nodes: list[int], max_tokens: int) -> list[list[int]]:
+    """``nodes`` (siblings) longest first, cut into chunks whose padded size (count × longest) stays
+    within ``max_tokens`` (a longer node gets a chunk of its own)."""
+    chunks: list[list[int]] = []
+    for n in sorted(nodes, key=lambda n: -len(tree.nodes[n].tokens)):
+        if chunks and (len(chunks[-1]) + 1) * len(tree.nodes[chunks[-1][0]].tokens) <= max_tokens:
+            chunks[-1].append(n)
+        else:
+            chunks.append([n])
+    return chunks
+
+
+def chunk_pieces(tree: PrefixTree, chunk: list[int], batch: SequenceBatch,
+                 width: int) -> tuple[list[int], PackedBatch, dict[str, torch.Tensor]]:
+    """(rows, packed pieces, packed fields) of a chunk's nodes: per sequence through each, its
+    positions [start, stop] (stop: the next token, where the sequence goes on). ``rows`` index the
+    chunk's hidden states flattened with one zero row after each node's ``width`` rows, which stands
+    for the next token (it predicts nothing here)."""
     rows, pieces, masks, temperatures = [], [], [], []
     fields: dict[str, list[torch.Tensor]] = {name: [] for name in batch.fields}
-    for s in node.sequences:
-        stop = min(node.stop + 1, len(batch.sequences[s]))
-        rows += range(stop - node.start)
-        pieces.append(batch.sequences[s][node.start:stop])
-        masks.append(batch.loss_masks[s][node.start:stop])
-        if batch.temperatures is not None:
-            temperatures.append(batch.temperatures[s][node.start:stop])
-        for name, values in batch.fields.items():
-            fields[name].append(values[s][node.start:stop])
+    for b, n in enumerate(chunk):
+        node, offset = tree.nodes[n], b * (width + 1)
+        for s in node.sequences:
+            stop = min(node.stop + 1, len(batch.sequences[s]))
+            rows += [offset + (r if r < len(node.tokens) else width) for r in range(stop - node.start)]
+            pieces.append(batch.sequences[s][node.start:stop])
+            masks.append(batch.loss_masks[s][node.start:stop])
+            if batch.temperatures is not None:
+                temperatures.append(batch.temperatures[s][node.start:stop])
+            for name, values in batch.fields.items():
+                fields[name].append(values[s][node.start:stop])
     packed = pack(pieces, masks, torch.cat(temperatures) if temperatures else None)
     return rows, packed, {name: torch.cat(values) for name, values in fields.items()}
 
 
-def tree_train_pass(model: torch.nn.Module, head: Callable, tree: PrefixTree, batch: SequenceBatch,
-                    loss_fn: LossFn) -> list[dict[str, float]]:
-    """Accumulate into ``model``'s gradients those of Σ_nodes ``loss_fn`` over ``batch`` (whose
-    sequences ``tree`` was built from), depth first. ``head(model, hidden, packed)``: the outputs
-    ``loss_fn`` reads (``StageOutputs.head``). Returns each node's statistics (nodes without a
-    trained target have no loss and none)."""
+def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatch, loss_fn: LossFn,
+                    max_tokens: int) -> list[dict[str, float]]:
+    """Accumulate into the model's gradients those of Σ_nodes ``loss_fn`` over ``batch`` (whose
+    sequences ``tree`` was built from), depth first. ``root``: the engine's ``PackedForward`` (every
+    forward goes through it, under the data-parallel hooks); its ``forward_fn.head`` gives the
+    outputs ``loss_fn`` reads. Returns each chunk's statistics (chunks without a trained target have
+    no loss and none)."""
+    model, head = root.model, root.forward_fn.head
     device = next(model.parameters()).device
     parts = []
 
-    def visit(n: int, prefix: KeyValues) -> None:
-        node = tree.nodes[n]
+    def run(chunk: list[int], prefix: KeyValues) -> None:
+        nodes = [tree.nodes[n] for n in chunk]
+        width, start = len(nodes[0].tokens), nodes[0].start  # siblings start at the same depth
+        tokens = torch.zeros(len(chunk), width, dtype=torch.long)
+        for b, node in enumerate(nodes):  # right-padded: causal attention never reads the padding
+            tokens[b, :len(node.tokens)] = torch.tensor(node.tokens)
+        positions = torch.arange(start, start + width, device=device).expand(len(chunk), -1)
         cache = DynamicCache(config=model.config)
         for layer, (keys, values) in enumerate(prefix):
-            cache.update(keys, values, layer)
-        tokens = torch.tensor([node.tokens], device=device)
-        positions = torch.arange(node.start, node.stop, device=device)[None]
-        hidden = model.base_model(input_ids=tokens, position_ids=positions, cache=cache,
-                                  use_cache=True).last_hidden_state[0]
-        rows, packed, fields = node_pieces(tree, n, batch)
+            cache.update(keys.expand(len(chunk), -1, -1, -1), values.expand(len(chunk), -1, -1, -1), layer)
+        rows, packed, fields = chunk_pieces(tree, chunk, batch, width)
         packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}
+
+        def forward(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+            hidden = model.base_model(input_ids=tokens.to(device), position_ids=positions, cache=cache,
+                                      use_cache=True).last_hidden_state
+            if not packed.n_targets:
+                return None
+            padded = torch.cat([hidden, hidden.new_zeros(len(chunk), 1, hidden.shape[-1])], 1).flatten(0, 1)
+            return head(model, padded[torch.tensor(rows, device=device)], packed)
+
+        outputs = root(None, run=forward)
         tensors, gradients = [], []
-        if packed.n_targets:
-            padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])  # the row of a next token
-            loss, stats = loss_fn(head(model, padded[torch.tensor(rows, device=device)], packed), packed, fields)
+        if outputs is not None:
+            loss, stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": loss.item(), **stats})
             tensors, gradients = [loss], [torch.ones_like(loss)]
-        cached = [(layer.keys, layer.values) for layer in cache.layers]  # the whole prefix through this node
+        cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, prefix + width, dim]
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached]
-        for child in node.children:
-            visit(child, leaves)
+        for b, node in enumerate(nodes):
+            if node.children:
+                visit(node.children, [(k[b:b + 1, :, :node.stop], v[b:b + 1, :, :node.stop]) for k, v in leaves])
         for through, leaf in zip((t for kv in cached for t in kv), (t for kv in leaves for t in kv)):
             if leaf.grad is not None:
                 tensors.append(through)
@@ -113,6 +143,9 @@ def tree_train_pass(model: torch.nn.Module, head: Callable, tree: PrefixTree, ba
         if tensors:
             torch.autograd.backward(tensors, gradients)
 
-    for root in tree.roots:
-        visit(root, [])
+    def visit(siblings: list[int], prefix: KeyValues) -> None:
+        for chunk in sibling_chunks(tree, siblings, max_tokens):
+            run(chunk, prefix)
+
+    visit(tree.roots, [])
     return parts

@@ -1,7 +1,7 @@
 """`make demo` over several seeds: held-out accuracy against wall time from the launch, for the whole
 job (SFT warm-up, then asynchronous GRPO), so "the demo learns" is a spread, not one lucky run.
 
-    .venv/bin/python bench/demo_seeds.py [--seeds 1 2 3] [--save]
+    .venv/bin/python bench/demo_seeds.py [--seeds 1 2 3] [--set KEY=VALUE ...] [--label NAME] [--save]
 
 Each seed is ``areal-hpc train --config configs/quickstart.yaml experiment.seed=S`` end to end (the seed
 draws the model's initialisation, the SFT order and the RL prompts). The baseline is the accuracy RL
@@ -35,10 +35,11 @@ PEAK = re.compile(r"peak memory of the run's processes: ([\d.]+) GiB")
 TARGETS = {"sft_range": (0.35, 0.60), "sft_spread": 0.05, "gain": 0.20, "wall_s": 240, "peak_gib": 1.0}
 
 
-def run_seed(root: Path, seed: int) -> dict:
+def run_seed(root: Path, seed: int, overrides: list[str]) -> dict:
     started = time.time()
     done = subprocess.run([sys.executable, "-m", "areal_hpc", "train", "--config", CONFIG, f"cluster.fileroot={root}",
-                           f"experiment.seed={seed}"], cwd=REPO, check=True, stdout=subprocess.PIPE, text=True)
+                           f"experiment.seed={seed}", *overrides], cwd=REPO, check=True, stdout=subprocess.PIPE,
+                          text=True)
     wall = time.time() - started
     peak = PEAK.search(done.stdout)
     run_dir = root / "quickstart" / "trial0"
@@ -59,17 +60,18 @@ def run(args) -> dict:
     rows = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory(prefix="demo_seeds-") as tmp:
-            rows.append(run_seed(Path(tmp), seed))
+            rows.append(run_seed(Path(tmp), seed, args.set))
     return {"benchmark": "demo_seeds", "date": datetime.date.today().isoformat(), "machine": machine(),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__}, "config": CONFIG,
-            "rows": rows}
+            "overrides": args.set, "rows": rows}
 
 
 def report(result: dict) -> str:
     rows = result["rows"]
     steps = [step for step, _, _ in rows[0]["evals"]]
     lines = [f"# make demo over {len(rows)} seeds ({result['date']})", "", f"machine: {result['machine']}",
-             f"versions: {result['versions']}; config {result['config']}, end to end (SFT warm-up + RL)", "",
+             f"versions: {result['versions']}; config {result['config']} {' '.join(result.get('overrides', []))}, "
+             "end to end (SFT warm-up + RL)", "",
              "| RL step | wall s from launch (mean) | eval accuracy mean | min | max | gain over step 0 (mean) |",
              "|---|---|---|---|---|---|"]
     start = np.mean([r["evals"][0][2] for r in rows])
@@ -131,6 +133,8 @@ def plot(result: dict, out: Path) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    parser.add_argument("--label", default="", help="recorded as demo_seeds-LABEL (e.g. the overrides' name)")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     arguments = parser.parse_args()
-    run_and_record("demo_seeds", arguments, run, report, plot)
+    run_and_record("demo_seeds" + (f"-{arguments.label}" if arguments.label else ""), arguments, run, report, plot)

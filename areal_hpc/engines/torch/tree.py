@@ -1,17 +1,19 @@
 """Tree training (AReaL-DTA, ``actor.tree_training=dta``): a depth-first forward and backward over a
 batch's prefix tree (``algo.prefix_tree``), so a prefix that several sequences share is computed once.
 
-Siblings (nodes with the same parent, and the roots of the forest) run together: one padded forward
-per chunk of them (at most ``max_tokens`` rows, longest first), each over their parent's K/V as the
-Hugging Face cache (positions continuing from their depth). A node's children read that cache through
+Siblings (nodes with the same parent, and the roots of the forest) run together, each with the chain
+of single children below it (``unary_run``: turns of one agent episode): one padded forward per chunk
+of them (at most ``max_tokens`` K/V rows, prefix copies included, longest first), each over their parent's K/V as the Hugging
+Face cache (positions continuing from their depth). A node's children read that cache through
 leaf copies (detached, requiring grad), whose ``.grad`` sums what every descendant's attention sent
 back; when the chunk's subtrees are done, one backward through the chunk's own forward carries its loss
 and those K/V gradients, and its graph is freed. Gradients are exact, and only the graphs of one chunk
 per level of one root-to-leaf path are alive at a time (each keeping the K/V of its prefix).
 
 A node's loss is ``loss_fn`` over its tokens as each sequence through it sees them: one piece per
-sequence, the node's segment plus that sequence's next token (its child's first token, which the
-segment's last position predicts), with the sequence's own mask, temperatures and fields. Losses that
+sequence that trains a token there, the node's segment (from the first position whose next token is
+trained) plus that sequence's next token (its child's first token, which the segment's last position
+predicts), with the sequence's own mask, temperatures and fields. Losses that
 are sums of per-token terms with the whole minibatch's normaliser in the weights (decoupled PPO at the
 token level, the value loss, SFT's NLL) then add up over nodes to the flat loss; GSPO's per-sequence
 ratio does not (``build`` refuses it). A trained token that several sequences share goes through the
@@ -58,37 +60,62 @@ def check_tree_layout(tree_training: str, mesh: TrainMesh | None, recompute: str
         raise TypeError("tree training needs a forward_fn with a head (engines.torch.outputs.StageOutputs)")
 
 
-def sibling_chunks(tree: PrefixTree, nodes: list[int], max_tokens: int) -> list[list[int]]:
-    """``nodes`` (siblings) longest first, cut into chunks whose padded size (count × longest) stays
-    within ``max_tokens`` (a longer node gets a chunk of its own)."""
-    chunks: list[list[int]] = []
-    for n in sorted(nodes, key=lambda n: -len(tree.nodes[n].tokens)):
-        if chunks and (len(chunks[-1]) + 1) * len(tree.nodes[chunks[-1][0]].tokens) <= max_tokens:
-            chunks[-1].append(n)
+def unary_run(tree: PrefixTree, n: int) -> list[int]:
+    """Node n and the chain below it while a node has exactly one child (where sequences end without
+    branching, as an agent's turns do): one causal segment, forwarded at once."""
+    run = [n]
+    while len(tree.nodes[run[-1]].children) == 1:
+        run.append(tree.nodes[run[-1]].children[0])
+    return run
+
+
+def run_tokens(tree: PrefixTree, run: list[int]) -> list[int]:
+    return [t for n in run for t in tree.nodes[n].tokens]
+
+
+def sibling_chunks(tree: PrefixTree, runs: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
+    """``runs`` (of siblings) longest first, cut into chunks of at most ``max_tokens`` K/V rows: count ×
+    (their prefix + the longest run), the padded forward and its copies of the prefix (a longer run
+    gets a chunk of its own)."""
+    prefix = tree.nodes[runs[0][0]].start
+    length = {id(run): tree.nodes[run[-1]].stop - prefix for run in runs}
+    chunks: list[list[list[int]]] = []
+    for run in sorted(runs, key=lambda run: -length[id(run)]):
+        if chunks and (len(chunks[-1]) + 1) * (prefix + length[id(chunks[-1][0])]) <= max_tokens:
+            chunks[-1].append(run)
         else:
-            chunks.append([n])
+            chunks.append([run])
     return chunks
 
 
-def chunk_pieces(tree: PrefixTree, chunk: list[int], batch: SequenceBatch,
-                 width: int) -> tuple[list[int], PackedBatch, dict[str, torch.Tensor]]:
-    """(rows, packed pieces, packed fields) of a chunk's nodes: per sequence through each, its
-    positions [start, stop] (stop: the next token, where the sequence goes on). ``rows`` index the
-    chunk's hidden states flattened with one zero row after each node's ``width`` rows, which stands
-    for the next token (it predicts nothing here)."""
+def chunk_pieces(tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch,
+                 width: int) -> tuple[list[int], PackedBatch, dict[str, torch.Tensor]] | None:
+    """(rows, packed pieces, packed fields) of a chunk's runs of nodes (None where no piece trains
+    anything): per node and sequence through it, its positions from the first one whose next token
+    it trains to ``stop`` (the next token, where the sequence goes on); a sequence training nothing
+    in the node has no piece. ``rows`` index the chunk's hidden states flattened with one zero row
+    after each run's ``width`` rows, which stands for a next token beyond the run (it predicts
+    nothing here)."""
     rows, pieces, masks, temperatures = [], [], [], []
     fields: dict[str, list[torch.Tensor]] = {name: [] for name in batch.fields}
-    for b, n in enumerate(chunk):
-        node, offset = tree.nodes[n], b * (width + 1)
-        for s in node.sequences:
-            stop = min(node.stop + 1, len(batch.sequences[s]))
-            rows += [offset + (r if r < len(node.tokens) else width) for r in range(stop - node.start)]
-            pieces.append(batch.sequences[s][node.start:stop])
-            masks.append(batch.loss_masks[s][node.start:stop])
-            if batch.temperatures is not None:
-                temperatures.append(batch.temperatures[s][node.start:stop])
-            for name, values in batch.fields.items():
-                fields[name].append(values[s][node.start:stop])
+    for b, run in enumerate(chunk):
+        run_start, run_stop, offset = tree.nodes[run[0]].start, tree.nodes[run[-1]].stop, b * (width + 1)
+        for node in (tree.nodes[n] for n in run):
+            for s in node.sequences:
+                stop = min(node.stop + 1, len(batch.sequences[s]))
+                trained = batch.loss_masks[s][node.start + 1:stop]  # the targets of positions start .. stop - 2
+                if not any(trained):
+                    continue
+                first = node.start + next(k for k, m in enumerate(trained) if m)
+                rows += [offset + (p - run_start if p < run_stop else width) for p in range(first, stop)]
+                pieces.append(batch.sequences[s][first:stop])
+                masks.append(batch.loss_masks[s][first:stop])
+                if batch.temperatures is not None:
+                    temperatures.append(batch.temperatures[s][first:stop])
+                for name, values in batch.fields.items():
+                    fields[name].append(values[s][first:stop])
+    if not pieces:
+        return None
     packed = pack(pieces, masks, torch.cat(temperatures) if temperatures else None)
     return rows, packed, {name: torch.cat(values) for name, values in fields.items()}
 
@@ -104,23 +131,25 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
     device = next(model.parameters()).device
     parts = []
 
-    def run(chunk: list[int], prefix: KeyValues) -> None:
-        nodes = [tree.nodes[n] for n in chunk]
-        width, start = len(nodes[0].tokens), nodes[0].start  # siblings start at the same depth
+    def run(chunk: list[list[int]], prefix: KeyValues) -> None:
+        segments = [run_tokens(tree, nodes) for nodes in chunk]
+        width, start = len(segments[0]), tree.nodes[chunk[0][0]].start  # siblings start at the same depth
         tokens = torch.zeros(len(chunk), width, dtype=torch.long)
-        for b, node in enumerate(nodes):  # right-padded: causal attention never reads the padding
-            tokens[b, :len(node.tokens)] = torch.tensor(node.tokens)
+        for b, segment in enumerate(segments):  # right-padded: causal attention never reads the padding
+            tokens[b, :len(segment)] = torch.tensor(segment)
         positions = torch.arange(start, start + width, device=device).expand(len(chunk), -1)
         cache = DynamicCache(config=model.config)
         for layer, (keys, values) in enumerate(prefix):
             cache.update(keys.expand(len(chunk), -1, -1, -1), values.expand(len(chunk), -1, -1, -1), layer)
-        rows, packed, fields = chunk_pieces(tree, chunk, batch, width)
-        packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}
+        pieces = chunk_pieces(tree, chunk, batch, width)
+        if pieces is not None:
+            rows, packed, fields = pieces
+            packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}
 
         def forward(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
             hidden = model.base_model(input_ids=tokens.to(device), position_ids=positions, cache=cache,
                                       use_cache=True).last_hidden_state
-            if not packed.n_targets:
+            if pieces is None:
                 return None
             padded = torch.cat([hidden, hidden.new_zeros(len(chunk), 1, hidden.shape[-1])], 1).flatten(0, 1)
             return head(model, padded[torch.tensor(rows, device=device)], packed)
@@ -133,9 +162,10 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             tensors, gradients = [loss], [torch.ones_like(loss)]
         cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, prefix + width, dim]
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached]
-        for b, node in enumerate(nodes):
-            if node.children:
-                visit(node.children, [(k[b:b + 1, :, :node.stop], v[b:b + 1, :, :node.stop]) for k, v in leaves])
+        for b, nodes in enumerate(chunk):
+            last = tree.nodes[nodes[-1]]
+            if last.children:
+                visit(last.children, [(k[b:b + 1, :, :last.stop], v[b:b + 1, :, :last.stop]) for k, v in leaves])
         for through, leaf in zip((t for kv in cached for t in kv), (t for kv in leaves for t in kv)):
             if leaf.grad is not None:
                 tensors.append(through)
@@ -144,7 +174,7 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             torch.autograd.backward(tensors, gradients)
 
     def visit(siblings: list[int], prefix: KeyValues) -> None:
-        for chunk in sibling_chunks(tree, siblings, max_tokens):
+        for chunk in sibling_chunks(tree, [unary_run(tree, n) for n in siblings], max_tokens):
             run(chunk, prefix)
 
     visit(tree.roots, [])

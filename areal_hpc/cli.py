@@ -95,6 +95,56 @@ def _sft(args) -> int:
     return 0
 
 
+def _tree_cost_arguments(fit) -> None:
+    fit.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders trained with actor.tree_training=dta "
+                                                                 "(their metrics.jsonl)")
+
+
+def _tree_cost(args) -> int:
+    from areal_hpc.algo.tree_balance import TREE_FEATURES, fit_from_records
+    from areal_hpc.fsio import read_json_lines
+
+    records = []
+    for run in map(Path, args.runs):
+        if not (run / "metrics.jsonl").is_file():
+            raise UserError(f"{run} has no metrics.jsonl; give the folder of a run (e.g. <fileroot>/<name>/trial0)")
+        records += read_json_lines(run / "metrics.jsonl")
+    coefficients, error, steps = fit_from_records(records)
+    print(f"fitted on {steps} steps (median error {error:.1%}): " +
+          ", ".join(f"{name} {c:.3g} s" for name, c in zip(TREE_FEATURES, coefficients)))
+    print("actor.tree_cost=[" + ",".join(f"{c:.4g}" for c in coefficients) + "]")
+    return 0
+
+
+def _repro_dta_arguments(paper) -> None:
+    paper.add_argument("--json", action="store_true", help="one JSON object per row")
+    paper.add_argument("--preset", default="small", choices=["tiny", "small"], help="model trained (default: small)")
+    paper.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant (default: 3)")
+    paper.add_argument("--quick", action="store_true", help="small workloads, tiny model, 1 step: a check that it runs")
+
+
+def _repro_dta(args) -> int:
+    from areal_hpc.sched.report import table
+    from areal_hpc.train import repro_dta
+
+    if args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    preset, steps, timed = ("tiny", 1, repro_dta.QUICK) if args.quick else (args.preset, args.steps, repro_dta.TIMED)
+    rows = repro_dta.dta_rows(preset, steps, timed, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row.to_dict()))
+        return 0
+    print(f"AReaL-DTA (tree training) vs ours: model preset '{preset}', one CPU thread, median of {steps} steps\n")
+    print(table(["row", "paper", "ours", "ours/paper", "workload"],
+                [[r.row, "-" if r.paper is None else f"{r.paper:.2f}x", f"{r.ours:.2f}x",
+                  "-" if r.ratio is None else f"{r.ratio:.2f}", r.workload] for r in rows]))
+    print()
+    for note in repro_dta.NOTES:
+        print(f"- {note}")
+    return 0
+
+
 def _eval_arguments(ev) -> None:
     ev.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")
     ev.add_argument("--task", choices=["arithmetic", "countdown", "gsm8k", "custom"],
@@ -363,6 +413,8 @@ COMMANDS = (
                           "from its rank", _config_arguments, _slurm_task),
     Command("eval", "a model on a task's held-out split through its workflow: accuracy, mean reward, pass@k", _eval_arguments,
             _eval),
+    Command("tree-cost", "fit tree training's load-balancing cost model (actor.tree_cost) to runs' measured steps",
+            _tree_cost_arguments, _tree_cost),
     Command("serve", "run a rollout server (embedded engine or SGLang) with SGLang's HTTP API",
             _optional_config_arguments, _serve),
     Command("proxy", "the login-node proxy: an OpenAI-compatible gateway whose sessions become trajectory records "
@@ -385,6 +437,8 @@ COMMANDS = (
                 planner_cli.run_repro_hex),
         Command("areal-eta", "AReaL: throughput vs staleness (Table 7)", planner_cli.repro_arguments,
                 planner_cli.run_repro_eta),
+        Command("dta", "AReaL-DTA: token compression and tree-vs-flat training speed (measured here, minutes)",
+                _repro_dta_arguments, _repro_dta),
     )),
     Command("sweep", "a grid of runs as one Slurm job array (submitit), and its results", sweep_cli.sweep_arguments,
             sweep_cli.run_sweep),

@@ -45,10 +45,10 @@ def policy(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def engine(model: torch.nn.Module, tree_training: str, forward_fn=None) -> TorchTrainEngine:
+def engine(model: torch.nn.Module, tree_training: str, forward_fn=None, max_tokens: int = 24) -> TorchTrainEngine:
     """An engine on a copy of ``model``; the flat one cuts its batches into several micro-batches."""
     return TorchTrainEngine(copy.deepcopy(model), forward_fn or PolicyOutputs(TEMPERATURE), lr=1e-3,
-                            optimizer=OptimizerConfig(gradient_clipping=0.0), max_tokens_per_mb=24,
+                            optimizer=OptimizerConfig(gradient_clipping=0.0), max_tokens_per_mb=max_tokens,
                             tree_training=tree_training)
 
 
@@ -142,12 +142,13 @@ def test_tree_step_equals_the_flat_step_and_each_sequence_alone(policy, sequence
         assert_same_gradients(flat.model, reference)
 
 
-def grpo_groups(groups: int = 2, samples: int = 4, prompt: int = 12, seed: int = 0) -> SequenceBatch:
+def grpo_groups(groups: int = 2, samples: int = 4, prompts: tuple[int, ...] = (12, 7), seed: int = 0) -> SequenceBatch:
     """GRPO groups of ``samples`` completions sharing a prompt, one completion a prefix of another and one
     a duplicate (as sampling at low temperature gives), with group-normalised advantages."""
     generator = torch.Generator().manual_seed(seed)
     sequences, masks, advantages = [], [], []
-    for _ in range(groups):
+    for g in range(groups):
+        prompt = prompts[g % len(prompts)]
         shared = torch.randint(3, 600, (prompt,), generator=generator).tolist()
         completions = [torch.randint(3, 600, (int(n),), generator=generator).tolist()
                        for n in torch.randint(1, 10, (samples - 2,), generator=generator)]
@@ -165,10 +166,13 @@ def grpo_groups(groups: int = 2, samples: int = 4, prompt: int = 12, seed: int =
     return batch
 
 
-def test_ppo_actor_update_on_grpo_groups_equals_flat(policy):
+@pytest.mark.parametrize("max_tokens", [24, 4096], ids=["chunk_per_group", "groups_in_one_chunk"])
+def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, max_tokens):
+    """Prompts of 12 and 7 tokens: with room, both groups' completions run in one chunk, each row over
+    its own prompt's K/V padded to the longer one."""
     batch = grpo_groups()
-    assert build_prefix_tree(batch.sequences).compression > 2.0
-    tree, flat = engine(policy, "dta"), engine(policy, "off")
+    assert build_prefix_tree(batch.sequences).compression > 1.8
+    tree, flat = engine(policy, "dta", max_tokens=max_tokens), engine(policy, "off")
     tree_stats = PPOActor(tree, ActorConfig()).update([batch])
     flat_stats = PPOActor(flat, ActorConfig()).update([batch])
     assert tree_stats["actor/loss"] == pytest.approx(flat_stats["actor/loss"], rel=RTOL)

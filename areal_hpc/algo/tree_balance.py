@@ -135,3 +135,19 @@ def fit_cost(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     scale[scale == 0] = 1.0
     coefficients, _ = nnls(features / scale, seconds)
     return coefficients / scale
+
+
+def fit_from_records(records: list[dict], prefix: str = "actor/") -> tuple[np.ndarray, float, int]:
+    """(coefficients, median relative error of the fit, steps used) from a run's metric records: the
+    steps that logged tree training's features and seconds (``<prefix>tree_<feature>``,
+    ``<prefix>tree_seconds``)."""
+    names = [f"{prefix}tree_{name}" for name in TREE_FEATURES]
+    steps = [r for r in records if all(name in r for name in names) and f"{prefix}tree_seconds" in r]
+    if len(steps) < len(TREE_FEATURES):
+        raise UserError(f"the cost fit needs at least {len(TREE_FEATURES)} steps trained with actor.tree_training=dta "
+                        f"(metrics {prefix}tree_*), found {len(steps)}")
+    features = np.array([[r[name] for name in names] for r in steps])
+    seconds = np.array([r[f"{prefix}tree_seconds"] for r in steps])
+    coefficients = fit_cost(features, seconds)
+    error = float(np.median(np.abs(features @ coefficients - seconds) / seconds))
+    return coefficients, error, len(steps)

@@ -41,6 +41,7 @@ class Workload:
     reply: float  # mean completion / assistant reply length
     environment: float = 0.0  # mean user/tool message length (multi-turn)
     turns: tuple[int, int] = (5, 30)
+    spread: float = 0.5  # of the log-normal lengths; 0: every reply and message exactly its mean
     seed: int = 0
 
     def sequences(self) -> tuple[list[list[int]], list[list[int]]]:
@@ -48,7 +49,7 @@ class Workload:
         rng = np.random.default_rng(self.seed)
 
         def tokens(mean: float) -> list[int]:
-            n = max(1, int(round(rng.lognormal(np.log(mean), 0.5)))) if mean else 0
+            n = max(1, int(round(rng.lognormal(np.log(mean), self.spread)))) if mean else 0
             return rng.integers(3, VOCAB, n).tolist()
 
         sequences, masks = [], []
@@ -64,13 +65,13 @@ class Workload:
         return sequences, masks
 
 
-def grpo(samples: int, prompt: int, reply: float, groups: int = 2, seed: int = 0) -> Workload:
-    return Workload("grpo", groups, samples, prompt, reply, seed=seed)
+def grpo(samples: int, prompt: int, reply: float, groups: int = 2, spread: float = 0.5, seed: int = 0) -> Workload:
+    return Workload("grpo", groups, samples, prompt, reply, spread=spread, seed=seed)
 
 
 def multi_turn(episodes: int, prompt: int, reply: float, environment: float, groups: int = 1,
                turns: tuple[int, int] = (5, 30), seed: int = 0) -> Workload:
-    return Workload("multi-turn", groups, episodes, prompt, reply, environment, turns, seed)
+    return Workload("multi-turn", groups, episodes, prompt, reply, environment, turns, seed=seed)
 
 
 def compression(workload: Workload) -> float:
@@ -219,26 +220,29 @@ class DtaRow:
 # τ²-bench-like at the paper's scale (assumed: a 1,500-token system prompt and task, 8 episodes per task,
 # 60-token user/tool messages, 80-token replies), for the compression alone; and scaled to a CPU for training.
 TAU2_LIKE = multi_turn(episodes=8, prompt=1500, reply=80, environment=60, groups=4)
-TAU2_CPU = multi_turn(episodes=4, prompt=192, reply=16, environment=16)
-GRPO_CPU = {8: grpo(8, prompt=128, reply=32), 16: grpo(16, prompt=128, reply=32)}
+TIMED = {"multi-turn": multi_turn(episodes=4, prompt=192, reply=16, environment=16),
+         "GRPO n=8": grpo(8, prompt=128, reply=32), "GRPO n=16": grpo(16, prompt=128, reply=32)}
+QUICK = {"multi-turn": multi_turn(episodes=2, prompt=32, reply=8, environment=8, turns=(3, 5)),
+         "GRPO n=8": grpo(8, prompt=32, reply=8)}  # a check that it runs, in seconds
 
 
-def dta_rows(preset: str = "small", steps: int = 3, progress=print) -> list[DtaRow]:
+def dta_rows(preset: str = "small", steps: int = 3, timed: dict[str, Workload] = TIMED,
+             progress=print) -> list[DtaRow]:
     """The table: compression, tree vs flat and tree vs tree mask, beside the paper."""
     rows = [DtaRow("token compression, τ²-bench", PAPER["compression"], compression(TAU2_LIKE),
                    describe(TAU2_LIKE))]
-    timed = {"multi-turn": TAU2_CPU, **{f"GRPO n={n}": w for n, w in GRPO_CPU.items()}}
+    runs = [(name, mode) for name in timed for mode in (MODES if name == "multi-turn" else MODES[:2])]
+    seconds: dict[tuple[str, str], float] = {}
+    for k, (name, mode) in enumerate(runs):
+        progress(f"[{k + 1}/{len(runs)}] {name}: {mode}")
+        seconds[name, mode] = measure(mode, timed[name], preset, steps)["seconds"]
     for name, workload in timed.items():
-        seconds = {}
-        for mode in MODES if name == "multi-turn" else MODES[:2]:
-            progress(f"  {name}: {mode} ...")
-            seconds[mode] = measure(mode, workload, preset, steps)["seconds"]
         label = f"{describe(workload)}, compression {compression(workload):.2f}"
         rows.append(DtaRow(f"training speed-up vs flat, {name}", PAPER["vs_dense"] if name == "multi-turn" else None,
-                           seconds["flat"] / seconds["dta"], label))
-        if "tree-mask" in seconds:
+                           seconds[name, "flat"] / seconds[name, "dta"], label))
+        if (name, "tree-mask") in seconds:
             rows.append(DtaRow(f"training speed-up vs tree mask, {name}", sum(PAPER["vs_tree_mask"]) / 2,
-                               seconds["tree-mask"] / seconds["dta"], label))
+                               seconds[name, "tree-mask"] / seconds[name, "dta"], label))
     return rows
 
 

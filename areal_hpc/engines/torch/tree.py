@@ -1,14 +1,16 @@
 """Tree training (AReaL-DTA, ``actor.tree_training=dta``): a depth-first forward and backward over a
 batch's prefix tree (``algo.prefix_tree``), so a prefix that several sequences share is computed once.
 
-Siblings (nodes with the same parent, and the roots of the forest) run together, each with the chain
-of single children below it (``unary_run``: turns of one agent episode): one padded forward per chunk
-of them (at most ``max_tokens`` K/V rows, prefix copies included, longest first), each over their parent's K/V as the Hugging
-Face cache (positions continuing from their depth). A node's children read that cache through
-leaf copies (detached, requiring grad), whose ``.grad`` sums what every descendant's attention sent
-back; when the chunk's subtrees are done, one backward through the chunk's own forward carries its loss
-and those K/V gradients, and its graph is freed. Gradients are exact, and only the graphs of one chunk
-per level of one root-to-leaf path are alive at a time (each keeping the K/V of its prefix).
+The pass goes down the tree a level at a time, depth first: the roots, then the children of one chunk
+of them, and so on. Each node runs with the chain of single children below it (``unary_run``: the
+turns of one agent episode) as one segment; the segments of a level run together in padded chunks
+(at most ``max_tokens`` K/V rows, prefixes included, longest first), each row over its parent's K/V
+as the Hugging Face cache, padded to the chunk's longest prefix under an attention mask, with
+positions continuing from its depth. A node's children read that cache through leaf copies
+(detached, requiring grad), whose ``.grad`` sums what every descendant's attention sent back; when
+the chunk's subtrees are done, one backward through the chunk's own forward carries its loss and
+those K/V gradients, and its graph is freed. Gradients are exact, and only one chunk per level of
+the path being trained is alive at a time (each keeping the K/V of its prefixes).
 
 A node's loss is ``loss_fn`` over its tokens as each sequence through it sees them: one piece per
 sequence that trains a token there, the node's segment (from the first position whose next token is
@@ -73,18 +75,27 @@ def run_tokens(tree: PrefixTree, run: list[int]) -> list[int]:
     return [t for n in run for t in tree.nodes[n].tokens]
 
 
-def sibling_chunks(tree: PrefixTree, runs: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
-    """``runs`` (of siblings) longest first, cut into chunks of at most ``max_tokens`` K/V rows: count ×
-    (their prefix + the longest run), the padded forward and its copies of the prefix (a longer run
-    gets a chunk of its own)."""
-    prefix = tree.nodes[runs[0][0]].start
-    length = {id(run): tree.nodes[run[-1]].stop - prefix for run in runs}
-    chunks: list[list[list[int]]] = []
-    for run in sorted(runs, key=lambda run: -length[id(run)]):
-        if chunks and (len(chunks[-1]) + 1) * (prefix + length[id(chunks[-1][0])]) <= max_tokens:
-            chunks[-1].append(run)
+def pad(states: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, heads, n, dim] keys or values, zeros appended along the tokens up to ``length``."""
+    return torch.nn.functional.pad(states, (0, 0, 0, length - states.shape[2]))
+
+
+def level_chunks(tree: PrefixTree, runs: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of ``runs`` (of one level) longest first (prefix included), cut into chunks of at most
+    ``max_tokens`` K/V rows: count × (longest prefix + longest run), the padded forward and its copies
+    of the prefixes (a longer run gets a chunk of its own)."""
+    starts = [tree.nodes[run[0]].start for run in runs]
+    lengths = [tree.nodes[run[-1]].stop - start for run, start in zip(runs, starts)]
+    chunks: list[list[int]] = []
+    widest = (0, 0)  # the current chunk's longest prefix and run
+    for i in sorted(range(len(runs)), key=lambda i: -(starts[i] + lengths[i])):
+        grown = (max(widest[0], starts[i]), max(widest[1], lengths[i]))
+        if chunks and (len(chunks[-1]) + 1) * sum(grown) <= max_tokens:
+            chunks[-1].append(i)
+            widest = grown
         else:
-            chunks.append([run])
+            chunks.append([i])
+            widest = (starts[i], lengths[i])
     return chunks
 
 
@@ -131,24 +142,31 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
     device = next(model.parameters()).device
     parts = []
 
-    def run(chunk: list[list[int]], prefix: KeyValues) -> None:
+    def run(chunk: list[list[int]], prefixes: list[KeyValues]) -> None:
         segments = [run_tokens(tree, nodes) for nodes in chunk]
-        width, start = len(segments[0]), tree.nodes[chunk[0][0]].start  # siblings start at the same depth
+        starts = [tree.nodes[nodes[0]].start for nodes in chunk]
+        width, longest = max(map(len, segments)), max(starts)
         tokens = torch.zeros(len(chunk), width, dtype=torch.long)
         for b, segment in enumerate(segments):  # right-padded: causal attention never reads the padding
             tokens[b, :len(segment)] = torch.tensor(segment)
-        positions = torch.arange(start, start + width, device=device).expand(len(chunk), -1)
-        cache = DynamicCache(config=model.config)
-        for layer, (keys, values) in enumerate(prefix):
-            cache.update(keys.expand(len(chunk), -1, -1, -1), values.expand(len(chunk), -1, -1, -1), layer)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)
+        cache, mask = DynamicCache(config=model.config), None
+        if longest:
+            for layer in range(len(prefixes[0])):
+                keys, values = ([pad(prefix[layer][kv], longest) for prefix in prefixes] for kv in (0, 1))
+                cache.update(torch.cat(keys), torch.cat(values), layer)
+        if min(starts) < longest:  # each row reads its own prefix, not the padding after it
+            mask = torch.ones(len(chunk), longest + width, dtype=torch.long, device=device)
+            for b, start in enumerate(starts):
+                mask[b, start:longest] = 0
         pieces = chunk_pieces(tree, chunk, batch, width)
         if pieces is not None:
             rows, packed, fields = pieces
             packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}
 
         def forward(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-            hidden = model.base_model(input_ids=tokens.to(device), position_ids=positions, cache=cache,
-                                      use_cache=True).last_hidden_state
+            hidden = model.base_model(input_ids=tokens.to(device), position_ids=positions, attention_mask=mask,
+                                      cache=cache, use_cache=True).last_hidden_state
             if pieces is None:
                 return None
             padded = torch.cat([hidden, hidden.new_zeros(len(chunk), 1, hidden.shape[-1])], 1).flatten(0, 1)
@@ -160,12 +178,15 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             loss, stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": loss.item(), **stats})
             tensors, gradients = [loss], [torch.ones_like(loss)]
-        cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, prefix + width, dim]
+        cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, longest + width, dim]
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached]
-        for b, nodes in enumerate(chunk):
-            last = tree.nodes[nodes[-1]]
-            if last.children:
-                visit(last.children, [(k[b:b + 1, :, :last.stop], v[b:b + 1, :, :last.stop]) for k, v in leaves])
+        below = []
+        for b, (nodes, start, segment) in enumerate(zip(chunk, starts, segments)):
+            if tree.nodes[nodes[-1]].children:  # its prefix and its own segment, without the padding between
+                path = [tuple(torch.cat([t[b:b + 1, :, :start], t[b:b + 1, :, longest:longest + len(segment)]], 2)
+                              for t in kv) for kv in leaves]
+                below += [(unary_run(tree, child), path) for child in tree.nodes[nodes[-1]].children]
+        visit(below)
         for through, leaf in zip((t for kv in cached for t in kv), (t for kv in leaves for t in kv)):
             if leaf.grad is not None:
                 tensors.append(through)
@@ -173,9 +194,10 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         if tensors:
             torch.autograd.backward(tensors, gradients)
 
-    def visit(siblings: list[int], prefix: KeyValues) -> None:
-        for chunk in sibling_chunks(tree, [unary_run(tree, n) for n in siblings], max_tokens):
-            run(chunk, prefix)
+    def visit(level: list[tuple[list[int], KeyValues]]) -> None:
+        """Train ``level``'s (run, prefix K/V) pairs and everything below them, a chunk at a time."""
+        for chunk in level_chunks(tree, [nodes for nodes, _ in level], max_tokens):
+            run([level[i][0] for i in chunk], [level[i][1] for i in chunk])
 
-    visit(tree.roots, [])
+    visit([(unary_run(tree, n), []) for n in tree.roots])
     return parts

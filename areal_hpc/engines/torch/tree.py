@@ -31,6 +31,7 @@ recomputation would rerun the cache updates: ``check_tree_layout`` refuses them 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -43,7 +44,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.parallel.mesh import TrainMesh
 
 TREE_TRAINING = ("off", "dta")
-KeyValues = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: [1, kv heads, tokens, head dim] each
+KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def check_tree_layout(tree_training: str, mesh: TrainMesh | None, recompute: str, forward_fn) -> None:
@@ -75,27 +76,33 @@ def run_tokens(tree: PrefixTree, run: list[int]) -> list[int]:
     return [t for n in run for t in tree.nodes[n].tokens]
 
 
-def pad(states: torch.Tensor, length: int) -> torch.Tensor:
-    """[1, heads, n, dim] keys or values, zeros appended along the tokens up to ``length``."""
-    return torch.nn.functional.pad(states, (0, 0, 0, length - states.shape[2]))
+@dataclass
+class Prefix:
+    """What a chunk's children continue from: its K/V (leaf copies whose ``.grad`` gathers what the
+    children's attention sends back) and which positions of each row are its own (False: padding)."""
+
+    states: KeyValues  # per decoder layer: [rows, kv heads, positions, head dim] each
+    valid: torch.Tensor  # [rows, positions] bool
 
 
 def level_chunks(tree: PrefixTree, runs: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Indices of ``runs`` (of one level) longest first (prefix included), cut into chunks of at most
-    ``max_tokens`` K/V rows: count × (longest prefix + longest run), the padded forward and its copies
-    of the prefixes (a longer run gets a chunk of its own)."""
+    """Indices of ``runs`` (of one level) longest first, cut into chunks of at most ``max_tokens`` K/V
+    rows (count × (longest prefix + longest run): the padded forward and its copies of the prefixes)
+    and of runs at least half as long as their chunk's longest (padding at most doubles the rows). A
+    run over the budget gets a chunk of its own."""
     starts = [tree.nodes[run[0]].start for run in runs]
     lengths = [tree.nodes[run[-1]].stop - start for run, start in zip(runs, starts)]
     chunks: list[list[int]] = []
-    widest = (0, 0)  # the current chunk's longest prefix and run
-    for i in sorted(range(len(runs)), key=lambda i: -(starts[i] + lengths[i])):
-        grown = (max(widest[0], starts[i]), max(widest[1], lengths[i]))
-        if chunks and (len(chunks[-1]) + 1) * sum(grown) <= max_tokens:
+    widest, real = (0, 0), 0  # the current chunk's longest prefix and run, and its tokens
+    for i in sorted(range(len(runs)), key=lambda i: -lengths[i]):
+        grown = (max(widest[0], starts[i]), widest[1])
+        count = len(chunks[-1]) + 1 if chunks else 0
+        if chunks and count * sum(grown) <= max_tokens and count * widest[1] <= 2 * (real + lengths[i]):
             chunks[-1].append(i)
-            widest = grown
+            widest, real = grown, real + lengths[i]
         else:
             chunks.append([i])
-            widest = (starts[i], lengths[i])
+            widest, real = (starts[i], lengths[i]), lengths[i]
     return chunks
 
 
@@ -142,26 +149,30 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
     device = next(model.parameters()).device
     parts = []
 
-    def run(chunk: list[list[int]], prefixes: list[KeyValues]) -> None:
-        segments = [run_tokens(tree, nodes) for nodes in chunk]
-        starts = [tree.nodes[nodes[0]].start for nodes in chunk]
-        width, longest = max(map(len, segments)), max(starts)
+    def run(chunk: list[tuple[list[int], Prefix | None, int]]) -> None:
+        """Forward a chunk of (run, its parent chunk's prefix, its row there), train what lies below,
+        then its backward."""
+        runs, prefix = [nodes for nodes, _, _ in chunk], chunk[0][1]  # one parent chunk per call of ``visit``
+        segments = [run_tokens(tree, nodes) for nodes in runs]
+        width = max(map(len, segments))
         tokens = torch.zeros(len(chunk), width, dtype=torch.long)
         for b, segment in enumerate(segments):  # right-padded: causal attention never reads the padding
             tokens[b, :len(segment)] = torch.tensor(segment)
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)
+        starts = torch.tensor([tree.nodes[nodes[0]].start for nodes in runs], device=device)
+        positions = starts[:, None] + torch.arange(width, device=device)
         cache, mask = DynamicCache(config=model.config), None
-        if longest:
-            for layer in range(len(prefixes[0])):
-                keys, values = ([pad(prefix[layer][kv], longest) for prefix in prefixes] for kv in (0, 1))
-                cache.update(torch.cat(keys), torch.cat(values), layer)
-        if min(starts) < longest:  # each row reads its own prefix, not the padding after it
-            mask = torch.ones(len(chunk), longest + width, dtype=torch.long, device=device)
-            for b, start in enumerate(starts):
-                mask[b, start:longest] = 0
-        pieces = chunk_pieces(tree, chunk, batch, width)
+        own = torch.arange(width, device=device) < torch.tensor(list(map(len, segments)), device=device)[:, None]
+        valid = own
+        if prefix is not None:
+            rows = torch.tensor([row for _, _, row in chunk], device=device)
+            for layer, (keys, values) in enumerate(prefix.states):
+                cache.update(keys.index_select(0, rows), values.index_select(0, rows), layer)
+            valid = torch.cat([prefix.valid.index_select(0, rows), own], 1)
+            if not bool(valid[:, :-width].all()):  # each row reads its own prefix, not other rows' padding
+                mask = torch.cat([valid[:, :-width], torch.ones_like(own)], 1).long()
+        pieces = chunk_pieces(tree, runs, batch, width)
         if pieces is not None:
-            rows, packed, fields = pieces
+            rows_of, packed, fields = pieces
             packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}
 
         def forward(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -170,7 +181,7 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             if pieces is None:
                 return None
             padded = torch.cat([hidden, hidden.new_zeros(len(chunk), 1, hidden.shape[-1])], 1).flatten(0, 1)
-            return head(model, padded[torch.tensor(rows, device=device)], packed)
+            return head(model, padded[torch.tensor(rows_of, device=device)], packed)
 
         outputs = root(None, run=forward)
         tensors, gradients = [], []
@@ -178,26 +189,22 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             loss, stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": loss.item(), **stats})
             tensors, gradients = [loss], [torch.ones_like(loss)]
-        cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, longest + width, dim]
-        leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached]
-        below = []
-        for b, (nodes, start, segment) in enumerate(zip(chunk, starts, segments)):
-            if tree.nodes[nodes[-1]].children:  # its prefix and its own segment, without the padding between
-                path = [tuple(torch.cat([t[b:b + 1, :, :start], t[b:b + 1, :, longest:longest + len(segment)]], 2)
-                              for t in kv) for kv in leaves]
-                below += [(unary_run(tree, child), path) for child in tree.nodes[nodes[-1]].children]
-        visit(below)
-        for through, leaf in zip((t for kv in cached for t in kv), (t for kv in leaves for t in kv)):
+        cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, prefix + width, dim]
+        below_prefix = Prefix([(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached], valid)
+        visit([(unary_run(tree, child), below_prefix, b) for b, nodes in enumerate(runs)
+               for child in tree.nodes[nodes[-1]].children])
+        for through, leaf in zip((t for kv in cached for t in kv), (t for kv in below_prefix.states for t in kv)):
             if leaf.grad is not None:
                 tensors.append(through)
                 gradients.append(leaf.grad)
         if tensors:
             torch.autograd.backward(tensors, gradients)
 
-    def visit(level: list[tuple[list[int], KeyValues]]) -> None:
-        """Train ``level``'s (run, prefix K/V) pairs and everything below them, a chunk at a time."""
-        for chunk in level_chunks(tree, [nodes for nodes, _ in level], max_tokens):
-            run([level[i][0] for i in chunk], [level[i][1] for i in chunk])
+    def visit(level: list[tuple[list[int], Prefix | None, int]]) -> None:
+        """Train ``level``'s runs (children of one chunk, or the roots) and everything below them, a
+        chunk at a time."""
+        for chunk in level_chunks(tree, [nodes for nodes, _, _ in level], max_tokens):
+            run([level[i] for i in chunk])
 
-    visit([(unary_run(tree, n), []) for n in tree.roots])
+    visit([(unary_run(tree, n), None, 0) for n in tree.roots])
     return parts

@@ -168,9 +168,10 @@ def grpo_groups(groups: int = 2, samples: int = 4, prompts: tuple[int, ...] = (1
 
 @pytest.mark.parametrize("max_tokens", [24, 4096], ids=["chunk_per_group", "groups_in_one_chunk"])
 def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, max_tokens):
-    """Prompts of 12 and 7 tokens: with room, both groups' completions run in one chunk, each row over
-    its own prompt's K/V padded to the longer one."""
-    batch = grpo_groups()
+    """Prompts of 30, 10 and 3 tokens: with room, the prompts run in two chunks of one wave (the 3-token
+    one would make padding most of the first) and all completions in one chunk, each row over its own
+    prompt's K/V, read from either chunk and padded to the longest."""
+    batch = grpo_groups(groups=3, prompts=(30, 10, 3))
     assert build_prefix_tree(batch.sequences).compression > 1.8
     tree, flat = engine(policy, "dta", max_tokens=max_tokens), engine(policy, "off")
     tree_stats = PPOActor(tree, ActorConfig()).update([batch])

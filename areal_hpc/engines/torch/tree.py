@@ -85,25 +85,38 @@ class Prefix:
     valid: torch.Tensor  # [rows, positions] bool
 
 
-def level_chunks(tree: PrefixTree, runs: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Indices of ``runs`` (of one level) longest first, cut into chunks of at most ``max_tokens`` K/V
-    rows (count × (longest prefix + longest run): the padded forward and its copies of the prefixes)
-    and of runs at least half as long as their chunk's longest (padding at most doubles the rows). A
-    run over the budget gets a chunk of its own."""
-    starts = [tree.nodes[run[0]].start for run in runs]
-    lengths = [tree.nodes[run[-1]].stop - start for run, start in zip(runs, starts)]
+def level_chunks(lengths: list[int], prefixes: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of a level's runs (their ``lengths``, and the ``prefixes`` they read) longest first, cut
+    into chunks of at most ``max_tokens`` K/V rows (count × (longest prefix + longest run): the padded
+    forward and its copies of the prefixes) whose padding stays under half their rows. A run over the
+    budget gets a chunk of its own."""
     chunks: list[list[int]] = []
     widest, real = (0, 0), 0  # the current chunk's longest prefix and run, and its tokens
-    for i in sorted(range(len(runs)), key=lambda i: -lengths[i]):
-        grown = (max(widest[0], starts[i]), widest[1])
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        grown = (max(widest[0], prefixes[i]), widest[1])
         count = len(chunks[-1]) + 1 if chunks else 0
         if chunks and count * sum(grown) <= max_tokens and count * widest[1] <= 2 * (real + lengths[i]):
             chunks[-1].append(i)
             widest, real = grown, real + lengths[i]
         else:
             chunks.append([i])
-            widest, real = (starts[i], lengths[i]), lengths[i]
+            widest, real = (prefixes[i], lengths[i]), lengths[i]
     return chunks
+
+
+def waves(chunks: list[list[int]], widths: list[int], max_tokens: int) -> list[list[list[int]]]:
+    """Consecutive chunks grouped while their padded rows (count × ``widths`` of each) stay within
+    ``max_tokens``: the chunks forwarded before the next level starts."""
+    grouped: list[list[list[int]]] = []
+    rows = 0
+    for chunk, width in zip(chunks, widths):
+        if grouped and rows + len(chunk) * width <= max_tokens:
+            grouped[-1].append(chunk)
+            rows += len(chunk) * width
+        else:
+            grouped.append([chunk])
+            rows = len(chunk) * width
+    return grouped
 
 
 def chunk_pieces(tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch,
@@ -138,6 +151,45 @@ def chunk_pieces(tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch,
     return rows, packed, {name: torch.cat(values) for name, values in fields.items()}
 
 
+Item = tuple[list[int], "Prefix | None", int]  # a run, the prefix it continues (None: a root), its row there
+
+
+@dataclass
+class Forwarded:
+    """A chunk after its forward, waiting for its backward: its loss, the K/V its forward appended
+    to, their leaf copies its children read, and those children."""
+
+    loss: torch.Tensor | None
+    cached: KeyValues
+    below: Prefix
+    children: list[Item]
+
+
+def gather_prefixes(items: list[Item]) -> Prefix | None:
+    """The K/V each item continues from (its row of its parent chunk's; items grouped by parent),
+    padded to the longest, and which positions are its own; None for roots."""
+    if items[0][1] is None:
+        return None
+    groups: list[tuple[Prefix, list[int]]] = []
+    for _, parent, row in items:
+        if not groups or groups[-1][0] is not parent:
+            groups.append((parent, []))
+        groups[-1][1].append(row)
+    longest = max(parent.valid.shape[1] for parent, _ in groups)
+    indices = [torch.tensor(rows, device=parent.valid.device) for parent, rows in groups]
+
+    def stacked(select, trailing: int) -> torch.Tensor:
+        """The groups' rows of ``select(parent)``, padded with zeros (False) to ``longest`` positions
+        (the dimension before the ``trailing`` ones)."""
+        parts = [select(parent).index_select(0, rows) for (parent, _), rows in zip(groups, indices)]
+        return torch.cat([torch.nn.functional.pad(t, (0, 0) * trailing + (0, longest - t.shape[-1 - trailing]))
+                          for t in parts])
+
+    states = [(stacked(lambda p: p.states[layer][0], 1), stacked(lambda p: p.states[layer][1], 1))
+              for layer in range(len(groups[0][0].states))]
+    return Prefix(states, stacked(lambda p: p.valid, 0))
+
+
 def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatch, loss_fn: LossFn,
                     max_tokens: int) -> list[dict[str, float]]:
     """Accumulate into the model's gradients those of Σ_nodes ``loss_fn`` over ``batch`` (whose
@@ -149,10 +201,8 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
     device = next(model.parameters()).device
     parts = []
 
-    def run(chunk: list[tuple[list[int], Prefix | None, int]]) -> None:
-        """Forward a chunk of (run, its parent chunk's prefix, its row there), train what lies below,
-        then its backward."""
-        runs, prefix = [nodes for nodes, _, _ in chunk], chunk[0][1]  # one parent chunk per call of ``visit``
+    def forward(chunk: list[Item]) -> Forwarded:
+        runs, prefix = [nodes for nodes, _, _ in chunk], gather_prefixes(chunk)
         segments = [run_tokens(tree, nodes) for nodes in runs]
         width = max(map(len, segments))
         tokens = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -160,22 +210,20 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             tokens[b, :len(segment)] = torch.tensor(segment)
         starts = torch.tensor([tree.nodes[nodes[0]].start for nodes in runs], device=device)
         positions = starts[:, None] + torch.arange(width, device=device)
-        cache, mask = DynamicCache(config=model.config), None
         own = torch.arange(width, device=device) < torch.tensor(list(map(len, segments)), device=device)[:, None]
-        valid = own
+        cache, mask, valid = DynamicCache(config=model.config), None, own
         if prefix is not None:
-            rows = torch.tensor([row for _, _, row in chunk], device=device)
             for layer, (keys, values) in enumerate(prefix.states):
-                cache.update(keys.index_select(0, rows), values.index_select(0, rows), layer)
-            valid = torch.cat([prefix.valid.index_select(0, rows), own], 1)
-            if not bool(valid[:, :-width].all()):  # each row reads its own prefix, not other rows' padding
-                mask = torch.cat([valid[:, :-width], torch.ones_like(own)], 1).long()
+                cache.update(keys, values, layer)
+            valid = torch.cat([prefix.valid, own], 1)
+            if not bool(prefix.valid.all()):  # each row reads its own prefix, not the padding after it
+                mask = torch.cat([prefix.valid, torch.ones_like(own)], 1).long()
         pieces = chunk_pieces(tree, runs, batch, width)
         if pieces is not None:
             rows_of, packed, fields = pieces
             packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}
 
-        def forward(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        def outputs_of(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
             hidden = model.base_model(input_ids=tokens.to(device), position_ids=positions, attention_mask=mask,
                                       cache=cache, use_cache=True).last_hidden_state
             if pieces is None:
@@ -183,28 +231,42 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             padded = torch.cat([hidden, hidden.new_zeros(len(chunk), 1, hidden.shape[-1])], 1).flatten(0, 1)
             return head(model, padded[torch.tensor(rows_of, device=device)], packed)
 
-        outputs = root(None, run=forward)
-        tensors, gradients = [], []
+        outputs, loss = root(None, run=outputs_of), None
         if outputs is not None:
             loss, stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": loss.item(), **stats})
-            tensors, gradients = [loss], [torch.ones_like(loss)]
-        cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, prefix + width, dim]
-        below_prefix = Prefix([(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached], valid)
-        visit([(unary_run(tree, child), below_prefix, b) for b, nodes in enumerate(runs)
-               for child in tree.nodes[nodes[-1]].children])
-        for through, leaf in zip((t for kv in cached for t in kv), (t for kv in below_prefix.states for t in kv)):
+        cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, positions, dim]
+        below = Prefix([(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached], valid)
+        children = [(unary_run(tree, child), below, b) for b, nodes in enumerate(runs)
+                    for child in tree.nodes[nodes[-1]].children]
+        return Forwarded(loss, cached, below, children)
+
+    def backward(chunk: Forwarded) -> None:
+        """Its loss and the K/V gradients its children sent back, through its forward (then freed)."""
+        tensors, gradients = ([chunk.loss], [torch.ones_like(chunk.loss)]) if chunk.loss is not None else ([], [])
+        for through, leaf in zip((t for kv in chunk.cached for t in kv), (t for kv in chunk.below.states for t in kv)):
             if leaf.grad is not None:
                 tensors.append(through)
                 gradients.append(leaf.grad)
         if tensors:
             torch.autograd.backward(tensors, gradients)
 
-    def visit(level: list[tuple[list[int], Prefix | None, int]]) -> None:
-        """Train ``level``'s runs (children of one chunk, or the roots) and everything below them, a
-        chunk at a time."""
-        for chunk in level_chunks(tree, [nodes for nodes, _, _ in level], max_tokens):
-            run([level[i] for i in chunk])
+    def visit(level: list[Item]) -> None:
+        """Train ``level``'s runs and everything below them: a wave of chunks forward, the level below
+        their children, then their backwards."""
+        order = {}
+        for _, parent, _ in level:
+            order.setdefault(id(parent), len(order))
+        lengths = [len(run_tokens(tree, nodes)) for nodes, _, _ in level]
+        prefixes = [0 if parent is None else parent.valid.shape[1] for _, parent, _ in level]
+        chunks = level_chunks(lengths, prefixes, max_tokens)
+        for wave in waves(chunks, [max(lengths[i] for i in chunk) for chunk in chunks], max_tokens):
+            forwarded = [forward(sorted((level[i] for i in chunk), key=lambda item: order[id(item[1])]))
+                         for chunk in wave]
+            if children := [item for chunk in forwarded for item in chunk.children]:
+                visit(children)
+            for chunk in reversed(forwarded):
+                backward(chunk)
 
     visit([(unary_run(tree, n), None, 0) for n in tree.roots])
     return parts

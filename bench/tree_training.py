@@ -10,8 +10,8 @@ process on one thread (``areal_hpc.train.repro_dta.measure``): the torch engine'
 (decoupled loss, AdamW) on a Qwen2 of the preset's shape with random weights, the same 4096-token
 budget for micro-batches (flat) and chunks (tree); the median of ``--steps`` steps after a warm-up.
 "Trained tokens/s" counts every sequence's own tokens (a shared prompt once per sequence: the work a
-flat step does) over the step's seconds; peak memory is the resident set during the steps over what
-the process held before them.
+flat step does) over the step's seconds; peak memory is the largest resident set during the warm-up and
+the timed steps over what the process held before them.
 
 Target (issue 23): tree >= 0.8 c x flat's tokens/s for c <= 4 and >= 0.6 c at c = 8; peak <= flat's.
 """

@@ -1,8 +1,8 @@
 """Tree batches over data-parallel replicas (``algo.tree_balance``): the O(1) cost of a run of the
 depth-first order equals that of the minibatch tree's nodes its sequences pass through, whose
-features match a token-level trie's (a dict of prefixes, not ``algo.prefix_tree``); the parts are contiguous, hold every sequence once and
-reach the smallest possible largest cost, found by trying every cut (hypothesis); the NNLS fit gets back
-the coefficients that made the times."""
+features match a token-level trie's (a dict of prefixes, not ``algo.prefix_tree``); the parts are
+contiguous, hold every sequence once and reach the smallest possible largest cost, found by trying
+every cut (hypothesis); the NNLS fit gets back the coefficients that made the times."""
 
 from __future__ import annotations
 

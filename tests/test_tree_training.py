@@ -201,6 +201,13 @@ def test_critic_value_loss_step_equals_flat(tiny_model_dir):
     assert_same_gradients(tree.model, flat.model)
 
 
+def test_a_sequence_deeper_than_the_context_is_one_user_error(policy):
+    too_long = policy.config.max_position_embeddings + 1
+    batch = ppo_batch([[5] * too_long, [5, 6]], seed=0, per_position_temperatures=False)
+    with pytest.raises(UserError, match=f"sequence of {too_long} tokens, deeper than the model's context"):
+        engine(policy, "dta").train_step(batch, PPOActor(engine(policy, "off"), ActorConfig())._policy_loss)
+
+
 def test_an_empty_batch_is_one_user_error(policy):
     with pytest.raises(UserError, match="empty batch"):
         engine(policy, "dta").train_step(SequenceBatch([], []), lambda outputs, packed, fields: (0.0, {}))

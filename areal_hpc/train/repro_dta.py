@@ -13,7 +13,8 @@ Each training variant runs in its own process, one thread, the model built there
 engine with ``tree_training=dta``) and a tree mask (the whole tree as one packed sequence, each token
 attending to its ancestors through a dense 4D mask: the "sparse tree mask" baseline, which computes
 each tree token once but pays the full T×T mask). Times are medians of optimizer steps after a warm-up;
-peak memory is the process's resident set during the steps over what it held before them.
+peak memory is the process's largest resident set during the warm-up and the steps over what it held
+before them (the model and its optimizer built).
 """
 
 from __future__ import annotations
@@ -148,10 +149,10 @@ def _measure(mode: str, workload: Workload, preset: str, steps: int, max_tokens:
     batch = training_batch(workload)
     step = (lambda: tree_mask_step(engine, batch, loss)) if mode == "tree-mask" else (
         lambda: engine.train_step(batch, loss))
-    step()  # warm-up
     times = []
     with PeakResidentSet() as memory:
         before = PeakResidentSet.now()
+        step()  # warm-up, untimed
         for _ in range(steps):
             started = time.perf_counter()
             step()

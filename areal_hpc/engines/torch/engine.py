@@ -77,7 +77,8 @@ class TorchTrainEngine:
         if tree_training == "dta" and self.device.type == "cpu" and compute != weights_dtype:
             logging.getLogger(__name__).warning(  # 0.10 s vs 0.25 s a step on the quickstart's batches
                 "actor.tree_training=dta computes in %s on a CPU, not in model.compute_dtype=%s: autocast is slower "
-                "than full precision for its many small batched segments there", weights_dtype, compute_dtype)
+                "than full precision for its many small batched segments there",
+                str(weights_dtype).removeprefix("torch."), compute_dtype)
         sharded = mesh is not None and sharded_mixed_precision(mesh.dims, compute)
         self.autocast_dtype = weights_dtype if sharded else compute  # FSDP casts the parameters itself
         self.max_tokens_per_mb = max_tokens_per_mb

@@ -1,22 +1,21 @@
 """Tree training (AReaL-DTA, ``actor.tree_training=dta``): a depth-first forward and backward over a
 batch's prefix tree (``algo.prefix_tree``), so a prefix that several sequences share is computed once.
 
-The pass goes down the tree a level at a time, depth first: the roots, then the children of one chunk
-of them, and so on. Each node runs with the chain of single children below it (``unary_run``: the
-turns of one agent episode) as one segment; the segments of a level run together in padded chunks
-(at most ``max_tokens`` K/V rows, prefixes included, longest first), each row over its parent's K/V
-as the Hugging Face cache, padded to the chunk's longest prefix under an attention mask, with
-positions continuing from its depth. A node's children read that cache through leaf copies
-(detached, requiring grad), whose ``.grad`` sums what every descendant's attention sent back; when
-the chunk's subtrees are done, one backward through the chunk's own forward carries its loss and
-those K/V gradients, and its graph is freed. Gradients are exact, and only one chunk per level of
-the path being trained is alive at a time (each keeping the K/V of its prefixes).
+The pass goes down the tree a level at a time, depth first. Each node runs with the chain of single
+children below it (``unary_run``: the turns of one agent episode) as one segment. A level's segments
+run in padded chunks (each within ``max_tokens`` rows, its copies of the prefixes included, longest
+first, padding under half its rows), each row over its parent's K/V as the Hugging Face cache
+(gathered from the chunk above, padded to the longest under an attention mask), positions continuing
+from its depth. A wave of chunks (within ``max_tokens`` forwarded rows) runs forward, then the level
+below all their children, then their backwards. Children read the cache through leaf copies (detached,
+requiring grad), whose ``.grad`` sums what every descendant's attention sent back; one backward
+through a chunk's forward then carries its loss and those K/V gradients, and its graph is freed.
+Gradients are exact, and only one wave per level of the path being trained is alive at a time.
 
 A node's loss is ``loss_fn`` over its tokens as each sequence through it sees them: one piece per
 sequence that trains a token there, the node's segment (from the first position whose next token is
 trained) plus that sequence's next token (its child's first token, which the segment's last position
-predicts), with the sequence's own mask, temperatures and fields. Losses that
-are sums of per-token terms with the whole minibatch's normaliser in the weights (decoupled PPO at the
+predicts), with the sequence's own mask, temperatures and fields. Losses that are sums of per-token terms with the whole minibatch's normaliser in the weights (decoupled PPO at the
 token level, the value loss, SFT's NLL) then add up over nodes to the flat loss; GSPO's per-sequence
 ratio does not (``build`` refuses it). A trained token that several sequences share goes through the
 LM head once per sequence.
@@ -105,8 +104,9 @@ def level_chunks(lengths: list[int], prefixes: list[int], max_tokens: int) -> li
 
 
 def waves(chunks: list[list[int]], widths: list[int], max_tokens: int) -> list[list[list[int]]]:
-    """Consecutive chunks grouped while their padded rows (count × ``widths`` of each) stay within
-    ``max_tokens``: the chunks forwarded before the next level starts."""
+    """Consecutive chunks grouped while their forwarded rows (count × ``widths`` of each: its longest
+    run) stay within ``max_tokens``: the chunks forwarded before the next level starts (their prefix
+    copies, K/V only, count against each chunk's budget instead)."""
     grouped: list[list[list[int]]] = []
     rows = 0
     for chunk, width in zip(chunks, widths):
@@ -198,6 +198,10 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
     outputs ``loss_fn`` reads. Returns each chunk's statistics (chunks without a trained target have
     no loss and none)."""
     model, head = root.model, root.forward_fn.head
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and (deepest := max(len(s) for s in batch.sequences)) > context:
+        raise UserError(f"tree training got a sequence of {deepest} tokens, deeper than the model's context "
+                        f"(max_position_embeddings={context}); cap prompt + max_new_tokens at {context}")
     device = next(model.parameters()).device
     parts = []
 
@@ -260,7 +264,8 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         lengths = [len(run_tokens(tree, nodes)) for nodes, _, _ in level]
         prefixes = [0 if parent is None else parent.valid.shape[1] for _, parent, _ in level]
         chunks = level_chunks(lengths, prefixes, max_tokens)
-        for wave in waves(chunks, [max(lengths[i] for i in chunk) for chunk in chunks], max_tokens):
+        widths = [max(lengths[i] for i in chunk) for chunk in chunks]
+        for wave in waves(chunks, widths, max_tokens):
             forwarded = [forward(sorted((level[i] for i in chunk), key=lambda item: order[id(item[1])]))
                          for chunk in wave]
             if children := [item for chunk in forwarded for item in chunk.children]:

@@ -4,7 +4,7 @@ batch's prefix tree (``algo.prefix_tree``), so a prefix that several sequences s
 The pass goes down the tree a level at a time, depth first. Each node runs with the chain of single
 children below it (``unary_run``: the turns of one agent episode) as one segment. A level's segments
 run in padded chunks (each within ``max_tokens`` rows, its copies of the prefixes included, longest
-first, padding under half its rows), each row over its parent's K/V as the Hugging Face cache
+first, padding kept small), each row over its parent's K/V as the Hugging Face cache
 (gathered from the chunk above, padded to the longest under an attention mask), positions continuing
 from its depth. A wave of chunks (within ``max_tokens`` forwarded rows) runs forward, then the level
 below all their children, then their backwards. Children read the cache through leaf copies (detached,
@@ -15,9 +15,10 @@ Gradients are exact, and only one wave per level of the path being trained is al
 A node's loss is ``loss_fn`` over its tokens as each sequence through it sees them: one piece per
 sequence that trains a token there, the node's segment (from the first position whose next token is
 trained) plus that sequence's next token (its child's first token, which the segment's last position
-predicts), with the sequence's own mask, temperatures and fields. Losses that are sums of per-token terms with the whole minibatch's normaliser in the weights (decoupled PPO at the
-token level, the value loss, SFT's NLL) then add up over nodes to the flat loss; GSPO's per-sequence
-ratio does not (``build`` refuses it). A trained token that several sequences share goes through the
+predicts), with the sequence's own mask, temperatures and fields. Losses that are sums of per-token
+terms with the whole minibatch's normaliser in the weights (decoupled PPO at the token level, the value
+loss, SFT's NLL) then add up over nodes to the flat loss; GSPO's per-sequence ratio does not (``build``
+refuses it). A trained token that several sequences share goes through the
 LM head once per sequence.
 
 Data parallelism (replicate or FSDP2 over ``dp``): each replica trains its own part of the minibatch's
@@ -84,17 +85,24 @@ class Prefix:
     valid: torch.Tensor  # [rows, positions] bool
 
 
+# A chunk's padding stays within this share of its rows plus this many rows: padded rows cost compute,
+# another chunk costs a forward's overhead (on the quickstart's tiny model the rows are cheap, on larger
+# ones the padding is not: measured on both, 2026-11-27).
+PADDING_SHARE, PADDING_ROWS = 0.25, 64
+
+
 def level_chunks(lengths: list[int], prefixes: list[int], max_tokens: int) -> list[list[int]]:
     """Indices of a level's runs (their ``lengths``, and the ``prefixes`` they read) longest first, cut
     into chunks of at most ``max_tokens`` K/V rows (count × (longest prefix + longest run): the padded
-    forward and its copies of the prefixes) whose padding stays under half their rows. A run over the
-    budget gets a chunk of its own."""
+    forward and its copies of the prefixes) whose padding stays within ``PADDING_SHARE`` of their rows
+    plus ``PADDING_ROWS``. A run over the budget gets a chunk of its own."""
     chunks: list[list[int]] = []
     widest, real = (0, 0), 0  # the current chunk's longest prefix and run, and its tokens
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         grown = (max(widest[0], prefixes[i]), widest[1])
         count = len(chunks[-1]) + 1 if chunks else 0
-        if chunks and count * sum(grown) <= max_tokens and count * widest[1] <= 2 * (real + lengths[i]):
+        padding, rows = count * widest[1] - real - lengths[i], real + lengths[i]
+        if chunks and count * sum(grown) <= max_tokens and padding <= PADDING_SHARE * rows + PADDING_ROWS:
             chunks[-1].append(i)
             widest, real = grown, real + lengths[i]
         else:

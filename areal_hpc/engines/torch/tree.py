@@ -89,20 +89,22 @@ class Prefix:
 # another chunk costs a forward's overhead (on the quickstart's tiny model the rows are cheap, on larger
 # ones the padding is not: measured on both, 2026-11-27).
 PADDING_SHARE, PADDING_ROWS = 0.25, 64
+PREFIX_WEIGHT = 0.25  # a row's copied prefix position holds K/V only, a fraction of a forwarded token's memory
 
 
 def level_chunks(lengths: list[int], prefixes: list[int], max_tokens: int) -> list[list[int]]:
     """Indices of a level's runs (their ``lengths``, and the ``prefixes`` they read) longest first, cut
-    into chunks of at most ``max_tokens`` K/V rows (count × (longest prefix + longest run): the padded
-    forward and its copies of the prefixes) whose padding stays within ``PADDING_SHARE`` of their rows
-    plus ``PADDING_ROWS``. A run over the budget gets a chunk of its own."""
+    into chunks of at most ``max_tokens`` rows (count × (``PREFIX_WEIGHT`` × longest prefix + longest
+    run): the padded forward and its copies of the prefixes) whose padding stays within
+    ``PADDING_SHARE`` of their rows plus ``PADDING_ROWS``. A run over the budget gets a chunk of its own."""
     chunks: list[list[int]] = []
     widest, real = (0, 0), 0  # the current chunk's longest prefix and run, and its tokens
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         grown = (max(widest[0], prefixes[i]), widest[1])
         count = len(chunks[-1]) + 1 if chunks else 0
         padding, rows = count * widest[1] - real - lengths[i], real + lengths[i]
-        if chunks and count * sum(grown) <= max_tokens and padding <= PADDING_SHARE * rows + PADDING_ROWS:
+        if chunks and count * (PREFIX_WEIGHT * grown[0] + grown[1]) <= max_tokens and \
+                padding <= PADDING_SHARE * rows + PADDING_ROWS:
             chunks[-1].append(i)
             widest, real = grown, real + lengths[i]
         else:

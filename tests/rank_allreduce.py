@@ -44,3 +44,5 @@ if report["role"] == "trainer":
 report.update(torch_rank=rank, torch_world=world, torch_sum=everyone.item(), trainer_sum=among_trainers.item())
 print(json.dumps(report), flush=True)
 dist.destroy_process_group()
+if with_mpi:  # rank 0 hosts the rendezvous store: it leaves only once every rank has left its groups
+    MPI.COMM_WORLD.Barrier()

@@ -30,7 +30,6 @@ recomputation would rerun the cache updates: ``check_tree_layout`` refuses them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch

@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from areal_hpc.algo.prefix_tree import build_prefix_tree
-from areal_hpc.algo.tree_balance import TREE_FEATURES, tree_features
+from areal_hpc.algo.tree_balance import TREE_FEATURES
 from areal_hpc.config import ActorConfig, OptimizerConfig
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs
@@ -22,6 +22,7 @@ from areal_hpc.models.tiny import PRESETS
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.repro_dta import VOCAB, grpo, multi_turn, training_batch, tree_mask_step
 from tests.conftest import run_cli
+from tests.test_tree_balance import features_of
 
 
 def test_the_tree_mask_baseline_takes_the_flat_gradient():
@@ -67,7 +68,7 @@ def test_tree_cost_fits_a_runs_metrics(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for step in range(12):
             sequences = [rng.integers(0, 3, int(rng.integers(2, 40))).tolist() for _ in range(int(rng.integers(4, 30)))]
-            features = tree_features(sequences)
+            features = features_of(sequences)
             record = {"step": step, **{f"actor/tree_{k}": float(v) for k, v in zip(TREE_FEATURES, features)},
                       "actor/tree_seconds": float(features @ truth)}
             f.write(json.dumps(record) + "\n")

@@ -44,11 +44,6 @@ def node_features(tree: PrefixTree) -> np.ndarray:
     return rows
 
 
-def tree_features(sequences: Sequence[Sequence[int]]) -> np.ndarray:
-    """[5]: ``TREE_FEATURES`` of the prefix tree of ``sequences``."""
-    return node_features(build_prefix_tree([list(s) for s in sequences])).sum(0)
-
-
 def check_cost(cost: Sequence[float]) -> np.ndarray:
     """``actor.tree_cost`` as an array, or one ``UserError``."""
     values = np.asarray(cost, dtype=float) if len(cost) == len(TREE_FEATURES) else None
@@ -92,12 +87,11 @@ def tree_parts(sequences: list[list[int]], parts: int, cost: Sequence[float] = D
     """Sequence indices of ``parts`` contiguous runs of the depth-first order minimising the largest
     cost(run) / weight (``weights``: each replica's relative speed, default equal). Runs may be empty
     (more parts than sequences, or a sequence too costly to share)."""
-    weights = np.asarray(weights or [1.0] * parts, dtype=float)
-    if not sequences:
-        return [[] for _ in range(parts)]
-    tree = build_prefix_tree(sequences)
+    weights, cost = np.asarray(weights or [1.0] * parts, dtype=float), check_cost(cost)
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
-    run_cost = RangeCost(tree, order, check_cost(cost))
+    if not sequences or parts == 1:  # nothing to cut (one process trains every step this way)
+        return [order] + [[] for _ in range(parts - 1)]
+    run_cost = RangeCost(build_prefix_tree(sequences), order, cost)
 
     def boundaries(limit: float) -> list[int] | None:
         """Greedy: each part, in order, takes sequences while its cost stays within limit · weight."""

@@ -15,9 +15,9 @@ from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, expand_to_tokens, seq
 from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.algo.temperature import logprob_temperature
+from areal_hpc.algo.tree_balance import tree_parts
 from areal_hpc.config import ActorConfig, ParallelConfig
 from areal_hpc.data.trajectory import Trajectory
-from areal_hpc.algo.tree_balance import tree_parts
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 from areal_hpc.errors import UserError
 

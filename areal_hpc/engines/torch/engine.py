@@ -74,7 +74,9 @@ class TorchTrainEngine:
         self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
         self.device = next(model.parameters()).device
         weights_dtype, compute = next(model.parameters()).dtype, DTYPES[compute_dtype]
-        if tree_training == "dta" and self.device.type == "cpu" and compute != weights_dtype:
+        # On a CPU the tree pass keeps the weights' precision (see the module's docstring)
+        self.tree_autocast = self.device.type != "cpu"
+        if tree_training == "dta" and not self.tree_autocast and compute != weights_dtype:
             logging.getLogger(__name__).warning(  # 0.10 s vs 0.25 s a step on the quickstart's batches
                 "actor.tree_training=dta computes in %s on a CPU, not in model.compute_dtype=%s: autocast is slower "
                 "than full precision for its many small batched segments there",
@@ -215,7 +217,7 @@ class TorchTrainEngine:
         parts = []
         if len(batch) or not self._data_parallel():
             tree, started = build_prefix_tree(batch.sequences), time.perf_counter()
-            with self._compute() if self.device.type != "cpu" else contextlib.nullcontext():  # see __init__
+            with self._compute() if self.tree_autocast else contextlib.nullcontext():
                 parts = tree_train_pass(self.root, tree, batch, loss_fn, self.max_tokens_per_mb)
             # "loss" is the chunks' sum: 0 with no trained target, as for flat micro-batches without one;
             # the tree's features and seconds are what 'areal-hpc tree-cost' fits the cost model on

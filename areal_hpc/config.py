@@ -216,6 +216,14 @@ class ActorConfig:
                                  "mask by the KPop criterion, or none", choices=["cap", "mask", "kpop", "none"])
     behav_imp_weight_cap: float = spec(5.0, "cap of the behaviour importance weight (decoupled PPO)", gt=0.0)
     kpop_threshold: float = spec(2.0, "KPop: mask tokens whose binary KL (either direction) exceeds this", gt=0.0)
+    policy_loss: str = spec("ppo", "policy objective: ppo (clipped ratio), sapo (soft sigmoid gate instead of the "
+                            "clip) or m2po (unclipped, tokens masked until the batch's second moment of "
+                            "log π/π_behav is within m2_threshold: made for very stale data)",
+                            choices=["ppo", "sapo", "m2po"])
+    sapo_tau_pos: float = spec(1.0, "sapo: gate temperature for positive advantages", gt=0.0)
+    sapo_tau_neg: float = spec(1.05, "sapo: gate temperature for negative advantages", gt=0.0)
+    m2_threshold: float = spec(0.04, "m2po: bound on the mean squared log importance ratio of the kept tokens",
+                               gt=0.0)
     ppo_n_minibatches: int = spec(1, "PPO minibatches per training step", ge=1)
     kl_ctl: float = spec(0.0, "KL penalty coefficient to the reference model (the starting weights)", ge=0.0)
     max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)

@@ -1,5 +1,6 @@
-"""Advantages, decoupled PPO, value loss, aggregation weights and DAPO filters against plain float64 loops;
-micro-batch and packing invariance of the loss and its gradients.
+"""Advantages, decoupled PPO (with SAPO's gate and M2PO's trust region), value loss, aggregation weights
+and DAPO filters against plain float64 loops; micro-batch and packing invariance of the loss and its
+gradients.
 
 The references below are written per sequence / per group / per token in Python floats, independent of
 the vectorised code they check.
@@ -17,8 +18,8 @@ from areal_hpc.algo.advantages import (SEQUENCE_ESTIMATORS, expand_to_tokens, ga
                                        sequence_advantages)
 from areal_hpc.algo.filters import is_informative_group, overlong_penalty
 from areal_hpc.algo.packing import pack
-from areal_hpc.algo.ppo import (AGGREGATIONS, BEHAV_CORRECTIONS, PPOLossConfig, decoupled_ppo_loss, token_weights,
-                                value_loss)
+from areal_hpc.algo.ppo import (AGGREGATIONS, BEHAV_CORRECTIONS, POLICY_LOSSES, PPOLossConfig, decoupled_ppo_loss,
+                                second_moment_cut, token_weights, value_loss)
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.models.hf import load_model
 
@@ -138,7 +139,7 @@ def binary_kl(p, q):
     return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
 
 
-def reference_loss(b, weights, cfg: PPOLossConfig) -> dict:
+def reference_loss(b, weights, cfg: PPOLossConfig, trust_keep=None) -> dict:
     """The loss and the token counts of its statistics, token by token."""
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     out = {"loss": 0.0, "loss_tokens": 0, "kept_tokens": 0, "clipped_tokens": 0, "capped_tokens": 0}
@@ -151,7 +152,10 @@ def reference_loss(b, weights, cfg: PPOLossConfig) -> dict:
             w = math.exp(prox - behav)
             out["loss_tokens"] += 1
             out["capped_tokens"] += w > cfg.behav_imp_weight_cap
-            if cfg.behav_correction == "none":
+            if cfg.policy_loss == "m2po":
+                if not trust_keep[t]:
+                    continue
+            elif cfg.behav_correction == "none":
                 w = 1.0
             elif cfg.behav_correction == "cap":
                 w = min(w, cfg.behav_imp_weight_cap)
@@ -161,13 +165,29 @@ def reference_loss(b, weights, cfg: PPOLossConfig) -> dict:
                 p, q = math.exp(prox), math.exp(behav)
                 if max(binary_kl(p, q), binary_kl(q, p)) > cfg.kpop_threshold:
                     continue
-            clipped = min(max(u, 1 - cfg.eps_clip), 1 + eps_high)
             out["kept_tokens"] += 1
-            out["clipped_tokens"] += clipped * adv < u * adv
+            if cfg.policy_loss == "sapo":
+                tau = cfg.sapo_tau_pos if adv > 0 else cfg.sapo_tau_neg
+                objective = 4 / tau / (1 + math.exp(-tau * (u - 1))) * adv
+            elif cfg.policy_loss == "m2po":
+                objective = u * adv
+            else:
+                clipped = min(max(u, 1 - cfg.eps_clip), 1 + eps_high)
+                out["clipped_tokens"] += clipped * adv < u * adv
+                objective = min(u * adv, clipped * adv)
             ref_log_ratio = b["ref"][t].item() - logp
             k3 = math.exp(ref_log_ratio) - ref_log_ratio - 1
-            out["loss"] += weights[t] * (-w * min(u * adv, clipped * adv) + cfg.kl_coef * k3)
+            out["loss"] += weights[t] * (-w * objective + cfg.kl_coef * k3)
     return out
+
+
+def reference_trust_keep(log_ratios: list[float], threshold: float) -> list[bool]:
+    """M2PO's masking as the paper states it: drop the largest (log r)² one at a time until the mean of the
+    rest is within the threshold."""
+    keep = [True] * len(log_ratios)
+    while any(keep) and sum(r * r for r, k in zip(log_ratios, keep) if k) / sum(keep) > threshold:
+        keep[max((i for i in range(len(keep)) if keep[i]), key=lambda i: log_ratios[i] ** 2)] = False
+    return keep
 
 
 @FAST
@@ -180,19 +200,79 @@ def test_token_weights_match_reference(lengths, seed, aggregation):
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
 
 
+def batch_trust_keep(b, threshold: float) -> list[bool]:
+    """Per position: within M2PO's trust region of the batch's loss tokens (the reference masking)."""
+    positions = [t for t in range(len(b["mask"])) if b["mask"][t]]
+    kept = reference_trust_keep([b["prox"][t].item() - b["behav"][t].item() for t in positions], threshold)
+    keep = [False] * len(b["mask"])
+    for t, k in zip(positions, kept):
+        keep[t] = k
+    return keep
+
+
 @FAST
 @given(lengths_st, st.integers(0, 2**31), st.sampled_from(BEHAV_CORRECTIONS), st.sampled_from(["token", "sequence"]),
-       st.sampled_from([None, 0.28]), st.sampled_from([0.0, 0.1]))
-def test_decoupled_loss_matches_reference(lengths, seed, correction, level, eps_high, kl_coef):
+       st.sampled_from([None, 0.28]), st.sampled_from([0.0, 0.1]), st.sampled_from(POLICY_LOSSES))
+def test_decoupled_loss_matches_reference(lengths, seed, correction, level, eps_high, kl_coef, policy_loss):
     b = random_batch(lengths, seed)
     cfg = PPOLossConfig(eps_clip=0.2, eps_clip_high=eps_high, behav_correction=correction, behav_imp_weight_cap=1.5,
-                        kpop_threshold=0.05, importance_level=level, kl_coef=kl_coef)
+                        kpop_threshold=0.05, importance_level=level, kl_coef=kl_coef, policy_loss=policy_loss,
+                        sapo_tau_pos=1.0, sapo_tau_neg=1.7, m2_threshold=0.3)
     weights = token_weights(b["mask"], b["cu"], "seq-mean-token-mean", 1, len(lengths), 1, dtype=torch.float64)
-    loss, stats = decoupled_ppo_loss(b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], weights, cfg,
-                                     reference_logprobs=b["ref"])
-    want = reference_loss(b, weights.tolist(), cfg)
+    keep = batch_trust_keep(b, cfg.m2_threshold)
+    logp = b["logp"].clone().requires_grad_()
+    loss, stats = decoupled_ppo_loss(logp, b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], weights, cfg,
+                                     reference_logprobs=b["ref"], trust_keep=torch.tensor(keep))
+    want = reference_loss(b, weights.tolist(), cfg, keep)
     assert loss.item() == pytest.approx(want.pop("loss"), rel=1e-9, abs=1e-12)
     assert {key: stats[key] for key in want} == want
+    # the gradient against central differences of the float loop
+    loss.backward()
+    h = 1e-6
+    for t in range(len(logp)):
+        shifted = [dict(b, logp=b["logp"] + sign * h * (torch.arange(len(logp)) == t)) for sign in (1, -1)]
+        up, down = (reference_loss(sb, weights.tolist(), cfg, keep)["loss"] for sb in shifted)
+        assert logp.grad[t].item() == pytest.approx((up - down) / (2 * h), rel=1e-5, abs=1e-8)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.floats(-4, 4, allow_nan=False), max_size=40), st.floats(1e-3, 2.0))
+def test_second_moment_trust_region_is_the_papers_greedy_masking(log_ratios, threshold):
+    cut = second_moment_cut(torch.tensor(log_ratios, dtype=torch.float64), threshold)
+    kept = [r * r < cut for r in log_ratios]
+    assert sum(r * r for r, k in zip(log_ratios, kept) if k) <= threshold * sum(kept) + 1e-12
+    greedy = reference_trust_keep(log_ratios, threshold)
+    squares = [r * r for r in log_ratios]
+    if len(set(squares)) == len(squares):
+        assert kept == greedy
+    else:  # ties with the last masked square are masked together: a superset of the greedy's masking
+        assert all(g or not k for k, g in zip(kept, greedy))
+        last_masked = min([x for x, g in zip(squares, greedy) if not g], default=math.inf)
+        assert all(k or not g or s == last_masked for k, g, s in zip(kept, greedy, squares))
+
+
+def test_m2po_without_its_trust_region_is_one_clear_error():
+    b = random_batch([4], 0)
+    ones = torch.ones(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="trust_keep"):
+        decoupled_ppo_loss(b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], ones,
+                           PPOLossConfig(policy_loss="m2po"))
+    with pytest.raises(ValueError, match="policy_loss='grpo'; valid: ppo, sapo, m2po"):
+        PPOLossConfig(policy_loss="grpo")
+
+
+def test_sapo_gate_has_the_plain_gradient_on_policy_and_decays_off_policy():
+    prox = torch.full((3,), -1.0, dtype=torch.float64)
+    mask, cu, ones = torch.ones(3, dtype=torch.bool), torch.tensor([0, 3]), torch.ones(3, dtype=torch.float64)
+    cfg = PPOLossConfig(policy_loss="sapo", behav_correction="none")
+    grads = []
+    for shift in (0.0, 1.0, 3.0):  # u = 1, e, e³
+        logp = (prox + shift).requires_grad_()
+        loss, _ = decoupled_ppo_loss(logp, prox, prox, ones, mask, cu, ones, cfg)
+        loss.backward()
+        grads.append(logp.grad[0].item() / math.exp(shift))  # d/du of the objective: 1 for the plain ratio
+    assert grads[0] == pytest.approx(-1.0)  # like −u·A at u = 1: SAPO's 4/τ normalisation
+    assert 0 < -grads[2] < -grads[1] < 1.0  # a smooth decay off policy, never cut to 0 as the clip does
 
 
 def test_corrections_drop_and_cap_the_tokens_the_paper_says():

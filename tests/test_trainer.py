@@ -28,8 +28,11 @@ from .trainer_processes import run_ranks
 # The PPO critic's step with Adam's eps raised, as in test_parallel_layouts.py: at eps=1e-8 Adam turns the
 # float32 rounding of its near-zero gradients (summed in another order over two ranks) into lr-sized
 # steps (seen here: a critic weight off by 1.2e-6 after one step, the losses equal to 1e-9).
+# M2PO's trust region is one bound over the whole batch: two ranks must mask the tokens one process does
+# (the synthetic batch's behaviour logprobs are ~4 nats off the random model's: a bound of 16 keeps 35 of 79).
 @pytest.mark.parametrize("overrides", [(), ("actor.ppo_n_minibatches=2", "actor.aggregation=seq-mean-token-mean"),
-                                       ("actor.adv_estimator=ppo", "optimizer.eps=1e-4")])
+                                       ("actor.adv_estimator=ppo", "optimizer.eps=1e-4"),
+                                       ("actor.policy_loss=m2po", "actor.m2_threshold=16")])
 def test_two_data_parallel_ranks_take_the_same_step_as_one_process(tiny_model_dir, tmp_path, overrides):
     single = run_ranks(1, tiny_model_dir, tmp_path / "one.pt", *overrides)
     double = run_ranks(2, tiny_model_dir, tmp_path / "two.pt", *overrides)
@@ -39,7 +42,10 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one_process(tiny_model_di
     for engine, weights in single["weights"].items():  # the actor, and for PPO the critic
         for name, tensor in weights.items():
             torch.testing.assert_close(double["weights"][engine][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    assert double["stats"]["actor/loss_tokens"] == single["stats"]["actor/loss_tokens"]
+    for key in ("actor/loss_tokens", "actor/kept_tokens"):
+        assert double["stats"][key] == single["stats"][key]
+    if "actor.policy_loss=m2po" in overrides:
+        assert 0 < single["stats"]["actor/kept_tokens"] < single["stats"]["actor/loss_tokens"]
     assert double["stats"]["actor/loss"] == pytest.approx(single["stats"]["actor/loss"], abs=1e-6)
 
 

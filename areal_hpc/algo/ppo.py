@@ -1,10 +1,12 @@
 """AReaL's decoupled PPO loss (behaviour weight π_prox/π_behav, clipped ratio π_θ/π_prox), GSPO's
-sequence-level ratio, the k3 KL penalty to a reference model, the clipped value loss, and the per-token
-weights that make a sum over micro-batches equal the whole-batch aggregation.
+sequence-level ratio, SAPO's soft gate and M2PO's second-moment trust region in place of the clip, the k3
+KL penalty to a reference model, the clipped value loss, and the per-token weights that make a sum over
+micro-batches equal the whole-batch aggregation.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,7 @@ from areal_hpc.algo.advantages import sequence_ids
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 BEHAV_CORRECTIONS = ("cap", "mask", "kpop", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
+POLICY_LOSSES = ("ppo", "sapo", "m2po")
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,14 @@ class PPOLossConfig:
     kpop_threshold: float = 2.0
     importance_level: str = "token"
     kl_coef: float = 0.0
+    policy_loss: str = "ppo"
+    sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
+    sapo_tau_neg: float = 1.05  # ... and for A <= 0 (the paper: steeper, negative updates spread wider)
+    m2_threshold: float = 0.04  # M2PO: bound on the mean of (log π_prox/π_behav)² over the kept tokens
 
     def __post_init__(self):
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss={self.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)}")
         if self.behav_correction not in BEHAV_CORRECTIONS:
             raise ValueError(f"behav_correction={self.behav_correction!r}; valid: {', '.join(BEHAV_CORRECTIONS)}")
         if self.importance_level not in IMPORTANCE_LEVELS:
@@ -76,8 +85,41 @@ def _behaviour_weight(raw_w, proximal_logprobs, behaviour_logprobs, mask, cfg: P
     return raw_w, mask & (torch.maximum(_binary_kl(p, q), _binary_kl(q, p)) <= cfg.kpop_threshold)
 
 
+def second_moment_cut(log_ratio: torch.Tensor, threshold: float) -> float:
+    """M2PO's trust region [Zheng et al. 2025, "Prosperity before Collapse"]: mask the largest
+    M2_i = (log π_prox/π_behav)_i² one by one until the mean over the tokens left is ≤ ``threshold``; the
+    tokens kept are those with M2 below the returned cut (inf: none masked).
+
+    ``log_ratio`` holds every loss token of the batch (all minibatches and ranks: the bound is on the batch).
+    Tokens tied with the last one masked go too (the mean only falls further), so the result does not
+    depend on their order.
+    """
+    m2 = log_ratio.detach().double() ** 2
+    if not len(m2) or m2.mean() <= threshold:
+        return math.inf
+    descending = m2.sort(descending=True).values
+    kept_sum = descending.sum() - descending.cumsum(0)  # Σ of the tokens left after masking the first k+1
+    kept_count = torch.arange(len(m2) - 1, -1, -1, dtype=m2.dtype, device=m2.device)
+    within = kept_sum <= threshold * kept_count
+    within[-1] = True  # masking every token leaves an empty mean: within any bound
+    return float(descending[int(within.nonzero()[0])])
+
+
+def _gated_surrogate(ratio, advantages, cfg: PPOLossConfig):
+    """(the per-token objective the policy gradient ascends, the tokens the clip made inactive)."""
+    if cfg.policy_loss == "sapo":
+        tau = torch.where(advantages > 0, ratio.new_tensor(cfg.sapo_tau_pos), ratio.new_tensor(cfg.sapo_tau_neg))
+        gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # slope 1 at ratio 1, like the plain ratio
+        return gate * advantages, torch.zeros_like(ratio, dtype=torch.bool)
+    if cfg.policy_loss == "m2po":
+        return ratio * advantages, torch.zeros_like(ratio, dtype=torch.bool)
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    clipped = ratio.clamp(1 - cfg.eps_clip, 1 + eps_high) * advantages
+    return torch.minimum(ratio * advantages, clipped), clipped < ratio * advantages
+
+
 def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, cu_seqlens, weights,
-                       cfg: PPOLossConfig, reference_logprobs=None) -> tuple[torch.Tensor, dict[str, float]]:
+                       cfg: PPOLossConfig, reference_logprobs=None, trust_keep=None) -> tuple[torch.Tensor, dict]:
     """Σ_t weights_t · ℓ_t over this micro-batch, and additive statistics.
 
     ℓ_t = −w_t · min(u_t·A_t, clip(u_t, 1−ε, 1+ε_high)·A_t) + kl_coef · k3_t   [AReaL eq. decoupled PPO]
@@ -90,14 +132,19 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     Dropped and off-mask tokens contribute exactly 0; the weights keep counting dropped tokens, so the loss
     stays normalised by the original token count.
 
+    ``policy_loss`` replaces the clipped term: "sapo" uses the soft gate (4/τ)·σ(τ·(u_t − 1))·A_t with
+    τ = ``sapo_tau_pos`` where A_t > 0 and ``sapo_tau_neg`` elsewhere [Gao et al. 2025, SAPO]; "m2po" uses
+    u_t·A_t unclipped with the raw w_t (π_θ/π_behav) on the tokens ``trust_keep`` holds, the batch's
+    second-moment trust region (M2 below ``second_moment_cut``) [M2PO], in place of the behaviour correction.
+
     Statistics are this micro-batch's sums and counts over its loss tokens, to be added across micro-batches
     and ranks (``*_max`` keys: take the max): loss_tokens, kept_tokens (not dropped by the behaviour
-    correction), clipped_tokens (kept tokens whose clipped term is the active one), capped_tokens (w above
-    the cap), behav_weight_dev_sum (Σ|w−1| before correction), behav_weight_max, ratio_max (max u),
-    approx_kl_sum (Σ ½(logp − logp_prox)², KL(prox ‖ new) to second order), ref_kl_sum (Σ k3, with a reference).
+    correction or the trust region), clipped_tokens (kept tokens whose clipped term is the active one),
+    capped_tokens (w above the cap), behav_weight_dev_sum (Σ|w−1| before correction), behav_weight_max,
+    ratio_max (max u), approx_kl_sum (Σ ½(logp − logp_prox)², KL(prox ‖ new) to second order), ref_kl_sum
+    (Σ k3, with a reference).
     """
     mask = loss_mask.bool()
-    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     token_log_ratio = torch.where(mask, logprobs - proximal_logprobs, 0.0)
     log_ratio = token_log_ratio
     if cfg.importance_level == "sequence":
@@ -106,10 +153,14 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
         counts = sums.new_zeros(len(sums)).index_add_(0, seq_ids, mask.to(sums.dtype)).clamp(min=1)
         log_ratio = torch.where(mask, (sums / counts)[seq_ids], 0.0)
     ratio = log_ratio.exp()
-    clipped_ratio = ratio.clamp(1 - cfg.eps_clip, 1 + eps_high)
-    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    surrogate, clipped = _gated_surrogate(ratio, advantages, cfg)
     raw_w = torch.where(mask, proximal_logprobs - behaviour_logprobs, 0.0).detach().exp()
-    w, keep = _behaviour_weight(raw_w, proximal_logprobs, behaviour_logprobs, mask, cfg)
+    if cfg.policy_loss == "m2po":
+        if trust_keep is None:
+            raise ValueError("policy_loss='m2po' needs trust_keep, the tokens within the batch's second_moment_cut")
+        w, keep = raw_w, mask & trust_keep.bool()
+    else:
+        w, keep = _behaviour_weight(raw_w, proximal_logprobs, behaviour_logprobs, mask, cfg)
     per_token = -w * surrogate
     ref_kl = None
     if reference_logprobs is not None:
@@ -122,7 +173,7 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
         totals = {
             "loss_tokens": mask.sum(),
             "kept_tokens": keep.sum(),
-            "clipped_tokens": (keep & (clipped_ratio * advantages < ratio * advantages)).sum(),
+            "clipped_tokens": (keep & clipped).sum(),
             "capped_tokens": (mask & (raw_w > cfg.behav_imp_weight_cap)).sum(),
             "behav_weight_dev_sum": torch.where(mask, (raw_w - 1).abs(), 0.0).sum(),
             "behav_weight_max": torch.where(mask, raw_w, 0.0).max(),

@@ -1,5 +1,6 @@
 """One PPO update on a trainer rank: recompute the proximal policy's logprobs, (PPO) value estimates
-and GAE, then one optimizer step per minibatch with the decoupled PPO loss (and the value loss).
+and GAE, (M2PO) the batch's second-moment trust region, then one optimizer step per minibatch with the
+decoupled PPO loss (and the value loss).
 
 Every rank runs ``update`` on its own part of each minibatch; gradients are summed across ranks by
 the engine, and whole-batch statistics (GAE whitening) by an all-reduce here. The actor uses only the
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from areal_hpc.algo.advantages import gae, outcome_token_rewards
-from areal_hpc.algo.ppo import PPOLossConfig, decoupled_ppo_loss, value_loss
+from areal_hpc.algo.ppo import PPOLossConfig, decoupled_ppo_loss, second_moment_cut, value_loss
 from areal_hpc.config import ActorConfig
 from areal_hpc.engines.base import TrainEngine, merge_stats
 from areal_hpc.engines.sequence_batch import SequenceBatch
@@ -24,7 +25,8 @@ def loss_config(cfg: ActorConfig) -> PPOLossConfig:
     return PPOLossConfig(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high or None,
                          behav_correction=cfg.behav_correction, behav_imp_weight_cap=cfg.behav_imp_weight_cap,
                          kpop_threshold=cfg.kpop_threshold, importance_level=cfg.importance_level,
-                         kl_coef=cfg.kl_ctl)
+                         kl_coef=cfg.kl_ctl, policy_loss=cfg.policy_loss, sapo_tau_pos=cfg.sapo_tau_pos,
+                         sapo_tau_neg=cfg.sapo_tau_neg, m2_threshold=cfg.m2_threshold)
 
 
 class PPOActor:
@@ -36,8 +38,9 @@ class PPOActor:
     def update(self, minibatches: list[SequenceBatch]) -> dict[str, float]:
         started = time.perf_counter()
         # The proximal policy is the one before this step's first update. With one minibatch it is the
-        # policy the update's own forward runs, so its logprobs come from that pass (detached).
-        recompute = len(minibatches) > 1
+        # policy the update's own forward runs, so its logprobs come from that pass (detached), unless M2PO
+        # needs them for its trust region before the update.
+        recompute = len(minibatches) > 1 or self.loss_cfg.policy_loss == "m2po"
         for mb in minibatches:
             if len(mb) and recompute:
                 mb.fields["prox_logprobs"] = self.actor.forward(mb)["logprobs"]
@@ -45,6 +48,8 @@ class PPOActor:
                 mb.fields["ref_logprobs"] = self.reference.forward(mb)["logprobs"]
         if self.critic is not None:
             self._estimate_advantages(minibatches)
+        if self.loss_cfg.policy_loss == "m2po":
+            self._second_moment_trust_region(minibatches)
         recomputed = time.perf_counter()
         steps = []
         for mb in minibatches:
@@ -59,13 +64,32 @@ class PPOActor:
         proximal = f["prox_logprobs"] if "prox_logprobs" in f else logprobs.detach()
         loss, stats = decoupled_ppo_loss(logprobs, proximal, f["behav_logprobs"], f["advantages"],
                                          packed.target_mask, packed.cu_seqlens, f["weights"], self.loss_cfg,
-                                         f.get("ref_logprobs"))
+                                         f.get("ref_logprobs"), f.get("trust_keep"))
         return loss, {**stats, "entropy_sum": float(outputs["entropy"].sum())}
 
     def _value_loss(self, outputs, packed, f):
         loss = value_loss(outputs["values"], f["old_values"], f["returns"], packed.target_mask, f["weights"],
                           self.cfg.value_clip)
         return loss, {}
+
+    def _second_moment_trust_region(self, minibatches: list[SequenceBatch]) -> None:
+        """M2PO: the ``trust_keep`` field, 1 on the tokens within the whole batch's (all minibatches, all
+        ranks) second-moment bound on log π_prox/π_behav."""
+        log_ratios = []
+        for mb in minibatches:
+            if len(mb):
+                packed, f = mb.packed()
+                log_ratios.append((f["prox_logprobs"] - f["behav_logprobs"])[packed.target_mask].double().cpu())
+        local = torch.cat(log_ratios) if log_ratios else torch.zeros(0, dtype=torch.float64)
+        if self.dp_group is not None:
+            gathered: list = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(gathered, local, group=self.dp_group)
+            local = torch.cat(gathered)
+        cut = second_moment_cut(local, self.loss_cfg.m2_threshold)
+        for mb in minibatches:
+            if len(mb):
+                mb.fields["trust_keep"] = [((p - b).double() ** 2 < cut).float()
+                                           for p, b in zip(mb.fields["prox_logprobs"], mb.fields["behav_logprobs"])]
 
     def _estimate_advantages(self, minibatches: list[SequenceBatch]) -> None:
         """PPO: GAE from the critic's values with the outcome reward on the last output token, then

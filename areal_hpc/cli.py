@@ -95,6 +95,64 @@ def _sft(args) -> int:
     return 0
 
 
+def _preference(objective: str):
+    def run(args) -> int:
+        from areal_hpc.config import load_config
+        from areal_hpc.train.preference import run_preference
+
+        result = run_preference(load_config(args.config, args.overrides), objective)
+        shown = {key.removeprefix("eval/"): value for key, value in result.after.items()}
+        print(f"{objective}: held-out pair accuracy before {result.before.get('eval/pair_accuracy', float('nan')):.1%}"
+              f" -> after {shown.get('pair_accuracy', float('nan')):.1%}"
+              + (f", task accuracy {shown['accuracy']:.1%}" if "accuracy" in shown else "")
+              + f" in {result.seconds:.0f} s; model saved to {result.model_dir}")
+        return 0
+    return run
+
+
+def _pairs_arguments(pairs) -> None:
+    pairs.add_argument("--model", required=True, metavar="DIR", help="the model whose samples make the pairs")
+    pairs.add_argument("--out", required=True, metavar="FILE.jsonl", help="where the pairs are written")
+    pairs.add_argument("--samples", type=int, default=4, metavar="N", help="completions sampled per prompt (default 4)")
+    pairs.add_argument("--split", choices=["train", "eval"], default="train",
+                       help="the task's prompts to sample on (default: train)")
+    pairs.add_argument("--limit", type=int, help="use only the first N prompts")
+    _optional_config_arguments(pairs)
+
+
+def _pairs(args) -> int:
+    from areal_hpc.agents.engine import Sampling
+    from areal_hpc.agents.registry import build_workflow
+    from areal_hpc.config import load_config
+    from areal_hpc.data.preference_pairs import pairs_from_episodes
+    from areal_hpc.models.hf import load_model, load_tokenizer
+    from areal_hpc.parallel.device import resolve_device
+    from areal_hpc.train.evaluate import evaluate_model
+    from areal_hpc.train.task_setup import open_task, reward_pool
+
+    cfg = load_config(args.config, args.overrides)
+    if args.samples < 2:
+        raise UserError(f"--samples must be at least 2 completions per prompt to compare, got {args.samples}")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be a positive number of prompts, got {args.limit}")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise UserError(f"--out {args.out}: folder {out.parent} does not exist")
+    tokenizer = load_tokenizer(args.model)
+    task = open_task(cfg, tokenizer, args.model, lambda line: print(line, file=sys.stderr))
+    examples = (task.train if args.split == "train" else task.eval)[: args.limit]
+    model = load_model(args.model, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
+    with reward_pool(cfg, task) as rewards:
+        result = evaluate_model(model, tokenizer, examples, rewards, Sampling.from_config(cfg.gconfig),
+                                build_workflow(cfg.rollout), args.model, n_samples=args.samples, greedy=False,
+                                discount=cfg.rollout.turn_discount, seed=cfg.experiment.seed)
+    rows = pairs_from_episodes(result.episodes, args.samples)
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(f"{len(rows)} pairs from {len(examples)} {task.name} prompts ({args.samples} samples each; prompts whose "
+          f"samples all scored alike give none) written to {out}")
+    return 0
+
+
 def _tree_cost_arguments(fit) -> None:
     fit.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders trained with actor.tree_training=dta "
                                                                  "(their metrics.jsonl)")
@@ -406,6 +464,12 @@ COMMANDS = (
     )),
     Command("init-model", "write a tiny Qwen2 model + tokenizer, built offline", _init_model_arguments, _init_model),
     Command("sft", "supervised fine-tuning with held-out evaluation", _config_arguments, _sft),
+    Command("pairs", "preference pairs from a model's own samples on a task: best- against worst-rewarded completion",
+            _pairs_arguments, _pairs),
+    Command("dpo", "direct preference optimisation (DPO, cDPO, IPO) on preference pairs", _config_arguments,
+            _preference("dpo")),
+    Command("rm", "a Bradley-Terry reward model on preference pairs (score it as a reward with reward.model)",
+            _config_arguments, _preference("rm")),
     Command("train", "asynchronous RL: rollout servers + trainer processes on this machine", _train_arguments, _train),
     Command("submit", "submit a run as one heterogeneous Slurm job (trainer + rollout components, through submitit)",
             _submit_arguments, _submit),

@@ -145,6 +145,30 @@ class SFTConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    path: str = spec("", "your preference pairs (areal-hpc dpo / rm): JSONL, Parquet or Arrow files (a glob or folder "
+                     "of them) or a datasets.save_to_disk folder, with prompt/chosen/rejected columns or "
+                     "chosen/rejected chat transcripts (HH-RLHF style)")
+    eval_path: str = spec("", "held-out pairs in the same forms; empty: eval_size pairs held out of `path`")
+    prompt_field: str = spec("", "column of the prompt (text or chat messages); empty: 'prompt'")
+    chosen_field: str = spec("chosen", "column of the preferred completion (text, or a whole transcript)")
+    rejected_field: str = spec("rejected", "column of the other completion (text, or a whole transcript)")
+    train_size: int = spec(100000, "training pairs used at most", ge=1)
+    eval_size: int = spec(200, "held-out pairs (pairwise accuracy)", ge=1)
+    loss: str = spec("sigmoid", "dpo: sigmoid (DPO; cDPO with label_smoothing) or ipo", choices=["sigmoid", "ipo"])
+    beta: float = spec(0.1, "dpo: strength of the implicit KL constraint to the starting model", gt=0.0)
+    label_smoothing: float = spec(0.0, "dpo (cDPO): assumed probability that a pair's labels are flipped",
+                                  ge=0.0, le=0.5)
+    lr: float = spec(1e-4, "peak learning rate", gt=0.0)
+    total_train_steps: int = spec(200, "optimizer steps", ge=1)
+    batch_size: int = spec(32, "pairs per optimizer step", ge=1)
+    max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)
+    eval_every_steps: int = spec(50, "steps between held-out evaluations; 0 evaluates only before and after", ge=0)
+    eval_task: bool = spec(False, "dpo: also evaluate the policy's greedy accuracy on the task of dataset.* at "
+                           "each evaluation")
+
+
+@dataclass
 class FailureBudgetConfig:
     max_consecutive: int = spec(32, "episodes failing in a row that stop the run; 0: never", ge=0)
     window: int = spec(200, "how many of the latest episodes the failure rate is measured over", ge=1)
@@ -361,6 +385,7 @@ class RunConfig:
     reward: RewardConfig = section(RewardConfig)
     optimizer: OptimizerConfig = section(OptimizerConfig)
     sft: SFTConfig = section(SFTConfig)
+    preference: PreferenceConfig = section(PreferenceConfig)
     rollout: RolloutConfig = section(RolloutConfig)
     actor: ActorConfig = section(ActorConfig)
     rl: RLConfig = section(RLConfig)

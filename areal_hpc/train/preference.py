@@ -1,0 +1,259 @@
+"""Training on preference pairs: DPO (or IPO) of a policy, and a Bradley-Terry reward model.
+
+    areal-hpc dpo --config configs/dpo_arithmetic.yaml [key=value ...]
+    areal-hpc rm  --config configs/rm_arithmetic.yaml  [key=value ...]
+
+Both objectives depend on the model only through one number per sequence: the summed log-likelihood of
+the completion (DPO) or the reward model's score after its last token (the critic's value head, as PPO's
+critic). Each step runs the batch forward once without gradients, takes the loss and its derivative by
+each pair's margin (``algo.preference``), and trains the engine on the sequences with that derivative as a
+per-token weight: the gradient is the objective's exactly, whichever micro-batches the engine packs.
+DPO's reference log-likelihoods are the starting model's, computed once before the first step (no
+second model in memory) and cached in the run folder. Held-out pairwise accuracy (and, with
+``preference.eval_task``, the policy's accuracy on the configured task) before, during and after
+training; metrics in JSONL and TensorBoard, a PNG curve, the model saved in Hugging Face format.
+One process, like SFT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from areal_hpc.algo.advantages import sequence_ids
+from areal_hpc.algo.preference import PairLossConfig, margin_gradients, pair_statistics
+from areal_hpc.config import RunConfig, save_resolved
+from areal_hpc.data.preference_pairs import PreferencePair, load_pairs
+from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import ValueOutputs, packed_policy_outputs
+from areal_hpc.errors import UserError
+from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
+from areal_hpc.parallel.device import check_precision, resolve_device
+from areal_hpc.train.metrics import MetricsLogger
+from areal_hpc.train.plots import plot_curves
+from areal_hpc.train.sft import index_stream
+
+OBJECTIVES = ("dpo", "rm")
+
+
+@dataclass
+class PreferenceResult:
+    before: dict[str, float]
+    after: dict[str, float]
+    model_dir: Path
+    seconds: float
+
+
+def pair_batch(pairs: list[PreferencePair]) -> SequenceBatch:
+    """Prompt + chosen at 2i, prompt + rejected at 2i + 1."""
+    sequences = [side for pair in pairs for side in pair.sequences()]
+    return SequenceBatch([s for s, _ in sequences], [m for _, m in sequences])
+
+
+class PairScorer:
+    """The number each objective reads off a sequence, and the per-position weight that trains it."""
+
+    def __init__(self, objective: str):
+        self.output = "logprobs" if objective == "dpo" else "values"
+
+    def scores(self, engine: TorchTrainEngine, batch: SequenceBatch) -> torch.Tensor:
+        """[2n] float64: each sequence's completion log-likelihood (dpo) or its last value (rm)."""
+        per_position = torch.cat(engine.forward(batch)[self.output]).double()
+        return self._reduce(batch, per_position)
+
+    def weights(self, batch: SequenceBatch, coefficients: torch.Tensor) -> torch.Tensor:
+        """Packed [T] weights w with Σ_t w_t·output_t = Σ_i coefficient_i·score_i."""
+        packed, _ = batch.packed()
+        return self._positions(batch).double() * coefficients[sequence_ids(packed.cu_seqlens)]
+
+    def _positions(self, batch: SequenceBatch) -> torch.Tensor:
+        packed, _ = batch.packed()
+        if self.output == "logprobs":  # position t holds the logprob of token t + 1: the completion's targets
+            return packed.target_mask.bool()
+        last = torch.zeros(packed.cu_seqlens[-1], dtype=torch.bool)
+        last[packed.cu_seqlens[1:] - 1] = True
+        return last
+
+    def _reduce(self, batch: SequenceBatch, per_position: torch.Tensor) -> torch.Tensor:
+        packed, _ = batch.packed()
+        selected = torch.where(self._positions(batch), per_position, 0.0)
+        return selected.new_zeros(len(batch)).index_add_(0, sequence_ids(packed.cu_seqlens), selected)
+
+
+def weighted_output_loss(output: str):
+    def loss(outputs: dict[str, torch.Tensor], packed, fields: dict[str, torch.Tensor]):
+        return (fields["weights"] * outputs[output]).sum(), {}
+    return loss
+
+
+class PreferenceTrainer:
+    """One objective's steps and evaluations on an engine."""
+
+    def __init__(self, engine: TorchTrainEngine, objective: str, cfg: RunConfig,
+                 reference: dict[str, torch.Tensor] | None):
+        pcfg = cfg.preference
+        self.engine, self.objective, self.scorer = engine, objective, PairScorer(objective)
+        self.loss_cfg = PairLossConfig(loss=pcfg.loss if objective == "dpo" else "bradley_terry", beta=pcfg.beta,
+                                       label_smoothing=pcfg.label_smoothing if objective == "dpo" else 0.0)
+        self.scale = pcfg.beta if objective == "dpo" else 1.0  # DPO's implicit reward is β·(log π − log π_ref)
+        self.reference = reference
+
+    def _sides(self, batch: SequenceBatch, split: str, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) [n] scores: log-likelihood ratios to the reference for DPO."""
+        scores = self.scorer.scores(self.engine, batch)
+        if self.reference is not None:
+            scores = scores - self.reference[split][torch.tensor(indices)].reshape(-1)
+        return scores[0::2], scores[1::2]
+
+    def step(self, pairs: list[PreferencePair], indices: list[int]) -> dict[str, float]:
+        batch = pair_batch(pairs)
+        chosen, rejected = self._sides(batch, "train", indices)
+        loss, gradient = margin_gradients(chosen - rejected, self.loss_cfg)
+        coefficients = torch.stack([gradient, -gradient], dim=1).reshape(-1)  # ∂h/∂chosen = 1, ∂h/∂rejected = −1
+        batch.set_packed("weights", self.scorer.weights(batch, coefficients).float())
+        stats = self.engine.train_step(batch, weighted_output_loss(self.scorer.output))
+        stats["loss"] = float(loss)  # the objective, not the weighted surrogate the engine summed
+        stats.update(pair_statistics(chosen - rejected, chosen, rejected, self.scale))
+        return {f"train/{key}": value for key, value in stats.items()} | {"train/tokens": float(batch.n_tokens)}
+
+    @torch.no_grad()
+    def evaluate(self, pairs: list[PreferencePair], batch_size: int) -> dict[str, float]:
+        chosen, rejected = [], []
+        for start in range(0, len(pairs), batch_size):
+            part = list(range(start, min(start + batch_size, len(pairs))))
+            c, r = self._sides(pair_batch([pairs[i] for i in part]), "eval", part)
+            chosen.append(c)
+            rejected.append(r)
+        chosen, rejected = torch.cat(chosen), torch.cat(rejected)
+        loss, _ = margin_gradients(chosen - rejected, self.loss_cfg)
+        stats = {"loss": float(loss), **pair_statistics(chosen - rejected, chosen, rejected, self.scale)}
+        return {f"eval/pair_{key}": value for key, value in stats.items()}
+
+
+def reference_scores(engine: TorchTrainEngine, splits: dict[str, list[PreferencePair]], folder: Path,
+                     model_dir: Path, batch_size: int, say) -> dict[str, torch.Tensor]:
+    """{split: [n, 2] float64 (chosen, rejected) log-likelihoods} of the starting model, read from the run
+    folder's cache when it holds those of the same model and pairs."""
+    digest = hashlib.sha256(str(model_dir.resolve()).encode())
+    for name in sorted(splits):
+        for pair in splits[name]:
+            digest.update(repr((name, pair.prompt_ids, pair.chosen_ids, pair.rejected_ids)).encode())
+    cache = folder / "reference_logprobs.pt"
+    if cache.is_file():
+        saved = torch.load(cache, weights_only=True)
+        if saved.get("key") == digest.hexdigest():
+            say(f"reference log-likelihoods read from {cache}")
+            return saved["scores"]
+    scorer, scores = PairScorer("dpo"), {}
+    for name, pairs in splits.items():
+        parts = [scorer.scores(engine, pair_batch(pairs[i:i + batch_size])) for i in range(0, len(pairs), batch_size)]
+        scores[name] = torch.cat(parts).reshape(-1, 2) if parts else torch.zeros(0, 2, dtype=torch.float64)
+    torch.save({"key": digest.hexdigest(), "scores": scores}, cache)
+    return scores
+
+
+def run_preference(cfg: RunConfig, objective: str, console: Console | None = None) -> PreferenceResult:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r}; valid: {', '.join(OBJECTIVES)}")
+    console, started, pcfg = console or Console(), time.time(), cfg.preference
+    if not cfg.model.path:
+        raise UserError(f"config key 'model.path' is empty: {objective} starts from a trained model (e.g. the SFT "
+                        "checkpoint <run>/model)")
+    torch.manual_seed(cfg.experiment.seed)  # the reward model's fresh head depends on the seed only
+    device = resolve_device(cfg.cluster.device)
+    check_precision(device, model_dtype=cfg.model.dtype, model_compute_dtype=cfg.model.compute_dtype)
+    model_dir = Path(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
+    load = load_model if objective == "dpo" else load_critic
+    model = load(model_dir, cfg.model.dtype, cfg.model.attn_impl, device)
+    context = getattr(model.config, "max_position_embeddings", 1 << 30)
+    train, held_out = load_pairs(pcfg, cfg.experiment.seed, tokenizer, context, console.print)
+    task = _TaskEvaluation(cfg, tokenizer, model_dir, console) if objective == "dpo" and pcfg.eval_task else None
+    save_resolved(cfg)  # only once every input has been checked
+    engine = TorchTrainEngine(model, packed_policy_outputs if objective == "dpo" else ValueOutputs(),
+                              optimizer=cfg.optimizer, lr=pcfg.lr, total_steps=pcfg.total_train_steps,
+                              max_tokens_per_mb=pcfg.max_tokens_per_mb, tokenizer=tokenizer,
+                              compute_dtype=cfg.model.compute_dtype)
+    console.print(f"[bold]{objective.upper()}[/] on {len(train)} pairs ({len(held_out)} held out) from "
+                  f"{pcfg.path}, starting from {model_dir}; run folder {cfg.run_dir}", soft_wrap=True)
+    reference = None
+    if objective == "dpo":
+        reference = reference_scores(engine, {"train": train, "eval": held_out}, cfg.run_dir, model_dir,
+                                     pcfg.batch_size, console.print)
+    trainer = PreferenceTrainer(engine, objective, cfg, reference)
+    metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
+    order = index_stream(len(train), cfg.experiment.seed)
+
+    def run_eval(step: int) -> dict[str, float]:
+        scalars = trainer.evaluate(held_out, pcfg.batch_size) if held_out else {}
+        if task is not None:
+            scalars.update(task.evaluate(engine.model))
+        metrics.log(step, scalars)
+        return scalars
+
+    try:
+        before = after = run_eval(0)
+        console.print(f"held out before {objective}: {_summary(before)}", soft_wrap=True)
+        columns = [TextColumn(f"[bold]{objective}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("loss {task.fields[loss]:.3f}  pair acc {task.fields[acc]:.3f}")]
+        with Progress(*columns, console=console) as progress:
+            bar = progress.add_task(objective, total=pcfg.total_train_steps, loss=float("nan"), acc=float("nan"))
+            for step in range(1, pcfg.total_train_steps + 1):
+                indices = [next(order) for _ in range(pcfg.batch_size)]
+                stats = trainer.step([train[i] for i in indices], indices)
+                metrics.log(step, stats)
+                if step == pcfg.total_train_steps or (pcfg.eval_every_steps and step % pcfg.eval_every_steps == 0):
+                    after = run_eval(step)
+                    progress.console.print(f"step {step}: held out {_summary(after)}", soft_wrap=True)
+                progress.update(bar, advance=1, loss=stats["train/loss"], acc=stats["train/accuracy"])
+    finally:
+        metrics.close()
+        if task is not None:
+            task.close()
+    out = cfg.run_dir / "model"
+    engine.save(out, optimizer=False)
+    if cfg.stats.plot:
+        curves = {"train loss": "train/loss", "held-out pair accuracy": "eval/pair_accuracy"}
+        if task is not None:
+            curves["held-out task accuracy"] = "eval/accuracy"
+        plot_curves(metrics.records, curves, cfg.run_dir / f"{objective}_curves.png", f"{objective.upper()}")
+    return PreferenceResult(before, after, out, time.time() - started)
+
+
+def _summary(scalars: dict[str, float]) -> str:
+    parts = [f"pair accuracy {scalars['eval/pair_accuracy']:.1%}, margin {scalars['eval/pair_reward_margin']:+.3f}"]
+    if "eval/accuracy" in scalars:
+        parts.append(f"task accuracy {scalars['eval/accuracy']:.1%}")
+    return "; ".join(parts) if "eval/pair_accuracy" in scalars else "no held-out pairs"
+
+
+class _TaskEvaluation:
+    """The policy's greedy held-out accuracy on the configured task (``dataset.*``), as SFT reports it."""
+
+    def __init__(self, cfg: RunConfig, tokenizer, model_dir: Path, console: Console):
+        from areal_hpc.agents.engine import Sampling
+        from areal_hpc.agents.registry import build_workflow
+        from areal_hpc.train.task_setup import open_task, reward_pool
+
+        self.cfg, self.tokenizer, self.model_dir = cfg, tokenizer, model_dir
+        self.task = open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print)
+        self.workflow, self.sampling = build_workflow(cfg.rollout), Sampling.from_config(cfg.gconfig)
+        self.rewards = reward_pool(cfg, self.task)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        from areal_hpc.train.evaluate import evaluate_model
+
+        result = evaluate_model(model, self.tokenizer, self.task.eval, self.rewards, self.sampling, self.workflow,
+                                self.cfg.tokenizer.path or self.model_dir, discount=self.cfg.rollout.turn_discount)
+        return result.scalars()
+
+    def close(self) -> None:
+        self.rewards.close()
+

@@ -116,6 +116,8 @@ class RewardConfig:
     fn: str = spec("", "your reward: 'package.module:function' or 'path/to/file.py:function', called as "
                    "fn(prompt, completion, prompt_ids, completion_ids, **fields) (sync or async) and returning a "
                    "number or {'reward': number, metric: number}; empty: the task's own")
+    model: str = spec("", "a reward model trained by `areal-hpc rm` (its <run>/model folder): RL rollouts are scored by "
+                      "its value after the last token; evaluations keep the task's own reward (accuracy)")
     timeout_s: float = spec(5.0, "seconds one reward call may take; a slower one fails (counted, scored 0)", gt=0.0)
     workers: int = spec(1, "reward worker processes", ge=1)
 

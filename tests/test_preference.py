@@ -20,6 +20,8 @@ from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.train.preference import PairScorer, pair_batch
 
+from .conftest import run_cli
+
 FAST = settings(deadline=None, max_examples=60)
 
 
@@ -165,3 +167,78 @@ def test_pairs_from_episodes_take_best_against_worst_where_rewards_differ():
     episodes += [{"prompt": "b", "completion": c, "reward": 0.0, "answer": "9"} for c in ("3", "4", "5")]
     assert pairs_from_episodes(episodes, 3) == [{"prompt": "a", "chosen": "1", "rejected": "2", "answer": "1",
                                                  "chosen_reward": 1.0, "rejected_reward": 0.0}]
+
+
+# --------------------------------------------------------------------------------------- the commands, end to end
+
+def pair_run_args(command: str, model, fileroot, pairs: str, *extra: str) -> list[str]:
+    return [command, "--config", "configs/quickstart.yaml", f"model.path={model}", f"cluster.fileroot={fileroot}",
+            f"experiment.name={command}", f"preference.path={pairs}", "preference.eval_size=4",
+            "preference.total_train_steps=3", "preference.eval_every_steps=2", "preference.batch_size=4",
+            "stats.tensorboard=false", *extra]
+
+
+@pytest.mark.slow
+def test_dpo_caches_its_reference_and_reports_task_accuracy(tiny_model_dir, tmp_path):
+    pairs = write_pairs(tmp_path / "pairs.jsonl", ARITHMETIC_PAIRS * 2)
+    args = pair_run_args("dpo", tiny_model_dir, tmp_path, pairs, "preference.eval_task=true", "dataset.eval_size=8")
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "dpo" / "trial0"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/pair_accuracy" in r] == [0, 2, 3]
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 3]  # the task, greedy
+    assert all(math.isfinite(r["train/loss"]) for r in records if "train/loss" in r)
+    assert (run / "model" / "config.json").is_file() and (run / "dpo_curves.png").stat().st_size > 0
+    assert "reference log-likelihoods read from" not in first.stdout
+    again = run_cli(*args)  # same model, same pairs: the cached reference
+    assert again.returncode == 0 and "reference log-likelihoods read from" in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_trained_reward_model_scores_the_rl_rollouts(tiny_model_dir, tmp_path):
+    """`areal-hpc rm`, then `areal-hpc train reward.model=...`: every trajectory's reward is the reward model's
+    score of its tokens; held-out accuracy is still the task's rule."""
+    from areal_hpc.data.shards.reader import TrajectoryStore
+    from areal_hpc.reward.reward_model import RewardModelScore
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", ARITHMETIC_PAIRS * 2)
+    trained = run_cli(*pair_run_args("rm", tiny_model_dir, tmp_path, pairs))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "rm: held-out pair accuracy before" in trained.stdout
+    reward_model = tmp_path / "rm" / "trial0" / "model"
+    result = run_cli("train", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}",
+                     f"cluster.fileroot={tmp_path}", f"reward.model={reward_model}", "rl.total_train_steps=2",
+                     "rl.eval_every_steps=2", "dataset.train_size=32", "dataset.eval_size=8", "rl.sft_warmup_steps=0",
+                     "rollout.consumer_batch_size=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=4",
+                     "stats.tensorboard=false", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "quickstart" / "trial0"
+    score = RewardModelScore(str(reward_model))
+    with TrajectoryStore(run / "shards") as store:
+        trajectories = list(store.trajectories())
+    assert trajectories
+    for traj in trajectories:
+        segment = traj.segments[0]
+        want = score("", "", segment.input_ids.tolist(), segment.output_ids.tolist())
+        assert traj.reward == pytest.approx(want, abs=1e-4)
+    assert len({round(t.reward, 6) for t in trajectories}) > 2  # real scores, not a rule's 0/1
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
+
+
+def test_bad_reward_models_and_pair_requests_are_one_line(tiny_model_dir, tmp_path):
+    not_a_reward_model = run_cli("train", "--config", "configs/quickstart.yaml", f"cluster.fileroot={tmp_path}",
+                                 f"reward.model={tiny_model_dir}")
+    assert not_a_reward_model.returncode == 2
+    assert not_a_reward_model.stderr.strip().splitlines()[-1].endswith(
+        "without a value head; train a reward model with `areal-hpc rm` and give its <run>/model")
+    both = run_cli("train", "--config", "configs/quickstart.yaml", f"cluster.fileroot={tmp_path}",
+                   f"reward.model={tiny_model_dir}", "reward.fn=areal_hpc.reward.match:exact_match_reward")
+    assert both.returncode == 2 and "'reward.fn' and 'reward.model' are both set" in both.stderr
+    one_sample = run_cli("pairs", "--model", str(tiny_model_dir), "--out", str(tmp_path / "p.jsonl"), "--samples", "1")
+    assert one_sample.returncode == 2 and "--samples must be at least 2" in one_sample.stderr
+    no_pairs = run_cli("dpo", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}",
+                       f"cluster.fileroot={tmp_path}")
+    assert no_pairs.returncode == 2 and "config key 'preference.path' is empty" in no_pairs.stderr

@@ -80,7 +80,9 @@ class RewardFunction:
 
     @property
     def name(self) -> str:
-        return self.target if isinstance(self.target, str) else f"{self.target.__module__}:{self.target.__qualname__}"
+        if isinstance(self.target, str):
+            return self.target
+        return f"{self.target.__module__}:{getattr(self.target, '__qualname__', type(self.target).__qualname__)}"
 
     def __getstate__(self):
         return {"target": self.target, "key": self.key}
@@ -132,8 +134,11 @@ def _ignore_stop_warning() -> None:
 
 
 def _load(reward_fn: RewardFunction) -> None:
-    """A worker imports the reward's module when it starts (start-up, not scoring)."""
-    reward_fn.load()
+    """A worker imports the reward's module when it starts (start-up, not scoring), and a reward object
+    with a ``load`` method (a model's weights, an index) loads what it needs then."""
+    fn = reward_fn.load()
+    if callable(getattr(fn, "load", None)):
+        fn.load()
 
 
 class RewardPool:

@@ -1,5 +1,6 @@
 """What trainer rank 0's asynchronous loop works with, opened together and closed together: the task
-and its workflow, the reward pool, the progress display, the trajectory shards (and the proxy's
+and its workflow, the reward pool (and, with ``reward.model``, the task's own for evaluations), the
+progress display, the trajectory shards (and the proxy's
 records), the rollout client, the chat gateway agent workflows talk to, the weight sync and the rollout
 controller; and the loop's steps that are not the algorithm itself
 (reading a batch back, pushing weights, evaluating, checkpointing).
@@ -14,11 +15,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.agents.chat import optional_chat
-from areal_hpc.agents.engine import EngineSettings
+from areal_hpc.agents.engine import EngineSettings, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.agents.registry import build_workflow
 from areal_hpc.data.shards.consumer import TrajectoryConsumer
@@ -48,6 +50,7 @@ class RLRun:
         self.cfg, self.group, self.task, self.workflow, self.progress = cfg, group, task, workflow, progress
         self.placement = placement
         self.settings, self.consumer, self.proxy_records, self.client = settings, consumer, proxy_records, client
+        self.eval_settings = settings
         self.actor = group.engines["actor"]  # its saves and weight gatherings are collective over every rank
         self.version = state["step"]
         self.evaluated = state.get("evaluated", self.version)  # the last step evaluated
@@ -73,7 +76,9 @@ class RLRun:
             workflow = build_workflow(cfg.rollout)
             addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
             in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # requests at most
-            with (reward_pool(cfg, task) as rewards, RLProgress(cfg, state["step"]) as progress,
+            with (reward_pool(cfg, task, training=True) as rewards,
+                  (reward_pool(cfg, task) if task.train_reward is not None else contextlib.nullcontext())
+                  as eval_rewards, RLProgress(cfg, state["step"]) as progress,
                   shards(cfg, state.get("cursor", {})) as (writer, consumer),
                   open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):
                 async with (RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
@@ -82,6 +87,8 @@ class RLRun:
                     settings = engine_settings(cfg, client, tokenizer, rewards, chat)
                     run = cls(cfg, group, state, task, workflow, settings, progress, writer, consumer, proxy_records,
                               client, placement)
+                    if eval_rewards is not None:  # accuracy is the task's, whatever the rollouts are scored by
+                        run.eval_settings = replace(settings, scorer=Scorer(eval_rewards))
                     await run._start(servers)
                     try:
                         yield run
@@ -174,7 +181,7 @@ class RLRun:
         return version in (0, self.cfg.rl.total_train_steps) or bool(every and version % every == 0)
 
     async def _evaluate(self, version: int) -> None:
-        result = await evaluate(self.settings, self.workflow, self.task.eval)
+        result = await evaluate(self.eval_settings, self.workflow, self.task.eval)
         self.progress.evaluated(version, result)
         self.evaluated = version
 

@@ -57,5 +57,8 @@ def check_task(cfg: RunConfig) -> None:
     build_workflow(cfg.rollout)
 
 
-def reward_pool(cfg: RunConfig, task: Task) -> RewardPool:
-    return RewardPool(task.reward, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+def reward_pool(cfg: RunConfig, task: Task, training: bool = False) -> RewardPool:
+    """The pool that scores evaluations (the task's reward), or with ``training`` the RL rollouts (the
+    reward model of ``reward.model`` when one is set)."""
+    reward = task.train_reward if training and task.train_reward is not None else task.reward
+    return RewardPool(reward, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.algo.preference import LOSSES, PairLossConfig, margin_gradients, pair_losses
+from areal_hpc.algo.preference import LOSSES, PairLossConfig, margin_gradients, pair_losses, sequence_coefficients
 from areal_hpc.config import PreferenceConfig
 from areal_hpc.data.preference_pairs import load_pairs, pairs_from_episodes, split_conversations
 from areal_hpc.engines.torch.engine import TorchTrainEngine
@@ -51,6 +51,33 @@ def test_pair_losses_and_their_margin_gradients_match_float64_loops(margins, los
     for i, h in enumerate(margins):  # central differences of the loop, pair by pair
         numeric = (reference_loss(h + h_step, cfg) - reference_loss(h - h_step, cfg)) / (2 * h_step) / len(margins)
         assert gradient[i].item() == pytest.approx(numeric, rel=1e-5, abs=1e-9)
+
+
+@FAST
+@given(st.lists(st.tuples(st.floats(-30, -0.01), st.floats(-30, -0.01), st.integers(1, 9)), min_size=1, max_size=8),
+       st.sampled_from([0.0, 0.5, 2.0]))
+def test_rpo_objective_and_sequence_derivatives_match_a_float64_loop(pairs, nll_weight):
+    """DPO plus α·(chosen mean token NLL): the objective and its derivative by each sequence's log-likelihood
+    (the reference is zero here, so the scores are the log-likelihoods)."""
+    cfg = PairLossConfig(beta=0.3)
+    chosen = torch.tensor([c for c, _, _ in pairs], dtype=torch.float64)
+    rejected = torch.tensor([r for _, r, _ in pairs], dtype=torch.float64)
+    tokens = torch.tensor([n for _, _, n in pairs])
+    loss, coefficients, _ = sequence_coefficients(chosen, rejected, cfg, nll_weight, chosen, tokens)
+
+    def objective(values: list[float]) -> float:
+        n = len(pairs)
+        mean_pair_loss = sum(reference_loss(values[2 * i] - values[2 * i + 1], cfg) for i in range(n)) / n
+        chosen_nll = sum(-values[2 * i] / pairs[i][2] for i in range(n)) / n
+        return mean_pair_loss + nll_weight * chosen_nll
+
+    flat = [v for c, r, _ in pairs for v in (c, r)]
+    assert loss.item() == pytest.approx(objective(flat), rel=1e-9, abs=1e-12)
+    for k in range(len(flat)):
+        up, down = list(flat), list(flat)
+        up[k] += 1e-6
+        down[k] -= 1e-6
+        assert coefficients[k].item() == pytest.approx((objective(up) - objective(down)) / 2e-6, rel=1e-5, abs=1e-8)
 
 
 def test_losses_at_numeric_extremes_stay_finite():

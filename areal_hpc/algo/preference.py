@@ -52,9 +52,27 @@ def margin_gradients(margin: torch.Tensor, cfg: PairLossConfig) -> tuple[torch.T
     return loss.detach(), gradient
 
 
+def sequence_coefficients(chosen: torch.Tensor, rejected: torch.Tensor, cfg: PairLossConfig, nll_weight: float = 0.0,
+                          chosen_log_likelihood: torch.Tensor | None = None,
+                          chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(the objective, [2n] its derivative by each sequence's score in pair order (chosen, rejected, ...),
+    extra statistics). The objective is the mean pair loss of h = chosen − rejected, plus with
+    ``nll_weight`` α (RPO) α · mean_i(−log π(y_c,i) / |y_c,i|) from the chosen log-likelihoods and lengths."""
+    loss, gradient = margin_gradients(chosen - rejected, cfg)
+    chosen_gradient, extra = gradient, {}
+    if nll_weight:
+        tokens = chosen_tokens.double()
+        nll = -(chosen_log_likelihood.double() / tokens).mean()
+        loss = loss + nll_weight * nll
+        chosen_gradient = gradient - nll_weight / (len(tokens) * tokens)
+        extra["chosen_nll"] = float(nll)
+    return loss, torch.stack([chosen_gradient, -gradient], dim=1).reshape(-1), extra
+
+
 def pair_statistics(margin: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, scale: float) -> dict:
-    """Pairwise accuracy (margin > 0) and the mean rewards of each side and of their difference: for DPO
+    """Pairwise accuracy (margin > 0; a tie counts one half) and the mean rewards of each side and of their difference: for DPO
     the implicit rewards β·(log π − log π_ref) (``scale`` β), for a reward model its scores (``scale`` 1)."""
-    return {"accuracy": float((margin > 0).double().mean()), "reward_chosen": scale * float(chosen.double().mean()),
+    ranked = (margin > 0).double() + 0.5 * (margin == 0).double()
+    return {"accuracy": float(ranked.mean()), "reward_chosen": scale * float(chosen.double().mean()),
             "reward_rejected": scale * float(rejected.double().mean()),
             "reward_margin": scale * float(margin.double().mean())}

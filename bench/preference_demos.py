@@ -1,0 +1,140 @@
+"""The preference demos on the quickstart task, from one SFT checkpoint, through the real commands:
+
+    .venv/bin/python bench/preference_demos.py --start-model runs/bench/demo_start/seed1-45.8 [--seeds 1 2 3] [--save]
+
+1. ``areal-hpc pairs``: per training prompt, a correct sample of the SFT model against a wrong one.
+2. ``areal-hpc rm``: a Bradley-Terry reward model from the SFT model on those pairs; its held-out
+   pairwise accuracy (pairs held out of the file).
+3. ``areal-hpc train`` (asynchronous GRPO, the quickstart's settings, ``--rl-steps`` steps) per seed, once with
+   the task's rule reward and once with ``reward.model`` = the reward model; held-out accuracy is the rule's
+   in both (500 problems, greedy), final = mean of the last three evaluations.
+4. ``areal-hpc dpo`` per seed on the same pairs (RPO: ``preference.nll_weight``), its task accuracy.
+Every step writes into ``--workdir`` and is skipped when its output is there, so an interrupted run
+continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from recording import machine, run_and_record  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "areal_hpc"]
+QUIET = ["saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false"]
+
+
+def once(done: Path, command: list[str], log: Path) -> float:
+    """Run ``command`` unless ``done`` exists; its seconds (from ``done``)."""
+    if not done.exists():
+        started = time.time()
+        with open(log, "w") as out:
+            subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=True)
+        done.write_text(json.dumps({"seconds": time.time() - started}))
+    return json.loads(done.read_text())["seconds"]
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def last3(values: list[float]) -> float:
+    return float(np.mean(values[-3:]))
+
+
+def run(args) -> dict:
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    pairs = work / "pairs.jsonl"
+    once(work / "pairs.done", [*CLI, "pairs", "--model", str(args.start_model), "--config", "configs/quickstart.yaml",
+                               "--out", str(pairs), "--samples", "4", "--limit", str(args.prompts)], work / "pairs.log")
+    n_pairs = len(pairs.read_text().splitlines())
+    preference = ["--config", "configs/preference_arithmetic.yaml", f"model.path={args.start_model}",
+                  f"preference.path={pairs}", f"cluster.fileroot={work}", *QUIET]
+    rm_seconds = once(work / "rm.done", [*CLI, "rm", *preference, "experiment.trial=rm",
+                                         f"preference.total_train_steps={args.rm_steps}"], work / "rm.log")
+    rm_run = work / "preference" / "rm"
+    rm_evals = [(r["step"], r["eval/pair_accuracy"]) for r in records(rm_run) if "eval/pair_accuracy" in r]
+    result = {"date": datetime.date.today().isoformat(), "machine": machine(), "start_model": str(args.start_model),
+              "pairs": n_pairs, "prompts": args.prompts, "rm": {"steps": args.rm_steps, "seconds": rm_seconds,
+                                                                 "pair_accuracy": rm_evals},
+              "rl_steps": args.rl_steps, "rl": [], "dpo": []}
+    for seed in args.seeds:
+        for reward, extra in (("rule", []), ("reward model", [f"reward.model={rm_run / 'model'}"])):
+            name = f"rl-{'rm' if extra else 'rule'}-s{seed}"
+            folder = work / name
+            seconds = once(work / f"{name}.done", [
+                *CLI, "train", "--config", "configs/quickstart.yaml", f"model.path={args.start_model}",
+                f"cluster.fileroot={folder}", f"experiment.seed={seed}", "rl.sft_warmup_steps=0",
+                f"rl.total_train_steps={args.rl_steps}", *QUIET, *extra], work / f"{name}.log")
+            evals = [(r["step"], r["eval/accuracy"]) for r in records(folder / "quickstart" / "trial0")
+                     if "eval/accuracy" in r]
+            result["rl"].append({"reward": reward, "seed": seed, "evals": evals, "seconds": seconds,
+                                 "final": last3([a for _, a in evals])})
+        name = f"dpo-s{seed}"
+        seconds = once(work / f"{name}.done", [*CLI, "dpo", *preference, f"experiment.trial={name}",
+                                               f"experiment.seed={seed}", f"preference.total_train_steps={args.dpo_steps}",
+                                               "preference.eval_every_steps=50", "preference.lr=1e-4",
+                                               f"preference.nll_weight={args.nll_weight}"], work / f"{name}.log")
+        rows = records(work / "preference" / name)
+        evals = [(r["step"], r["eval/accuracy"], r["eval/pair_accuracy"]) for r in rows if "eval/accuracy" in r]
+        result["dpo"].append({"seed": seed, "evals": evals, "seconds": seconds, "nll_weight": args.nll_weight,
+                              "final": last3([a for _, a, _ in evals])})
+    return result
+
+
+def report(result: dict) -> str:
+    rm = result["rm"]["pair_accuracy"]
+    start = result["rl"][0]["evals"][0][1]
+    lines = [f"# preference demos ({result['date']})", "",
+             f"machine: {result['machine']}; start model {result['start_model']} (held-out accuracy {start:.1%}); "
+             f"{result['pairs']} pairs from {result['prompts']} training prompts (4 samples each)", "",
+             f"**Reward model** (Bradley-Terry, {result['rm']['steps']} steps, {result['rm']['seconds']:.0f} s): "
+             f"held-out pairwise accuracy {rm[0][1]:.1%} -> {rm[-1][1]:.1%} (best {max(a for _, a in rm):.1%}); "
+             "curve " + " ".join(f"{s}:{100 * a:.0f}" for s, a in rm), "",
+             f"**RL** ({result['rl_steps']} steps of the quickstart's asynchronous GRPO from the start model; "
+             "accuracy is the task's rule on 500 held-out problems, final = mean of the last 3 evaluations)", "",
+             "| reward | seeds | start | final (mean ± sd) | gain |", "|---|---|---|---|---|"]
+    for reward in ("rule", "reward model"):
+        finals = [r["final"] for r in result["rl"] if r["reward"] == reward]
+        lines.append(f"| {reward} | {len(finals)} | {100 * start:.1f} | **{100 * np.mean(finals):.1f}** ± "
+                     f"{100 * np.std(finals):.1f} | {100 * (np.mean(finals) - start):+.1f} |")
+    finals = [r["final"] for r in result["dpo"]]
+    lines += ["", f"**DPO** (RPO, nll_weight {result['dpo'][0]['nll_weight']:g}; task accuracy, greedy, 500 problems): "
+              f"{100 * start:.1f}% -> **{100 * np.mean(finals):.1f}%** ± {100 * np.std(finals):.1f} "
+              f"({100 * (np.mean(finals) - start):+.1f} points, {len(finals)} seeds)", "", "Per run (step: accuracy):"]
+    for r in result["rl"]:
+        lines.append(f"- RL {r['reward']} seed {r['seed']}: " + " ".join(f"{s}:{100 * a:.0f}" for s, a in r["evals"]))
+    for r in result["dpo"]:
+        lines.append(f"- DPO seed {r['seed']}: " + " ".join(f"{s}:{100 * a:.0f} (pairs {100 * p:.0f})"
+                                                             for s, a, p in r["evals"]))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--start-model", type=Path, required=True, help="the SFT checkpoint everything starts from")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--prompts", type=int, default=8000, help="training prompts sampled for pairs")
+    parser.add_argument("--rm-steps", type=int, default=1000)
+    parser.add_argument("--rl-steps", type=int, default=100)
+    parser.add_argument("--dpo-steps", type=int, default=200)
+    parser.add_argument("--nll-weight", type=float, default=1.0)
+    parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "preference_demos")
+    parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
+    args = parser.parse_args()
+    args.start_model = args.start_model.resolve()
+    run_and_record("preference_demos", args, run, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -60,8 +60,9 @@ def run(args) -> dict:
     n_pairs = len(pairs.read_text().splitlines())
     preference = ["--config", "configs/preference_arithmetic.yaml", f"model.path={args.start_model}",
                   f"preference.path={pairs}", f"cluster.fileroot={work}", *QUIET]
-    rm_seconds = once(work / "rm.done", [*CLI, "rm", *preference, "experiment.trial=rm",
-                                         f"preference.total_train_steps={args.rm_steps}"], work / "rm.log")
+    rm_seconds = once(work / "rm.done", [*CLI, "rm", *preference, "experiment.trial=rm", "preference.lr=5e-4",
+                                         f"preference.total_train_steps={args.rm_steps}",
+                                         "preference.eval_every_steps=250"], work / "rm.log")
     rm_run = work / "preference" / "rm"
     rm_evals = [(r["step"], r["eval/pair_accuracy"]) for r in records(rm_run) if "eval/pair_accuracy" in r]
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "start_model": str(args.start_model),
@@ -83,7 +84,6 @@ def run(args) -> dict:
         name = f"dpo-s{seed}"
         seconds = once(work / f"{name}.done", [*CLI, "dpo", *preference, f"experiment.trial={name}",
                                                f"experiment.seed={seed}", f"preference.total_train_steps={args.dpo_steps}",
-                                               "preference.eval_every_steps=50", "preference.lr=1e-4",
                                                f"preference.nll_weight={args.nll_weight}"], work / f"{name}.log")
         rows = records(work / "preference" / name)
         evals = [(r["step"], r["eval/accuracy"], r["eval/pair_accuracy"]) for r in rows if "eval/accuracy" in r]
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--start-model", type=Path, required=True, help="the SFT checkpoint everything starts from")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--prompts", type=int, default=8000, help="training prompts sampled for pairs")
-    parser.add_argument("--rm-steps", type=int, default=1000)
+    parser.add_argument("--rm-steps", type=int, default=2000)
     parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--dpo-steps", type=int, default=200)
     parser.add_argument("--nll-weight", type=float, default=1.0)

@@ -124,7 +124,7 @@ def _pairs(args) -> int:
     from areal_hpc.agents.engine import Sampling
     from areal_hpc.agents.registry import build_workflow
     from areal_hpc.config import load_config
-    from areal_hpc.data.preference_pairs import pairs_from_episodes
+    from areal_hpc.train.preference_pairs import pairs_from_episodes
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
     from areal_hpc.train.evaluate import evaluate_model

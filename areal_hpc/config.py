@@ -229,6 +229,18 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = spec(0, "LoRA rank r of the actor's adapters (peft, torch engine, one process or dp/fsdp ranks): "
+                     "only the adapters train, checkpoints hold only them, rollout servers get the merged weights; "
+                     "0: full fine-tuning", ge=0)
+    alpha: float = spec(16.0, "LoRA scale numerator: the update B·A is scaled by alpha / rank", gt=0.0)
+    dropout: float = spec(0.0, "dropout on the adapters' input while training", ge=0.0, le=1.0)
+    target_modules: list = spec(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                "names of the decoder's linear layers that get adapters (attention and MLP "
+                                "projections of a Qwen2-style model)")
+
+
+@dataclass
 class ActorConfig:
     lr: float = spec(1e-4, "peak learning rate of the RL actor", gt=0.0)
     adv_estimator: str = spec("grpo", "advantage estimator (ppo trains a critic and uses GAE)",
@@ -276,6 +288,7 @@ class ActorConfig:
     engine: str = spec("torch", "training engine: torch (PyTorch-native: FSDP2 or replicated dp, DTensor TP) or "
                        "megatron (Megatron-core GPTModel: dp, tp, pp; extra `megatron`)", choices=["torch", "megatron"])
     parallel: ParallelConfig = section(ParallelConfig)
+    lora: LoRAConfig = section(LoRAConfig)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Optional extras (megatron, sglang, te, npu, mpi, agents): imported lazily, with an install hint when absent."""
+"""Optional extras (megatron, sglang, te, npu, mpi, agents, lora): imported lazily, with an install hint when absent."""
 
 import importlib
 
@@ -10,6 +10,7 @@ EXTRAS = {
     "torch_npu": "npu",
     "mpi4py": "mpi",
     "agents": "agents",  # the OpenAI Agents SDK (package openai-agents)
+    "peft": "lora",  # LoRA adapters (actor.lora)
 }
 
 

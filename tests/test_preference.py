@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.algo.preference import LOSSES, PairLossConfig, margin_gradients, pair_losses, sequence_coefficients
 from areal_hpc.config import PreferenceConfig
-from areal_hpc.data.preference_pairs import load_pairs, pairs_from_episodes, split_conversations
+from areal_hpc.train.preference_pairs import load_pairs, pairs_from_episodes, split_conversations
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import ValueOutputs, packed_policy_outputs
 from areal_hpc.errors import UserError
@@ -228,7 +228,7 @@ def test_a_trained_reward_model_scores_the_rl_rollouts(tiny_model_dir, tmp_path)
     """`areal-hpc rm`, then `areal-hpc train reward.model=...`: every trajectory's reward is the reward model's
     score of its tokens; held-out accuracy is still the task's rule."""
     from areal_hpc.data.shards.reader import TrajectoryStore
-    from areal_hpc.reward.reward_model import RewardModelScore
+    from areal_hpc.train.reward_model import RewardModelScore
 
     pairs = write_pairs(tmp_path / "pairs.jsonl", ARITHMETIC_PAIRS * 2)
     trained = run_cli(*pair_run_args("rm", tiny_model_dir, tmp_path, pairs))

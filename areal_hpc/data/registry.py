@@ -10,7 +10,6 @@ from areal_hpc.data.tasks import Task
 from areal_hpc.data.user_data import read_rows, split_examples
 from areal_hpc.errors import UserError
 from areal_hpc.plugins import load_object
-from areal_hpc.reward.reward_model import RewardModelScore, check_reward_model
 
 BUILT_IN = {"arithmetic": arithmetic.make_task, "countdown": countdown.make_task, "gsm8k": gsm8k.make_task,
             "calculator": calculator.make_task}
@@ -18,8 +17,8 @@ BUILT_IN = {"arithmetic": arithmetic.make_task, "countdown": countdown.make_task
 
 def build_task(cfg: DatasetConfig, reward: RewardConfig | None = None) -> Task:
     """The task ``cfg`` names, its reward replaced by ``reward.fn`` when that is set (checked to load here,
-    so a bad spec is one line before anything starts); with ``reward.model`` the RL rollouts are scored by
-    that reward model (``train_reward``) while evaluations keep the task's own reward."""
+    so a bad spec is one line before anything starts). ``reward.model`` is the trainer's to load
+    (``train.task_setup``): a custom task with it and no ``reward.fn`` has no reward here."""
     if reward is not None and reward.fn and reward.model:
         raise UserError("config keys 'reward.fn' and 'reward.model' are both set: RL trains on one reward (the "
                         "task's own, or reward.fn, still scores evaluations beside reward.model)")
@@ -31,8 +30,7 @@ def build_task(cfg: DatasetConfig, reward: RewardConfig | None = None) -> Task:
             raise UserError("config key 'reward.fn': dataset.task=custom needs your reward: "
                             "reward.fn='package.module:function' or 'path/to/file.py:function' (or reward.model)")
         train, held_out = split_examples(cfg, "custom", read_rows)
-        task = Task("custom", train, held_out, RewardFunction(RewardModelScore(reward.model), "reward.model")
-                    if not reward.fn else None)
+        task = Task("custom", train, held_out, None)
     elif cfg.path and cfg.task != "gsm8k":
         raise UserError(f"config key 'dataset.path': {cfg.task} generates its problems; dataset.path is read with "
                         "dataset.task=custom (your data) or gsm8k")
@@ -41,9 +39,6 @@ def build_task(cfg: DatasetConfig, reward: RewardConfig | None = None) -> Task:
     if reward is not None and reward.fn:
         load_object(reward.fn, "reward.fn")
         task.reward = RewardFunction(reward.fn)
-    if reward is not None and reward.model:
-        check_reward_model(reward.model)
-        task.train_reward = RewardFunction(RewardModelScore(reward.model), "reward.model")
     return task
 
 

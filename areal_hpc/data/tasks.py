@@ -34,5 +34,3 @@ class Task:
     train: list[Example]
     eval: list[Example]
     reward: object  # a ``data.rewards.RewardFunction`` (picklable into reward workers)
-    train_reward: object = None  # what RL rollouts are scored by when not ``reward`` (reward.model); evaluations
-    # always use ``reward``

@@ -10,13 +10,14 @@ from areal_hpc.config import OptimizerConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
-    """Weight decay on matrices only: biases and norm scales are not decayed."""
+    """Weight decay on matrices only: biases and norm scales are not decayed. An empty group is left out
+    (LoRA trains matrices only; torch.distributed.checkpoint cannot load the state of an empty group)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:

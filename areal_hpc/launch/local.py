@@ -63,6 +63,10 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
     ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
     check_task(cfg)  # your data, reward and workflow load
+    if cfg.actor.lora.rank:  # LoRA's layout and target modules (this imports torch: LoRA runs only)
+        from areal_hpc.engines.torch.lora import check_lora
+
+        check_lora(cfg)
     resume = should_resume(cfg, resume)
     run_dir = cfg.run_dir
     incarnation = f"{new_incarnation()}.{os.getpid()}"  # two launches inside one Slurm allocation differ too

@@ -253,6 +253,10 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
     data_parallel_weights(cfg.actor.parallel, dims.dp)
     task_groups(cfg)  # the tasks' roles add up
     check_task(cfg)  # your data, reward and workflow load
+    if cfg.actor.lora.rank:  # LoRA's layout and target modules (this imports torch: LoRA runs only)
+        from areal_hpc.engines.torch.lora import check_lora
+
+        check_lora(cfg)
     check_components(components, read_partitions(), cfg.slurm.gres)
     should_resume(cfg, resume)
     run_dir = cfg.run_dir

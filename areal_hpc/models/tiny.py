@@ -28,14 +28,20 @@ PRESETS = {
 }
 
 
+def preset_classes(preset: str) -> tuple[type, type]:
+    """(config class, model class) of a preset's architecture."""
+    if "num_experts" in PRESETS[preset]:
+        return Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen2Config, Qwen2ForCausalLM
+
+
 def init_model(out: str | Path, corpus: list[str], preset: str = "tiny", seed: int = 0) -> Path:
     """Write a freshly initialised model and its tokenizer (trained on ``corpus``) to ``out`` in Hugging
     Face format. The folder appears whole (written aside, then renamed): processes on other nodes wait
     for it."""
     out = Path(out)
     tokenizer = build_tokenizer(corpus)
-    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if "num_experts" in PRESETS[preset] else (
-        Qwen2Config, Qwen2ForCausalLM)
+    config_class, model_class = preset_classes(preset)
     config = config_class(
         vocab_size=len(tokenizer),
         max_position_embeddings=1024,

@@ -29,6 +29,7 @@ from areal_hpc.data.shards.writer import PROXY_WRITER_PREFIX, TrajectoryShardWri
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.lora import check_layout as check_lora_layout
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.errors import UserError
 from areal_hpc.extras import require
@@ -76,6 +77,8 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
                         f"{actor_cfg.importance_level}; set actor.tree_training=off")
     if actor_cfg.tree_training == "dta":
         check_cost(actor_cfg.tree_cost)
+    if actor_cfg.lora.rank:
+        check_lora_layout(actor_cfg.engine, mesh.dims if mesh is not None else None, actor_cfg.tree_training)
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
     optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
     temperature = sampler_temperature(cfg)
@@ -96,8 +99,11 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
             return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, device), ValueOutputs(),
                                     tree_training=actor_cfg.tree_training, **common)
         network = load_model(path, model.dtype, model.attn_impl, device).requires_grad_(lr is not None)
-        return TorchTrainEngine(network, PolicyOutputs(temperature), tree_training=actor_cfg.tree_training, **common)
+        return TorchTrainEngine(network, PolicyOutputs(temperature), tree_training=actor_cfg.tree_training,
+                                lora=actor_cfg.lora if lr else None, **common)  # the reference is the base model
 
+    if actor_cfg.lora.rank:
+        torch.manual_seed(cfg.experiment.seed)  # the adapters' initialisation depends on the seed only
     engines = {"actor": engine("policy", actor_cfg.lr)}
     if actor_cfg.adv_estimator == "ppo":
         torch.manual_seed(cfg.experiment.seed)  # the value head's initialisation depends on the seed only

@@ -31,7 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from areal_hpc.algo.advantages import sequence_ids
 from areal_hpc.algo.preference import PairLossConfig, margin_gradients, pair_statistics, sequence_coefficients
 from areal_hpc.config import RunConfig, save_resolved
-from areal_hpc.data.preference_pairs import PreferencePair, load_pairs
+from areal_hpc.train.preference_pairs import PreferencePair, load_pairs
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import ValueOutputs, packed_policy_outputs

@@ -77,7 +77,7 @@ class RLRun:
             addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
             in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # requests at most
             with (reward_pool(cfg, task, training=True) as rewards,
-                  (reward_pool(cfg, task) if task.train_reward is not None else contextlib.nullcontext())
+                  (reward_pool(cfg, task) if cfg.reward.model else contextlib.nullcontext())
                   as eval_rewards, RLProgress(cfg, state["step"]) as progress,
                   shards(cfg, state.get("cursor", {})) as (writer, consumer),
                   open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):

@@ -1,6 +1,7 @@
 """A run's task as the trainer, SFT and ``areal-hpc eval`` use it: built from the config (your data,
 reward and workflow, or a built-in), prompts longer than the context dropped and counted, and the
-reward pool it is scored in."""
+reward pools it is scored in: the task's own reward for evaluations, and for RL rollouts the reward
+model of ``reward.model`` when one is set."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 from areal_hpc.agents.registry import build_workflow
 from areal_hpc.config import RunConfig
 from areal_hpc.data.registry import build_task
-from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.rewards import RewardFunction, RewardPool
 from areal_hpc.data.tasks import Example, Task
 from areal_hpc.errors import UserError
 from areal_hpc.models.chat import example_prompt_ids
+from areal_hpc.train.reward_model import RewardModelScore, check_reward_model
 
 
 def prompt_token_limit(cfg: RunConfig, model_dir: str | Path) -> int:
@@ -39,6 +41,9 @@ def fit_prompts(examples: list[Example], tokenizer, limit: int) -> tuple[list[Ex
 def open_task(cfg: RunConfig, tokenizer, model_dir: str | Path, say=print) -> Task:
     """The run's task with the prompts that fit (what was dropped is said through ``say``)."""
     task = build_task(cfg.dataset, cfg.reward)
+    if cfg.reward.model:
+        check_reward_model(cfg.reward.model)
+        task.reward = task.reward or model_reward(cfg)  # your data scored by the reward model alone
     limit = prompt_token_limit(cfg, model_dir)
     task.train, dropped_train = fit_prompts(task.train, tokenizer, limit)
     task.eval, dropped_eval = fit_prompts(task.eval, tokenizer, limit)
@@ -54,11 +59,17 @@ def check_task(cfg: RunConfig) -> None:
     """Read the data, load the reward and build the workflow once before anything starts: a bad path, a
     missing column or user code that does not import is one line, not a failed job."""
     build_task(cfg.dataset, cfg.reward)
+    if cfg.reward.model:
+        check_reward_model(cfg.reward.model)
     build_workflow(cfg.rollout)
+
+
+def model_reward(cfg: RunConfig) -> RewardFunction:
+    return RewardFunction(RewardModelScore(cfg.reward.model), "reward.model")
 
 
 def reward_pool(cfg: RunConfig, task: Task, training: bool = False) -> RewardPool:
     """The pool that scores evaluations (the task's reward), or with ``training`` the RL rollouts (the
     reward model of ``reward.model`` when one is set)."""
-    reward = task.train_reward if training and task.train_reward is not None else task.reward
+    reward = model_reward(cfg) if training and cfg.reward.model else task.reward
     return RewardPool(reward, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)

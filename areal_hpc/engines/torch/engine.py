@@ -12,6 +12,10 @@ rollout server casts them to its own (the embedded engine's ``copy_``, SGLang's 
 
 Activation recomputation (``actor.recompute``): ``engines.torch.recompute``, in every layout.
 
+LoRA (``lora``, ``actor.lora``): ``engines.torch.lora`` injects the adapters before anything else and
+freezes the rest, so the optimizer holds the adapters only; the weight push and ``save(optimizer=False)``
+hand out merged weights, checkpoints (``save(optimizer=True)``) the adapters, which ``load`` restores.
+
 Tree training (``actor.tree_training=dta``): ``train_step`` runs ``engines.torch.tree`` over the prefix
 tree of the whole share instead of packed micro-batches; ``forward`` stays packed. On a CPU the tree
 pass computes in the weights' precision, not under a lower ``compute_dtype``'s autocast (which made
@@ -35,11 +39,12 @@ from torch.distributed.fsdp import FSDPModule
 from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.algo.prefix_tree import build_prefix_tree
 from areal_hpc.algo.tree_balance import TREE_FEATURES, node_features
-from areal_hpc.config import OptimizerConfig
+from areal_hpc.config import LoRAConfig, OptimizerConfig
 from areal_hpc.engines.base import (OPTIMIZER_SHARDS, TRAINING_STATE, ForwardFn, LossFn, WeightBucket,
                                     merge_over_context, merge_stats, weight_buckets)
 from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch import lora as lora_adapters
 from areal_hpc.engines.torch.experts import reduce_expert_gradients
 from areal_hpc.engines.torch.parallelize import (PackedForward, clip_grad_norm, full_state, load_full_state,
                                                  parallelize, sharded_mixed_precision)
@@ -62,14 +67,18 @@ class TorchTrainEngine:
     of the mesh calls ``forward`` and ``train_step`` with its data-parallel replica's share (tensor-
     parallel peers with the same one) and gets complete results; ``rollout_weights``, ``save`` and
     ``load`` are collective over the whole mesh. ``compute_dtype``, ``recompute`` and ``tree_training``
-    as the module says.
+    as the module says; ``lora`` (a rank above 0) trains LoRA adapters instead of the weights.
     """
 
     def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, mesh: TrainMesh | None = None,
                  optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
                  max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32",
-                 recompute: str = "none", tree_training: str = "off"):
+                 recompute: str = "none", tree_training: str = "off", lora: LoRAConfig | None = None):
         check_tree_layout(tree_training, mesh, recompute, forward_fn)
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        if self.lora is not None:
+            lora_adapters.check_layout("torch", mesh.dims if mesh is not None else None, tree_training)
+            lora_adapters.add_adapters(model, self.lora)
         self.tree_training = tree_training
         self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
         self.device = next(model.parameters()).device
@@ -83,6 +92,8 @@ class TorchTrainEngine:
                 str(weights_dtype).removeprefix("torch."), compute_dtype)
         sharded = mesh is not None and sharded_mixed_precision(mesh.dims, compute)
         self.autocast_dtype = weights_dtype if sharded else compute  # FSDP casts the parameters itself
+        if self.lora is not None and self.autocast_dtype != torch.float32:
+            lora_adapters.keep_autocast_inputs(model)
         self.max_tokens_per_mb = max_tokens_per_mb
         self.rank = dist.get_rank() if mesh is not None else 0
         recompute_activations(model, recompute)
@@ -248,7 +259,8 @@ class TorchTrainEngine:
         ranks. Collective: every rank iterates to the end."""
         keep = self.rank == 0
         if self.pipeline is None:
-            return ((n, t) for n, t in full_state(self.root, keep) if keep)
+            state = ((n, t) for n, t in full_state(self.root, keep) if keep)
+            return lora_adapters.merged(state, self.lora.alpha / self.lora.rank) if self.lora is not None else state
         header = [(name.removeprefix("model."), t.shape, t.dtype) for name, t in self.root.state_dict().items()]
         return self.pipeline.gathered(header, lambda lead: full_state(self.root, lead))
 
@@ -259,12 +271,18 @@ class TorchTrainEngine:
         return weight_buckets(self._full_state(), bucket_bytes)
 
     def save(self, folder: Path, *, optimizer: bool = True) -> None:
-        """Collective: rank 0 writes the Hugging Face folder; with a mesh every rank writes its shard of
-        the optimizer state (torch.distributed.checkpoint, in ``optimizer/``)."""
+        """Collective: rank 0 writes the Hugging Face folder (with LoRA and ``optimizer``: the adapters
+        only, in peft's format); with a mesh every rank writes its shard of the optimizer state
+        (torch.distributed.checkpoint, in ``optimizer/``)."""
         keep = self.rank == 0
-        state = dict(self._full_state())
-        if keep:
-            save_model(self.model, self.tokenizer, folder, state_dict=state)
+        if self.lora is not None and optimizer:
+            adapters = lora_adapters.adapter_state(self.root, keep)
+            if keep:
+                lora_adapters.save_adapters(folder, adapters, self.lora, self.model.name_or_path)
+        else:
+            state = dict(self._full_state())
+            if keep:
+                save_model(self.model, self.tokenizer, folder, state_dict=state)
         if not optimizer or self.optimizer is None:
             return
         training = {"scheduler": self.scheduler.state_dict()}
@@ -277,12 +295,12 @@ class TorchTrainEngine:
             torch.save(training, folder / TRAINING_STATE)
 
     def load(self, folder: Path) -> None:
-        """Collective. Weights load into any layout (each rank takes its shard of the full tensors);
-        optimizer state into the layout that saved it."""
-        state = {name: tensor.to(self.device) for name, tensor in read_checkpoint(folder).items()}
-        if getattr(self.model.config, "tie_word_embeddings", False):  # a folder may store the tied head once
-            state.setdefault("lm_head.weight", state.get(f"{self.model.base_model_prefix}.embed_tokens.weight"))
-        missing = load_full_state(self.root, {name: tensor for name, tensor in state.items() if tensor is not None})
+        """Collective. Weights (with LoRA: the adapters, over the base model) load into any layout (each
+        rank takes its shard of the full tensors); optimizer state into the layout that saved it."""
+        if self.lora is not None:
+            missing = lora_adapters.load_adapters(self.root, folder, self.lora)
+        else:
+            missing = self._load_weights(folder)
         if missing:
             raise RuntimeError(f"checkpoint {folder} lacks {sorted(missing)[:5]}")
         if self.optimizer is None or not (folder / TRAINING_STATE).exists():
@@ -297,6 +315,13 @@ class TorchTrainEngine:
             if self.pipeline is not None:
                 sharded = self.pipeline.rename_tied(sharded, to_embedding=False)
             set_optimizer_state_dict(self.root, self.optimizer, sharded, options=FLAT)
+
+    def _load_weights(self, folder: Path) -> list[str]:
+        """Load a Hugging Face folder's weights; the names it lacks."""
+        state = {name: tensor.to(self.device) for name, tensor in read_checkpoint(folder).items()}
+        if getattr(self.model.config, "tie_word_embeddings", False):  # a folder may store the tied head once
+            state.setdefault("lm_head.weight", state.get(f"{self.model.base_model_prefix}.embed_tokens.weight"))
+        return load_full_state(self.root, {name: tensor for name, tensor in state.items() if tensor is not None})
 
     def _optimizer_state(self) -> dict:
         """This rank's optimizer state, flattened (every entry keyed by its parameter's name, so ranks

@@ -138,12 +138,15 @@ def full_state(root: PackedForward, keep: bool) -> Iterator[tuple[str, torch.Ten
 
 
 @torch.no_grad()
-def load_full_state(root: PackedForward, state: dict[str, torch.Tensor]) -> list[str]:
+def load_full_state(root: PackedForward, state: dict[str, torch.Tensor],
+                    only: Callable[[str], bool] | None = None) -> list[str]:
     """Copy full tensors (by Hugging Face name) into the model, each rank taking its own shard; returns
-    the names the state lacks."""
+    the names the state lacks. ``only``: the names to load (LoRA's adapters), the others left as they are."""
     missing = []
     for name, tensor in root.state_dict().items():
         name = name.removeprefix("model.")
+        if only is not None and not only(name):
+            continue
         if name not in state:
             missing.append(name)
         elif isinstance(tensor, DTensor):

@@ -6,7 +6,8 @@
 2. ``areal-hpc rm``: a Bradley-Terry reward model from the SFT model on those pairs; its held-out
    pairwise accuracy (pairs held out of the file).
 3. ``areal-hpc train`` (asynchronous GRPO, the quickstart's settings, ``--rl-steps`` steps) per seed, once with
-   the task's rule reward and once with ``reward.model`` = the reward model; held-out accuracy is the rule's
+   the task's rule reward and once with ``reward.model`` = the reward model (and ``--rm-kl`` as the KL
+   penalty to the start model); held-out accuracy is the rule's
    in both (500 problems, greedy), final = mean of the last three evaluations.
 4. ``areal-hpc dpo`` per seed on the same pairs (RPO: ``preference.nll_weight``), its task accuracy.
 Every step writes into ``--workdir`` and is skipped when its output is there, so an interrupted run
@@ -68,9 +69,10 @@ def run(args) -> dict:
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "start_model": str(args.start_model),
               "pairs": n_pairs, "prompts": args.prompts, "rm": {"steps": args.rm_steps, "seconds": rm_seconds,
                                                                  "pair_accuracy": rm_evals},
-              "rl_steps": args.rl_steps, "rl": [], "dpo": []}
+              "rl_steps": args.rl_steps, "rm_kl": args.rm_kl, "rl": [], "dpo": []}
     for seed in args.seeds:
-        for reward, extra in (("rule", []), ("reward model", [f"reward.model={rm_run / 'model'}"])):
+        rm_overrides = [f"reward.model={rm_run / 'model'}", f"actor.kl_ctl={args.rm_kl}"]
+        for reward, extra in (("rule", []), ("reward model", rm_overrides)):
             name = f"rl-{'rm' if extra else 'rule'}-s{seed}"
             folder = work / name
             seconds = once(work / f"{name}.done", [
@@ -103,6 +105,7 @@ def report(result: dict) -> str:
              "curve " + " ".join(f"{s}:{100 * a:.0f}" for s, a in rm), "",
              f"**RL** ({result['rl_steps']} steps of the quickstart's asynchronous GRPO from the start model; "
              "accuracy is the task's rule on 500 held-out problems, final = mean of the last 3 evaluations)", "",
+             f"(against the reward model with actor.kl_ctl={result['rm_kl']:g})", "",
              "| reward | seeds | start | final (mean ± sd) | gain |", "|---|---|---|---|---|"]
     for reward in ("rule", "reward model"):
         finals = [r["final"] for r in result["rl"] if r["reward"] == reward]
@@ -127,6 +130,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8000, help="training prompts sampled for pairs")
     parser.add_argument("--rm-steps", type=int, default=2000)
     parser.add_argument("--rl-steps", type=int, default=100)
+    parser.add_argument("--rm-kl", type=float, default=0.0, help="actor.kl_ctl of the runs against the reward model")
     parser.add_argument("--dpo-steps", type=int, default=200)
     parser.add_argument("--nll-weight", type=float, default=1.0)
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "preference_demos")

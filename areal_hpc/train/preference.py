@@ -101,7 +101,7 @@ class PreferenceTrainer:
     def __init__(self, engine: TorchTrainEngine, objective: str, cfg: RunConfig,
                  reference: dict[str, torch.Tensor] | None):
         pcfg = cfg.preference
-        self.engine, self.objective, self.scorer = engine, objective, PairScorer(objective)
+        self.engine, self.scorer = engine, PairScorer(objective)
         self.loss_cfg = PairLossConfig(loss=pcfg.loss if objective == "dpo" else "bradley_terry", beta=pcfg.beta,
                                        label_smoothing=pcfg.label_smoothing if objective == "dpo" else 0.0)
         self.scale = pcfg.beta if objective == "dpo" else 1.0  # DPO's implicit reward is β·(log π − log π_ref)

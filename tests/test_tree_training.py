@@ -234,7 +234,10 @@ def test_a_loss_or_engine_tree_training_cannot_sum_per_node_is_one_user_error(ov
 
 
 TREE_LAYOUTS = {"dp2": (), "fsdp2": ("actor.parallel.fsdp=true",)}
-ESTIMATORS = {"grpo": (), "ppo_critic": ("actor.adv_estimator=ppo",)}
+# M2PO: its trust region is one bound over the batch, gathered from the ranks' tree parts (the synthetic
+# batch's behaviour logprobs are ~4 nats off the random model's: a bound of 16 masks part of the tokens)
+ESTIMATORS = {"grpo": (), "ppo_critic": ("actor.adv_estimator=ppo",),
+              "m2po": ("actor.policy_loss=m2po", "actor.m2_threshold=16")}
 
 
 @pytest.mark.distributed
@@ -252,6 +255,8 @@ def test_tree_training_over_two_replicas_takes_the_flat_step_of_one_process(layo
                      "actor.tree_training=dta")
     assert ours["stats"]["actor/tree_tokens"] < ours["stats"]["train/tokens"]  # the groups' prompts shared
     assert_same_step(ours, reference)
+    kept, tokens = ours["stats"]["actor/kept_tokens"], ours["stats"]["actor/loss_tokens"]
+    assert kept == reference["stats"]["actor/kept_tokens"] and (0 < kept < tokens) == (estimator == "m2po")
 
 
 @functools.cache

@@ -121,14 +121,8 @@ def _pairs_arguments(pairs) -> None:
 
 
 def _pairs(args) -> int:
-    from areal_hpc.agents.engine import Sampling
-    from areal_hpc.agents.registry import build_workflow
     from areal_hpc.config import load_config
     from areal_hpc.train.preference_pairs import pairs_from_episodes
-    from areal_hpc.models.hf import load_model, load_tokenizer
-    from areal_hpc.parallel.device import resolve_device
-    from areal_hpc.train.evaluate import evaluate_model
-    from areal_hpc.train.task_setup import open_task, reward_pool
 
     cfg = load_config(args.config, args.overrides)
     if args.samples < 2:
@@ -138,14 +132,7 @@ def _pairs(args) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise UserError(f"--out {args.out}: folder {out.parent} does not exist")
-    tokenizer = load_tokenizer(args.model)
-    task = open_task(cfg, tokenizer, args.model, lambda line: print(line, file=sys.stderr))
-    examples = (task.train if args.split == "train" else task.eval)[: args.limit]
-    model = load_model(args.model, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
-    with reward_pool(cfg, task) as rewards:
-        result = evaluate_model(model, tokenizer, examples, rewards, Sampling.from_config(cfg.gconfig),
-                                build_workflow(cfg.rollout), args.model, n_samples=args.samples, greedy=False,
-                                discount=cfg.rollout.turn_discount, seed=cfg.experiment.seed)
+    task, examples, result = _model_episodes(cfg, args.model, args.split, args.limit, args.samples)
     rows = pairs_from_episodes(result.episodes, args.samples)
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(f"{len(rows)} pairs from {len(examples)} {task.name} prompts ({args.samples} samples each; prompts whose "
@@ -215,14 +202,31 @@ def _eval_arguments(ev) -> None:
     _optional_config_arguments(ev)
 
 
-def _eval(args) -> int:
+def _model_episodes(cfg, model: str, split: str, limit: int | None, samples: int):
+    """(task, examples, result): ``samples`` episodes (greedy when 1) of the model on the first ``limit`` prompts
+    of the task's ``split`` ("train" or "eval"), in this process through the embedded engine, scored by the
+    task's reward."""
     from areal_hpc.agents.engine import Sampling
     from areal_hpc.agents.registry import build_workflow
-    from areal_hpc.config import load_config
     from areal_hpc.models.hf import load_model, load_tokenizer
     from areal_hpc.parallel.device import resolve_device
     from areal_hpc.train.evaluate import evaluate_model
     from areal_hpc.train.task_setup import open_task, reward_pool
+
+    tokenizer = load_tokenizer(model)
+    task = open_task(cfg, tokenizer, model, lambda line: print(line, file=sys.stderr))
+    examples = (task.train if split == "train" else task.eval)[:limit]
+    workflow = build_workflow(cfg.rollout)
+    network = load_model(model, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
+    with reward_pool(cfg, task) as rewards:
+        result = evaluate_model(network, tokenizer, examples, rewards, Sampling.from_config(cfg.gconfig), workflow,
+                                model, n_samples=samples, greedy=samples == 1, discount=cfg.rollout.turn_discount,
+                                seed=cfg.experiment.seed)
+    return task, examples, result
+
+
+def _eval(args) -> int:
+    from areal_hpc.config import load_config
 
     overrides = list(args.overrides) + ([f"dataset.task={args.task}"] if args.task else [])
     cfg = load_config(args.config, overrides)
@@ -230,17 +234,10 @@ def _eval(args) -> int:
         raise UserError(f"--limit must be a positive number of problems, got {args.limit}")
     if args.samples < 1:
         raise UserError(f"--samples must be a positive number of episodes per prompt, got {args.samples}")
-    tokenizer = load_tokenizer(args.model)
-    task = open_task(cfg, tokenizer, args.model, lambda line: print(line, file=sys.stderr))
-    workflow = build_workflow(cfg.rollout)
     out = Path(args.out) if args.out else None
     if out is not None and not out.parent.is_dir():
         raise UserError(f"--out {args.out}: folder {out.parent} does not exist")
-    model = load_model(args.model, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
-    with reward_pool(cfg, task) as rewards:
-        result = evaluate_model(model, tokenizer, task.eval[: args.limit], rewards, Sampling.from_config(cfg.gconfig),
-                                workflow, args.model, n_samples=args.samples, greedy=args.samples == 1,
-                                discount=cfg.rollout.turn_discount, seed=cfg.experiment.seed)
+    task, _, result = _model_episodes(cfg, args.model, "eval", args.limit, args.samples)
     if out is not None:
         out.write_text("".join(json.dumps(row) + "\n" for row in result.episodes))
     passes = {f"pass@{k}": v for k, v in result.pass_at.items()}

@@ -126,7 +126,7 @@ def test_weighted_outputs_give_the_objectives_gradient(tiny_model_dir, tmp_path,
     # direct: one forward of everything, the loss as a function of the parameters
     packed, _ = batch.packed()
     per_position = outputs(model, packed)[scorer.output].double()
-    scores = scorer._reduce(batch, per_position) - reference
+    scores = scorer.reduce(packed, per_position) - reference
     direct = pair_losses(scores[0::2] - scores[1::2], cfg).mean()
     direct_grads = torch.autograd.grad(direct, [p for p in model.parameters()])
 
@@ -134,7 +134,7 @@ def test_weighted_outputs_give_the_objectives_gradient(tiny_model_dir, tmp_path,
     model.zero_grad()
     scores = scorer.scores(engine, batch) - reference
     loss, gradient = margin_gradients(scores[0::2] - scores[1::2], cfg)
-    weights = scorer.weights(batch, torch.stack([gradient, -gradient], dim=1).reshape(-1))
+    weights = scorer.weights(packed, torch.stack([gradient, -gradient], dim=1).reshape(-1))
     assert loss.item() == pytest.approx(direct.item(), rel=1e-5)
     batch.set_packed("weights", weights.float())
     for indices, packed_mb, fields in engine._passes(batch):

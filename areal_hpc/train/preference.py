@@ -1,7 +1,7 @@
 """Training on preference pairs: DPO (or IPO) of a policy, and a Bradley-Terry reward model.
 
-    areal-hpc dpo --config configs/dpo_arithmetic.yaml [key=value ...]
-    areal-hpc rm  --config configs/rm_arithmetic.yaml  [key=value ...]
+    areal-hpc dpo --config configs/preference_arithmetic.yaml [key=value ...]
+    areal-hpc rm  --config configs/preference_arithmetic.yaml [key=value ...]
 
 Both objectives depend on the model only through one number per sequence: the summed log-likelihood of
 the completion (DPO) or the reward model's score after its last token (the critic's value head, as PPO's
@@ -10,8 +10,8 @@ each pair's margin (``algo.preference``), and trains the engine on the sequences
 per-token weight: the gradient is the objective's exactly, whichever micro-batches the engine packs.
 ``preference.nll_weight`` adds the chosen side's mean token NLL (RPO; Pang et al. 2024 found plain DPO
 lowers math accuracy and this term keeps the chosen answers likely). DPO's reference log-likelihoods
-are the starting model's, computed once before the first step (no
-second model in memory) and cached in the run folder. Held-out pairwise accuracy (and, with
+are the starting model's, computed once before the first step (no second model in memory) and cached
+in the run folder. Held-out pairwise accuracy (and, with
 ``preference.eval_task``, the policy's accuracy on the configured task) before, during and after
 training; metrics in JSONL and TensorBoard, a PNG curve, the model saved in Hugging Face format.
 One process, like SFT.
@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from areal_hpc.algo.advantages import sequence_ids
+from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.algo.preference import PairLossConfig, margin_gradients, pair_statistics, sequence_coefficients
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.train.preference_pairs import PreferencePair, load_pairs
@@ -67,26 +68,25 @@ class PairScorer:
 
     def scores(self, engine: TorchTrainEngine, batch: SequenceBatch) -> torch.Tensor:
         """[2n] float64: each sequence's completion log-likelihood (dpo) or its last value (rm)."""
-        per_position = torch.cat(engine.forward(batch)[self.output]).double()
-        return self._reduce(batch, per_position)
+        packed, _ = batch.packed()
+        return self.reduce(packed, torch.cat(engine.forward(batch)[self.output]).double())
 
-    def weights(self, batch: SequenceBatch, coefficients: torch.Tensor) -> torch.Tensor:
+    def weights(self, packed: PackedBatch, coefficients: torch.Tensor) -> torch.Tensor:
         """Packed [T] weights w with Σ_t w_t·output_t = Σ_i coefficient_i·score_i."""
-        packed, _ = batch.packed()
-        return self._positions(batch).double() * coefficients[sequence_ids(packed.cu_seqlens)]
+        return self._positions(packed).double() * coefficients[sequence_ids(packed.cu_seqlens)]
 
-    def _positions(self, batch: SequenceBatch) -> torch.Tensor:
-        packed, _ = batch.packed()
+    def reduce(self, packed: PackedBatch, per_position: torch.Tensor) -> torch.Tensor:
+        """[n] each sequence's score from the packed per-position outputs."""
+        selected = torch.where(self._positions(packed), per_position, 0.0)
+        return selected.new_zeros(len(packed.cu_seqlens) - 1).index_add_(0, sequence_ids(packed.cu_seqlens),
+                                                                         selected)
+
+    def _positions(self, packed: PackedBatch) -> torch.Tensor:
         if self.output == "logprobs":  # position t holds the logprob of token t + 1: the completion's targets
             return packed.target_mask.bool()
         last = torch.zeros(packed.cu_seqlens[-1], dtype=torch.bool)
         last[packed.cu_seqlens[1:] - 1] = True
         return last
-
-    def _reduce(self, batch: SequenceBatch, per_position: torch.Tensor) -> torch.Tensor:
-        packed, _ = batch.packed()
-        selected = torch.where(self._positions(batch), per_position, 0.0)
-        return selected.new_zeros(len(batch)).index_add_(0, sequence_ids(packed.cu_seqlens), selected)
 
 
 def weighted_output_loss(output: str):
@@ -122,7 +122,7 @@ class PreferenceTrainer:
         loss, coefficients, extra = sequence_coefficients(
             chosen, rejected, self.loss_cfg, self.nll_weight, log_likelihood,
             torch.tensor([len(pair.chosen_ids) for pair in pairs]))
-        batch.set_packed("weights", self.scorer.weights(batch, coefficients).float())
+        batch.set_packed("weights", self.scorer.weights(batch.packed()[0], coefficients).float())
         stats = self.engine.train_step(batch, weighted_output_loss(self.scorer.output))
         stats["loss"] = float(loss)  # the objective, not the weighted surrogate the engine summed
         stats.update(pair_statistics(chosen - rejected, chosen, rejected, self.scale), **extra)

@@ -69,10 +69,10 @@ def load_pairs(cfg: PreferenceConfig, seed: int, tokenizer, max_tokens: int,
     def rows_of(path: str, key: str, split: str) -> list[dict]:
         rows = read_rows(path, key.replace("dataset.", "preference."), split)
         rows = [split_conversations(row, cfg.chosen_field, cfg.rejected_field, prompt_key) for row in rows]
-        for side in (cfg.chosen_field, cfg.rejected_field):
-            if rows and side not in rows[0]:
-                raise UserError(f"config key 'preference.{'chosen' if side == cfg.chosen_field else 'rejected'}"
-                                f"_field': {path} has no column {side!r}; its columns are {', '.join(rows[0])}")
+        for key, column in (("chosen_field", cfg.chosen_field), ("rejected_field", cfg.rejected_field)):
+            if rows and column not in rows[0]:
+                raise UserError(f"config key 'preference.{key}': {path} has no column {column!r}; its columns are "
+                                f"{', '.join(rows[0])}")
         return rows
 
     data = DatasetConfig(path=cfg.path, eval_path=cfg.eval_path, prompt_field=prompt_key, answer_field="",

@@ -45,12 +45,12 @@ class RLRun:
     """One run's open resources on trainer rank 0 (``open``), from its starting ``version``."""
 
     def __init__(self, cfg: RunConfig, group: TrainerGroup, state: dict, task, workflow, settings: EngineSettings,
-                 progress: RLProgress, writer: TrajectoryShardWriter, consumer: TrajectoryConsumer, proxy_records,
-                 client: RolloutClient, placement: ThreadPlacement):
+                 eval_settings: EngineSettings, progress: RLProgress, writer: TrajectoryShardWriter,
+                 consumer: TrajectoryConsumer, proxy_records, client: RolloutClient, placement: ThreadPlacement):
         self.cfg, self.group, self.task, self.workflow, self.progress = cfg, group, task, workflow, progress
         self.placement = placement
         self.settings, self.consumer, self.proxy_records, self.client = settings, consumer, proxy_records, client
-        self.eval_settings = settings
+        self.eval_settings = eval_settings
         self.actor = group.engines["actor"]  # its saves and weight gatherings are collective over every rank
         self.version = state["step"]
         self.evaluated = state.get("evaluated", self.version)  # the last step evaluated
@@ -85,10 +85,10 @@ class RLRun:
                                           rollout_token(cfg.run_dir)) as client,
                             optional_chat(client.generate, model_dir, cfg.rollout.turn_discount) as chat):
                     settings = engine_settings(cfg, client, tokenizer, rewards, chat)
-                    run = cls(cfg, group, state, task, workflow, settings, progress, writer, consumer, proxy_records,
-                              client, placement)
-                    if eval_rewards is not None:  # accuracy is the task's, whatever the rollouts are scored by
-                        run.eval_settings = replace(settings, scorer=Scorer(eval_rewards))
+                    # accuracy is the task's, whatever the rollouts are scored by
+                    eval_settings = settings if eval_rewards is None else replace(settings, scorer=Scorer(eval_rewards))
+                    run = cls(cfg, group, state, task, workflow, settings, eval_settings, progress, writer, consumer,
+                              proxy_records, client, placement)
                     await run._start(servers)
                     try:
                         yield run

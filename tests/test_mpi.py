@@ -1,7 +1,8 @@
 """One MPI world is one torch.distributed world: under mpirun, and under Slurm as a heterogeneous job
 whose single ``srun --mpi=pmix --het-group=0,1`` step spans a trainer component on ``train1`` and a
 rollout component on ``rollout1`` (the dev cluster of slurm/dev/up.sh). Each rank runs an mpi4py
-allreduce and gloo allreduces after the name-resolve rendezvous (tests/rank_allreduce.py)."""
+allreduce and gloo allreduces after the name-resolve rendezvous (tests/rank_allreduce.py). That srun runs
+under the guard the launchers use: on Slurm 22.05 about one such srun in 25 hangs after its step ends."""
 
 import json
 import os
@@ -55,7 +56,8 @@ def test_het_job_is_one_world_across_components(tmp_path):
 #SBATCH -p rollout -n 1 -c 1 --mem-per-cpu=300M --gres=gpu:1
 export OMPI_MCA_btl=self,tcp  # shared memory segfaults between the two fake nodes of one host
 export {RENDEZVOUS}={tmp_path}/name_resolve/trainer/$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}
-srun --mpi=pmix --het-group=0,1 {sys.executable} -m tests.rank_allreduce 2 --mpi
+{sys.executable} -m areal_hpc.launch.srun_guard --poll-s 1 --grace-s 5 \\
+  srun --mpi=pmix --het-group=0,1 {sys.executable} -m tests.rank_allreduce 2 --mpi
 """)
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30,
                                env=_clean_environ())

@@ -4,19 +4,23 @@ submitit's ``SlurmExecutor`` writes single-component jobs only. ``HetJobExecutor
 does (the pickled call, its logs, ``job.result()``, the requeue on SIGUSR2) and adds components: the
 executor's own parameters make component 0, every ``Component`` after it adds a ``#SBATCH hetjob``
 block, and one ``srun --het-group=0,...,k`` starts every task of every component in one step, so one
-``--kill-on-bad-exit`` ends the whole job when any task fails. The executor folder must not contain
-``%j``: only component 0 would get its output folder ("Slurmd could not connect IO").
+``--kill-on-bad-exit`` ends the whole job when any task fails. That srun runs under ``srun_guard``: on
+Slurm before 24.11 an srun across het groups under PMIx can hang after its step has ended. The executor
+folder must not contain ``%j``: only component 0 would get its output folder ("Slurmd could not connect
+IO").
 """
 
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from submitit.slurm.slurm import SlurmExecutor
 
 from areal_hpc.errors import UserError
+from areal_hpc.launch import srun_guard
 from areal_hpc.launch.slurm_options import extra_sbatch_options, slurm_minutes
 
 
@@ -88,7 +92,10 @@ class HetJobExecutor(SlurmExecutor):
                        **_account_options(self.job)}
             blocks += ["#SBATCH hetjob", *(f"#SBATCH --{k}={shlex.quote(v)}" for k, v in options.items())]
         cut = min(i for i in (text.find("\n\n# setup"), text.find("\n\n# command")) if i >= 0)
-        return "\n".join([text[:cut], *blocks]) + text[cut:]
+        text = "\n".join([text[:cut], *blocks]) + text[cut:]
+        if len(self.components) > 1:
+            text = text.replace("\nsrun ", f"\n{shlex.quote(sys.executable)} -m {srun_guard.__name__} srun ", 1)
+        return text
 
     def _num_tasks(self) -> int:
         return sum(c.tasks for c in self.components)

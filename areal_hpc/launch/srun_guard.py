@@ -1,0 +1,115 @@
+"""Run the ``srun`` of a job step so that the batch script gets past it when its step has ended.
+
+Slurm before 24.11 starts one PMIx abort agent per het group inside srun but keeps the handle of only
+the last one (SchedMD ticket 16817, fixed by "mpi/pmix - Prevent multiple abort agents"): an srun whose
+step spans several het groups under ``--mpi=pmix`` (or ``MpiDefault=pmix``) can hang in
+``pmixp_abort_agent_stop`` after every task of its step has exited, and the job then holds its nodes
+until its time limit. On the dev cluster (22.05.8) one such step in about 25 hung.
+
+The guard runs srun as its child and watches the job's steps (``squeue``, ``sacct``). Once the steps that
+appeared after srun started have all left the queue and srun is still there ``grace_s`` seconds later,
+it kills srun and exits with the step's exit code as ``sacct`` recorded it (the largest of its tasks',
+as srun itself reports). Outside a Slurm job it simply runs the command.
+
+    python -m areal_hpc.launch.srun_guard [--poll-s S] [--grace-s S] srun --het-group=0-1 ... command
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+NOT_STEPS = {"batch", "extern", "interactive"}
+SACCT_WAIT_S = 30.0  # slurmdbd may record a step's end a few seconds after squeue drops it
+
+
+def running_steps(job: str) -> set[str] | None:
+    """Step numbers of ``job`` that squeue lists now ("958.0" -> "0"); None when squeue did not answer."""
+    try:
+        listed = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True,
+                                timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    if listed.returncode != 0:
+        return None
+    steps = {line.strip().rsplit(".", 1)[1] for line in listed.stdout.splitlines() if "." in line}
+    return steps - NOT_STEPS
+
+
+def recorded_steps(job: str) -> dict[str, int]:
+    """Every step sacct has recorded for ``job``, with the largest exit code over its tasks in every het
+    component (a task ended by signal S counts as 128 + S, as srun reports it)."""
+    try:
+        listed = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,ExitCode"], capture_output=True,
+                                text=True, timeout=30).stdout
+    except subprocess.TimeoutExpired:
+        return {}
+    steps: dict[str, int] = {}
+    for line in listed.splitlines():
+        step_id, _, exit_code = line.partition("|")
+        found = re.fullmatch(r"\d+(?:\+\d+)?\.(\w+)", step_id)
+        if found and found.group(1) not in NOT_STEPS:
+            status, _, signal = exit_code.partition(":")
+            code = int(status) or (128 + int(signal) if signal and int(signal) else 0)
+            steps[found.group(1)] = max(code, steps.get(found.group(1), 0))
+    return steps
+
+
+def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: float = 30.0) -> int:
+    """Run ``command`` (an srun) to its end, or until its step has been gone ``grace_s`` seconds.
+
+    Its steps are those that appear after it starts, in squeue while they run or in sacct once they
+    have ended (a short step may come and go between two looks)."""
+    before = (running_steps(job) or set()) | set(recorded_steps(job))
+    srun = subprocess.Popen(command)
+    ours: set[str] = set()
+    gone_since = None
+    while True:
+        try:
+            return srun.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            pass
+        running = running_steps(job)
+        if running is None:
+            continue
+        ours |= running - before
+        if ours & running:
+            gone_since = None
+            continue
+        ours |= set(recorded_steps(job)) - before
+        if ours:
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since >= grace_s:
+                break
+    srun.kill()
+    srun.wait()
+    deadline = time.monotonic() + SACCT_WAIT_S
+    while not ours <= set(codes := recorded_steps(job)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    code = max((codes[s] for s in ours if s in codes), default=None)
+    print(f"areal-hpc: srun was still running {grace_s:g} s after its step {job}.{','.join(sorted(ours))} ended "
+          "(Slurm before 24.11 with PMIx across het groups, SchedMD ticket 16817): ended it; the step's exit code "
+          f"is {'unknown to sacct' if code is None else code}", file=sys.stderr, flush=True)
+    return 1 if code is None else code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m areal_hpc.launch.srun_guard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--poll-s", type=float, default=10.0, help="how often to look at the job's steps")
+    parser.add_argument("--grace-s", type=float, default=30.0, help="how long srun may outlive its step")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the srun command line")
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.error("no command given: expected an srun command line after the options")
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return subprocess.run(args.command).returncode
+    return run_guarded(args.command, job, args.poll_s, args.grace_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

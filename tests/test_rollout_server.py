@@ -97,6 +97,25 @@ def test_generate_returns_sglang_shape_with_logprobs_equal_to_a_teacher_forced_p
     assert_teacher_forced(reply, tiny_model_dir)
 
 
+def test_input_logprobs_follow_sglang_scoring_contract(server, tiny_model_dir):
+    """SGLang's scoring path (what on-policy distillation asks of a teacher): max_new_tokens 0 and
+    logprob_start_len k give one [logprob, token, null] per position k.., the first logprob null, the
+    others those of a teacher-forced pass; a batch answers each prompt; -1 (the default) gives none."""
+    sequence = PROMPT + [40, 41, 7, 3]
+    for start in (0, 1, 4, len(sequence) - 1):
+        status, reply = post(server, "/generate", {"input_ids": sequence, "return_logprob": True,
+                                                   "logprob_start_len": start, "sampling_params": {"max_new_tokens": 0}})
+        assert status == 200 and reply["output_ids"] == [], reply
+        entries = reply["meta_info"]["input_token_logprobs"]
+        assert [token for _, token, _ in entries] == sequence[start:] and entries[0][0] is None
+        expected = teacher_forced_logprobs(tiny_model_dir, sequence[:start + 1], sequence[start + 1:])
+        assert torch.allclose(torch.tensor([lp for lp, _, _ in entries[1:]]), expected, atol=1e-4)
+    status, replies = post(server, "/generate", {"input_ids": [sequence, PROMPT], "return_logprob": True,
+                                                 "logprob_start_len": 2, "sampling_params": {"max_new_tokens": 0}})
+    assert status == 200 and [len(r["meta_info"]["input_token_logprobs"]) for r in replies] == [len(sequence) - 2, 3]
+    assert "input_token_logprobs" not in generate(server, max_new_tokens=2)["meta_info"]
+
+
 def test_logprobs_are_of_the_tempered_distribution_before_truncation_and_greedy_reports_temperature_1(
         server, tiny_model_dir):
     model = load_model(tiny_model_dir)
@@ -203,6 +222,9 @@ def test_a_temperature_below_the_floor_is_refused_and_running_requests_carry_on(
     (json.dumps({"input_ids": [1], "stream": "false"}).encode(), "stream = 'false'; it must be true or false"),
     (json.dumps({"input_ids": [1], "return_logprob": "no"}).encode(), "return_logprob = 'no'; it must be true or false"),
     (json.dumps({"input_ids": [1], "return_logprob": 1}).encode(), "return_logprob = 1; it must be true or false"),
+    (json.dumps({"input_ids": [1, 2], "logprob_start_len": 2}).encode(),
+     "logprob_start_len = 2; it must be -1 (output logprobs only) or a prompt position in [0, 1]"),
+    (json.dumps({"input_ids": [1, 2], "logprob_start_len": 0.5}).encode(), "logprob_start_len = 0.5"),
 ])
 def test_bad_requests_get_a_400_json_error_and_the_server_keeps_serving(server, body, message):
     status, reply = post(server, "/generate", raw=body)
@@ -224,7 +246,8 @@ SAMPLING = st.fixed_dictionaries(
               "ignore_eos": JSON, "n": JSON})
 BODIES = st.fixed_dictionaries(
     {"input_ids": IDS | st.lists(IDS, max_size=3) | JSON, "sampling_params": SAMPLING | JSON},
-    optional={"return_logprob": JSON, "stream": JSON, "rid": st.text(max_size=4) | JSON, "text": JSON}) | JSON
+    optional={"return_logprob": JSON, "stream": JSON, "rid": st.text(max_size=4) | JSON, "text": JSON,
+              "logprob_start_len": st.integers(-2, 6) | JSON}) | JSON
 
 
 def test_fuzzed_generate_bodies_get_200_or_400_and_never_disturb_requests_in_flight(server, tiny_model_dir):

@@ -209,6 +209,13 @@ class EmbeddedEngine:
             self._wake.notify()
         return future
 
+    def score(self, input_ids: list[int], start: int) -> concurrent.futures.Future:
+        """SGLang's input logprobs of ``input_ids`` from position ``start``: one entry per position
+        start..n-1, the first None (SGLang's convention), entry j log p(token start+j | the tokens
+        before it) under ``log_softmax(logits)`` (temperature 1): one teacher-forced pass on the engine
+        thread, between two decode steps, with the weights of the moment."""
+        return self.call(lambda: self._score(input_ids, start))
+
     def pause(self) -> concurrent.futures.Future:
         """Abort mode: in-flight and queued requests return now with their partial output."""
         def pause():
@@ -289,6 +296,13 @@ class EmbeddedEngine:
                 live[name].copy_(tensor)  # casts to the live dtype and device
         self.decoder.refresh_weights()
         self.version = self.version + 1 if version is None else version
+
+    @torch.no_grad()
+    def _score(self, input_ids: list[int], start: int) -> list[float | None]:
+        logits = self.model(input_ids=torch.tensor([input_ids], device=self.decoder.device)).logits[0]
+        targets = torch.tensor(input_ids[start + 1:], device=logits.device)
+        picked = torch.log_softmax(logits[start:-1].float(), dim=-1).gather(1, targets[:, None])[:, 0]
+        return [None, *picked.tolist()]
 
     def _admit(self) -> None:
         """Move waiting requests into free rows, prefilled together in one forward pass."""

@@ -26,7 +26,7 @@ from areal_hpc.models.hf import DTYPES
 from areal_hpc.parallel.weight_group import UpdateGroup, broadcast_tensor, join_update_group
 from areal_hpc.rollout.embedded_engine import EmbeddedEngine, RequestError, Result, SamplingParams
 
-GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream"}
+GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid", "stream"}
 ENGINE = web.AppKey("engine", EmbeddedEngine)
 STATE = web.AppKey("state", dict)
 TOKEN = web.AppKey("token", str)
@@ -95,7 +95,11 @@ async def generate(request: web.Request) -> web.Response:
     ``output_token_versions`` (the weight version of each token) and, with
     return_logprob, ``output_token_logprobs`` as ``[logprob, token, null]``: the token's logprob under
     ``log_softmax(logits / temperature)``, the whole tempered distribution before top-p/top-k
-    truncation; with temperature 0 (greedy) under ``log_softmax(logits)``, i.e. at temperature 1."""
+    truncation; with temperature 0 (greedy) under ``log_softmax(logits)``, i.e. at temperature 1.
+    With return_logprob and ``logprob_start_len`` k >= 0 (default -1: output logprobs only), also
+    ``input_token_logprobs``: one ``[logprob, token, null]`` per prompt position k.., the first logprob
+    null, the others ``log_softmax(logits)`` of the prompt's own tokens (SGLang's scoring path; with
+    ``max_new_tokens`` 0 nothing is generated)."""
     body = await read_json(request)
     unknown = sorted(set(body) - GENERATE_FIELDS)
     if "text" in body:
@@ -106,6 +110,7 @@ async def generate(request: web.Request) -> web.Response:
         raise RequestError("stream=true is not supported by the embedded engine")
     return_logprob = flag(body, "return_logprob")
     prompts, batched = _prompts(body.get("input_ids"))
+    start = _logprob_start(body.get("logprob_start_len", -1), prompts)
     params = _sampling_params(body.get("sampling_params"), len(prompts), batched)
     rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
     rids = [rids] if isinstance(rids, str) else rids
@@ -121,7 +126,11 @@ async def generate(request: web.Request) -> web.Response:
     finally:  # one prompt failed (or the client left): abort the batch's others, they have no reader
         for run in runs:
             run.cancel()
-    out = [_sglang_response(r, request.app[STATE]["tokenizer"], return_logprob) for r in results]
+    scores = [None] * len(prompts)
+    if return_logprob and start >= 0:
+        scores = await asyncio.gather(*(asyncio.wrap_future(engine.score(p, start)) for p in prompts))
+    out = [_sglang_response(r, request.app[STATE]["tokenizer"], return_logprob, prompt, start, score)
+           for r, prompt, score in zip(results, prompts, scores)]
     return web.json_response(out if batched else out[0])
 
 
@@ -136,6 +145,15 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
     return prompts, batched
 
 
+def _logprob_start(given, prompts: list[list[int]]) -> int:
+    """``logprob_start_len``: -1 (output logprobs only) or a position inside every prompt."""
+    shortest = min(len(p) for p in prompts)
+    if type(given) is not int or not -1 <= given < shortest:
+        raise RequestError(f"logprob_start_len = {reprlib.repr(given)}; it must be -1 (output logprobs only) or a "
+                           f"prompt position in [0, {shortest - 1}]")
+    return given
+
+
 def _sampling_params(given, n: int, batched: bool) -> list[SamplingParams]:
     """One ``SamplingParams`` per prompt: a batch may give one object for all, or a list (SGLang's forms)."""
     if not batched or not isinstance(given, list):
@@ -145,7 +163,8 @@ def _sampling_params(given, n: int, batched: bool) -> list[SamplingParams]:
     return [SamplingParams.from_json(p) for p in given]
 
 
-def _sglang_response(result: Result, tokenizer, return_logprob: bool) -> dict:
+def _sglang_response(result: Result, tokenizer, return_logprob: bool, prompt: list[int], start: int,
+                     score: list[float | None] | None) -> dict:
     finish = {"type": result.finish_reason}
     if result.finish_reason == "stop":
         finish["matched"] = result.matched_stop
@@ -156,6 +175,8 @@ def _sglang_response(result: Result, tokenizer, return_logprob: bool) -> dict:
             "weight_version": str(result.weight_version), "output_token_versions": result.versions}
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids)]
+    if score is not None:
+        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(score, prompt[start:])]
     text = tokenizer.decode(result.output_ids) if tokenizer is not None else ""
     return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
 

@@ -123,6 +123,21 @@ class RewardConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher_url: str = spec("", "on-policy distillation: base URL of an SGLang-compatible server (areal-hpc serve, "
+                            "SGLang) holding the teacher; it scores the student's sampled tokens (no generation) and "
+                            "each token's advantage gains kl_weight x (teacher logprob - student logprob), minus "
+                            "the per-token reverse KL; empty: off")
+    teacher_tokenizer: str = spec("", "the teacher's tokenizer folder, when the model_path its server reports cannot "
+                                  "be read here; it must be the student's (logprobs of other token ids mean nothing)")
+    teacher_token_file: str = spec("", "file holding the token the teacher's server asks for (its run's "
+                                   "rollout_token); empty: none")
+    kl_weight: float = spec(1.0, "weight of the per-token distillation advantage", gt=0.0)
+    reward_weight: float = spec(1.0, "weight of the task reward's advantage beside it; 0: pure distillation", ge=0.0)
+    timeout_s: float = spec(300.0, "seconds the teacher may take to score one sequence", gt=0.0)
+
+
+@dataclass
 class OptimizerConfig:
     type: str = spec("adamw", "optimizer", choices=["adamw"])
     weight_decay: float = spec(0.01, "decoupled weight decay", ge=0.0)
@@ -400,6 +415,7 @@ class RunConfig:
     tokenizer: TokenizerConfig = section(TokenizerConfig)
     dataset: DatasetConfig = section(DatasetConfig)
     reward: RewardConfig = section(RewardConfig)
+    distill: DistillConfig = section(DistillConfig)
     optimizer: OptimizerConfig = section(OptimizerConfig)
     sft: SFTConfig = section(SFTConfig)
     preference: PreferenceConfig = section(PreferenceConfig)

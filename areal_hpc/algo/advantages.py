@@ -61,6 +61,16 @@ def sequence_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimato
     return out.to(rewards.dtype)
 
 
+def distillation_advantages(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor,
+                            target_mask: torch.Tensor) -> torch.Tensor:
+    """On-policy distillation's per-token advantage [T]: log p_teacher(y) - log p_student(y) of each
+    sampled token y on target positions, 0 elsewhere. Its mean under the student is minus the reverse
+    KL(student || teacher) of that position, and as the advantage of a policy gradient it gives minus
+    that KL's gradient (E[grad log p_student] = 0): each token is pulled towards the teacher where the
+    student sampled it (on-policy distillation, Agarwal et al. 2024; no credit to earlier tokens)."""
+    return torch.where(target_mask, teacher_logprobs - student_logprobs, torch.zeros_like(student_logprobs))
+
+
 def expand_to_tokens(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[N] per-sequence values -> [T], each sequence's value on all of its positions."""
     return torch.repeat_interleave(values, cu_seqlens.diff(), dim=0)

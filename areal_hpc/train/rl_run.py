@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 
+from areal_hpc.algo.temperature import run_temperature
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.agents.chat import optional_chat
@@ -32,6 +33,7 @@ from areal_hpc.runtime.rollout_token import rollout_token
 from areal_hpc.train.build import (build_controller, build_weight_sync, engine_settings, open_proxy_records,
                                    open_shards, recovered_episodes, take_proxy_records, wait_for_servers)
 from areal_hpc.train.checkpoint import save_checkpoint
+from areal_hpc.train.distill import Teacher, open_teacher
 from areal_hpc.train.evaluate import evaluate
 from areal_hpc.train.placement import ThreadPlacement
 from areal_hpc.train.progress import RLProgress
@@ -46,9 +48,10 @@ class RLRun:
 
     def __init__(self, cfg: RunConfig, group: TrainerGroup, state: dict, task, workflow, settings: EngineSettings,
                  eval_settings: EngineSettings, progress: RLProgress, writer: TrajectoryShardWriter,
-                 consumer: TrajectoryConsumer, proxy_records, client: RolloutClient, placement: ThreadPlacement):
+                 consumer: TrajectoryConsumer, proxy_records, client: RolloutClient, placement: ThreadPlacement,
+                 teacher: Teacher | None):
         self.cfg, self.group, self.task, self.workflow, self.progress = cfg, group, task, workflow, progress
-        self.placement = placement
+        self.placement, self.teacher = placement, teacher
         self.settings, self.consumer, self.proxy_records, self.client = settings, consumer, proxy_records, client
         self.eval_settings = eval_settings
         self.actor = group.engines["actor"]  # its saves and weight gatherings are collective over every rank
@@ -81,14 +84,15 @@ class RLRun:
                   as eval_rewards, RLProgress(cfg, state["step"]) as progress,
                   shards(cfg, state.get("cursor", {})) as (writer, consumer),
                   open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):
-                async with (RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
+                async with (open_teacher(cfg, tokenizer) as teacher,
+                            RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
                                           rollout_token(cfg.run_dir)) as client,
                             optional_chat(client.generate, model_dir, cfg.rollout.turn_discount) as chat):
                     settings = engine_settings(cfg, client, tokenizer, rewards, chat)
                     # accuracy is the task's, whatever the rollouts are scored by
                     eval_settings = settings if eval_rewards is None else replace(settings, scorer=Scorer(eval_rewards))
                     run = cls(cfg, group, state, task, workflow, settings, eval_settings, progress, writer, consumer,
-                              proxy_records, client, placement)
+                              proxy_records, client, placement, teacher)
                     await run._start(servers)
                     try:
                         yield run
@@ -130,8 +134,14 @@ class RLRun:
         return batch
 
     async def update(self, batch: list[Trajectory]) -> dict[str, float]:
-        """Proximal logprobs and the decoupled-PPO steps of ``batch`` on every rank, on the training thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.placement.training, self.group.update, batch)
+        """Proximal logprobs and the decoupled-PPO steps of ``batch`` on every rank, on the training thread
+        (first scored by the teacher, when distilling)."""
+        teacher_logprobs, scored = None, {}
+        if self.teacher is not None:
+            teacher_logprobs, scored = await self.teacher.score(batch, run_temperature(self.cfg.gconfig))
+        stats = await asyncio.get_running_loop().run_in_executor(self.placement.training, self.group.update, batch,
+                                                                 teacher_logprobs)
+        return {**stats, **scored}
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Pause (interrupt) or drain generation, give every server the weights of ``version``, continue;

@@ -41,11 +41,14 @@ class TrainerGroup:
         self.tree_cost = list(cfg.actor.tree_cost) if cfg.actor.tree_training == "dta" else None
         self.engines = {name: LeaderEngine(name, engine, self._announce) for name, engine in engines.items()}
 
-    def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """Recompute logprobs and take the PPO steps of one batch on every rank; summed statistics."""
+    def update(self, trajectories: list[Trajectory], teacher_logprobs: list[list[float]] | None = None
+               ) -> dict[str, float]:
+        """Recompute logprobs and take the PPO steps of one batch on every rank; summed statistics.
+        ``teacher_logprobs``: the distillation teacher's scores of the batch (``train.distill``)."""
         started = time.perf_counter()
         actor_cfg, max_new = self.cfg.actor, self.cfg.gconfig.max_new_tokens
-        batch = build_batch(trajectories, actor_cfg, max_new, run_temperature(self.cfg.gconfig))
+        batch = build_batch(trajectories, actor_cfg, max_new, run_temperature(self.cfg.gconfig), teacher_logprobs,
+                            self.cfg.distill)
         minibatches = split_minibatches(batch, trajectories, actor_cfg, max_new)
         parts = data_parallel_parts(minibatches, self.mesh.dims.dp, self.dp_weights, self.tree_cost)
         own = _scatter([(UPDATE, parts[d]) for d in self.data_ranks])[1]

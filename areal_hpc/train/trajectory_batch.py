@@ -11,15 +11,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, expand_to_tokens, sequence_advantages
+from areal_hpc.algo.advantages import (SEQUENCE_ESTIMATORS, distillation_advantages, expand_to_tokens,
+                                       sequence_advantages)
 from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.algo.temperature import logprob_temperature
 from areal_hpc.algo.tree_balance import tree_parts
-from areal_hpc.config import ActorConfig, ParallelConfig
+from areal_hpc.config import ActorConfig, DistillConfig, ParallelConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 from areal_hpc.errors import UserError
+
+
+def next_token_values(values: list[float]) -> torch.Tensor:
+    """Per-token values (entry i about token i) in the packed layout: position t holds token t+1's."""
+    shifted = torch.zeros(len(values))
+    shifted[:-1] = torch.tensor(values[1:], dtype=torch.float32)
+    return shifted
 
 
 def trajectory_sequence(traj: Trajectory, run_temperature: float
@@ -34,10 +42,9 @@ def trajectory_sequence(traj: Trajectory, run_temperature: float
         logprobs += [0.0] * len(seg.input_ids) + seg.output_logprobs.tolist()
         sampled_at = run_temperature if seg.temperature is None else seg.temperature
         temperatures += [logprob_temperature(sampled_at)] * (len(seg.input_ids) + len(seg.output_ids))
-    behaviour, temperature = torch.zeros(len(tokens)), torch.ones(len(tokens))
-    behaviour[:-1] = torch.tensor(logprobs[1:])  # position t holds the logprob of token t+1
+    temperature = torch.ones(len(tokens))
     temperature[:-1] = torch.tensor(temperatures[1:])
-    return tokens, mask, behaviour, temperature
+    return tokens, mask, next_token_values(logprobs), temperature
 
 
 def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> float:
@@ -49,11 +56,14 @@ def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> fl
     return reward
 
 
-def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens: int,
-                run_temperature: float) -> SequenceBatch:
+def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens: int, run_temperature: float,
+                teacher_logprobs: list[list[float]] | None = None, distill: DistillConfig | None = None
+                ) -> SequenceBatch:
     """Sequences with their logprob temperatures, ``behav_logprobs``, ``rewards`` and (sequence
     estimators) ``advantages`` fields. ``run_temperature``: the run's sampling temperature
-    (``algo.temperature.run_temperature``), that of records that recorded none."""
+    (``algo.temperature.run_temperature``), that of records that recorded none. With
+    ``teacher_logprobs`` (per trajectory, entry i the teacher's logprob of token i) the advantages are
+    ``distill.reward_weight`` x the reward's plus ``distill.kl_weight`` x the distillation advantage."""
     sequences, masks, behaviour, temperatures = zip(*(trajectory_sequence(t, run_temperature) for t in trajectories))
     rewards = torch.tensor([shaped_reward(t, cfg, max_new_tokens) for t in trajectories])
     batch = SequenceBatch(list(sequences), list(masks), {"behav_logprobs": list(behaviour)}, list(temperatures))
@@ -61,8 +71,13 @@ def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens
     if cfg.adv_estimator in SEQUENCE_ESTIMATORS:
         _, group_ids = np.unique([t.group_id for t in trajectories], return_inverse=True)
         advantages = sequence_advantages(rewards, torch.as_tensor(group_ids), cfg.adv_estimator)
-        packed, _ = batch.packed()
-        batch.set_packed("advantages", expand_to_tokens(advantages, packed.cu_seqlens))
+        packed, fields = batch.packed()
+        token_advantages = expand_to_tokens(advantages, packed.cu_seqlens)
+        if teacher_logprobs is not None:
+            teacher = torch.cat([next_token_values(scores) for scores in teacher_logprobs])
+            towards_teacher = distillation_advantages(teacher, fields["behav_logprobs"], packed.target_mask)
+            token_advantages = distill.reward_weight * token_advantages + distill.kl_weight * towards_teacher
+        batch.set_packed("advantages", token_advantages)
     return batch
 
 

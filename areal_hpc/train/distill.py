@@ -1,0 +1,68 @@
+"""On-policy distillation in an RL run (``distill.teacher_url``): the student samples as in RL; before
+each update the teacher's server scores the batch's sequences from their first trained token, and
+``trajectory_batch.build_batch`` turns the scores into per-token advantages beside the reward's.
+
+The teacher is checked before the run starts: reachable, and with the student's tokenizer. Its scores
+are logged as ``distill/reverse_kl``: the mean over trained tokens of log p_student - log p_teacher,
+the sampled estimate of the per-token reverse KL the student is pulled down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, distillation_advantages
+from areal_hpc.config import RunConfig
+from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.errors import UserError
+from areal_hpc.rollout.teacher import TeacherClient, check_tokenizer
+from areal_hpc.train.trajectory_batch import next_token_values, trajectory_sequence
+
+
+class Teacher:
+    def __init__(self, client: TeacherClient):
+        self.client = client
+
+    async def score(self, trajectories: list[Trajectory], run_temperature: float
+                    ) -> tuple[list[list[float]], dict[str, float]]:
+        """Per trajectory, the teacher's logprob of each token (entry i: token i; NaN where not asked
+        for), and the batch's ``distill/reverse_kl``."""
+        sequences = [trajectory_sequence(t, run_temperature) for t in trajectories]
+        starts = [max(0, next((i for i, m in enumerate(mask) if m), len(tokens) - 1) - 1)
+                  for tokens, mask, _, _ in sequences]
+        scores = await self.client.score_all([tokens for tokens, _, _, _ in sequences], starts)
+        kl_sum, n = 0.0, 0
+        for (_, mask, behaviour, _), teacher in zip(sequences, scores):
+            targets = next_token_values(mask).bool()
+            kl_sum -= float(distillation_advantages(next_token_values(teacher), behaviour, targets).sum())
+            n += int(targets.sum())
+        return scores, {"distill/reverse_kl": kl_sum / max(n, 1)}
+
+
+@contextlib.asynccontextmanager
+async def open_teacher(cfg: RunConfig, student_tokenizer) -> AsyncIterator[Teacher | None]:
+    """The run's teacher, checked (None when distillation is off)."""
+    settings = cfg.distill
+    if not settings.teacher_url:
+        yield None
+        return
+    if cfg.actor.adv_estimator not in SEQUENCE_ESTIMATORS:
+        raise UserError(f"distill.teacher_url needs a sequence advantage estimator ({', '.join(SEQUENCE_ESTIMATORS)}); "
+                        f"actor.adv_estimator={cfg.actor.adv_estimator} learns a critic of the reward alone")
+    token = None
+    if settings.teacher_token_file:
+        try:
+            token = Path(settings.teacher_token_file).read_text().strip()
+        except OSError as exc:
+            raise UserError(f"distill.teacher_token_file={settings.teacher_token_file}: {exc.strerror}") from None
+    async with TeacherClient(settings.teacher_url, token, settings.timeout_s) as client:
+        if settings.teacher_tokenizer:
+            check_tokenizer(settings.teacher_tokenizer, student_tokenizer, "distill.teacher_tokenizer")
+        else:
+            path = await client.model_path()
+            check_tokenizer(path, student_tokenizer, f"the model_path {settings.teacher_url} reports")
+        yield Teacher(client)

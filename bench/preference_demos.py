@@ -19,37 +19,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import last3, machine, once, records, run_and_record  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "areal_hpc"]
 QUIET = ["saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false"]
-
-
-def once(done: Path, command: list[str], log: Path) -> float:
-    """Run ``command`` unless ``done`` exists; its seconds (from ``done``)."""
-    if not done.exists():
-        started = time.time()
-        with open(log, "w") as out:
-            subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=True)
-        done.write_text(json.dumps({"seconds": time.time() - started}))
-    return json.loads(done.read_text())["seconds"]
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def last3(values: list[float]) -> float:
-    return float(np.mean(values[-3:]))
 
 
 def run(args) -> dict:

@@ -17,6 +17,7 @@ as srun itself reports). Outside a Slurm job it simply runs the command.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
 import subprocess
@@ -25,6 +26,7 @@ import time
 
 NOT_STEPS = {"batch", "extern", "interactive"}
 SACCT_WAIT_S = 30.0  # slurmdbd may record a step's end a few seconds after squeue drops it
+CLOCK_SKEW_S = 5.0
 
 
 def running_steps(job: str) -> set[str] | None:
@@ -40,23 +42,34 @@ def running_steps(job: str) -> set[str] | None:
     return steps - NOT_STEPS
 
 
-def recorded_steps(job: str) -> dict[str, int]:
-    """Every step sacct has recorded for ``job``, with the largest exit code over its tasks in every het
-    component (a task ended by signal S counts as 128 + S, as srun reports it)."""
+def recorded_steps(job: str, since: float) -> dict[str, int]:
+    """The steps sacct has recorded for ``job`` that started at ``since`` (a Unix time) or later (a
+    requeued job's earlier incarnation keeps its own), each with the largest exit code over its tasks in
+    every het component (a task ended by signal S counts as 128 + S, as srun reports it)."""
     try:
-        listed = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,ExitCode"], capture_output=True,
+        listed = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,Start,ExitCode"], capture_output=True,
                                 text=True, timeout=30).stdout
     except subprocess.TimeoutExpired:
         return {}
     steps: dict[str, int] = {}
     for line in listed.splitlines():
-        step_id, _, exit_code = line.partition("|")
+        step_id, start, exit_code = (line.split("|") + ["", ""])[:3]
         found = re.fullmatch(r"\d+(?:\+\d+)?\.(\w+)", step_id)
-        if found and found.group(1) not in NOT_STEPS:
-            status, _, signal = exit_code.partition(":")
-            code = int(status) or (128 + int(signal) if signal and int(signal) else 0)
-            steps[found.group(1)] = max(code, steps.get(found.group(1), 0))
+        if not found or found.group(1) in NOT_STEPS or not _started_since(start, since):
+            continue
+        status, _, signal = exit_code.partition(":")
+        code = int(status) or (128 + int(signal) if signal and int(signal) else 0)
+        steps[found.group(1)] = max(code, steps.get(found.group(1), 0))
     return steps
+
+
+def _started_since(start: str, since: float) -> bool:
+    """Whether sacct's Start (local time, or Unknown/None for what has not started) is at ``since`` or later,
+    give or take the clocks of two hosts."""
+    try:
+        return datetime.datetime.fromisoformat(start).timestamp() >= since - CLOCK_SKEW_S
+    except ValueError:
+        return False
 
 
 def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: float = 30.0) -> int:
@@ -64,7 +77,8 @@ def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: flo
 
     Its steps are those that appear after it starts, in squeue while they run or in sacct once they
     have ended (a short step may come and go between two looks)."""
-    before = (running_steps(job) or set()) | set(recorded_steps(job))
+    started = time.time()
+    before = running_steps(job) or set()  # steps of the batch script that were there already
     srun = subprocess.Popen(command)
     ours: set[str] = set()
     gone_since = None
@@ -80,7 +94,7 @@ def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: flo
         if ours & running:
             gone_since = None
             continue
-        ours |= set(recorded_steps(job)) - before
+        ours |= set(recorded_steps(job, started)) - before
         if ours:
             gone_since = gone_since or time.monotonic()
             if time.monotonic() - gone_since >= grace_s:
@@ -88,7 +102,7 @@ def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: flo
     srun.kill()
     srun.wait()
     deadline = time.monotonic() + SACCT_WAIT_S
-    while not ours <= set(codes := recorded_steps(job)) and time.monotonic() < deadline:
+    while not ours <= set(codes := recorded_steps(job, started)) and time.monotonic() < deadline:
         time.sleep(1.0)
     code = max((codes[s] for s in ours if s in codes), default=None)
     print(f"areal-hpc: srun was still running {grace_s:g} s after its step {job}.{','.join(sorted(ours))} ended "

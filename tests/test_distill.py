@@ -19,6 +19,7 @@ from areal_hpc.config import ActorConfig, DistillConfig
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.rollout.teacher import TeacherClient
+from areal_hpc.train.actor import PPOActor, loss_config
 from areal_hpc.train.trajectory_batch import build_batch
 from tests.conftest import embedded_server, run_cli
 from tests.test_async_rl import SMALL_RUN, metrics
@@ -60,19 +61,34 @@ def _trajectory(prompt, output, logprobs, group, reward):
     return Trajectory([segment], group_id=group, rewards=[Reward(reward, source="rule")])
 
 
-def test_a_batch_mixes_the_reward_and_the_teacher_by_weight():
+def test_a_batch_scales_the_reward_and_its_loss_pulls_the_proximal_policy_towards_the_teacher():
+    """build_batch: the reward's advantages x reward_weight, the teacher's scores in the packed layout;
+    the policy loss: kl_weight x (teacher - proximal logprob) added on the targets, against the policy
+    of the step's start (not the sampler's, which may be versions behind)."""
     trajectories = [_trajectory([1, 2, 3], [4, 5], [-0.5, -1.0], "g", 1.0),
                     _trajectory([1, 2], [6, 7, 8], [-2.0, -0.1, -0.3], "g", 0.0)]
     teacher = [[np.nan, np.nan, np.nan, -0.2, -3.0], [np.nan, np.nan, -1.0, -0.1, -0.9]]
-    distill = DistillConfig(kl_weight=0.5, reward_weight=2.0)
-    batch = build_batch(trajectories, ActorConfig(), 8, 1.0, teacher, distill)
+    batch = build_batch(trajectories, ActorConfig(), 8, 1.0, teacher, DistillConfig(kl_weight=0.5, reward_weight=2.0))
     grpo = sequence_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), "grpo").tolist()
-    # the reward's advantage on every position (the loss reads targets only), the teacher's on targets:
-    # position t is about token t+1, so the first sequence's targets are positions 2 and 3
-    towards_teacher = [[0, 0, -0.2 + 0.5, -3.0 + 1.0, 0], [0, -1.0 + 2.0, -0.1 + 0.1, -0.9 + 0.3, 0]]
-    got = [values.tolist() for values in batch.fields["advantages"]]
-    for row, reward_advantage, kl in zip(got, grpo, towards_teacher):
-        assert row == pytest.approx([2 * reward_advantage + 0.5 * k for k in kl], abs=1e-6)
+    for values, reward_advantage in zip(batch.fields["advantages"], grpo):
+        assert values.tolist() == pytest.approx([2 * reward_advantage] * len(values))
+    # position t is about token t+1: the first sequence's targets are positions 2 and 3
+    assert torch.cat(batch.fields["teacher_logprobs"]).tolist() == pytest.approx(
+        [0, 0, -0.2, -3.0, 0] + [0, -1.0, -0.1, -0.9, 0])
+
+    packed, fields = batch.packed()
+    fields["weights"] = torch.full((len(packed.target_mask),), 0.1)
+    proximal = torch.linspace(-2.0, -0.1, len(packed.target_mask))
+    fields["prox_logprobs"] = proximal
+    logprobs = (proximal + 0.05).requires_grad_()
+    outputs = {"logprobs": logprobs, "entropy": torch.zeros_like(logprobs)}
+    loss, _ = PPOActor(None, ActorConfig(), distill_weight=0.5)._policy_loss(outputs, packed, fields)
+    pulled = fields["advantages"] + 0.5 * torch.where(packed.target_mask, fields["teacher_logprobs"] - proximal, 0.0)
+    want, _ = decoupled_ppo_loss(logprobs, proximal, fields["behav_logprobs"], pulled, packed.target_mask,
+                                 packed.cu_seqlens, fields["weights"], loss_config(ActorConfig()))
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    without, _ = PPOActor(None, ActorConfig())._policy_loss(outputs, packed, {**fields, "teacher_logprobs": 0 * proximal})
+    assert abs(without.item() - want.item()) > 1e-3  # the teacher's term matters here
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from areal_hpc.algo.advantages import gae, outcome_token_rewards
+from areal_hpc.algo.advantages import distillation_advantages, gae, outcome_token_rewards
 from areal_hpc.algo.ppo import PPOLossConfig, decoupled_ppo_loss, second_moment_cut, value_loss
 from areal_hpc.config import ActorConfig
 from areal_hpc.engines.base import TrainEngine, merge_stats
@@ -31,9 +31,12 @@ def loss_config(cfg: ActorConfig) -> PPOLossConfig:
 
 class PPOActor:
     def __init__(self, actor: TrainEngine, cfg: ActorConfig, reference: TrainEngine | None = None,
-                 critic: TrainEngine | None = None, dp_group: dist.ProcessGroup | None = None):
+                 critic: TrainEngine | None = None, dp_group: dist.ProcessGroup | None = None,
+                 distill_weight: float = 0.0):
+        """``distill_weight``: ``distill.kl_weight`` of on-policy distillation (batches with a
+        ``teacher_logprobs`` field)."""
         self.actor, self.reference, self.critic, self.cfg = actor, reference, critic, cfg
-        self.loss_cfg, self.dp_group = loss_config(cfg), dp_group
+        self.loss_cfg, self.dp_group, self.distill_weight = loss_config(cfg), dp_group, distill_weight
 
     def update(self, minibatches: list[SequenceBatch]) -> dict[str, float]:
         started = time.perf_counter()
@@ -62,7 +65,11 @@ class PPOActor:
     def _policy_loss(self, outputs, packed, f):
         logprobs = outputs["logprobs"]
         proximal = f["prox_logprobs"] if "prox_logprobs" in f else logprobs.detach()
-        loss, stats = decoupled_ppo_loss(logprobs, proximal, f["behav_logprobs"], f["advantages"],
+        advantages = f["advantages"]
+        if "teacher_logprobs" in f:  # distillation pulls the policy of this step's start, not the sampler
+            advantages = advantages + self.distill_weight * distillation_advantages(
+                f["teacher_logprobs"], proximal, packed.target_mask)
+        loss, stats = decoupled_ppo_loss(logprobs, proximal, f["behav_logprobs"], advantages,
                                          packed.target_mask, packed.cu_seqlens, f["weights"], self.loss_cfg,
                                          f.get("ref_logprobs"), f.get("trust_keep"))
         return loss, {**stats, "entropy_sum": float(outputs["entropy"].sum())}

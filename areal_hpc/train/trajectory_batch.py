@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from areal_hpc.algo.advantages import (SEQUENCE_ESTIMATORS, distillation_advantages, expand_to_tokens,
-                                       sequence_advantages)
+from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, expand_to_tokens, sequence_advantages
 from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.algo.temperature import logprob_temperature
@@ -62,8 +61,9 @@ def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens
     """Sequences with their logprob temperatures, ``behav_logprobs``, ``rewards`` and (sequence
     estimators) ``advantages`` fields. ``run_temperature``: the run's sampling temperature
     (``algo.temperature.run_temperature``), that of records that recorded none. With
-    ``teacher_logprobs`` (per trajectory, entry i the teacher's logprob of token i) the advantages are
-    ``distill.reward_weight`` x the reward's plus ``distill.kl_weight`` x the distillation advantage."""
+    ``teacher_logprobs`` (per trajectory, entry i the teacher's logprob of token i) they become a
+    ``teacher_logprobs`` field and the reward's advantages are scaled by ``distill.reward_weight``; the
+    policy loss adds the teacher's pull on the proximal policy (``PPOActor``)."""
     sequences, masks, behaviour, temperatures = zip(*(trajectory_sequence(t, run_temperature) for t in trajectories))
     rewards = torch.tensor([shaped_reward(t, cfg, max_new_tokens) for t in trajectories])
     batch = SequenceBatch(list(sequences), list(masks), {"behav_logprobs": list(behaviour)}, list(temperatures))
@@ -71,13 +71,12 @@ def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens
     if cfg.adv_estimator in SEQUENCE_ESTIMATORS:
         _, group_ids = np.unique([t.group_id for t in trajectories], return_inverse=True)
         advantages = sequence_advantages(rewards, torch.as_tensor(group_ids), cfg.adv_estimator)
-        packed, fields = batch.packed()
-        token_advantages = expand_to_tokens(advantages, packed.cu_seqlens)
         if teacher_logprobs is not None:
-            teacher = torch.cat([next_token_values(scores) for scores in teacher_logprobs])
-            towards_teacher = distillation_advantages(teacher, fields["behav_logprobs"], packed.target_mask)
-            token_advantages = distill.reward_weight * token_advantages + distill.kl_weight * towards_teacher
-        batch.set_packed("advantages", token_advantages)
+            advantages = distill.reward_weight * advantages
+            # (positions before a sequence's first target were not scored: NaN there, read as 0)
+            batch.fields["teacher_logprobs"] = [next_token_values(scores).nan_to_num() for scores in teacher_logprobs]
+        packed, _ = batch.packed()
+        batch.set_packed("advantages", expand_to_tokens(advantages, packed.cu_seqlens))
     return batch
 
 

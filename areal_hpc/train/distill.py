@@ -1,10 +1,11 @@
 """On-policy distillation in an RL run (``distill.teacher_url``): the student samples as in RL; before
-each update the teacher's server scores the batch's sequences from their first trained token, and
-``trajectory_batch.build_batch`` turns the scores into per-token advantages beside the reward's.
+each update the teacher's server scores the batch's sequences from their first trained token;
+``trajectory_batch.build_batch`` carries the scores in the batch and the policy loss (``PPOActor``)
+adds ``kl_weight`` x (teacher - proximal logprob) to each trained token's advantage.
 
 The teacher is checked before the run starts: reachable, and with the student's tokenizer. Its scores
-are logged as ``distill/reverse_kl``: the mean over trained tokens of log p_student - log p_teacher,
-the sampled estimate of the per-token reverse KL the student is pulled down.
+are logged as ``distill/reverse_kl``: the mean over trained tokens of the sampler's log p minus the
+teacher's, the sampled estimate of the per-token reverse KL that distillation pulls down.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.algo.advantages import distillation_advantages, sequence_advantages
 from areal_hpc.algo.ppo import PPOLossConfig, decoupled_ppo_loss
-from areal_hpc.config import ActorConfig, DistillConfig
+from areal_hpc.config import ActorConfig
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.rollout.teacher import TeacherClient
@@ -68,7 +68,7 @@ def test_a_batch_scales_the_reward_and_its_loss_pulls_the_proximal_policy_toward
     trajectories = [_trajectory([1, 2, 3], [4, 5], [-0.5, -1.0], "g", 1.0),
                     _trajectory([1, 2], [6, 7, 8], [-2.0, -0.1, -0.3], "g", 0.0)]
     teacher = [[np.nan, np.nan, np.nan, -0.2, -3.0], [np.nan, np.nan, -1.0, -0.1, -0.9]]
-    batch = build_batch(trajectories, ActorConfig(), 8, 1.0, teacher, DistillConfig(kl_weight=0.5, reward_weight=2.0))
+    batch = build_batch(trajectories, ActorConfig(), 8, 1.0, teacher, reward_weight=2.0)
     grpo = sequence_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), "grpo").tolist()
     for values, reward_advantage in zip(batch.fields["advantages"], grpo):
         assert values.tolist() == pytest.approx([2 * reward_advantage] * len(values))

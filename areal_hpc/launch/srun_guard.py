@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the srun command line")
     args = parser.parse_args(argv)
     if not args.command:
-        parser.error("no command given: expected an srun command line after the options")
+        print(f"{parser.prog}: no command given: expected an srun command line after the options", file=sys.stderr)
+        return 2
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return subprocess.run(args.command).returncode

@@ -33,8 +33,8 @@ class PPOActor:
     def __init__(self, actor: TrainEngine, cfg: ActorConfig, reference: TrainEngine | None = None,
                  critic: TrainEngine | None = None, dp_group: dist.ProcessGroup | None = None,
                  distill_weight: float = 0.0):
-        """``distill_weight``: ``distill.kl_weight`` of on-policy distillation (batches with a
-        ``teacher_logprobs`` field)."""
+        """``distill_weight``: ``distill.kl_weight``, the weight of the teacher's pull on batches that
+        carry a ``teacher_logprobs`` field (on-policy distillation)."""
         self.actor, self.reference, self.critic, self.cfg = actor, reference, critic, cfg
         self.loss_cfg, self.dp_group, self.distill_weight = loss_config(cfg), dp_group, distill_weight
 

@@ -111,8 +111,7 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
     # The frozen starting weights for the KL penalty; not checkpointed (they never change).
     reference = engine("policy") if actor_cfg.kl_ctl > 0 else None
     return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"),
-                    mesh.group("dp") if mesh is not None else None,
-                    cfg.distill.kl_weight if cfg.distill.teacher_url else 0.0), engines
+                    mesh.group("dp") if mesh is not None else None, cfg.distill.kl_weight), engines
 
 
 async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> tuple[list[str], ServerDirectory]:

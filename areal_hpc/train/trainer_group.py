@@ -48,7 +48,7 @@ class TrainerGroup:
         started = time.perf_counter()
         actor_cfg, max_new = self.cfg.actor, self.cfg.gconfig.max_new_tokens
         batch = build_batch(trajectories, actor_cfg, max_new, run_temperature(self.cfg.gconfig), teacher_logprobs,
-                            self.cfg.distill)
+                            self.cfg.distill.reward_weight)
         minibatches = split_minibatches(batch, trajectories, actor_cfg, max_new)
         parts = data_parallel_parts(minibatches, self.mesh.dims.dp, self.dp_weights, self.tree_cost)
         own = _scatter([(UPDATE, parts[d]) for d in self.data_ranks])[1]

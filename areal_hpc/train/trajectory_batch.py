@@ -16,7 +16,7 @@ from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.algo.temperature import logprob_temperature
 from areal_hpc.algo.tree_balance import tree_parts
-from areal_hpc.config import ActorConfig, DistillConfig, ParallelConfig
+from areal_hpc.config import ActorConfig, ParallelConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 from areal_hpc.errors import UserError
@@ -56,13 +56,12 @@ def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> fl
 
 
 def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens: int, run_temperature: float,
-                teacher_logprobs: list[list[float]] | None = None, distill: DistillConfig | None = None
-                ) -> SequenceBatch:
+                teacher_logprobs: list[list[float]] | None = None, reward_weight: float = 1.0) -> SequenceBatch:
     """Sequences with their logprob temperatures, ``behav_logprobs``, ``rewards`` and (sequence
     estimators) ``advantages`` fields. ``run_temperature``: the run's sampling temperature
     (``algo.temperature.run_temperature``), that of records that recorded none. With
     ``teacher_logprobs`` (per trajectory, entry i the teacher's logprob of token i) they become a
-    ``teacher_logprobs`` field and the reward's advantages are scaled by ``distill.reward_weight``; the
+    ``teacher_logprobs`` field and the reward's advantages are scaled by ``reward_weight``; the
     policy loss adds the teacher's pull on the proximal policy (``PPOActor``)."""
     sequences, masks, behaviour, temperatures = zip(*(trajectory_sequence(t, run_temperature) for t in trajectories))
     rewards = torch.tensor([shaped_reward(t, cfg, max_new_tokens) for t in trajectories])
@@ -72,7 +71,7 @@ def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens
         _, group_ids = np.unique([t.group_id for t in trajectories], return_inverse=True)
         advantages = sequence_advantages(rewards, torch.as_tensor(group_ids), cfg.adv_estimator)
         if teacher_logprobs is not None:
-            advantages = distill.reward_weight * advantages
+            advantages = reward_weight * advantages
             # (positions before a sequence's first target were not scored: NaN there, read as 0)
             batch.fields["teacher_logprobs"] = [next_token_values(scores).nan_to_num() for scores in teacher_logprobs]
         packed, _ = batch.packed()

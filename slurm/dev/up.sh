@@ -67,6 +67,9 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 MinJobAge=600
 KillWait=5
+# Het jobs start only from backfill, which runs only after a state change; with nothing else
+# happening, a requeued one waits for the next node ping (SlurmdTimeout/3, default 100 s).
+SlurmdTimeout=30
 MailProg=/bin/true
 InactiveLimit=0
 Waittime=0

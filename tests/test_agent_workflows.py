@@ -106,6 +106,49 @@ def test_an_openai_agents_record_is_its_conversation_and_the_environment_is_outs
     assert all(s.temperature == 0.7 for s in record.segments)
 
 
+def test_an_episodes_client_is_answered_in_process_as_the_proxy_answers(in_process, tiny_model_dir):
+    """The recording client's requests never leave the process, and get what the proxy's HTTP routes
+    give: streamed and plain chats and completions recorded as turns, OpenAI's errors (wrong model, bad
+    field, a route an episode does not have) with no turn kept, and a request cancelled mid-generation
+    taking its turn back out."""
+    import openai
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    started = asyncio.Event()
+
+    async def generate(input_ids, params):
+        if params["max_new_tokens"] == 11:  # the request this test cancels: it waits inside its turn
+            started.set()
+            await asyncio.Event().wait()
+        return await in_process.generate(input_ids, params)
+
+    async def run():
+        async with ChatGateway(generate, tiny_model_dir) as chat:
+            client = chat.client({})
+            ask = {"model": chat.model_name, "messages": [{"role": "user", "content": "What is 2+3?"}]}
+            chunks = [c async for c in await client.chat.completions.create(**ask, max_tokens=5, stream=True)]
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            plain = await client.completions.create(model=chat.model_name, prompt="2+3=", max_tokens=4)
+            errors = []
+            for call in (client.chat.completions.create(**{**ask, "model": "other"}),
+                         client.chat.completions.create(**ask, max_tokens=0), client.models.list()):
+                with pytest.raises(openai.APIStatusError) as caught:
+                    await call
+                errors.append((caught.value.status_code, caught.value.code))
+            cancelled = asyncio.create_task(client.chat.completions.create(**ask, max_tokens=11))
+            await started.wait()
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            return streamed, plain, errors, client.session.turns
+
+    streamed, plain, errors, turns = asyncio.run(run())
+    assert len(turns) == 2  # the stream and the completion; no error and not the cancelled request
+    assert streamed == tokenizer.decode(turns[0].output_ids, skip_special_tokens=True)
+    assert plain.choices[0].text == tokenizer.decode(turns[1].output_ids, skip_special_tokens=True)
+    assert errors == [(404, "model_not_found"), (400, "invalid_value"), (404, None)]
+
+
 def _without_eos(ids: list[int], tokenizer) -> list[int]:
     return ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids
 

@@ -1,30 +1,34 @@
-"""Chat for agent workflows: the login-node proxy's own routes (one implementation: template rendering,
-tool-call parsing, turns linked token for token), served on loopback inside the process that runs the
+"""Chat for agent workflows: the login-node proxy's own turn routes (one implementation: template
+rendering, tool-call parsing, turns linked token for token), answered inside the process that runs the
 episodes, over the run's rollout client. Each ``client()`` is an ``openai.AsyncOpenAI`` with its own
 session; its records are the session's conversations (``Session.trajectories``), returned to the
-episode instead of written by a proxy.
+episode instead of written by a proxy. The clients' requests reach the routes through an in-process
+transport, not a socket: no HTTP on either side and no connection pool, whose scan of every open
+connection on every request cost more client CPU than the turn itself (bench/agent_workflow_overhead.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
 from pathlib import Path
 
 import openai
-from aiohttp import web
 
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
-from areal_hpc.proxy.app import openai_app
+from areal_hpc.proxy.app import SSE_HEADERS, TURN_ROUTES, as_api_error, parse_json, session_of
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.gateway import Proxy, ProxySettings
+from areal_hpc.proxy.openai_api import APIError
 from areal_hpc.proxy.sessions import Session
 from areal_hpc.proxy.tenants import Quota, hash_key, new_key
-from areal_hpc.runtime.name_resolve import bind
 
 TENANT = "default"
 UNLIMITED = Quota(0, 0)
+BASE_URL = "http://episode-chat/v1"  # resolved by no one: the transport answers every request itself
+HTTPX = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
 
 
 class EpisodeKeys:
@@ -56,12 +60,40 @@ class ClientRouter:
         """The rollout client keeps its own servers."""
 
 
+class InProcessTransport(HTTPX.AsyncBaseTransport):
+    """The ``openai`` client's HTTP library answered by the proxy's turn routes in this process, as the
+    proxy answers them (the session key checked first, errors in OpenAI's JSON shape); a request
+    cancelled before its reply takes its turn back out."""
+
+    def __init__(self, proxy: Proxy):
+        self.proxy = proxy
+
+    async def handle_async_request(self, request):
+        path = request.url.path
+        try:
+            route = TURN_ROUTES.get(path) if request.method == "POST" else None
+            if route is None:
+                raise APIError(404, f"Not Found: {request.method} {path} (an episode's client has "
+                               f"{' and '.join(TURN_ROUTES)})")
+            session = session_of(self.proxy, request.headers)
+            body = parse_json(await request.aread())
+            async with route(self.proxy, session, body) as reply:
+                if reply.body is not None:
+                    return HTTPX.Response(200, json=reply.body)
+                return HTTPX.Response(200, headers=SSE_HEADERS, content=b"".join(reply.events))
+        except APIError as exc:
+            return HTTPX.Response(exc.status, json=exc.body(), headers=exc.headers)
+        except Exception as exc:  # noqa: BLE001 - a bug: answered as the proxy answers it
+            error = as_api_error(exc, path)
+            return HTTPX.Response(error.status, json=error.body())
+
+
 class RecordingOpenAI(openai.AsyncOpenAI):
     """An ``openai.AsyncOpenAI`` whose turns are recorded in its session; ``set_reward`` binds a reward
     to a turn (default: the latest), ``records()`` are the session's conversations."""
 
     def __init__(self, gateway: "ChatGateway", session: Session, key: str):
-        super().__init__(api_key=key, base_url=gateway.base_url, http_client=gateway.http, max_retries=0)
+        super().__init__(api_key=key, base_url=BASE_URL, http_client=gateway.http, max_retries=0)
         self.gateway, self.session = gateway, session
 
     def set_reward(self, value: float, interaction_id: str | None = None) -> None:
@@ -75,7 +107,7 @@ class RecordingOpenAI(openai.AsyncOpenAI):
 
 
 class ChatGateway:
-    """``async with ChatGateway(generate, model_folder) as chat``: the routes on 127.0.0.1, a free port."""
+    """``async with ChatGateway(generate, model_folder) as chat``: ``chat.client(metadata)`` per episode."""
 
     def __init__(self, generate, model_folder: str | Path, discount: float = 1.0, max_tokens_cap: int = 4096,
                  default_max_tokens: int = 256):
@@ -84,20 +116,15 @@ class ChatGateway:
         self.keys = EpisodeKeys()
         self.proxy = Proxy(settings, ChatTokenizer(model_folder), self.keys, ClientRouter(generate), sink=None)
         self.model_name, self.discount = settings.model_name, discount
-        self.base_url, self.http, self._runner = "", None, None
+        self.http = None
 
     async def __aenter__(self) -> "ChatGateway":
-        self._runner = web.AppRunner(openai_app(self.proxy, 1 << 24), access_log=None)
-        await self._runner.setup()
-        sock = bind("127.0.0.1", 0)
-        await web.SockSite(self._runner, sock).start()
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-        self.http = openai.DefaultAsyncHttpxClient()  # one connection pool for every episode's client
+        # one HTTP client for every episode's openai client
+        self.http = openai.DefaultAsyncHttpxClient(transport=InProcessTransport(self.proxy))
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.http.aclose()
-        await self._runner.cleanup()
 
     def client(self, metadata: dict) -> RecordingOpenAI:
         key = new_key("sk")

@@ -2,16 +2,21 @@
 ``/v1/models`` for agents (authenticated by a session key), and ``/rl/*`` to open and end sessions and
 give rewards (a tenant key opens a session, counted against its requests per minute). Every error is
 OpenAI's JSON shape and the proxy keeps serving; a reply is sent inside its turn, so a client gone by
-then leaves no turn behind. What the routes do with sessions is in gateway.py.
+then leaves no turn behind. What the routes do with sessions is in gateway.py. The two turn routes are
+cores apart from aiohttp (``TURN_ROUTES``): agent workflows answer them in their own process too
+(``agents.chat``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -33,8 +38,13 @@ class ClientLeft(Exception):
 
 
 async def read_json(request: web.Request) -> dict:
+    return parse_json(await request.read() if request.can_read_body else b"")
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object (none: ``{}``), or a 400 saying what is wrong with it."""
     try:
-        body = json.loads(await request.read()) if request.can_read_body else {}
+        body = json.loads(raw) if raw else {}
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise APIError(400, f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -44,6 +54,12 @@ async def read_json(request: web.Request) -> dict:
 
 def error_response(exc: APIError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+
+
+def as_api_error(exc: Exception, path: str) -> APIError:
+    """Any other exception of a route is a bug: say what in OpenAI's shape, keep serving."""
+    log.error("%s failed", path, exc_info=exc)
+    return APIError(500, f"{type(exc).__name__}: {exc}")
 
 
 @web.middleware
@@ -60,8 +76,7 @@ async def errors_as_openai(request: web.Request, handler):
             return error_response(APIError(413, f"request body too large ({exc.text})", code="request_too_large"))
         return error_response(APIError(exc.status, f"{exc.reason}: {request.method} {request.path}"))
     except Exception as exc:  # noqa: BLE001 - a bug: say what, keep serving
-        log.exception("%s failed", request.path)
-        return error_response(APIError(500, f"{type(exc).__name__}: {exc}"))
+        return error_response(as_api_error(exc, request.path))
 
 
 def check_model(proxy: Proxy, body: dict) -> None:
@@ -71,8 +86,8 @@ def check_model(proxy: Proxy, body: dict) -> None:
                        param="model", code="model_not_found")
 
 
-def session_of(proxy: Proxy, request: web.Request) -> Session:
-    _, session = proxy.caller(request)
+def session_of(proxy: Proxy, headers) -> Session:
+    _, session = proxy.caller(headers)
     if session is None:
         raise APIError(403, "completions need a session key: open a session with POST /rl/start_session and "
                        "use its session_key as the api_key", code="session_required")
@@ -85,10 +100,18 @@ def params_of(proxy: Proxy, body: dict) -> dict:
                                proxy.tokenizer.eos_token_ids)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    proxy = request.app[PROXY]
-    session = session_of(proxy, request)
-    body = await read_json(request)
+@dataclass
+class Reply:
+    """What a completion route answers, before it is sent: a JSON body, or server-sent events."""
+
+    body: dict | None = None
+    events: Iterable[bytes] = ()
+
+
+@contextlib.asynccontextmanager
+async def chat_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIterator[Reply]:
+    """``/v1/chat/completions``: one turn of ``session``, kept only if the block that sends the reply
+    returns (the same for the completion route below)."""
     check_model(proxy, body)
     messages, tools = api.chat_of(body)
     stream, want_logprobs = api.flag(body, "stream"), api.flag(body, "logprobs")
@@ -98,19 +121,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if stream:
             calls = turn.reply.get("tool_calls")
             pieces = proxy.tokenizer.pieces(turn.output_ids) if not calls else [turn.reply["content"] or ""]
-            return await send_events(request, api.chat_chunks(
-                turn.interaction_id, name, pieces, turn.finish_reason, usage if api.include_usage(body) else None,
-                calls))
+            yield Reply(events=api.chat_chunks(turn.interaction_id, name, pieces, turn.finish_reason,
+                                               usage if api.include_usage(body) else None, calls))
+            return
         logprobs = (api.logprobs_content(proxy.tokenizer.token_texts(turn.output_ids), turn.logprobs)
                     if want_logprobs else None)
-        return await send(request, web.json_response(api.chat_reply(turn.interaction_id, name, turn.reply,
-                                                                    turn.finish_reason, usage, logprobs)))
+        yield Reply(api.chat_reply(turn.interaction_id, name, turn.reply, turn.finish_reason, usage, logprobs))
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    proxy = request.app[PROXY]
-    session = session_of(proxy, request)
-    body = await read_json(request)
+@contextlib.asynccontextmanager
+async def completion_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIterator[Reply]:
+    """``/v1/completions``: a prompt of text or token ids."""
     check_model(proxy, body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -125,12 +146,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
         name = proxy.settings.model_name
         if stream:
             pieces = proxy.tokenizer.pieces(turn.output_ids)
-            return await send_events(request, api.completion_chunks(turn.interaction_id, name, pieces,
-                                                                    turn.finish_reason))
-        return await send(request, web.json_response(api.completion_reply(
+            yield Reply(events=api.completion_chunks(turn.interaction_id, name, pieces, turn.finish_reason))
+            return
+        yield Reply(api.completion_reply(
             turn.interaction_id, name, proxy.tokenizer.decode(turn.output_ids), turn.finish_reason,
             api.usage(len(turn.prompt_ids), len(turn.output_ids)), turn.logprobs if want_logprobs else None,
-            proxy.tokenizer.token_texts(turn.output_ids))))
+            proxy.tokenizer.token_texts(turn.output_ids)))
+
+
+TURN_ROUTES = {"/v1/chat/completions": chat_turn, "/v1/completions": completion_turn}
+
+
+def turn_handler(route):
+    """The aiohttp handler of a turn route: the key checked before the body is read, the reply sent
+    from inside the turn."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        proxy = request.app[PROXY]
+        session = session_of(proxy, request.headers)
+        body = await read_json(request)
+        async with route(proxy, session, body) as reply:
+            if reply.body is not None:
+                return await send(request, web.json_response(reply.body))
+            return await send_events(request, reply.events)
+    return handler
 
 
 async def send(request: web.Request, response: web.StreamResponse, events=()) -> web.StreamResponse:
@@ -148,21 +186,23 @@ async def send(request: web.Request, response: web.StreamResponse, events=()) ->
     return response
 
 
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
 async def send_events(request: web.Request, events) -> web.StreamResponse:
-    return await send(request, web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache"}), events)
+    return await send(request, web.StreamResponse(headers=SSE_HEADERS), events)
 
 
 async def models(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
-    proxy.caller(request)
+    proxy.caller(request.headers)
     return web.json_response({"object": "list", "data": [{"id": proxy.settings.model_name, "object": "model",
                                                           "created": 0, "owned_by": "areal-hpc"}]})
 
 
 async def start_session(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
-    tenant, own = proxy.caller(request)
+    tenant, own = proxy.caller(request.headers)
     if own is not None:
         raise APIError(403, "start_session needs a tenant key, not a session key", code="tenant_key_required")
     body = await read_json(request)
@@ -186,7 +226,7 @@ async def start_session(request: web.Request) -> web.Response:
 
 async def end_session(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
-    tenant, own = proxy.caller(request)
+    tenant, own = proxy.caller(request.headers)
     body = await read_json(request)
     session = proxy.target(tenant, own, body.get("session_id"))
     await proxy.end(session)
@@ -195,7 +235,7 @@ async def end_session(request: web.Request) -> web.Response:
 
 async def set_reward(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
-    tenant, own = proxy.caller(request)
+    tenant, own = proxy.caller(request.headers)
     body = await read_json(request)
     session = proxy.target(tenant, own, body.get("session_id"))
     value = body.get("reward")
@@ -217,7 +257,7 @@ async def set_reward(request: web.Request) -> web.Response:
 
 async def get_session(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
-    tenant, own = proxy.caller(request)
+    tenant, own = proxy.caller(request.headers)
     return web.json_response(summary(proxy, proxy.target(tenant, own, request.match_info["session_id"])))
 
 
@@ -237,23 +277,18 @@ async def health(request: web.Request) -> web.Response:
                               "ended": proxy.ended, "records": proxy.sink.written})
 
 
-def openai_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
-    """The routes alone: agent workflows serve them in the trainer's process (``agents.chat``)."""
+def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
+    """The login-node proxy: the routes, its backends probed, idle sessions swept, records written, the
+    sessions ended within the reward grace period before it started taken back for their late rewards.
+    (Agent workflows answer the turn routes in their own process: ``agents.chat``.)"""
     app = web.Application(middlewares=[errors_as_openai], client_max_size=max_request_bytes)
     app[PROXY] = proxy
     app.add_routes([
-        web.post("/v1/chat/completions", chat_completions), web.post("/v1/completions", completions),
+        *(web.post(path, turn_handler(route)) for path, route in TURN_ROUTES.items()),
         web.get("/v1/models", models), web.post("/rl/start_session", start_session),
         web.post("/rl/end_session", end_session), web.post("/rl/set_reward", set_reward),
         web.get("/rl/sessions/{session_id}", get_session), web.get("/health", health),
     ])
-    return app
-
-
-def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
-    """The login-node proxy: the routes, its backends probed, idle sessions swept, records written, the
-    sessions ended within the reward grace period before it started taken back for their late rewards."""
-    app = openai_app(proxy, max_request_bytes)
 
     async def lifecycle(app: web.Application):
         await proxy.restore_ended()

@@ -17,8 +17,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from aiohttp import web
-
 from areal_hpc.proxy import openai_api as api
 from areal_hpc.proxy.chat_template import ChatTokenizer, TemplateRenderError
 from areal_hpc.proxy.ended import EndedSessions
@@ -69,9 +67,9 @@ class Proxy:
     ended: int = 0
 
     # -- who is calling ------------------------------------------------------------------------------
-    def caller(self, request: web.Request) -> tuple[str, Session | None]:
-        """(tenant, the session whose key was given, or None for a tenant key)."""
-        header = request.headers.get("Authorization", "")
+    def caller(self, headers) -> tuple[str, Session | None]:
+        """(tenant, the session whose key ``headers`` carry, or None for a tenant key)."""
+        header = headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise APIError(401, "no API key: send 'Authorization: Bearer <key>' (the openai client's api_key)",

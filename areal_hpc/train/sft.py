@@ -65,6 +65,22 @@ def index_stream(n: int, seed: int):
         yield from torch.randperm(n, generator=generator).tolist()
 
 
+class LazySequences:
+    """The training examples as (tokens, completion mask), each tokenised the first time a batch draws
+    it: SFT starts at once on a large dataset instead of tokenising all of it first."""
+
+    def __init__(self, tokenizer, examples: list):
+        self.tokenizer, self.examples, self.tokenised = tokenizer, examples, {}
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
+        if index not in self.tokenised:
+            self.tokenised[index] = sft_sequence(self.tokenizer, self.examples[index])
+        return self.tokenised[index]
+
+
 def sft_batch(pairs: list[tuple[list[int], list[int]]]) -> SequenceBatch:
     """Sequences with their ``weights`` field: 1 / (completion tokens of the whole batch) on every
     completion target, so the summed loss over micro-batches is the batch's mean token NLL."""
@@ -111,7 +127,7 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     if not all(ex.target for ex in task.train):
         raise UserError(f"config key 'dataset.target_field': SFT trains on reference completions; "
                         f"{task.train[0].uid} has none (name the column that holds them)")
-    train = [sft_sequence(tokenizer, ex) for ex in task.train]
+    train = LazySequences(tokenizer, task.train)
     workflow = build_workflow(cfg.rollout)
     save_resolved(cfg)  # only once every input has been checked: a bad one leaves the folder as it was
     console.print(f"[bold]SFT[/] {task.name}: {len(task.train)} train / {len(task.eval)} eval problems, "

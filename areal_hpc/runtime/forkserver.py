@@ -56,15 +56,16 @@ def _prctl(option: int, value) -> None:
 class ForkServer:
     """The launcher's handle: ``start()`` the server, ``spawn()`` children through it, ``close()``."""
 
-    def __init__(self, env: dict[str, str]):
-        self.env = env
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
+        """``preload``: modules the server imports beyond ``PRELOAD`` (what its children will import)."""
+        self.env, self.preload = env, preload
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "ForkServer":
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of our descendants (the adopted children) come to us
         replies_in, replies_out = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "areal_hpc.runtime.forkserver", str(replies_out)], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "areal_hpc.runtime.forkserver", str(replies_out), *self.preload], stdin=subprocess.PIPE,
             env={**os.environ, **self.env, "OMP_NUM_THREADS": "1"}, pass_fds=(replies_out,), start_new_session=True,
             preexec_fn=lambda: _prctl(PR_SET_PDEATHSIG, signal.SIGKILL))
         os.close(replies_out)
@@ -121,10 +122,10 @@ class AdoptedProcess:
             os.kill(self.pid, sig)
 
 
-def _serve(replies: int) -> int:
+def _serve(replies: int, preload: list[str]) -> int:
     """The fork server's loop: one JSON request per stdin line, the adopted child's pid (or an error)
     on ``replies``. In a child this returns the command's exit code instead of looping."""
-    for module in PRELOAD:
+    for module in (*PRELOAD, *preload):
         importlib.import_module(module)
     gc.collect()
     gc.freeze()  # the collector never writes to what was imported: those pages stay shared
@@ -202,6 +203,6 @@ def _run_command(command: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = _serve(int(sys.argv[1]))  # the fork server's, or in a child its command's
+    code = _serve(int(sys.argv[1]), sys.argv[2:])  # the fork server's, or in a child its command's
     gc.unfreeze()  # the interpreter's exit frees what was imported (extensions check that it did: nanobind)
     sys.exit(code)

@@ -26,7 +26,7 @@ import torch
 from areal_hpc.config import load_config
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
 from areal_hpc.parallel.mesh import close_distributed
-from areal_hpc.runtime.forkserver import ForkServer
+from areal_hpc.runtime.forkserver import PR_SET_CHILD_SUBREAPER, ForkServer, _prctl
 from areal_hpc.runtime.name_resolve import free_port
 from areal_hpc.train.build import build_actor, start_trainer
 from areal_hpc.train.trainer_group import TrainerGroup, follow
@@ -62,20 +62,34 @@ def main(model: str, out: str, overrides: list[str]) -> None:
         follow(actor, engines)
 
 
-# What every rank script imports, imported once by the fork server the ranks start from.
+# What every rank script imports, imported once by one fork server for the session's ranks (the
+# launcher's, on CPU): a rank starts as a fork of it in ~0.1 s instead of ~4 s of imports.
 RANK_PRELOAD = ("areal_hpc.train.build", "areal_hpc.engines.megatron.engine", "megatron.core.models.gpt",
                 "megatron.core.optimizer")
 _rank_forks: list[ForkServer] = []
 
 
-def rank_forks() -> ForkServer:
-    """One fork server for the session's ranks (the launcher's, on CPU): a rank starts as a fork of an
-    interpreter that has imported torch, transformers and Megatron, in ~0.1 s instead of ~4 s each."""
+@contextlib.contextmanager
+def adopting_ranks():
+    """The fork server's children come to this process as they start (it is a subreaper, as the
+    launcher is), and only then: other tests' orphans still go to init, never to stay zombies here."""
     if not _rank_forks:
         with contextlib.chdir(REPO):  # the ranks' ``python -m tests...`` are found from here
             _rank_forks.append(ForkServer({}, preload=RANK_PRELOAD).start())
         atexit.register(_rank_forks[0].close)
-    return _rank_forks[0]
+    else:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield _rank_forks[0]
+    finally:
+        _prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+def failure(log: Path) -> str:
+    """A failed rank's traceback (the extension modules' exit noise after it left out), or its log's end."""
+    text = log.read_text()
+    start = text.find("Traceback")
+    return text[start:start + 3000] if start >= 0 else text[-3000:]
 
 
 def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
@@ -84,13 +98,14 @@ def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
     Each rank's output goes to ``OUT.rank<r>.log``; a rank that fails shows its log's end."""
     port = str(free_port("127.0.0.1"))
     logs = [Path(f"{out}.rank{r}.log") for r in range(world)]
-    ranks = [rank_forks().spawn(f"rank{r}", [sys.executable, "-m", module, str(model), str(out), *overrides],
-                                {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                                 "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}, None, logs[r])
-             for r in range(world)]
+    with adopting_ranks() as forks:
+        ranks = [forks.spawn(f"rank{r}", [sys.executable, "-m", module, str(model), str(out), *overrides],
+                             {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}, None, logs[r])
+                 for r in range(world)]
     try:
         codes = [p.wait(timeout=timeout) for p in ranks]
-        assert codes == [0] * world, "\n".join(f"rank {r} exited {code}:\n{logs[r].read_text()[-3000:]}"
+        assert codes == [0] * world, "\n".join(f"rank {r} exited {code}:\n{failure(logs[r])}"
                                                for r, code in enumerate(codes) if code != 0)
     finally:
         for p in ranks:

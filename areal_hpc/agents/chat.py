@@ -18,7 +18,13 @@ import openai
 
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
-from areal_hpc.proxy.app import SSE_HEADERS, TURN_ROUTES, as_api_error, parse_json, session_of
+from areal_hpc.proxy.app import (
+    SSE_HEADERS,
+    TURN_ROUTES,
+    as_api_error,
+    parse_json,
+    session_of,
+)
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.gateway import Proxy, ProxySettings
 from areal_hpc.proxy.openai_api import APIError

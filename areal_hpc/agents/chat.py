@@ -3,8 +3,8 @@ rendering, tool-call parsing, turns linked token for token), answered inside the
 episodes, over the run's rollout client. Each ``client()`` is an ``openai.AsyncOpenAI`` with its own
 session; its records are the session's conversations (``Session.trajectories``), returned to the
 episode instead of written by a proxy. The clients' requests reach the routes through an in-process
-transport, not a socket: no HTTP on either side and no connection pool, whose scan of every open
-connection on every request cost more client CPU than the turn itself (bench/agent_workflow_overhead.py).
+transport, not a socket: no HTTP on either side and no connection pool (whose check of every open
+connection on every request was 18% of the client's CPU: bench/results/agent_workflow_overhead.md).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from areal_hpc.proxy.tenants import Quota, hash_key, new_key
 TENANT = "default"
 UNLIMITED = Quota(0, 0)
 BASE_URL = "http://episode-chat/v1"  # resolved by no one: the transport answers every request itself
+# the HTTP library this ``openai`` release is built on (httpx; httpx2 in the 3.x releases)
 HTTPX = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
 
 

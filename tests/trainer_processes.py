@@ -65,8 +65,7 @@ def main(model: str, out: str, overrides: list[str]) -> None:
 
 # What every rank script imports, imported once by one fork server for the session's ranks (the
 # launcher's, on CPU): a rank starts as a fork of it in ~0.1 s instead of ~4 s of imports.
-RANK_PRELOAD = ("areal_hpc.train.build", "areal_hpc.engines.megatron.engine", "megatron.core.models.gpt",
-                "megatron.core.optimizer")
+RANK_PRELOAD = ("areal_hpc.train.build",)  # Megatron's ranks start fresh (see run_ranks)
 _rank_forks: list[ForkServer] = []
 
 
@@ -105,8 +104,10 @@ def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
     if "megatron" in " ".join(command):
         # Megatron's ranks start as fresh interpreters: forked from the shared server, its FSDP
         # checkpoint round trip restored a step 1.4e-3 off in 2 of 6 runs (0 of 5 fresh); cause not found
-        ranks = [subprocess.Popen(command, cwd=REPO, env=envs[r], stdout=log, stderr=subprocess.STDOUT)
-                 for r, log in enumerate(open(path, "w") for path in logs)]
+        ranks = []
+        for r, path in enumerate(logs):
+            with open(path, "w") as log:  # the rank holds its own copy of the descriptor
+                ranks.append(subprocess.Popen(command, cwd=REPO, env=envs[r], stdout=log, stderr=subprocess.STDOUT))
     else:
         with adopting_ranks() as forks:
             ranks = [forks.spawn(f"rank{r}", command, envs[r], None, logs[r]) for r in range(world)]

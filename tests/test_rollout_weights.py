@@ -50,6 +50,12 @@ def served(address: str) -> tuple[list[int], str]:
     return generate(address, temperature=0, max_new_tokens=8)["output_ids"], model_info(address)["weight_version"]
 
 
+def peer_closed(message: str) -> bool:
+    """Gloo's error when the other end closed the group: "closed" after an orderly shutdown, "reset" when
+    the peer closed with data it had not read (TCP answers with RST); which one comes is a matter of timing."""
+    return "Connection closed by peer" in message or "Connection reset by peer" in message
+
+
 def perturbed(model_dir, seed: int):
     """The same architecture with other weights: what a training step produces."""
     model = load_model(model_dir)
@@ -180,7 +186,7 @@ def test_a_bucket_that_cannot_be_received_closes_the_group_so_the_trainer_fails_
         sending, sent = in_background(lambda: pytest.raises(RuntimeError, broadcast_tensor, group, torch.ones(128)))
         message = refused(server, "/update_weights_from_distributed", body)
         sending.join(timeout=30)  # the group's timeout is 60 s: only a closed connection ends it sooner
-        assert not sending.is_alive() and "Connection closed by peer" in str(sent["result"].value)
+        assert not sending.is_alive() and peer_closed(str(sent["result"].value))
     assert message == ("model.norm.weight: dtype 'float8' is not one of ['bfloat16', 'float16', 'float32']; "
                        "the update group is closed (call /init_weights_update_group again)")
     assert refused(server, "/update_weights_from_distributed", body) == "call /init_weights_update_group first"
@@ -257,7 +263,7 @@ def test_a_restarted_trainer_joins_again_while_the_old_one_hangs_and_nothing_lea
         assert held[-1] == held[0], held
     hung.join(timeout=30)  # the old trainer is gone: its connection closed, the transfer fails now
     status, update = hung_reply["result"]
-    assert status == 500 and "Connection closed by peer" in update["error"]["message"], update
+    assert status == 500 and peer_closed(update["error"]["message"]), update
     assert model_info(address)["weight_version"] == "12"
     assert wait_for(lambda: resources() < held[0], "the hung update's group to be freed", timeout_s=10)
 

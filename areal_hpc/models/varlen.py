@@ -24,10 +24,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 VARLEN_SDPA = "varlen_sdpa"
 VARLEN_FLASH = "varlen_flash"
+SDPA_FLOAT32 = "sdpa_float32"
 PAD_TOLERANCE = 1.5  # padded attention work of a group / the work of its sequences alone
 
 
@@ -83,17 +86,36 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
             block = x.new_zeros(x.shape[1], group.n * group.length, dim)
             block = block.index_copy(1, group.slots, x[0].index_select(1, group.tokens))
             blocks.append(block.view(x.shape[1], group.n, group.length, dim).transpose(0, 1))
-        precision = torch.float32 if query.device.type == "cpu" else query.dtype  # CPU's bf16 backward is slow
         with torch.autocast(query.device.type, enabled=False):
-            attended = F.scaled_dot_product_attention(*(b.to(precision) for b in blocks), is_causal=True,
-                                                      scale=scaling, dropout_p=dropout if module.training else 0.0,
-                                                      enable_gqa=gqa)
+            attended = F.scaled_dot_product_attention(*(b.to(attention_precision(query)) for b in blocks),
+                                                      is_causal=True, scale=scaling,
+                                                      dropout_p=dropout if module.training else 0.0, enable_gqa=gqa)
         attended = attended.to(query.dtype).transpose(0, 1).reshape(heads, group.n * group.length, dim)
         out = out.index_copy(1, group.tokens, attended.index_select(1, group.slots))
     return out.transpose(0, 1)[None], None
 
 
 AttentionInterface.register(VARLEN_SDPA, varlen_sdpa)
+
+
+def attention_precision(query: torch.Tensor) -> torch.dtype:
+    """float32 on a CPU, where sdpa's bfloat16 backward is several times slower than float32's (the
+    matmuls around it keep the compute dtype); the inputs' own dtype elsewhere."""
+    return torch.float32 if query.device.type == "cpu" else query.dtype
+
+
+def sdpa_float32(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """Hugging Face's sdpa (its masks and KV cache, as tree training uses them) in
+    ``attention_precision``, the output back in the query's dtype."""
+    with torch.autocast(query.device.type, enabled=False):
+        out, _ = sdpa_attention_forward(module, *(x.to(attention_precision(query)) for x in (query, key, value)),
+                                        attention_mask, **kwargs)
+    return out.to(query.dtype), None
+
+
+AttentionInterface.register(SDPA_FLOAT32, sdpa_float32)
+AttentionMaskInterface.register(SDPA_FLOAT32, sdpa_mask)  # the masks Hugging Face builds for its sdpa
 
 
 @functools.cache

@@ -17,15 +17,11 @@ freezes the rest, so the optimizer holds the adapters only; the weight push and 
 hand out merged weights, checkpoints (``save(optimizer=True)``) the adapters, which ``load`` restores.
 
 Tree training (``actor.tree_training=dta``): ``train_step`` runs ``engines.torch.tree`` over the prefix
-tree of the whole share instead of packed micro-batches; ``forward`` stays packed. On a CPU the tree
-pass computes in the weights' precision, not under a lower ``compute_dtype``'s autocast (which made
-its many small batched segments 2.5x slower on the quickstart's batches; a warning says so).
+tree of the whole share instead of packed micro-batches; ``forward`` stays packed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,13 +79,6 @@ class TorchTrainEngine:
         self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
         self.device = next(model.parameters()).device
         weights_dtype, compute = next(model.parameters()).dtype, DTYPES[compute_dtype]
-        # On a CPU the tree pass keeps the weights' precision (see the module's docstring)
-        self.tree_autocast = self.device.type != "cpu"
-        if tree_training == "dta" and not self.tree_autocast and compute != weights_dtype:
-            logging.getLogger(__name__).warning(  # 0.10 s vs 0.25 s a step on the quickstart's batches
-                "actor.tree_training=dta computes in %s on a CPU, not in model.compute_dtype=%s: autocast is slower "
-                "than full precision for its many small batched segments there",
-                str(weights_dtype).removeprefix("torch."), compute_dtype)
         sharded = mesh is not None and sharded_mixed_precision(mesh.dims, compute)
         self.autocast_dtype = weights_dtype if sharded else compute  # FSDP casts the parameters itself
         if self.lora is not None and self.autocast_dtype != torch.float32:
@@ -228,7 +217,7 @@ class TorchTrainEngine:
         parts = []
         if len(batch) or not self._data_parallel():
             tree, started = build_prefix_tree(batch.sequences), time.perf_counter()
-            with self._compute() if self.tree_autocast else contextlib.nullcontext():
+            with self._compute():
                 parts = tree_train_pass(self.root, tree, batch, loss_fn, self.max_tokens_per_mb)
             # "loss" is the chunks' sum: 0 with no trained target, as for flat micro-batches without one;
             # the tree's features and seconds are what 'areal-hpc tree-cost' fits the cost model on

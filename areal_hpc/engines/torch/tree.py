@@ -40,6 +40,7 @@ from areal_hpc.algo.prefix_tree import PrefixTree
 from areal_hpc.engines.base import LossFn
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.errors import UserError
+from areal_hpc.models.varlen import SDPA_FLOAT32, packed_attention
 from areal_hpc.parallel.mesh import TrainMesh
 
 TREE_TRAINING = ("off", "dta")
@@ -212,6 +213,8 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         raise UserError(f"tree training got a sequence of {deepest} tokens, deeper than the model's context "
                         f"(max_position_embeddings={context}); cap prompt + max_new_tokens at {context}")
     device = next(model.parameters()).device
+    # on a CPU, attention in float32 under a bfloat16 autocast (its bfloat16 backward is the slow part)
+    attention = SDPA_FLOAT32 if device.type == "cpu" else model.config._attn_implementation
     parts = []
 
     def forward(chunk: list[Item]) -> Forwarded:
@@ -237,8 +240,9 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}
 
         def outputs_of(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-            hidden = model.base_model(input_ids=tokens.to(device), position_ids=positions, attention_mask=mask,
-                                      cache=cache, use_cache=True).last_hidden_state
+            with packed_attention(model, attention):
+                hidden = model.base_model(input_ids=tokens.to(device), position_ids=positions, attention_mask=mask,
+                                          cache=cache, use_cache=True).last_hidden_state
             if pieces is None:
                 return None
             padded = torch.cat([hidden, hidden.new_zeros(len(chunk), 1, hidden.shape[-1])], 1).flatten(0, 1)

@@ -173,7 +173,7 @@ class CostModel:
 
     def _rollout_replica(self, pool: NodePool, tp: int, pp: int, inter_gbs: float) -> RolloutReplica | None:
         """Throughput of one rollout replica, or None when the weights leave no room for a KV cache."""
-        m, w, e, dev = self.model, self.workload, self.eff, pool.device
+        m, w, dev = self.model, self.workload, pool.device
         n = tp * pp
         batch = min(w.max_running, rollout_slots(m, dev.memory_gb * GB, tp, pp, w.seq_tokens))
         if batch < 1 or pp > m.layers:

@@ -8,6 +8,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.models.hf import load_model
@@ -51,17 +53,28 @@ def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(t
         assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
-def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
-    """Qwen3 normalises queries and keys per head: the decoder's path for it, prompts of several lengths
-    prefilled together and decoding side by side; Qwen3-MoE's layers run their router and experts."""
+def small_qwen3(moe: bool = False) -> torch.nn.Module:
     shape = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
     config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
     config = config_class(**shape, **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
                                       if moe else {}))
     torch.manual_seed(0)
-    model = model_class(config).eval()
+    return model_class(config).eval()
+
+
+def teacher_forced(model: torch.nn.Module, prompt: list[int], output_ids: list[int]) -> torch.Tensor:
+    """log p(output token) at each position, from one forward of the whole sequence."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output_ids])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
+    """Qwen3 normalises queries and keys per head: the decoder's path for it, prompts of several lengths
+    prefilled together and decoding side by side; Qwen3-MoE's layers run their router and experts."""
+    model = small_qwen3(moe)
     engine = EmbeddedEngine(model, slots=4, context_length=128, eos_token_ids=[])
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [3]]
     results, all_done = [], threading.Event()
@@ -78,12 +91,49 @@ def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
     finally:
         engine.stop()
     for result in results:
-        prompt = prompts[int(result.rid)]
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1:-1]
-        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+        expected = teacher_forced(model, prompts[int(result.rid)], result.output_ids)
         assert result.error is None and torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)
 
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.sampled_from([(3, 1, 4, 1, 5), (9, 2), (6, 5, 3, 5, 8, 9, 7, 9), (3,), (3, 1)]),
+                min_size=1, max_size=8))
+def test_a_prompt_that_comes_several_times_is_prefilled_once_and_each_row_samples_its_own(prompts):
+    """A GRPO group's samples share their prompt: one prefill forward runs each distinct prompt once
+    (its rows copy the keys and values), and every row then samples its own tokens, each token's
+    logprob that of a teacher-forced pass over its own sequence."""
+    model = small_qwen3()
+    engine = EmbeddedEngine(model, slots=8, context_length=128, eos_token_ids=[])
+    forward, prefilled = engine.decoder._forward, []
+
+    def counting(tokens, positions, first_row):
+        if tokens.shape[1] > 1:  # a prefill (decode steps feed one token a row)
+            prefilled.append(len(tokens))
+        return forward(tokens, positions, first_row)
+
+    engine.decoder._forward = counting
+    results, all_done = {}, threading.Event()
+
+    def on_done(result):
+        results[result.rid] = result
+        if len(results) == len(prompts):
+            all_done.set()
+
+    requests = [Request(str(i), list(p), SamplingParams(max_new_tokens=6, sampling_seed=i), on_done)
+                for i, p in enumerate(prompts)]
+    try:
+        engine.call(lambda: [engine.submit(r) for r in requests]).result(timeout=60)  # admitted in one prefill
+        assert all_done.wait(timeout=60)
+    finally:
+        engine.stop()
+    if max(map(len, prompts)) > 1:
+        assert prefilled == [len(set(prompts))]
+    for i, prompt in enumerate(prompts):
+        result = results[str(i)]
+        expected = teacher_forced(model, list(prompt), result.output_ids)
+        assert result.error is None and torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)
+    samples = [tuple(results[str(i)].output_ids) for i in range(len(prompts))]
+    assert len(set(samples)) > 1 or len(prompts) == 1  # different seeds: not copies of one row
 
 def test_the_kv_cache_grows_under_running_sequences_without_changing_what_they_decode(tiny_model_dir):
     """The cache starts at FIRST_CAPACITY columns per row and doubles when a sequence needs more:

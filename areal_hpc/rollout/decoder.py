@@ -88,15 +88,23 @@ class SlotDecoder:
         """Run prompts into rows first_row.. (right-padded, one forward); logits at each prompt's end.
 
         Padding writes keys past a prompt's end; they are overwritten before anything attends to them,
-        since decoding writes a position before reading it.
+        since decoding writes a position before reading it. A prompt that comes several times (a GRPO
+        group's samples) runs once: its keys and values are copied into the rows of its repeats.
         """
-        width = max(len(p) for p in prompts)
-        tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
-        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
-        hidden = self._forward(tokens, positions, first_row)
-        ends = torch.tensor([len(p) for p in prompts], device=self.device)
-        self.lengths[first_row:first_row + len(prompts)] = ends
-        return self._logits(hidden[torch.arange(len(prompts)), ends - 1])
+        first_seen = {}
+        which = [first_seen.setdefault(tuple(p), len(first_seen)) for p in prompts]  # its distinct prompt
+        distinct = [list(p) for p in first_seen]
+        width = max(len(p) for p in distinct)
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in distinct], device=self.device)
+        positions = torch.arange(width, device=self.device).expand(len(distinct), width)
+        hidden = self._forward(tokens, positions, first_row)  # into rows first_row.. (all being filled)
+        if len(distinct) < len(prompts):
+            sources = torch.tensor(which, device=self.device) + first_row
+            for cache in (*self.keys, *self.values):
+                cache[first_row:first_row + len(prompts), :, :width] = cache[sources, :, :width]
+        ends = torch.tensor([len(p) for p in distinct], device=self.device)
+        self.lengths[first_row:first_row + len(prompts)] = ends[which]
+        return self._logits(hidden[torch.arange(len(distinct)), ends - 1])[which]
 
     @torch.no_grad()
     def decode(self, first_row: int, n: int) -> torch.Tensor:

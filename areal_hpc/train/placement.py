@@ -1,12 +1,14 @@
 """Where trainer rank 0's threads run on a machine it shares with its rollout servers: the update on
 the trainer's own cores, the rest of rank 0 (the rollout controller's event loop, the rollout client,
-reward workers, shard commits, weight staging, evaluation) on any core of the run, the servers' included.
+reward workers, shard commits, weight staging, evaluation) on the servers' cores.
 
-On 2 cores the local launcher pins the server to core 0 and the trainer to core 1. Rank 0's rollout
-side takes about a third of its CPU; held on core 1 it stretched the update while core 0 idled between
-generations, and held on core 0 it queued behind generation while core 1 idled between updates. The
-launcher names the cores in ``ROLLOUT_SIDE_CORES``; without them (Slurm, pinning off) nothing moves,
-and the update runs on a thread of its own all the same.
+On 2 cores the local launcher pins the server to core 0 and the trainer to core 1. The update is the
+step's critical path; rank 0's rollout side (about 0.09 CPU-s a quickstart step, as much as the server's
+generation) allowed on core 1 as well preempted it there (0.17 s of wall time for 0.12 s of CPU). On
+core 0 beside generation, which finishes well within a step since a group's prompt is prefilled once,
+the quickstart's step took 0.86-0.92x the time (3 alternating pairs, 2026-11-27). The launcher names the
+cores in ``ROLLOUT_SIDE_CORES``; without them (Slurm, pinning off) nothing moves, and the update runs on
+a thread of its own all the same.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 
-ROLLOUT_SIDE_CORES = "AREAL_HPC_ROLLOUT_SIDE_CORES"  # e.g. "0,1": the servers' cores and trainer rank 0's
+ROLLOUT_SIDE_CORES = "AREAL_HPC_ROLLOUT_SIDE_CORES"  # e.g. "0": the servers' cores
 
 
 class ThreadPlacement:
@@ -40,9 +42,9 @@ class ThreadPlacement:
 
 
 def rollout_side_env(server_cores: list[list[int] | None], trainer_cores: list[int] | None) -> dict[str, str]:
-    """The launcher's side: ``ROLLOUT_SIDE_CORES`` for trainer rank 0 (the servers' cores and its own)
-    when the servers and rank 0 are pinned, else nothing."""
+    """The launcher's side: ``ROLLOUT_SIDE_CORES`` for trainer rank 0 (the servers' cores) when the
+    servers and rank 0 are pinned, else nothing."""
     if not trainer_cores or not server_cores or not all(server_cores):
         return {}
-    cores = {c for share in [*server_cores, trainer_cores] for c in share}
+    cores = {c for share in server_cores for c in share}
     return {ROLLOUT_SIDE_CORES: ",".join(map(str, sorted(cores)))}

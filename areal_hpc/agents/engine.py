@@ -80,8 +80,11 @@ class SameTickBatch:
         self._running.add(task)
         task.add_done_callback(lambda done: self._answer(done, [f for _, f in batch]))
 
+        waiting = [len(batch)]  # callers still waiting: when none is, the batch is not needed
+
         def left(_) -> None:
-            if all(f.done() for _, f in batch):
+            waiting[0] -= 1
+            if not waiting[0]:
                 task.cancel()
         for _, future in batch:
             future.add_done_callback(left)

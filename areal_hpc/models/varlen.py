@@ -12,6 +12,10 @@ On CUDA with bf16/fp16 compute, torch's own flash-attention varlen kernel (``tor
 takes the packed row as it is, no padding at all; with flash-attn installed, Hugging Face's
 ``flash_attention_2`` does the same from the restarting position ids. Neither runs on CPU CI: ``bench/
 gpu_check.py`` checks them against dense-mask sdpa on a GPU.
+
+On a CPU attention runs in float32 under a bfloat16 autocast (``attention_precision``): sdpa's bfloat16
+backward is the slow part there. ``sdpa_float32`` applies that rule to Hugging Face's own sdpa, with its
+masks and KV cache, for tree training's padded segments.
 """
 
 from __future__ import annotations

@@ -90,17 +90,22 @@ def test_bf16_steps_follow_float32(bf16_run):
     """Loss, gradient norm and logprobs of the bf16 engine stay within bf16's precision of the float32
     engine's over 20 steps. bf16 keeps 8 significant bits (a relative spacing of 2^-8 = 3.9e-3): the
     logits carry rounding of that order from the bf16 matmuls, and the weights drift apart by as much
-    each step. Measured on the tiny model: logprobs (about -6.5) within 2.1e-3 relative, gradient
-    norms within 4.4e-3 relative, losses (a weighted mean of ratio x advantage, Σ weights = 1, |adv|
-    ~ 1, some near 0, hence absolute) within 7e-4. Tolerances: 1e-2 relative on logprobs (2.5 bf16
-    spacings), 2e-2 relative on the gradient norm, 5e-3 absolute on the loss: several times what bf16
-    gives, far below what a lost master weight or a bf16 gradient sum (errors growing with the step)
-    would give."""
+    each step. Measured on the tiny model, on two hosts of the same VM type whose CPUs compute bf16
+    matmuls differently (one has AVX512-BF16): logprobs (about -6.5) within 2.1e-3 / 6.8e-3 relative,
+    gradient norms within 4.4e-3 / 4.0e-2 relative (on the second host one step of 20 at 4.0e-2, three
+    above 1e-2, their mean 6.4e-3: the norm moves more than the logprobs as the weights drift), losses (a weighted
+    mean of ratio x advantage, Σ weights = 1, |adv| ~ 1, some near 0, hence absolute) within 7e-4.
+    Tolerances: 2e-2 relative on logprobs (5 bf16 spacings), 8e-2 relative on one step's gradient norm and
+    2e-2 on their mean over the steps, 5e-3 absolute on the loss: above what bf16 gives on both hosts,
+    far below what a lost master weight or a bf16 gradient sum (errors growing with the step) would give."""
     float32, bf16 = bf16_run["steps"]["float32"], bf16_run["steps"]["bfloat16"]
+    norm_errors = []
     for step, (want, got) in enumerate(zip(float32, bf16, strict=True)):
-        torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=1e-2, atol=0, msg=f"logprobs, step {step}")
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-2), step
+        torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=2e-2, atol=0, msg=f"logprobs, step {step}")
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=8e-2), step
         assert got["loss"] == pytest.approx(want["loss"], abs=5e-3), step
+        norm_errors.append(abs(got["grad_norm"] / want["grad_norm"] - 1))
+    assert sum(norm_errors) / len(norm_errors) < 2e-2, norm_errors
 
 
 @pytest.mark.distributed

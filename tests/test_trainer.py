@@ -25,12 +25,14 @@ from .trainer_processes import run_ranks
 
 
 @pytest.mark.distributed
-# The PPO critic's step with Adam's eps raised, as in test_parallel_layouts.py: at eps=1e-8 Adam turns the
-# float32 rounding of its near-zero gradients (summed in another order over two ranks) into lr-sized
-# steps (seen here: a critic weight off by 1.2e-6 after one step, the losses equal to 1e-9).
+# The PPO critic's step and the two-minibatch step with Adam's eps raised, as in test_parallel_layouts.py:
+# at eps=1e-8 Adam turns the float32 rounding of its near-zero gradients (summed in another order over
+# two ranks) into lr-sized steps (seen here: a critic weight off by 1.2e-6 after one step, the losses equal
+# to 1e-9; on another host's CPU, the actor's v_proj off by 1.2e-6 after two minibatches, 7e-9 at eps=1e-4).
 # M2PO's trust region is one bound over the whole batch: two ranks must mask the tokens one process does
 # (the synthetic batch's behaviour logprobs are ~4 nats off the random model's: a bound of 16 keeps 35 of 79).
-@pytest.mark.parametrize("overrides", [(), ("actor.ppo_n_minibatches=2", "actor.aggregation=seq-mean-token-mean"),
+@pytest.mark.parametrize("overrides", [(), ("actor.ppo_n_minibatches=2", "actor.aggregation=seq-mean-token-mean",
+                                            "optimizer.eps=1e-4"),
                                        ("actor.adv_estimator=ppo", "optimizer.eps=1e-4"),
                                        ("actor.policy_loss=m2po", "actor.m2_threshold=16")])
 def test_two_data_parallel_ranks_take_the_same_step_as_one_process(tiny_model_dir, tmp_path, overrides):

@@ -135,6 +135,7 @@ def test_a_prompt_that_comes_several_times_is_prefilled_once_and_each_row_sample
     samples = [tuple(results[str(i)].output_ids) for i in range(len(prompts))]
     assert len(set(samples)) > 1 or len(prompts) == 1  # different seeds: not copies of one row
 
+
 def test_the_kv_cache_grows_under_running_sequences_without_changing_what_they_decode(tiny_model_dir):
     """The cache starts at FIRST_CAPACITY columns per row and doubles when a sequence needs more:
     sequences already decoding keep their keys and values through each growth (to 128, then to the

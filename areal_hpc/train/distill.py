@@ -14,7 +14,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-
 from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, distillation_advantages
 from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory

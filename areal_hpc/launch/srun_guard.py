@@ -25,6 +25,7 @@ import sys
 import time
 
 NOT_STEPS = {"batch", "extern", "interactive"}
+NOT_ENDED = {"PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "COMPLETING"}  # sacct State of a live record
 SACCT_WAIT_S = 30.0  # slurmdbd may record a step's end a few seconds after squeue drops it
 CLOCK_SKEW_S = 5.0
 
@@ -42,25 +43,31 @@ def running_steps(job: str) -> set[str] | None:
     return steps - NOT_STEPS
 
 
-def recorded_steps(job: str, since: float) -> dict[str, int]:
+def recorded_steps(job: str, since: float) -> dict[str, int | None]:
     """The steps sacct has recorded for ``job`` that started at ``since`` (a Unix time) or later (a
     requeued job's earlier incarnation keeps its own), each with the largest exit code over its tasks in
-    every het component (a task ended by signal S counts as 128 + S, as srun reports it)."""
+    every het component (a task ended by signal S counts as 128 + S, as srun reports it), or None while
+    any component's record of it has not ended: slurmdbd records each het component's end on its own,
+    and a component still shows RUNNING with exit code 0 for a moment after the step has left squeue."""
     try:
-        listed = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,Start,ExitCode"], capture_output=True,
-                                text=True, timeout=30).stdout
+        listed = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,Start,State,ExitCode"],
+                                capture_output=True, text=True, timeout=30).stdout
     except subprocess.TimeoutExpired:
         return {}
-    steps: dict[str, int] = {}
+    codes: dict[str, int] = {}
+    live: set[str] = set()
     for line in listed.splitlines():
-        step_id, start, exit_code = (line.split("|") + ["", ""])[:3]
+        step_id, start, state, exit_code = (line.split("|") + ["", "", ""])[:4]
         found = re.fullmatch(r"\d+(?:\+\d+)?\.(\w+)", step_id)
         if not found or found.group(1) in NOT_STEPS or not _started_since(start, since):
             continue
+        step = found.group(1)
         status, _, signal = exit_code.partition(":")
         code = int(status) or (128 + int(signal) if signal and int(signal) else 0)
-        steps[found.group(1)] = max(code, steps.get(found.group(1), 0))
-    return steps
+        codes[step] = max(code, codes.get(step, 0))
+        if not state or state.split()[0] in NOT_ENDED:  # "CANCELLED by 0" is ended
+            live.add(step)
+    return {step: None if step in live else code for step, code in codes.items()}
 
 
 def _started_since(start: str, since: float) -> bool:
@@ -102,9 +109,10 @@ def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: flo
     srun.kill()
     srun.wait()
     deadline = time.monotonic() + SACCT_WAIT_S
-    while not ours <= set(codes := recorded_steps(job, started)) and time.monotonic() < deadline:
+    while any((codes := recorded_steps(job, started)).get(step) is None for step in ours) \
+            and time.monotonic() < deadline:
         time.sleep(1.0)
-    code = max((codes[s] for s in ours if s in codes), default=None)
+    code = max((codes[step] for step in ours if codes.get(step) is not None), default=None)
     print(f"areal-hpc: srun was still running {grace_s:g} s after its step {job}.{','.join(sorted(ours))} ended "
           "(Slurm before 24.11 with PMIx across het groups, SchedMD ticket 16817): ended it; the step's exit code "
           f"is {'unknown to sacct' if code is None else code}", file=sys.stderr, flush=True)

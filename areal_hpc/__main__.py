@@ -1,5 +1,5 @@
 """``python -m areal_hpc`` is the same as the ``areal-hpc`` command."""
 
-from areal_hpc.cli import main
+from areal_hpc.cli import run
 
-raise SystemExit(main())
+run()

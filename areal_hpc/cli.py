@@ -16,9 +16,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from areal_hpc.errors import UserError
 from areal_hpc.launch.sweep import cli as sweep_cli
+from areal_hpc.runtime.exit import exit_process
 from areal_hpc.sched import cli as planner_cli
 
 
@@ -541,5 +543,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The ``areal-hpc`` command: ``main`` with the arguments of the command line, then the process ends
+    at once (``runtime.exit``)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 
 from areal_hpc.config import load_config
-from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.train.build import build_actor, start_trainer
 from areal_hpc.train.trainer_group import TrainerGroup, follow
 
-from .trainer_processes import synthetic_batch
+from .trainer_processes import end_rank, synthetic_batch
 
 
 def main(model: str, out: str, mode: str, checkpoint: str, overrides: list[str]) -> None:
@@ -46,4 +45,4 @@ def main(model: str, out: str, mode: str, checkpoint: str, overrides: list[str])
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
-    close_distributed()  # the engines are gone with main's frame
+    end_rank()

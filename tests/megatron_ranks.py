@@ -18,8 +18,8 @@ import torch
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.engines.megatron.engine import MegatronTrainEngine
 from areal_hpc.models.hf import load_tokenizer
-from areal_hpc.parallel.mesh import close_distributed
 from tests import native_ranks
+from tests.trainer_processes import end_rank
 
 
 def engine_on(model_dir, mesh=None, critic: bool = False, temperature: float = 1.0) -> MegatronTrainEngine:
@@ -39,4 +39,4 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
-    close_distributed()  # the engines are gone with main's frame
+    end_rank()

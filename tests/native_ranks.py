@@ -24,7 +24,8 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.mesh import build_mesh, close_distributed, init_distributed
+from areal_hpc.parallel.mesh import build_mesh, init_distributed
+from tests.trainer_processes import end_rank
 
 MAX_TOKENS_PER_MB = 40  # several micro-batches per share
 
@@ -127,4 +128,4 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
-    close_distributed()  # the engines are gone with main's frame
+    end_rank()

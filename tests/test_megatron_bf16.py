@@ -18,9 +18,8 @@ import torch
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_model, load_tokenizer
-from areal_hpc.parallel.mesh import close_distributed
 from tests import native_ranks
-from tests.trainer_processes import run_ranks
+from tests.trainer_processes import end_rank, run_ranks
 
 STEPS = 20
 
@@ -127,4 +126,4 @@ def test_bf16_checkpoint_loads_and_resumes_the_step(bf16_run):
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
-    close_distributed()  # the engines are gone with main's frame
+    end_rank()

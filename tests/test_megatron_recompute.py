@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from areal_hpc.config import OptimizerConfig
-from areal_hpc.parallel.mesh import close_distributed
 from tests import native_ranks
-from tests.trainer_processes import run_ranks
+from tests.trainer_processes import end_rank, run_ranks
 
 STEPS = 3
 RECOMPUTE = ("none", "selective", "full")
@@ -80,4 +79,4 @@ def test_recompute_takes_the_same_steps(tiny_model_dir, tmp_path):
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
-    close_distributed()  # the engines are gone with main's frame
+    end_rank()

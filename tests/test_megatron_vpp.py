@@ -20,13 +20,11 @@ from areal_hpc.engines.megatron.convert import ModelShape
 from areal_hpc.engines.megatron.model import check_layout
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.mesh import close_distributed
 from tests import megatron_ranks, native_ranks
 from tests.native_ranks import reference_run
 from tests.test_megatron import in_reference_order
 from tests.test_native_parallel import assert_same_step
-from tests.trainer_processes import run_ranks
-
+from tests.trainer_processes import end_rank, run_ranks
 
 MAX_TOKENS_PER_MB = 32  # 5 micro-batches in the step, 6 in the next: odd counts, beyond one group of pp
 
@@ -71,4 +69,4 @@ def test_vpp_without_pipeline_is_one_user_error():
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
-    close_distributed()  # the engines are gone with main's frame
+    end_rank()

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from transformers import AutoConfig
 
 from areal_hpc.config import OptimizerConfig
@@ -26,9 +25,9 @@ from areal_hpc.engines.sequence_batch import balanced_parts
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.mesh import build_mesh, close_distributed, init_distributed
+from areal_hpc.parallel.mesh import build_mesh, init_distributed
 from tests import native_ranks
-from tests.trainer_processes import run_ranks
+from tests.trainer_processes import end_rank, run_ranks
 
 STEPS = 3  # then the checkpoint, then one more step
 
@@ -165,4 +164,4 @@ def test_zero1_layouts_not_built_are_one_user_error(model, sizes, message, reque
 
 if __name__ == "__main__":
     main(*sys.argv[1:5])
-    close_distributed()  # the engines are gone with main's frame
+    end_rank()

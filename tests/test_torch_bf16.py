@@ -21,9 +21,9 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs
 from areal_hpc.models.hf import load_model
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.mesh import build_mesh, close_distributed, init_distributed
+from areal_hpc.parallel.mesh import build_mesh, init_distributed
 from tests.native_ranks import MAX_TOKENS_PER_MB, seeded_batch
-from tests.trainer_processes import run_ranks
+from tests.trainer_processes import end_rank, run_ranks
 
 STEPS = 20
 
@@ -121,4 +121,4 @@ def test_bf16_computes_in_bf16_over_float32_masters_and_pushes_float32(runs, tin
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    close_distributed()
+    end_rank()

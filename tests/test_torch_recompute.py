@@ -19,9 +19,9 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs
 from areal_hpc.models.hf import load_model
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.mesh import build_mesh, close_distributed, init_distributed
+from areal_hpc.parallel.mesh import build_mesh, init_distributed
 from tests.native_ranks import MAX_TOKENS_PER_MB, ppo_like_loss, seeded_batch
-from tests.trainer_processes import run_ranks
+from tests.trainer_processes import end_rank, run_ranks
 
 MODES = ("none", "selective", "full")
 STEPS = 3
@@ -107,4 +107,4 @@ def test_recompute_takes_the_same_steps_on_two_fsdp_ranks(tiny_model_dir, tmp_pa
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    close_distributed()
+    end_rank()

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ import torch
 from areal_hpc.config import load_config
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
 from areal_hpc.parallel.mesh import close_distributed
+from areal_hpc.runtime.exit import exit_process
 from areal_hpc.runtime.forkserver import PR_SET_CHILD_SUBREAPER, ForkServer, _prctl
 from areal_hpc.runtime.name_resolve import free_port
 from areal_hpc.train.build import build_actor, start_trainer
@@ -121,6 +123,13 @@ def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
     return torch.load(out, weights_only=False)
 
 
+def end_rank() -> NoReturn:
+    """After a rank script's ``main`` (its engines gone with its frame): leave the process group and
+    end the process at once (``areal_hpc.runtime.exit``: ~1 s less per rank than the interpreter's exit)."""
+    close_distributed()
+    exit_process(0)
+
+
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
-    close_distributed()  # the engines are gone with main's frame
+    end_rank()

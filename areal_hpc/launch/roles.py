@@ -21,7 +21,8 @@ from areal_hpc.runtime.forkserver import ForkServer
 from areal_hpc.runtime.supervisor import SupervisedProcess
 
 # `-c`, not `-m areal_hpc.train.driver`: reward workers (spawned) would re-import a `-m` main module and its torch.
-TRAINER = "import sys; from areal_hpc.train.driver import main; sys.exit(main(sys.argv[1:]))"
+TRAINER = ("import sys; from areal_hpc.train.driver import main; from areal_hpc.runtime.exit import exit_process; "
+           "exit_process(main(sys.argv[1:]))")
 MODEL_TIMEOUT_S = 3600.0  # how long a rollout server waits for trainer rank 0 to write the initial model
 
 

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from areal_hpc.runtime.exit import exit_process
+
 PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "areal_hpc.rollout.server", "areal_hpc.train.driver",
            "areal_hpc.train.sft")
 PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
@@ -203,6 +205,4 @@ def _run_command(command: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = _serve(int(sys.argv[1]), sys.argv[2:])  # the fork server's, or in a child its command's
-    gc.unfreeze()  # the interpreter's exit frees what was imported (extensions check that it did: nanobind)
-    sys.exit(code)
+    exit_process(_serve(int(sys.argv[1]), sys.argv[2:]))  # the fork server's, or in a child its command's

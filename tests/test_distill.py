@@ -151,3 +151,4 @@ def test_bad_teachers_are_refused_in_one_line(tiny_model_dir, tmp_path):
                             (unreachable, "the teacher at http://127.0.0.1:9 cannot be reached")]:
         assert result.returncode == 2, result.stderr[-2000:]
         assert message in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+    assert not (tmp_path / "quickstart").exists()  # refused before the run's processes started

@@ -150,7 +150,7 @@ def wait_for_step(run: Path, step: int, job: str, timeout: float = 180) -> None:
 
 @pytest.mark.parametrize("how", ["scontrol requeue", "stop warning (SIGUSR2)"])
 def test_a_requeued_job_resumes_and_trains_each_trajectory_once(tiny_model_dir, tmp_path, submit, how):
-    total = 120
+    total = 40  # steps: the stop at step 5 lands well before the end (~0.2 s a step)
     job = submit(*submit_args(tiny_model_dir, tmp_path, f"rl.total_train_steps={total}", "saver.freq_steps=1000"))
     run = run_folder(tmp_path)
     wait_for_step(run, 5, job)
@@ -205,6 +205,7 @@ def test_dry_run_prints_the_script_and_sbatch_test_only_accepts_it(tiny_model_di
     (["slurm.trainer.cpus_per_task=3"], "1 tasks x 3 CPUs per node asked of partition 'train', whose nodes have 2"),
     (["slurm.time=forever"], "slurm.time: 'forever' is not a Slurm time limit"),
     (["slurm.partition=train"], "unknown config key 'slurm.partition'"),
+    (["distill.teacher_url=http://127.0.0.1:9", "actor.adv_estimator=ppo"], "needs a sequence advantage estimator"),
 ])
 def test_bad_input_is_one_line_and_nothing_is_submitted(tiny_model_dir, tmp_path, extra, message):
     result = run_cli(*submit_args(tiny_model_dir, tmp_path, *extra, f"experiment.trial={tmp_path.name}"),

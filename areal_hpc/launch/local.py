@@ -63,6 +63,10 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
     ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
     check_task(cfg)  # your data, reward and workflow load
+    if cfg.distill.teacher_url:  # the teacher answers, with the student's tokenizer (this imports torch)
+        from areal_hpc.train.distill import check_teacher
+
+        check_teacher(cfg)
     if cfg.actor.lora.rank:  # LoRA's layout and target modules (this imports torch: LoRA runs only)
         from areal_hpc.engines.torch.lora import check_lora
 

@@ -253,6 +253,10 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
     data_parallel_weights(cfg.actor.parallel, dims.dp)
     task_groups(cfg)  # the tasks' roles add up
     check_task(cfg)  # your data, reward and workflow load
+    if cfg.distill.teacher_url:  # its settings (the job's nodes reach the teacher, maybe not this login node)
+        from areal_hpc.train.distill import check_teacher
+
+        check_teacher(cfg, reach=False)
     if cfg.actor.lora.rank:  # LoRA's layout and target modules (this imports torch: LoRA runs only)
         from areal_hpc.engines.torch.lora import check_lora
 

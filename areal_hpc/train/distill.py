@@ -3,13 +3,15 @@ each update the teacher's server scores the batch's sequences from their first t
 ``trajectory_batch.build_batch`` carries the scores in the batch and the policy loss (``PPOActor``)
 adds ``kl_weight`` x (teacher - proximal logprob) to each trained token's advantage.
 
-The teacher is checked before the run starts: reachable, and with the student's tokenizer. Its scores
+The teacher is checked before the run's processes start (``check_teacher``, in the launcher) and again
+when the run opens it: reachable, and with the student's tokenizer. Its scores
 are logged as ``distill/reverse_kl``: the mean over trained tokens of the sampler's log p minus the
 teacher's, the sampled estimate of the per-token reverse KL that distillation pulls down.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +20,7 @@ from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, distillation_advantag
 from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
+from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.rollout.teacher import TeacherClient, check_tokenizer
 from areal_hpc.train.trajectory_batch import next_token_values, trajectory_sequence
 
@@ -45,23 +48,53 @@ class Teacher:
 @contextlib.asynccontextmanager
 async def open_teacher(cfg: RunConfig, student_tokenizer) -> AsyncIterator[Teacher | None]:
     """The run's teacher, checked (None when distillation is off)."""
-    settings = cfg.distill
-    if not settings.teacher_url:
+    if not cfg.distill.teacher_url:
         yield None
         return
+    async with _checked_client(cfg, student_tokenizer) as client:
+        yield Teacher(client)
+
+
+def check_teacher(cfg: RunConfig, reach: bool = True) -> None:
+    """Before a distilling run's processes start: the teacher's settings, and with ``reach`` (a local launch; a
+    Slurm job's nodes may reach what the login node cannot) the teacher itself, with the student's
+    tokenizer when ``model.path`` holds it (a preset model is built later: the run checks it then)."""
+    if not reach:
+        _check_estimator(cfg)
+        _token(cfg)
+        return
+    student = load_tokenizer(cfg.model.path) if cfg.model.path else None
+
+    async def connect() -> None:
+        async with _checked_client(cfg, student):
+            pass
+    asyncio.run(connect())
+
+
+def _check_estimator(cfg: RunConfig) -> None:
     if cfg.actor.adv_estimator not in SEQUENCE_ESTIMATORS:
         raise UserError(f"distill.teacher_url needs a sequence advantage estimator ({', '.join(SEQUENCE_ESTIMATORS)}); "
                         f"actor.adv_estimator={cfg.actor.adv_estimator} learns a critic of the reward alone")
-    token = None
-    if settings.teacher_token_file:
-        try:
-            token = Path(settings.teacher_token_file).read_text().strip()
-        except OSError as exc:
-            raise UserError(f"distill.teacher_token_file={settings.teacher_token_file}: {exc.strerror}") from None
-    async with TeacherClient(settings.teacher_url, token, settings.timeout_s) as client:
-        if settings.teacher_tokenizer:
-            check_tokenizer(settings.teacher_tokenizer, student_tokenizer, "distill.teacher_tokenizer")
-        else:
-            path = await client.model_path()
-            check_tokenizer(path, student_tokenizer, f"the model_path {settings.teacher_url} reports")
-        yield Teacher(client)
+
+
+def _token(cfg: RunConfig) -> str | None:
+    if not cfg.distill.teacher_token_file:
+        return None
+    try:
+        return Path(cfg.distill.teacher_token_file).read_text().strip()
+    except OSError as exc:
+        raise UserError(f"distill.teacher_token_file={cfg.distill.teacher_token_file}: {exc.strerror}") from None
+
+
+@contextlib.asynccontextmanager
+async def _checked_client(cfg: RunConfig, student_tokenizer) -> AsyncIterator[TeacherClient]:
+    """A client of the teacher once it has answered and, given the student's tokenizer, shown the same one."""
+    settings = cfg.distill
+    _check_estimator(cfg)
+    async with TeacherClient(settings.teacher_url, _token(cfg), settings.timeout_s) as client:
+        reported = await client.model_path()  # it answers
+        if student_tokenizer is not None:
+            check_tokenizer(settings.teacher_tokenizer or reported, student_tokenizer,
+                            "distill.teacher_tokenizer" if settings.teacher_tokenizer
+                            else f"the model_path {settings.teacher_url} reports")
+        yield client

@@ -32,8 +32,9 @@ LAUNCHER = textwrap.dedent("""
     if sys.argv[3] == "wait":
         print(json.dumps({"code": child.process.wait(timeout=120), "server_alive": server.process.poll() is None}))
         server.close()
-    elif sys.argv[3] == "stop":
-        time.sleep(float(sys.argv[4]))
+    elif sys.argv[3] == "stop":  # once the child runs its command
+        while not (out / "probe.json").exists():
+            time.sleep(0.05)
         child.stop(grace_s=5)
         print(json.dumps({"code": child.process.returncode}))
         server.close()
@@ -93,7 +94,7 @@ def test_a_forked_child_is_the_launchers_own_with_its_environment_cores_log_argv
 
 
 def test_stopping_a_forked_child_signals_its_group_and_reaps_it(tmp_path):
-    launcher = launch(tmp_path, SLEEPER, "stop", "8")
+    launcher = launch(tmp_path, SLEEPER, "stop")
     out, _ = launcher.communicate(timeout=180)
     started, ended = (json.loads(line) for line in out.splitlines())
     assert ended == {"code": -signal.SIGTERM}

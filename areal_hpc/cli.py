@@ -109,7 +109,7 @@ def _sft(args) -> int:
 
 
 def _preference(objective: str):
-    def run(args) -> int:
+    def command(args) -> int:
         cfg = _checked_config(args)
         from areal_hpc.train.preference import run_preference
 
@@ -120,7 +120,7 @@ def _preference(objective: str):
               + (f", task accuracy {shown['accuracy']:.1%}" if "accuracy" in shown else "")
               + f" in {result.seconds:.0f} s; model saved to {result.model_dir}")
         return 0
-    return run
+    return command
 
 
 def _pairs_arguments(pairs) -> None:

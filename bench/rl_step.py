@@ -206,7 +206,9 @@ def main() -> None:
     parser.add_argument("--root", default=str(Path(tempfile.gettempdir()) / "areal-hpc-rl-step"),
                         help="folder of the exported commits, the warm-up and the runs")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
-    run_and_record("rl_step", parser.parse_args(), run, report)
+    parser.add_argument("--name", default="rl_step", help="the record's name: bench/results/NAME-<date>.md")
+    args = parser.parse_args()
+    run_and_record(args.name, args, run, report)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 CPython's exit joins the program's non-daemon threads, runs its ``atexit`` handlers, flushes the
 standard streams, and then tears down every module, collecting garbage several times over all the
 objects torch and transformers created at import. That last part does nothing a finished run needs
-and takes 1.0-1.3 s per process on a 2-core machine (0.4 s for ``import torch`` alone): a launcher,
+and takes 1.0-1.5 s per process on a 2-core machine (0.4-0.5 s for ``import torch`` alone): a launcher,
 its rollout server and its trainer spent ~3 s ending a run whose steps took 1 s. ``exit_process``
 does the first three, as the interpreter would, and then ends the process with ``os._exit``.
 

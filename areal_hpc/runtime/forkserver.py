@@ -11,8 +11,9 @@ is then freed): the quickstart's RL run peaked at 0.86 GiB instead of 1.17 (``be
 Each child is forked twice: the first fork exits at once, so the child is re-parented to the launcher
 (``PR_SET_CHILD_SUBREAPER``), which waits for it, signals it and reads its exit code as for any child it
 started (``AdoptedProcess``). Then it behaves as ``python <command>`` would: its own session, cores,
-log, environment, thread count and ``sys.argv``, SIGKILLed when the launcher dies, and the interpreter's
-normal exit (threads joined, atexit). Values read only when a library loads are the fork server's:
+log, environment, thread count and ``sys.argv``, SIGKILLed when the launcher dies; it ends as our
+commands do (``runtime.exit``: threads joined, atexit run, no module teardown), whether its command ends
+that way itself or returns. Values read only when a library loads are the fork server's:
 it starts with the launcher's environment and one OpenMP thread, and each child sets its own count.
 
 Only on CPU: nothing here may initialise CUDA or an NPU before forking, so with accelerators every

@@ -87,19 +87,10 @@ def _init_model(args) -> int:
     return 0
 
 
-def _checked_config(args):
-    """The run's config, its data, reward and workflow checked before torch is imported: bad input is
-    refused in a second, not after the ~4 s of importing what training needs."""
-    from areal_hpc.config import load_config
-    from areal_hpc.train.task_setup import check_task
-
-    cfg = load_config(args.config, args.overrides)
-    check_task(cfg)
-    return cfg
-
-
 def _sft(args) -> int:
-    cfg = _checked_config(args)
+    from areal_hpc.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a bad value refused before torch is imported
     from areal_hpc.train.sft import run_sft
 
     result = run_sft(cfg)
@@ -110,7 +101,9 @@ def _sft(args) -> int:
 
 def _preference(objective: str):
     def command(args) -> int:
-        cfg = _checked_config(args)
+        from areal_hpc.config import load_config
+
+        cfg = load_config(args.config, args.overrides)  # a bad value refused before torch is imported
         from areal_hpc.train.preference import run_preference
 
         result = run_preference(cfg, objective)

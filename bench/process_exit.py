@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from recording import REPO, machine, run_and_record  # noqa: E402
+from rl_step import export  # noqa: E402
 
 IMPORTS = ("import torch", "import torch, areal_hpc.train.driver", "import torch, areal_hpc.rollout.server")
 ENDINGS = {"interpreter exit": "sys.exit(0)",
@@ -40,14 +41,6 @@ def exit_seconds(imports: str, ending: str) -> float:
     printed = float(process.stdout.readline())
     process.wait()
     return time.time() - printed
-
-
-def package_at(revision: str, folder: Path) -> Path:
-    """The ``areal_hpc`` package as it was at ``revision``, in ``folder``."""
-    folder.mkdir()
-    archive = subprocess.run(["git", "archive", revision, "areal_hpc"], cwd=REPO, check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
-    return folder
 
 
 def run_seconds(package_root: Path, model: Path, fileroot: Path) -> float:
@@ -73,7 +66,7 @@ def run(args) -> dict:
         from areal_hpc.data.registry import corpus_for_tokenizer
         from areal_hpc.models.tiny import init_model
         model = init_model(scratch / "model", corpus_for_tokenizer(0), preset="tiny", seed=0)
-        slow = package_at(args.before, scratch / "before")
+        slow, _ = export(args.before, scratch)
         runs = {"interpreter exit": [], "exit_process": []}
         for _ in range(args.runs):
             runs["interpreter exit"].append(run_seconds(slow, model, scratch / "runs"))

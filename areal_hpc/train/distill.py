@@ -60,8 +60,7 @@ def check_teacher(cfg: RunConfig, reach: bool = True) -> None:
     Slurm job's nodes may reach what the login node cannot) the teacher itself, with the student's
     tokenizer when ``model.path`` holds it (a preset model is built later: the run checks it then)."""
     if not reach:
-        _check_estimator(cfg)
-        _token(cfg)
+        _checked_token(cfg)
         return
     student = load_tokenizer(cfg.model.path) if cfg.model.path else None
 
@@ -71,13 +70,11 @@ def check_teacher(cfg: RunConfig, reach: bool = True) -> None:
     asyncio.run(connect())
 
 
-def _check_estimator(cfg: RunConfig) -> None:
+def _checked_token(cfg: RunConfig) -> str | None:
+    """The token the teacher's server asks for (None: none), once the run's settings allow a teacher."""
     if cfg.actor.adv_estimator not in SEQUENCE_ESTIMATORS:
         raise UserError(f"distill.teacher_url needs a sequence advantage estimator ({', '.join(SEQUENCE_ESTIMATORS)}); "
                         f"actor.adv_estimator={cfg.actor.adv_estimator} learns a critic of the reward alone")
-
-
-def _token(cfg: RunConfig) -> str | None:
     if not cfg.distill.teacher_token_file:
         return None
     try:
@@ -90,8 +87,7 @@ def _token(cfg: RunConfig) -> str | None:
 async def _checked_client(cfg: RunConfig, student_tokenizer) -> AsyncIterator[TeacherClient]:
     """A client of the teacher once it has answered and, given the student's tokenizer, shown the same one."""
     settings = cfg.distill
-    _check_estimator(cfg)
-    async with TeacherClient(settings.teacher_url, _token(cfg), settings.timeout_s) as client:
+    async with TeacherClient(settings.teacher_url, _checked_token(cfg), settings.timeout_s) as client:
         reported = await client.model_path()  # it answers
         if student_tokenizer is not None:
             check_tokenizer(settings.teacher_tokenizer or reported, student_tokenizer,

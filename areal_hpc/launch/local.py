@@ -3,9 +3,10 @@
     areal-hpc train --config configs/quickstart.yaml [--resume[=auto]] [key=value ...]
 
 1. the starting model: ``model.path``, or a fresh ``model.preset`` written into the run folder;
-2. ``rollout.n_servers`` rollout servers (``areal-hpc serve``), loading while step 3 runs;
-3. on a fresh run with ``rl.sft_warmup_steps``: SFT warm-up (``areal-hpc sft``) into ``<run>/sft_warmup``;
-4. ``rl.trainer_processes`` trainer ranks (torch.distributed, rank 0 drives and prints progress).
+2. on a fresh run with ``rl.sft_warmup_steps``: SFT warm-up (``areal-hpc sft``) into ``<run>/sft_warmup``;
+3. ``rollout.n_servers`` rollout servers (``areal-hpc serve``) and ``rl.trainer_processes`` trainer ranks
+   (torch.distributed, rank 0 drives and prints progress), started together: the servers load while the
+   trainers set up (not during the warm-up, whose peak they would add to).
 (the roles and their commands live in ``roles.py``, shared with the Slurm launcher). It stops them all
 when the run ends, fails, or is interrupted; children die with it even on SIGKILL. SIGUSR2 makes the
 trainer save and stop, then the job is requeued when it runs under Slurm (``preemption.py``). CPU cores
@@ -95,11 +96,6 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
         started.append(process.start())
         return process
 
-    def start_servers(model: Path) -> None:  # they load while the SFT warm-up runs
-        for i in range(cfg.rollout.n_servers):
-            start(f"rollout server {i}", server_command(args, model), run_dir / "logs" / f"rollout-server-{i}.log",
-                  server_cores[i], server_devices[i])
-
     def on_sigterm(signum, frame) -> None:
         """Trainer rank 0 saves first (the other processes are stopped after it); before the trainers
         start, or on a second SIGTERM, the launch just ends (``finally`` stops the children)."""
@@ -117,8 +113,10 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             # the warm-up is trainer rank 0's work: its threads, not every core (on a busy 2-core machine two
             # OpenMP threads spin against the other processes: SFT steps took ~7 s with 2 threads, ~1 s with 1)
             warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads)}
-            start_model = prepare_start_model(cfg, args, warm_up_env, on_initial_model=start_servers,
-                                              fork_server=fork_server)
+            start_model = prepare_start_model(cfg, args, warm_up_env, fork_server=fork_server)
+            for i in range(cfg.rollout.n_servers):
+                start(f"rollout server {i}", server_command(args, start_model),
+                      run_dir / "logs" / f"rollout-server-{i}.log", server_cores[i], server_devices[i])
             env[TRAINERS_AT] = str(time.time())
             rollout_side = rollout_side_env([share.cores for share in server_cores], trainer_cores[0].cores)
             for rank in range(cfg.rl.trainer_processes):

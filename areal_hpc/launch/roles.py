@@ -54,18 +54,14 @@ def initial_model(cfg: RunConfig) -> Path:
     return Path(cfg.model.path) if cfg.model.path else cfg.run_dir / "init_model"
 
 
-def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, on_initial_model=None,
-                        fork_server: ForkServer | None = None) -> Path:
+def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, fork_server: ForkServer | None = None) -> Path:
     """Write the initial model if the run has none, then (fresh runs with ``rl.sft_warmup_steps``) run
-    the SFT warm-up; returns the model the trainer starts from. ``on_initial_model`` runs as soon as the
-    initial model exists (the local launcher starts its servers then, so they load during the warm-up).
-    With ``fork_server`` both stages are forks of it."""
+    the SFT warm-up; returns the model the trainer starts from. With ``fork_server`` both stages are
+    forks of it."""
     model = initial_model(cfg)
     if not cfg.model.path and not (model / "config.json").exists():
         run_stage("model initialisation", [*areal_cli(), "init-model", "--out", str(model), "--preset",
                                             cfg.model.preset, "--seed", str(cfg.experiment.seed)], env, fork_server)
-    if on_initial_model is not None:
-        on_initial_model(model)
     warm = start_model_path(cfg)
     if warm != model and not warm.exists():
         run_stage("SFT warm-up", [*areal_cli(), "sft", *args, f"model.path={model}",

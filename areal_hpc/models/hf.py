@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
                           PreTrainedModel)
+from transformers.utils import logging as hf_logging
 
 from areal_hpc.errors import UserError
 
 # Nothing is ever fetched from a model hub at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+hf_logging.disable_progress_bar()  # per-shard progress bars are noise next to our own progress display
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -290,6 +290,10 @@ class ActorConfig:
                               "shared prefix, such as a GRPO group's prompt, computed once; exact gradients; the torch "
                               "engine, one process or data-parallel replicas, token-level losses) instead of packed "
                               "micro-batches", choices=["off", "dta"])
+    tree_min_saved_tokens: int = spec(64, "tree training: a shared prefix is its own node (one more forward and "
+                                      "backward of the model) only where sharing it saves this many token "
+                                      "computations (its length x (branches - 1)); shorter ones are recomputed in "
+                                      "each branch; 0: every common prefix is shared", ge=0)
     tree_cost: list = spec([0.0, 1.0, 0.0, 0.0, 0.0], "tree training over dp replicas: the cost model that cuts each "
                            "minibatch's tree into equal parts, coefficients of [leaves, tokens, fork tokens, prefix "
                            "tokens, levels]; 'areal-hpc tree-cost RUN_DIR' fits them from a run")

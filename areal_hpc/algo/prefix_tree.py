@@ -72,11 +72,17 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def build_prefix_tree(sequences: list[list[int]]) -> PrefixTree:
+def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0) -> PrefixTree:
     """The compressed trie of ``sequences`` (each at least one token). Sorted, a node is a run of sorted
     sequences [a, b) at depth ``start``: its segment runs to the shortest common prefix of the run
     (neighbours' LCPs, and its shortest sequence), the sequences that stop there end at it, and the
-    others split into child runs wherever a neighbour's LCP is exactly that long."""
+    others split into child runs wherever a neighbour's LCP is exactly that long.
+
+    ``min_saved_tokens``: a branching node whose sharing saves fewer token computations than this (its
+    segment's length times its branches less one) is not made: its branches start where it would have,
+    each with its segment as its own first tokens. Each level of the tree costs tree training one more
+    forward and backward of the model, more than a few shared tokens save (the one- to three-token
+    branches of a GRPO group's answers, a chat template's first tokens shared across groups)."""
     if not sequences:
         raise UserError("tree training got an empty batch (no sequences); every rank needs at least one")
     if empty := [i for i, s in enumerate(sequences) if not s]:
@@ -98,14 +104,19 @@ def build_prefix_tree(sequences: list[list[int]]) -> PrefixTree:
     while pending:
         a, b, start, parent = pending.pop()
         stop = min([*lcp[a + 1:b], *(len(ordered[k]) for k in range(a, b))])
+        ending = a  # sorted: the sequences that end here come first in the run
+        while ending < b and len(ordered[ending]) == stop:
+            ending += 1
+        children = runs(ending, b, stop)
+        branches = [(a, ending)] * (ending > a) + children  # the sequences ending here are one branch
+        if len(branches) >= 2 and (stop - start) * (len(branches) - 1) < min_saved_tokens:
+            pending += [(c, d, start, parent) for c, d in reversed(branches)]
+            continue
         index = len(nodes)
         nodes.append(TreeNode(ordered[a][start:stop], start, parent, sequences=[order[k] for k in range(a, b)]))
         if parent >= 0:
             nodes[parent].children.append(index)
         for k in range(a, b):
             paths[order[k]].append(index)
-        ending = a  # sorted: the sequences that end here come first in the run
-        while ending < b and len(ordered[ending]) == stop:
-            ending += 1
-        pending += [(c, d, stop, index) for c, d in reversed(runs(ending, b, stop))]
+        pending += [(c, d, stop, index) for c, d in reversed(children)]
     return PrefixTree(nodes, paths)

@@ -95,12 +95,13 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
             from areal_hpc.engines.megatron.engine import MegatronTrainEngine
 
             return MegatronTrainEngine(path, kind, temperature=temperature, **common)
+        tree = dict(tree_training=actor_cfg.tree_training, tree_min_saved_tokens=actor_cfg.tree_min_saved_tokens)
         if kind == "critic":
             return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, device), ValueOutputs(),
-                                    tree_training=actor_cfg.tree_training, **common)
+                                    **tree, **common)
         network = load_model(path, model.dtype, model.attn_impl, device).requires_grad_(lr is not None)
-        return TorchTrainEngine(network, PolicyOutputs(temperature), tree_training=actor_cfg.tree_training,
-                                lora=actor_cfg.lora if lr else None, **common)  # the reference is the base model
+        return TorchTrainEngine(network, PolicyOutputs(temperature), lora=actor_cfg.lora if lr else None, **tree,
+                                **common)  # the reference is the base model
 
     if actor_cfg.lora.rank:
         torch.manual_seed(cfg.experiment.seed)  # the adapters' initialisation depends on the seed only

@@ -63,19 +63,22 @@ class TorchTrainEngine:
     of the mesh calls ``forward`` and ``train_step`` with its data-parallel replica's share (tensor-
     parallel peers with the same one) and gets complete results; ``rollout_weights``, ``save`` and
     ``load`` are collective over the whole mesh. ``compute_dtype``, ``recompute`` and ``tree_training``
-    as the module says; ``lora`` (a rank above 0) trains LoRA adapters instead of the weights.
+    as the module says (``tree_min_saved_tokens``: which shared prefixes the tree shares, see
+    ``algo.prefix_tree.build_prefix_tree``); ``lora`` (a rank above 0) trains LoRA adapters instead of
+    the weights.
     """
 
     def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, mesh: TrainMesh | None = None,
                  optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
                  max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32",
-                 recompute: str = "none", tree_training: str = "off", lora: LoRAConfig | None = None):
+                 recompute: str = "none", tree_training: str = "off", tree_min_saved_tokens: int = 0,
+                 lora: LoRAConfig | None = None):
         check_tree_layout(tree_training, mesh, recompute, forward_fn)
         self.lora = lora if lora is not None and lora.rank > 0 else None
         if self.lora is not None:
             lora_adapters.check_layout("torch", mesh.dims if mesh is not None else None, tree_training)
             lora_adapters.add_adapters(model, self.lora)
-        self.tree_training = tree_training
+        self.tree_training, self.tree_min_saved_tokens = tree_training, tree_min_saved_tokens
         self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
         self.device = next(model.parameters()).device
         weights_dtype, compute = next(model.parameters()).dtype, DTYPES[compute_dtype]
@@ -216,7 +219,7 @@ class TorchTrainEngine:
             self._hold_parameters(True)
         parts = []
         if len(batch) or not self._data_parallel():
-            tree, started = build_prefix_tree(batch.sequences), time.perf_counter()
+            tree, started = build_prefix_tree(batch.sequences, self.tree_min_saved_tokens), time.perf_counter()
             with self._compute():
                 parts = tree_train_pass(self.root, tree, batch, loss_fn, self.max_tokens_per_mb)
             # "loss" is the chunks' sum: 0 with no trained target, as for flat micro-batches without one;

@@ -25,10 +25,10 @@ def shared_prefix_batches(draw, vocab: int = 4, max_sequences: int = 8) -> list[
     return sequences
 
 
-@settings(max_examples=200, deadline=None)
-@given(shared_prefix_batches())
-def test_paths_give_back_every_sequence_and_each_position_lies_in_one_node(sequences):
-    tree = build_prefix_tree(sequences)
+@settings(max_examples=300, deadline=None)
+@given(shared_prefix_batches(), st.sampled_from([0, 0, 1, 2, 3, 5, 8, 64]))
+def test_paths_give_back_every_sequence_and_each_position_lies_in_one_node(sequences, min_saved_tokens):
+    tree = build_prefix_tree(sequences, min_saved_tokens)
     assert [tree.sequence(i) for i in range(len(sequences))] == sequences
     assert tree.n_sequence_tokens == sum(map(len, sequences))
     assert tree.n_tokens <= tree.n_sequence_tokens and tree.compression >= 1.0
@@ -61,6 +61,34 @@ def test_the_trie_is_compressed(sequences):
     for n, node in enumerate(tree.nodes):
         assert len(node.children) != 1 or n in ends
         assert node.children or n in ends
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared_prefix_batches(), st.integers(0, 12))
+def test_a_node_is_shared_only_where_it_saves_min_saved_tokens(sequences, min_saved_tokens):
+    """Every node with two or more branches (children, and the sequences that end at it) saves its
+    length x (branches - 1) >= min_saved_tokens; where one saved less it was not made, so the tree holds
+    the distinct prefixes of the exact trie less those recomputed."""
+    tree = build_prefix_tree(sequences, min_saved_tokens)
+    for n, node in enumerate(tree.nodes):
+        branches = len(node.children) + (n in {path[-1] for path in tree.paths})
+        if branches >= 2:
+            assert len(node.tokens) * (branches - 1) >= min_saved_tokens
+    exact = build_prefix_tree(sequences)
+    assert tree.n_tokens >= exact.n_tokens
+    if min_saved_tokens <= 1:  # any node saves at least one token computation: the exact trie
+        assert [(node.tokens, node.start) for node in tree.nodes] == [(node.tokens, node.start) for node in exact.nodes]
+
+
+def test_short_answer_branches_of_a_group_are_recomputed_and_its_prompt_shared():
+    """A GRPO group's answers that share one or two tokens ("1" of "12" and "17") would be a level
+    each; with min_saved_tokens 8 only the 20-token prompt is a node of its own."""
+    prompt = list(range(100, 120))
+    answers = [[1, 2, 0], [1, 7, 0], [1, 7, 0], [3, 0]]
+    tree = build_prefix_tree([prompt + a for a in answers], min_saved_tokens=8)
+    assert [node.tokens for node in tree.nodes] == [prompt, [1, 2, 0], [1, 7, 0], [3, 0]]
+    assert [node.sequences for node in tree.nodes] == [[0, 1, 2, 3], [0], [1, 2], [3]]
+    assert len(build_prefix_tree([prompt + a for a in answers]).nodes) == 5  # [1] is a level of its own
 
 
 def test_grpo_groups_compress_by_their_shared_prompt():

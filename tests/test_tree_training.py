@@ -46,11 +46,12 @@ def policy(tiny_model_dir):
 
 
 def engine(model: torch.nn.Module, tree_training: str, forward_fn=None, max_tokens: int = 24,
-           compute_dtype: str = "float32") -> TorchTrainEngine:
+           compute_dtype: str = "float32", min_saved_tokens: int = 0) -> TorchTrainEngine:
     """An engine on a copy of ``model``; the flat one cuts its batches into several micro-batches."""
     return TorchTrainEngine(copy.deepcopy(model), forward_fn or PolicyOutputs(TEMPERATURE), lr=1e-3,
                             optimizer=OptimizerConfig(gradient_clipping=0.0), max_tokens_per_mb=max_tokens,
-                            tree_training=tree_training, compute_dtype=compute_dtype)
+                            tree_training=tree_training, compute_dtype=compute_dtype,
+                            tree_min_saved_tokens=min_saved_tokens)
 
 
 def ppo_batch(sequences: list[list[int]], seed: int, per_position_temperatures: bool) -> SequenceBatch:
@@ -117,11 +118,13 @@ def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) ->
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(shared_prefix_batches(), st.integers(0, 2**16), st.booleans())
-def test_tree_step_equals_the_flat_step_and_each_sequence_alone(policy, sequences, seed, per_position_temperatures):
+@given(shared_prefix_batches(), st.integers(0, 2**16), st.booleans(), st.sampled_from([0, 0, 3, 8]))
+def test_tree_step_equals_the_flat_step_and_each_sequence_alone(policy, sequences, seed, per_position_temperatures,
+                                                                min_saved_tokens):
+    """With every common prefix shared (0), or only those saving 3 or 8 token computations."""
     sequences = [[3 + 41 * token for token in s] for s in sequences]
     batch = ppo_batch(sequences, seed, per_position_temperatures)
-    tree, flat = engine(policy, "dta"), engine(policy, "off")
+    tree, flat = engine(policy, "dta", min_saved_tokens=min_saved_tokens), engine(policy, "off")
     tree_actor, flat_actor = PPOActor(tree, ActorConfig()), PPOActor(flat, ActorConfig())
     tree_seen, flat_seen = {}, {}
     tree_stats = tree.train_step(batch, recording(tree_actor._policy_loss, tree_seen))
@@ -167,21 +170,23 @@ def grpo_groups(groups: int = 2, samples: int = 4, prompts: tuple[int, ...] = (1
     return batch
 
 
-@pytest.mark.parametrize("max_tokens", [24, 4096], ids=["chunk_per_group", "groups_in_one_chunk"])
-def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, max_tokens):
+@pytest.mark.parametrize("max_tokens, min_saved_tokens", [(24, 0), (4096, 0), (4096, 16)],
+                         ids=["chunk_per_group", "groups_in_one_chunk", "short_prefixes_recomputed"])
+def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, max_tokens, min_saved_tokens):
     """Prompts of 30, 10 and 3 tokens: with room, the prompts run in two chunks of one wave (the 3-token
     one would make padding most of the first) and all completions in one chunk, each row over its own
-    prompt's K/V, read from either chunk and padded to the longest."""
+    prompt's K/V, read from either chunk and padded to the longest. Sharing only what saves 16 token
+    computations, the 3-token prompt and the one-token completion prefix are recomputed per branch."""
     batch = grpo_groups(groups=3, prompts=(30, 10, 3))
     assert build_prefix_tree(batch.sequences).compression > 1.8
-    tree, flat = engine(policy, "dta", max_tokens=max_tokens), engine(policy, "off")
+    tree, flat = engine(policy, "dta", max_tokens=max_tokens, min_saved_tokens=min_saved_tokens), engine(policy, "off")
     tree_stats = PPOActor(tree, ActorConfig()).update([batch])
     flat_stats = PPOActor(flat, ActorConfig()).update([batch])
     assert tree_stats["actor/loss"] == pytest.approx(flat_stats["actor/loss"], rel=RTOL)
     assert tree_stats["actor/entropy_sum"] == pytest.approx(flat_stats["actor/entropy_sum"], rel=RTOL)
     assert tree_stats["actor/grad_norm"] == pytest.approx(flat_stats["actor/grad_norm"], rel=RTOL)
     assert tree_stats["actor/loss_tokens"] == flat_stats["actor/loss_tokens"]
-    assert tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences).n_tokens
+    assert tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences, min_saved_tokens).n_tokens
     assert_same_gradients(tree.model, flat.model)
 
 

@@ -67,8 +67,8 @@ def test_the_trie_is_compressed(sequences):
 @given(shared_prefix_batches(), st.integers(0, 12))
 def test_a_node_is_shared_only_where_it_saves_min_saved_tokens(sequences, min_saved_tokens):
     """Every node with two or more branches (children, and the sequences that end at it) saves its
-    length x (branches - 1) >= min_saved_tokens; where one saved less it was not made, so the tree holds
-    the distinct prefixes of the exact trie less those recomputed."""
+    length x (branches - 1) >= min_saved_tokens; the tree holds at least the exact trie's tokens (what
+    it does not share is recomputed), and with min_saved_tokens <= 1 it is the exact trie."""
     tree = build_prefix_tree(sequences, min_saved_tokens)
     for n, node in enumerate(tree.nodes):
         branches = len(node.children) + (n in {path[-1] for path in tree.paths})

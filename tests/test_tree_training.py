@@ -271,11 +271,12 @@ def test_tree_training_over_two_replicas_takes_the_flat_step_of_one_process(layo
                                                                             tmp_path_factory):
     """The trainer's own path on two gloo ranks (``TrainerGroup`` cutting each minibatch's tree into two
     parts, each rank training its part depth first, one reduction): two optimizer steps of the actor (and
-    the critic) equal the flat engine's in one process."""
+    the critic) equal the flat engine's in one process. This batch's prompts are short: the default
+    ``actor.tree_min_saved_tokens`` of 64 would recompute them all, so prefixes saving 8 are shared here."""
     folder = tmp_path_factory.mktemp(f"tree-{layout}-{estimator}")
     reference = flat_single_process(str(tiny_model_dir), estimator, str(tmp_path_factory.getbasetemp()))
     ours = run_ranks(2, tiny_model_dir, folder / "tree.pt", *STEP, *ESTIMATORS[estimator], *TREE_LAYOUTS[layout],
-                     "actor.tree_training=dta")
+                     "actor.tree_training=dta", "actor.tree_min_saved_tokens=8")
     assert ours["stats"]["actor/tree_tokens"] < ours["stats"]["train/tokens"]  # the groups' prompts shared
     assert_same_step(ours, reference)
     kept, tokens = ours["stats"]["actor/kept_tokens"], ours["stats"]["actor/loss_tokens"]

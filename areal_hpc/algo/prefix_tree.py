@@ -108,7 +108,7 @@ def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0) -> 
         while ending < b and len(ordered[ending]) == stop:
             ending += 1
         children = runs(ending, b, stop)
-        branches = [(a, ending)] * (ending > a) + children  # the sequences ending here are one branch
+        branches = ([(a, ending)] if ending > a else []) + children  # the sequences ending here: one branch
         if len(branches) >= 2 and (stop - start) * (len(branches) - 1) < min_saved_tokens:
             pending += [(c, d, start, parent) for c, d in reversed(branches)]
             continue

@@ -149,6 +149,73 @@ def test_an_episodes_client_is_answered_in_process_as_the_proxy_answers(in_proce
     assert errors == [(404, "model_not_found"), (400, "invalid_value"), (404, None)]
 
 
+TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                       "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
+
+
+def _messages(form: str):
+    """One conversation in the forms agents send it: dicts, a tuple, a generator, the SDK's own message
+    model from an earlier reply, content as text parts."""
+    from openai.types.chat import ChatCompletionMessage
+
+    dicts = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"},
+             {"role": "user", "content": "And 4+4?"}]
+    return {"dicts": dicts, "tuple": tuple(dicts), "generator": (m for m in dicts),
+            "model": [dicts[0], ChatCompletionMessage(role="assistant", content="5"), dicts[2]],
+            "parts": [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in dicts]}[form]
+
+
+CHAT_FIELDS = st.fixed_dictionaries({"messages_form": st.sampled_from(["dicts", "tuple", "generator", "model", "parts"])},
+                                    optional={
+    "model": st.sampled_from(["other", None]), "max_tokens": st.integers(-1, 6),
+    "max_completion_tokens": st.integers(1, 6), "logprobs": st.booleans(), "temperature": st.sampled_from([0, 5]),
+    "n": st.integers(1, 2), "stop": st.sampled_from(["x", None]), "user": st.text(max_size=5),
+    "tools": st.sampled_from([[TOOL], [None], [1], [{"type": "function", "function": {}}]]),
+    "tool_choice": st.sampled_from(["auto", "none", "garbage"]),
+    "extra_body": st.sampled_from([{}, {"top_p": 0.5}, {"seed": "abc"}, {"temperature": 0}])})
+COMPLETION_FIELDS = st.fixed_dictionaries({"prompt": st.sampled_from(["2+3=", [5, 6, 7], [], [-1], 3])}, optional={
+    "max_tokens": st.integers(0, 6), "logprobs": st.integers(-1, 2), "model": st.just("other"),
+    "extra_body": st.sampled_from([{}, {"top_p": 0.5}])})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["chat", "completion"]), data=st.data())
+def test_a_plain_create_answers_as_the_sdks_own_http_path(in_process, tiny_model_dir, route, data):
+    """A plain ``create`` skips the SDK's request machinery (agents/chat.py); the SDK's own path
+    (``with_raw_response``: its parameter transform, HTTP client, response parsing) to the same routes
+    is the reference: the same reply (greedy, so the same tokens) or the same error, field for field,
+    over the forms agents send (message models, generators, text parts, extra_body) and bad values."""
+    import openai
+
+    fields = data.draw(CHAT_FIELDS if route == "chat" else COMPLETION_FIELDS)
+
+    async def both():
+        async with ChatGateway(in_process.generate, tiny_model_dir) as chat:
+            client = chat.client({})
+            resource = client.chat.completions if route == "chat" else client.completions
+            request = {k: v for k, v in fields.items() if k != "messages_form"}
+            request["model"] = request.get("model") or chat.model_name
+            request.setdefault("temperature", 0)
+            outcomes = []
+            for create in (resource.create, resource.with_raw_response.create):
+                if route == "chat":
+                    request["messages"] = _messages(fields["messages_form"])  # a generator is read once
+                try:
+                    reply = await create(**request)
+                    reply = reply.parse() if create != resource.create else reply
+                    outcomes.append(("reply", type(reply), reply.model_dump(exclude={"id", "created"})))
+                except openai.APIStatusError as exc:
+                    outcomes.append(("error", type(exc), exc.status_code, exc.body))
+            return outcomes, client.session.turns
+
+    (fast, sdk), turns = asyncio.run(both())
+    assert fast == sdk
+    if fast[0] == "reply":
+        assert len(turns) == 2 and turns[0].output_ids == turns[1].output_ids and turns[0].prompt_ids == turns[1].prompt_ids
+    else:
+        assert turns == []
+
+
 def _without_eos(ids: list[int], tokenizer) -> list[int]:
     return ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids
 

@@ -2,19 +2,33 @@
 rendering, tool-call parsing, turns linked token for token), answered inside the process that runs the
 episodes, over the run's rollout client. Each ``client()`` is an ``openai.AsyncOpenAI`` with its own
 session; its records are the session's conversations (``Session.trajectories``), returned to the
-episode instead of written by a proxy. The clients' requests reach the routes through an in-process
-transport, not a socket: no HTTP on either side and no connection pool (whose check of every open
-connection on every request was 18% of the client's CPU: bench/results/agent_workflow_overhead.md).
+episode instead of written by a proxy.
+
+Nothing goes over a socket. A plain ``chat.completions.create`` or ``completions.create`` (what agents
+and the Agents SDK call) hands the routes the JSON body the SDK would have sent and builds the reply
+object as the SDK builds it, without the SDK's request machinery (its parameter transform and HTTP
+client were 80% of a turn's client CPU: bench/results/agent_workflow_overhead.md). Anything else
+(streams, ``with_raw_response``, ``extra_query``, other routes) takes the SDK's own path through an
+in-process HTTP transport to the same routes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import openai
+import pydantic
+from openai.resources.chat import AsyncChat
+from openai.resources.chat.completions import AsyncCompletions as AsyncChatCompletions
+from openai.resources.completions import AsyncCompletions
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
 
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
@@ -36,6 +50,8 @@ UNLIMITED = Quota(0, 0)
 BASE_URL = "http://episode-chat/v1"  # resolved by no one: the transport answers every request itself
 # the HTTP library this ``openai`` release is built on (httpx; httpx2 in the 3.x releases)
 HTTPX = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
+UNSET = tuple(getattr(openai, name) for name in ("NotGiven", "Omit") if hasattr(openai, name))  # the SDK drops these
+RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"  # set by with_raw_response / with_streaming_response
 
 
 class EpisodeKeys:
@@ -76,23 +92,90 @@ class InProcessTransport(HTTPX.AsyncBaseTransport):
         self.proxy = proxy
 
     async def handle_async_request(self, request):
-        path = request.url.path
+        status, content, headers = await self.respond(request.method, request.url.path, request.headers,
+                                                      request.aread)
+        if isinstance(content, bytes):
+            return HTTPX.Response(status, headers=SSE_HEADERS, content=content)
+        return HTTPX.Response(status, json=content, headers=headers)
+
+    async def respond(self, method: str, path: str, headers, read_body) -> tuple[int, dict | bytes, dict | None]:
+        """(status, the JSON reply or a stream's events, headers) of a request to ``path``; ``read_body()``
+        gives its body, read only once the session key has been checked."""
         try:
-            route = TURN_ROUTES.get(path) if request.method == "POST" else None
+            route = TURN_ROUTES.get(path) if method == "POST" else None
             if route is None:
-                raise APIError(404, f"Not Found: {request.method} {path} (an episode's client has "
+                raise APIError(404, f"Not Found: {method} {path} (an episode's client has "
                                f"{' and '.join(TURN_ROUTES)})")
-            session = session_of(self.proxy, request.headers)
-            body = parse_json(await request.aread())
+            session = session_of(self.proxy, headers)
+            body = parse_json(await read_body())
             async with route(self.proxy, session, body) as reply:
-                if reply.body is not None:
-                    return HTTPX.Response(200, json=reply.body)
-                return HTTPX.Response(200, headers=SSE_HEADERS, content=b"".join(reply.events))
+                return 200, (reply.body if reply.body is not None else b"".join(reply.events)), None
         except APIError as exc:
-            return HTTPX.Response(exc.status, json=exc.body(), headers=exc.headers)
+            return exc.status, exc.body(), exc.headers
         except Exception as exc:  # noqa: BLE001 - a bug: answered as the proxy answers it
             error = as_api_error(exc, path)
-            return HTTPX.Response(error.status, json=error.body())
+            return error.status, error.body(), None
+
+
+def json_body(params: dict) -> bytes:
+    """The body the SDK sends for ``create(**params)``: unset parameters left out, ``extra_body`` merged
+    over the rest, models dumped and iterables listed as its transform does them."""
+    body = {name: value for name, value in params.items() if not isinstance(value, UNSET)}
+    body.update(body.pop("extra_body", None) or {})
+    for name in ("extra_headers", "timeout"):
+        body.pop(name, None)
+    return json.dumps(body, default=_as_json).encode()
+
+
+def _as_json(value):
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump(exclude_unset=True, mode="json", exclude=getattr(value, "__api_exclude__", None))
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+class InProcessCreate:
+    """``create`` of a completion resource of the recording client: a plain request (not streamed, not
+    raw, no ``extra_query``) answered by the route straight away, the reply built as the SDK builds it
+    (``construct``'s result), errors raised as the SDK raises them; any other request takes the SDK's own path."""
+
+    PATH: str
+    REPLY: type
+
+    async def create(self, **params):
+        client = self._client
+        if (params.get("stream") is True or params.get("extra_query")
+                or RAW_RESPONSE_HEADER in (params.get("extra_headers") or {})):
+            return await super().create(**params)
+        body = json_body(params)
+
+        async def read_body() -> bytes:
+            return body
+        status, content, headers = await client.gateway.transport.respond(
+            "POST", self.PATH, {"Authorization": f"Bearer {client.api_key}"}, read_body)
+        if status != 200:
+            request = HTTPX.Request("POST", f"{BASE_URL}{self.PATH[len('/v1'):]}")
+            raise client._make_status_error_from_response(HTTPX.Response(status, json=content, headers=headers,
+                                                                         request=request))
+        try:  # what ``construct`` (the SDK's lenient build) makes of a valid reply, in a tenth of the time
+            return self.REPLY.model_validate(content)
+        except pydantic.ValidationError:
+            return self.REPLY.construct(**content)
+
+
+class RecordedChatCompletions(InProcessCreate, AsyncChatCompletions):
+    PATH, REPLY = "/v1/chat/completions", ChatCompletion
+
+
+class RecordedCompletions(InProcessCreate, AsyncCompletions):
+    PATH, REPLY = "/v1/completions", Completion
+
+
+class RecordedChat(AsyncChat):
+    @functools.cached_property
+    def completions(self) -> RecordedChatCompletions:
+        return RecordedChatCompletions(self._client)
 
 
 class RecordingOpenAI(openai.AsyncOpenAI):
@@ -102,6 +185,14 @@ class RecordingOpenAI(openai.AsyncOpenAI):
     def __init__(self, gateway: "ChatGateway", session: Session, key: str):
         super().__init__(api_key=key, base_url=BASE_URL, http_client=gateway.http, max_retries=0)
         self.gateway, self.session = gateway, session
+
+    @functools.cached_property
+    def chat(self) -> RecordedChat:
+        return RecordedChat(self)
+
+    @functools.cached_property
+    def completions(self) -> RecordedCompletions:
+        return RecordedCompletions(self)
 
     def set_reward(self, value: float, interaction_id: str | None = None) -> None:
         turn = self.session.turn(interaction_id)
@@ -123,11 +214,12 @@ class ChatGateway:
         self.keys = EpisodeKeys()
         self.proxy = Proxy(settings, ChatTokenizer(model_folder), self.keys, ClientRouter(generate), sink=None)
         self.model_name, self.discount = settings.model_name, discount
+        self.transport = InProcessTransport(self.proxy)
         self.http = None
 
     async def __aenter__(self) -> "ChatGateway":
         # one HTTP client for every episode's openai client
-        self.http = openai.DefaultAsyncHttpxClient(transport=InProcessTransport(self.proxy))
+        self.http = openai.DefaultAsyncHttpxClient(transport=self.transport)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -3,9 +3,10 @@ a turn (quota, template-built prompt ids, generation, the turn kept once its rep
 session (its records written once), rewards (late ones as shard events, also after a restart), and
 the sweep that ends idle sessions.
 
-The event loop never renders or tokenises a prompt: that runs on threads (``tokenizers`` releases the
-GIL), long prompts on one of their own, so a tenant's megabyte prompts queue behind each other and
-never in front of other tenants' requests.
+The event loop renders and tokenises only small prompts (a few kilobytes: a fraction of a millisecond,
+less than handing them to a thread, whose Python would hold the GIL against the loop); larger ones
+run on threads (``tokenizers`` releases the GIL), long prompts on one of their own, so a tenant's
+megabyte prompts queue behind each other and never in front of other tenants' requests.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from areal_hpc.runtime.name_resolve import HEARTBEAT_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
+SMALL_PROMPT_CHARS = 4 << 10  # prompts (characters, or tokens to decode) up to this are done on the event loop
 LONG_PROMPT_CHARS = 32 << 10  # longer prompts (tens of milliseconds to tokenise) go to the long-prompt thread
 
 
@@ -163,7 +165,7 @@ class Proxy:
             reserved = len(ids) + params["max_new_tokens"]
             out = await self._generate(session, ids, params)
             used = len(ids) + len(out.output_ids)
-            text = await self._off_loop(len(ids), self.tokenizer.decode_all, ids + out.output_ids)
+            text = await self._sized(len(ids), self.tokenizer.decode_all, ids + out.output_ids)
             turn = Turn(new_id("chatcmpl-" if chat is not None else "cmpl-"), ids, out.output_ids, out.logprobs,
                         out.versions, api.finish_reason(out.finish_reason), params["temperature"], parent, text)
             if chat is not None:
@@ -188,18 +190,21 @@ class Proxy:
             messages, tools = chat
             size = sum(len(m["content"]) for m in messages)
             try:
-                prompt, typed = await self._off_loop(size, self.tokenizer.render_prompt, messages, tools)
+                prompt, typed = await self._sized(size, self.tokenizer.render_prompt, messages, tools)
             except TemplateRenderError as exc:
                 raise APIError(400, str(exc), param="messages", code="template_error") from None
         parent, bridge, start = session.extension(prompt) or (None, "", 0)
         shift = len(bridge) - start
         new_text = bridge + prompt[start:]
-        new_ids = await self._off_loop(len(new_text), self.tokenizer.encode, new_text,
+        new_ids = await self._sized(len(new_text), self.tokenizer.encode, new_text,
                                        [(a + shift, b + shift) for a, b in typed if a >= start])
         return (parent.full_ids if parent is not None else []) + new_ids, parent, tools
 
-    async def _off_loop(self, size: int, function, *args):
-        """``function(*args)`` on a thread: the long-prompt one when ``size`` (characters or tokens) is large."""
+    async def _sized(self, size: int, function, *args):
+        """``function(*args)``: here when ``size`` (characters or tokens) is small, else on a thread (the
+        long-prompt one when it is large)."""
+        if size <= SMALL_PROMPT_CHARS:
+            return function(*args)
         pool = self.long_prompts if size > LONG_PROMPT_CHARS else None
         return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
 

@@ -2,8 +2,10 @@
 tests), discounting, chat templates rendered as transformers renders them (tools included), keys files.
 """
 
+import asyncio
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -75,6 +77,44 @@ def tool_model(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, folder)
     (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE)
     return folder
+
+
+def test_a_megabyte_of_tools_is_rendered_and_tokenised_off_the_event_loop(tool_model):
+    """Small prompts are rendered and tokenised on the event loop; a short question offered a megabyte of
+    tools renders to a megabyte of prompt, which is tokenised on a thread while the loop keeps ticking
+    (with everything on the loop, it stalls for the whole second)."""
+    from areal_hpc.agents.chat import ChatGateway
+    from areal_hpc.rollout.client import Generation
+
+    tools = [{"type": "function", "function": {"name": f"add{i}", "description": "What is 2+3? " * 40}}
+             for i in range(2000)]
+    assert len(json.dumps(tools)) > 1_000_000
+
+    async def generate(input_ids, params):
+        return Generation(list(input_ids), [1], [-0.5], [0], "stop")
+
+    async def run():
+        gaps, done = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+        async with ChatGateway(generate, tool_model) as chat:
+            ticking = asyncio.create_task(ticker())
+            started = time.monotonic()
+            await chat.client({}).chat.completions.create(
+                model=chat.model_name, messages=[{"role": "user", "content": "What is 2+3?"}], tools=tools)
+            took = time.monotonic() - started
+            done.set()
+            await ticking
+        return took, max(gaps)
+
+    took, longest_gap = asyncio.run(run())
+    assert took > 0.3, took  # a megabyte's tokenising: the case this test is about
+    assert longest_gap < took / 3, (longest_gap, took)
 
 
 def test_chat_template_renders_and_tokenises_as_transformers_does_tools_included(tool_model):

@@ -216,6 +216,25 @@ def test_a_plain_create_answers_as_the_sdks_own_http_path(in_process, tiny_model
         assert turns == []
 
 
+def test_a_client_with_other_options_records_into_the_same_episode(in_process, tiny_model_dir):
+    """``with_options`` (what frameworks call to set a timeout or retries) keeps the episode's session."""
+    from areal_hpc.agents.chat import RecordingOpenAI
+
+    async def run():
+        async with ChatGateway(in_process.generate, tiny_model_dir) as chat:
+            client = chat.client({})
+            other = client.with_options(timeout=5, max_retries=2)
+            await other.chat.completions.create(model=chat.model_name, max_tokens=3,
+                                                messages=[{"role": "user", "content": "What is 2+3?"}])
+            other.set_reward(1.0)
+            return client, other, client.records()
+
+    client, other, records = asyncio.run(run())
+    assert isinstance(other, RecordingOpenAI) and other.session is client.session
+    assert (other.timeout, other.max_retries, client.max_retries) == (5, 2, 0)
+    assert len(records) == 1 and records[0].rewards[-1].value == 1.0
+
+
 def _without_eos(ids: list[int], tokenizer) -> list[int]:
     return ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids
 

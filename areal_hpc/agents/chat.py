@@ -180,11 +180,18 @@ class RecordedChat(AsyncChat):
 
 class RecordingOpenAI(openai.AsyncOpenAI):
     """An ``openai.AsyncOpenAI`` whose turns are recorded in its session; ``set_reward`` binds a reward
-    to a turn (default: the latest), ``records()`` are the session's conversations."""
+    to a turn (default: the latest), ``records()`` are the session's conversations. ``with_options``
+    (``copy``) gives a client of the same session."""
 
-    def __init__(self, gateway: "ChatGateway", session: Session, key: str):
-        super().__init__(api_key=key, base_url=BASE_URL, http_client=gateway.http, max_retries=0)
+    def __init__(self, *, gateway: "ChatGateway", session: Session, **options):
+        super().__init__(**options)
         self.gateway, self.session = gateway, session
+
+    def copy(self, **options) -> "RecordingOpenAI":
+        extra = {**options.pop("_extra_kwargs", {}), "gateway": self.gateway, "session": self.session}
+        return super().copy(**options, _extra_kwargs=extra)
+
+    with_options = copy
 
     @functools.cached_property
     def chat(self) -> RecordedChat:
@@ -232,7 +239,8 @@ class ChatGateway:
         self.proxy.sessions[session.id] = session
         self.proxy.by_key[session.key_hash] = session
         self.proxy.last_seen[session.id] = time.monotonic()
-        return RecordingOpenAI(self, session, key)
+        return RecordingOpenAI(gateway=self, session=session, api_key=key, base_url=BASE_URL, http_client=self.http,
+                               max_retries=0)
 
     def close_session(self, session: Session) -> list[Trajectory]:
         """The session's records (one per conversation); it takes no more turns."""

@@ -170,9 +170,31 @@ def test_bad_pairs_are_dropped_and_counted_in_one_line(tiny_model_dir, tmp_path)
     train, held_out = load_pairs(cfg, 0, tokenizer, 64, say=said.append)
     assert (len(train), len(held_out)) == (6, 2)
     assert said == ["dropped 3 training pairs: 1 with a missing side (first: p.jsonl/6); 1 with identical sides "
-                    "(first: p.jsonl/7); 1 longer than 64 tokens (first: p.jsonl/8)"]
+                    "(first: p.jsonl/7); 1 longer than 64 tokens (first: p.jsonl/8)",
+                    "2 of 2 held-out pairs ask a prompt that training pairs ask too: their accuracy partly measures "
+                    "memory; hold out other prompts with preference.eval_path (areal-hpc pairs --split eval)"]
     sequence, mask = train[0].sequences()[0]
     assert tokenizer.decode([t for t, m in zip(sequence, mask) if m]) == "7" + tokenizer.eos_token
+
+
+def test_held_out_pairs_of_training_prompts_are_counted_and_others_are_not(tiny_model_dir, tmp_path):
+    """A file that repeats its prompts (a task drawing from few problems) split by seed: the held-out pairs
+    whose prompt training pairs ask too are counted, exactly; prompts of their own are not."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    repeated = [dict(row, rejected=str(int(row["chosen"]) + 10 * k)) for row in ARITHMETIC_PAIRS for k in (1, 2, 3)]
+    said = []
+    train, held_out = load_pairs(PreferenceConfig(path=write_pairs(tmp_path / "r.jsonl", repeated), eval_size=6),
+                                 0, tokenizer, 64, say=said.append)
+    asked = {tuple(p.prompt_ids) for p in train}
+    shared = sum(tuple(p.prompt_ids) in asked for p in held_out)
+    assert shared > 0 and said == [f"{shared} of 6 held-out pairs ask a prompt that training pairs ask too: their "
+                                   "accuracy partly measures memory; hold out other prompts with "
+                                   "preference.eval_path (areal-hpc pairs --split eval)"]
+    said.clear()
+    others = [dict(row, prompt=row["prompt"].replace("+", " plus ")) for row in ARITHMETIC_PAIRS]
+    load_pairs(PreferenceConfig(path=write_pairs(tmp_path / "r.jsonl", repeated),
+                                eval_path=write_pairs(tmp_path / "o.jsonl", others)), 0, tokenizer, 64, say=said.append)
+    assert said == []
 
 
 @pytest.mark.parametrize("rows, message", [

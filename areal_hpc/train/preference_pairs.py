@@ -10,7 +10,9 @@ Two row shapes:
 
 The prompt is rendered by the model's chat template and each completion closed with the end-of-turn
 token (``models.chat``), as the policy generates them. A pair with a missing side, two identical sides
-or more tokens than ``max_tokens`` is dropped and counted, in one line; none left is an error.
+or more tokens than ``max_tokens`` is dropped and counted, in one line; none left is an error. Held-out
+pairs whose prompt a training pair asks too are counted in a line of their own: a task that repeats its
+problems (the quickstart's 20,000 prompts are 6,095 problems) makes such a held-out set a test of memory.
 
 ``pairs_from_episodes`` makes pairs from a model's own samples (``areal-hpc pairs``): per prompt, its
 best-rewarded completion against its worst, where the rewards differ.
@@ -90,6 +92,11 @@ def load_pairs(cfg: PreferenceConfig, seed: int, tokenizer, max_tokens: int,
         pairs.append(kept)
     if not pairs[0]:
         raise UserError(f"preference.path {cfg.path}: no usable training pair (see the line above)")
+    asked = {tuple(pair.prompt_ids) for pair in pairs[0]}
+    seen = sum(tuple(pair.prompt_ids) in asked for pair in pairs[1])
+    if seen:
+        say(f"{seen} of {len(pairs[1])} held-out pairs ask a prompt that training pairs ask too: their accuracy "
+            "partly measures memory; hold out other prompts with preference.eval_path (areal-hpc pairs --split eval)")
     return pairs[0], pairs[1]
 
 

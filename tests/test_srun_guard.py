@@ -2,6 +2,7 @@
 its step has ended is ended, and the batch script exits with the step's exit code as sacct recorded it
 over every het component; an srun that ends by itself keeps its own exit code and is left alone."""
 
+import datetime
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from areal_hpc.launch.srun_guard import steps_of_sacct
 from tests.conftest import REPO
 from tests.slurm_jobs import wait_for_end
 
@@ -48,6 +50,32 @@ def test_an_srun_that_ends_by_itself_keeps_its_exit_code(tmp_path):
     ended, output, _ = _run_job(tmp_path, """srun --het-group=0,1 bash -c 'sleep 3; exit 5'""")
     assert "areal-hpc:" not in output, output
     assert [code for _, code, _ in ended.values()] == ["5:0", "5:0"], (ended, output)
+
+
+# sacct on the dev cluster while a het step (task 0 exits 3 on train1, task 1 exits 4 on rollout1) ended,
+# before and after slurmdbd had learnt the job's components (job 649, 2026-11-28).
+BEFORE_COMPONENTS = """649|2026-11-28T01:42:21|PENDING|0:0
+649.batch|2026-11-28T01:42:21|RUNNING|0:0
+649.0|2026-11-28T01:42:21|FAILED|3:0
+"""
+AFTER_COMPONENTS = """649+0|2026-11-28T01:42:21|RUNNING|0:0
+649+0.batch|2026-11-28T01:42:21|RUNNING|0:0
+649+0.0|2026-11-28T01:42:21|FAILED|3:0
+649+1|2026-11-28T01:42:21|RUNNING|0:0
+649+1.0|2026-11-28T01:42:21|FAILED|4:0
+"""
+SINCE = datetime.datetime.fromisoformat("2026-11-28T01:42:20").timestamp()
+
+
+def test_a_het_step_has_ended_only_once_sacct_has_every_components_record():
+    # CI once saw the first record and reported exit code 3 for a step whose srun reported 4.
+    assert steps_of_sacct(BEFORE_COMPONENTS, SINCE, heterogeneous=True) == {"0": None}
+    assert steps_of_sacct(AFTER_COMPONENTS, SINCE, heterogeneous=True) == {"0": 4}
+    assert steps_of_sacct(BEFORE_COMPONENTS, SINCE, heterogeneous=False) == {"0": 3}
+    component_still_running = AFTER_COMPONENTS.replace("649+1.0|2026-11-28T01:42:21|FAILED|4:0",
+                                                       "649+1.0|2026-11-28T01:42:21|RUNNING|0:0")
+    assert steps_of_sacct(component_still_running, SINCE, heterogeneous=True) == {"0": None}
+    assert steps_of_sacct(AFTER_COMPONENTS, SINCE + 60, heterogeneous=True) == {}  # an earlier incarnation's
 
 
 def test_outside_a_job_it_runs_the_command_and_refuses_no_command():

@@ -43,25 +43,37 @@ def running_steps(job: str) -> set[str] | None:
     return steps - NOT_STEPS
 
 
-def recorded_steps(job: str, since: float) -> dict[str, int | None]:
-    """The steps sacct has recorded for ``job`` that started at ``since`` (a Unix time) or later (a
-    requeued job's earlier incarnation keeps its own), each with the largest exit code over its tasks in
-    every het component (a task ended by signal S counts as 128 + S, as srun reports it), or None while
-    any component's record of it has not ended: slurmdbd records each het component's end on its own,
-    and a component still shows RUNNING with exit code 0 for a moment after the step has left squeue."""
+def recorded_steps(job: str, since: float, heterogeneous: bool = False) -> dict[str, int | None]:
+    """The steps sacct has recorded for ``job`` (see ``steps_of_sacct``); none when sacct did not answer."""
     try:
         listed = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,Start,State,ExitCode"],
                                 capture_output=True, text=True, timeout=30).stdout
     except subprocess.TimeoutExpired:
         return {}
+    return steps_of_sacct(listed, since, heterogeneous)
+
+
+def steps_of_sacct(listed: str, since: float, heterogeneous: bool) -> dict[str, int | None]:
+    """The steps in ``sacct -n -P -o JobID,Start,State,ExitCode`` output that started at ``since`` (a Unix
+    time) or later (a requeued job's earlier incarnation keeps its own), each with the largest exit code
+    over its tasks in every het component (a task ended by signal S counts as 128 + S, as srun reports
+    it), or None while any component's record of it has not ended: slurmdbd records each het component's
+    end on its own, and a component still shows RUNNING with exit code 0 for a moment after the step has
+    left squeue.
+
+    In a ``heterogeneous`` job a record without a component ("958.0", not "958+1.0") is slurmdbd's view
+    before it has learnt the job's components: it holds the first component's tasks only, so the step
+    counts as not ended until the per-component records ("958+0.0", "958+1.0") are there."""
     codes: dict[str, int] = {}
     live: set[str] = set()
     for line in listed.splitlines():
         step_id, start, state, exit_code = (line.split("|") + ["", "", ""])[:4]
-        found = re.fullmatch(r"\d+(?:\+\d+)?\.(\w+)", step_id)
-        if not found or found.group(1) in NOT_STEPS or not _started_since(start, since):
+        found = re.fullmatch(r"\d+(\+\d+)?\.(\w+)", step_id)
+        if not found or found.group(2) in NOT_STEPS or not _started_since(start, since):
             continue
-        step = found.group(1)
+        step = found.group(2)
+        if heterogeneous and not found.group(1):
+            live.add(step)
         status, _, signal = exit_code.partition(":")
         code = int(status) or (128 + int(signal) if signal and int(signal) else 0)
         codes[step] = max(code, codes.get(step, 0))
@@ -85,6 +97,7 @@ def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: flo
     Its steps are those that appear after it starts, in squeue while they run or in sacct once they
     have ended (a short step may come and go between two looks)."""
     started = time.time()
+    heterogeneous = int(os.environ.get("SLURM_HET_SIZE", "1")) > 1
     before = running_steps(job) or set()  # steps of the batch script that were there already
     srun = subprocess.Popen(command)
     ours: set[str] = set()
@@ -101,7 +114,7 @@ def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: flo
         if ours & running:
             gone_since = None
             continue
-        ours |= set(recorded_steps(job, started)) - before
+        ours |= set(recorded_steps(job, started, heterogeneous)) - before
         if ours:
             gone_since = gone_since or time.monotonic()
             if time.monotonic() - gone_since >= grace_s:
@@ -109,7 +122,7 @@ def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: flo
     srun.kill()
     srun.wait()
     deadline = time.monotonic() + SACCT_WAIT_S
-    while any((codes := recorded_steps(job, started)).get(step) is None for step in ours) \
+    while any((codes := recorded_steps(job, started, heterogeneous)).get(step) is None for step in ours) \
             and time.monotonic() < deadline:
         time.sleep(1.0)
     code = max((codes[step] for step in ours if codes.get(step) is not None), default=None)

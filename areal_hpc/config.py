@@ -239,6 +239,9 @@ class ParallelConfig:
                     "needs pp > 1, and pp x vpp must divide the layers", ge=1)
     allocation: str = spec("", "the planner's training allocation, e.g. megatron:d8p1t1 (sets dp, pp and tp; "
                            "`areal-hpc plan` prints it)")
+    groups: list = spec([], "training groups of different shapes, each its own mesh, in rank order: [[dp, tp, pp], "
+                        "...], e.g. [[2, 1, 1], [1, 2, 1]] (submit --plan writes it when the plan's training "
+                        "groups differ; torch engine); empty: one mesh as dp, tp, pp say")
     dp_weights: list = spec([], "each data-parallel replica's relative share of every batch, e.g. [3, 1] (submit "
                             "--plan sets them from the planner's speed of each group's devices); empty: equal")
 

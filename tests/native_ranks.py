@@ -4,6 +4,7 @@ same in one process), and rank 0 writes what every rank saw to OUT.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p OMP_NUM_THREADS=1 \
         python -m tests.native_ranks MODEL OUT dp=2 tp=2 pp=2 fsdp=1 [sp=1] [critic=1] [empty=1] [save=DIR] [load=DIR]
+        python -m tests.native_ranks MODEL OUT groups=1.2.1/2.1.1 [fsdp=1] ...   # training groups (dp.tp.pp each)
 
 critic=1 trains a value model (the critic's token classifier) instead of the policy; empty=1 gives the whole batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after
 the step and checks that a second engine loading DIR takes the same next step; load=DIR only loads
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
@@ -24,7 +26,8 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.mesh import build_mesh, init_distributed
+from areal_hpc.parallel.groups import TrainerGroups
+from areal_hpc.parallel.mesh import build_group_meshes, init_distributed
 from tests.trainer_processes import end_rank
 
 MAX_TOKENS_PER_MB = 40  # several micro-batches per share
@@ -82,6 +85,13 @@ def weights_of(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for bucket in engine.rollout_weights(1 << 20) for name, tensor in bucket}
 
 
+def held_weights(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
+    """The whole of each parameter this rank holds a part of (collective over its tensor- and data-
+    parallel peers)."""
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in engine.model.named_parameters()}
+
+
 def step(engine: TorchTrainEngine, batch: SequenceBatch, critic: bool = False) -> tuple[dict, dict]:
     outputs = engine.forward(batch)
     return outputs, engine.train_step(batch, value_loss if critic else ppo_like_loss)
@@ -98,26 +108,32 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
     options = dict(a.split("=", 1) for a in args)
     rank, _ = init_distributed(torch.device("cpu"))
     sizes = {k: int(v) for k, v in options.items() if k in ("dp", "tp", "pp", "cp", "ep")}
-    dims = ParallelDims(**sizes, fsdp=options.get("fsdp") == "1", sequence_parallel=options.get("sp") == "1")
-    mesh = build_mesh(dims, torch.device("cpu"))
+    flags = dict(fsdp=options.get("fsdp") == "1", sequence_parallel=options.get("sp") == "1")
+    shapes = [[int(n) for n in group.split(".")] for group in options.get("groups", "").split("/") if group]
+    layout = TrainerGroups(tuple(ParallelDims(dp=dp, tp=tp, pp=pp, **flags) for dp, tp, pp in shapes)
+                           if shapes else (ParallelDims(**sizes, **flags),))
+    mesh = build_group_meshes(layout, torch.device("cpu"))
     critic = options.get("critic") == "1"
     engine = engine_on(model_dir, mesh, critic)
     if "load" in options:
         engine.load(Path(options["load"]))
-        result = {"weights": weights_of(engine)}
+        result = {"weights": weights_of(engine) if mesh.index == 0 else {}, "held": held_weights(engine)}
     else:
         batch = seeded_batch(mixed_temperatures=options.get("temperatures") == "mixed")
-        own = shares(batch, mesh.dims.dp, options.get("empty") == "1")[mesh.data_rank]
+        own = shares(batch, layout.replicas, options.get("empty") == "1")[mesh.data_rank]
         outputs, stats = step(engine, batch.select(own), critic)
-        result = {"indices": own, "outputs": outputs, "stats": stats,
-                  "leads": mesh.leads_replica, "weights": weights_of(engine)}
+        result = {"indices": own, "outputs": outputs, "stats": stats, "leads": mesh.leads_replica,
+                  "group": mesh.index, "held": held_weights(engine)}
+        result["weights"] = weights_of(engine) if mesh.index == 0 else {}  # group 0 pushes and saves
         if "save" in options:
-            engine.save(Path(options["save"]))
+            if mesh.index == 0:
+                engine.save(Path(options["save"]))
+            dist.barrier()
             restored = engine_on(model_dir, mesh, critic)
             restored.load(Path(options["save"]))
             for twin in (engine, restored):  # the next step: same Adam moments and schedule position?
                 step(twin, seeded_batch(seed=1).select(own), critic)
-            trained, loaded = weights_of(engine), weights_of(restored)
+            trained, loaded = held_weights(engine), held_weights(restored)
             result["restored_step_diff"] = max(((trained[k] - loaded[k]).abs().max().item() for k in trained),
                                                default=None)
     every = [None] * dist.get_world_size() if rank == 0 else None

@@ -99,6 +99,36 @@ def test_one_step_equals_one_process(layout, tiny_model_dir, reference, tmp_path
     assert_same_step(run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options), reference)
 
 
+GROUPS = {  # training groups of different shapes (dp.tp.pp each), in one job
+    "tp2_and_dp2": (4, ["groups=1.2.1/2.1.1"]),
+    "pp2_and_one": (3, ["groups=1.1.2/1.1.1"]),  # the tied head: one stage's copy, the other group's one tensor
+    "fsdp2_and_tp2_empty_share": (4, ["groups=2.1.1/1.2.1", "fsdp=1", "empty=1"]),
+}
+
+
+def assert_every_rank_holds(got: dict, weights: dict) -> None:
+    for rank in got["ranks"]:
+        for name, tensor in rank["held"].items():
+            torch.testing.assert_close(tensor, weights[name], rtol=1e-5, atol=1e-6, msg=(rank["group"], name))
+
+
+@pytest.mark.parametrize("layout", GROUPS)
+def test_groups_of_different_shapes_step_as_one_process(layout, tiny_model_dir, reference, tmp_path):
+    world, options = GROUPS[layout]
+    got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options)
+    assert_same_step(got, reference)  # group 0's weights, every rank's norm, every replica's share
+    assert {rank["group"] for rank in got["ranks"]} == {0, 1}
+    assert_every_rank_holds(got, reference["weights"])  # and the other group trained the same step
+
+
+def test_groups_checkpoint_made_by_group_0_restores_every_group(tiny_model_dir, reference, tmp_path):
+    folder = tmp_path / "checkpoint"
+    got = run_ranks(4, tiny_model_dir, tmp_path / "saved.pt", "groups=1.2.1/2.1.1", f"save={folder}")
+    assert_same_step(got, reference)
+    # group 1 (dp2) loads the optimizer state group 0 (tp2) saved, and takes the same next step
+    assert [rank["restored_step_diff"] for rank in got["ranks"]] == [0.0] * 4
+
+
 @pytest.mark.parametrize("world, options", [(4, ["tp=2", "dp=2", "fsdp=1"]), (2, ["pp=2"])], ids=["tp2_fsdp2", "pp2"])
 def test_critic_step_equals_one_process(world, options, tiny_model_dir, tmp_path):
     got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "critic=1")

@@ -1,6 +1,7 @@
 """The trainer ranks' device mesh: ``TrainMesh`` wraps the ``DeviceMesh`` that ``ParallelDims``
 (``dims.py``: sizes, Megatron's rank order) lays out, and hands engines the sub-meshes they ask for by
-name (engines receive the mesh, never raw groups).
+name (engines receive the mesh, never raw groups). With training groups of different shapes
+(``groups.py``) each rank's ``TrainMesh`` is its own group's mesh, and knows the others.
 
 Ranks learn their place from the environment ``srun``, ``mpirun``, ``torchrun`` or our local launcher
 sets (``bootstrap.Placement``) and meet at MASTER_ADDR:MASTER_PORT or through a name-resolve folder
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import MESH_DIMS, ParallelDims
+from areal_hpc.parallel.groups import TrainerGroups
 from areal_hpc.runtime.bootstrap import INTERFACE, RENDEZVOUS, Placement, assigned_devices
 from areal_hpc.runtime.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_store
 
@@ -31,15 +33,39 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> "TrainMesh":
     return TrainMesh(dims, init_device_mesh(device.type, dims.shape, mesh_dim_names=MESH_DIMS), device)
 
 
+def build_group_meshes(layout: TrainerGroups, device: torch.device) -> "TrainMesh":
+    """This rank's group's mesh. Collective: every rank builds every group's ``DeviceMesh`` (and a
+    process group of its ranks) in turn, as creating a process group asks of all ranks."""
+    if len(layout.groups) == 1:
+        return build_mesh(layout.groups[0], device)
+    rank, own = dist.get_rank(), None
+    for index, (offset, dims) in enumerate(zip(layout.offsets, layout.groups)):
+        ranks = torch.arange(offset, offset + dims.world_size)
+        mesh = DeviceMesh(device.type, ranks.view(dims.shape), mesh_dim_names=MESH_DIMS)
+        members = dist.new_group(ranks.tolist())
+        if offset <= rank < offset + dims.world_size:
+            own = TrainMesh(dims, mesh, device, layout, index, members)
+    return own
+
+
 class TrainMesh:
     """The trainer ranks' ``DeviceMesh`` with named sub-meshes: "pp", "dp", "cp", "tp", "dp_cp" (where
-    gradients are reduced), "ep" and "edp" (expert and expert-data parallel)."""
+    gradients are reduced), "ep" and "edp" (expert and expert-data parallel). ``layout``: every
+    training group of the job (this mesh is group ``index`` of it, its ranks in ``members``)."""
 
-    def __init__(self, dims: ParallelDims, mesh: DeviceMesh, device: torch.device):
+    def __init__(self, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                 layout: TrainerGroups | None = None, index: int = 0, members: dist.ProcessGroup | None = None):
         self.dims, self.mesh, self.device = dims, mesh, device
+        self.layout, self.index = layout or TrainerGroups((dims,)), index
+        self.members = members or dist.group.WORLD
         self.rank = dist.get_rank()
-        self.coords = dims.coordinates(self.rank)
+        self.coords = self.layout.coordinates(self.rank)
         self._extra: dict[str, DeviceMesh] = {}
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the job trains in several groups (gradients are then summed across them)."""
+        return len(self.layout.groups) > 1
 
     def __getitem__(self, name: str) -> DeviceMesh:
         if name in MESH_DIMS:
@@ -64,8 +90,9 @@ class TrainMesh:
 
     @property
     def data_rank(self) -> int:
-        """Which share of each batch this rank trains on: its dp coordinate (tp, pp and cp peers share it)."""
-        return self.coords["dp"]
+        """Which share of each batch this rank trains on: its replica over every group (tp, pp and cp
+        peers share it)."""
+        return self.layout.replica(self.rank)
 
     @property
     def leads_replica(self) -> bool:

@@ -93,7 +93,7 @@ def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal)
     if rank != 0:
         for signum in STOP_SIGNALS:  # rank 0 decides; the launcher stops this rank
             signal.signal(signum, signal.SIG_IGN)
-        follow(actor, engines)
+        follow(actor, engines, mesh)
         return 0
     group = TrainerGroup(actor, engines, mesh, cfg)
     try:

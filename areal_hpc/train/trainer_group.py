@@ -6,7 +6,7 @@ weights are sharded over tensor, pipeline or FSDP ranks); the other ranks just f
     rank 0:    group = TrainerGroup(actor, engines, mesh, cfg); stats = group.update(trajectories)
                group.engines["actor"].save(folder)   # announced, then made on every rank
                group.stop()
-    rank > 0:  follow(actor, engines)                 # returns when rank 0 calls stop()
+    rank > 0:  follow(actor, engines, mesh)           # returns when rank 0 calls stop()
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ PER_STEP_KEYS = ("grad_norm", "lr")  # equal on every rank after the all-reduce:
 class TrainerGroup:
     def __init__(self, actor: PPOActor, engines: dict[str, TrainEngine], mesh: TrainMesh, cfg: RunConfig):
         self.actor, self.mesh, self.cfg = actor, mesh, cfg
-        self.world = dist.get_world_size()
-        every = [mesh.dims.coordinates(rank) for rank in range(self.world)]
-        self.data_ranks = [coords["dp"] for coords in every]  # which share each rank trains on
-        self.leaders = [r for r, c in enumerate(every) if c["tp"] == c["cp"] == c["pp"] == 0]  # one per replica
-        self.dp_weights = data_parallel_weights(cfg.actor.parallel, mesh.dims.dp)  # faster replicas train more
+        self.world, layout = dist.get_world_size(), mesh.layout
+        self.data_ranks = [layout.replica(rank) for rank in range(self.world)]  # which share each rank trains on
+        self.leaders = [rank for rank in range(self.world) if layout.leads_replica(rank)]  # one per replica
+        self.replicas = layout.replicas  # over every training group
+        self.dp_weights = data_parallel_weights(cfg.actor.parallel, self.replicas)  # faster replicas train more
         self.tree_cost = list(cfg.actor.tree_cost) if cfg.actor.tree_training == "dta" else None
         self.engines = {name: LeaderEngine(name, engine, self._announce) for name, engine in engines.items()}
 
@@ -50,7 +50,7 @@ class TrainerGroup:
         batch = build_batch(trajectories, actor_cfg, max_new, run_temperature(self.cfg.gconfig), teacher_logprobs,
                             self.cfg.distill.reward_weight)
         minibatches = split_minibatches(batch, trajectories, actor_cfg, max_new)
-        parts = data_parallel_parts(minibatches, self.mesh.dims.dp, self.dp_weights, self.tree_cost)
+        parts = data_parallel_parts(minibatches, self.replicas, self.dp_weights, self.tree_cost)
         own = _scatter([(UPDATE, parts[d]) for d in self.data_ranks])[1]
         gathered = _gather(self.actor.update(own))
         every = [gathered[r] for r in self.leaders]  # a replica's ranks report the same numbers once
@@ -114,9 +114,9 @@ def ppo_fractions(stats: dict[str, float]) -> dict[str, float]:
             "actor/entropy": stats["actor/entropy_sum"] / tokens}
 
 
-def follow(actor: PPOActor, engines: dict[str, TrainEngine]) -> None:
-    """Ranks > 0: train on whatever share rank 0 scatters, and join its saves and weight gatherings,
-    until it says stop."""
+def follow(actor: PPOActor, engines: dict[str, TrainEngine], mesh: TrainMesh) -> None:
+    """Ranks > 0: train on whatever share rank 0 scatters, and join its saves and weight gatherings
+    (those of rank 0's training group: the other groups hold the same weights), until it says stop."""
     while True:
         command, payload = _scatter(None)
         if command == STOP:
@@ -124,6 +124,8 @@ def follow(actor: PPOActor, engines: dict[str, TrainEngine]) -> None:
             return
         if command == UPDATE:
             _gather(actor.update(payload))
+        elif mesh.index != 0:
+            continue
         elif command == SAVE:
             name, folder, optimizer = payload
             engines[name].save(folder, optimizer=optimizer)

@@ -42,6 +42,7 @@ from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch import lora as lora_adapters
 from areal_hpc.engines.torch.experts import reduce_expert_gradients
+from areal_hpc.engines.torch.group_gradients import GroupGradientSum
 from areal_hpc.engines.torch.parallelize import (PackedForward, clip_grad_norm, full_state, load_full_state,
                                                  parallelize, sharded_mixed_precision)
 from areal_hpc.engines.torch.pipeline import Pipeline
@@ -62,7 +63,10 @@ class TorchTrainEngine:
     ``outputs.packed_policy_outputs`` at the sampler's temperature, or ``packed_values``). Every rank
     of the mesh calls ``forward`` and ``train_step`` with its data-parallel replica's share (tensor-
     parallel peers with the same one) and gets complete results; ``rollout_weights``, ``save`` and
-    ``load`` are collective over the whole mesh. ``compute_dtype``, ``recompute`` and ``tree_training``
+    ``load`` are collective over the whole mesh. With training groups of different shapes
+    (``mesh.mixed``), ``train_step`` also sums the gradients across the groups (``group_gradients``),
+    and ``save`` and ``rollout_weights`` are made by group 0 alone (every group holds the same weights).
+    ``compute_dtype``, ``recompute`` and ``tree_training``
     as the module says (``tree_min_saved_tokens``: which shared prefixes the tree shares, see
     ``algo.prefix_tree.build_prefix_tree``); ``lora`` (a rank above 0) trains LoRA adapters instead of
     the weights.
@@ -94,6 +98,7 @@ class TorchTrainEngine:
         activations = compute if sharded else weights_dtype
         self.pipeline = Pipeline(model, mesh, activations) if mesh is not None and mesh.dims.pp > 1 else None
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
+        self.across_groups = GroupGradientSum(model, mesh) if mesh is not None and mesh.mixed and optimizer else None
         self.optimizer = build_optimizer(model, optimizer, lr) if optimizer else None  # on the sharded parameters
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
         self._idle = pack([[0, 0]], [[0, 1]]).to(self.device)  # the pass of a rank out of micro-batches
@@ -169,7 +174,9 @@ class TorchTrainEngine:
             stats = self.pipeline.from_last_stage(stats)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.clip if self.clip > 0 else float("inf")
-        if self.pipeline is None:
+        if self.across_groups is not None:
+            grad_norm = self.across_groups(max_norm)
+        elif self.pipeline is None:
             grad_norm = clip_grad_norm(params, max_norm)
         else:
             grad_norm = clip_grad_norm(params, max_norm, self.mesh.group("pp"), self.pipeline.uncounted)
@@ -281,8 +288,8 @@ class TorchTrainEngine:
         if self.mesh is None:
             training["optimizer"] = self.optimizer.state_dict()
         else:
-            dist.barrier()  # rank 0 has renamed the folder into place
-            dcp.save(self._optimizer_state(), checkpoint_id=folder / OPTIMIZER_SHARDS)
+            dist.barrier(group=self.mesh.members)  # rank 0 has renamed the folder into place
+            dcp.save(self._optimizer_state(), checkpoint_id=folder / OPTIMIZER_SHARDS, process_group=self.mesh.members)
         if keep:
             torch.save(training, folder / TRAINING_STATE)
 
@@ -303,7 +310,7 @@ class TorchTrainEngine:
             self.optimizer.load_state_dict(training["optimizer"])
         else:
             sharded = self._optimizer_state()
-            dcp.load(sharded, checkpoint_id=folder / OPTIMIZER_SHARDS)
+            dcp.load(sharded, checkpoint_id=folder / OPTIMIZER_SHARDS, process_group=self.mesh.members)
             if self.pipeline is not None:
                 sharded = self.pipeline.rename_tied(sharded, to_embedding=False)
             set_optimizer_state_dict(self.root, self.optimizer, sharded, options=FLAT)

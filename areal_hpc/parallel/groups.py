@@ -1,0 +1,93 @@
+"""Training groups of different shapes in one job: AReaL-Hex gives each device pool its own training
+layout (H100s at dp2 x tp1, A100s at dp1 x tp2, ...), so the trainer ranks are cut into consecutive
+groups, each a mesh of its own (``ParallelDims``), and every group's data-parallel replicas together
+share each batch. Plain arithmetic (no torch), like ``dims.py``.
+
+``actor.parallel.groups`` lists the groups' ``[dp, tp, pp]`` in rank order (``submit --plan`` writes it
+when the plan's training groups differ in shape); empty, the trainer ranks form one mesh as
+``actor.parallel`` lays it out. Replicas are numbered group by group: group 0's dp ranks first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal_hpc.errors import UserError
+from areal_hpc.parallel.dims import ParallelDims
+
+NOT_WITH_GROUPS = (("cp", 1), ("ep", 1), ("vpp", 1), ("distributed_optimizer", False), ("allocation", ""))
+
+
+@dataclass(frozen=True)
+class TrainerGroups:
+    groups: tuple[ParallelDims, ...]
+
+    @classmethod
+    def from_config(cls, parallel, world_size: int) -> "TrainerGroups":
+        """The groups of ``actor.parallel.groups`` (each ``[dp, tp, pp]``), or the one mesh of
+        ``actor.parallel``; checked against the world."""
+        if not parallel.groups:
+            return cls((ParallelDims.from_config(parallel, world_size),))
+        for name, alone in NOT_WITH_GROUPS:
+            if getattr(parallel, name) != alone:
+                raise UserError(f"actor.parallel.{name}={getattr(parallel, name)!r} is not built for training groups "
+                                f"of different shapes (actor.parallel.groups); leave it at {alone!r}")
+        groups = []
+        for shape in parallel.groups:
+            if not (isinstance(shape, (list, tuple)) and len(shape) == 3 and all(isinstance(n, int) for n in shape)):
+                raise UserError(f"actor.parallel.groups entry {shape!r} is not [dp, tp, pp]; "
+                                "expected e.g. [[2, 1, 1], [1, 2, 1]]")
+            if min(shape) < 1:
+                raise UserError(f"actor.parallel.groups entry {list(shape)} has a size below 1")
+            dp, tp, pp = shape
+            dims = ParallelDims(dp=dp, tp=tp, pp=pp, fsdp=parallel.fsdp, sequence_parallel=parallel.sequence_parallel)
+            if dims.sequence_parallel and tp == 1:
+                raise UserError(f"actor.parallel.sequence_parallel=true needs tp > 1 in every group; "
+                                f"group {list(shape)} has tp=1")
+            groups.append(dims)
+        layout = cls(tuple(groups))
+        if layout.world_size != world_size:
+            raise UserError(f"actor.parallel.groups {[list(s) for s in parallel.groups]} hold {layout.world_size} "
+                            f"trainer ranks, but {world_size} were started (set rl.trainer_processes="
+                            f"{layout.world_size})")
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.world_size for g in self.groups)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Each group's first global rank."""
+        starts = [0]
+        for group in self.groups[:-1]:
+            starts.append(starts[-1] + group.world_size)
+        return starts
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas over every group: how many shares a batch is cut into."""
+        return sum(g.dp for g in self.groups)
+
+    def locate(self, rank: int) -> tuple[int, int]:
+        """(group index, rank within the group) of a global rank."""
+        for index, (offset, group) in enumerate(zip(self.offsets, self.groups)):
+            if rank < offset + group.world_size:
+                return index, rank - offset
+        raise ValueError(f"rank {rank} is outside the {self.world_size} trainer ranks")
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """The rank's coordinates in its own group's mesh."""
+        index, local = self.locate(rank)
+        return self.groups[index].coordinates(local)
+
+    def replica(self, rank: int) -> int:
+        """Which share of each batch the rank trains on: its group's replicas come after the earlier
+        groups' ones."""
+        index, local = self.locate(rank)
+        return sum(g.dp for g in self.groups[:index]) + self.groups[index].coordinates(local)["dp"]
+
+    def leads_replica(self, rank: int) -> bool:
+        """First rank of its model replica (tp = cp = pp = 0 in its group)."""
+        coords = self.coordinates(rank)
+        return coords["tp"] == coords["cp"] == coords["pp"] == 0

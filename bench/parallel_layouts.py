@@ -84,7 +84,7 @@ def rank_main(model: str, out: str, steps: int, overrides: list[str]) -> None:
         group.stop()
         Path(out).write_text(json.dumps({"times": times[1:], "tokens": stats["train/tokens"]}))
     else:
-        follow(actor, engines)
+        follow(actor, engines, mesh)
 
 
 def run_layout(model: Path, out: Path, engine: str, layout: str, steps: int) -> dict:

@@ -30,7 +30,7 @@ def main(model: str, out: str, mode: str, checkpoint: str, overrides: list[str])
     if mode == "resume":
         engines["actor"].load(Path(checkpoint))  # collective: every rank loads its shard
     if rank != 0:
-        follow(actor, engines)
+        follow(actor, engines, mesh)
         return
     group = TrainerGroup(actor, engines, mesh, cfg)
     vocab = len(actor.actor.tokenizer)

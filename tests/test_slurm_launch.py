@@ -140,6 +140,31 @@ def test_a_plan_with_servers_of_two_sizes_and_a_pool_that_trains_and_serves_runs
     assert [r["step"] for r in metrics(run_folder(tmp_path)) if "rollout/reward" in r] == [1, 2]
 
 
+def test_a_plan_with_training_groups_of_different_shapes_runs_as_planned(tiny_model_dir, tmp_path, submit):
+    """train1's two fake GPUs train at tp2, rollout1 trains at tp1 beside the server: two meshes in one
+    het job, each replica's share of a batch set by its devices' planned speed, and the run completes."""
+    plan = tmp_path / "plan.yaml"
+    pools = {name: {"device": device, "partition": name, "nodes": 1, "per_node": 2}
+             for name, device in (("train", "H100"), ("rollout", "A100"))}
+    plan.write_text(yaml.safe_dump({
+        "pools": pools, "rollout": [{"pool": "rollout", "replicas": 1, "devices": 1, "tp": 1, "pp": 1}],
+        "train": [{"pool": "train", "devices": 2, "dp": 1, "tp": 2, "pp": 1, "tokens_per_s": 3000.0},
+                  {"pool": "rollout", "devices": 1, "dp": 1, "tp": 1, "pp": 1, "tokens_per_s": 1000.0}]}))
+    job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=2"), "--plan", str(plan))
+    ended = wait_for_end(job, 300, components=2)
+    assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
+    resolved = yaml.safe_load((run_folder(tmp_path) / "job" / "config.yaml").read_text())
+    assert resolved["actor"]["parallel"]["groups"] == [[1, 2, 1], [1, 1, 1]]
+    assert resolved["actor"]["parallel"]["dp_weights"] == pytest.approx([0.75, 0.25])
+    logs = run_folder(tmp_path) / "logs"
+    said = {i: (logs / f"trainer-{i}.restart0.log").read_text() for i in range(3)}
+    assert "training group 0 of 2 (dp1 tp2 pp1), batch share 0 of 2" in said[1], said[1]
+    assert "training group 1 of 2 (dp1 tp1 pp1), batch share 1 of 2" in said[2], said[2]
+    assert said[2].splitlines()[0].endswith("on rollout1: accelerators 0")
+    steps = [r for r in metrics(run_folder(tmp_path)) if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["actor/loss_tokens"] > 0 for r in steps)
+
+
 def wait_for_step(run: Path, step: int, job: str, timeout: float = 180) -> None:
     def reached():
         state = components_of(job)
@@ -280,6 +305,7 @@ def test_a_plan_becomes_one_component_per_pool_and_every_task_knows_its_share(tm
     from areal_hpc.launch.hetjob import HetJobExecutor, JobSpec
     from areal_hpc.launch.slurm_task import task_groups
     from areal_hpc.launch.submit import components_from_plan
+    from areal_hpc.parallel.groups import TrainerGroups
 
     plan = tmp_path / "plan.yaml"
     made = run_cli("plan", "--cluster", cluster, "--model", "r1-distill-qwen-1.5b", "--out", str(plan))
@@ -307,11 +333,14 @@ def test_a_plan_becomes_one_component_per_pool_and_every_task_knows_its_share(tm
         assert len(set(taken)) == len(taken) and max(taken) < on_node[0][0].gpus_per_node
     train = content["train"]  # the mesh: every replica of the plan's training groups, when they share a shape
     allocation = [o for o in overrides if o.startswith("actor.parallel.allocation=")]
+    layout = TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
     if len({(g["tp"], g["pp"]) for g in train}) == 1:
         assert allocation == [f"actor.parallel.allocation=megatron:d{sum(g['dp'] for g in train)}p{train[0]['pp']}"
                               f"t{train[0]['tp']}"]
-    else:
-        assert allocation == []
+    else:  # each group its own mesh
+        assert allocation == [] and sorted(g.shape for g in layout.groups) == sorted(
+            (g["pp"], g["dp"], 1, g["tp"]) for g in train)
+    assert layout.replicas == sum(g["dp"] for g in train)
     script = HetJobExecutor(tmp_path / "submitit", JobSpec("x", "01:00:00"), components, 1)._make_submission_file_text(
         "true", "test")
     assert script.count("#SBATCH hetjob") == len(components) - 1
@@ -352,6 +381,26 @@ def test_rollout_groups_of_different_sizes_and_two_pools_that_train_and_serve():
         on_node = [(c, t) for c, n, t in placed if n == node]
         taken = [a for _, t in on_node for a in range(t.first_accelerator, t.first_accelerator + t.accelerators)]
         assert len(set(taken)) == len(taken) and max(taken) < on_node[0][0].gpus_per_node <= 8
+
+
+def test_training_groups_of_different_shapes_become_groups_sharing_batches_by_replica_speed():
+    """Pool a trains at dp2 x tp2 (1000 tokens/s a device), pool b at dp2 x tp1 (500): each group its own
+    mesh, replicas numbered group by group, a tp2 replica of a worth two of its devices."""
+    from areal_hpc.config import load_config
+    from areal_hpc.launch.submit import components_from_plan
+    from areal_hpc.parallel.groups import TrainerGroups
+
+    plan = {"pools": {"a": {"device": "H100", "partition": "pa", "nodes": 1, "per_node": 8},
+                      "b": {"device": "A100", "partition": "pb", "nodes": 1, "per_node": 8}},
+            "train": [{"pool": "b", "devices": 2, "dp": 2, "tp": 1, "pp": 1, "tokens_per_s": 1000.0},
+                      {"pool": "a", "devices": 4, "dp": 2, "tp": 2, "pp": 1, "tokens_per_s": 4000.0}],
+            "rollout": [{"pool": "b", "replicas": 2, "devices": 2, "tp": 1, "pp": 1}]}
+    _, overrides = components_from_plan(plan, load_config(None))
+    assert "actor.parallel.groups=[[2,2,1],[2,1,1]]" in overrides  # pool a only trains: its ranks come first
+    assert "actor.parallel.dp_weights=[0.4,0.4,0.1,0.1]" in overrides
+    cfg = load_config(None, overrides)
+    layout = TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
+    assert [layout.replica(rank) for rank in range(6)] == [0, 0, 1, 1, 2, 3]
 
 
 def test_groups_that_do_not_fill_their_nodes_are_spread_with_a_per_node_cap(tmp_path):

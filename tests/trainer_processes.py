@@ -62,7 +62,7 @@ def main(model: str, out: str, overrides: list[str]) -> None:
         group.stop()
         torch.save({"weights": weights, "stats": stats}, out)
     else:
-        follow(actor, engines)
+        follow(actor, engines, mesh)
 
 
 # What every rank script imports, imported once by one fork server for the session's ranks (the

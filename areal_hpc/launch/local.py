@@ -34,7 +34,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.launch.preemption import StopForwarder
 from areal_hpc.launch.roles import (config_args, forget_other_incarnations, incarnation_folder, prepare_start_model,
                                     server_command, trainer_command)
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.groups import TrainerGroups, check_group_training
 from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, allocator_env,
                                          cpu_threads, new_incarnation)
 from areal_hpc.runtime.forkserver import ForkServer, accelerators_present
@@ -62,7 +62,8 @@ def should_resume(cfg: RunConfig, resume: str) -> bool:
 
 def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = load_config(config, overrides)
-    ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the trainer mesh fits its ranks
+    TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
+    check_group_training(cfg.actor)
     check_task(cfg)  # your data, reward and workflow load
     if cfg.distill.teacher_url:  # the teacher answers, with the student's tokenizer (this imports torch)
         from areal_hpc.train.distill import check_teacher

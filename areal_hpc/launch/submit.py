@@ -37,9 +37,9 @@ from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
 from areal_hpc.launch.local import should_resume
 from areal_hpc.launch.slurm_task import run_task, task_groups
 from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.parallel.groups import TrainerGroups, check_group_training
 from areal_hpc.runtime.bootstrap import LAUNCHED_AT, TaskGroup
 from areal_hpc.train.task_setup import check_task
-from areal_hpc.train.trajectory_batch import data_parallel_weights
 
 
 @dataclass(frozen=True)
@@ -113,28 +113,32 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
                  f"rollout.n_servers={sum(g.tasks for g in in_rank_order if g.role == 'rollout')}",
                  "slurm.task_groups=[" + ",".join(f"[{g.role},{g.tasks},{g.accelerators},{g.tp}]"
                                                   for g in in_rank_order) + "]"]
-    train_shapes = {(g["tp"], g["pp"]) for g in plan["train"]}
-    trainers = sum(g.tasks for g in in_rank_order if g.role == "trainer")
-    dims = ParallelDims(dp=trainers)  # groups of different shapes: data parallel over all their ranks
-    if len(train_shapes) == 1:  # one trainer mesh holds replicas of one shape
-        (tp, pp), = train_shapes
-        dims = ParallelDims(dp=sum(g["dp"] for g in plan["train"]), tp=tp, pp=pp)
-        overrides.append(f"actor.parallel.allocation=megatron:d{dims.dp}p{pp}t{tp}")
-    weights = replica_weights(dims, [speed for name in order for speed in device_speeds.get(name, [])])
+    train = [g for name in order for g in plan["train"] if g["pool"] == name]  # in rank order
+    if len({(g["tp"], g["pp"]) for g in train}) == 1:  # one trainer mesh holds replicas of one shape
+        dims = ParallelDims(dp=sum(g["dp"] for g in train), tp=train[0]["tp"], pp=train[0]["pp"])
+        layout = TrainerGroups((dims,))
+        overrides.append(f"actor.parallel.allocation=megatron:d{dims.dp}p{dims.pp}t{dims.tp}")
+    else:  # each group its own mesh
+        layout = TrainerGroups(tuple(ParallelDims(dp=g["dp"], tp=g["tp"], pp=g["pp"]) for g in train))
+        overrides.append("actor.parallel.groups=[" + ",".join(f"[{g['dp']},{g['tp']},{g['pp']}]" for g in train) + "]")
+    weights = replica_weights(layout, [speed for name in order for speed in device_speeds.get(name, [])])
     if len(set(weights)) > 1:
         overrides.append("actor.parallel.dp_weights=[" + ",".join(f"{w:.4g}" for w in weights) + "]")
     return components, overrides
 
 
-def replica_weights(dims: ParallelDims, device_speeds: list[float]) -> list[float]:
-    """Each data-parallel replica's share of a batch: the planned speed of its slowest device (trainer
-    ranks in rank order), normalised to sum to 1."""
+def replica_weights(layout: TrainerGroups, device_speeds: list[float]) -> list[float]:
+    """Each data-parallel replica's share of a batch (over every training group): the planned speed of
+    its slowest device (trainer ranks in rank order) times its devices (a tp2 replica of one group
+    against a tp1 replica of another), normalised to sum to 1."""
     slowest: dict[int, float] = {}
+    devices = [0] * layout.replicas
     for rank, speed in enumerate(device_speeds):
-        replica = dims.coordinates(rank)["dp"]
+        replica = layout.replica(rank)
         slowest[replica] = min(speed, slowest.get(replica, speed))
-    total = sum(slowest.values())
-    return [slowest[replica] / total for replica in range(dims.dp)]
+        devices[replica] += 1
+    speeds = [slowest[replica] * devices[replica] for replica in range(layout.replicas)]
+    return [speed / sum(speeds) for speed in speeds]
 
 
 def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunConfig) -> list[Component]:
@@ -249,8 +253,8 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
     else:
         components = components_from_config(cfg)
     cfg = load_config(files, [*overrides, *plan_overrides, *absolute_path_overrides(cfg)])  # tasks start elsewhere
-    dims = ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the mesh fits its ranks
-    data_parallel_weights(cfg.actor.parallel, dims.dp)
+    TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
+    check_group_training(cfg.actor)
     task_groups(cfg)  # the tasks' roles add up
     check_task(cfg)  # your data, reward and workflow load
     if cfg.distill.teacher_url:  # its settings (the job's nodes reach the teacher, maybe not this login node)

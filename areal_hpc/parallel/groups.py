@@ -25,9 +25,12 @@ class TrainerGroups:
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "TrainerGroups":
         """The groups of ``actor.parallel.groups`` (each ``[dp, tp, pp]``), or the one mesh of
-        ``actor.parallel``; checked against the world."""
+        ``actor.parallel``; checked against the world, and ``actor.parallel.dp_weights`` against the
+        replicas."""
         if not parallel.groups:
-            return cls((ParallelDims.from_config(parallel, world_size),))
+            layout = cls((ParallelDims.from_config(parallel, world_size),))
+            data_parallel_weights(parallel, layout.replicas)
+            return layout
         for name, alone in NOT_WITH_GROUPS:
             if getattr(parallel, name) != alone:
                 raise UserError(f"actor.parallel.{name}={getattr(parallel, name)!r} is not built for training groups "
@@ -50,6 +53,7 @@ class TrainerGroups:
             raise UserError(f"actor.parallel.groups {[list(s) for s in parallel.groups]} hold {layout.world_size} "
                             f"trainer ranks, but {world_size} were started (set rl.trainer_processes="
                             f"{layout.world_size})")
+        data_parallel_weights(parallel, layout.replicas)
         return layout
 
     @property
@@ -91,3 +95,33 @@ class TrainerGroups:
         """First rank of its model replica (tp = cp = pp = 0 in its group)."""
         coords = self.coordinates(rank)
         return coords["tp"] == coords["cp"] == coords["pp"] == 0
+
+
+def data_parallel_weights(cfg, dp: int) -> list[float] | None:
+    """``actor.parallel.dp_weights`` checked against the ``dp`` replicas over every training group (None:
+    equal shares)."""
+    weights = list(cfg.dp_weights)
+    if not weights:
+        return None
+    if len(weights) != dp or not all(isinstance(w, (int, float)) and w > 0 for w in weights):
+        raise UserError(f"actor.parallel.dp_weights={weights} must hold {dp} positive numbers, one per "
+                        f"data-parallel replica")
+    return [float(w) for w in weights]
+
+
+def check_group_training(actor_cfg) -> None:
+    """With ``actor.parallel.groups``: the torch engine sums the groups' gradients; what else needs
+    collectives over every replica (a critic's whitening, M2PO's batch-wide bound) or a gradient path
+    of its own (LoRA, tree training) is not built for them: one line each."""
+    if not actor_cfg.parallel.groups:
+        return
+    unbuilt = [("actor.engine", actor_cfg.engine, actor_cfg.engine != "torch", "torch"),
+               ("actor.adv_estimator", actor_cfg.adv_estimator, actor_cfg.adv_estimator == "ppo",
+                "an estimator without a critic, e.g. grpo"),
+               ("actor.policy_loss", actor_cfg.policy_loss, actor_cfg.policy_loss == "m2po", "another policy loss"),
+               ("actor.lora.rank", actor_cfg.lora.rank, actor_cfg.lora.rank != 0, "0"),
+               ("actor.tree_training", actor_cfg.tree_training, actor_cfg.tree_training != "off", "off")]
+    for name, value, refused, instead in unbuilt:
+        if refused:
+            raise UserError(f"{name}={value} is not built for training groups of different shapes "
+                            f"(actor.parallel.groups={list(actor_cfg.parallel.groups)}); use {instead}, or one mesh")

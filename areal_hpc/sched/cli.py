@@ -130,7 +130,7 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
     catalogue (H100, ...) or of DEVICE GB; raises ``UserError`` (one line: what, how much, what would fit)
     for one that cannot fit, else says what each needs. ``logits_chunk_bytes``: the torch engine's chunk
     of float32 logits (the caller imports the engine; this module stays free of torch)."""
-    from areal_hpc.parallel.dims import ParallelDims
+    from areal_hpc.parallel.groups import TrainerGroups
     from areal_hpc.sched.hardware import CATALOGUE
     from areal_hpc.sched.memory import (GB, Precision, TrainLayout, largest_micro_tokens, rollout_estimate,
                                         rollout_slots, train_estimate, usable_bytes)
@@ -156,11 +156,12 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
                               cfg.model.compute_dtype, "float32", "float32")
     else:  # the torch engine: gradients and Adam's moments in the weights' dtype, autocast for bf16 compute
         precision = Precision(cfg.model.dtype, cfg.model.compute_dtype, cfg.model.dtype, cfg.model.dtype)
-    dims = ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
-    layout = TrainLayout(dims, precision, cfg.actor.max_tokens_per_mb, recompute=cfg.actor.recompute,
-                         shard_optimizer=dims.distributed_optimizer, vocab_parallel=megatron,
-                         logit_tokens=None if megatron else max(1, logits_chunk_bytes // (4 * model.vocab)))
-    trainer = train_estimate(model, layout)
+    layouts = [TrainLayout(dims, precision, cfg.actor.max_tokens_per_mb, recompute=cfg.actor.recompute,
+                           shard_optimizer=dims.distributed_optimizer, vocab_parallel=megatron,
+                           logit_tokens=None if megatron else max(1, logits_chunk_bytes // (4 * model.vocab)))
+               for dims in TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes).groups]
+    trainer, layout = max(((train_estimate(model, layout), layout) for layout in layouts),
+                          key=lambda pair: pair[0].total)  # the training group whose ranks need the most
     if not trainer.fits(device_bytes):
         tokens = largest_micro_tokens(model, layout, device_bytes)
         fix = (f"actor.max_tokens_per_mb<={tokens} would fit" if tokens >= 16 else

@@ -35,7 +35,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.extras import require
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.device import check_precision, resolve_device
-from areal_hpc.parallel.groups import TrainerGroups
+from areal_hpc.parallel.groups import TrainerGroups, check_group_training
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_group_meshes, init_distributed
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
@@ -53,7 +53,13 @@ def start_trainer(cfg: RunConfig) -> tuple[int, TrainMesh]:
     group's mesh with ``actor.parallel.groups``)."""
     device = resolve_device(cfg.cluster.device)
     rank, world = init_distributed(device)
-    return rank, build_group_meshes(TrainerGroups.from_config(cfg.actor.parallel, world), device)
+    layout = TrainerGroups.from_config(cfg.actor.parallel, world)
+    mesh = build_group_meshes(layout, device)
+    if mesh.mixed:
+        dims = mesh.dims
+        print(f"[trainer] rank {rank}: training group {mesh.index} of {len(layout.groups)} (dp{dims.dp} tp{dims.tp} "
+              f"pp{dims.pp}), batch share {mesh.data_rank} of {layout.replicas}", flush=True)
+    return rank, mesh
 
 
 def sampler_temperature(cfg: RunConfig) -> float:
@@ -78,8 +84,7 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
                         f"{actor_cfg.importance_level}; set actor.tree_training=off")
     if actor_cfg.tree_training == "dta":
         check_cost(actor_cfg.tree_cost)
-    if actor_cfg.parallel.groups:
-        check_group_training(actor_cfg)
+    check_group_training(actor_cfg)
     if actor_cfg.lora.rank:
         check_lora_layout(actor_cfg.engine, mesh.dims if mesh is not None else None, actor_cfg.tree_training)
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
@@ -116,22 +121,6 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
     reference = engine("policy") if actor_cfg.kl_ctl > 0 else None
     return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"),
                     mesh.group("dp") if mesh is not None else None, cfg.distill.kl_weight), engines
-
-
-def check_group_training(actor_cfg) -> None:
-    """Training groups of different shapes sum their gradients in the torch engine; what else needs
-    collectives over every replica (a critic's whitening, M2PO's batch-wide bound) or a gradient path
-    of its own (LoRA, tree training) is not built for them: one line each."""
-    unbuilt = [("actor.engine", actor_cfg.engine, actor_cfg.engine != "torch", "torch"),
-               ("actor.adv_estimator", actor_cfg.adv_estimator, actor_cfg.adv_estimator == "ppo",
-                "an estimator without a critic, e.g. grpo"),
-               ("actor.policy_loss", actor_cfg.policy_loss, actor_cfg.policy_loss == "m2po", "another policy loss"),
-               ("actor.lora.rank", actor_cfg.lora.rank, actor_cfg.lora.rank != 0, "0"),
-               ("actor.tree_training", actor_cfg.tree_training, actor_cfg.tree_training != "off", "off")]
-    for name, value, refused, instead in unbuilt:
-        if refused:
-            raise UserError(f"{name}={value} is not built for training groups of different shapes "
-                            f"(actor.parallel.groups={list(actor_cfg.parallel.groups)}); use {instead}, or one mesh")
 
 
 async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> tuple[list[str], ServerDirectory]:

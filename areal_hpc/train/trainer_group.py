@@ -21,10 +21,10 @@ from areal_hpc.algo.temperature import run_temperature
 from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.base import TrainEngine, WeightBucket, merge_stats
+from areal_hpc.parallel.groups import data_parallel_weights
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.train.actor import PPOActor
-from areal_hpc.train.trajectory_batch import (build_batch, data_parallel_parts, data_parallel_weights,
-                                             split_minibatches)
+from areal_hpc.train.trajectory_batch import build_batch, data_parallel_parts, split_minibatches
 
 UPDATE, SAVE, WEIGHTS, STOP = "update", "save", "weights", "stop"
 PER_STEP_KEYS = ("grad_norm", "lr")  # equal on every rank after the all-reduce: not summed over ranks

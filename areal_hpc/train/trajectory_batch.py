@@ -16,10 +16,9 @@ from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.algo.temperature import logprob_temperature
 from areal_hpc.algo.tree_balance import tree_parts
-from areal_hpc.config import ActorConfig, ParallelConfig
+from areal_hpc.config import ActorConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
-from areal_hpc.errors import UserError
 
 
 def next_token_values(values: list[float]) -> torch.Tensor:
@@ -112,14 +111,3 @@ def data_parallel_parts(minibatches: list[SequenceBatch], world_size: int, weigh
         for rank, indices in enumerate(shares):
             parts[rank].append(mb.select(indices))
     return parts
-
-
-def data_parallel_weights(cfg: ParallelConfig, dp: int) -> list[float] | None:
-    """``actor.parallel.dp_weights`` checked against the mesh's ``dp`` replicas (None: equal shares)."""
-    weights = list(cfg.dp_weights)
-    if not weights:
-        return None
-    if len(weights) != dp or not all(isinstance(w, (int, float)) and w > 0 for w in weights):
-        raise UserError(f"actor.parallel.dp_weights={weights} must hold {dp} positive numbers, one per "
-                        f"data-parallel replica")
-    return [float(w) for w in weights]

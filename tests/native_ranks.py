@@ -4,7 +4,8 @@ same in one process), and rank 0 writes what every rank saw to OUT.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p OMP_NUM_THREADS=1 \
         python -m tests.native_ranks MODEL OUT dp=2 tp=2 pp=2 fsdp=1 [sp=1] [critic=1] [empty=1] [save=DIR] [load=DIR]
-        python -m tests.native_ranks MODEL OUT groups=1.2.1/2.1.1 [fsdp=1] ...   # training groups (dp.tp.pp each)
+        python -m tests.native_ranks MODEL OUT groups=1.2.1/2.1.1 [fsdp=1] [bucket=N] ...   # training groups
+                                                                           # (dp.tp.pp each)
 
 critic=1 trains a value model (the critic's token classifier) instead of the policy; empty=1 gives the whole batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after
 the step and checks that a second engine loading DIR takes the same next step; load=DIR only loads
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
+from areal_hpc.engines.torch import group_gradients
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
@@ -114,6 +116,8 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
                            if shapes else (ParallelDims(**sizes, **flags),))
     mesh = build_group_meshes(layout, torch.device("cpu"))
     critic = options.get("critic") == "1"
+    if "bucket" in options:  # the gradient sum across groups in buckets of this many elements
+        group_gradients.BUCKET_ELEMENTS = int(options["bucket"])
     engine = engine_on(model_dir, mesh, critic)
     if "load" in options:
         engine.load(Path(options["load"]))

@@ -1,12 +1,13 @@
 """Gradients summed across training groups of different shapes (``parallel.groups``), then clipped.
 
 Each group has already reduced its own gradients (over its replicas, its tensor-parallel shards and
-pipeline stages stay apart). Their layouts differ, so the sum goes through full tensors: every rank
-of a group takes part in gathering each of its parameters' gradients whole, the group's first replica
-and tensor-parallel rank (tp = dp = 0) writes them into one flat buffer holding the whole model under
-Hugging Face names, one all-reduce over the trainer ranks sums the groups' buffers, and every rank
-takes its shard back out. The gradient norm is the buffer's, the same number on every rank, so every
-group clips by the same factor and the replicas stay equal.
+pipeline stages stay apart). Their layouts differ, so the sum goes through full tensors, a bucket of
+parameters at a time (the whole model under Hugging Face names, cut into buckets the same way on every
+rank): every rank of a group takes part in gathering each of its parameters' gradients whole, the
+group's first replica and tensor-parallel rank (tp = dp = 0) writes them into the bucket, one
+all-reduce over the trainer ranks sums the groups' buckets, and every rank takes its shard back out.
+The gradient norm is the summed buckets', the same number on every rank, so every group clips by the
+same factor and the replicas stay equal.
 """
 
 from __future__ import annotations
@@ -17,48 +18,60 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from areal_hpc.parallel.mesh import TrainMesh
 
+BUCKET_ELEMENTS = 64 * 2**20  # 256 MiB of float32 gradients in flight at a time
+
 
 class GroupGradientSum:
     """Collective over the trainer ranks; built once (it learns every group's parameter names)."""
 
-    def __init__(self, model: torch.nn.Module, mesh: TrainMesh):
-        self.mesh = mesh
+    def __init__(self, model: torch.nn.Module, mesh: TrainMesh, bucket_elements: int | None = None):
+        self.mesh, bucket_elements = mesh, bucket_elements or BUCKET_ELEMENTS
         tied = getattr(model.config, "tie_word_embeddings", False)
         embedding = f"{model.base_model_prefix}.embed_tokens.weight"
         # a pipeline's last stage holds the tied head as its own parameter, with the embedding's gradient
-        self.canonical = {"lm_head.weight": embedding} if tied else {}
-        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        mine = {self.canonical.get(name, name): tuple(p.shape) for name, p in self.params}
+        canonical = {"lm_head.weight": embedding} if tied else {}
+        self.held: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.held.setdefault(canonical.get(name, name), []).append((name, p))
         every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, {name: tuple(pairs[0][1].shape) for name, pairs in self.held.items()})
         shapes = {name: shape for ranks in every for name, shape in ranks.items()}
-        self.slots, total = {}, 0
+        self.buckets: list[list[tuple[str, int, int, tuple]]] = [[]]  # (name, start, end, shape) in the bucket
+        used = 0
         for name in sorted(shapes):
             size = torch.Size(shapes[name]).numel()
-            self.slots[name] = (total, total + size, shapes[name])
-            total += size
-        self.total = total
+            if used and used + size > bucket_elements:
+                self.buckets.append([])
+                used = 0
+            self.buckets[-1].append((name, used, used + size, shapes[name]))
+            used += size
         self.writes = mesh.coords["dp"] == mesh.coords["tp"] == 0
 
     def __call__(self, max_norm: float) -> torch.Tensor:
         """Sum every parameter's gradient over the groups, scale to at most ``max_norm``; the norm."""
-        flat = torch.zeros(self.total, dtype=torch.float32, device=self.mesh.device)
-        for name, p in self.params:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            whole = grad.full_tensor() if isinstance(grad, DTensor) else grad  # collective within the group
-            if self.writes and name not in self.canonical:
-                start, end, _ = self.slots[name]
-                flat[start:end] = whole.reshape(-1).float()
-        dist.all_reduce(flat)
-        norm = torch.linalg.vector_norm(flat, dtype=torch.float64)  # float32 loses ~1e-5 over a million terms
+        squares = torch.zeros((), dtype=torch.float64)
+        for bucket in self.buckets:
+            flat = torch.zeros(bucket[-1][2], dtype=torch.float32, device=self.mesh.device)
+            for canonical, start, end, _ in bucket:
+                for name, p in self.held.get(canonical, ()):
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    whole = grad.full_tensor() if isinstance(grad, DTensor) else grad  # collective within the group
+                    if self.writes and name == canonical:
+                        flat[start:end] = whole.reshape(-1).float()
+            dist.all_reduce(flat)
+            squares += torch.linalg.vector_norm(flat, dtype=torch.float64).cpu() ** 2  # float32 loses ~1e-5 here
+            for canonical, start, end, shape in bucket:
+                for _, p in self.held.get(canonical, ()):
+                    whole = flat[start:end].view(shape).to(p.dtype)
+                    if isinstance(p, DTensor):  # this rank's shard of the sum, cut locally
+                        p.grad = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+                    else:
+                        p.grad = whole.clone()
+        norm = squares.sqrt()
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:
-            flat.mul_(coef)
-        for name, p in self.params:
-            start, end, shape = self.slots[self.canonical.get(name, name)]
-            whole = flat[start:end].view(shape).to(p.dtype)
-            if isinstance(p, DTensor):  # this rank's shard of the sum, cut locally
-                p.grad = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
-            else:
-                p.grad = whole.clone()
+            for pairs in self.held.values():
+                for _, p in pairs:
+                    p.grad.mul_(coef)
         return norm

@@ -103,6 +103,7 @@ GROUPS = {  # training groups of different shapes (dp.tp.pp each), in one job
     "tp2_and_dp2": (4, ["groups=1.2.1/2.1.1"]),
     # the tied head (one stage's copy, the other group's one tensor); buckets smaller than the embedding
     "pp2_and_one_small_buckets": (3, ["groups=1.1.2/1.1.1", "bucket=20000"]),
+    "dp2_and_pp2": (4, ["groups=2.1.1/1.1.2"]),  # the second group's stages sum the tied head's gradients
     "fsdp2_and_tp2_empty_share": (4, ["groups=2.1.1/1.2.1", "fsdp=1", "empty=1"]),
 }
 

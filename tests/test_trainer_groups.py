@@ -42,6 +42,16 @@ def test_ranks_replicas_and_leaders_match_an_enumeration_in_megatron_order(group
         assert layout.replica(rank) == replica
         assert layout.leads_replica(rank) == (coords["tp"] == coords["pp"] == 0)
     assert sorted(layout.replica(r) for r in expected if layout.leads_replica(r)) == list(range(replicas_before))
+    stages = layout.stages()  # every rank in one stage, of one group and pipeline coordinate, led by dp = tp = 0
+    assert sorted(r for ranks in stages for r in ranks) == list(expected)
+    for ranks in stages:
+        assert len({(expected[r][0], expected[r][1]["pp"]) for r in ranks}) == 1
+        assert expected[ranks[0]][1]["dp"] == expected[ranks[0]][1]["tp"] == 0
+    ends = [(first, last) for index, (dp, tp, pp) in enumerate(groups) if pp > 1  # slot by slot, group by group
+            for first in expected if expected[first][0] == index and expected[first][1]["pp"] == 0
+            for last in expected if expected[last][0] == index and expected[last][1]["pp"] == pp - 1
+            and expected[last][1]["dp"] == expected[first][1]["dp"] and expected[last][1]["tp"] == expected[first][1]["tp"]]
+    assert [tuple(pair) for pair in layout.pipeline_ends()] == ends
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -91,6 +91,25 @@ class TrainerGroups:
         index, local = self.locate(rank)
         return sum(g.dp for g in self.groups[:index]) + self.groups[index].coordinates(local)["dp"]
 
+    def stages(self) -> list[list[int]]:
+        """The global ranks of each group's pipeline stages (group by group, stage by stage): the ranks
+        holding the same parameters in a group, its first replica's first tensor-parallel rank first."""
+        found = []
+        for offset, group in zip(self.offsets, self.groups):
+            size = group.world_size // group.pp
+            found += [list(range(offset + stage * size, offset + (stage + 1) * size)) for stage in range(group.pp)]
+        return found
+
+    def pipeline_ends(self) -> list[list[int]]:
+        """[first stage's rank, last stage's rank] of every replica slot (dp, cp, tp) of every group
+        with pipeline stages: where a tied embedding's gradients are summed."""
+        ends, stages = [], iter(self.stages())
+        for group in self.groups:
+            mine = [next(stages) for _ in range(group.pp)]
+            if group.pp > 1:
+                ends += [[first, last] for first, last in zip(mine[0], mine[-1])]
+        return ends
+
     def leads_replica(self, rank: int) -> bool:
         """First rank of its model replica (tp = cp = pp = 0 in its group)."""
         coords = self.coordinates(rank)

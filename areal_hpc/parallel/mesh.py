@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,9 +34,22 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> "TrainMesh":
     return TrainMesh(dims, init_device_mesh(device.type, dims.shape, mesh_dim_names=MESH_DIMS), device)
 
 
+@dataclass
+class StageLinks:
+    """The process groups that sum gradients across training groups (``group_gradients``): ``writers``,
+    the first rank of every group's every pipeline stage; ``stage``, this rank's stage (None when the
+    stage is this rank alone), whose first rank is ``stage_writer``."""
+    writers: dist.ProcessGroup
+    writes: bool
+    stage: dist.ProcessGroup | None
+    stage_writer: int
+
+
 def build_group_meshes(layout: TrainerGroups, device: torch.device) -> "TrainMesh":
     """This rank's group's mesh. Collective: every rank builds every group's ``DeviceMesh`` (and a
-    process group of its ranks) in turn, as creating a process group asks of all ranks."""
+    process group of its ranks) in turn, then the groups that link the stages across them, as creating
+    a process group asks of all ranks in one order (before any rank slices its mesh: slicing creates
+    groups on the mesh's own ranks only)."""
     if len(layout.groups) == 1:
         return build_mesh(layout.groups[0], device)
     rank, own = dist.get_rank(), None
@@ -45,6 +59,14 @@ def build_group_meshes(layout: TrainerGroups, device: torch.device) -> "TrainMes
         members = dist.new_group(ranks.tolist())
         if offset <= rank < offset + dims.world_size:
             own = TrainMesh(dims, mesh, device, layout, index, members)
+    stages = layout.stages()
+    writers = [ranks[0] for ranks in stages]
+    own.links = StageLinks(dist.new_group(writers), rank in writers, None, rank)
+    for ranks in stages:
+        stage = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks and stage is not None:
+            own.links.stage, own.links.stage_writer = stage, ranks[0]
+    own.make_pipeline_ends()
     return own
 
 
@@ -58,9 +80,26 @@ class TrainMesh:
         self.dims, self.mesh, self.device = dims, mesh, device
         self.layout, self.index = layout or TrainerGroups((dims,)), index
         self.members = members or dist.group.WORLD
+        self.links: StageLinks | None = None  # with several groups (``build_group_meshes``)
+        self._pipeline_ends: list[dist.ProcessGroup | None] = []  # made once, by every rank
         self.rank = dist.get_rank()
         self.coords = self.layout.coordinates(self.rank)
         self._extra: dict[str, DeviceMesh] = {}
+
+    def make_pipeline_ends(self) -> None:
+        """Create every replica slot's [first stage, last stage] group (``TrainerGroups.pipeline_ends``).
+        Collective over every rank, once: ``build_group_meshes`` makes them before any group's engine
+        runs, one mesh's pipeline on first use."""
+        if not self._pipeline_ends:
+            ends = self.layout.pipeline_ends()
+            self._pipeline_ends.append(dist.new_subgroups_by_enumeration(ends)[0] if ends else None)
+
+    @property
+    def pipeline_ends(self) -> dist.ProcessGroup | None:
+        """The group of this rank's replica slot's first and last pipeline stage (None on other stages):
+        where a tied embedding's gradients are summed."""
+        self.make_pipeline_ends()
+        return self._pipeline_ends[0]
 
     @property
     def mixed(self) -> bool:

@@ -3,11 +3,12 @@
 Each group has already reduced its own gradients (over its replicas, its tensor-parallel shards and
 pipeline stages stay apart). Their layouts differ, so the sum goes through full tensors, a bucket of
 parameters at a time (the whole model under Hugging Face names, cut into buckets the same way on every
-rank): every rank of a group takes part in gathering each of its parameters' gradients whole, the
-group's first replica and tensor-parallel rank (tp = dp = 0) writes them into the bucket, one
-all-reduce over the trainer ranks sums the groups' buckets, and every rank takes its shard back out.
-The gradient norm is the summed buckets', the same number on every rank, so every group clips by the
-same factor and the replicas stay equal.
+rank): every rank of a group takes part in gathering each of its parameters' gradients whole; one
+writer per pipeline stage of each group (its first rank: dp = tp = 0) writes them into the bucket; the
+writers sum their buckets in one all-reduce among themselves (the traffic between pools); each writer
+broadcasts the sum to the other ranks of its stage, and every rank takes its shard back out. The
+gradient norm is the summed buckets', the same number on every rank, so every group clips by the same
+factor and the replicas stay equal.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class GroupGradientSum:
                 used = 0
             self.buckets[-1].append((name, used, used + size, shapes[name]))
             used += size
-        self.writes = mesh.coords["dp"] == mesh.coords["tp"] == 0
+        self.links = mesh.links
 
     def __call__(self, max_norm: float) -> torch.Tensor:
         """Sum every parameter's gradient over the groups, scale to at most ``max_norm``; the norm."""
@@ -57,9 +58,12 @@ class GroupGradientSum:
                 for name, p in self.held.get(canonical, ()):
                     grad = p.grad if p.grad is not None else torch.zeros_like(p)
                     whole = grad.full_tensor() if isinstance(grad, DTensor) else grad  # collective within the group
-                    if self.writes and name == canonical:
+                    if self.links.writes and name == canonical:
                         flat[start:end] = whole.reshape(-1).float()
-            dist.all_reduce(flat)
+            if self.links.writes:
+                dist.all_reduce(flat, group=self.links.writers)
+            if self.links.stage is not None:
+                dist.broadcast(flat, src=self.links.stage_writer, group=self.links.stage)
             squares += torch.linalg.vector_norm(flat, dtype=torch.float64).cpu() ** 2  # float32 loses ~1e-5 here
             for canonical, start, end, shape in bucket:
                 for _, p in self.held.get(canonical, ()):

@@ -88,10 +88,7 @@ class Pipeline:
         ties = getattr(model.config, "tie_word_embeddings", False) and "lm_head" in model._modules
         self.tied = self._tied_parameter(model) if ties else None
         self.tied_embedding_name = f"{model.base_model_prefix}.embed_tokens.weight"  # the one-process name
-        self.embedding_group = None
-        if ties:  # every rank creates every pair's group (a collective), then keeps its own
-            pairs = [[ranks[0], ranks[-1]] for ranks in mesh.dims.groups("pp")]
-            self.embedding_group = dist.new_subgroups_by_enumeration(pairs)[0]
+        self.embedding_group = mesh.pipeline_ends if ties else None
 
     @property
     def is_last(self) -> bool:

@@ -47,9 +47,10 @@ class StageLinks:
 
 def build_group_meshes(layout: TrainerGroups, device: torch.device) -> "TrainMesh":
     """This rank's group's mesh. Collective: every rank builds every group's ``DeviceMesh`` (and a
-    process group of its ranks) in turn, then the groups that link the stages across them, as creating
-    a process group asks of all ranks in one order (before any rank slices its mesh: slicing creates
-    groups on the mesh's own ranks only)."""
+    process group of its ranks) in turn, then the groups that link the stages across them and the
+    pipelines' ends, as creating a process group asks of all ranks in one order: a group that only one
+    training group's ranks made later (a pipeline's tied-embedding pairs did) would pair off every
+    creation after it wrongly."""
     if len(layout.groups) == 1:
         return build_mesh(layout.groups[0], device)
     rank, own = dist.get_rank(), None

@@ -100,7 +100,7 @@ def test_one_step_equals_one_process(layout, tiny_model_dir, reference, tmp_path
 
 
 GROUPS = {  # training groups of different shapes (dp.tp.pp each), in one job
-    "tp2_and_dp2": (4, ["groups=1.2.1/2.1.1"]),
+    "fsdp2_x_tp2_and_one": (5, ["groups=2.2.1/1.1.1", "fsdp=1"]),  # 2-D DTensor gradients against plain ones
     # the tied head (one stage's copy, the other group's one tensor); buckets smaller than the embedding
     "pp2_and_one_small_buckets": (3, ["groups=1.1.2/1.1.1", "bucket=20000"]),
     "dp2_and_pp2": (4, ["groups=2.1.1/1.1.2"]),  # the second group's stages sum the tied head's gradients

@@ -27,29 +27,8 @@ class TrainerGroups:
         """The groups of ``actor.parallel.groups`` (each ``[dp, tp, pp]``), or the one mesh of
         ``actor.parallel``; checked against the world, and ``actor.parallel.dp_weights`` against the
         replicas."""
-        if not parallel.groups:
-            layout = cls((ParallelDims.from_config(parallel, world_size),))
-            data_parallel_weights(parallel, layout.replicas)
-            return layout
-        for name, alone in NOT_WITH_GROUPS:
-            if getattr(parallel, name) != alone:
-                raise UserError(f"actor.parallel.{name}={getattr(parallel, name)!r} is not built for training groups "
-                                f"of different shapes (actor.parallel.groups); leave it at {alone!r}")
-        groups = []
-        for shape in parallel.groups:
-            if not (isinstance(shape, (list, tuple)) and len(shape) == 3 and all(isinstance(n, int) for n in shape)):
-                raise UserError(f"actor.parallel.groups entry {shape!r} is not [dp, tp, pp]; "
-                                "expected e.g. [[2, 1, 1], [1, 2, 1]]")
-            if min(shape) < 1:
-                raise UserError(f"actor.parallel.groups entry {list(shape)} has a size below 1")
-            dp, tp, pp = shape
-            dims = ParallelDims(dp=dp, tp=tp, pp=pp, fsdp=parallel.fsdp, sequence_parallel=parallel.sequence_parallel)
-            if dims.sequence_parallel and tp == 1:
-                raise UserError(f"actor.parallel.sequence_parallel=true needs tp > 1 in every group; "
-                                f"group {list(shape)} has tp=1")
-            groups.append(dims)
-        layout = cls(tuple(groups))
-        if layout.world_size != world_size:
+        layout = cls(_shaped_groups(parallel) if parallel.groups else (ParallelDims.from_config(parallel, world_size),))
+        if layout.world_size != world_size:  # one mesh: ParallelDims.from_config has said so already
             raise UserError(f"actor.parallel.groups {[list(s) for s in parallel.groups]} hold {layout.world_size} "
                             f"trainer ranks, but {world_size} were started (set rl.trainer_processes="
                             f"{layout.world_size})")
@@ -94,26 +73,40 @@ class TrainerGroups:
     def stages(self) -> list[list[int]]:
         """The global ranks of each group's pipeline stages (group by group, stage by stage): the ranks
         holding the same parameters in a group, its first replica's first tensor-parallel rank first."""
-        found = []
-        for offset, group in zip(self.offsets, self.groups):
-            size = group.world_size // group.pp
-            found += [list(range(offset + stage * size, offset + (stage + 1) * size)) for stage in range(group.pp)]
-        return found
+        return [[offset + rank for rank in ranks] for offset, group in zip(self.offsets, self.groups)
+                for ranks in group.groups("dp-cp-tp")]
 
     def pipeline_ends(self) -> list[list[int]]:
         """[first stage's rank, last stage's rank] of every replica slot (dp, cp, tp) of every group
         with pipeline stages: where a tied embedding's gradients are summed."""
-        ends, stages = [], iter(self.stages())
-        for group in self.groups:
-            mine = [next(stages) for _ in range(group.pp)]
-            if group.pp > 1:
-                ends += [[first, last] for first, last in zip(mine[0], mine[-1])]
-        return ends
+        return [[offset + ranks[0], offset + ranks[-1]] for offset, group in zip(self.offsets, self.groups)
+                if group.pp > 1 for ranks in group.groups("pp")]
 
     def leads_replica(self, rank: int) -> bool:
         """First rank of its model replica (tp = cp = pp = 0 in its group)."""
         coords = self.coordinates(rank)
         return coords["tp"] == coords["cp"] == coords["pp"] == 0
+
+
+def _shaped_groups(parallel) -> tuple[ParallelDims, ...]:
+    """``actor.parallel.groups`` as meshes, each entry and the settings beside it checked."""
+    for name, alone in NOT_WITH_GROUPS:
+        if getattr(parallel, name) != alone:
+            raise UserError(f"actor.parallel.{name}={getattr(parallel, name)!r} is not built for training groups "
+                            f"of different shapes (actor.parallel.groups); leave it at {alone!r}")
+    groups = []
+    for shape in parallel.groups:
+        if not (isinstance(shape, (list, tuple)) and len(shape) == 3 and all(isinstance(n, int) for n in shape)):
+            raise UserError(f"actor.parallel.groups entry {shape!r} is not [dp, tp, pp]; "
+                            "expected e.g. [[2, 1, 1], [1, 2, 1]]")
+        if min(shape) < 1:
+            raise UserError(f"actor.parallel.groups entry {list(shape)} has a size below 1")
+        if parallel.sequence_parallel and shape[1] == 1:
+            raise UserError(f"actor.parallel.sequence_parallel=true needs tp > 1 in every group; "
+                            f"group {list(shape)} has tp=1")
+        dp, tp, pp = shape
+        groups.append(ParallelDims(dp=dp, tp=tp, pp=pp, fsdp=parallel.fsdp, sequence_parallel=parallel.sequence_parallel))
+    return tuple(groups)
 
 
 def data_parallel_weights(cfg, dp: int) -> list[float] | None:

@@ -27,6 +27,7 @@ from areal_hpc.runtime.bootstrap import INTERFACE, RENDEZVOUS, Placement, assign
 from areal_hpc.runtime.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_store
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+UNMADE = object()  # a process group not created yet (None is a made one this rank is not in)
 
 
 def build_mesh(dims: ParallelDims, device: torch.device) -> "TrainMesh":
@@ -82,7 +83,7 @@ class TrainMesh:
         self.layout, self.index = layout or TrainerGroups((dims,)), index
         self.members = members or dist.group.WORLD
         self.links: StageLinks | None = None  # with several groups (``build_group_meshes``)
-        self._pipeline_ends: list[dist.ProcessGroup | None] = []  # made once, by every rank
+        self._pipeline_ends: dist.ProcessGroup | None | object = UNMADE  # made once, by every rank
         self.rank = dist.get_rank()
         self.coords = self.layout.coordinates(self.rank)
         self._extra: dict[str, DeviceMesh] = {}
@@ -91,16 +92,16 @@ class TrainMesh:
         """Create every replica slot's [first stage, last stage] group (``TrainerGroups.pipeline_ends``).
         Collective over every rank, once: ``build_group_meshes`` makes them before any group's engine
         runs, one mesh's pipeline on first use."""
-        if not self._pipeline_ends:
+        if self._pipeline_ends is UNMADE:
             ends = self.layout.pipeline_ends()
-            self._pipeline_ends.append(dist.new_subgroups_by_enumeration(ends)[0] if ends else None)
+            self._pipeline_ends = dist.new_subgroups_by_enumeration(ends)[0] if ends else None
 
     @property
     def pipeline_ends(self) -> dist.ProcessGroup | None:
         """The group of this rank's replica slot's first and last pipeline stage (None on other stages):
         where a tied embedding's gradients are summed."""
         self.make_pipeline_ends()
-        return self._pipeline_ends[0]
+        return self._pipeline_ends
 
     @property
     def mixed(self) -> bool:

@@ -176,8 +176,10 @@ class PreferenceConfig:
     beta: float = spec(0.1, "dpo: strength of the implicit KL constraint to the starting model", gt=0.0)
     label_smoothing: float = spec(0.0, "dpo (cDPO): assumed probability that a pair's labels are flipped",
                                   ge=0.0, le=0.5)
-    nll_weight: float = spec(0.0, "dpo (RPO): weight of the chosen completions' mean token NLL added to the loss; "
-                             "plain DPO can lower the likelihood of both sides, and with it greedy accuracy", ge=0.0)
+    nll_weight: float = spec(0.0, "weight of the chosen completions' mean token NLL added to the loss. dpo (RPO): "
+                             "plain DPO can lower the likelihood of both sides, and with it greedy accuracy; rm: "
+                             "keeps the body a language model of the chosen answers, so the reward model "
+                             "generalises to unseen prompts", ge=0.0)
     lr: float = spec(1e-4, "peak learning rate", gt=0.0)
     total_train_steps: int = spec(200, "optimizer steps", ge=1)
     batch_size: int = spec(32, "pairs per optimizer step", ge=1)

@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.algo.preference import LOSSES, PairLossConfig, margin_gradients, pair_losses, sequence_coefficients
-from areal_hpc.config import PreferenceConfig
+from areal_hpc.config import PreferenceConfig, load_config
 from areal_hpc.train.preference_pairs import load_pairs, pairs_from_episodes, split_conversations
 from areal_hpc.engines.torch.engine import TorchTrainEngine
-from areal_hpc.engines.torch.outputs import ValueOutputs, packed_policy_outputs
+from areal_hpc.engines.torch.outputs import RegularisedRewardOutputs, ValueOutputs, packed_policy_outputs
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
-from areal_hpc.train.preference import PairScorer, pair_batch
+from areal_hpc.models.hf import (CheckpointError, attach_language_head, detach_language_head, load_critic, load_model,
+                                 load_tokenizer, save_model)
+from areal_hpc.train.preference import PairScorer, PreferenceTrainer, pair_batch, weighted_outputs_loss
 
 from .conftest import run_cli
 
@@ -54,30 +55,36 @@ def test_pair_losses_and_their_margin_gradients_match_float64_loops(margins, los
 
 
 @FAST
-@given(st.lists(st.tuples(st.floats(-30, -0.01), st.floats(-30, -0.01), st.integers(1, 9)), min_size=1, max_size=8),
-       st.sampled_from([0.0, 0.5, 2.0]))
-def test_rpo_objective_and_sequence_derivatives_match_a_float64_loop(pairs, nll_weight):
-    """DPO plus α·(chosen mean token NLL): the objective and its derivative by each sequence's log-likelihood
-    (the reference is zero here, so the scores are the log-likelihoods)."""
-    cfg = PairLossConfig(beta=0.3)
-    chosen = torch.tensor([c for c, _, _ in pairs], dtype=torch.float64)
-    rejected = torch.tensor([r for _, r, _ in pairs], dtype=torch.float64)
-    tokens = torch.tensor([n for _, _, n in pairs])
-    loss, coefficients, _ = sequence_coefficients(chosen, rejected, cfg, nll_weight, chosen, tokens)
+@given(st.lists(st.tuples(st.floats(-30, 30), st.floats(-30, 30), st.floats(-30, -0.01), st.integers(1, 9)),
+                min_size=1, max_size=8),
+       st.sampled_from([0.0, 0.5, 2.0]), st.sampled_from(["sigmoid", "bradley_terry"]))
+def test_regularised_objective_and_sequence_derivatives_match_a_float64_loop(pairs, nll_weight, loss_name):
+    """The pair loss of the scores plus α·(chosen mean token NLL) of the log-likelihoods: the objective and its
+    derivatives by each sequence's score and by each sequence's log-likelihood, separately (a reward model's
+    two outputs; for DPO the score is the log-likelihood and the two add up)."""
+    cfg = PairLossConfig(loss=loss_name, beta=0.3)
+    scores = torch.tensor([v for c, r, _, _ in pairs for v in (c, r)], dtype=torch.float64)
+    chosen_likelihood = torch.tensor([ll for _, _, ll, _ in pairs], dtype=torch.float64)
+    tokens = torch.tensor([n for _, _, _, n in pairs])
+    loss, by_score, by_likelihood, _ = sequence_coefficients(scores[0::2], scores[1::2], cfg, nll_weight,
+                                                             chosen_likelihood, tokens)
 
-    def objective(values: list[float]) -> float:
+    def objective(values: list[float], likelihoods: list[float]) -> float:
         n = len(pairs)
         mean_pair_loss = sum(reference_loss(values[2 * i] - values[2 * i + 1], cfg) for i in range(n)) / n
-        chosen_nll = sum(-values[2 * i] / pairs[i][2] for i in range(n)) / n
+        chosen_nll = sum(-likelihoods[2 * i] / pairs[i][3] for i in range(n)) / n
         return mean_pair_loss + nll_weight * chosen_nll
 
-    flat = [v for c, r, _ in pairs for v in (c, r)]
-    assert loss.item() == pytest.approx(objective(flat), rel=1e-9, abs=1e-12)
+    flat = scores.tolist()
+    likelihoods = [v for _, _, ll, _ in pairs for v in (ll, -1.0)]  # a rejected side's likelihood is not used
+    assert loss.item() == pytest.approx(objective(flat, likelihoods), rel=1e-9, abs=1e-12)
     for k in range(len(flat)):
-        up, down = list(flat), list(flat)
-        up[k] += 1e-6
-        down[k] -= 1e-6
-        assert coefficients[k].item() == pytest.approx((objective(up) - objective(down)) / 2e-6, rel=1e-5, abs=1e-8)
+        for derivative, argument in ((by_score, 0), (by_likelihood, 1)):
+            up, down = [list(flat), list(likelihoods)], [list(flat), list(likelihoods)]
+            up[argument][k] += 1e-6
+            down[argument][k] -= 1e-6
+            numeric = (objective(*up) - objective(*down)) / 2e-6
+            assert derivative[k].item() == pytest.approx(numeric, rel=1e-5, abs=1e-8)
 
 
 def test_losses_at_numeric_extremes_stay_finite():
@@ -106,42 +113,83 @@ ARITHMETIC_PAIRS = [{"prompt": f"What is {a}+{b}?", "chosen": str(a + b), "rejec
                     for a, b, d in [(3, 4, 1), (12, 9, -2), (40, 2, 10), (7, 7, 3), (25, 11, -1), (8, 30, 2)]]
 
 
-@pytest.mark.parametrize("objective", ["dpo", "rm"])
-def test_weighted_outputs_give_the_objectives_gradient(tiny_model_dir, tmp_path, objective):
+@pytest.mark.parametrize("objective, nll_weight", [("dpo", 0.0), ("dpo", 1.5), ("rm", 0.0), ("rm", 1.5)])
+def test_weighted_outputs_give_the_objectives_gradient(tiny_model_dir, tmp_path, objective, nll_weight):
     """The trainer's surrogate Σ weight·output, summed over the engine's micro-batches, has the gradient of the
-    pair loss computed directly by autograd through the model (all pairs in one forward)."""
+    objective computed directly by autograd through the model (all pairs in one forward): DPO with RPO's
+    NLL term, a reward model with its language-model regulariser (the NLL read through the language head)."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(tiny_model_dir)
     pairs, _ = load_pairs(PreferenceConfig(path=write_pairs(tmp_path / "p.jsonl", ARITHMETIC_PAIRS), eval_size=1),
                           0, tokenizer, 4096, say=lambda line: None)
+    cfg = load_config("configs/preference_arithmetic.yaml", ["preference.beta=0.5", f"preference.nll_weight={nll_weight}"])
     if objective == "dpo":
-        model, outputs, cfg = load_model(tiny_model_dir), packed_policy_outputs, PairLossConfig(beta=0.5)
+        model, outputs, loss_cfg = load_model(tiny_model_dir), packed_policy_outputs, PairLossConfig(beta=0.5)
     else:
-        model, outputs, cfg = load_critic(tiny_model_dir), ValueOutputs(), PairLossConfig(loss="bradley_terry")
+        model, loss_cfg = load_critic(tiny_model_dir), PairLossConfig(loss="bradley_terry")
+        outputs = RegularisedRewardOutputs() if nll_weight else ValueOutputs()
+        if nll_weight:
+            attach_language_head(model, tiny_model_dir)
     engine = TorchTrainEngine(model, outputs, max_tokens_per_mb=24, tokenizer=tokenizer)  # pairs split over passes
-    reference = torch.randn(len(pairs) * 2, dtype=torch.float64) if objective == "dpo" else 0.0
+    reference = torch.randn(len(pairs), 2, dtype=torch.float64) if objective == "dpo" else None
+    trainer = PreferenceTrainer(engine, objective, cfg, {"train": reference} if objective == "dpo" else None)
     batch = pair_batch(pairs)
     scorer = PairScorer(objective)
 
-    # direct: one forward of everything, the loss as a function of the parameters
+    # direct: one forward of everything, the objective as a function of the parameters
     packed, _ = batch.packed()
-    per_position = outputs(model, packed)[scorer.output].double()
-    scores = scorer.reduce(packed, per_position) - reference
-    direct = pair_losses(scores[0::2] - scores[1::2], cfg).mean()
+    per_position = outputs(model, packed)
+    scores = scorer.reduce(packed, per_position[scorer.output].double())
+    if reference is not None:
+        scores = scores - reference.reshape(-1)
+    direct = pair_losses(scores[0::2] - scores[1::2], loss_cfg).mean()
+    if nll_weight:
+        likelihood = scorer.reduce(packed, per_position["logprobs"].double(), "logprobs")[0::2]
+        direct = direct - nll_weight * (likelihood / torch.tensor([len(p.chosen_ids) for p in pairs])).mean()
     direct_grads = torch.autograd.grad(direct, [p for p in model.parameters()])
 
-    # the trainer's way: scores without gradient, then the engine's weighted pass
+    # the trainer's way: numbers without gradient, then the engine's weighted pass
     model.zero_grad()
-    scores = scorer.scores(engine, batch) - reference
-    loss, gradient = margin_gradients(scores[0::2] - scores[1::2], cfg)
-    weights = scorer.weights(packed, torch.stack([gradient, -gradient], dim=1).reshape(-1))
-    assert loss.item() == pytest.approx(direct.item(), rel=1e-5)
-    batch.set_packed("weights", weights.float())
+    stats, weighted = trainer.weigh(batch, pairs, list(range(len(pairs))))
+    assert stats["loss"] == pytest.approx(direct.item(), rel=1e-5)
+    assert weighted == [scorer.output] + (["logprobs"] if objective == "rm" and nll_weight else [])
     for indices, packed_mb, fields in engine._passes(batch):
         assert len(indices) < len(batch)  # the budget really splits pairs across micro-batches
-        ((fields["weights"] * outputs(model, packed_mb)[scorer.output]).sum()).backward()
+        weighted_outputs_loss(weighted)(outputs(model, packed_mb), packed_mb, fields)[0].backward()
     for p, want in zip(model.parameters(), direct_grads):
         torch.testing.assert_close(p.grad, want.float(), rtol=2e-4, atol=1e-6)
+
+
+def untied_copy(model_dir, folder):
+    """The tiny model with an output layer of its own (not tied to the input embeddings)."""
+    model = load_model(model_dir)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 2 + 1)
+    save_model(model, load_tokenizer(model_dir), folder)
+    return folder
+
+
+def test_a_reward_models_language_head_is_the_causal_lms_output_layer(tiny_model_dir, tmp_path):
+    tied = load_critic(tiny_model_dir)
+    attach_language_head(tied, tiny_model_dir)
+    assert tied.language_head.weight is tied.get_input_embeddings().weight  # one parameter, trained once
+    untied_dir = untied_copy(tiny_model_dir, tmp_path / "untied")
+    untied = load_critic(untied_dir)
+    attach_language_head(untied, untied_dir)
+    want = load_model(untied_dir).lm_head.weight
+    torch.testing.assert_close(untied.language_head.weight, want, rtol=0, atol=0)
+    assert untied.language_head.weight is not untied.get_input_embeddings().weight
+    detach_language_head(untied)
+    assert not any(name.startswith("language_head") for name in untied.state_dict())
+
+    broken = load_critic(untied_dir)
+    (untied_dir / "model.safetensors").unlink()
+    save_model(broken, load_tokenizer(untied_dir), tmp_path / "no_head")  # a critic's checkpoint: no lm_head
+    config = json.loads((tmp_path / "no_head" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    with pytest.raises(CheckpointError, match=r"no_head/model.safetensors has no tensor 'lm_head.weight' \(its config "
+                                              r"does not tie the output layer to the embeddings\)"):
+        attach_language_head(load_critic(tmp_path / "no_head"), tmp_path / "no_head")
 
 
 # ------------------------------------------------------------------------------------------ the pair loader
@@ -250,13 +298,17 @@ def test_a_trained_reward_model_scores_the_rl_rollouts(tiny_model_dir, tmp_path)
     """`areal-hpc rm`, then `areal-hpc train reward.model=...`: every trajectory's reward is the reward model's
     score of its tokens; held-out accuracy is still the task's rule."""
     from areal_hpc.data.shards.reader import TrajectoryStore
+    from areal_hpc.models.hf import read_checkpoint
     from areal_hpc.train.reward_model import RewardModelScore
 
     pairs = write_pairs(tmp_path / "pairs.jsonl", ARITHMETIC_PAIRS * 2)
-    trained = run_cli(*pair_run_args("rm", tiny_model_dir, tmp_path, pairs))
+    trained = run_cli(*pair_run_args("rm", tiny_model_dir, tmp_path, pairs, "preference.nll_weight=1"))
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "rm: held-out pair accuracy before" in trained.stdout
+    records = [json.loads(line) for line in (tmp_path / "rm" / "trial0" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train/chosen_nll"] > 0 for r in records if "train/loss" in r)  # the regulariser was on
     reward_model = tmp_path / "rm" / "trial0" / "model"
+    assert not any(name.startswith("language_head") for name in read_checkpoint(reward_model))  # the critic alone
     result = run_cli("train", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}",
                      f"cluster.fileroot={tmp_path}", f"reward.model={reward_model}", "rl.total_train_steps=2",
                      "rl.eval_every_steps=2", "dataset.train_size=32", "dataset.eval_size=8", "rl.sft_warmup_steps=0",

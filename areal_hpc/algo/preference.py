@@ -54,19 +54,22 @@ def margin_gradients(margin: torch.Tensor, cfg: PairLossConfig) -> tuple[torch.T
 
 def sequence_coefficients(chosen: torch.Tensor, rejected: torch.Tensor, cfg: PairLossConfig, nll_weight: float = 0.0,
                           chosen_log_likelihood: torch.Tensor | None = None,
-                          chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(the objective, [2n] its derivative by each sequence's score in pair order (chosen, rejected, ...),
-    extra statistics). The objective is the mean pair loss of h = chosen − rejected, plus with
-    ``nll_weight`` α (RPO) α · mean_i(−log π(y_c,i) / |y_c,i|) from the chosen log-likelihoods and lengths."""
+                          chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                               dict]:
+    """(the objective, [2n] its derivative by each sequence's score, [2n] its derivative by each sequence's
+    log-likelihood, extra statistics), sequences in pair order (chosen, rejected, ...). The objective is
+    the mean pair loss of h = chosen − rejected, plus with ``nll_weight`` α α · mean_i(−log π(y_c,i) / |y_c,i|)
+    from the chosen log-likelihoods and lengths: RPO for DPO (whose score is itself a log-likelihood, so
+    the two derivatives add up), a language-model regulariser for a reward model."""
     loss, gradient = margin_gradients(chosen - rejected, cfg)
-    chosen_gradient, extra = gradient, {}
+    likelihood, extra = torch.zeros(len(gradient), 2, dtype=torch.float64), {}
     if nll_weight:
         tokens = chosen_tokens.double()
         nll = -(chosen_log_likelihood.double() / tokens).mean()
         loss = loss + nll_weight * nll
-        chosen_gradient = gradient - nll_weight / (len(tokens) * tokens)
+        likelihood[:, 0] = -nll_weight / (len(tokens) * tokens)
         extra["chosen_nll"] = float(nll)
-    return loss, torch.stack([chosen_gradient, -gradient], dim=1).reshape(-1), extra
+    return loss, torch.stack([gradient, -gradient], dim=1).reshape(-1), likelihood.reshape(-1), extra
 
 
 def pair_statistics(margin: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, scale: float) -> dict:

@@ -53,6 +53,45 @@ def load_critic(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa
     return model.to(device)
 
 
+LANGUAGE_HEAD = "language_head"
+
+
+def attach_language_head(critic: PreTrainedModel, path: str | Path) -> None:
+    """Give a critic (``load_critic``) of the causal LM in ``path`` that LM's output layer, as the submodule
+    ``language_head``: tied to the input embeddings when the checkpoint ties them, else a trainable copy of
+    its ``lm_head``. A reward model's language-model regulariser reads it; ``detach_language_head`` takes it
+    off again before the critic is saved."""
+    config = critic.config
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    embeddings = critic.get_input_embeddings().weight
+    if getattr(config, "tie_word_embeddings", False):
+        head.weight = embeddings
+    else:
+        head.weight = torch.nn.Parameter(_read_tensor(_check_model_dir(path), "lm_head.weight").to(embeddings))
+    critic.add_module(LANGUAGE_HEAD, head)
+
+
+def detach_language_head(model: torch.nn.Module) -> None:
+    if hasattr(model, LANGUAGE_HEAD):
+        delattr(model, LANGUAGE_HEAD)
+
+
+def _read_tensor(folder: Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors checkpoint (one file or indexed shards), without reading the others."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    file = json.loads(index.read_text())["weight_map"].get(name) if index.exists() else "model.safetensors"
+    if file is None or not (folder / file).exists():
+        raise CheckpointError(f"{folder}: the checkpoint has no tensor {name!r} (its config does not tie the "
+                              "output layer to the embeddings)")
+    with safe_open(folder / file, framework="pt") as tensors:
+        if name not in tensors.keys():  # noqa: SIM118 (a safetensors file handle has no __contains__)
+            raise CheckpointError(f"{folder}/{file} has no tensor {name!r} (its config does not tie the output "
+                                  "layer to the embeddings)")
+        return tensors.get_tensor(name)
+
+
 def load_tokenizer(path: str | Path):
     tokenizer = AutoTokenizer.from_pretrained(_check_model_dir(path), local_files_only=True)
     if tokenizer.pad_token is None:  # Qwen checkpoints ship one; others may not

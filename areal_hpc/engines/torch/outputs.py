@@ -97,14 +97,19 @@ class PolicyOutputs(StageOutputs):
         self.temperature = temperature
 
     def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
-        """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
-        softmax(logits / T), and the entropy of p_T there; 0 where nothing is predicted."""
-        targets, tokens = batch.target_tokens()
-        logprobs, entropy = target_logprobs(hidden[targets], model.get_output_embeddings(), tokens,
-                                            batch.target_temperatures(targets, self.temperature))
-        total = batch.input_ids.shape[1]
-        return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
-                "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
+        return next_token_outputs(model.get_output_embeddings(), hidden, batch, self.temperature)
+
+
+def next_token_outputs(output_layer: torch.nn.Linear, hidden: torch.Tensor, batch: PackedBatch,
+                       temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
+    softmax(output_layer(hidden) / T), and the entropy of p_T there; 0 where nothing is predicted."""
+    targets, tokens = batch.target_tokens()
+    logprobs, entropy = target_logprobs(hidden[targets], output_layer, tokens,
+                                        batch.target_temperatures(targets, temperature))
+    total = batch.input_ids.shape[1]
+    return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
+            "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
 
 
 class ValueOutputs(StageOutputs):
@@ -113,6 +118,14 @@ class ValueOutputs(StageOutputs):
     def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
         """{"values"}: [T] the critic's value of the state after token t (where token t+1 is chosen)."""
         return {"values": model.score(model.dropout(hidden))[:, 0].float()}
+
+
+class RegularisedRewardOutputs(ValueOutputs):
+    """A reward model's values and, through the language head it holds for its regulariser
+    (``models.hf.attach_language_head``), the logprobs of the next tokens at temperature 1."""
+
+    def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        return super().head(model, hidden, batch) | next_token_outputs(model.language_head, hidden, batch)
 
 
 def packed_policy_outputs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:

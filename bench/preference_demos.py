@@ -4,8 +4,9 @@
 
 1. ``areal-hpc pairs``: per training prompt, a correct sample of the SFT model against a wrong one; the
    same for the task's held-out prompts (problems that are not training problems).
-2. ``areal-hpc rm``: a Bradley-Terry reward model from the SFT model on the training pairs; its pairwise
-   accuracy on the held-out prompts' pairs. (Pairs held out of the training file are no test here: the
+2. ``areal-hpc rm``: a Bradley-Terry reward model from the SFT model on the training pairs, its body
+   regularised as a language model of the chosen answers (``--rm-nll-weight``: ``preference.nll_weight``);
+   its pairwise accuracy on the held-out prompts' pairs. (Pairs held out of the training file are no test here: the
    task's 20,000 training prompts are 6,095 distinct problems: of 5,247 pairs from 8,000 prompts, 72%
    share their problem with another pair and 36% have an identical twin.)
 3. ``areal-hpc train`` (asynchronous GRPO, the quickstart's settings, ``--rl-steps`` steps) per seed, once with
@@ -49,11 +50,13 @@ def run(args) -> dict:
                   f"cluster.fileroot={work}", *QUIET]
     rm_seconds = once(work / "rm.done", [*CLI, "rm", *preference, "experiment.trial=rm", "preference.lr=5e-4",
                                          f"preference.total_train_steps={args.rm_steps}",
+                                         f"preference.nll_weight={args.rm_nll_weight}",
                                          "preference.eval_every_steps=250"], work / "rm.log")
     rm_run = work / "preference" / "rm"
     rm_evals = [(r["step"], r["eval/pair_accuracy"]) for r in records(rm_run) if "eval/pair_accuracy" in r]
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "start_model": str(args.start_model),
               "pairs": n_pairs, "prompts": args.prompts, "rm": {"steps": args.rm_steps, "seconds": rm_seconds,
+                                                                 "nll_weight": args.rm_nll_weight,
                                                                  "pair_accuracy": rm_evals},
               "rl_steps": args.rl_steps, "rm_kl": args.rm_kl, "rl": [], "dpo": []}
     for seed in args.seeds:
@@ -86,7 +89,8 @@ def report(result: dict) -> str:
     lines = [f"# preference demos ({result['date']})", "",
              f"machine: {result['machine']}; start model {result['start_model']} (held-out accuracy {start:.1%}); "
              f"{result['pairs']} pairs from {result['prompts']} training prompts (4 samples each)", "",
-             f"**Reward model** (Bradley-Terry, {result['rm']['steps']} steps, {result['rm']['seconds']:.0f} s): "
+             f"**Reward model** (Bradley-Terry, language-model regulariser nll_weight "
+             f"{result['rm'].get('nll_weight', 0):g}, {result['rm']['steps']} steps, {result['rm']['seconds']:.0f} s): "
              f"held-out pairwise accuracy {rm[0][1]:.1%} -> {rm[-1][1]:.1%} (best {max(a for _, a in rm):.1%}); "
              "curve " + " ".join(f"{s}:{100 * a:.0f}" for s, a in rm), "",
              f"**RL** ({result['rl_steps']} steps of the quickstart's asynchronous GRPO from the start model; "
@@ -114,11 +118,13 @@ def main() -> None:
     parser.add_argument("--start-model", type=Path, required=True, help="the SFT checkpoint everything starts from")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--prompts", type=int, default=8000, help="training prompts sampled for pairs")
-    parser.add_argument("--rm-steps", type=int, default=2000)
+    parser.add_argument("--rm-steps", type=int, default=3000)
+    parser.add_argument("--rm-nll-weight", type=float, default=1.0,
+                        help="the reward model's language-model regulariser (0: Bradley-Terry alone)")
     parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--rm-kl", type=float, default=0.0, help="actor.kl_ctl of the runs against the reward model")
     parser.add_argument("--dpo-steps", type=int, default=200)
-    parser.add_argument("--nll-weight", type=float, default=1.0)
+    parser.add_argument("--nll-weight", type=float, default=1.0, help="DPO's (RPO's) chosen-NLL weight")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "preference_demos")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     args = parser.parse_args()

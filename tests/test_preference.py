@@ -187,9 +187,17 @@ def test_a_reward_models_language_head_is_the_causal_lms_output_layer(tiny_model
     save_model(broken, load_tokenizer(untied_dir), tmp_path / "no_head")  # a critic's checkpoint: no lm_head
     config = json.loads((tmp_path / "no_head" / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
-    with pytest.raises(CheckpointError, match=r"no_head/model.safetensors has no tensor 'lm_head.weight' \(its config "
+    with pytest.raises(CheckpointError, match=r"no_head: the checkpoint has no tensor 'lm_head.weight' \(its config "
                                               r"does not tie the output layer to the embeddings\)"):
         attach_language_head(load_critic(tmp_path / "no_head"), tmp_path / "no_head")
+    pairs = write_pairs(tmp_path / "pairs.jsonl", ARITHMETIC_PAIRS)
+    refused = run_cli(*pair_run_args("rm", tmp_path / "no_head", tmp_path, pairs, "preference.nll_weight=1"))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        "no_head: the checkpoint has no tensor 'lm_head.weight' (its config does not tie the output layer to the "
+        "embeddings); the reward model's language-model regulariser reads that output layer "
+        "(preference.nll_weight=0 trains without it)")
+    assert not (tmp_path / "rm" / "trial0" / "model").exists()
 
 
 # ------------------------------------------------------------------------------------------ the pair loader

@@ -62,7 +62,7 @@ def attach_language_head(critic: PreTrainedModel, path: str | Path) -> None:
     its ``lm_head``. A reward model's language-model regulariser reads it; ``detach_language_head`` takes it
     off again before the critic is saved."""
     config = critic.config
-    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")  # weight set below
     embeddings = critic.get_input_embeddings().weight
     if getattr(config, "tie_word_embeddings", False):
         head.weight = embeddings
@@ -82,14 +82,12 @@ def _read_tensor(folder: Path, name: str) -> torch.Tensor:
 
     index = folder / "model.safetensors.index.json"
     file = json.loads(index.read_text())["weight_map"].get(name) if index.exists() else "model.safetensors"
-    if file is None or not (folder / file).exists():
-        raise CheckpointError(f"{folder}: the checkpoint has no tensor {name!r} (its config does not tie the "
-                              "output layer to the embeddings)")
-    with safe_open(folder / file, framework="pt") as tensors:
-        if name not in tensors.keys():  # noqa: SIM118 (a safetensors file handle has no __contains__)
-            raise CheckpointError(f"{folder}/{file} has no tensor {name!r} (its config does not tie the output "
-                                  "layer to the embeddings)")
-        return tensors.get_tensor(name)
+    if file is not None and (folder / file).exists():
+        with safe_open(folder / file, framework="pt") as tensors:
+            if name in tensors.keys():  # noqa: SIM118 (a safetensors file handle has no __contains__)
+                return tensors.get_tensor(name)
+    raise CheckpointError(f"{folder}: the checkpoint has no tensor {name!r} (its config does not tie the output "
+                          "layer to the embeddings)")
 
 
 def load_tokenizer(path: str | Path):

@@ -41,7 +41,7 @@ from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import RegularisedRewardOutputs, ValueOutputs, packed_policy_outputs
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import (attach_language_head, detach_language_head, load_critic, load_model,
+from areal_hpc.models.hf import (CheckpointError, attach_language_head, detach_language_head, load_critic, load_model,
                                  load_tokenizer)
 from areal_hpc.parallel.device import check_precision, resolve_device
 from areal_hpc.train.metrics import MetricsLogger
@@ -210,7 +210,11 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
     model = load(model_dir, cfg.model.dtype, cfg.model.attn_impl, device)
     regularised = objective == "rm" and pcfg.nll_weight > 0
     if regularised:
-        attach_language_head(model, model_dir)
+        try:
+            attach_language_head(model, model_dir)
+        except CheckpointError as exc:
+            raise UserError(f"config key 'model.path': {exc}; the reward model's language-model regulariser reads "
+                            "that output layer (preference.nll_weight=0 trains without it)") from None
     context = getattr(model.config, "max_position_embeddings", 1 << 30)
     train, held_out = load_pairs(pcfg, cfg.experiment.seed, tokenizer, context, console.print)
     task = _TaskEvaluation(cfg, tokenizer, model_dir, console) if objective == "dpo" and pcfg.eval_task else None

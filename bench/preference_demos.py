@@ -48,7 +48,7 @@ def run(args) -> dict:
     preference = ["--config", "configs/preference_arithmetic.yaml", f"model.path={args.start_model}",
                   f"preference.path={pairs}", f"preference.eval_path={held_out}", "preference.eval_size=100000",
                   f"cluster.fileroot={work}", *QUIET]
-    rm_seconds = once(work / "rm.done", [*CLI, "rm", *preference, "experiment.trial=rm", "preference.lr=5e-4",
+    rm_seconds = once(work / "rm.done", [*CLI, "rm", *preference, "experiment.trial=rm", f"preference.lr={args.rm_lr}",
                                          f"preference.total_train_steps={args.rm_steps}",
                                          f"preference.nll_weight={args.rm_nll_weight}",
                                          "preference.eval_every_steps=250"], work / "rm.log")
@@ -56,7 +56,7 @@ def run(args) -> dict:
     rm_evals = [(r["step"], r["eval/pair_accuracy"]) for r in records(rm_run) if "eval/pair_accuracy" in r]
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "start_model": str(args.start_model),
               "pairs": n_pairs, "prompts": args.prompts, "rm": {"steps": args.rm_steps, "seconds": rm_seconds,
-                                                                 "nll_weight": args.rm_nll_weight,
+                                                                 "nll_weight": args.rm_nll_weight, "lr": args.rm_lr,
                                                                  "pair_accuracy": rm_evals},
               "rl_steps": args.rl_steps, "rm_kl": args.rm_kl, "rl": [], "dpo": []}
     for seed in args.seeds:
@@ -90,7 +90,7 @@ def report(result: dict) -> str:
              f"machine: {result['machine']}; start model {result['start_model']} (held-out accuracy {start:.1%}); "
              f"{result['pairs']} pairs from {result['prompts']} training prompts (4 samples each)", "",
              f"**Reward model** (Bradley-Terry, language-model regulariser nll_weight "
-             f"{result['rm'].get('nll_weight', 0):g}, {result['rm']['steps']} steps, {result['rm']['seconds']:.0f} s): "
+             f"{result['rm'].get('nll_weight', 0):g}, lr {result['rm'].get('lr', 5e-4):g}, {result['rm']['steps']} steps, {result['rm']['seconds']:.0f} s): "
              f"held-out pairwise accuracy {rm[0][1]:.1%} -> {rm[-1][1]:.1%} (best {max(a for _, a in rm):.1%}); "
              "curve " + " ".join(f"{s}:{100 * a:.0f}" for s, a in rm), "",
              f"**RL** ({result['rl_steps']} steps of the quickstart's asynchronous GRPO from the start model; "
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--prompts", type=int, default=8000, help="training prompts sampled for pairs")
     parser.add_argument("--rm-steps", type=int, default=3000)
+    parser.add_argument("--rm-lr", type=float, default=1e-3, help="the reward model's peak learning rate")
     parser.add_argument("--rm-nll-weight", type=float, default=1.0,
                         help="the reward model's language-model regulariser (0: Bradley-Terry alone)")
     parser.add_argument("--rl-steps", type=int, default=100)

@@ -314,7 +314,9 @@ def test_a_trained_reward_model_scores_the_rl_rollouts(tiny_model_dir, tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "rm: held-out pair accuracy before" in trained.stdout
     records = [json.loads(line) for line in (tmp_path / "rm" / "trial0" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["train/chosen_nll"] > 0 for r in records if "train/loss" in r)  # the regulariser was on
+    steps = [r for r in records if "train/loss" in r]
+    assert steps and all(r["train/chosen_nll"] > 0 for r in steps)  # the regulariser was on
+    assert all(r["train/loss"] > r["train/chosen_nll"] for r in steps)  # the objective: Bradley-Terry + 1 x NLL
     reward_model = tmp_path / "rm" / "trial0" / "model"
     assert not any(name.startswith("language_head") for name in read_checkpoint(reward_model))  # the critic alone
     result = run_cli("train", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}",

@@ -134,7 +134,7 @@ class PreferenceTrainer:
     def step(self, pairs: list[PreferencePair], indices: list[int]) -> dict[str, float]:
         batch = pair_batch(pairs)
         stats, outputs = self.weigh(batch, pairs, indices)
-        stats |= self.engine.train_step(batch, weighted_outputs_loss(outputs))
+        stats = self.engine.train_step(batch, weighted_outputs_loss(outputs)) | stats  # its "loss" is the surrogate's
         return {f"train/{key}": value for key, value in stats.items()} | {"train/tokens": float(batch.n_tokens)}
 
     def weigh(self, batch: SequenceBatch, pairs: list[PreferencePair],

@@ -123,6 +123,9 @@ def _pairs_arguments(pairs) -> None:
     pairs.add_argument("--split", choices=["train", "eval"], default="train",
                        help="the task's prompts to sample on (default: train)")
     pairs.add_argument("--limit", type=int, help="use only the first N prompts")
+    pairs.add_argument("--pairing", choices=["best-worst", "all"], default="best-worst",
+                       help="per prompt: its best completion against its worst (default), or every completion "
+                            "against every one rewarded lower (more pairs, the near misses too)")
     _optional_config_arguments(pairs)
 
 
@@ -139,7 +142,7 @@ def _pairs(args) -> int:
     if not out.parent.is_dir():
         raise UserError(f"--out {args.out}: folder {out.parent} does not exist")
     task, examples, result = _model_episodes(cfg, args.model, args.split, args.limit, args.samples)
-    rows = pairs_from_episodes(result.episodes, args.samples)
+    rows = pairs_from_episodes(result.episodes, args.samples, args.pairing)
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(f"{len(rows)} pairs from {len(examples)} {task.name} prompts ({args.samples} samples each; prompts whose "
           f"samples all scored alike give none) written to {out}")

@@ -40,7 +40,8 @@ def run(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     pairs = work / "pairs.jsonl"
     held_out = work / "eval_pairs.jsonl"
-    for split, out, limit in (("train", pairs, ["--limit", str(args.prompts)]), ("eval", held_out, [])):
+    for split, out, limit in (("train", pairs, ["--limit", str(args.prompts), "--pairing", args.pairing]),
+                              ("eval", held_out, [])):
         once(work / f"{out.stem}.done", [*CLI, "pairs", "--model", str(args.start_model), "--config",
                                          "configs/quickstart.yaml", "--split", split, "--out", str(out), "--samples",
                                          "4", *limit], work / f"{out.stem}.log")
@@ -55,9 +56,9 @@ def run(args) -> dict:
     rm_run = work / "preference" / "rm"
     rm_evals = [(r["step"], r["eval/pair_accuracy"]) for r in records(rm_run) if "eval/pair_accuracy" in r]
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "start_model": str(args.start_model),
-              "pairs": n_pairs, "prompts": args.prompts, "rm": {"steps": args.rm_steps, "seconds": rm_seconds,
-                                                                 "nll_weight": args.rm_nll_weight, "lr": args.rm_lr,
-                                                                 "pair_accuracy": rm_evals},
+              "pairs": n_pairs, "prompts": args.prompts, "pairing": args.pairing,
+              "rm": {"steps": args.rm_steps, "seconds": rm_seconds, "nll_weight": args.rm_nll_weight, "lr": args.rm_lr,
+                     "pair_accuracy": rm_evals},
               "rl_steps": args.rl_steps, "rm_kl": args.rm_kl, "rl": [], "dpo": []}
     for seed in args.seeds:
         rm_overrides = [f"reward.model={rm_run / 'model'}", f"actor.kl_ctl={args.rm_kl}"]
@@ -88,7 +89,8 @@ def report(result: dict) -> str:
     start = result["rl"][0]["evals"][0][1]
     lines = [f"# preference demos ({result['date']})", "",
              f"machine: {result['machine']}; start model {result['start_model']} (held-out accuracy {start:.1%}); "
-             f"{result['pairs']} pairs from {result['prompts']} training prompts (4 samples each)", "",
+             f"{result['pairs']} pairs ({result.get('pairing', 'best-worst')}) from {result['prompts']} training "
+             "prompts (4 samples each)", "",
              f"**Reward model** (Bradley-Terry, language-model regulariser nll_weight "
              f"{result['rm'].get('nll_weight', 0):g}, lr {result['rm'].get('lr', 5e-4):g}, {result['rm']['steps']} steps, {result['rm']['seconds']:.0f} s): "
              f"held-out pairwise accuracy {rm[0][1]:.1%} -> {rm[-1][1]:.1%} (best {max(a for _, a in rm):.1%}); "
@@ -118,6 +120,8 @@ def main() -> None:
     parser.add_argument("--start-model", type=Path, required=True, help="the SFT checkpoint everything starts from")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--prompts", type=int, default=8000, help="training prompts sampled for pairs")
+    parser.add_argument("--pairing", choices=["best-worst", "all"], default="best-worst",
+                        help="the training pairs per prompt (`areal-hpc pairs --pairing`)")
     parser.add_argument("--rm-steps", type=int, default=3000)
     parser.add_argument("--rm-lr", type=float, default=1e-3, help="the reward model's peak learning rate")
     parser.add_argument("--rm-nll-weight", type=float, default=1.0,

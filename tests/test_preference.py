@@ -274,6 +274,28 @@ def test_pairs_from_episodes_take_best_against_worst_where_rewards_differ():
                                                  "chosen_reward": 1.0, "rejected_reward": 0.0}]
 
 
+@FAST
+@given(st.lists(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6), min_size=1, max_size=5),
+       st.dictionaries(st.sampled_from("abcdef"), st.sampled_from([0.0, 0.5, 1.0]), min_size=6))
+def test_all_pairing_is_every_distinct_completion_against_every_one_rewarded_lower(groups, reward_of):
+    """Against an enumeration: per prompt, the set of (chosen, rejected) texts of ``--pairing all`` is every
+    ordered pair of distinct sampled texts whose rewards differ, the higher chosen; each once."""
+    n = max(map(len, groups))
+    episodes = []
+    for g, texts in enumerate(groups):
+        padded = texts + [texts[-1]] * (n - len(texts))  # pairs_from_episodes reads n consecutive episodes
+        episodes += [{"prompt": f"p{g}", "completion": t, "reward": reward_of[t], "answer": ""} for t in padded]
+    rows = pairs_from_episodes(episodes, n, "all")
+    got = [(r["prompt"], r["chosen"], r["rejected"]) for r in rows]
+    want = {(f"p{g}", a, b) for g, texts in enumerate(groups) for a in set(texts) for b in set(texts)
+            if reward_of[a] > reward_of[b]}
+    assert len(got) == len(set(got)) and set(got) == want
+    assert all(r["chosen_reward"] > r["rejected_reward"] for r in rows)
+    best_worst = pairs_from_episodes(episodes, n)
+    assert {(r["prompt"], r["chosen"], r["rejected"]) for r in best_worst} <= want
+    assert len(best_worst) == sum(len({reward_of[t] for t in texts}) > 1 for texts in groups)
+
+
 # --------------------------------------------------------------------------------------- the commands, end to end
 
 def pair_run_args(command: str, model, fileroot, pairs: str, *extra: str) -> list[str]:

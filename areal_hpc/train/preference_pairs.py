@@ -15,7 +15,8 @@ pairs whose prompt a training pair asks too are counted in a line of their own: 
 problems (the quickstart's 20,000 prompts are 6,095 problems) makes such a held-out set a test of memory.
 
 ``pairs_from_episodes`` makes pairs from a model's own samples (``areal-hpc pairs``): per prompt, its
-best-rewarded completion against its worst, where the rewards differ.
+best-rewarded completion against its worst, or every completion against every one rewarded lower
+(``--pairing all``), where the rewards differ.
 """
 
 from __future__ import annotations
@@ -120,19 +121,28 @@ def _tokenized(examples: list[Example], cfg: PreferenceConfig, tokenizer,
     return kept, dropped
 
 
-def pairs_from_episodes(episodes: list[dict], n_samples: int) -> list[dict]:
+PAIRINGS = ("best-worst", "all")
+
+
+def pairs_from_episodes(episodes: list[dict], n_samples: int, pairing: str = "best-worst") -> list[dict]:
     """Rows {prompt, chosen, rejected, answer, chosen_reward, rejected_reward} from ``n_samples`` consecutive
-    episodes per prompt (``train.evaluate`` rows): the first best-rewarded completion against the first
-    worst-rewarded one, for the prompts whose rewards differ."""
+    episodes per prompt (``train.evaluate`` rows), for the prompts whose rewards differ: ``best-worst``, the
+    first best-rewarded completion against the first worst-rewarded one; ``all``, every distinct completion
+    against every distinct one rewarded lower (the near misses as well as the worst)."""
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing={pairing!r}; valid: {', '.join(PAIRINGS)}")
     rows = []
     for start in range(0, len(episodes) - n_samples + 1, n_samples):
         group = [e for e in episodes[start:start + n_samples] if "error" not in e]
         if not group:
             continue
-        best = max(group, key=lambda e: e["reward"])
-        worst = min(group, key=lambda e: e["reward"])
-        if best["reward"] > worst["reward"] and best["completion"] != worst["completion"]:
-            rows.append({"prompt": best["prompt"], "chosen": best["completion"], "rejected": worst["completion"],
-                         "answer": best.get("answer", ""), "chosen_reward": best["reward"],
-                         "rejected_reward": worst["reward"]})
+        if pairing == "all":
+            distinct = list({e["completion"]: e for e in reversed(group)}.values())[::-1]  # each text's first
+            ordered = [(a, b) for a in distinct for b in distinct if a["reward"] > b["reward"]]
+        else:
+            best, worst = max(group, key=lambda e: e["reward"]), min(group, key=lambda e: e["reward"])
+            ordered = [(best, worst)] if best["reward"] > worst["reward"] else []
+        rows += [{"prompt": best["prompt"], "chosen": best["completion"], "rejected": worst["completion"],
+                  "answer": best.get("answer", ""), "chosen_reward": best["reward"], "rejected_reward": worst["reward"]}
+                 for best, worst in ordered if best["completion"] != worst["completion"]]
     return rows

@@ -3,17 +3,18 @@
     areal-hpc dpo --config configs/preference_arithmetic.yaml [key=value ...]
     areal-hpc rm  --config configs/preference_arithmetic.yaml [key=value ...]
 
-Both objectives depend on the model only through one number per sequence: the summed log-likelihood of
-the completion (DPO) or the reward model's score after its last token (the critic's value head, as PPO's
-critic). Each step runs the batch forward once without gradients, takes the loss and its derivative by
-each pair's margin (``algo.preference``), and trains the engine on the sequences with that derivative as a
-per-token weight: the gradient is the objective's exactly, whichever micro-batches the engine packs.
+Both objectives depend on the model only through at most two numbers per sequence: the summed
+log-likelihood of the completion (DPO, and a regularised reward model) and the reward model's score after
+its last token (the critic's value head, as PPO's critic). Each step runs the batch forward once without
+gradients, takes the objective's derivative by each of those numbers (``algo.preference``), and trains the
+engine on the sequences with those derivatives as per-token weights: the gradient is the objective's
+exactly, whichever micro-batches the engine packs.
 ``preference.nll_weight`` adds the chosen side's mean token NLL: for DPO this is RPO (Pang et al. 2024 found
 plain DPO lowers math accuracy and this term keeps the chosen answers likely); for a reward model it
 regularises the body, read through the causal LM's output layer, to stay a language model of the chosen
 answers (Yang et al. 2024, "Regularizing Hidden States Enables Learning Generalizable Reward Model for
 LLMs"): on the quickstart's unseen problems it is what lifts pairwise accuracy from ~70-77% to 90-99%
-(bench/results/preference_demos-*). DPO's reference log-likelihoods
+(bench/results/rm_recipe_grid-2026-11-28.md). DPO's reference log-likelihoods
 are the starting model's, computed once before the first step (no second model in memory) and cached
 in the run folder. Held-out pairwise accuracy (and, with
 ``preference.eval_task``, the policy's accuracy on the configured task) before, during and after

@@ -127,7 +127,8 @@ def main() -> None:
     parser.add_argument("--rm-nll-weight", type=float, default=1.0,
                         help="the reward model's language-model regulariser (0: Bradley-Terry alone)")
     parser.add_argument("--rl-steps", type=int, default=100)
-    parser.add_argument("--rm-kl", type=float, default=0.0, help="actor.kl_ctl of the runs against the reward model")
+    parser.add_argument("--rm-kl", type=float, default=0.3, help="actor.kl_ctl of the runs against the reward model "
+                        "(without it the policy drifts to answers the reward model overrates)")
     parser.add_argument("--dpo-steps", type=int, default=200)
     parser.add_argument("--nll-weight", type=float, default=1.0, help="DPO's (RPO's) chosen-NLL weight")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "preference_demos")

@@ -63,11 +63,12 @@ def build_group_meshes(layout: TrainerGroups, device: torch.device) -> "TrainMes
             own = TrainMesh(dims, mesh, device, layout, index, members)
     stages = layout.stages()
     writers = [ranks[0] for ranks in stages]
-    own.links = StageLinks(dist.new_group(writers), rank in writers, None, rank)
+    writers_group, own_stage, own_writer = dist.new_group(writers), None, rank
     for ranks in stages:
         stage = dist.new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks and stage is not None:
-            own.links.stage, own.links.stage_writer = stage, ranks[0]
+            own_stage, own_writer = stage, ranks[0]
+    own.links = StageLinks(writers_group, rank in writers, own_stage, own_writer)
     own.make_pipeline_ends()
     return own
 

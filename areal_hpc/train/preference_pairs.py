@@ -137,8 +137,10 @@ def pairs_from_episodes(episodes: list[dict], n_samples: int, pairing: str = "be
         if not group:
             continue
         if pairing == "all":
-            distinct = list({e["completion"]: e for e in reversed(group)}.values())[::-1]  # each text's first
-            ordered = [(a, b) for a in distinct for b in distinct if a["reward"] > b["reward"]]
+            distinct: dict[str, dict] = {}
+            for episode in group:  # each text once: its first episode
+                distinct.setdefault(episode["completion"], episode)
+            ordered = [(a, b) for a in distinct.values() for b in distinct.values() if a["reward"] > b["reward"]]
         else:
             best, worst = max(group, key=lambda e: e["reward"]), min(group, key=lambda e: e["reward"])
             ordered = [(best, worst)] if best["reward"] > worst["reward"] else []

@@ -181,7 +181,7 @@ def test_abort_request_flags_are_booleans_not_truthy_values(server, field, value
 
 
 def test_a_temperature_below_the_floor_is_refused_and_running_requests_carry_on(server, tiny_model_dir):
-    workers = [in_background(generate, server, PROMPT[:i + 1], max_new_tokens=60, ignore_eos=True) for i in range(5)]
+    workers = [in_background(generate, server, PROMPT[:i + 1], max_new_tokens=200, ignore_eos=True) for i in range(5)]
     wait_for(lambda: model_info(server)["running_requests"] == 5, "five requests to run")
     status, reply = post(server, "/generate", {"input_ids": [5, 6],
                                                "sampling_params": {"max_new_tokens": 3, "temperature": 1e-40}})

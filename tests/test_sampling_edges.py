@@ -6,6 +6,7 @@ with a one-line 400 naming the field, while the requests decoding beside it fini
 in-process test passes such values past validation: a request the sampler cannot take fails alone.
 """
 
+import concurrent.futures
 import json
 import math
 import reprlib
@@ -159,13 +160,23 @@ def test_a_request_the_sampler_cannot_take_fails_alone_in_the_engine(tiny_model_
     def request(rid, **sampling):
         return Request(rid, PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True, **sampling), on_done)
 
-    try:
+    batch = [request("huge-top-k", top_k=2 ** 63), request("beside", temperature=0.8),
+             request("huge-temperature", temperature=1e39), request("last", top_p=0.9)]
+    running_at_batch = concurrent.futures.Future()
+
+    def submit_batch():  # on the engine thread, the step after the two were prefilled: they are decoding
+        running_at_batch.set_result(engine.running)
+        for r in batch:
+            engine.submit(r)  # admitted together in one prefill
+
+    def submit_decoding():  # a command queued here runs on the next loop turn, after this one's admit + step
         for rid in ("decoding-1", "decoding-2"):
             engine.submit(request(rid, top_k=5))
-        wait_for(lambda: engine.running == 2, "two requests to decode")
-        batch = [request("huge-top-k", top_k=2 ** 63), request("beside", temperature=0.8),
-                 request("huge-temperature", temperature=1e39), request("last", top_p=0.9)]
-        engine.call(lambda: [engine.submit(r) for r in batch]).result(timeout=60)  # admitted in one prefill
+        engine.call(submit_batch)
+
+    try:
+        engine.call(submit_decoding)
+        assert running_at_batch.result(timeout=60) == 2
         assert all_done.wait(timeout=120)
     finally:
         engine.stop()

@@ -45,3 +45,21 @@ def digit_share(prompt, completion, prompt_ids, completion_ids, **fields):
     """The share of the completion's characters that are digits: a reward even an untrained model's
     samples differ in, so every group has advantages to learn from."""
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+class ScoresInBatches:
+    """A reward with ``score_batch``: each completion's length, and the size of the batch it came in as a
+    metric; a batch holding "short" returns one result too few, "boom" raises, "nan" is that item's value."""
+
+    def __call__(self, prompt, completion, prompt_ids, completion_ids, **fields):
+        raise AssertionError("the pool calls score_batch")
+
+    def score_batch(self, requests):
+        if any(r.completion == "boom" for r in requests):
+            raise ValueError("bad batch code")
+        results = [float("nan") if r.completion == "nan" else {"reward": float(len(r.completion)),
+                                                              "batch": float(len(requests))} for r in requests]
+        return results[:-1] if any(r.completion == "short" for r in requests) else results
+
+
+scores_in_batches = ScoresInBatches()

@@ -361,6 +361,36 @@ def test_a_trained_reward_model_scores_the_rl_rollouts(tiny_model_dir, tmp_path)
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
 
 
+@pytest.fixture(scope="module")
+def critic_score(tiny_model_dir, tmp_path_factory):
+    """A reward model's scorer on a saved critic of the tiny model (its head random, fixed once saved)."""
+    from areal_hpc.train.reward_model import RewardModelScore
+
+    torch.manual_seed(0)
+    folder = save_model(load_critic(tiny_model_dir), load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("critic"))
+    return RewardModelScore(str(folder))
+
+
+@settings(deadline=None, max_examples=25)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=12), budget=st.sampled_from([1, 64, 16384]),
+       seed=st.integers(0, 2 ** 16))
+def test_reward_model_scores_a_padded_batch_as_each_sequence_alone(critic_score, lengths, budget, seed):
+    """Right-padded rows, longest first, in forwards of at most TOKENS_PER_FORWARD tokens (1: one row each;
+    64: several rows; 16384: all): each score is the value after that sequence's last token, scored alone."""
+    from areal_hpc.data.rewards import RewardRequest
+    from areal_hpc.train import reward_model
+
+    model = critic_score.load()
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    with torch.no_grad():
+        alone = [float(model(input_ids=torch.tensor([s])).logits[0, -1, 0]) for s in sequences]
+    requests = [RewardRequest("", "", s[:1], s[1:], {}) for s in sequences]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reward_model, "TOKENS_PER_FORWARD", budget)
+        assert critic_score.score_batch(requests) == pytest.approx(alone, abs=1e-5)
+
+
 def test_bad_reward_models_and_pair_requests_are_one_line(tiny_model_dir, tmp_path):
     not_a_reward_model = run_cli("train", "--config", "configs/quickstart.yaml", f"cluster.fileroot={tmp_path}",
                                  f"reward.model={tiny_model_dir}")

@@ -1,6 +1,7 @@
 """A reward that hangs, raises, kills its worker or returns something that is not a finite number is a
 recorded failure of its kind; the other scores survive, and the workers' start-up is not charged to the
-first call's timeout. A reward named by file path, async, or returning metrics scores in the workers."""
+first call's timeout. A reward named by file path, async, or returning metrics scores in the workers; one
+with ``score_batch`` gets each worker's share of a call in one batch, its failures confined to that share."""
 
 import time
 
@@ -80,3 +81,17 @@ def test_a_reward_file_that_fails_to_import_says_why(tmp_path):
     (tmp_path / "broken.py").write_text("import no_such_package_anywhere\n")
     with pytest.raises(UserError, match="broken.py failed to load: ModuleNotFoundError"):
         RewardFunction(f"{tmp_path / 'broken.py'}:f").load()
+
+
+def test_a_reward_with_score_batch_gets_a_share_per_worker_and_its_failures_stay_in_that_share():
+    with RewardPool(bad.scores_in_batches, workers=2, timeout_s=2.0) as pool:
+        outcomes = pool.score([request("a" * n) for n in range(1, 6)])
+        assert [(o.value, o.metrics) for o in outcomes] == [(n, {"batch": 3.0 if n % 2 else 2.0}) for n in range(1, 6)]
+        # shares are requests 0, 2, 4 and 1, 3: a failure in one leaves the other share scored
+        for poison, error, kind in (("boom", "ValueError: bad batch code", "exception"),
+                                    ("short", "score_batch returned 1 results for 2 requests", "invalid")):
+            outcomes = pool.score([request("a"), request(poison), request("abc"), request("ab")])
+            assert [o.value for o in outcomes] == [1.0, 0.0, 3.0, 0.0]
+            assert all(error in outcomes[i].error and outcomes[i].error_kind == kind for i in (1, 3))
+        nan = pool.score([request("a"), request("nan"), request("abc")])  # one bad value fails that item only
+        assert [o.value for o in nan] == [1.0, 0.0, 3.0] and nan[1].error_kind == "invalid" and nan[2].error is None

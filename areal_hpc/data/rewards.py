@@ -1,6 +1,9 @@
 """Shared reward pieces: bounded answer parsing, the handle of a reward function (built in or the
 user's ``reward.fn``, loaded in each worker), and a worker pool that turns a hanging, crashing or
 non-numeric reward into a recorded failure instead of a stalled caller or a silent zero.
+
+A reward object with a ``score_batch(requests) -> list`` method (a reward model: one padded forward
+instead of one per completion) is called once per worker with its share of a call's requests.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ class InvalidReward(ValueError):
 class RewardFunction:
     """A picklable handle of a reward: a module-level function, or a ``reward.fn`` spec string that each
     worker process loads itself (a file-path spec cannot be pickled as a function). A coroutine
-    function is run to completion. Calling it returns ``(reward, metrics)`` or raises ``InvalidReward``."""
+    function is run to completion. ``raw(requests)`` returns what it gave for each request, which
+    ``checked_reward`` turns into ``(reward, metrics)`` or ``InvalidReward``."""
 
     def __init__(self, target, key: str = "reward.fn"):
         self.target, self.key = target, key
@@ -90,12 +94,23 @@ class RewardFunction:
     def __setstate__(self, state):
         self.__init__(state["target"], state["key"])
 
-    def __call__(self, request: RewardRequest) -> tuple[float, dict]:
-        result = self.load()(request.prompt, request.completion, request.prompt_ids, request.completion_ids,
-                             **request.fields)
-        if inspect.isawaitable(result):
-            result = asyncio.run(_awaited(result))
-        return checked_reward(result)
+    @property
+    def batched(self) -> bool:
+        return callable(getattr(self.load(), "score_batch", None))
+
+    def raw(self, requests: list[RewardRequest]) -> list:
+        """One result per request: from one ``score_batch`` call when the reward has it, else one call each."""
+        fn = self.load()
+        if self.batched:
+            results = list(fn.score_batch(requests))
+            if len(results) != len(requests):
+                raise InvalidReward(f"score_batch returned {len(results)} results for {len(requests)} requests")
+            return results
+        return [_resolved(fn(r.prompt, r.completion, r.prompt_ids, r.completion_ids, **r.fields)) for r in requests]
+
+
+def _resolved(result):
+    return asyncio.run(_awaited(result)) if inspect.isawaitable(result) else result
 
 
 async def _awaited(awaitable):
@@ -124,8 +139,8 @@ def _is_finite_number(value) -> bool:
         or type(value).__module__ == "numpy" and _is_finite_number(value.item())
 
 
-def _call(reward_fn: RewardFunction, request: RewardRequest) -> tuple[float, dict]:
-    return reward_fn(request)
+def _call(reward_fn: RewardFunction, requests: list[RewardRequest]) -> list:
+    return reward_fn.raw(requests)
 
 
 def _ignore_stop_warning() -> None:
@@ -133,30 +148,43 @@ def _ignore_stop_warning() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
-def _load(reward_fn: RewardFunction) -> None:
+def _load(reward_fn: RewardFunction) -> bool:
     """A worker imports the reward's module when it starts (start-up, not scoring), and a reward object
-    with a ``load`` method (a model's weights, an index) loads what it needs then."""
+    with a ``load`` method (a model's weights, an index) loads what it needs then. Whether it scores
+    in batches."""
     fn = reward_fn.load()
     if callable(getattr(fn, "load", None)):
         fn.load()
+    return reward_fn.batched
 
 
 class RewardPool:
-    """Scores ``RewardRequest``s in worker processes, each call bounded by ``timeout_s``. Starting the
-    workers (spawn, imports: seconds on a loaded machine) is not charged to a call."""
+    """Scores ``RewardRequest``s in worker processes, each completion bounded by ``timeout_s`` (a batch
+    of k by k times that). Starting the workers (spawn, imports: seconds on a loaded machine) is not
+    charged to a call."""
 
     def __init__(self, reward_fn, workers: int = 1, timeout_s: float = 5.0):
         self.reward_fn = reward_fn if isinstance(reward_fn, RewardFunction) else RewardFunction(reward_fn)
         self.workers, self.timeout_s = workers, timeout_s
-        self._pool = None
+        self._pool, self._batched = None, False
         self._lock = threading.Lock()  # calls from several threads (rollouts, an evaluation) run one at a time
 
     def _fresh_pool(self):
         self.close()
         self._pool = mp.get_context("spawn").Pool(self.workers, initializer=_ignore_stop_warning)
-        # Errors (an unimportable module) are not raised here: each call then records its own.
-        self._pool.map_async(_load, [self.reward_fn] * self.workers, chunksize=1).wait(STARTUP_TIMEOUT_S)
+        started = self._pool.map_async(_load, [self.reward_fn] * self.workers, chunksize=1)
+        try:
+            self._batched = all(started.get(STARTUP_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - e.g. an unimportable module: not raised here, each call records its own
+            self._batched = False
         return self._pool
+
+    def _calls(self, pending: list[int]) -> list[list[int]]:
+        """The requests each worker call scores: a share per worker when the reward takes batches."""
+        if not self._batched:
+            return [[i] for i in pending]
+        shares = min(self.workers, len(pending))
+        return [pending[k::shares] for k in range(shares)]
 
     def score(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
         with self._lock:
@@ -167,23 +195,37 @@ class RewardPool:
         pending = list(range(len(requests)))
         while pending:
             pool = self._pool or self._fresh_pool()
-            handles = [(i, pool.apply_async(_call, (self.reward_fn, requests[i]))) for i in pending]
+            handles = [(call, pool.apply_async(_call, (self.reward_fn, [requests[i] for i in call])))
+                       for call in self._calls(pending)]
             pending = []
-            for k, (i, handle) in enumerate(handles):
+            for k, (call, handle) in enumerate(handles):
+                timeout_s = self.timeout_s * len(call)
                 try:
-                    value, metrics = handle.get(timeout=self.timeout_s)
-                    outcomes[i] = RewardOutcome(value, metrics=metrics)
+                    results = [self._outcome(result) for result in handle.get(timeout=timeout_s)]
                 except mp.TimeoutError:
                     # The worker may be stuck for good: replace the pool, re-run what is left.
-                    outcomes[i] = RewardOutcome(0.0, f"reward timed out after {self.timeout_s:g}s", "timeout")
+                    results = [RewardOutcome(0.0, f"reward timed out after {timeout_s:g}s", "timeout")] * len(call)
                     self.close()
-                    pending = [j for j, _ in handles[k + 1:]]
-                    break
+                    pending = [j for later, _ in handles[k + 1:] for j in later]
                 except InvalidReward as exc:
-                    outcomes[i] = RewardOutcome(0.0, f"reward {self.reward_fn.name} {exc}", "invalid")
+                    results = [self._invalid(exc)] * len(call)
                 except Exception as exc:  # noqa: BLE001 - any failure of user reward code is recorded
-                    outcomes[i] = RewardOutcome(0.0, f"reward raised {type(exc).__name__}: {exc}", "exception")
+                    results = [RewardOutcome(0.0, f"reward raised {type(exc).__name__}: {exc}", "exception")] * len(call)
+                for i, outcome in zip(call, results):
+                    outcomes[i] = outcome
+                if pending:
+                    break
         return outcomes
+
+    def _outcome(self, result) -> RewardOutcome:
+        try:
+            value, metrics = checked_reward(result)
+        except InvalidReward as exc:
+            return self._invalid(exc)
+        return RewardOutcome(value, metrics=metrics)
+
+    def _invalid(self, exc: InvalidReward) -> RewardOutcome:
+        return RewardOutcome(0.0, f"reward {self.reward_fn.name} {exc}", "invalid")
 
     def close(self):
         if self._pool is not None:

@@ -2,8 +2,9 @@
 
 Each reward worker loads the model once and scores a completion by the value its head gives after the
 last token of prompt + completion: the number Bradley-Terry training made comparable across completions
-of a prompt. Scored one completion per call in the reward pool (its timeout and failure budget apply);
-a tiny model on CPU scores in milliseconds, a large one belongs on a rollout server.
+of a prompt. The reward pool hands each worker its share of a call (a group's samples, or several
+groups') and the model scores them in padded forwards of at most ``TOKENS_PER_FORWARD`` tokens (the
+pool's timeout and failure budget apply); a large model belongs on a rollout server.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 from pathlib import Path
 
 from areal_hpc.errors import UserError
+
+TOKENS_PER_FORWARD = 16384  # padded tokens scored in one forward (rows x longest row)
 
 
 def check_reward_model(folder: str) -> None:
@@ -52,9 +55,34 @@ class RewardModelScore:
 
     def __call__(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
                  **fields) -> float:
+        return self.scores([list(prompt_ids) + list(completion_ids)])[0]
+
+    def score_batch(self, requests) -> list[float]:
+        """The reward pool's batch call: one score per ``RewardRequest``."""
+        return self.scores([list(r.prompt_ids) + list(r.completion_ids) for r in requests])
+
+    def scores(self, sequences: list[list[int]]) -> list[float]:
+        """The value after each sequence's last token. Rows go longest first into forwards of at most
+        ``TOKENS_PER_FORWARD`` padded tokens, padded on the right: causal attention keeps each last
+        token's value that of the sequence alone."""
         import torch
 
         model = self.load()
-        ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
-        with torch.no_grad():
-            return float(model(input_ids=ids).logits[0, -1, 0])
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+        scores = [0.0] * len(sequences)
+        start = 0
+        while start < len(order):
+            width = len(sequences[order[start]])
+            rows = order[start:start + max(1, TOKENS_PER_FORWARD // max(width, 1))]
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            for row, i in enumerate(rows):
+                ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
+                mask[row, :len(sequences[i])] = 1
+            with torch.no_grad():
+                values = model(input_ids=ids, attention_mask=mask).logits[..., 0]
+            last = mask.sum(1) - 1
+            for row, i in enumerate(rows):
+                scores[i] = float(values[row, last[row]])
+            start += len(rows)
+        return scores

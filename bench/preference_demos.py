@@ -15,7 +15,9 @@
    with the rule alone (the quickstart as it is). Held-out accuracy is the rule's in all three (500
    problems, greedy), final = mean of the last three evaluations.
 4. ``areal-hpc dpo`` per seed on the same pairs (RPO: ``preference.nll_weight``), its task accuracy.
-Every step writes into ``--workdir`` and is skipped when its output is there, so an interrupted run
+``--extra-pairs`` adds pairs to the training pairs of 2 and 4: the reward model refreshed on a policy's
+samples (``areal-hpc pairs --model <a run against the first reward model>/model``), as RLHF pipelines
+retrain theirs on what the policy now writes. Every step writes into ``--workdir`` and is skipped when its output is there, so an interrupted run
 continues where it stopped.
 """
 
@@ -49,6 +51,10 @@ def run(args) -> dict:
         once(work / f"{out.stem}.done", [*CLI, "pairs", "--model", str(args.start_model), "--config",
                                          "configs/quickstart.yaml", "--split", split, "--out", str(out), "--samples",
                                          "4", *limit], work / f"{out.stem}.log")
+    if args.extra_pairs is not None:  # e.g. a policy's own samples: the reward model refreshed where RL goes
+        combined = work / "pairs+extra.jsonl"
+        combined.write_text(pairs.read_text() + args.extra_pairs.read_text())
+        pairs = combined
     n_pairs = len(pairs.read_text().splitlines())
     preference = ["--config", "configs/preference_arithmetic.yaml", f"model.path={args.start_model}",
                   f"preference.path={pairs}", f"preference.eval_path={held_out}", "preference.eval_size=100000",
@@ -61,6 +67,7 @@ def run(args) -> dict:
     rm_evals = [(r["step"], r["eval/pair_accuracy"]) for r in records(rm_run) if "eval/pair_accuracy" in r]
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "start_model": str(args.start_model),
               "pairs": n_pairs, "prompts": args.prompts, "pairing": args.pairing,
+              "extra_pairs": str(args.extra_pairs) if args.extra_pairs else None,
               "rm": {"steps": args.rm_steps, "seconds": rm_seconds, "nll_weight": args.rm_nll_weight, "lr": args.rm_lr,
                      "pair_accuracy": rm_evals},
               "rl_steps": args.rl_steps, "rm_kl": args.rm_kl, "rl": [], "dpo": []}
@@ -95,7 +102,7 @@ def report(result: dict) -> str:
     lines = [f"# preference demos ({result['date']})", "",
              f"machine: {result['machine']}; start model {result['start_model']} (held-out accuracy {start:.1%}); "
              f"{result['pairs']} pairs ({result.get('pairing', 'best-worst')}) from {result['prompts']} training "
-             "prompts (4 samples each)", "",
+             "prompts (4 samples each)" + (f", with {result['extra_pairs']}" if result.get("extra_pairs") else ""), "",
              f"**Reward model** (Bradley-Terry, language-model regulariser nll_weight "
              f"{result['rm'].get('nll_weight', 0):g}, lr {result['rm'].get('lr', 5e-4):g}, {result['rm']['steps']} steps, {result['rm']['seconds']:.0f} s): "
              f"held-out pairwise accuracy {rm[0][1]:.1%} -> {rm[-1][1]:.1%} (best {max(a for _, a in rm):.1%}); "
@@ -130,6 +137,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8000, help="training prompts sampled for pairs")
     parser.add_argument("--pairing", choices=["best-worst", "all"], default="best-worst",
                         help="the training pairs per prompt (`areal-hpc pairs --pairing`)")
+    parser.add_argument("--extra-pairs", type=Path, help="more training pairs (JSONL), e.g. `areal-hpc pairs` of a "
+                        "policy trained against a first reward model: the reward model then also learns where RL goes")
     parser.add_argument("--rm-steps", type=int, default=3000)
     parser.add_argument("--rm-lr", type=float, default=1e-3, help="the reward model's peak learning rate")
     parser.add_argument("--rm-nll-weight", type=float, default=1.0,

@@ -17,8 +17,8 @@
 4. ``areal-hpc dpo`` per seed on the same pairs (RPO: ``preference.nll_weight``), its task accuracy.
 ``--extra-pairs`` adds pairs to the training pairs of 2 and 4: the reward model refreshed on a policy's
 samples (``areal-hpc pairs --model <a run against the first reward model>/model``), as RLHF pipelines
-retrain theirs on what the policy now writes. Every step writes into ``--workdir`` and is skipped when its output is there, so an interrupted run
-continues where it stopped.
+retrain theirs on what the policy now writes. Every step writes into ``--workdir`` and is skipped when
+its output is there, so an interrupted run continues where it stopped.
 """
 
 from __future__ import annotations
@@ -114,8 +114,6 @@ def report(result: dict) -> str:
              "| reward | seeds | start | final (mean ± sd) | gain |", "|---|---|---|---|---|"]
     for reward in RL_RUNS:
         finals = [r["final"] for r in result["rl"] if r["reward"] == reward]
-        if not finals:  # a record from before the rule ran with the penalty too
-            continue
         lines.append(f"| {reward} | {len(finals)} | {100 * start:.1f} | **{100 * np.mean(finals):.1f}** ± "
                      f"{100 * np.std(finals):.1f} | {100 * (np.mean(finals) - start):+.1f} |")
     finals = [r["final"] for r in result["dpo"]]

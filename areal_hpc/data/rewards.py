@@ -70,8 +70,9 @@ class InvalidReward(ValueError):
 class RewardFunction:
     """A picklable handle of a reward: a module-level function, or a ``reward.fn`` spec string that each
     worker process loads itself (a file-path spec cannot be pickled as a function). A coroutine
-    function is run to completion. ``raw(requests)`` returns what it gave for each request, which
-    ``checked_reward`` turns into ``(reward, metrics)`` or ``InvalidReward``."""
+    function is run to completion. Calling it on one request returns ``(reward, metrics)`` or raises
+    ``InvalidReward``; ``raw(requests)`` returns what it gave for each request, unchecked (the pool
+    checks each in the caller)."""
 
     def __init__(self, target, key: str = "reward.fn"):
         self.target, self.key = target, key
@@ -93,6 +94,9 @@ class RewardFunction:
 
     def __setstate__(self, state):
         self.__init__(state["target"], state["key"])
+
+    def __call__(self, request: RewardRequest) -> tuple[float, dict]:
+        return checked_reward(self.raw([request])[0])
 
     @property
     def batched(self) -> bool:

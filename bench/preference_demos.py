@@ -38,9 +38,6 @@ CLI = [sys.executable, "-m", "areal_hpc"]
 QUIET = ["saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false"]
 
 
-RL_RUNS = {"rule": "rule", "rule, same KL": "rule-kl", "reward model": "rm"}  # reward as reported -> run name
-
-
 def run(args) -> dict:
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
@@ -73,9 +70,10 @@ def run(args) -> dict:
               "rl_steps": args.rl_steps, "rm_kl": args.rm_kl, "rl": [], "dpo": []}
     for seed in args.seeds:
         kl = [f"actor.kl_ctl={args.rm_kl}"]
-        overrides = {"rule": [], "rule, same KL": kl, "reward model": [f"reward.model={rm_run / 'model'}", *kl]}
-        for reward, extra in overrides.items():
-            name = f"rl-{RL_RUNS[reward]}-s{seed}"
+        runs = {"rule": ("rule", []), "rule, same KL": ("rule-kl", kl),  # reward as reported: (run name, overrides)
+                "reward model": ("rm", [f"reward.model={rm_run / 'model'}", *kl])}
+        for reward, (short, extra) in runs.items():
+            name = f"rl-{short}-s{seed}"
             folder = work / name
             seconds = once(work / f"{name}.done", [
                 *CLI, "train", "--config", "configs/quickstart.yaml", f"model.path={args.start_model}",
@@ -112,7 +110,7 @@ def report(result: dict) -> str:
              f"(against the reward model, and 'rule, same KL', with actor.kl_ctl={result['rm_kl']:g}: the KL penalty "
              "to the start model)", "",
              "| reward | seeds | start | final (mean ± sd) | gain |", "|---|---|---|---|---|"]
-    for reward in RL_RUNS:
+    for reward in dict.fromkeys(r["reward"] for r in result["rl"]):  # in the order they ran
         finals = [r["final"] for r in result["rl"] if r["reward"] == reward]
         lines.append(f"| {reward} | {len(finals)} | {100 * start:.1f} | **{100 * np.mean(finals):.1f}** ± "
                      f"{100 * np.std(finals):.1f} | {100 * (np.mean(finals) - start):+.1f} |")

@@ -119,7 +119,9 @@ class RewardConfig:
     model: str = spec("", "a reward model trained by `areal-hpc rm` (its <run>/model folder): RL rollouts are scored by "
                       "its value after the last token; evaluations keep the task's own reward (accuracy)")
     timeout_s: float = spec(5.0, "seconds one reward call may take; a slower one fails (counted, scored 0)", gt=0.0)
-    workers: int = spec(1, "reward worker processes", ge=1)
+    workers: int = spec(1, "reward worker processes; 0: score in the trainer's own process, without isolation "
+                        "(timeout_s is not enforced; a reward that hangs or crashes stops the run): for fast "
+                        "rewards you trust, such as the built-in tasks'", ge=0)
 
 
 @dataclass

@@ -47,6 +47,13 @@ def digit_share(prompt, completion, prompt_ids, completion_ids, **fields):
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
+def scored_where(prompt, completion, prompt_ids, completion_ids, **fields):
+    """1.0, and as metrics the process and thread that scored it."""
+    import threading
+
+    return {"reward": 1.0, "pid": float(os.getpid()), "thread": float(threading.get_ident())}
+
+
 class ScoresInBatches:
     """A reward with ``score_batch``: each completion's length, and the size of the batch it came in as a
     metric; a batch holding "short" returns one result too few, "boom" raises, "nan" is that item's value."""

@@ -1,8 +1,13 @@
 """A reward that hangs, raises, kills its worker or returns something that is not a finite number is a
 recorded failure of its kind; the other scores survive, and the workers' start-up is not charged to the
 first call's timeout. A reward named by file path, async, or returning metrics scores in the workers; one
-with ``score_batch`` gets each worker's share of a call in one batch, its failures confined to that share."""
+with ``score_batch`` gets each worker's share of a call in one batch, its failures confined to that share.
+With ``workers=0`` the calling thread scores, and what a call raises or returns is recorded as the
+workers' outcome would be."""
 
+import multiprocessing
+import os
+import threading
 import time
 
 import pytest
@@ -95,3 +100,37 @@ def test_a_reward_with_score_batch_gets_a_share_per_worker_and_its_failures_stay
             assert all(error in outcomes[i].error and outcomes[i].error_kind == kind for i in (1, 3))
         nan = pool.score([request("a"), request("nan"), request("abc")])  # one bad value fails that item only
         assert [o.value for o in nan] == [1.0, 0.0, 3.0] and nan[1].error_kind == "invalid" and nan[2].error is None
+
+
+@pytest.mark.parametrize("reward_fn, poison", [
+    (bad.raises, "boom"), (bad.not_a_number, "nan"), (bad.not_a_number, "text"), (bad.not_a_number, "none"),
+    (bad.not_a_number, "dict"), (bad.scores_in_batches, "boom"), (bad.scores_in_batches, "short"),
+    (bad.scores_in_batches, "nan"), (bad.exact_answer, "4"),
+])
+def test_scoring_in_the_calling_thread_records_what_the_workers_would(reward_fn, poison):
+    requests = [request("4"), request(poison), request("ab"), request("5")]
+    with RewardPool(reward_fn, workers=1, timeout_s=5.0) as pool:
+        in_worker = pool.score(requests)
+    with RewardPool(reward_fn, workers=0) as pool:
+        here = pool.score(requests)
+    assert [(o.value, o.error, o.error_kind, o.metrics) for o in here] == \
+        [(o.value, o.error, o.error_kind, o.metrics) for o in in_worker]
+    assert any(o.error for o in here) == (poison != "4")
+
+
+def test_workers_zero_scores_in_the_calling_thread_without_a_process():
+    with RewardPool(bad.scored_where, workers=0) as pool:
+        [outcome] = pool.score([request("4")])
+        assert multiprocessing.active_children() == []
+    assert outcome.metrics == {"pid": float(os.getpid()), "thread": float(threading.get_ident())}
+    with RewardPool(bad.scored_where, workers=1) as pool:
+        [outcome] = pool.score([request("4")])
+    assert outcome.value == 1.0 and outcome.metrics["pid"] != float(os.getpid())
+
+
+def test_a_reward_that_fails_to_load_fails_each_call_in_the_calling_thread(tmp_path):
+    (tmp_path / "broken.py").write_text("import no_such_package_anywhere\n")
+    with RewardPool(RewardFunction(f"{tmp_path / 'broken.py'}:f"), workers=0) as pool:
+        outcomes = pool.score([request("4"), request("5")])
+    assert [o.error_kind for o in outcomes] == ["exception"] * 2
+    assert all("broken.py failed to load: ModuleNotFoundError" in o.error for o in outcomes)

@@ -44,6 +44,9 @@ def open_task(cfg: RunConfig, tokenizer, model_dir: str | Path, say=print) -> Ta
     if cfg.reward.model:
         check_reward_model(cfg.reward.model)
         task.reward = task.reward or model_reward(cfg)  # your data scored by the reward model alone
+    if cfg.reward.workers == 0 and (cfg.reward.fn or cfg.reward.model):
+        say("reward.workers=0: your reward runs in the trainer's process, where reward.timeout_s cannot stop it; "
+            "reward.workers=1 isolates it")
     limit = prompt_token_limit(cfg, model_dir)
     task.train, dropped_train = fit_prompts(task.train, tokenizer, limit)
     task.eval, dropped_eval = fit_prompts(task.eval, tokenizer, limit)

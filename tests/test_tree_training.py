@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_critic, load_model
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.train.actor import PPOActor
+from areal_hpc.parallel.groups import check_group_training
 from areal_hpc.train.build import build_actor
 from tests.test_parallel_layouts import STEP, assert_same_step
 from tests.test_prefix_tree import shared_prefix_batches
@@ -254,6 +256,46 @@ def test_a_loss_or_engine_tree_training_cannot_sum_per_node_is_one_user_error(ov
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "actor.tree_training=dta", override])
     with pytest.raises(UserError, match="actor.tree_training=dta needs"):
         build_actor(cfg, None)
+
+
+AUTO_OPTIONS = {"actor.engine": ("torch", "megatron"), "actor.importance_level": ("token", "sequence"),
+                "actor.lora.rank": (0, 4), "actor.recompute": ("none", "full")}
+
+
+@pytest.mark.parametrize("choice", list(itertools.product(*AUTO_OPTIONS.values())))
+def test_auto_tree_training_is_dta_exactly_where_the_trainer_builds_dta(choice, tiny_model_dir):
+    """Every combination of the options tree training depends on, in one process: ``auto`` resolves to dta
+    where ``build_actor`` builds the actor with dta, and to off where it refuses dta."""
+    overrides = [f"model.path={tiny_model_dir}", *(f"{key}={value}" for key, value in zip(AUTO_OPTIONS, choice))]
+    resolved = load_config(None, [*overrides, "actor.tree_training=auto"]).actor.tree_training
+    try:
+        build_actor(load_config(None, [*overrides, "actor.tree_training=dta"]), None)
+        built = True
+    except UserError as exc:
+        assert "tree_training" in str(exc)
+        built = False
+    assert resolved == ("dta" if built else "off")
+
+
+@pytest.mark.parametrize("layout", [(), ("actor.parallel.fsdp=true",), ("actor.parallel.tp=2",), ("actor.parallel.pp=2",),
+                                    ("actor.parallel.cp=2",), ("actor.parallel.ep=2",), ("actor.parallel.dp=3",),
+                                    ("actor.parallel.allocation=megatron:d2p1t1",),
+                                    ("actor.parallel.allocation=megatron:d1p2t1",),
+                                    ("actor.parallel.groups=[[1,1,1],[1,1,1]]",)])
+def test_auto_tree_training_on_two_ranks_is_dta_exactly_where_the_layout_checks_accept_dta(layout):
+    """Two trainer processes in each layout: dta where the engine's layout check and the training groups'
+    check accept it (an impossible layout trains no tree either way: off, its own error comes later)."""
+    cfg = load_config(None, ["rl.trainer_processes=2", *layout, "actor.tree_training=dta"])
+    try:
+        check_tree_layout("dta", SimpleNamespace(dims=ParallelDims.from_config(cfg.actor.parallel, 2)), "none",
+                          PolicyOutputs())
+        check_group_training(cfg.actor)
+        accepted = True
+    except UserError:
+        accepted = False
+    resolved = load_config(None, ["rl.trainer_processes=2", *layout, "actor.tree_training=auto"]).actor.tree_training
+    assert resolved == ("dta" if accepted else "off")
+    assert accepted == (layout in [(), ("actor.parallel.fsdp=true",), ("actor.parallel.allocation=megatron:d2p1t1",)])
 
 
 TREE_LAYOUTS = {"dp2": (), "fsdp2": ("actor.parallel.fsdp=true",)}

@@ -29,7 +29,7 @@ SYNC_RUN = ["rl.sft_warmup_steps=0", "dataset.train_size=64", "dataset.eval_size
             "gconfig.n_samples=4", "gconfig.max_new_tokens=6", "rollout.max_head_offpolicyness=0",
             "rollout.max_running_requests=1", "rl.total_train_steps=4", "saver.freq_steps=0",
             "stats.tensorboard=false", "stats.plot=false", REWARD]
-TIMING = ("time", "time/", "perf/", "sync/seconds", "sync/stage_seconds")
+TIMING = ("time", "time/", "perf/")  # wall-clock values, and every key ending in "seconds"
 
 
 def weights(run: Path) -> dict:
@@ -38,7 +38,7 @@ def weights(run: Path) -> dict:
 
 def training_metrics(run: Path) -> list[dict]:
     """Every logged value but wall-clock times and evaluation records, per step."""
-    return [{k: v for k, v in record.items() if not k.startswith(TIMING) and not k.startswith("eval/")}
+    return [{k: v for k, v in record.items() if not k.startswith((*TIMING, "eval/")) and not k.endswith("seconds")}
             for record in read_json_lines(run / "metrics.jsonl") if "actor/loss" in record]
 
 

@@ -167,10 +167,9 @@ class RewardPool:
     of k by k times that). Starting the workers (spawn, imports: seconds on a loaded machine) is not
     charged to a call.
 
-    ``workers=0`` scores in the calling thread instead: no process, no pickling, no handler threads (on
-    the quickstart, whose reward compares two strings, 0.83x the time of an RL step), and no isolation:
-    ``timeout_s`` is not enforced, and a reward that hangs or crashes takes the caller with it. Failures
-    and invalid values are recorded as in the workers."""
+    ``workers=0`` scores in the calling thread instead: no process, no pickling, no handler threads
+    sharing the caller's cores, and no isolation: ``timeout_s`` is not enforced, and a reward that hangs
+    or crashes takes the caller with it. Failures and invalid values are recorded as in the workers."""
 
     def __init__(self, reward_fn, workers: int = 1, timeout_s: float = 5.0):
         self.reward_fn = reward_fn if isinstance(reward_fn, RewardFunction) else RewardFunction(reward_fn)

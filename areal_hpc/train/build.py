@@ -11,6 +11,7 @@ model) and ``--resume`` then loads the checkpoint over it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 import torch
@@ -137,9 +138,10 @@ async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> tuple[list[str],
     return addresses, directory
 
 
-def build_weight_sync(cfg: RunConfig, device_type: str):
+def build_weight_sync(cfg: RunConfig, device_type: str, executor: concurrent.futures.Executor | None = None):
+    """``executor``: where the disk sync writes the weights' folders (see ``DiskWeightSync``)."""
     if cfg.rl.weight_sync == "disk":
-        return DiskWeightSync(cfg.run_dir / "weights")
+        return DiskWeightSync(cfg.run_dir / "weights", executor=executor)
     backend = BACKENDS[device_type] if device_type == "cuda" else "gloo"
     # Servers on other nodes connect to trainer rank 0's group store: its routable address, not loopback.
     return DistributedWeightSync(backend, cfg.rl.weight_sync_bucket_mb << 20, host=node_address(cfg.cluster.interface))

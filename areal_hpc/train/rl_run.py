@@ -58,7 +58,7 @@ class RLRun:
         self.version = state["step"]
         self.evaluated = state.get("evaluated", self.version)  # the last step evaluated
         self.prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
-        self.sync = build_weight_sync(cfg, self.actor.device.type)
+        self.sync = build_weight_sync(cfg, self.actor.device.type, placement.training)
         groups = EpisodeGroups(workflow, lambda _client: settings, cfg.gconfig.n_samples, task.name,
                                seed=cfg.experiment.seed, first_group=self.prompts.drawn)
         self.controller = build_controller(cfg, client, groups, self.prompts, writer, self.version,

@@ -30,6 +30,8 @@ bytes and seconds, which the driver logs as metrics.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import itertools
 import shutil
 import time
@@ -57,8 +59,10 @@ def bucket_bytes(bucket: WeightBucket) -> int:
 
 
 class DiskWeightSync:
-    def __init__(self, folder: Path, keep: int = 2):
-        self.folder, self.keep = folder, keep
+    def __init__(self, folder: Path, keep: int = 2, executor: concurrent.futures.Executor | None = None):
+        """``executor``: the thread that writes each folder (None: asyncio's default threads); the driver
+        gives it the update's own thread, whose core is free then while the servers' cores generate."""
+        self.folder, self.keep, self.executor = folder, keep, executor
         self._pushed: list[Path] = []  # only what this run wrote is ever removed, oldest first
         self._latest: tuple[Path, int] | None = None
         self._staged: int | None = None  # the version whose folder this run wrote last
@@ -71,7 +75,8 @@ class DiskWeightSync:
     async def stage(self, engine: TrainEngine, version: int) -> dict[str, float]:
         """Write version ``version``'s folder (before generation pauses for the load)."""
         started = time.perf_counter()
-        await asyncio.to_thread(engine.save, self._path(version), optimizer=False)
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor, functools.partial(engine.save, self._path(version), optimizer=False))
         self._staged = version
         return {"sync/stage_seconds": time.perf_counter() - started}
 

@@ -1,5 +1,6 @@
-"""Trainer rank 0's threads on a machine it shares with its rollout servers: the update on the
-trainer's cores, the event loop and what it starts (threads, reward workers) on the servers' cores."""
+"""Trainer rank 0's threads on a machine it shares with its rollout servers: the update and the shard
+commits on the trainer's cores, the event loop and what it starts (threads, reward workers) on the
+servers' cores."""
 
 import os
 import subprocess
@@ -21,19 +22,20 @@ def test_rank_0_learns_the_run_cores_only_when_they_are_pinned():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_the_update_stays_on_the_trainers_cores_and_the_rest_runs_on_the_servers():
+def test_the_update_and_the_commits_stay_on_the_trainers_cores_and_the_rest_runs_on_the_servers():
     server, trainer = sorted(os.sched_getaffinity(0))[:2]
     script = (
         "import os, threading, multiprocessing as mp\n"
         "from areal_hpc.train.placement import ThreadPlacement\n"
         "with ThreadPlacement() as p:\n"
         "    training = p.training.submit(lambda: sorted(os.sched_getaffinity(0))).result()\n"
+        "    commits = p.shard_commits.submit(lambda: sorted(os.sched_getaffinity(0))).result()\n"
         "    seen = []\n"
         "    t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0)))); t.start(); t.join()\n"
         "    with mp.get_context('spawn').Pool(1) as pool:\n"
         "        worker = pool.apply(os.sched_getaffinity, (0,))\n"
-        "    print(training, sorted(os.sched_getaffinity(0)), seen[0], sorted(worker))\n")
+        "    print(training, commits, sorted(os.sched_getaffinity(0)), seen[0], sorted(worker))\n")
     done = subprocess.run(["taskset", "-c", str(trainer), sys.executable, "-c", script], capture_output=True, text=True,
                           env={**os.environ, ROLLOUT_SIDE_CORES: str(server)}, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[0] == f"[{trainer}] [{server}] [{server}] [{server}]"
+    assert done.stdout.split("\n")[0] == f"[{trainer}] [{trainer}] [{server}] [{server}] [{server}]"

@@ -19,6 +19,7 @@ Groups the ``accept`` filter rejects (DAPO's dynamic sampling) are counted in ``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -108,9 +109,12 @@ class RolloutController:
     def __init__(self, client: RolloutClient, workflow, gate: StalenessGate, examples: Iterable[Example],
                  on_accept: Callable[[Episode], None] | None = None,
                  accept: Callable[[list[Trajectory]], bool] = lambda group: True,
-                 on_drop: Callable[[Episode], None] | None = None, budget: FailureBudget | None = None):
+                 on_drop: Callable[[Episode], None] | None = None, budget: FailureBudget | None = None,
+                 accept_executor: concurrent.futures.Executor | None = None):
+        """``accept_executor``: the thread ``on_accept`` runs on (None: asyncio's default threads)."""
         self.client, self.workflow, self.gate = client, workflow, gate
         self.on_accept, self.accept, self.on_drop = on_accept, accept, on_drop
+        self.accept_executor = accept_executor
         self.budget = budget or FailureBudget()
         # A list is cycled; an iterator (e.g. an endless, resumable prompt stream) is used as it is.
         self._examples = examples if isinstance(examples, Iterator) else itertools.cycle(examples)
@@ -227,7 +231,8 @@ class RolloutController:
                 if self.on_accept is not None:
                     try:
                         async with self._accepting:  # e.g. a shard commit (fsync): off the event loop, one at a time
-                            await asyncio.to_thread(self.on_accept, episode)
+                            await asyncio.get_running_loop().run_in_executor(self.accept_executor, self.on_accept,
+                                                                             episode)
                     except Exception as exc:  # noqa: BLE001 - e.g. the shard commit hit a full disk
                         self._fail("store", f"{example.uid}: {_describe(exc)}")
                         return

@@ -155,7 +155,9 @@ def engine_settings(cfg: RunConfig, client: RolloutClient, tokenizer, rewards: R
 
 
 def build_controller(cfg: RunConfig, client, workflow: EpisodeGroups, prompts: PromptStream,
-                     writer: TrajectoryShardWriter, version: int, on_drop) -> RolloutController:
+                     writer: TrajectoryShardWriter, version: int, on_drop,
+                     commit_executor: concurrent.futures.Executor | None = None) -> RolloutController:
+    """The run's rollout controller; each accepted group is committed to the shards on ``commit_executor``."""
     gate = StalenessGate.resumed(cfg.rollout.consumer_batch_size, cfg.rollout.max_head_offpolicyness,
                                  cfg.rollout.max_concurrent_rollouts, version)
 
@@ -167,7 +169,8 @@ def build_controller(cfg: RunConfig, client, workflow: EpisodeGroups, prompts: P
     accept = ((lambda group: is_informative_group([t.reward or 0.0 for t in group]))
               if cfg.actor.dynamic_sampling else (lambda group: True))
     return RolloutController(client, workflow, gate, prompts, on_accept=store, accept=accept, on_drop=on_drop,
-                             budget=FailureBudget.from_config(cfg.rollout.failure_budget))
+                             budget=FailureBudget.from_config(cfg.rollout.failure_budget),
+                             accept_executor=commit_executor)
 
 
 def open_shards(cfg: RunConfig, cursor_state: dict) -> tuple[TrajectoryShardWriter, TrajectoryConsumer]:

@@ -1,6 +1,6 @@
-"""Where trainer rank 0's threads run on a machine it shares with its rollout servers: the update on
-the trainer's own cores, the rest of rank 0 (the rollout controller's event loop, the rollout client,
-reward workers, shard commits, weight staging, evaluation) on the servers' cores.
+"""Where trainer rank 0's threads run on a machine it shares with its rollout servers: the update, the
+weight staging and the shard commits on the trainer's own cores, the rest of rank 0 (the rollout
+controller's event loop, the rollout client, reward scoring, evaluation) on the servers' cores.
 
 On 2 cores the local launcher pins the server to core 0 and the trainer to core 1. The update is the
 step's critical path; rank 0's rollout side (about 0.09 CPU-s a quickstart step, as much as the server's
@@ -9,6 +9,11 @@ core 0 beside generation, which finishes well within a step since a group's prom
 the quickstart's step took 0.86-0.92x the time (3 alternating pairs, 2026-11-27). The launcher names the
 cores in ``ROLLOUT_SIDE_CORES``; without them (Slurm, pinning off) nothing moves, and the update runs on
 a thread of its own all the same.
+
+Once tree training and an in-process reward made the update shorter (0.10 s of a 0.14 s step), the
+servers' core was the full one: the shard commits (a group's records, an HDF5 flush and two fsyncs, 16
+times a step) moved to a thread on the trainer's cores, which mostly waits on the disk (2 alternating
+pairs, 2026-11-28: 0.140 / 0.140 s a step against 0.150 / 0.147).
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ ROLLOUT_SIDE_CORES = "AREAL_HPC_ROLLOUT_SIDE_CORES"  # e.g. "0": the servers' co
 
 class ThreadPlacement:
     """``with ThreadPlacement() as placement``: from then on the calling thread, and the threads and
-    processes it starts, run on ``ROLLOUT_SIDE_CORES``; ``placement.training`` is a one-thread executor
-    for the update, on the cores this process had when the placement was made."""
+    processes it starts, run on ``ROLLOUT_SIDE_CORES``; ``placement.training`` (the update, the weight
+    staging) and ``placement.shard_commits`` are one-thread executors on the cores this process had when
+    the placement was made."""
 
     def __init__(self, environ=os.environ):
         self.training_cores = sorted(os.sched_getaffinity(0))
         self.rollout_side_cores = sorted({int(c) for c in environ.get(ROLLOUT_SIDE_CORES, "").split(",") if c.strip()})
         self.training = concurrent.futures.ThreadPoolExecutor(1, "training", initializer=self._pin_training)
+        self.shard_commits = concurrent.futures.ThreadPoolExecutor(1, "shard-commits", initializer=self._pin_training)
 
     def _pin_training(self) -> None:
         os.sched_setaffinity(0, self.training_cores)  # Linux: the calling thread only
@@ -39,6 +46,7 @@ class ThreadPlacement:
 
     def __exit__(self, *exc) -> None:
         self.training.shutdown(wait=True)
+        self.shard_commits.shutdown(wait=True)
 
 
 def rollout_side_env(server_cores: list[list[int] | None], trainer_cores: list[int] | None) -> dict[str, str]:

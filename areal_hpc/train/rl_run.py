@@ -62,7 +62,7 @@ class RLRun:
         groups = EpisodeGroups(workflow, lambda _client: settings, cfg.gconfig.n_samples, task.name,
                                seed=cfg.experiment.seed, first_group=self.prompts.drawn)
         self.controller = build_controller(cfg, client, groups, self.prompts, writer, self.version,
-                                           on_drop=self._drop)
+                                           on_drop=self._drop, commit_executor=placement.shard_commits)
         self.controller.restore(recovered_episodes(consumer, self.version))
         self.controller.dropped = state.get("dropped", 0)
         # An evaluation of version v runs beside the training of step v + 1 and ends before the weights of

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from areal_hpc.models.hf import load_model
-from areal_hpc.rollout.decoder import FIRST_CAPACITY
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams
+from areal_hpc.rollout.decoder import FIRST_CAPACITY, SlotDecoder
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams, compacted
 from tests.test_rollout_server import PROMPT, teacher_forced_logprobs
 
 
@@ -163,3 +163,35 @@ def test_the_kv_cache_grows_under_running_sequences_without_changing_what_they_d
         assert result.error is None and len(result.output_ids) == new_tokens
         expected = teacher_forced_logprobs(tiny_model_dir, prompt, result.output_ids)
         assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1)))))
+def test_compacting_keeps_each_running_row_once_and_moves_only_rows_beyond_the_new_count(case):
+    count, finished = case
+    kept = compacted(count, finished)
+    assert sorted(kept) == sorted(set(range(count)) - finished)
+    assert all(kept[row] == row for row in range(len(kept)) if row not in finished)
+
+
+_MOVES_MODEL = small_qwen3()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 8).flatmap(lambda n: st.tuples(st.lists(st.lists(st.integers(1, 96), min_size=1, max_size=9),
+                                                              min_size=n, max_size=n),
+                                                     st.sets(st.integers(0, n - 1), max_size=n - 1))))
+def test_rows_moved_by_a_retirement_decode_as_they_did_in_their_old_rows(case):
+    """Sequences of different lengths in rows 0..n-1, some finished: after ``move_rows`` each kept
+    sequence's next-token logits in its new row equal those in its old row (its cache, length and last
+    token moved with it)."""
+    prompts, finished = case
+    decoder = SlotDecoder(_MOVES_MODEL, slots=8, context_length=64)
+    decoder.prefill(0, prompts)
+    decoder.push(0, torch.tensor([(7 * i + 3) % 97 for i in range(len(prompts))]))
+    before = decoder.decode(0, len(prompts))
+    kept = compacted(len(prompts), finished)
+    moves = [(source, row) for row, source in enumerate(kept) if source != row]
+    decoder.move_rows([source for source, _ in moves], [row for _, row in moves])
+    assert torch.allclose(decoder.decode(0, len(kept)), before[kept], atol=1e-5)
+

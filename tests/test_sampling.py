@@ -80,7 +80,7 @@ def test_rows_with_different_parameters_in_one_batch_do_not_disturb_each_other()
     assert torch.allclose(logprobs[0], torch.log_softmax(logits[0], -1).max())  # greedy: logprobs at T = 1
     assert torch.allclose(logprobs[2], torch.log_softmax(logits[2] / 0.7, -1).max())
     # the rows' parameters follow a row that moves (as the engine moves a request into a freed row)
-    sampler.move(1, 4)
+    sampler.move_rows([1], [4])
     assert sampler.sample(logits[[0, 1, 2, 0, 4]], 0)[0][4] == logits[4].argmax()
 
 

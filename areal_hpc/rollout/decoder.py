@@ -118,11 +118,14 @@ class SlotDecoder:
         self.last[rows] = tokens
         self.lengths[rows] += 1
 
-    def move(self, source: int, target: int) -> None:
-        """Move a sequence (its cache, length and last token) to another row."""
-        length = int(self.lengths[source])
+    def move_rows(self, sources: list[int], targets: list[int]) -> None:
+        """Move sequences (cache, length and last token) from rows ``sources`` to rows ``targets``, all
+        at once: one copy per cache tensor, every source read before any target is written."""
+        if not sources:
+            return
+        source, target = (torch.tensor(rows, device=self.device) for rows in (sources, targets))
         for cache in (*self.keys, *self.values):
-            cache[target, :, :length] = cache[source, :, :length]
+            cache[target] = cache[source]
         self.lengths[target], self.last[target] = self.lengths[source], self.last[source]
 
     def clear(self, row: int) -> None:

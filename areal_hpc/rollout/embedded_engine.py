@@ -390,23 +390,34 @@ class EmbeddedEngine:
             self._reply(request, "abort")
 
     def _retire(self, finished: list[tuple[Request, str, int | None]]) -> None:
-        """Answer finished running requests and keep the rest in rows 0..n-1: the last running
-        request moves into each freed row (highest rows first, so no finished one is moved)."""
+        """Answer finished running requests and keep the rest in rows 0..n-1 (``compacted``), their rows
+        moved in one copy per cache tensor."""
         row_of = {id(r): row for row, r in enumerate(self._running)}
-        for request, reason, matched in sorted(finished, key=lambda f: row_of[id(f[0])], reverse=True):
-            row, last = row_of[id(request)], len(self._running) - 1
+        for request, _, _ in finished:
             if request.error is not None:
-                self.decoder.clear(row)  # a NaN left there would reach later tenants through masked columns
-            if row != last:
-                self.decoder.move(last, row)
-                self.sampler.move(last, row)
-                self._running[row] = self._running[last]
-            self._running.pop()
+                self.decoder.clear(row_of[id(request)])  # a NaN left there would reach later tenants
+        kept = compacted(len(self._running), {row_of[id(request)] for request, _, _ in finished})
+        moves = [(source, row) for row, source in enumerate(kept) if source != row]
+        for state in (self.decoder, self.sampler):
+            state.move_rows([source for source, _ in moves], [row for _, row in moves])
+        self._running = [self._running[source] for source in kept]
+        for request, reason, matched in finished:
             self._reply(request, reason, matched)
 
     def _reply(self, request: Request, reason: str, matched: int | None = None) -> None:
         request.on_done(Result(request.rid, request.output_ids, request.logprobs, request.versions, reason,
                                matched, len(request.input_ids), self.version, request.error))
+
+
+def compacted(count: int, finished: set[int]) -> list[int]:
+    """The rows of a batch of ``count`` that stay once the ``finished`` rows leave, in their new order
+    (rows 0..n-1): the last row moves into each freed row, highest freed rows first, so a row that stays
+    below the new count never moves."""
+    rows = list(range(count))
+    for row in sorted(finished, reverse=True):
+        rows[row] = rows[-1]
+        rows.pop()
+    return rows
 
 
 def _release_openmp_threads() -> None:

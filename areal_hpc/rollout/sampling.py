@@ -72,7 +72,11 @@ class SlotSampler:
             seed = int(torch.randint(0, MAX_SEED, (), generator=self.generator, device=self.generator.device))
         self.seed[row], self.position[row] = seed, position
 
-    def move(self, source: int, target: int) -> None:
+    def move_rows(self, sources: list[int], targets: list[int]) -> None:
+        """Rows ``sources``' parameters into rows ``targets``, every source read before a target is written."""
+        if not sources:
+            return
+        source, target = torch.tensor(sources), torch.tensor(targets)
         for values in (self.temperature, self.top_k, self.top_p, self.greedy, self.seed, self.position):
             values[target] = values[source]
 

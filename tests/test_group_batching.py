@@ -1,7 +1,8 @@
 """One /generate per GRPO group: the first turns of a group's samples go to a rollout server as one
 batched request (SGLang's list form, a sampling seed per sample), and generate what one request each
 would; a batch cut short by a pause resumes each sample from its own output; the rewards of one turn
-of the event loop are one call of the reward pool."""
+of the event loop are one call of the reward pool. An evaluation's examples go in batches of at most
+``EVAL_BATCH``, and one the server refuses fails alone."""
 
 import asyncio
 
@@ -14,6 +15,7 @@ from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.rollout.client import Generation, RolloutClient, ServerReplyError
+from areal_hpc.train.evaluate import EVAL_BATCH, evaluate
 from tests import rewards_for_tests
 from tests.conftest import embedded_server
 from tests.waiting import model_info, wait_until
@@ -164,3 +166,62 @@ def test_same_tick_batch_is_cancelled_when_every_caller_left():
 
     asyncio.run(main())
     assert cancelled == [[0, 1, 2]]
+
+
+def test_same_tick_batch_cuts_a_turn_into_batches_and_an_exception_returned_fails_its_own_call():
+    runs = []
+
+    async def run(items):
+        runs.append(list(items))
+        return [ValueError(f"bad {item}") if item == "bad" else item * 2 for item in items]
+
+    async def main():
+        batch = SameTickBatch(run, max_items=2)
+        return await asyncio.gather(*(batch(item) for item in ["a", "bad", "c", "d", "e"]), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert runs == [["a", "bad"], ["c", "d"], ["e"]]
+    assert results[0] == "aa" and isinstance(results[1], ValueError) and results[2:] == ["cc", "dd", "ee"]
+
+
+def test_an_evaluation_batches_its_examples_and_a_prompt_the_server_refuses_fails_alone(tiny_model_dir, tmp_path):
+    """Through a real server with a 48-token context (one slot: rows decode as they would alone): every
+    example but the one whose prompt is over the context scores what it scores asked one at a time, in
+    ceil(n / EVAL_BATCH) batched requests plus the refused batch's requests one by one."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    examples = [Example(f"e{i}", f"What is {i}+{i}?", answer=str(2 * i)) for i in range(EVAL_BATCH + 6)]
+    examples[EVAL_BATCH + 2] = Example("long", "What is " + "1+" * 40 + "1?", answer="41")
+
+    async def run(server, batched: bool):
+        async with RolloutClient([server]) as client:
+            counted = CountingClient(client)
+            with RewardPool(rewards_for_tests.exact_answer, workers=0) as pool:
+                settings = EngineSettings(counted.generate, tokenizer, Sampling(4), Scorer(pool),
+                                          generate_batch=counted.generate_batch if batched else None)
+                result = await evaluate(settings, RLVRWorkflow(), examples)
+            return result, counted.sizes
+
+    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=1", "rollout.context_length=48") \
+            as (_, server):
+        (batched, sizes), (alone, _) = asyncio.run(run(server, True)), asyncio.run(run(server, False))
+    assert sizes == [EVAL_BATCH, 6] + [1] * 6  # the second batch, refused, asked again one by one
+    assert batched.episode_failures == alone.episode_failures == 1
+    failed = [e for e in batched.episodes if "error" in e]
+    assert [e["example"] for e in failed] == ["long"] and "context" in failed[0]["error"]
+    assert [(e["completion"], e["reward"]) for e in batched.episodes] == \
+        [(e["completion"], e["reward"]) for e in alone.episodes]
+
+
+class CountingClient:
+    """A real ``RolloutClient`` that records how many generations each request it sends holds."""
+
+    def __init__(self, client: RolloutClient):
+        self.client, self.sizes = client, []
+
+    async def generate(self, input_ids, params):
+        self.sizes.append(1)
+        return await self.client.generate(input_ids, params)
+
+    async def generate_batch(self, prompts, samplings):
+        self.sizes.append(len(prompts))
+        return await self.client.generate_batch(prompts, samplings)

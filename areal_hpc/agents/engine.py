@@ -55,12 +55,13 @@ class Sampling:
 
 class SameTickBatch:
     """Calls made in one turn of the event loop, run as one call of ``run(items) -> results`` (a result
-    per item, in order; an exception fails every call of the batch). A group's episodes start
-    together, so their first generations (and, answered together, their rewards) meet in one turn.
-    A batch whose callers all left (cancelled) is cancelled."""
+    per item, in order, an exception among them failing its own call; an exception raised fails every
+    call of the batch), or as several of at most ``max_items``. A group's episodes start together, so
+    their first generations (and, answered together, their rewards) meet in one turn. A batch whose
+    callers all left (cancelled) is cancelled."""
 
-    def __init__(self, run: Callable[[list], Awaitable[list]]):
-        self._run = run
+    def __init__(self, run: Callable[[list], Awaitable[list]], max_items: int | None = None):
+        self._run, self._max_items = run, max_items
         self._waiting: list[tuple[object, asyncio.Future]] = []
         self._running: set[asyncio.Task] = set()
 
@@ -74,8 +75,11 @@ class SameTickBatch:
 
     def _flush(self) -> None:
         batch, self._waiting = [(item, f) for item, f in self._waiting if not f.done()], []
-        if not batch:
-            return
+        size = self._max_items or len(batch)
+        for start in range(0, len(batch), size):
+            self._start(batch[start:start + size])
+
+    def _start(self, batch: list[tuple[object, asyncio.Future]]) -> None:
         task = asyncio.ensure_future(self._run([item for item, _ in batch]))
         self._running.add(task)
         task.add_done_callback(lambda done: self._answer(done, [f for _, f in batch]))
@@ -101,8 +105,14 @@ class SameTickBatch:
         else:
             results = task.result()
         for k, future in enumerate(futures):
-            if not future.done():
-                future.cancel() if results is None else future.set_result(results[k])
+            if future.done():
+                continue
+            if results is None:
+                future.cancel()
+            elif isinstance(results[k], BaseException):
+                future.set_exception(results[k])
+            else:
+                future.set_result(results[k])
 
 
 class Scorer:
@@ -147,12 +157,25 @@ class EngineSettings:
     # (RolloutClient.generate_batch); None: each generation is its own request
     generate_batch: object = None
 
-    def for_group(self) -> "EngineSettings":
-        """These settings for the episodes of one group: generations they ask for in the same turn of
-        the event loop (every sample's first turn) go to the servers as one batched /generate."""
+    def for_group(self, max_batch: int | None = None) -> "EngineSettings":
+        """These settings for episodes that start together (a group's samples, an evaluation's examples):
+        generations they ask for in the same turn of the event loop (every episode's first turn) go to the
+        servers as batched /generate requests of at most ``max_batch`` (None: one request). A batch that
+        fails is asked again one generation at a time, so only the generations that fail alone fail (one
+        prompt over the context fails its own episode, not the batch's)."""
         if self.generate_batch is None:
             return self
-        batch = SameTickBatch(lambda calls: self.generate_batch([ids for ids, _ in calls], [p for _, p in calls]))
+
+        async def together(calls: list) -> list:
+            try:
+                return await self.generate_batch([ids for ids, _ in calls], [params for _, params in calls])
+            except Exception:  # noqa: BLE001 - found out below, one by one
+                if len(calls) == 1:
+                    raise
+                return await asyncio.gather(*(self.generate(ids, params) for ids, params in calls),
+                                            return_exceptions=True)
+
+        batch = SameTickBatch(together, max_batch)
         return replace(self, generate=lambda input_ids, params: batch((input_ids, params)))
 
     def rendered_prompt(self, example: Example) -> tuple[list[int], str]:

@@ -26,6 +26,7 @@ from areal_hpc.rollout.client import Generation
 from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
 
 EVAL_SLOTS = 64  # sequences an in-process evaluation decodes together
+EVAL_BATCH = 64  # generations per /generate request of an evaluation through the rollout servers
 CHAT_HEADROOM = 4  # an in-process engine's context: this many times prompt + max_new_tokens (agents' turns)
 
 
@@ -64,6 +65,7 @@ async def evaluate(settings: EngineSettings, workflow, examples: list[Example], 
     with a ``seed`` draw the same samples every time (sample j of example i: seed (seed, i, j))."""
     if greedy:
         settings = replace(settings, sampling=settings.sampling.greedy())
+    settings = settings.for_group(EVAL_BATCH)  # the examples' first turns: a few batched requests, not one each
     engines = [[AgentEngine(settings, None if seed is None else derive_seed(seed, i, j)) for j in range(n_samples)]
                for i in range(len(examples))]
     outcomes = await asyncio.gather(*(run_episode(workflow, engine, ex) for ex, row in zip(examples, engines)

@@ -12,11 +12,15 @@ import time
 
 import pytest
 
+from areal_hpc.config import load_config
 from areal_hpc.data.rewards import RewardFunction, RewardPool, RewardRequest
 from areal_hpc.errors import UserError
+from areal_hpc.models.hf import load_tokenizer
+from areal_hpc.train.task_setup import open_task
 
 from . import rewards_for_tests as bad
 from . import slow_start_reward
+from .conftest import REPO
 
 
 def request(completion: str, **fields) -> RewardRequest:
@@ -134,3 +138,15 @@ def test_a_reward_that_fails_to_load_fails_each_call_in_the_calling_thread(tmp_p
         outcomes = pool.score([request("4"), request("5")])
     assert [o.error_kind for o in outcomes] == ["exception"] * 2
     assert all("broken.py failed to load: ModuleNotFoundError" in o.error for o in outcomes)
+
+
+def test_your_reward_in_the_trainers_process_is_said_once_and_the_built_in_one_is_not(tiny_model_dir):
+    yours = f"reward.fn={REPO / 'tests' / 'rewards_for_tests.py'}:exact_answer"
+    said = {}
+    for name, extra in (("yours", [yours]), ("built-in", []), ("yours, in a worker", [yours, "reward.workers=1"])):
+        cfg = load_config(str(REPO / "configs" / "quickstart.yaml"), [f"model.path={tiny_model_dir}", *extra])
+        lines = []
+        open_task(cfg, load_tokenizer(tiny_model_dir), tiny_model_dir, say=lines.append)
+        said[name] = [line for line in lines if "reward.workers" in line]
+    assert said["built-in"] == said["yours, in a worker"] == []
+    assert len(said["yours"]) == 1 and "reward.timeout_s cannot stop it" in said["yours"][0]

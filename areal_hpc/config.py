@@ -20,7 +20,6 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from areal_hpc.errors import UserError, closest
-from areal_hpc.parallel.dims import ParallelDims
 
 
 def spec(default: Any, help: str, *, choices=None, ge=None, gt=None, le=None):
@@ -572,25 +571,7 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] = ()) 
     except OmegaConfBaseException as exc:
         raise _type_error(exc) from None
     validate(cfg)
-    cfg.actor.tree_training = tree_training_mode(cfg)
     return cfg
-
-
-def tree_training_mode(cfg: "RunConfig") -> str:
-    """``actor.tree_training`` as the run trains: ``auto`` becomes dta where tree training runs (what
-    ``train.build`` and the engines accept for it: the torch engine, a token-level loss, no LoRA, no
-    recomputation, one process or data-parallel replicas of one shape), else off."""
-    actor = cfg.actor
-    if actor.tree_training != "auto":
-        return actor.tree_training
-    try:
-        dims = ParallelDims.from_config(actor.parallel, cfg.rl.trainer_processes)
-    except UserError:  # said where the layout is used; it trains no tree either way
-        return "off"
-    fits = (actor.engine == "torch" and actor.importance_level == "token" and not actor.lora.rank
-            and actor.recompute == "none" and dims.world_size == dims.dp and dims.ep == 1
-            and not actor.parallel.groups)
-    return "dta" if fits else "off"
 
 
 PATH_KEYS = ("cluster.fileroot", "model.path", "tokenizer.path", "dataset.path", "dataset.eval_path")

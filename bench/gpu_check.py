@@ -177,7 +177,8 @@ class Check:
     def config(self, *overrides: str):
         return load_config("configs/quickstart.yaml", [f"model.path={self.model_dir}", f"cluster.fileroot={self.tmp}",
                                                        f"actor.max_tokens_per_mb={self.sizes.tokens_per_mb}",
-                                                       "model.compute_dtype=bfloat16", *overrides, *self.overrides])
+                                                       "model.compute_dtype=bfloat16", "actor.tree_training=off",
+                                                       *overrides, *self.overrides])
 
     def training_batch(self, vocab: int) -> SequenceBatch:
         return mixed_length_batch(self.sizes.tokens_per_step, vocab, np.random.default_rng(0))

@@ -32,6 +32,7 @@ from areal_hpc.models.hf import load_critic, load_model
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.parallel.groups import check_group_training
+from areal_hpc.parallel.tree_layout import resolve_tree_training
 from areal_hpc.train.build import build_actor
 from tests.test_parallel_layouts import STEP, assert_same_step
 from tests.test_prefix_tree import shared_prefix_batches
@@ -267,7 +268,7 @@ def test_auto_tree_training_is_dta_exactly_where_the_trainer_builds_dta(choice, 
     """Every combination of the options tree training depends on, in one process: ``auto`` resolves to dta
     where ``build_actor`` builds the actor with dta, and to off where it refuses dta."""
     overrides = [f"model.path={tiny_model_dir}", *(f"{key}={value}" for key, value in zip(AUTO_OPTIONS, choice))]
-    resolved = load_config(None, [*overrides, "actor.tree_training=auto"]).actor.tree_training
+    resolved = resolve_tree_training(load_config(None, [*overrides, "actor.tree_training=auto"])).actor.tree_training
     try:
         build_actor(load_config(None, [*overrides, "actor.tree_training=dta"]), None)
         built = True
@@ -293,7 +294,8 @@ def test_auto_tree_training_on_two_ranks_is_dta_exactly_where_the_layout_checks_
         accepted = True
     except UserError:
         accepted = False
-    resolved = load_config(None, ["rl.trainer_processes=2", *layout, "actor.tree_training=auto"]).actor.tree_training
+    resolved = resolve_tree_training(load_config(None, ["rl.trainer_processes=2", *layout,
+                                                        "actor.tree_training=auto"])).actor.tree_training
     assert resolved == ("dta" if accepted else "off")
     assert accepted == (layout in [(), ("actor.parallel.fsdp=true",), ("actor.parallel.allocation=megatron:d2p1t1",)])
 

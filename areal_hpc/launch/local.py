@@ -35,6 +35,7 @@ from areal_hpc.launch.preemption import StopForwarder
 from areal_hpc.launch.roles import (config_args, forget_other_incarnations, incarnation_folder, prepare_start_model,
                                     server_command, trainer_command)
 from areal_hpc.parallel.groups import TrainerGroups, check_group_training
+from areal_hpc.parallel.tree_layout import resolve_tree_training
 from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, allocator_env,
                                          cpu_threads, new_incarnation)
 from areal_hpc.runtime.forkserver import ForkServer, accelerators_present
@@ -61,7 +62,7 @@ def should_resume(cfg: RunConfig, resume: str) -> bool:
 
 
 def launch(config: str, overrides: list[str], resume: str = "never") -> int:
-    cfg = load_config(config, overrides)
+    cfg = resolve_tree_training(load_config(config, overrides))
     TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
     check_group_training(cfg.actor)
     check_task(cfg)  # your data, reward and workflow load

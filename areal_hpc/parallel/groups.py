@@ -132,7 +132,7 @@ def check_group_training(actor_cfg) -> None:
                 "an estimator without a critic, e.g. grpo"),
                ("actor.policy_loss", actor_cfg.policy_loss, actor_cfg.policy_loss == "m2po", "another policy loss"),
                ("actor.lora.rank", actor_cfg.lora.rank, actor_cfg.lora.rank != 0, "0"),
-               ("actor.tree_training", actor_cfg.tree_training, actor_cfg.tree_training != "off", "off")]
+               ("actor.tree_training", actor_cfg.tree_training, actor_cfg.tree_training == "dta", "off or auto")]
     for name, value, refused, instead in unbuilt:
         if refused:
             raise UserError(f"{name}={value} is not built for training groups of different shapes "

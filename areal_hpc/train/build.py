@@ -38,6 +38,7 @@ from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.device import check_precision, resolve_device
 from areal_hpc.parallel.groups import TrainerGroups, check_group_training
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_group_meshes, init_distributed
+from areal_hpc.parallel.tree_layout import resolve_tree_training
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
@@ -75,7 +76,7 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
     without a process group, on ``cluster.device``."""
     if not cfg.model.path:
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
-    path, model, actor_cfg = cfg.model.path, cfg.model, cfg.actor
+    path, model, actor_cfg = cfg.model.path, cfg.model, resolve_tree_training(cfg).actor
     if actor_cfg.importance_level == "sequence" and mesh is not None and mesh.dims.cp > 1:
         raise UserError(f"actor.importance_level=sequence (GSPO) takes each sequence's ratio over all its tokens, "
                         f"but actor.parallel.cp={mesh.dims.cp} deals them over several ranks; use cp=1 with GSPO")

@@ -49,7 +49,7 @@ def check_layout(engine: str, dims: ParallelDims | None, tree_training: str) -> 
     if engine != "torch":
         raise UserError(f"actor.lora.rank > 0 needs actor.engine=torch, got actor.engine={engine}; "
                         "set actor.engine=torch or actor.lora.rank=0")
-    if tree_training != "off":
+    if tree_training == "dta":  # auto trains flat with LoRA
         raise UserError(f"actor.lora.rank > 0 does not train with actor.tree_training={tree_training}; "
                         "set actor.tree_training=off or actor.lora.rank=0")
     for dim, kind in UNSUPPORTED.items():

@@ -14,7 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from areal_hpc.models.hf import load_model
 from areal_hpc.rollout.decoder import FIRST_CAPACITY, SlotDecoder
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams, compacted
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams, compacted, row_moves
 from tests.test_rollout_server import PROMPT, teacher_forced_logprobs
 
 
@@ -191,7 +191,6 @@ def test_rows_moved_by_a_retirement_decode_as_they_did_in_their_old_rows(case):
     decoder.push(0, torch.tensor([(7 * i + 3) % 97 for i in range(len(prompts))]))
     before = decoder.decode(0, len(prompts))
     kept = compacted(len(prompts), finished)
-    moves = [(source, row) for row, source in enumerate(kept) if source != row]
-    decoder.move_rows([source for source, _ in moves], [row for _, row in moves])
+    decoder.move_rows(*row_moves(kept))
     assert torch.allclose(decoder.decode(0, len(kept)), before[kept], atol=1e-5)
 

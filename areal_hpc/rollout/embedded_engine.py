@@ -397,9 +397,8 @@ class EmbeddedEngine:
             if request.error is not None:
                 self.decoder.clear(row_of[id(request)])  # a NaN left there would reach later tenants
         kept = compacted(len(self._running), {row_of[id(request)] for request, _, _ in finished})
-        moves = [(source, row) for row, source in enumerate(kept) if source != row]
         for state in (self.decoder, self.sampler):
-            state.move_rows([source for source, _ in moves], [row for _, row in moves])
+            state.move_rows(*row_moves(kept))
         self._running = [self._running[source] for source in kept]
         for request, reason, matched in finished:
             self._reply(request, reason, matched)
@@ -418,6 +417,12 @@ def compacted(count: int, finished: set[int]) -> list[int]:
         rows[row] = rows[-1]
         rows.pop()
     return rows
+
+
+def row_moves(kept: list[int]) -> tuple[list[int], list[int]]:
+    """(sources, targets): the rows whose sequences ``compacted`` moves, and where to."""
+    moved = [row for row, source in enumerate(kept) if source != row]
+    return [kept[row] for row in moved], moved
 
 
 def _release_openmp_threads() -> None:

@@ -76,7 +76,7 @@ class SlotSampler:
         """Rows ``sources``' parameters into rows ``targets``, every source read before a target is written."""
         if not sources:
             return
-        source, target = torch.tensor(sources), torch.tensor(targets)
+        source, target = (torch.tensor(rows, device=self.seed.device) for rows in (sources, targets))
         for values in (self.temperature, self.top_k, self.top_p, self.greedy, self.seed, self.position):
             values[target] = values[source]
 

@@ -205,7 +205,7 @@ def test_a_reward_failing_on_every_input_spends_the_budget(tiny_model_dir, tmp_p
                 workflow = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2)
                 accepted = []
                 controller = RolloutController(client, workflow, StalenessGate(2, 0, 2), examples(8),
-                                               on_accept=accepted.append, budget=FailureBudget(max_consecutive=2))
+                                               on_accept=accepted.extend, budget=FailureBudget(max_consecutive=2))
                 return await until_stopped(controller, timeout=180), controller, accepted
 
     with embedded_server(tiny_model_dir, tmp_path) as (_, server):

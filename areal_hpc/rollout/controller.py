@@ -32,6 +32,7 @@ from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.rollout.client import (ConnectionFailedError, NoServerError, RolloutClient, RolloutError,
                                       ServerReplyError)
 from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
+from areal_hpc.rollout.commits import GroupCommits
 
 # What can go wrong with an episode; metrics carry a count of each (rollout/failures/<kind>).
 FAILURE_KINDS = ("server_error", "rejected", "connection", "store", "reward_exception", "reward_timeout", "workflow")
@@ -107,21 +108,21 @@ class FailureBudget:
 
 class RolloutController:
     def __init__(self, client: RolloutClient, workflow, gate: StalenessGate, examples: Iterable[Example],
-                 on_accept: Callable[[Episode], None] | None = None,
+                 on_accept: Callable[[list[Episode]], None] | None = None,
                  accept: Callable[[list[Trajectory]], bool] = lambda group: True,
                  on_drop: Callable[[Episode], None] | None = None, budget: FailureBudget | None = None,
                  accept_executor: concurrent.futures.Executor | None = None):
-        """``accept_executor``: the thread ``on_accept`` runs on (None: asyncio's default threads)."""
+        """``on_accept`` stores accepted episodes, those that finished while the previous call ran in
+        one call (``GroupCommits``), on ``accept_executor`` (None: asyncio's default threads)."""
         self.client, self.workflow, self.gate = client, workflow, gate
-        self.on_accept, self.accept, self.on_drop = on_accept, accept, on_drop
-        self.accept_executor = accept_executor
+        self.accept, self.on_drop = accept, on_drop
+        self._commits = None if on_accept is None else GroupCommits(on_accept, accept_executor)
         self.budget = budget or FailureBudget()
         # A list is cycled; an iterator (e.g. an endless, resumable prompt stream) is used as it is.
         self._examples = examples if isinstance(examples, Iterator) else itertools.cycle(examples)
         self._ready = ReadyQueue()
         self._arrived = asyncio.Event()
         self._changed = asyncio.Event()
-        self._accepting = asyncio.Lock()
         self._paused = False
         self._tasks: set[asyncio.Task] = set()
         self._fatal: asyncio.Future | None = None
@@ -204,6 +205,8 @@ class RolloutController:
             if task is not None:
                 task.cancel()
         await asyncio.gather(*[t for t in [self._loop_task, *self._tasks] if t is not None], return_exceptions=True)
+        if self._commits is not None:
+            await self._commits.finished()  # a store already running ends before the writer is closed
 
     async def _submit_loop(self) -> None:
         while not self._fatal.done():  # with every server gone or the budget spent, rollouts stop
@@ -228,11 +231,9 @@ class RolloutController:
                 self.filtered += 1
             else:
                 episode = Episode(trajectories, version, number)
-                if self.on_accept is not None:
+                if self._commits is not None:
                     try:
-                        async with self._accepting:  # e.g. a shard commit (fsync): off the event loop, one at a time
-                            await asyncio.get_running_loop().run_in_executor(self.accept_executor, self.on_accept,
-                                                                             episode)
+                        await self._commits.store(episode)  # e.g. a shard commit (fsync), off the event loop
                     except Exception as exc:  # noqa: BLE001 - e.g. the shard commit hit a full disk
                         self._fail("store", f"{example.uid}: {_describe(exc)}")
                         return

@@ -158,13 +158,15 @@ def engine_settings(cfg: RunConfig, client: RolloutClient, tokenizer, rewards: R
 def build_controller(cfg: RunConfig, client, workflow: EpisodeGroups, prompts: PromptStream,
                      writer: TrajectoryShardWriter, version: int, on_drop,
                      commit_executor: concurrent.futures.Executor | None = None) -> RolloutController:
-    """The run's rollout controller; each accepted group is committed to the shards on ``commit_executor``."""
+    """The run's rollout controller; accepted groups are committed to the shards on ``commit_executor`` (those
+    that finished during the previous commit together)."""
     gate = StalenessGate.resumed(cfg.rollout.consumer_batch_size, cfg.rollout.max_head_offpolicyness,
                                  cfg.rollout.max_concurrent_rollouts, version)
 
-    def store(episode: Episode) -> None:  # one commit per group: a crash never leaves half a group
-        for trajectory in episode.trajectories:
-            writer.append(trajectory)
+    def store(episodes: list[Episode]) -> None:  # one commit of whole groups: a crash never leaves half a group
+        for episode in episodes:
+            for trajectory in episode.trajectories:
+                writer.append(trajectory)
         writer.flush()
 
     accept = ((lambda group: is_informative_group([t.reward or 0.0 for t in group]))

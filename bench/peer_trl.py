@@ -22,8 +22,10 @@ TRL is a bench-only extra: ``.venv/bin/pip install -c constraints/cpu.txt -e '.[
   memory with ``areal_hpc.train.evaluate.evaluate_model`` (greedy, the quickstart's held-out problems) at step 0,
   every ``rl.eval_every_steps`` and at the end, and writes the run's metrics.jsonl as ours does.
 
-Both: s/step is the mean of the steps after the first ``SKIP_STEPS`` (ours: the driver's ``time/step``;
-TRL: from one step's end to the next, its evaluations excluded); final accuracy is the mean of the last
+Both: s/step is the mean of the steps after the first ``SKIP_STEPS``, evaluations excluded (ours: the
+driver's ``time/step`` less ``time/eval_wait``, what its weight push waited for the evaluation running beside
+the step, whose use of the cores still slows that step; TRL: from one step's end to the next, less its
+evaluation); final accuracy is the mean of the last
 ``LAST_EVALS`` evaluations; memory is the PSS of the whole process tree (the process and every descendant,
 from /proc/<pid>/smaps_rollup) every ``SAMPLE_S`` seconds: the peak, and the median of the second half
 of the run (steady state); and the cores the run used and those the rest of the machine used meanwhile.
@@ -124,7 +126,8 @@ def run_tracked(console: Console, label: str, command: list[str], metrics: Path,
 def curve(metrics: Path) -> dict:
     """s/step, the evaluation curve and the final accuracy from a run's metrics.jsonl (either side)."""
     records = read_json_lines(metrics)
-    step_s = [r["time/step"] for r in sorted((r for r in records if "time/step" in r), key=lambda r: r["step"])]
+    step_s = [r["time/step"] - r.get("time/eval_wait", 0.0)  # ours: a step waits for the evaluation beside it
+              for r in sorted((r for r in records if "time/step" in r), key=lambda r: r["step"])]
     evals = [{"step": r["step"], "accuracy": r["eval/accuracy"]} for r in records if "eval/accuracy" in r]
     timed = step_s[SKIP_STEPS:] or step_s
     return {"steps": len(step_s), "s_per_step": statistics.fmean(timed), "median_s_per_step": statistics.median(timed),

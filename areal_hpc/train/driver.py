@@ -35,7 +35,7 @@ from areal_hpc.train.trainer_group import TrainerGroup, follow
 
 
 async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlyStopSignal | None = None) -> None:
-    """Trainer rank 0's loop from ``state["step"]``: gate -> generate -> reward -> read back -> update ->
+    """Trainer rank 0's loop from ``state["step"]``: gate -> generate -> reward -> commit -> update ->
     push -> evaluate and checkpoint. A stop signal saves the last trained step (``StopRequested``)."""
     stop = StopGuard(early)
     async with RLRun.open(cfg, group, state) as run:
@@ -45,7 +45,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
             episodes = await stop.unless_stopped(run.controller.prepare_batch(cfg.rollout.consumer_batch_size),
                                                  on_stop=lambda: run.save_and_stop(step))
             waited = time.perf_counter() - started
-            batch = run.read_back(episodes, step)  # from the HDF5 shards, with agents' proxy records
+            batch = run.take_batch(episodes, step)  # consumed through the HDF5 shards, with agents' proxy records
             stats = await run.update(batch)  # proximal logprobs + decoupled-PPO steps, on the training thread
 
             def trained_then_stop() -> None:  # the step is trained; its weight push is not needed

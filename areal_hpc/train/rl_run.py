@@ -3,7 +3,7 @@ and its workflow, the reward pool (and, with ``reward.model``, the task's own fo
 progress display, the trajectory shards (and the proxy's
 records), the rollout client, the chat gateway agent workflows talk to, the weight sync and the rollout
 controller; and the loop's steps that are not the algorithm itself
-(reading a batch back, pushing weights, evaluating, checkpointing).
+(taking a batch through the shards, pushing weights, evaluating, checkpointing).
 
 Opening it pushes the trainer's weights to every server, evaluates the starting policy and starts
 generation; closing it stops generation and the background tasks, however the run ends.
@@ -121,10 +121,13 @@ class RLRun:
         self.consumer.mark_ids(episode.ids)
         self.progress.dropped(episode.ids)
 
-    def read_back(self, episodes: list[Episode], step: int) -> list[Trajectory]:
-        """The batch of ``step``: its episodes read back from the shards, and agents' sessions through the
-        login-node proxy (those too stale are consumed and logged)."""
-        batch = self.consumer.take_ids([i for e in episodes for i in e.ids])
+    def take_batch(self, episodes: list[Episode], step: int) -> list[Trajectory]:
+        """The batch of ``step``: its episodes (committed to the shards before they were queued, so they are
+        consumed through the shards' cursor, not read back: 128 records decoded again cost rank 0's
+        interpreter, which the update shares), and agents' sessions through the login-node proxy (those too
+        stale are consumed and logged)."""
+        self.consumer.mark_ids([i for e in episodes for i in e.ids])
+        batch = [t for e in episodes for t in e.trajectories]
         if self.proxy_records is not None:
             fresh, stale = take_proxy_records(self.proxy_records, self.cfg.rl.proxy_records_per_step, step,
                                               self.cfg.rollout.max_head_offpolicyness)
@@ -145,10 +148,13 @@ class RLRun:
 
     async def push_weights(self, version: int) -> dict[str, float]:
         """Pause (interrupt) or drain generation, give every server the weights of ``version``, continue;
-        ``time/push``: all of it, the weights' staging included."""
+        ``time/push``: all of it, the weights' staging included; ``time/eval_wait``: the part spent waiting
+        for an evaluation of the version before to end."""
         started = time.perf_counter()
         stats = await self.sync.stage(self.actor, version)  # written while generation goes on
+        staged = time.perf_counter()
         await self.evaluation
+        stats["time/eval_wait"] = time.perf_counter() - staged
         await (self.controller.pause() if self.cfg.rl.interruptible else self.controller.drain())
         stats |= await self.sync.push(self.actor, self.client, version)
         self.controller.set_version(version)

@@ -40,6 +40,7 @@ from areal_hpc.algo.prefix_tree import PrefixTree
 from areal_hpc.engines.base import LossFn
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.errors import UserError
+from areal_hpc.models.segment_forward import segment_forward, supports_segment_forward
 from areal_hpc.models.varlen import SDPA_FLOAT32, packed_attention
 from areal_hpc.parallel.mesh import TrainMesh
 
@@ -200,6 +201,32 @@ def gather_prefixes(items: list[Item]) -> Prefix | None:
     return Prefix(states, stacked(lambda p: p.valid, 0))
 
 
+def segment_forward_of(model: torch.nn.Module, device: torch.device):
+    """``segments(model, tokens, positions, prefix)`` -> (hidden states, per layer the K/V of prefix and
+    segment): ``models.segment_forward`` on a CPU where it applies, else the model's own forward over a
+    Hugging Face cache. On a CPU attention runs in float32 under a bfloat16 autocast (its bfloat16
+    backward is the slow part)."""
+    if device.type == "cpu" and supports_segment_forward(model):
+        def written_out(model, tokens, positions, prefix: Prefix | None):
+            return segment_forward(model, tokens, positions, None if prefix is None else prefix.states,
+                                   None if prefix is None else prefix.valid, torch.float32)
+        return written_out
+    attention = SDPA_FLOAT32 if device.type == "cpu" else model.config._attn_implementation
+
+    def hugging_face(model, tokens, positions, prefix: Prefix | None):
+        cache, mask = DynamicCache(config=model.config), None
+        if prefix is not None:
+            for layer, (keys, values) in enumerate(prefix.states):
+                cache.update(keys, values, layer)
+            if not bool(prefix.valid.all()):  # each row reads its own prefix, not the padding after it
+                mask = torch.cat([prefix.valid, torch.ones_like(tokens, dtype=torch.bool)], 1).long()
+        with packed_attention(model, attention):
+            hidden = model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
+                                      use_cache=True).last_hidden_state
+        return hidden, [(layer.keys, layer.values) for layer in cache.layers]
+    return hugging_face
+
+
 def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatch, loss_fn: LossFn,
                     max_tokens: int) -> list[dict[str, float]]:
     """Accumulate into the model's gradients those of Σ_nodes ``loss_fn`` over ``batch`` (whose
@@ -213,8 +240,7 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         raise UserError(f"tree training got a sequence of {deepest} tokens, deeper than the model's context "
                         f"(max_position_embeddings={context}); cap prompt + max_new_tokens at {context}")
     device = next(model.parameters()).device
-    # on a CPU, attention in float32 under a bfloat16 autocast (its bfloat16 backward is the slow part)
-    attention = SDPA_FLOAT32 if device.type == "cpu" else model.config._attn_implementation
+    decode = segment_forward_of(model, device)
     parts = []
 
     def forward(chunk: list[Item]) -> Forwarded:
@@ -227,22 +253,17 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         starts = torch.tensor([tree.nodes[nodes[0]].start for nodes in runs], device=device)
         positions = starts[:, None] + torch.arange(width, device=device)
         own = torch.arange(width, device=device) < torch.tensor(list(map(len, segments)), device=device)[:, None]
-        cache, mask, valid = DynamicCache(config=model.config), None, own
-        if prefix is not None:
-            for layer, (keys, values) in enumerate(prefix.states):
-                cache.update(keys, values, layer)
-            valid = torch.cat([prefix.valid, own], 1)
-            if not bool(prefix.valid.all()):  # each row reads its own prefix, not the padding after it
-                mask = torch.cat([prefix.valid, torch.ones_like(own)], 1).long()
+        valid = own if prefix is None else torch.cat([prefix.valid, own], 1)
         pieces = chunk_pieces(tree, runs, batch, width)
         if pieces is not None:
             rows_of, packed, fields = pieces
             packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}
 
+        cached: KeyValues = []  # per layer [chunk, kv heads, positions, dim]: the prefix's and the chunk's own
+
         def outputs_of(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-            with packed_attention(model, attention):
-                hidden = model.base_model(input_ids=tokens.to(device), position_ids=positions, attention_mask=mask,
-                                          cache=cache, use_cache=True).last_hidden_state
+            hidden, states = decode(model, tokens.to(device), positions, prefix)
+            cached.extend(states)
             if pieces is None:
                 return None
             padded = torch.cat([hidden, hidden.new_zeros(len(chunk), 1, hidden.shape[-1])], 1).flatten(0, 1)
@@ -252,7 +273,6 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         if outputs is not None:
             loss, stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": loss.item(), **stats})
-        cached = [(layer.keys, layer.values) for layer in cache.layers]  # [chunk, heads, positions, dim]
         below = Prefix([(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached], valid)
         children = [(unary_run(tree, child), below, b) for b, nodes in enumerate(runs)
                     for child in tree.nodes[nodes[-1]].children]

@@ -1,0 +1,110 @@
+"""The decoder forward of tree training's segments, written out for dense Qwen2/Qwen3 models.
+
+Tree training (``engines/torch/tree.py``) runs padded segments [B, T] that continue cached prefixes
+(each row its own parent's keys and values, some padded), several times a step. On the quickstart's
+tiny model such a forward is bound by dispatch, not arithmetic: Hugging Face's layers cost about 55
+operations each (the RMSNorm in seven, q/k/v in nine, rotary in twelve, the cache object, the mask
+builder), and their backward as many again. ``segment_forward`` does the same maths in about 25: the
+norms as torch's fused ``rms_norm``, q|k|v and gate|up as one matmul each (their weights concatenated
+per call, so the gradients reach the model's own parameters), the rotary tables from the model's own
+rotary module, and one boolean mask for every layer. Results match the model's forward within float
+rounding (``tests/test_segment_forward.py`` checks outputs and gradients against it in float64).
+
+``supports_segment_forward`` says where it applies: a dense Qwen2/Qwen3 decoder whose projections
+are plain ``nn.Linear`` modules with plain tensors (no LoRA wrapper, no FSDP or tensor-parallel
+sharding), none of whose modules has forward hooks (FSDP2 and ``replicate`` manage parameters in them:
+data-parallel replicas run the model's own forward), no sliding window and no attention dropout. Tree training uses it on a CPU (on a GPU the
+model's own attention kernels are the better choice, and it is unchecked there) and elsewhere runs the
+model's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
+DENSE_TYPES = ("qwen2", "qwen3")
+
+
+def supports_segment_forward(model: torch.nn.Module) -> bool:
+    config = model.config
+    if (config.model_type not in DENSE_TYPES or getattr(config, "use_sliding_window", False)
+            or getattr(config, "attention_dropout", 0.0)):
+        return False
+    layers = model.base_model.layers
+    projections = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                   layer.self_attn.v_proj, layer.self_attn.o_proj,
+                                                   getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None),
+                                                   getattr(layer.mlp, "down_proj", None))]
+    hooked = any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())  # e.g. FSDP2, replicate
+    return (not hooked and all(type(m) is torch.nn.Linear for m in projections)
+            and all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters()))
+
+
+def segment_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                    prefix: KeyValues | None, prefix_valid: torch.Tensor | None,
+                    attention_dtype: torch.dtype) -> tuple[torch.Tensor, KeyValues]:
+    """Hidden states [B, T, hidden] of ``tokens`` [B, T] at ``positions`` [B, T], each row continuing
+    its ``prefix`` (per layer keys and values [B, kv heads, P, head dim], rotated) of which
+    ``prefix_valid`` [B, P] marks the real positions; and per layer the keys and values of prefix and
+    segment together [B, kv heads, P + T, head dim]. Attention runs in ``attention_dtype``."""
+    body, config = model.base_model, model.config
+    batch, length = tokens.shape
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    hidden = F.embedding(tokens, body.embed_tokens.weight)
+    cos, sin = body.rotary_emb(hidden, positions)  # [B, T, head dim]
+    cos, sin = cos[:, None], sin[:, None]
+    mask = None  # no prefix: plain causal attention
+    if prefix is not None:  # every prefix position a row owns, then its own segment causally
+        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+        mask = torch.cat([prefix_valid[:, None, :].expand(batch, length, -1),
+                          causal.expand(batch, length, length)], dim=-1)[:, None]
+    states = []
+    for i, layer in enumerate(body.layers):
+        attn = layer.self_attn
+        qkv = _linear(_norm(layer.input_layernorm, hidden), (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = (x.view(batch, length, -1, head_dim).transpose(1, 2) for x in (q, k, v))
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if prefix is not None:
+            k, v = torch.cat([prefix[i][0], k], dim=2), torch.cat([prefix[i][1], v], dim=2)
+        states.append((k, v))
+        out = _attention(q, k, v, mask, attn.scaling, attention_dtype)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, length, heads * head_dim))
+        mlp = layer.mlp
+        gate, up = _linear(_norm(layer.post_attention_layernorm, hidden), (mlp.gate_proj, mlp.up_proj)).chunk(2, dim=-1)
+        hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+    return _norm(body.norm, hidden), states
+
+
+def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm (in float32, scaled after the cast back, as Hugging Face computes it)."""
+    return norm.weight * F.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon).to(x.dtype)
+
+
+def _linear(x: torch.Tensor, modules: tuple[torch.nn.Linear, ...]) -> torch.Tensor:
+    """Several projections of the same input as one matmul."""
+    bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+    return F.linear(x, torch.cat([m.weight for m in modules]), bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Grouped-query attention, the key/value heads repeated for their query heads (as Hugging Face's
+    sdpa does on a CPU); causal without a mask. Output in the queries' dtype, [B, heads, T, head dim]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = (x[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2) for x in (k, v))
+    with torch.autocast(q.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
+                                             is_causal=mask is None, scale=scale)
+    return out.to(q.dtype)

@@ -84,7 +84,7 @@ def pack(sequences: list[list[int]], loss_masks: list[list[int]],
     lengths = torch.tensor([len(s) for s in sequences])
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     ids = torch.tensor([tok for s in sequences for tok in s], dtype=torch.long)
-    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+    positions = torch.arange(int(cu_seqlens[-1])) - cu_seqlens[:-1].repeat_interleave(lengths)  # restarting at 0
     mask = torch.tensor([bool(m) for ms in loss_masks for m in ms])
     # Position t predicts token t+1: shift the mask left; the last token of a sequence predicts nothing.
     target_mask = torch.zeros_like(mask)

@@ -23,9 +23,7 @@ from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 
 def next_token_values(values: list[float]) -> torch.Tensor:
     """Per-token values (entry i about token i) in the packed layout: position t holds token t+1's."""
-    shifted = torch.zeros(len(values))
-    shifted[:-1] = torch.tensor(values[1:], dtype=torch.float32)
-    return shifted
+    return torch.tensor([*values[1:], 0.0][:len(values)], dtype=torch.float32)
 
 
 def trajectory_sequence(traj: Trajectory, run_temperature: float
@@ -40,9 +38,7 @@ def trajectory_sequence(traj: Trajectory, run_temperature: float
         logprobs += [0.0] * len(seg.input_ids) + seg.output_logprobs.tolist()
         sampled_at = run_temperature if seg.temperature is None else seg.temperature
         temperatures += [logprob_temperature(sampled_at)] * (len(seg.input_ids) + len(seg.output_ids))
-    temperature = torch.ones(len(tokens))
-    temperature[:-1] = torch.tensor(temperatures[1:])
-    return tokens, mask, next_token_values(logprobs), temperature
+    return tokens, mask, next_token_values(logprobs), torch.tensor([*temperatures[1:], 1.0], dtype=torch.float32)
 
 
 def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> float:

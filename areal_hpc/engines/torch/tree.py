@@ -30,6 +30,7 @@ recomputation would rerun the cache updates: ``check_tree_layout`` refuses them 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -130,16 +131,31 @@ def waves(chunks: list[list[int]], widths: list[int], max_tokens: int) -> list[l
     return grouped
 
 
-def chunk_pieces(tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch,
-                 width: int) -> tuple[list[int], PackedBatch, dict[str, torch.Tensor]] | None:
+@dataclass
+class PackedFields:
+    """A batch's per-position fields and temperatures concatenated, and where each sequence starts."""
+
+    starts: list[int]
+    fields: dict[str, torch.Tensor]
+    temperatures: torch.Tensor | None
+
+    @classmethod
+    def of(cls, batch: SequenceBatch) -> "PackedFields":
+        lengths = [len(s) for s in batch.sequences]
+        return cls(list(itertools.accumulate(lengths, initial=0))[:-1],
+                   {name: torch.cat(values) for name, values in batch.fields.items()},
+                   None if batch.temperatures is None else torch.cat(batch.temperatures))
+
+
+def chunk_pieces(tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch, width: int,
+                 whole: PackedFields) -> tuple[list[int], PackedBatch, dict[str, torch.Tensor]] | None:
     """(rows, packed pieces, packed fields) of a chunk's runs of nodes (None where no piece trains
     anything): per node and sequence through it, its positions from the first one whose next token
     it trains to ``stop`` (the next token, where the sequence goes on); a sequence training nothing
     in the node has no piece. ``rows`` index the chunk's hidden states flattened with one zero row
     after each run's ``width`` rows, which stands for a next token beyond the run (it predicts
-    nothing here)."""
-    rows, pieces, masks, temperatures = [], [], [], []
-    fields: dict[str, list[torch.Tensor]] = {name: [] for name in batch.fields}
+    nothing here). The pieces' fields and temperatures are gathered from ``whole`` in one indexing each."""
+    rows, pieces, masks, positions = [], [], [], []
     for b, run in enumerate(chunk):
         run_start, run_stop, offset = tree.nodes[run[0]].start, tree.nodes[run[-1]].stop, b * (width + 1)
         for node in (tree.nodes[n] for n in run):
@@ -152,14 +168,12 @@ def chunk_pieces(tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch,
                 rows += [offset + (p - run_start if p < run_stop else width) for p in range(first, stop)]
                 pieces.append(batch.sequences[s][first:stop])
                 masks.append(batch.loss_masks[s][first:stop])
-                if batch.temperatures is not None:
-                    temperatures.append(batch.temperatures[s][first:stop])
-                for name, values in batch.fields.items():
-                    fields[name].append(values[s][first:stop])
+                positions += range(whole.starts[s] + first, whole.starts[s] + stop)
     if not pieces:
         return None
-    packed = pack(pieces, masks, torch.cat(temperatures) if temperatures else None)
-    return rows, packed, {name: torch.cat(values) for name, values in fields.items()}
+    where = torch.tensor(positions)
+    packed = pack(pieces, masks, None if whole.temperatures is None else whole.temperatures[where])
+    return rows, packed, {name: values[where] for name, values in whole.fields.items()}
 
 
 Item = tuple[list[int], "Prefix | None", int]  # a run, the prefix it continues (None: a root), its row there
@@ -241,6 +255,7 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
                         f"(max_position_embeddings={context}); cap prompt + max_new_tokens at {context}")
     device = next(model.parameters()).device
     decode = segment_forward_of(model, device)
+    whole = PackedFields.of(batch)
     parts = []
 
     def forward(chunk: list[Item]) -> Forwarded:
@@ -254,7 +269,7 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         positions = starts[:, None] + torch.arange(width, device=device)
         own = torch.arange(width, device=device) < torch.tensor(list(map(len, segments)), device=device)[:, None]
         valid = own if prefix is None else torch.cat([prefix.valid, own], 1)
-        pieces = chunk_pieces(tree, runs, batch, width)
+        pieces = chunk_pieces(tree, runs, batch, width, whole)
         if pieces is not None:
             rows_of, packed, fields = pieces
             packed, fields = packed.to(device), {name: values.to(device) for name, values in fields.items()}

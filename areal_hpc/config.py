@@ -223,6 +223,10 @@ class RolloutConfig:
     workflow_args: dict = spec({}, "keyword arguments the workflow class is built with")
     turn_discount: float = spec(1.0, "multi-turn episodes: a turn's reward reaches each earlier turn multiplied by "
                                 "this (the episode's reward is its first turn's discounted return)", ge=0.0, le=1.0)
+    merge_group_requests: bool = spec(False, "groups that start together (a batch's worth after each weight update) "
+                                      "ask for their first turns in one /generate per server, not one per group: "
+                                      "less HTTP work on both sides, but every group then waits for the slowest "
+                                      "sample of them all (for short answers of even length, as the quickstart's)")
     failure_budget: FailureBudgetConfig = section(FailureBudgetConfig)
 
 

@@ -225,3 +225,37 @@ class CountingClient:
     async def generate_batch(self, prompts, samplings):
         self.sizes.append(len(prompts))
         return await self.client.generate_batch(prompts, samplings)
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3])
+def test_merged_groups_that_start_together_ask_one_request_per_server(tiny_model_dir, servers):
+    """``rollout.merge_group_requests``: five groups of 4 started in one turn are one /generate per server
+    (equal shares of whole samples), each group still its own records, seeds and rewards; unmerged,
+    one per group."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    completion = tokenizer.encode("5", add_special_tokens=False) + [tokenizer.eos_token_id]
+    examples = [Example(f"e{i}", "What is 2+3?", answer="5") for i in range(5)]
+    outcomes = {}
+    for merged in (True, False):
+        client = BatchingClient(completion)
+        client.alive = [f"server{k}" for k in range(servers)]
+        with RewardPool(rewards_for_tests.exact_answer) as pool:
+            def settings(client_):
+                return EngineSettings(client_.generate, tokenizer, Sampling(4), Scorer(pool),
+                                      generate_batch=client_.generate_batch)
+
+            groups = EpisodeGroups(RLVRWorkflow(), settings, 4, "arithmetic", seed=1, merge_groups=merged)
+
+            async def run():
+                return await asyncio.gather(*(groups.run(client, e) for e in examples))
+
+            outcomes[merged] = client.requests, asyncio.run(run())
+    (merged_requests, merged_groups), (requests, groups_alone) = outcomes[True], outcomes[False]
+    assert [len(r) for r in requests] == [4] * 5
+    assert sorted(len(r) for r in merged_requests) == sorted(20 // servers + (k < 20 % servers) for k in range(servers))
+    for merged_records, records in zip(merged_groups, groups_alone):
+        assert len({r.group_id for r in merged_records}) == 1 and len(merged_records) == 4
+        assert [r.reward for r in merged_records] == [r.reward for r in records] == [1.0] * 4
+    seeds = sorted(params["sampling_seed"] for request in merged_requests for params in request)
+    assert seeds == sorted(params["sampling_seed"] for request in requests for params in request)
+    assert len(set(seeds)) == 20

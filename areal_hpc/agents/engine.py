@@ -60,8 +60,10 @@ class SameTickBatch:
     their first generations (and, answered together, their rewards) meet in one turn. A batch whose
     callers all left (cancelled) is cancelled."""
 
-    def __init__(self, run: Callable[[list], Awaitable[list]], max_items: int | None = None):
-        self._run, self._max_items = run, max_items
+    def __init__(self, run: Callable[[list], Awaitable[list]], max_items: int | None = None,
+                 parts: Callable[[], int] | None = None):
+        """``parts``: into how many calls of equal shares to split a turn's batch (e.g. one per server)."""
+        self._run, self._max_items, self._parts = run, max_items, parts
         self._waiting: list[tuple[object, asyncio.Future]] = []
         self._running: set[asyncio.Task] = set()
 
@@ -75,7 +77,7 @@ class SameTickBatch:
 
     def _flush(self) -> None:
         batch, self._waiting = [(item, f) for item, f in self._waiting if not f.done()], []
-        size = self._max_items or len(batch)
+        size = min(self._max_items or len(batch), -(-len(batch) // max(1, self._parts())) if self._parts else len(batch))
         for start in range(0, len(batch), size):
             self._start(batch[start:start + size])
 
@@ -157,12 +159,13 @@ class EngineSettings:
     # (RolloutClient.generate_batch); None: each generation is its own request
     generate_batch: object = None
 
-    def for_group(self, max_batch: int | None = None) -> "EngineSettings":
-        """These settings for episodes that start together (a group's samples, an evaluation's examples):
+    def for_group(self, max_batch: int | None = None, parts: Callable[[], int] | None = None) -> "EngineSettings":
+        """These settings for episodes that start together (groups' samples, an evaluation's examples):
         generations they ask for in the same turn of the event loop (every episode's first turn) go to the
-        servers as batched /generate requests of at most ``max_batch`` (None: one request). A batch that
-        fails is asked again one generation at a time, so only the generations that fail alone fail (one
-        prompt over the context fails its own episode, not the batch's)."""
+        servers as batched /generate requests of at most ``max_batch`` (None: one request), split into
+        ``parts()`` requests (e.g. one per server). A batch that fails is asked again one generation at a
+        time, so only the generations that fail alone fail (one prompt over the context fails its own
+        episode, not the batch's)."""
         if self.generate_batch is None:
             return self
 
@@ -175,7 +178,7 @@ class EngineSettings:
                 return await asyncio.gather(*(self.generate(ids, params) for ids, params in calls),
                                             return_exceptions=True)
 
-        batch = SameTickBatch(together, max_batch)
+        batch = SameTickBatch(together, max_batch, parts)
         return replace(self, generate=lambda input_ids, params: batch((input_ids, params)))
 
     def rendered_prompt(self, example: Example) -> tuple[list[int], str]:

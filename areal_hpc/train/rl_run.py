@@ -60,7 +60,8 @@ class RLRun:
         self.prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
         self.sync = build_weight_sync(cfg, self.actor.device.type, placement.training)
         groups = EpisodeGroups(workflow, lambda _client: settings, cfg.gconfig.n_samples, task.name,
-                               seed=cfg.experiment.seed, first_group=self.prompts.drawn)
+                               seed=cfg.experiment.seed, first_group=self.prompts.drawn,
+                               merge_groups=cfg.rollout.merge_group_requests)
         self.controller = build_controller(cfg, client, groups, self.prompts, writer, self.version,
                                            on_drop=self._drop, commit_executor=placement.shard_commits)
         self.controller.restore(recovered_episodes(consumer, self.version))

@@ -11,7 +11,8 @@ over repeats of its s/step divided by the first variant's in the same repeat.
 Workload: ``configs/quickstart.yaml`` (1.07M-parameter Qwen2, 16 prompts x 8 samples a step, eta = 2,
 the local launcher's core split) from a starting model after the quickstart's SFT warm-up, RL only, no
 evaluations but the first and last and no checkpoints. Per run: the median of ``time/step`` (and of its
-parts in metrics.jsonl) over the steps after ``--skip``; CPU seconds per step of the run's processes by
+parts in metrics.jsonl: ``time/stage`` on the step's path, ``time/push`` beside the next update since the
+disk push was overlapped, on it before) over the steps after ``--skip``; CPU seconds per step of the run's processes by
 role, and the other processes' load on the machine (cores), over the same steps.
 
 Default variants: before (bb7d738: a /generate request per sample, the rollout controller on the
@@ -45,7 +46,7 @@ from areal_hpc.config import load_config  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/quickstart.yaml"
 VARIANTS = ["before=bb7d738", "batched=912c434", "after=HEAD", "after, not pinned=HEAD cluster.pin_cores=false"]
-PARTS = ("time/step", "time/train", "time/generate_wait", "time/push", "sync/seconds")
+PARTS = ("time/step", "time/train", "time/generate_wait", "time/stage", "time/push", "sync/seconds")
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -181,14 +182,14 @@ def report(r: dict) -> str:
              f"`areal-hpc train --config {CONFIG}` from {r['start_model']}, medians over the steps after the first "
              f"{r['skip']}; the table: medians over the repeats.", "",
              "| variant | commit, overrides | s/step | vs first (median of per-repeat ratios) | train (s) | "
-             "wait for batch (s) | push (s) | CPU-s/step (trainer, server, helpers, launcher) | other load (cores) | "
-             "s/step of each repeat |", "|---" * 10 + "|"]
+             "wait for batch (s) | stage (s) | push (s) | CPU-s/step (trainer, server, helpers, launcher) | "
+             "other load (cores) | s/step of each repeat |", "|---" * 11 + "|"]
     for row in r["rows"]:
         cpu = row["cpu_per_step"]
-        push = f"{row['time/push']:.3f}" if row["time/push"] is not None else "-"
+        stage, push = (f"{row[part]:.3f}" if row[part] is not None else "-" for part in ("time/stage", "time/push"))
         lines.append(
             f"| {row['variant']} | {row['commit']} {' '.join(row['overrides'])} | {row['time/step']:.3f} | "
-            f"**{row['ratio_vs_first']:.2f}x** | {row['time/train']:.3f} | {row['time/generate_wait']:.3f} | {push} | "
+            f"**{row['ratio_vs_first']:.2f}x** | {row['time/train']:.3f} | {row['time/generate_wait']:.3f} | {stage} | {push} | "
             f"{row['cpu_per_step_total']:.3f} ({cpu.get('trainer', 0):.3f}, {cpu.get('rollout server', 0):.3f}, "
             f"{cpu.get('helpers', 0):.3f}, {cpu.get('launcher', 0):.3f}) | {row['other_load_cores']:.2f} | "
             + ", ".join(f"{s:.3f}" for s in row["s_per_step_each"]) + " |")

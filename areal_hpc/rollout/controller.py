@@ -147,12 +147,14 @@ class RolloutController:
                 **{f"rollout/failures/{kind}": float(self.failures.counts[kind]) for kind in FAILURE_KINDS},
                 "rollout/filtered_total": float(self.filtered), "rollout/dropped_total": float(self.dropped)}
 
-    async def prepare_batch(self, size: int) -> list[Episode]:
-        """Wait for ``size`` finished episodes no more than eta versions behind, oldest first, in the
-        order they were started (not the order they finished: a synchronous run's batches repeat)."""
+    async def prepare_batch(self, size: int, version: int | None = None) -> list[Episode]:
+        """Wait for ``size`` finished episodes no more than eta versions behind ``version`` (the one the
+        batch trains; default: the servers', ``set_version``'s), oldest first, in the order they were
+        started (not the order they finished: a synchronous run's batches repeat)."""
         batch: list[Episode] = []
+        version = self.gate.version if version is None else version
         while len(batch) < size:
-            taken, dropped = self._ready.take(size - len(batch), self.gate.version, self.gate.max_staleness)
+            taken, dropped = self._ready.take(size - len(batch), version, self.gate.max_staleness)
             batch += taken
             if dropped:
                 self.gate.drop(len(dropped))

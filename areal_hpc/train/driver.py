@@ -4,9 +4,10 @@
     python -m areal_hpc.train.driver --config FILE [--resume]    # what the launcher runs per trainer rank
 
 Each step: wait for a batch of finished groups no more than eta versions stale (generation and
-rewards run all along, as many episodes as the staleness gate admits), read them back from the HDF5
-shards, recompute the proximal logprobs and take the decoupled-PPO steps on every rank, then pause
-(interrupt) generation, push the new weights to every server, and continue. eta = 0 is synchronous RL.
+rewards run all along, as many episodes as the staleness gate admits), consume them through the HDF5
+shards, recompute the proximal logprobs and take the decoupled-PPO steps on every rank, then stage the
+new weights, pause (interrupt) generation, push them to every server, and continue; with the disk sync
+the push runs beside the next step's update. eta = 0 is synchronous RL.
 Rollouts that keep failing (``rollout.failure_budget``), or every server gone, end the run with one
 line naming the cause and the last error, exit code 1. A stop signal from Slurm saves a checkpoint and
 exits with ``SAVED_AND_STOPPED`` (``stopping``). What the loop works with is ``rl_run.RLRun``.
@@ -42,7 +43,8 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
         for step in range(run.version, cfg.rl.total_train_steps):
             started = time.perf_counter()
             # The staleness gate admits episodes all along; servers generate them, the reward pool scores them.
-            episodes = await stop.unless_stopped(run.controller.prepare_batch(cfg.rollout.consumer_batch_size),
+            # trained at version ``step``, which the servers may still be loading (the push runs beside this)
+            episodes = await stop.unless_stopped(run.controller.prepare_batch(cfg.rollout.consumer_batch_size, step),
                                                  on_stop=lambda: run.save_and_stop(step))
             waited = time.perf_counter() - started
             batch = run.take_batch(episodes, step)  # consumed through the HDF5 shards, with agents' proxy records
@@ -53,7 +55,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlySt
                 run.save_and_stop(step + 1)
             stop.check(trained_then_stop)  # saved without a weight push: servers may be stopping too
             async with stop.excusing_errors(trained_then_stop):
-                stats |= await run.push_weights(step + 1)  # interrupt generation, new weights, continue
+                stats |= await run.push_weights(step + 1)  # stage; interrupt generation, new weights, continue
             run.trained(step + 1, batch, stats, waited, started)
             await run.evaluate_and_save(step + 1)
     run.finish()

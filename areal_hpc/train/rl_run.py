@@ -69,6 +69,7 @@ class RLRun:
         # An evaluation of version v runs beside the training of step v + 1 and ends before the weights of
         # v + 1 reach the servers, so every answer it scores is version v's.
         self.evaluation: asyncio.Future = asyncio.create_task(asyncio.sleep(0))
+        self.pushing: asyncio.Task | None = None  # a weight push running beside the next step's update
         self.background: list[asyncio.Task] = []
 
     @classmethod
@@ -112,8 +113,9 @@ class RLRun:
                                                              self.progress.console.print))]
 
     async def _stop(self) -> None:
-        for task in [self.evaluation, *self.background]:
-            task.cancel()
+        for task in [self.evaluation, self.pushing, *self.background]:
+            if task is not None:
+                task.cancel()
         await self.controller.stop()
         self.progress.rollout_counts(self.controller)  # the last counts, however the run ends
 
@@ -148,19 +150,37 @@ class RLRun:
         return {**stats, **scored}
 
     async def push_weights(self, version: int) -> dict[str, float]:
-        """Pause (interrupt) or drain generation, give every server the weights of ``version``, continue;
-        ``time/push``: all of it, the weights' staging included; ``time/eval_wait``: the part spent waiting
-        for an evaluation of the version before to end."""
+        """Stage the weights of ``version`` (on the training thread, once the previous push has ended),
+        then push them: pause (interrupt) or drain generation, every server loads them, continue. With a
+        sync that stages a copy (disk) the push runs beside the next step's update and its statistics
+        come with the next step's; otherwise it is awaited here. ``time/stage``: this step's part
+        (waiting for the previous push included; ``time/eval_wait``: of that wait, what was an
+        evaluation's), ``time/push``: the push's own."""
         started = time.perf_counter()
-        stats = await self.sync.stage(self.actor, version)  # written while generation goes on
-        staged = time.perf_counter()
-        await self.evaluation
-        stats["time/eval_wait"] = time.perf_counter() - staged
+        stats = await self._pushed()
+        waited = time.perf_counter() - started
+        stats["time/eval_wait"] = min(waited, stats.get("time/eval_wait", 0.0))
+        stats |= await self.sync.stage(self.actor, version)  # written while generation goes on
+        # the evaluation of the version before ends first: every answer it scores is that version's
+        self.pushing = asyncio.create_task(self._push(version, self.evaluation))
+        if not self.sync.stages_a_copy:
+            stats |= await self._pushed()
+        return stats | {"time/stage": time.perf_counter() - started}
+
+    async def _push(self, version: int, evaluation: asyncio.Future) -> dict[str, float]:
+        started = time.perf_counter()
+        await evaluation
+        stats = {"time/eval_wait": time.perf_counter() - started}
         await (self.controller.pause() if self.cfg.rl.interruptible else self.controller.drain())
         stats |= await self.sync.push(self.actor, self.client, version)
         self.controller.set_version(version)
         await self.controller.resume()
         return stats | {"time/push": time.perf_counter() - started}
+
+    async def _pushed(self) -> dict[str, float]:
+        """The running push's statistics once it has ended (none running: none)."""
+        pushing, self.pushing = self.pushing, None
+        return {} if pushing is None else await pushing
 
     def trained(self, version: int, batch: list[Trajectory], stats: dict[str, float], waited: float,
                 started: float) -> None:
@@ -171,7 +191,7 @@ class RLRun:
         checkpoint when one is due (an evaluation still running is done again after a resume)."""
         last = version == self.cfg.rl.total_train_steps
         if self._evaluation_due(version):
-            self.evaluation = asyncio.create_task(self._evaluate(version))
+            self.evaluation = asyncio.create_task(self._evaluate(version, self.pushing))
         if last:
             await self.evaluation
         if last or (self.cfg.saver.freq_steps and version % self.cfg.saver.freq_steps == 0):
@@ -197,7 +217,9 @@ class RLRun:
         every = self.cfg.rl.eval_every_steps
         return version in (0, self.cfg.rl.total_train_steps) or bool(every and version % every == 0)
 
-    async def _evaluate(self, version: int) -> None:
+    async def _evaluate(self, version: int, pushing: asyncio.Task | None = None) -> None:
+        if pushing is not None:  # the servers evaluate the weights of ``version`` once they have them
+            await asyncio.shield(pushing)
         result = await evaluate(self.eval_settings, self.workflow, self.task.eval)
         self.progress.evaluated(version, result)
         self.evaluated = version

@@ -24,7 +24,9 @@ SGLang server joins only with dp_size 1 (or DP attention), as its tokenizer mana
 
 Both use only the ``TrainEngine`` protocol. ``stage`` does what needs no paused server (the disk sync
 writes the folder while generation goes on), ``push`` what does (the servers load); each returns its
-bytes and seconds, which the driver logs as metrics.
+bytes and seconds, which the driver logs as metrics. ``stages_a_copy``: whether ``push`` reads only what
+``stage`` wrote, so the next update may run while it goes on (the disk sync), or the engine's own
+tensors, collectively over the trainer's ranks (the broadcast: the driver waits for it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def bucket_bytes(bucket: WeightBucket) -> int:
 
 
 class DiskWeightSync:
+    stages_a_copy = True
+
     def __init__(self, folder: Path, keep: int = 2, executor: concurrent.futures.Executor | None = None):
         """``executor``: the thread that writes each folder (None: asyncio's default threads); the driver
         gives it the update's own thread, whose core is free then while the servers' cores generate."""
@@ -120,6 +124,8 @@ class GroupBroken(RuntimeError):
 
 
 class DistributedWeightSync:
+    stages_a_copy = False
+
     def __init__(self, backend: str, bucket_bytes: int, host: str = "127.0.0.1"):
         """``host``: trainer rank 0's address as the servers' nodes reach it (loopback: all on one machine)."""
         self.backend, self.bucket_bytes, self.host = backend, bucket_bytes, host

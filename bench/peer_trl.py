@@ -22,10 +22,12 @@ TRL is a bench-only extra: ``.venv/bin/pip install -c constraints/cpu.txt -e '.[
   memory with ``areal_hpc.train.evaluate.evaluate_model`` (greedy, the quickstart's held-out problems) at step 0,
   every ``rl.eval_every_steps`` and at the end, and writes the run's metrics.jsonl as ours does.
 
-Both: s/step is the mean of the steps after the first ``SKIP_STEPS``, evaluations excluded (ours: the
-driver's ``time/step`` less ``time/eval_wait``, what its weight push waited for the evaluation running beside
-the step, whose use of the cores still slows that step; TRL: from one step's end to the next, less its
-evaluation); final accuracy is the mean of the last
+Both: s/step is the mean of the steps after the first ``SKIP_STEPS``, evaluations excluded: TRL's step
+from one step's end to the next, less its evaluation (which runs between steps); ours the driver's
+``time/step`` of the steps no evaluation ran beside (ours evaluates on the rollout server while training
+goes on: ``eval/seconds`` before its record). Beside it, over every step (``s_per_step_all``, ours less
+``time/eval_wait``, what a step waited for an evaluation to end; the steps an evaluation ran beside are
+slower: it shares the server's core and rank 0's interpreter); final accuracy is the mean of the last
 ``LAST_EVALS`` evaluations; memory is the PSS of the whole process tree (the process and every descendant,
 from /proc/<pid>/smaps_rollup) every ``SAMPLE_S`` seconds: the peak, and the median of the second half
 of the run (steady state); and the cores the run used and those the rest of the machine used meanwhile.
@@ -126,11 +128,17 @@ def run_tracked(console: Console, label: str, command: list[str], metrics: Path,
 def curve(metrics: Path) -> dict:
     """s/step, the evaluation curve and the final accuracy from a run's metrics.jsonl (either side)."""
     records = read_json_lines(metrics)
-    step_s = [r["time/step"] - r.get("time/eval_wait", 0.0)  # ours: a step waits for the evaluation beside it
-              for r in sorted((r for r in records if "time/step" in r), key=lambda r: r["step"])]
+    steps = sorted((r for r in records if "time/step" in r), key=lambda r: r["step"])
+    steps = steps[SKIP_STEPS:] or steps
+    seconds = [r["time/step"] - r.get("time/eval_wait", 0.0) for r in steps]  # ours: waited for an evaluation
+    # ours evaluates beside training (``eval/seconds`` before its record's time); TRL between steps
+    windows = [(r["time"] - r["eval/seconds"], r["time"]) for r in records if "eval/seconds" in r]
+    alone = [s for r, s in zip(steps, seconds)
+             if not any(r["time"] - r["time/step"] < end and r["time"] > begin for begin, end in windows)]
     evals = [{"step": r["step"], "accuracy": r["eval/accuracy"]} for r in records if "eval/accuracy" in r]
-    timed = step_s[SKIP_STEPS:] or step_s
-    return {"steps": len(step_s), "s_per_step": statistics.fmean(timed), "median_s_per_step": statistics.median(timed),
+    return {"steps": len(steps), "s_per_step": statistics.fmean(alone), "median_s_per_step": statistics.median(alone),
+            "s_per_step_all": statistics.fmean(seconds), "median_s_per_step_all": statistics.median(seconds),
+            "steps_beside_evaluations": len(seconds) - len(alone),
             "final_accuracy": statistics.fmean(e["accuracy"] for e in evals[-LAST_EVALS:]), "evals": evals,
             "mean_reward": statistics.fmean(r["rollout/reward"] for r in records if "rollout/reward" in r)}
 
@@ -304,6 +312,8 @@ def run_table(row: dict) -> Table:
     table = Table(title=f"{row['trainer']}, seed {row['seed']}: {row['steps']} steps", show_header=False)
     for name, value in (
             ("s/step (mean, median)", f"{row['s_per_step']:.3f}, {row['median_s_per_step']:.3f}"),
+            ("s/step, every step (mean, median)", f"{row['s_per_step_all']:.3f}, {row['median_s_per_step_all']:.3f} "
+                                                  f"({row['steps_beside_evaluations']} beside an evaluation)"),
             ("final accuracy", f"{row['final_accuracy']:.1%}"),
             ("accuracy by step", " ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in row["evals"])),
             ("mean training reward", f"{row['mean_reward']:.3f}"),
@@ -338,6 +348,7 @@ def run(args, console: Console) -> dict:
             "start_model": args.start_model or f"SFT warm-up, {sft_steps} steps",
             "skip_steps": SKIP_STEPS, "last_evals": LAST_EVALS, "rows": rows,
             "s_per_step_ratio": mean(ours, "s_per_step") / mean(trl, "s_per_step"),
+            "s_per_step_ratio_all_steps": mean(ours, "s_per_step_all") / mean(trl, "s_per_step_all"),
             "accuracy_ours_minus_trl": mean(ours, "final_accuracy") - mean(trl, "final_accuracy"),
             "peak_pss_ratio": mean(ours, "peak_mib") / mean(trl, "peak_mib"),
             "steady_pss_ratio": mean(ours, "steady_mib") / mean(trl, "steady_mib")}
@@ -345,9 +356,10 @@ def run(args, console: Console) -> dict:
 
 def summary_table(result: dict) -> Table:
     table = Table(title=f"peer_trl: ours / TRL over seeds {result['seeds']}, {result['steps']} steps")
-    for name in ("s/step ratio", "accuracy ours - TRL", "PSS peak ratio", "PSS steady ratio"):
+    for name in ("s/step ratio", "every step", "accuracy ours - TRL", "PSS peak ratio", "PSS steady ratio"):
         table.add_column(name)
-    table.add_row(f"{result['s_per_step_ratio']:.2f}x", f"{100 * result['accuracy_ours_minus_trl']:+.1f} points",
+    table.add_row(f"{result['s_per_step_ratio']:.2f}x", f"{result['s_per_step_ratio_all_steps']:.2f}x",
+                  f"{100 * result['accuracy_ours_minus_trl']:+.1f} points",
                   f"{result['peak_pss_ratio']:.2f}x", f"{result['steady_pss_ratio']:.2f}x")
     return table
 
@@ -357,19 +369,23 @@ def report(r: dict) -> str:
              f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
              f"{r['steps']} steps of 16 prompts x 8 samples from {r['start_model']}, seeds {r['seeds']}, evaluated "
              f"greedily on the {load_config(CONFIG, []).dataset.eval_size} held-out problems every {r['eval_every']} steps; s/step over the steps after the "
-             f"first {r['skip_steps']}, final accuracy the mean of the last {r['last_evals']} evaluations, memory the "
+             f"first {r['skip_steps']} with evaluations excluded (TRL: its evaluations' time, between steps; ours: the "
+             "steps an evaluation ran beside; 'every step': ours less only what a step waited for one), final accuracy the mean of the last {r['last_evals']} evaluations, memory the "
              "PSS of each run's process tree.", "",
              f"TRL's torch threads: {r['trl_threads']}; ours: the quickstart's launcher (rollout server and trainer "
              "pinned to their own cores).", "",
-             "| trainer | seed | s/step | median s/step | final accuracy | accuracy by step | mean reward | "
-             "PSS peak (MiB) | PSS steady (MiB) | wall s | cores used | other load (cores) |", "|---" * 12 + "|"]
+             "| trainer | seed | s/step | median s/step | every step: s/step, median (beside an evaluation) | "
+             "final accuracy | accuracy by step | mean reward | "
+             "PSS peak (MiB) | PSS steady (MiB) | wall s | cores used | other load (cores) |", "|---" * 13 + "|"]
     for row in r["rows"]:
         lines.append(f"| {row['trainer']} | {row['seed']} | {row['s_per_step']:.3f} | {row['median_s_per_step']:.3f} | "
+                     f"{row['s_per_step_all']:.3f}, {row['median_s_per_step_all']:.3f} ({row['steps_beside_evaluations']}) | "
                      f"{row['final_accuracy']:.1%} | "
                      + " ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in row["evals"])
                      + f" | {row['mean_reward']:.3f} | {row['peak_mib']:.0f} | {row['steady_mib']:.0f} | "
                      f"{row['wall_s']:.0f} | {row['cores_used']:.2f} | {row['other_load']:.2f} |")
-    lines += ["", f"s_per_step_ratio (ours / TRL, mean s/step): **{r['s_per_step_ratio']:.2f}x**; "
+    lines += ["", f"s_per_step_ratio (ours / TRL, mean s/step, evaluations excluded): **{r['s_per_step_ratio']:.2f}x** "
+              f"(over every step: {r['s_per_step_ratio_all_steps']:.2f}x); "
               f"accuracy_ours_minus_trl (mean final accuracy): **{r['accuracy_ours_minus_trl']:+.3f}**; "
               f"PSS ours / TRL: peak {r['peak_pss_ratio']:.2f}x, steady {r['steady_pss_ratio']:.2f}x.",
               "Accuracy at step 0 (the same model and evaluator on both sides: ours through its rollout server, TRL's "

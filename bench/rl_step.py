@@ -119,8 +119,9 @@ def run_once(tree: Path, overrides: list[str], model: Path, fileroot: Path, step
     ours = {role: (cpu1[role] - cpu0.get(role, 0.0)) / (s1 - s0) for role in cpu1}
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps_measured = [r for r in records if "time/step" in r and r["step"] > skip]
-    row = {part: statistics.median(r[part] for r in steps_measured) for part in PARTS
-           if all(part in r for r in steps_measured)}
+    # a step's parts, and its weight push's (its own record since the push runs beside the next update)
+    row = {part: statistics.median(values) for part in PARTS
+           if (values := [r[part] for r in records if part in r and r["step"] > skip])}
     return {**row, "cpu_per_step": ours, "cpu_per_step_total": sum(ours.values()),
             "other_load_cores": (all1 - all0 - sum(ours.values()) * (s1 - s0)) / (t1 - t0),
             "mean_reward": statistics.fmean(r["rollout/reward"] for r in steps_measured)}

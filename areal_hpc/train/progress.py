@@ -59,10 +59,16 @@ class RLProgress:
         since = ", ".join(f"{time.time() - float(at):.1f} s {what}" for at, what in marks if at)
         self.console.print(f"rollouts started{f' {since}' if since else ''}", soft_wrap=True)
 
-    def evaluated(self, step: int, result: EvalResult) -> None:
-        self.metrics.log(step, result.scalars())
+    def evaluated(self, step: int, result: EvalResult, seconds: float) -> None:
+        """``seconds``: from the evaluation's first request to its score (``eval/seconds``; the record's
+        ``time`` is its end): it ran beside the training steps whose time overlaps that span."""
+        self.metrics.log(step, {**result.scalars(), "eval/seconds": seconds})
         self._progress.update(self._bar, acc=f"{result.accuracy:.1%}")
         self.console.print(f"step {step}: eval accuracy {result.summary()}", soft_wrap=True)
+
+    def pushed(self, step: int, stats: dict[str, float]) -> None:
+        """The weight push of ``step``'s weights, logged when it ends (it may run beside the next step)."""
+        self.metrics.log(step, stats)
 
     def trained(self, step: int, batch: list[Trajectory], stats: dict[str, float], waited: float, seconds: float,
                 controller) -> None:

@@ -166,7 +166,7 @@ def tree_mask_step(engine, batch, loss_fn) -> None:
     import torch
 
     from areal_hpc.algo.prefix_tree import build_prefix_tree
-    from areal_hpc.engines.torch.tree import chunk_pieces
+    from areal_hpc.engines.torch.tree import PackedFields, chunk_pieces
 
     tree = build_prefix_tree(batch.sequences)
     tokens = torch.tensor([[t for node in tree.nodes for t in node.tokens]])
@@ -184,9 +184,9 @@ def tree_mask_step(engine, batch, loss_fn) -> None:
     model, head = engine.model, engine.root.forward_fn.head
     engine.optimizer.zero_grad(set_to_none=True)
     hidden = model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask).last_hidden_state[0]
-    total = 0.0
+    total, whole = 0.0, PackedFields.of(batch)
     for n, node in enumerate(tree.nodes):  # each node's pieces, read off its rows of the one forward
-        pieces = chunk_pieces(tree, [[n]], batch, len(node.tokens))
+        pieces = chunk_pieces(tree, [[n]], batch, len(node.tokens), whole)
         if pieces is not None:
             rows, packed, fields = pieces
             padded = torch.cat([hidden[offsets[n]:offsets[n + 1]], hidden.new_zeros(1, hidden.shape[1])])

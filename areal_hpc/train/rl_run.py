@@ -152,35 +152,36 @@ class RLRun:
     async def push_weights(self, version: int) -> dict[str, float]:
         """Stage the weights of ``version`` (on the training thread, once the previous push has ended),
         then push them: pause (interrupt) or drain generation, every server loads them, continue. With a
-        sync that stages a copy (disk) the push runs beside the next step's update and its statistics
-        come with the next step's; otherwise it is awaited here. ``time/stage``: this step's part
-        (waiting for the previous push included; ``time/eval_wait``: of that wait, what was an
-        evaluation's), ``time/push``: the push's own."""
+        sync that stages a copy (disk) the push runs beside the next step's update; otherwise it is
+        awaited here. Each push logs its own record under ``version`` when it ends (``time/push``,
+        ``sync/*``). Returns this step's part: ``time/stage``, with ``time/eval_wait`` the part of it
+        spent waiting for an evaluation to end (the previous push waits for the one beside it)."""
         started = time.perf_counter()
-        stats = await self._pushed()
-        waited = time.perf_counter() - started
-        stats["time/eval_wait"] = min(waited, stats.get("time/eval_wait", 0.0))
+        evaluation_ended = await self._pushed()
+        stats = {"time/eval_wait": max(0.0, evaluation_ended - started)}
         stats |= await self.sync.stage(self.actor, version)  # written while generation goes on
         # the evaluation of the version before ends first: every answer it scores is that version's
         self.pushing = asyncio.create_task(self._push(version, self.evaluation))
         if not self.sync.stages_a_copy:
-            stats |= await self._pushed()
+            await self._pushed()
         return stats | {"time/stage": time.perf_counter() - started}
 
-    async def _push(self, version: int, evaluation: asyncio.Future) -> dict[str, float]:
+    async def _push(self, version: int, evaluation: asyncio.Future) -> float:
+        """The push of ``version``, logged; when the evaluation it waited for ended."""
         started = time.perf_counter()
         await evaluation
-        stats = {"time/eval_wait": time.perf_counter() - started}
+        evaluation_ended = time.perf_counter()
         await (self.controller.pause() if self.cfg.rl.interruptible else self.controller.drain())
-        stats |= await self.sync.push(self.actor, self.client, version)
+        stats = await self.sync.push(self.actor, self.client, version)
         self.controller.set_version(version)
         await self.controller.resume()
-        return stats | {"time/push": time.perf_counter() - started}
+        self.progress.pushed(version, stats | {"time/push": time.perf_counter() - started})
+        return evaluation_ended
 
-    async def _pushed(self) -> dict[str, float]:
-        """The running push's statistics once it has ended (none running: none)."""
+    async def _pushed(self) -> float:
+        """Wait for the running push (if any) to end; when the evaluation it waited for ended (0: none)."""
         pushing, self.pushing = self.pushing, None
-        return {} if pushing is None else await pushing
+        return 0.0 if pushing is None else await pushing
 
     def trained(self, version: int, batch: list[Trajectory], stats: dict[str, float], waited: float,
                 started: float) -> None:
@@ -220,8 +221,9 @@ class RLRun:
     async def _evaluate(self, version: int, pushing: asyncio.Task | None = None) -> None:
         if pushing is not None:  # the servers evaluate the weights of ``version`` once they have them
             await asyncio.shield(pushing)
+        started = time.perf_counter()
         result = await evaluate(self.eval_settings, self.workflow, self.task.eval)
-        self.progress.evaluated(version, result)
+        self.progress.evaluated(version, result, time.perf_counter() - started)
         self.evaluated = version
 
 

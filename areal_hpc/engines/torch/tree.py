@@ -4,9 +4,10 @@ batch's prefix tree (``algo.prefix_tree``), so a prefix that several sequences s
 The pass goes down the tree a level at a time, depth first. Each node runs with the chain of single
 children below it (``unary_run``: the turns of one agent episode) as one segment. A level's segments
 run in padded chunks (each within ``max_tokens`` rows, its copies of the prefixes included, longest
-first, padding kept small), each row over its parent's K/V as the Hugging Face cache
-(gathered from the chunk above, padded to the longest under an attention mask), positions continuing
-from its depth. A wave of chunks (within ``max_tokens`` forwarded rows) runs forward, then the level
+first, padding kept small), each row over its parent's K/V (gathered from the chunk above, padded to
+the longest under an attention mask), positions continuing from its depth: on a CPU through the
+written-out Qwen2/Qwen3 forward of ``models.segment_forward`` where it applies, else the model's own
+forward over a Hugging Face cache. A wave of chunks (within ``max_tokens`` forwarded rows) runs forward, then the level
 below all their children, then their backwards. Children read the cache through leaf copies (detached,
 requiring grad), whose ``.grad`` sums what every descendant's attention sent back; one backward
 through a chunk's forward then carries its loss and those K/V gradients, and its graph is freed.
@@ -216,7 +217,7 @@ def gather_prefixes(items: list[Item]) -> Prefix | None:
 
 
 def segment_forward_of(model: torch.nn.Module, device: torch.device):
-    """``segments(model, tokens, positions, prefix)`` -> (hidden states, per layer the K/V of prefix and
+    """``decode(model, tokens, positions, prefix)`` -> (hidden states, per layer the K/V of prefix and
     segment): ``models.segment_forward`` on a CPU where it applies, else the model's own forward over a
     Hugging Face cache. On a CPU attention runs in float32 under a bfloat16 autocast (its bfloat16
     backward is the slow part)."""

@@ -31,8 +31,8 @@ from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.rollout.client import (ConnectionFailedError, NoServerError, RolloutClient, RolloutError,
                                       ServerReplyError)
-from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
 from areal_hpc.rollout.commits import GroupCommits
+from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
 
 # What can go wrong with an episode; metrics carry a count of each (rollout/failures/<kind>).
 FAILURE_KINDS = ("server_error", "rejected", "connection", "store", "reward_exception", "reward_timeout", "workflow")

@@ -2,20 +2,21 @@
 
 Tree training (``engines/torch/tree.py``) runs padded segments [B, T] that continue cached prefixes
 (each row its own parent's keys and values, some padded), several times a step. On the quickstart's
-tiny model such a forward is bound by dispatch, not arithmetic: Hugging Face's layers cost about 55
-operations each (the RMSNorm in seven, q/k/v in nine, rotary in twelve, the cache object, the mask
-builder), and their backward as many again. ``segment_forward`` does the same maths in about 25: the
-norms as torch's fused ``rms_norm``, q|k|v and gate|up as one matmul each (their weights concatenated
-per call, so the gradients reach the model's own parameters), the rotary tables from the model's own
-rotary module, and one boolean mask for every layer. Results match the model's forward within float
+tiny model such a forward is bound by dispatch as much as by arithmetic, and the update shares trainer
+rank 0's interpreter with its rollout side, so every Python-level operation counts twice. Here the
+norms are torch's fused ``rms_norm``, q|k|v and gate|up one matmul each (their weights concatenated
+per call, so the gradients reach the model's own parameters; 705 matrix products in 5 quickstart
+updates instead of 1,125), the rotary tables come from the model's own rotary module, one boolean mask
+serves every layer, and there is no cache object or mask builder. On the quickstart's update alone it
+saved ~3% (0.094 -> 0.092 s, one thread, 2026-11-28). Results match the model's forward within float
 rounding (``tests/test_segment_forward.py`` checks outputs and gradients against it in float64).
 
 ``supports_segment_forward`` says where it applies: a dense Qwen2/Qwen3 decoder whose projections
 are plain ``nn.Linear`` modules with plain tensors (no LoRA wrapper, no FSDP or tensor-parallel
 sharding), none of whose modules has forward hooks (FSDP2 and ``replicate`` manage parameters in them:
-data-parallel replicas run the model's own forward), no sliding window and no attention dropout. Tree training uses it on a CPU (on a GPU the
-model's own attention kernels are the better choice, and it is unchecked there) and elsewhere runs the
-model's own forward.
+data-parallel replicas run the model's own forward), no sliding window and no attention dropout. Tree
+training uses it on a CPU (on a GPU the model's own attention kernels are the better choice, and it is
+unchecked there) and elsewhere runs the model's own forward.
 """
 
 from __future__ import annotations

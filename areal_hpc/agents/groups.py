@@ -37,7 +37,7 @@ class EpisodeGroups:
         self.workflow, self.settings_for = workflow, settings_for
         self.n_samples, self.task_name = n_samples, task_name
         self.seed, self.started, self.merge_groups = seed, first_group, merge_groups
-        self._merged: tuple[object, EngineSettings] | None = None  # (client, its settings, one batcher for all)
+        self._merged: tuple[object, EngineSettings] | None = None  # (client, its settings with one batcher for all)
 
     def _settings(self, client) -> EngineSettings:
         """A batcher of the group's own samples (one /generate), or one for every group (the staleness gate

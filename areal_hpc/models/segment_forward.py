@@ -6,7 +6,7 @@ tiny model such a forward is bound by dispatch as much as by arithmetic, and the
 rank 0's interpreter with its rollout side, so every Python-level operation counts twice. Here the
 norms are torch's fused ``rms_norm``, q|k|v and gate|up one matmul each (their weights concatenated
 per call, so the gradients reach the model's own parameters; 705 matrix products in 5 quickstart
-updates instead of 1,125), the rotary tables come from the model's own rotary module, one boolean mask
+updates instead of 1,125), the rotary tables and their application are the model's own (``rotary_emb``, ``apply_rotary_pos_emb``), one boolean mask
 serves every layer, and there is no cache object or mask builder. On the quickstart's update alone it
 saved ~3% (0.094 -> 0.092 s, one thread, 2026-11-28). Results match the model's forward within float
 rounding (``tests/test_segment_forward.py`` checks outputs and gradients against it in float64).
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb  # Qwen3's is the same
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 DENSE_TYPES = ("qwen2", "qwen3")
@@ -56,7 +57,6 @@ def segment_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: tor
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     hidden = F.embedding(tokens, body.embed_tokens.weight)
     cos, sin = body.rotary_emb(hidden, positions)  # [B, T, head dim]
-    cos, sin = cos[:, None], sin[:, None]
     mask = None  # no prefix: plain causal attention
     if prefix is not None:  # every prefix position a row owns, then its own segment causally
         causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
@@ -70,7 +70,7 @@ def segment_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: tor
         q, k, v = (x.view(batch, length, -1, head_dim).transpose(1, 2) for x in (q, k, v))
         if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if prefix is not None:
             k, v = torch.cat([prefix[i][0], k], dim=2), torch.cat([prefix[i][1], v], dim=2)
         states.append((k, v))
@@ -91,11 +91,6 @@ def _linear(x: torch.Tensor, modules: tuple[torch.nn.Linear, ...]) -> torch.Tens
     """Several projections of the same input as one matmul."""
     bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
     return F.linear(x, torch.cat([m.weight for m in modules]), bias)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

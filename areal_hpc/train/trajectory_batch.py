@@ -21,9 +21,10 @@ from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 
 
-def next_token_values(values: list[float]) -> torch.Tensor:
-    """Per-token values (entry i about token i) in the packed layout: position t holds token t+1's."""
-    return torch.tensor([*values[1:], 0.0][:len(values)], dtype=torch.float32)
+def next_token_values(values: list[float], last: float = 0.0) -> torch.Tensor:
+    """Per-token values (entry i about token i) in the packed layout: position t holds token t+1's, the
+    last position ``last``."""
+    return torch.tensor([*values[1:], last][:len(values)], dtype=torch.float32)
 
 
 def trajectory_sequence(traj: Trajectory, run_temperature: float
@@ -38,7 +39,7 @@ def trajectory_sequence(traj: Trajectory, run_temperature: float
         logprobs += [0.0] * len(seg.input_ids) + seg.output_logprobs.tolist()
         sampled_at = run_temperature if seg.temperature is None else seg.temperature
         temperatures += [logprob_temperature(sampled_at)] * (len(seg.input_ids) + len(seg.output_ids))
-    return tokens, mask, next_token_values(logprobs), torch.tensor([*temperatures[1:], 1.0], dtype=torch.float32)
+    return tokens, mask, next_token_values(logprobs), next_token_values(temperatures, last=1.0)
 
 
 def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> float:

@@ -259,3 +259,22 @@ def test_merged_groups_that_start_together_ask_one_request_per_server(tiny_model
     seeds = sorted(params["sampling_seed"] for request in merged_requests for params in request)
     assert seeds == sorted(params["sampling_seed"] for request in requests for params in request)
     assert len(set(seeds)) == 20
+
+
+def test_a_turn_whose_callers_all_left_runs_nothing_and_raises_nothing():
+    runs, errors = [], []
+
+    async def run(items):
+        runs.append(list(items))
+        return items
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        batch = SameTickBatch(run, parts=lambda: 2)
+        caller = asyncio.create_task(batch(1))
+        await asyncio.sleep(0)  # it is waiting; the flush comes after this turn
+        caller.cancel()
+        await asyncio.sleep(0.01)
+        return caller.cancelled()
+
+    assert asyncio.run(main()) and runs == [] and errors == []

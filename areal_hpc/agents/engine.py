@@ -77,7 +77,11 @@ class SameTickBatch:
 
     def _flush(self) -> None:
         batch, self._waiting = [(item, f) for item, f in self._waiting if not f.done()], []
-        size = min(self._max_items or len(batch), -(-len(batch) // max(1, self._parts())) if self._parts else len(batch))
+        if not batch:  # every caller left before the turn ended
+            return
+        size = self._max_items or len(batch)
+        if self._parts is not None:
+            size = min(size, -(-len(batch) // max(1, self._parts())))
         for start in range(0, len(batch), size):
             self._start(batch[start:start + size])
 

@@ -4,6 +4,7 @@ reading its metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -18,7 +19,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def machine() -> str:
-    return f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}, {platform.platform()}"
+    return f"{platform.node()}: {os.cpu_count()} cores, {cpu_model()}, {platform.machine()}, {platform.platform()}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the matrix extensions torch's CPU kernels use (bf16, AMX, VNNI): machines
+    of one name differ in them, and ratios move with them."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    extensions = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    family = f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields else ""
+    return " ".join(filter(None, [fields.get("model name", platform.processor() or "unknown CPU"), family,
+                                  f"({' '.join(extensions)})" if extensions else ""]))
 
 
 def save(name: str, result: dict, text: str) -> Path:

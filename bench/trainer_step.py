@@ -68,8 +68,10 @@ CONFIG = "configs/quickstart.yaml"
 LANDED_TOKENS_PER_MB = 256  # actor.max_tokens_per_mb of the quickstart at fb75a2a
 
 
-def quickstart_trajectories(cfg: RunConfig, tokenizer, rng: np.random.Generator) -> list[Trajectory]:
-    """One training batch of the quickstart: consumer_batch_size prompts x n_samples completions of 3-8 tokens."""
+def quickstart_trajectories(cfg: RunConfig, tokenizer, rng: np.random.Generator,
+                            output_tokens: tuple[int, int] = (3, 8)) -> list[Trajectory]:
+    """One training batch of the quickstart: consumer_batch_size prompts x n_samples completions of
+    ``output_tokens`` (least, most) tokens."""
     prompts = PromptStream(build_task(cfg.dataset).train, cfg.experiment.seed)
     specials = set(tokenizer.all_special_ids)
     words = np.array([i for i in range(len(tokenizer)) if i not in specials])
@@ -77,7 +79,7 @@ def quickstart_trajectories(cfg: RunConfig, tokenizer, rng: np.random.Generator)
     for g in range(cfg.rollout.consumer_batch_size):
         prompt = prompt_ids(tokenizer, next(prompts).prompt)
         for _ in range(cfg.gconfig.n_samples):
-            n = int(rng.integers(3, 9))
+            n = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
             output = [*rng.choice(words, n - 1).tolist(), tokenizer.eos_token_id]
             segment = Segment(prompt, output, -rng.exponential(1.0, n), np.zeros(n))
             batch.append(Trajectory([segment], group_id=f"g{g}", rewards=[Reward(float(rng.random() < 0.3))]))

@@ -22,12 +22,14 @@ def test_rank_0_learns_the_run_cores_only_when_they_are_pinned():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_the_update_and_the_commits_stay_on_the_trainers_cores_and_the_rest_runs_on_the_servers():
+@pytest.mark.parametrize("training_elsewhere", [False, True])
+def test_the_update_and_the_commits_stay_on_the_trainers_cores_and_the_rest_runs_on_the_servers(training_elsewhere):
+    """With the training in a child process (on the trainer's cores), the shard commits run on the servers'."""
     server, trainer = sorted(os.sched_getaffinity(0))[:2]
     script = (
         "import os, threading, multiprocessing as mp\n"
         "from areal_hpc.train.placement import ThreadPlacement\n"
-        "with ThreadPlacement() as p:\n"
+        f"with ThreadPlacement(training_elsewhere={training_elsewhere}) as p:\n"
         "    training = p.training.submit(lambda: sorted(os.sched_getaffinity(0))).result()\n"
         "    commits = p.shard_commits.submit(lambda: sorted(os.sched_getaffinity(0))).result()\n"
         "    seen = []\n"
@@ -38,4 +40,5 @@ def test_the_update_and_the_commits_stay_on_the_trainers_cores_and_the_rest_runs
     done = subprocess.run(["taskset", "-c", str(trainer), sys.executable, "-c", script], capture_output=True, text=True,
                           env={**os.environ, ROLLOUT_SIDE_CORES: str(server)}, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[0] == f"[{trainer}] [{trainer}] [{server}] [{server}] [{server}]"
+    commits = server if training_elsewhere else trainer
+    assert done.stdout.split("\n")[0] == f"[{trainer}] [{commits}] [{server}] [{server}] [{server}]"

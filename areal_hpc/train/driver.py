@@ -27,15 +27,19 @@ from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.rollout.client import RolloutError
+from areal_hpc.runtime.bootstrap import Placement
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
+from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.build import build_actor, start_trainer
 from areal_hpc.train.checkpoint import load_checkpoint
 from areal_hpc.train.rl_run import RLRun
 from areal_hpc.train.stopping import STOP_SIGNALS, EarlyStopSignal, StopGuard, StopRequested
 from areal_hpc.train.trainer_group import TrainerGroup, follow
+from areal_hpc.train.trainer_process import TrainerProcess, trains_in_child
 
 
-async def drive(cfg: RunConfig, group: TrainerGroup, state: dict, early: EarlyStopSignal | None = None) -> None:
+async def drive(cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dict,
+                early: EarlyStopSignal | None = None) -> None:
     """Trainer rank 0's loop from ``state["step"]``: gate -> generate -> reward -> commit -> update ->
     push -> evaluate and checkpoint. A stop signal saves the last trained step (``StopRequested``)."""
     stop = StopGuard(early)
@@ -74,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     early = EarlyStopSignal()
     try:
         cfg = load_config(args.config, args.overrides)
+        if Placement.detect().rank == 0 and trains_in_child(cfg):
+            with TrainerProcess.start(cfg, args.resume) as trainer:  # trainer rank 0 is its child
+                return lead(cfg, trainer, trainer.state, early)
         rank, mesh = start_trainer(cfg)
         try:
             return train(cfg, rank, mesh, args.resume, early)
@@ -87,17 +94,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal) -> int:
-    """This rank's part of the run: rank 0 drives it, the others follow. 0, or ``SAVED_AND_STOPPED``."""
+def build_engines(cfg: RunConfig, mesh, resume: bool) -> tuple[PPOActor, dict, dict]:
+    """This rank's actor and engines, from the run's latest checkpoint with ``resume``; and the
+    checkpoint's driver state (``{"step": 0}`` for a fresh run)."""
     actor, engines = build_actor(cfg, mesh)
     checkpoint = latest_checkpoint(cfg.run_dir) if resume else None
     state = load_checkpoint(checkpoint, engines) if checkpoint else {"step": 0}
+    return actor, engines, state
+
+
+def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal) -> int:
+    """This rank's part of the run: rank 0 drives it, the others follow. 0, or ``SAVED_AND_STOPPED``."""
+    actor, engines, state = build_engines(cfg, mesh, resume)
     if rank != 0:
         for signum in STOP_SIGNALS:  # rank 0 decides; the launcher stops this rank
             signal.signal(signum, signal.SIG_IGN)
         follow(actor, engines, mesh)
         return 0
-    group = TrainerGroup(actor, engines, mesh, cfg)
+    return lead(cfg, TrainerGroup(actor, engines, mesh, cfg), state, early)
+
+
+def lead(cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dict, early: EarlyStopSignal) -> int:
+    """Rank 0: drive the run through ``group`` (the training in this process, or in its child)."""
     try:
         asyncio.run(drive(cfg, group, state, early))
     except StopRequested:

@@ -32,7 +32,6 @@ from areal_hpc.rollout.controller import Episode
 from areal_hpc.runtime.rollout_token import rollout_token
 from areal_hpc.train.build import (build_controller, build_weight_sync, engine_settings, open_proxy_records,
                                    open_shards, recovered_episodes, take_proxy_records, wait_for_servers)
-from areal_hpc.train.checkpoint import save_checkpoint
 from areal_hpc.train.distill import Teacher, open_teacher
 from areal_hpc.train.evaluate import evaluate
 from areal_hpc.train.placement import ThreadPlacement
@@ -75,7 +74,8 @@ class RLRun:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, cfg: RunConfig, group: TrainerGroup, state: dict) -> AsyncIterator["RLRun"]:
-        with ThreadPlacement() as placement:  # the update on this process's cores, this thread on the run's
+        # the update on this process's cores (or a child's there), this thread on the rollout side's
+        with ThreadPlacement(training_elsewhere=group.trains_elsewhere) as placement:
             tokenizer, model_dir = group.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path
             task = open_task(cfg, tokenizer, model_dir)
             workflow = build_workflow(cfg.rollout)
@@ -205,7 +205,7 @@ class RLRun:
 
     def checkpoint(self, version: int) -> None:
         proxy_cursor = self.proxy_records.cursor.state_dict() if self.proxy_records is not None else None
-        save_checkpoint(self.cfg.run_dir, version, self.group.engines, {
+        self.group.save_checkpoint(self.cfg.run_dir, version, {
             "prompts_drawn": self.prompts.drawn, "dropped": self.controller.dropped,
             "cursor": self.consumer.cursor.state_dict(), "proxy_cursor": proxy_cursor, "evaluated": self.evaluated})
 

@@ -24,6 +24,7 @@ from areal_hpc.engines.base import TrainEngine, WeightBucket, merge_stats
 from areal_hpc.parallel.groups import data_parallel_weights
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.train.actor import PPOActor
+from areal_hpc.train.checkpoint import save_checkpoint
 from areal_hpc.train.trajectory_batch import build_batch, data_parallel_parts, split_minibatches
 
 UPDATE, SAVE, WEIGHTS, STOP = "update", "save", "weights", "stop"
@@ -31,6 +32,8 @@ PER_STEP_KEYS = ("grad_norm", "lr")  # equal on every rank after the all-reduce:
 
 
 class TrainerGroup:
+    trains_elsewhere = False  # rank 0 trains in this process (``trainer_process.TrainerProcess``: in a child)
+
     def __init__(self, actor: PPOActor, engines: dict[str, TrainEngine], mesh: TrainMesh, cfg: RunConfig):
         self.actor, self.mesh, self.cfg = actor, mesh, cfg
         self.world, layout = dist.get_world_size(), mesh.layout
@@ -65,6 +68,11 @@ class TrainerGroup:
         stats["train/tokens"] = float(batch.n_tokens)  # every token forwarded (prompts included)
         stats["train/trained_tokens"] = stats.get("actor/loss_tokens", 0.0)  # tokens with a loss: the outputs
         return stats
+
+    def save_checkpoint(self, run_dir: Path, step: int, driver: dict) -> Path:
+        """A checkpoint of every engine (each save collective over the ranks), this process's RNG streams
+        (the training's) and the driver's JSON-able ``driver`` state."""
+        return save_checkpoint(run_dir, step, self.engines, driver)
 
     def _announce(self, command: str, payload) -> None:
         if self.world > 1:

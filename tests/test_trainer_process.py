@@ -1,0 +1,107 @@
+"""Trainer rank 0's training in a child process (``rl.rank0_training=child``, ``train/trainer_process.py``):
+it trains exactly as rank 0's own process does, its errors reach the parent (a user's mistake as one
+line, exit code 2 on the command line), and it never outlives its parent nor goes unnoticed when it dies.
+Each case runs in a process of its own (the fork of a child, as ``areal-hpc train`` makes it)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.trainer_processes import run_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+import torch
+from areal_hpc.config import load_config
+from areal_hpc.train.trainer_process import TrainerProcess
+from tests.trainer_processes import synthetic_batch
+
+model, out, case = sys.argv[1:4]
+cfg = load_config(None, [f"model.path={model}", "rl.total_train_steps=1", f"cluster.fileroot={out}"])
+with TrainerProcess.start(cfg, False) as trainer:
+    batch = synthetic_batch(len(trainer.engines["actor"].tokenizer))
+    child = trainer._process.pid
+    if case == "train":
+        stats = trainer.update(batch)
+        trainer.engines["actor"].save(Path(out) / "model", optimizer=False)
+        torch.save(stats, Path(out) / "stats.pt")
+        trainer.stop()
+        print("child alive after stop:", trainer._process.is_alive())
+    elif case == "killed":
+        os.kill(child, signal.SIGKILL)
+        try:
+            trainer.update(batch)
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+    elif case == "orphaned":
+        print(child, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def run_case(model: Path, out: Path, case: str) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(out), case], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_child_trains_bit_for_bit_as_rank_0s_own_process(tiny_model_dir, tmp_path):
+    reference = run_ranks(1, tiny_model_dir, tmp_path / "in_process.pt")  # TrainerGroup.update in the rank itself
+    done = run_case(tiny_model_dir, tmp_path / "child", "train")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child alive after stop: False" in done.stdout
+    saved = load_file(tmp_path / "child" / "model" / "model.safetensors")
+    expected = reference["weights"]["actor"]
+    assert set(saved) <= set(expected) and len(saved) >= len(expected) - 1  # a tied head is saved once
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, expected[name]), name
+    stats = torch.load(tmp_path / "child" / "stats.pt", weights_only=False)
+    kept = {k for k in reference["stats"] if not k.startswith("time/") and not k.endswith("_seconds")}
+    assert {k: stats[k] for k in kept} == {k: reference["stats"][k] for k in kept}
+
+
+def test_a_child_that_dies_fails_the_next_call_with_its_exit_code(tiny_model_dir, tmp_path):
+    done = run_case(tiny_model_dir, tmp_path, "killed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TrainerProcessError trainer rank 0's training process ended unasked (exit code -9)" in done.stdout
+
+
+def test_the_child_ends_with_its_parent(tiny_model_dir, tmp_path):
+    done = run_case(tiny_model_dir, tmp_path, "orphaned")
+    assert done.returncode == -signal.SIGKILL
+    child = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.path="], "the trainer needs model.path=DIR"),  # raised by the child, while it builds the engines
+    (["rl.rank0_training=child", "rl.weight_sync=distributed"], "rl.rank0_training=child needs rl.weight_sync=disk"),
+])
+def test_a_users_mistake_is_one_line_and_exit_code_2(tmp_path, overrides, message):
+    done = subprocess.run([sys.executable, "-m", "areal_hpc.train.driver", "--config", "configs/quickstart.yaml",
+                           f"cluster.fileroot={tmp_path}", *overrides], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("areal-hpc: error: ") and message in lines[0], done.stderr

@@ -58,7 +58,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, save  # noqa: E402
+from recording import machine, machine_and_versions, save  # noqa: E402
 from trainer_step import dense_policy_outputs, mixed_length_batch  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
@@ -403,7 +403,7 @@ def _fmt(value, spec: str = ".3g") -> str:
 def report(r: dict) -> str:
     s, m = r["sections"], r["model"]
     lines = [f"# GPU check{' (dry run, CPU, toy sizes)' if r['dry_run'] else ''}: {r['device']} ({r['date']})", "",
-             f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + "."
+             machine_and_versions(r)
              + (f" Overrides: {' '.join(r['overrides'])}." if r.get("overrides") else ""),
              f"Model: Qwen2-shaped, {m['parameters'] / 1e6:,.1f}M parameters ({m['layers']} layers, hidden "
              f"{m['hidden']}, vocabulary {m['vocab']}), random weights. Peak dense bf16: "

@@ -63,7 +63,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from async_vs_sync import cpu_seconds  # noqa: E402
-from recording import machine, save  # noqa: E402
+from recording import machine, machine_and_versions, save  # noqa: E402
 from run_processes import process_tree, pss_mib  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
@@ -366,7 +366,7 @@ def summary_table(result: dict) -> Table:
 
 def report(r: dict) -> str:
     lines = [f"# ours vs TRL GRPOTrainer on the quickstart ({r['date']})", "",
-             f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
+             machine_and_versions(r),
              f"{r['steps']} steps of 16 prompts x 8 samples from {r['start_model']}, seeds {r['seeds']}, evaluated "
              f"greedily on the {load_config(CONFIG, []).dataset.eval_size} held-out problems every {r['eval_every']} steps; s/step over the steps after the "
              f"first {r['skip_steps']} with evaluations excluded (TRL: its evaluations' time, between steps; ours: the "

@@ -21,7 +21,7 @@ from dataclasses import replace
 from datetime import date
 from importlib.metadata import version
 
-from recording import machine, run_and_record, save
+from recording import machine, machine_and_versions, run_and_record, save
 
 from areal_hpc.sched import repro_eta, repro_hex
 from areal_hpc.sched.cost import CostModel
@@ -75,7 +75,7 @@ def run(args) -> dict:
 
 def report(r: dict) -> str:
     lines = [f"# AReaL-Hex planner wall time ({r['date']})", "",
-             f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
+             machine_and_versions(r),
              f"Model {r['model']}; median of {r['repeats']} cold runs; H800 + H20 clusters (a quarter H800).", "",
              "| GPUs | cluster | ours (s) | paper (s) | speedup | exhaustive (s) | search / optimum | splits | "
              "plan | tokens/s | $/h |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -37,6 +37,11 @@ def cpu_model() -> str:
                                   f"({' '.join(extensions)})" if extensions else ""]))
 
 
+def machine_and_versions(result: dict) -> str:
+    """A result table's line naming what it ran on: ``Machine: ... Versions: torch 2.x, ...``."""
+    return f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + "."
+
+
 def save(name: str, result: dict, text: str) -> Path:
     """Write ``<name>-<date>.md`` (the table) and ``.json`` (the numbers); returns the path stem."""
     RESULTS.mkdir(exist_ok=True)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from async_vs_sync import cpu_seconds  # noqa: E402
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, machine_and_versions, run_and_record  # noqa: E402
 from run_processes import role  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
@@ -176,8 +176,8 @@ def _versions() -> dict:
 
 def report(r: dict) -> str:
     lines = [f"# The quickstart's RL step at several commits ({r['date']})", "",
-             f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items())
-             + f". 1-minute load average at the start and the end: {r['load_average_start_end'][0]:.2f}, "
+             machine_and_versions(r)
+             + f" 1-minute load average at the start and the end: {r['load_average_start_end'][0]:.2f}, "
              f"{r['load_average_start_end'][1]:.2f}.",
              f"{r['repeats']} repeats, each running every variant in turn; per run {r['steps']} RL steps of "
              f"`areal-hpc train --config {CONFIG}` from {r['start_model']}, medians over the steps after the first "

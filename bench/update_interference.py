@@ -36,7 +36,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, machine_and_versions, run_and_record  # noqa: E402
 from trainer_step import CONFIG, quickstart_trajectories  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
@@ -129,7 +129,7 @@ def run(args) -> dict:
 
 def report(r: dict) -> str:
     lines = [f"# The update beside a busy neighbour: thread vs process ({r['date']})", "",
-             f"Machine: {r['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
+             machine_and_versions(r),
              f"The quickstart's update (`TrainerGroup.update`, tree training, bfloat16 autocast, one torch thread) "
              f"on its own core; the neighbour busy {r['duty']:.0%} of every {r['period_s'] * 1e3:.0f} ms with "
              f"pure Python on the other core. {r['rounds']} rounds x {r['updates_per_round']} updates per "

@@ -44,7 +44,9 @@ from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutControll
 from areal_hpc.rollout.staleness import StalenessGate
 from areal_hpc.runtime.bootstrap import node_address
 from areal_hpc.runtime.name_resolve import NameResolve, ServerDirectory
+from areal_hpc.runtime.run_state import latest_checkpoint
 from areal_hpc.train.actor import PPOActor
+from areal_hpc.train.checkpoint import load_checkpoint
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
 
 SHARD_WRITER = "rollout"
@@ -62,6 +64,15 @@ def start_trainer(cfg: RunConfig) -> tuple[int, TrainMesh]:
         print(f"[trainer] rank {rank}: training group {mesh.index} of {len(layout.groups)} (dp{dims.dp} tp{dims.tp} "
               f"pp{dims.pp}), batch share {mesh.data_rank} of {layout.replicas}", flush=True)
     return rank, mesh
+
+
+def build_engines(cfg: RunConfig, mesh, resume: bool) -> tuple[PPOActor, dict[str, TrainEngine], dict]:
+    """This rank's actor and engines, from the run's latest checkpoint with ``resume``; and the
+    checkpoint's driver state (``{"step": 0}`` for a fresh run)."""
+    actor, engines = build_actor(cfg, mesh)
+    checkpoint = latest_checkpoint(cfg.run_dir) if resume else None
+    state = load_checkpoint(checkpoint, engines) if checkpoint else {"step": 0}
+    return actor, engines, state
 
 
 def sampler_temperature(cfg: RunConfig) -> float:

@@ -28,10 +28,8 @@ from areal_hpc.errors import UserError
 from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.rollout.client import RolloutError
 from areal_hpc.runtime.bootstrap import Placement
-from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
-from areal_hpc.train.actor import PPOActor
-from areal_hpc.train.build import build_actor, start_trainer
-from areal_hpc.train.checkpoint import load_checkpoint
+from areal_hpc.runtime.run_state import SAVED_AND_STOPPED
+from areal_hpc.train.build import build_engines, start_trainer
 from areal_hpc.train.rl_run import RLRun
 from areal_hpc.train.stopping import STOP_SIGNALS, EarlyStopSignal, StopGuard, StopRequested
 from areal_hpc.train.trainer_group import TrainerGroup, follow
@@ -92,15 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutError as exc:  # the failure budget is spent, or every rollout server is gone
         print(f"areal-hpc: error: {exc}", file=sys.stderr)
         return 1
-
-
-def build_engines(cfg: RunConfig, mesh, resume: bool) -> tuple[PPOActor, dict, dict]:
-    """This rank's actor and engines, from the run's latest checkpoint with ``resume``; and the
-    checkpoint's driver state (``{"step": 0}`` for a fresh run)."""
-    actor, engines = build_actor(cfg, mesh)
-    checkpoint = latest_checkpoint(cfg.run_dir) if resume else None
-    state = load_checkpoint(checkpoint, engines) if checkpoint else {"step": 0}
-    return actor, engines, state
 
 
 def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal) -> int:

@@ -149,8 +149,7 @@ def _serve(connection, cfg: RunConfig, resume: bool) -> None:
     """The child: trainer rank 0, answering the parent's calls until ``stop`` or the end of the pipe."""
     from areal_hpc.parallel.mesh import close_distributed
     from areal_hpc.runtime.forkserver import PR_SET_PDEATHSIG, _prctl
-    from areal_hpc.train.build import start_trainer
-    from areal_hpc.train.driver import build_engines
+    from areal_hpc.train.build import build_engines, start_trainer
     from areal_hpc.train.stopping import STOP_SIGNALS
     from areal_hpc.train.trainer_group import TrainerGroup
 

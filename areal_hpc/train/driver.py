@@ -105,15 +105,15 @@ def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal)
 
 def lead(cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dict, early: EarlyStopSignal) -> int:
     """Rank 0: drive the run through ``group`` (the training in this process, or in its child)."""
+    stopped = False
     try:
         asyncio.run(drive(cfg, group, state, early))
     except StopRequested:
-        group.stop()  # the other ranks exit too (they ignore the stop signals)
-        return SAVED_AND_STOPPED
-    finally:  # the loop's handlers are gone: a warning now must not kill a finished run
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    group.stop()  # only on success: after a failure the launcher stops the other ranks
-    return 0
+        stopped = True
+    finally:  # the loop's handlers are gone: a warning now (one more from Slurm while the training
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # child ends, say) must not kill a finished run
+    group.stop()  # the other ranks exit too; only without an error: after one the launcher stops them
+    return SAVED_AND_STOPPED if stopped else 0
 
 
 if __name__ == "__main__":

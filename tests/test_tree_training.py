@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import itertools
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ from areal_hpc.config import ActorConfig, OptimizerConfig, load_config
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
-from areal_hpc.engines.torch.tree import check_tree_layout
+from areal_hpc.engines.torch.tree import cache_keyword, check_tree_layout
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_critic, load_model
 from areal_hpc.parallel.dims import ParallelDims
@@ -225,6 +226,27 @@ def test_critic_value_loss_step_equals_flat(tiny_model_dir):
     tree_stats, flat_stats = tree.train_step(batch, loss), flat.train_step(batch, loss)
     assert tree_stats["loss"] == pytest.approx(flat_stats["loss"], rel=RTOL)
     assert_same_gradients(tree.model, flat.model)
+
+
+@pytest.mark.parametrize("names", [("input_ids", "cache", "use_cache"), ("input_ids", "past_key_values", "use_cache"),
+                                   ("input_ids", "use_cache")])
+def test_the_cache_goes_by_the_name_the_model_forward_takes(names, policy):
+    """transformers renamed the forward's ``past_key_values`` to ``cache`` within 5.x (5.17 takes the old
+    name, 5.24 the new one); a forward given the other files it under ``**kwargs`` and fills no cache (an
+    H200 run on 5.17 failed so). The installed version's own Qwen2 names one of the two."""
+    def forward(**_):
+        return None
+
+    forward.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in names]
+        + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+    model = SimpleNamespace(base_model=SimpleNamespace(forward=forward))
+    if len(names) == 2:
+        with pytest.raises(UserError, match="takes neither cache nor past_key_values"):
+            cache_keyword(model)
+    else:
+        assert cache_keyword(model) == names[1]
+    assert cache_keyword(policy) in inspect.signature(policy.base_model.forward).parameters
 
 
 def test_a_sequence_deeper_than_the_context_is_one_user_error(policy):

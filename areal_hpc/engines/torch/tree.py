@@ -31,6 +31,7 @@ recomputation would rerun the cache updates: ``check_tree_layout`` refuses them 
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 
@@ -227,6 +228,7 @@ def segment_forward_of(model: torch.nn.Module, device: torch.device):
                                    None if prefix is None else prefix.valid, torch.float32)
         return written_out
     attention = SDPA_FLOAT32 if device.type == "cpu" else model.config._attn_implementation
+    keyword = cache_keyword(model)
 
     def hugging_face(model, tokens, positions, prefix: Prefix | None):
         cache, mask = DynamicCache(config=model.config), None
@@ -236,10 +238,22 @@ def segment_forward_of(model: torch.nn.Module, device: torch.device):
             if not bool(prefix.valid.all()):  # each row reads its own prefix, not the padding after it
                 mask = torch.cat([prefix.valid, torch.ones_like(tokens, dtype=torch.bool)], 1).long()
         with packed_attention(model, attention):
-            hidden = model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
-                                      use_cache=True).last_hidden_state
+            hidden = model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                      use_cache=True, **{keyword: cache}).last_hidden_state
         return hidden, [(layer.keys, layer.values) for layer in cache.layers]
     return hugging_face
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its K/V cache by: ``cache`` in recent transformers 5.x,
+    ``past_key_values`` before (5.17, say). A forward given the other name files it under ``**kwargs``
+    and fills no cache at all."""
+    parameters = inspect.signature(model.base_model.forward).parameters
+    for keyword in ("cache", "past_key_values"):
+        if keyword in parameters:
+            return keyword
+    raise UserError(f"tree training needs a model whose forward takes a K/V cache; "
+                    f"{type(model.base_model).__name__}.forward takes neither cache nor past_key_values")
 
 
 def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatch, loss_fn: LossFn,

@@ -73,13 +73,15 @@ def run_one(args, setting: str, seed: int) -> dict:
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
     steps = [r for r in records if "actor/loss" in r]
+    timed = sorted((r for r in records if "time/step" in r), key=lambda r: r["step"])[3:]  # past the warm-up
     return {"setting": setting, "seed": seed, "evals": evals, "start": evals[0][1],
             "peak": max(a for _, a in evals), "final": float(np.mean([a for _, a in evals[-3:]])),
             "seconds": json.loads(done.read_text())["seconds"],
             "behav_weight_dev": float(np.mean([r["actor/behav_weight_dev"] for r in steps])),
             "behav_capped_fraction": float(np.mean([r["actor/behav_capped_fraction"] for r in steps])),
             "entropy_end": float(np.mean([r["actor/entropy"] for r in steps[-20:]])),
-            "staleness": float(np.mean([r["staleness/mean"] for r in steps]))}
+            "staleness": float(np.mean([r["staleness/mean"] for r in steps])),
+            "s_per_step": float(np.mean([r["time/step"] - r.get("time/eval_wait", 0.0) for r in timed]))}
 
 
 def run(args) -> dict:
@@ -104,7 +106,7 @@ def report(result: dict) -> str:
              f"{result['eval_size']} held-out problems every {result['eval_every']} steps; final = mean of the "
              f"last 3 evaluations; start model {result['start_model']}", "",
              "| setting | overrides | seeds | start | peak | final | final - eta0 | behaviour weight dev | capped | "
-             "entropy (last 20 steps) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "entropy (last 20 steps) | staleness | s/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_setting: dict[str, list[dict]] = {}
     for row in result["runs"]:
         by_setting.setdefault(row["setting"], []).append(row)
@@ -118,7 +120,9 @@ def report(result: dict) -> str:
                      f"**{100 * final:.1f}** ± {100 * spread:.1f} | {delta} | "
                      f"{np.mean([r['behav_weight_dev'] for r in rows]):.3f} | "
                      f"{np.mean([r['behav_capped_fraction'] for r in rows]):.4f} | "
-                     f"{np.mean([r['entropy_end'] for r in rows]):.3f} |")
+                     f"{np.mean([r['entropy_end'] for r in rows]):.3f} | "
+                     f"{np.mean([r.get('staleness', np.nan) for r in rows]):.2f} | "
+                     f"{np.mean([r.get('s_per_step', np.nan) for r in rows]):.3f} |")
     lines += ["", "Per run (step: accuracy):"]
     for row in result["runs"]:
         curve = " ".join(f"{s}:{100 * a:.0f}" for s, a in row["evals"])

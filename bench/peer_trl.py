@@ -225,7 +225,7 @@ def trl_child(fileroot: Path, model_dir: Path, seed: int, steps: int, eval_every
         max_grad_norm=cfg.optimizer.gradient_clipping, beta=cfg.actor.kl_ctl, epsilon=cfg.actor.eps_clip,
         epsilon_high=cfg.actor.eps_clip_high or cfg.actor.eps_clip, loss_type="dapo", scale_rewards="group",
         importance_sampling_level=cfg.actor.importance_level, bf16=cfg.model.compute_dtype == "bfloat16",
-        activation_checkpointing=False, use_cpu=resolve_device(cfg.cluster.device).type == "cpu",
+        **{checkpointing_field(GRPOConfig): False}, use_cpu=resolve_device(cfg.cluster.device).type == "cpu",
         save_strategy="no", report_to="none", disable_tqdm=True)
 
     def evaluate(step: int) -> None:
@@ -260,6 +260,13 @@ def trl_child(fileroot: Path, model_dir: Path, seed: int, steps: int, eval_every
     if checked.batches != steps:
         raise SystemExit(f"TRL generated {checked.batches} batches, expected {steps}: the prompt check did not "
                          f"see every batch")
+
+
+def checkpointing_field(config_class) -> str:
+    """TRL's GRPOConfig checkpoints activations unless told not to; transformers 5.24 names that field
+    ``activation_checkpointing``, 5.17 ``gradient_checkpointing``."""
+    fields = config_class.__dataclass_fields__
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
 class PromptCheck:
@@ -370,8 +377,8 @@ def report(r: dict) -> str:
              f"{r['steps']} steps of 16 prompts x 8 samples from {r['start_model']}, seeds {r['seeds']}, evaluated "
              f"greedily on the {load_config(CONFIG, []).dataset.eval_size} held-out problems every {r['eval_every']} steps; s/step over the steps after the "
              f"first {r['skip_steps']} with evaluations excluded (TRL: its evaluations' time, between steps; ours: the "
-             "steps an evaluation ran beside; 'every step': ours less only what a step waited for one), final accuracy the mean of the last {r['last_evals']} evaluations, memory the "
-             "PSS of each run's process tree.", "",
+             "steps an evaluation ran beside; 'every step': ours less only what a step waited for one), final accuracy the "
+             f"mean of the last {r['last_evals']} evaluations, memory the PSS of each run's process tree.", "",
              f"TRL's torch threads: {r['trl_threads']}; ours: the quickstart's launcher (rollout server and trainer "
              "pinned to their own cores).", "",
              "| trainer | seed | s/step | median s/step | every step: s/step, median (beside an evaluation) | "

@@ -4,6 +4,7 @@ reading its metrics."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -19,7 +20,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def machine() -> str:
-    return f"{platform.node()}: {os.cpu_count()} cores, {cpu_model()}, {platform.machine()}, {platform.platform()}"
+    gpus = accelerators()
+    return (f"{platform.node()}: {os.cpu_count()} cores, {cpu_model()}, {platform.machine()}, {platform.platform()}"
+            + (f", GPUs: {gpus}" if gpus else ""))
+
+
+def accelerators() -> str:
+    """The GPUs ``nvidia-smi`` lists (name, memory, driver), counted; empty without any. Asked of a child
+    process: this one initialises no accelerator (benchmarks fork workers after recording)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    counts = collections.Counter(line.strip() for line in listed.splitlines() if line.strip())
+    return "; ".join(f"{n} x {gpu}" for gpu, n in counts.items())
 
 
 def cpu_model() -> str:

@@ -333,7 +333,8 @@ class RLConfig:
     rank0_training: str = spec("auto", "where trainer rank 0 trains: child (a process of its own, apart from rank 0's "
                                "rollout side: controller, HTTP, rewards, shard commits, evaluations; the two then do "
                                "not share one interpreter lock; needs rl.weight_sync=disk), thread (a thread of rank "
-                               "0's process), or auto (child with the disk sync)", choices=["auto", "child", "thread"])
+                               "0's process), or auto (child with the disk sync on a CPU; a thread on an accelerator)",
+                               choices=["auto", "child", "thread"])
     weight_sync_bucket_mb: int = spec(64, "distributed weight sync: megabytes per broadcast bucket", ge=1)
     interruptible: bool = spec(True, "a weight update interrupts generation (False: wait for episodes to finish)")
     trainer_processes: int = spec(1, "trainer processes (ranks of actor.parallel's mesh; gloo on CPU, NCCL on GPU)", ge=1)

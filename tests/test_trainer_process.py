@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from areal_hpc.config import load_config
+from areal_hpc.train.trainer_process import trains_in_child
 from tests.trainer_processes import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,3 +107,16 @@ def test_a_users_mistake_is_one_line_and_exit_code_2(tmp_path, overrides, messag
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("areal-hpc: error: ") and message in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("choice, sync, device, in_child", [
+    ("auto", "disk", "cpu", True),
+    ("auto", "disk", "cuda", False),  # the update waits on the device, not on the interpreter lock
+    ("auto", "distributed", "cpu", False),  # the broadcast reads the training process's own tensors
+    ("thread", "disk", "cpu", False),
+    ("child", "disk", "cuda", True),  # asked for: honoured
+])
+def test_auto_trains_in_a_child_exactly_on_a_cpu_with_the_disk_sync(choice, sync, device, in_child):
+    cfg = load_config(str(REPO / "configs/quickstart.yaml"), [f"rl.rank0_training={choice}", f"rl.weight_sync={sync}",
+                                                              f"cluster.device={device}"])
+    assert trains_in_child(cfg) is in_child  # decided without touching an accelerator: it holds on any machine

@@ -38,7 +38,7 @@ from areal_hpc.parallel.groups import TrainerGroups, check_group_training
 from areal_hpc.parallel.tree_layout import resolve_tree_training
 from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, allocator_env,
                                          cpu_threads, new_incarnation)
-from areal_hpc.runtime.forkserver import ForkServer, accelerators_present
+from areal_hpc.runtime.forkserver import ForkServer, cpu_only
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 from areal_hpc.runtime.supervisor import SupervisedProcess
@@ -148,8 +148,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
 def forks_processes(cfg: RunConfig) -> bool:
     """Whether rollout servers and trainer ranks start as forks of one preloaded interpreter
     (``cluster.fork_server``): only where no accelerator may be initialised before a fork."""
-    cpu = cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not accelerators_present())
-    return cfg.cluster.fork_server and cpu
+    return cfg.cluster.fork_server and cpu_only(cfg.cluster.device)
 
 
 class RunMemory:

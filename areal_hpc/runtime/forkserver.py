@@ -52,6 +52,12 @@ def accelerators_present() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/davinci[0-9]*"))
 
 
+def cpu_only(device: str) -> bool:
+    """Whether ``cluster.device`` keeps this machine's processes on the CPU: cpu, or auto where no
+    accelerator shows. Decided without initialising one (CUDA does not survive a fork after that)."""
+    return device == "cpu" or (device == "auto" and not accelerators_present())
+
+
 def _prctl(option: int, value) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(option, value)
 

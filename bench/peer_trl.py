@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -433,6 +434,10 @@ def main() -> None:
     result = run(args, console)
     console.print(summary_table(result))
     text = report(result)
+    kept = Path(args.root) / "peer_trl"  # every run's result, --save or not
+    kept.with_suffix(".md").write_text(text + "\n")
+    kept.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    console.print(f"result in {kept}.md and .json")
     if args.save:
         stem = save("peer_trl", result, text)
         console.print(f"recorded {stem}.md and .json")

@@ -403,6 +403,44 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, out: Path) -> None:
+    """Held-out accuracy by step (each seed faint, the mean over seeds bold) and each run's s/step, ours
+    beside TRL's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, speed) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    for trainer, colour in (("ours", "tab:blue"), ("trl", "tab:orange")):
+        rows = [r for r in result["rows"] if r["trainer"] == trainer]
+        label = "ours" if trainer == "ours" else "TRL GRPOTrainer"
+        for row in rows:
+            curves.plot([e["step"] for e in row["evals"]], [e["accuracy"] for e in row["evals"]], color=colour,
+                        alpha=0.2, linewidth=0.8)
+        steps = [e["step"] for e in rows[0]["evals"]]
+        mean = [statistics.fmean(r["evals"][i]["accuracy"] for r in rows) for i in range(len(steps))]
+        final = statistics.fmean(r["final_accuracy"] for r in rows)
+        curves.plot(steps, mean, color=colour, linewidth=2, marker="o", markersize=3,
+                    label=f"{label}: last {result['last_evals']} evaluations {final:.1%}")
+        speed.scatter([r["seed"] for r in rows], [r["s_per_step"] for r in rows], color=colour,
+                      label=f"{label}: {statistics.fmean(r['s_per_step'] for r in rows):.3f} s mean")
+    curves.set_xlabel("RL step")
+    curves.set_ylabel("held-out accuracy (greedy)")
+    curves.grid(alpha=0.3)
+    curves.legend(loc="lower right")
+    speed.set_xlabel("seed")
+    speed.set_ylabel("s/step (evaluations excluded)")
+    speed.set_ylim(bottom=0)
+    speed.grid(alpha=0.3)
+    speed.legend(loc="lower right")
+    fig.suptitle(f"ours vs TRL on the quickstart ({result['date']}): {result['s_per_step_ratio']:.2f}x the time "
+                 f"per step, {100 * result['accuracy_ours_minus_trl']:+.1f} points")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="RL steps of every run")
@@ -437,10 +475,12 @@ def main() -> None:
     kept = Path(args.root) / "peer_trl"  # every run's result, --save or not
     kept.with_suffix(".md").write_text(text + "\n")
     kept.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    console.print(f"result in {kept}.md and .json")
+    plot(result, kept.with_suffix(".png"))
+    console.print(f"result in {kept}.md, .json and .png")
     if args.save:
         stem = save("peer_trl", result, text)
-        console.print(f"recorded {stem}.md and .json")
+        plot(result, stem.with_suffix(".png"))
+        console.print(f"recorded {stem}.md, .json and .png")
 
 
 if __name__ == "__main__":

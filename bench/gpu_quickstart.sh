@@ -35,5 +35,5 @@ $PY -c "import trl, datasets" || { echo "no TRL here: peer_trl skipped"; exit 0;
 timeout ${PEER_TIMEOUT:-300} $PY bench/peer_trl.py --steps $PEER_STEPS --seeds 1 --start-model .gpucheck/sft_start \
   --root /tmp/gq-peer > "$OUT/peer.log" 2>&1
 echo "peer_trl: exit $?"; tail -25 "$OUT/peer.log"
-cp /tmp/gq-peer/peer_trl.md /tmp/gq-peer/peer_trl.json "$OUT/" 2>/dev/null  # the result, kept under --root
+cp /tmp/gq-peer/peer_trl-*.md /tmp/gq-peer/peer_trl-*.json /tmp/gq-peer/peer_trl-*.png "$OUT/" 2>/dev/null  # kept under --root
 tail -c 3000 /tmp/gq-peer/trl-seed1/log.txt > "$OUT/trl-seed1-log.txt" 2>/dev/null

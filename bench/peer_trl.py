@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import json
 import os
 import platform
 import shutil
@@ -64,7 +63,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from async_vs_sync import cpu_seconds  # noqa: E402
-from recording import machine, machine_and_versions, save  # noqa: E402
+from recording import RESULTS, machine, machine_and_versions, save  # noqa: E402
 from run_processes import process_tree, pss_mib  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
@@ -472,15 +471,10 @@ def main() -> None:
     result = run(args, console)
     console.print(summary_table(result))
     text = report(result)
-    kept = Path(args.root) / "peer_trl"  # every run's result, --save or not
-    kept.with_suffix(".md").write_text(text + "\n")
-    kept.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, kept.with_suffix(".png"))
-    console.print(f"result in {kept}.md, .json and .png")
-    if args.save:
-        stem = save("peer_trl", result, text)
+    for folder in [Path(args.root)] + ([RESULTS] if args.save else []):  # under --root always, --save or not
+        stem = save("peer_trl", result, text, folder)
         plot(result, stem.with_suffix(".png"))
-        console.print(f"recorded {stem}.md, .json and .png")
+        console.print(f"result in {stem}.md, .json and .png")
 
 
 if __name__ == "__main__":

@@ -57,10 +57,11 @@ def machine_and_versions(result: dict) -> str:
     return f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + "."
 
 
-def save(name: str, result: dict, text: str) -> Path:
-    """Write ``<name>-<date>.md`` (the table) and ``.json`` (the numbers); returns the path stem."""
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{name}-{result['date']}"
+def save(name: str, result: dict, text: str, folder: Path = RESULTS) -> Path:
+    """Write ``<name>-<date>.md`` (the table) and ``.json`` (the numbers) in ``folder`` (bench/results/ by
+    default); returns the path stem."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"{name}-{result['date']}"
     stem.with_suffix(".md").write_text(text + "\n")
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     return stem

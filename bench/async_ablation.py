@@ -45,6 +45,7 @@ SETTINGS = {
     "eta0_lr1e-4": ["rollout.max_head_offpolicyness=0", "actor.lr=1e-4"],
     "eta2_lr5e-5": ["rollout.max_head_offpolicyness=2", "actor.lr=5e-5"],
     "eta2_minibatches4": ["rollout.max_head_offpolicyness=2", "actor.ppo_n_minibatches=4"],
+    "eta2_dynamic": ["rollout.max_head_offpolicyness=2", "actor.dynamic_sampling=true"],
     # issue 24: does M2PO hold accuracy where GRPO's clipped loss degrades, at large staleness?
     **{f"eta{eta}{suffix}": [f"rollout.max_head_offpolicyness={eta}", *loss]
        for eta in (8, 16, 32) for suffix, loss in (("", []), ("_m2po", ["actor.policy_loss=m2po"]))},

@@ -47,6 +47,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import json
+import math
 import os
 import platform
 import shutil
@@ -58,6 +60,7 @@ import time
 from datetime import date
 from pathlib import Path
 
+import scipy.stats
 from rich.console import Console
 from rich.table import Table
 
@@ -339,21 +342,25 @@ def run(args, console: Console) -> dict:
     model = Path(args.start_model).resolve() if args.start_model else start_model(console, root, sft_steps)
     console.print(f"starting model: {model} (reuse it with --start-model {model})", soft_wrap=True)
     eval_every = args.eval_every if args.eval_every is not None else cfg.rl.eval_every_steps
+    start = args.start_model or f"SFT warm-up, {sft_steps} steps"
+    earlier = pooled_rows(args.pool_with, args.steps, eval_every, start, args.seeds)
     rows = []
     for seed in args.seeds:
         rows.append(run_ours(console, root, model, seed, args.steps, eval_every))
         console.print(run_table(rows[-1]))
         rows.append(run_trl(console, root, model, seed, args.steps, eval_every, args.trl_threads))
         console.print(run_table(rows[-1]))
+    rows = earlier + rows
     ours, trl = ([r for r in rows if r["trainer"] == name] for name in ("ours", "trl"))
     mean = lambda side, key: statistics.fmean(r[key] for r in side)  # noqa: E731
     return {"benchmark": "peer_trl", "date": date.today().isoformat(), "machine": machine(),
             "versions": {"python": platform.python_version(),
                          **{name: importlib.metadata.version(name) for name in ("torch", "trl", "transformers")}},
-            "steps": args.steps, "seeds": args.seeds, "eval_every": eval_every,
+            "steps": args.steps, "seeds": sorted({r["seed"] for r in rows}), "eval_every": eval_every,
+            "pooled_with": [str(path) for path in args.pool_with],
             "trl_threads": args.trl_threads or f"torch's default ({os.cpu_count()}, every core)",
-            "start_model": args.start_model or f"SFT warm-up, {sft_steps} steps",
-            "skip_steps": SKIP_STEPS, "last_evals": LAST_EVALS, "rows": rows,
+            "start_model": start, "skip_steps": SKIP_STEPS, "last_evals": LAST_EVALS, "rows": rows,
+            "accuracy_paired": paired_difference(ours, trl),
             "s_per_step_ratio": mean(ours, "s_per_step") / mean(trl, "s_per_step"),
             "s_per_step_ratio_all_steps": mean(ours, "s_per_step_all") / mean(trl, "s_per_step_all"),
             "accuracy_ours_minus_trl": mean(ours, "final_accuracy") - mean(trl, "final_accuracy"),
@@ -361,12 +368,59 @@ def run(args, console: Console) -> dict:
             "steady_pss_ratio": mean(ours, "steady_mib") / mean(trl, "steady_mib")}
 
 
+def pooled_rows(records: list[Path], steps: int, eval_every: int, start: str, seeds: list[int]) -> list[dict]:
+    """The runs of earlier records of this benchmark (``--pool-with``), made under the same steps, evaluation
+    interval and starting model and on other seeds; anything else is refused (exit 2) before a run starts."""
+    rows: list[dict] = []
+    for path in records:
+        record = json.loads(path.read_text())
+        for key, value in (("steps", steps), ("eval_every", eval_every), ("start_model", start)):
+            if record.get(key) != value:
+                refuse(f"--pool-with {path}: its {key} is {record.get(key)!r}, this run's {value!r}; "
+                       "only records made under the same settings pool")
+        rows += record["rows"]
+    repeated = sorted({r["seed"] for r in rows} & set(seeds))
+    if repeated:
+        refuse(f"--pool-with: seeds {repeated} are in the earlier records already; run other seeds")
+    return rows
+
+
+def paired_difference(ours: list[dict], trl: list[dict]) -> dict:
+    """Final accuracy, ours minus TRL's, seed by seed (the two sides of a seed see the same prompts): the mean,
+    its standard error and a 95% interval (Student's t over the seeds)."""
+    trl_final = {r["seed"]: r["final_accuracy"] for r in trl}
+    differences = [r["final_accuracy"] - trl_final[r["seed"]] for r in ours if r["seed"] in trl_final]
+    if len(differences) < 2:
+        return {"seeds": len(differences), "mean": statistics.fmean(differences) if differences else None}
+    mean, error = statistics.fmean(differences), statistics.stdev(differences) / math.sqrt(len(differences))
+    half = scipy.stats.t.ppf(0.975, len(differences) - 1) * error
+    return {"seeds": len(differences), "mean": mean, "standard_error": error,
+            "ci95": [float(mean - half), float(mean + half)]}
+
+
+def refuse(message: str) -> None:
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def paired_text(paired: dict) -> str:
+    if "ci95" not in paired:
+        return f"Seed by seed (ours minus TRL's final accuracy): {paired['seeds']} seed(s), no interval."
+    low, high = paired["ci95"]
+    return (f"Seed by seed (ours minus TRL's final accuracy, {paired['seeds']} seeds): mean "
+            f"{100 * paired['mean']:+.2f} points, standard error {100 * paired['standard_error']:.2f}, 95% interval "
+            f"{100 * low:+.2f} to {100 * high:+.2f} points.")
+
+
 def summary_table(result: dict) -> Table:
     table = Table(title=f"peer_trl: ours / TRL over seeds {result['seeds']}, {result['steps']} steps")
-    for name in ("s/step ratio", "every step", "accuracy ours - TRL", "PSS peak ratio", "PSS steady ratio"):
+    for name in ("s/step ratio", "every step", "accuracy ours - TRL", "95% interval", "PSS peak ratio",
+                 "PSS steady ratio"):
         table.add_column(name)
+    interval = result["accuracy_paired"].get("ci95")
     table.add_row(f"{result['s_per_step_ratio']:.2f}x", f"{result['s_per_step_ratio_all_steps']:.2f}x",
                   f"{100 * result['accuracy_ours_minus_trl']:+.1f} points",
+                  "-" if interval is None else f"{100 * interval[0]:+.1f} to {100 * interval[1]:+.1f}",
                   f"{result['peak_pss_ratio']:.2f}x", f"{result['steady_pss_ratio']:.2f}x")
     return table
 
@@ -395,6 +449,7 @@ def report(r: dict) -> str:
               f"(over every step: {r['s_per_step_ratio_all_steps']:.2f}x); "
               f"accuracy_ours_minus_trl (mean final accuracy): **{r['accuracy_ours_minus_trl']:+.3f}**; "
               f"PSS ours / TRL: peak {r['peak_pss_ratio']:.2f}x, steady {r['steady_pss_ratio']:.2f}x.",
+              paired_text(r["accuracy_paired"]),
               "Accuracy at step 0 (the same model and evaluator on both sides: ours through its rollout server, TRL's "
               "in memory; they should agree): "
               + ", ".join(f"{row['trainer']} seed {row['seed']} {row['evals'][0]['accuracy']:.1%}" for row in r["rows"])
@@ -454,6 +509,10 @@ def main() -> None:
     parser.add_argument("--root", default="runs/bench/peer_trl", help="folder of the runs (and of the warm-up)")
     parser.add_argument("--quick", action="store_true", help="a check that it works: 10 steps, 1 seed, eval every 5")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
+    parser.add_argument("--label", default="", help="results file peer_trl-LABEL-<date>")
+    parser.add_argument("--pool-with", type=Path, nargs="+", default=[], metavar="RECORD.json",
+                        help="earlier records of this benchmark (same steps, evaluations, start model; other seeds) "
+                             "whose runs the summary counts beside this run's")
     parser.add_argument("--trl-child", metavar="DIR", help=argparse.SUPPRESS)  # the TRL run, in its own process
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
@@ -472,7 +531,7 @@ def main() -> None:
     console.print(summary_table(result))
     text = report(result)
     for folder in [Path(args.root)] + ([RESULTS] if args.save else []):  # under --root always, --save or not
-        stem = save("peer_trl", result, text, folder)
+        stem = save("-".join(["peer_trl", *filter(None, [args.label])]), result, text, folder)
         plot(result, stem.with_suffix(".png"))
         console.print(f"result in {stem}.md, .json and .png")
 

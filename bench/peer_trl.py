@@ -342,8 +342,11 @@ def run(args, console: Console) -> dict:
     model = Path(args.start_model).resolve() if args.start_model else start_model(console, root, sft_steps)
     console.print(f"starting model: {model} (reuse it with --start-model {model})", soft_wrap=True)
     eval_every = args.eval_every if args.eval_every is not None else cfg.rl.eval_every_steps
-    start = args.start_model or f"SFT warm-up, {sft_steps} steps"
-    earlier = pooled_rows(args.pool_with, args.steps, eval_every, start, args.seeds)
+    settings = {"machine": machine(), "steps": args.steps, "eval_every": eval_every,
+                "start_model": args.start_model or f"SFT warm-up, {sft_steps} steps",
+                "versions": {"python": platform.python_version(),
+                             **{name: importlib.metadata.version(name) for name in ("torch", "trl", "transformers")}}}
+    earlier = pooled_rows(args.pool_with, settings, args.seeds)
     rows = []
     for seed in args.seeds:
         rows.append(run_ours(console, root, model, seed, args.steps, eval_every))
@@ -353,13 +356,10 @@ def run(args, console: Console) -> dict:
     rows = earlier + rows
     ours, trl = ([r for r in rows if r["trainer"] == name] for name in ("ours", "trl"))
     mean = lambda side, key: statistics.fmean(r[key] for r in side)  # noqa: E731
-    return {"benchmark": "peer_trl", "date": date.today().isoformat(), "machine": machine(),
-            "versions": {"python": platform.python_version(),
-                         **{name: importlib.metadata.version(name) for name in ("torch", "trl", "transformers")}},
-            "steps": args.steps, "seeds": sorted({r["seed"] for r in rows}), "eval_every": eval_every,
-            "pooled_with": [str(path) for path in args.pool_with],
+    return {"benchmark": "peer_trl", "date": date.today().isoformat(), **settings,
+            "seeds": sorted({r["seed"] for r in rows}), "pooled_with": [str(path) for path in args.pool_with],
             "trl_threads": args.trl_threads or f"torch's default ({os.cpu_count()}, every core)",
-            "start_model": start, "skip_steps": SKIP_STEPS, "last_evals": LAST_EVALS, "rows": rows,
+            "skip_steps": SKIP_STEPS, "last_evals": LAST_EVALS, "rows": rows,
             "accuracy_paired": paired_difference(ours, trl),
             "s_per_step_ratio": mean(ours, "s_per_step") / mean(trl, "s_per_step"),
             "s_per_step_ratio_all_steps": mean(ours, "s_per_step_all") / mean(trl, "s_per_step_all"),
@@ -368,20 +368,23 @@ def run(args, console: Console) -> dict:
             "steady_pss_ratio": mean(ours, "steady_mib") / mean(trl, "steady_mib")}
 
 
-def pooled_rows(records: list[Path], steps: int, eval_every: int, start: str, seeds: list[int]) -> list[dict]:
-    """The runs of earlier records of this benchmark (``--pool-with``), made under the same steps, evaluation
-    interval and starting model and on other seeds; anything else is refused (exit 2) before a run starts."""
+def pooled_rows(records: list[Path], settings: dict, seeds: list[int]) -> list[dict]:
+    """The runs of earlier records of this benchmark (``--pool-with``), made under the same ``settings`` (machine,
+    versions, steps, evaluation interval, starting model) and on other seeds; anything else is refused (exit 2)
+    before a run starts."""
     rows: list[dict] = []
     for path in records:
         record = json.loads(path.read_text())
-        for key, value in (("steps", steps), ("eval_every", eval_every), ("start_model", start)):
+        for key, value in settings.items():
             if record.get(key) != value:
                 refuse(f"--pool-with {path}: its {key} is {record.get(key)!r}, this run's {value!r}; "
                        "only records made under the same settings pool")
         rows += record["rows"]
-    repeated = sorted({r["seed"] for r in rows} & set(seeds))
+    runs = [(r["trainer"], r["seed"]) for r in rows] + [(trainer, seed) for seed in seeds for trainer in ("ours", "trl")]
+    repeated = sorted({seed for trainer, seed in runs if runs.count((trainer, seed)) > 1})
     if repeated:
-        refuse(f"--pool-with: seeds {repeated} are in the earlier records already; run other seeds")
+        refuse(f"--pool-with: seeds {repeated} would count twice (in two records, or in a record and this run); "
+               "pool records of other seeds and run other seeds")
     return rows
 
 

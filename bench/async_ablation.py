@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, record_name, run_and_record  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     args = parser.parse_args()
     args.start_model = args.start_model.resolve()
-    run_and_record("-".join(["async_ablation", *filter(None, [args.label])]), args, run, report)
+    run_and_record(record_name("async_ablation", args.label), args, run, report)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from datetime import date
 from pathlib import Path
 
@@ -66,7 +67,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from async_vs_sync import cpu_seconds  # noqa: E402
-from recording import RESULTS, machine, machine_and_versions, save  # noqa: E402
+from recording import RESULTS, machine, machine_and_versions, record_name, save  # noqa: E402
 from run_processes import process_tree, pss_mib  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
@@ -380,8 +381,8 @@ def pooled_rows(records: list[Path], settings: dict, seeds: list[int]) -> list[d
                 refuse(f"--pool-with {path}: its {key} is {record.get(key)!r}, this run's {value!r}; "
                        "only records made under the same settings pool")
         rows += record["rows"]
-    runs = [(r["trainer"], r["seed"]) for r in rows] + [(trainer, seed) for seed in seeds for trainer in ("ours", "trl")]
-    repeated = sorted({seed for trainer, seed in runs if runs.count((trainer, seed)) > 1})
+    runs = Counter([(r["trainer"], r["seed"]) for r in rows] + [(side, seed) for seed in seeds for side in ("ours", "trl")])
+    repeated = sorted({seed for (_, seed), count in runs.items() if count > 1})
     if repeated:
         refuse(f"--pool-with: seeds {repeated} would count twice (in two records, or in a record and this run); "
                "pool records of other seeds and run other seeds")
@@ -514,29 +515,31 @@ def main() -> None:
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     parser.add_argument("--label", default="", help="results file peer_trl-LABEL-<date>")
     parser.add_argument("--pool-with", type=Path, nargs="+", default=[], metavar="RECORD.json",
-                        help="earlier records of this benchmark (same steps, evaluations, start model; other seeds) "
-                             "whose runs the summary counts beside this run's")
+                        help="earlier records of this benchmark (same machine, versions, steps, evaluations and start "
+                             "model; other seeds) whose runs the summary counts beside this run's")
     parser.add_argument("--trl-child", metavar="DIR", help=argparse.SUPPRESS)  # the TRL run, in its own process
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
-        print(INSTALL, file=sys.stderr)
-        sys.exit(2)
+        refuse(INSTALL)
     if args.trl_child:
         trl_child(Path(args.trl_child), Path(args.start_model), args.seeds[0], args.steps, args.eval_every)
         return
     if args.quick and args.save:
-        print("--quick checks that the benchmark works; its numbers are not recorded (drop --save)", file=sys.stderr)
-        sys.exit(2)
+        refuse("--quick checks that the benchmark works; its numbers are not recorded (drop --save)")
     if args.quick:
         args.steps, args.seeds, args.eval_every = 10, args.seeds[:1], 5
     console = Console()
     result = run(args, console)
     console.print(summary_table(result))
     text = report(result)
-    for folder in [Path(args.root)] + ([RESULTS] if args.save else []):  # under --root always, --save or not
-        stem = save("-".join(["peer_trl", *filter(None, [args.label])]), result, text, folder)
-        plot(result, stem.with_suffix(".png"))
-        console.print(f"result in {stem}.md, .json and .png")
+    name = record_name("peer_trl", args.label)
+    stem = save(name, result, text, Path(args.root))  # under --root, --save or not
+    plot(result, stem.with_suffix(".png"))
+    console.print(f"result in {stem}.md, .json and .png")
+    if args.save:
+        recorded = save(name, result, text)
+        shutil.copyfile(stem.with_suffix(".png"), recorded.with_suffix(".png"))
+        console.print(f"recorded {recorded}.md, .json and .png")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,11 @@ def machine_and_versions(result: dict) -> str:
     return f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + "."
 
 
+def record_name(benchmark: str, label: str = "") -> str:
+    """A record's name before its date: the benchmark's, with ``--label`` after it when one is given."""
+    return f"{benchmark}-{label}" if label else benchmark
+
+
 def save(name: str, result: dict, text: str, folder: Path = RESULTS) -> Path:
     """Write ``<name>-<date>.md`` (the table) and ``.json`` (the numbers) in ``folder`` (bench/results/ by
     default); returns the path stem."""

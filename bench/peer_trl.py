@@ -375,7 +375,12 @@ def pooled_rows(records: list[Path], settings: dict, seeds: list[int]) -> list[d
     before a run starts."""
     rows: list[dict] = []
     for path in records:
-        record = json.loads(path.read_text())
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            refuse(f"--pool-with {path}: not a readable JSON record of this benchmark ({error})")
+        if not isinstance(record, dict) or record.get("benchmark") != "peer_trl" or not isinstance(record.get("rows"), list):
+            refuse(f"--pool-with {path}: not a record of peer_trl (a bench/results/peer_trl-*.json)")
         for key, value in settings.items():
             if record.get(key) != value:
                 refuse(f"--pool-with {path}: its {key} is {record.get(key)!r}, this run's {value!r}; "

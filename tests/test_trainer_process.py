@@ -45,9 +45,12 @@ with TrainerProcess.start(cfg, False) as trainer:
             trainer.update(batch)
         except Exception as exc:
             print(type(exc).__name__, exc)
+    elif case == "closed":  # a run that fails ends the block without stop(): the end of the pipe ends the child
+        pass
     elif case == "orphaned":
         print(child, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+print("child exit code:", trainer._process.exitcode)
 """
 
 
@@ -76,6 +79,13 @@ def test_a_child_that_dies_fails_the_next_call_with_its_exit_code(tiny_model_dir
     done = run_case(tiny_model_dir, tmp_path, "killed")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "TrainerProcessError trainer rank 0's training process ended unasked (exit code -9)" in done.stdout
+
+
+def test_a_parent_that_closes_without_stop_sees_the_child_end_by_itself(tiny_model_dir, tmp_path):
+    """Not killed after the parent's join timeout (-9): the end of the pipe reached it."""
+    done = run_case(tiny_model_dir, tmp_path, "closed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child exit code: 0" in done.stdout
 
 
 def test_the_child_ends_with_its_parent(tiny_model_dir, tmp_path):

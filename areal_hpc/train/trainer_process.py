@@ -76,7 +76,7 @@ class TrainerProcess:
         parent-death signal follows it) and wait until it has built its engines."""
         context = multiprocessing.get_context("fork")
         ours, theirs = context.Pipe()
-        process = context.Process(target=_serve, args=(theirs, cfg, resume), name="trainer rank 0 training")
+        process = context.Process(target=_serve, args=(theirs, ours, cfg, resume), name="trainer rank 0 training")
         # Neither process's collector scans what was there at the fork: the child's copies none of those
         # pages, and the parent's full collections (0.2-0.3 s of the interpreter's lock every ~20
         # quickstart steps over torch's and transformers' objects) stay small. Unfrozen at the end.
@@ -150,14 +150,17 @@ def _close(connection, process) -> None:
         process.join()
 
 
-def _serve(connection, cfg: RunConfig, resume: bool) -> None:
-    """The child: trainer rank 0, answering the parent's calls until ``stop`` or the end of the pipe."""
+def _serve(connection, parents_end, cfg: RunConfig, resume: bool) -> None:
+    """The child: trainer rank 0, answering the parent's calls until ``stop`` or the end of the pipe.
+    The fork copied the parent's end of the pipe too: closed first, or the parent closing its own would
+    never reach the child as the end of the pipe (a failed run then waited ``JOIN_TIMEOUT_S`` to kill it)."""
     from areal_hpc.parallel.mesh import close_distributed
     from areal_hpc.runtime.forkserver import PR_SET_PDEATHSIG, _prctl
     from areal_hpc.train.build import build_engines, start_trainer
     from areal_hpc.train.stopping import STOP_SIGNALS
     from areal_hpc.train.trainer_group import TrainerGroup
 
+    parents_end.close()
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     for signum in (*STOP_SIGNALS, signal.SIGINT):  # the parent decides (a terminal's Ctrl-C reaches both)
         signal.signal(signum, signal.SIG_IGN)

@@ -34,6 +34,7 @@ SETTINGS = {
     "eta1": ["rollout.max_head_offpolicyness=1"],
     "eta2": ["rollout.max_head_offpolicyness=2"],
     "eta4": ["rollout.max_head_offpolicyness=4"],
+    "eta1_noninterruptible": ["rollout.max_head_offpolicyness=1", "rl.interruptible=false"],
     "eta2_noninterruptible": ["rollout.max_head_offpolicyness=2", "rl.interruptible=false"],
     "eta2_cap2": ["rollout.max_head_offpolicyness=2", "actor.behav_imp_weight_cap=2.0"],
     "eta2_mask2": ["rollout.max_head_offpolicyness=2", "actor.behav_correction=mask", "actor.behav_imp_weight_cap=2.0"],

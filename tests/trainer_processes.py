@@ -17,7 +17,6 @@ import atexit
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -67,7 +66,7 @@ def main(model: str, out: str, overrides: list[str]) -> None:
 
 # What every rank script imports, imported once by one fork server for the session's ranks (the
 # launcher's, on CPU): a rank starts as a fork of it in ~0.1 s instead of ~4 s of imports.
-RANK_PRELOAD = ("areal_hpc.train.build",)  # Megatron's ranks start fresh (see run_ranks)
+RANK_PRELOAD = ("areal_hpc.train.build", "areal_hpc.engines.megatron.engine")
 _rank_forks: list[ForkServer] = []
 
 
@@ -103,16 +102,8 @@ def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
     command = [sys.executable, "-m", module, str(model), str(out), *overrides]
     envs = [{**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
              "OMP_NUM_THREADS": "1"} for r in range(world)]
-    if "megatron" in module:  # the Megatron rank scripts: tests.megatron_ranks, tests.test_megatron_*
-        # Megatron's ranks start as fresh interpreters: forked from the shared server, its FSDP
-        # checkpoint round trip restored a step 1.4e-3 off in 2 of 6 runs (0 of 5 fresh); cause not found
-        ranks = []
-        for r, path in enumerate(logs):
-            with open(path, "w") as log:  # the rank holds its own copy of the descriptor
-                ranks.append(subprocess.Popen(command, cwd=REPO, env=envs[r], stdout=log, stderr=subprocess.STDOUT))
-    else:
-        with adopting_ranks() as forks:
-            ranks = [forks.spawn(f"rank{r}", command, envs[r], None, logs[r]) for r in range(world)]
+    with adopting_ranks() as forks:
+        ranks = [forks.spawn(f"rank{r}", command, envs[r], None, logs[r]) for r in range(world)]
     try:
         codes = [p.wait(timeout=timeout) for p in ranks]
         assert codes == [0] * world, "\n".join(f"rank {r} exited {code}:\n{failure(logs[r])}"

@@ -1,0 +1,112 @@
+"""Does a run learn more slowly, or does it only score differently under the greedy evaluation?
+
+    .venv/bin/python bench/reward_by_version.py \
+        --runs "ours=/tmp/peer30/ours-seed{seed}/quickstart/trial0/metrics.jsonl" \
+        --baseline "trl=/tmp/peer30/trl-seed{seed}/quickstart/trial0/metrics.jsonl" --seeds 11 ... 30 [--save]
+
+Reads finished runs' metrics.jsonl (``areal-hpc train``'s, or the TRL runs of ``peer_trl.py``, which write
+the same names) and compares each run with the baseline's run of the same seed twice:
+
+- final greedy held-out accuracy (the mean of the last three evaluations), as the other benchmarks do;
+- the training reward (``rollout/reward``: the mean reward of the step's sampled answers) **of the same
+  policy version**: a run whose batches are on average k versions stale (``staleness/mean``, rounded;
+  0 without it) trains at step s + k on answers drawn by about the policy that drew the baseline's batch at
+  step s. Compared over the second half of the run. Equal rewards per version mean that each update
+  improved the sampled policy as much as the baseline's did.
+
+Reported as points, the mean over seeds ± its standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from recording import machine, record_name, run_and_record  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from areal_hpc.fsio import read_json_lines  # noqa: E402
+
+LAST_EVALS = 3
+
+
+def run_summary(metrics: Path) -> dict:
+    """A run's rewards by step, mean staleness and final accuracy (mean of its last evaluations)."""
+    records = read_json_lines(metrics)
+    steps = sorted((r for r in records if "rollout/reward" in r and "time/step" in r), key=lambda r: r["step"])
+    staleness = [r["staleness/mean"] for r in records if "staleness/mean" in r]
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    return {"rewards": [r["rollout/reward"] for r in steps], "staleness": float(np.mean(staleness)) if staleness else 0.0,
+            "final": float(np.mean(evals[-LAST_EVALS:]))}
+
+
+def version_aligned_reward_gap(run: dict, baseline: dict) -> float:
+    """Mean training reward of ``run`` at steps s + lag minus ``baseline``'s at steps s, s over the second half
+    of the baseline's run; lag = the difference of the two runs' mean staleness, rounded."""
+    lag = round(run["staleness"] - baseline["staleness"])
+    ours, theirs = run["rewards"], baseline["rewards"]
+    steps = range(len(theirs) // 2, min(len(theirs), len(ours) - lag))
+    return float(np.mean([ours[s + lag] for s in steps]) - np.mean([theirs[s] for s in steps]))
+
+
+def mean_and_error(values: list[float]) -> str:
+    return f"{np.mean(values):+.2f} ± {np.std(values, ddof=1) / np.sqrt(len(values)):.2f}"
+
+
+def paired_gaps(runs: dict[int, dict], baseline: dict[int, dict]) -> dict[str, list[float]]:
+    """Per seed both ran: final accuracy and same-version training reward, run minus baseline, in points."""
+    seeds = sorted(set(runs) & set(baseline))
+    return {"seeds": seeds,
+            "accuracy": [100 * (runs[s]["final"] - baseline[s]["final"]) for s in seeds],
+            "reward": [100 * version_aligned_reward_gap(runs[s], baseline[s]) for s in seeds]}
+
+
+def _labelled(text: str) -> tuple[str, str]:
+    label, _, pattern = text.partition("=")
+    if not pattern or "{seed}" not in pattern:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=PATH with {{seed}} in PATH")
+    return label, pattern
+
+
+def run(args) -> dict:
+    sides = {}
+    for label, pattern in [args.baseline, *args.runs]:
+        sides[label] = {seed: run_summary(Path(pattern.format(seed=seed))) for seed in args.seeds}
+    base_label = args.baseline[0]
+    return {"date": datetime.date.today().isoformat(), "machine": machine(), "baseline": base_label,
+            "patterns": dict([args.baseline, *args.runs]),
+            "comparisons": {label: paired_gaps(sides[label], sides[base_label]) for label, _ in args.runs},
+            "staleness": {label: float(np.mean([r["staleness"] for r in runs.values()])) for label, runs in sides.items()}}
+
+
+def report(result: dict) -> str:
+    base = result["baseline"]
+    lines = [f"# Learning per update or the greedy score? ({result['date']})", "",
+             f"Runs read on {result['machine']}: " + "; ".join(f"{label}: `{pattern}`"
+                                                         for label, pattern in result["patterns"].items()), "",
+             f"| run minus {base} | seeds | mean staleness | final greedy accuracy (points) | "
+             "training reward of the same policy version, 2nd half (points) |", "|---|---|---|---|---|"]
+    for label, gaps in result["comparisons"].items():
+        lines.append(f"| {label} | {len(gaps['seeds'])} | {result['staleness'][label]:.2f} | "
+                     f"{mean_and_error(gaps['accuracy'])} | {mean_and_error(gaps['reward'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", type=_labelled, required=True, help="LABEL=PATH, {seed} in PATH")
+    parser.add_argument("--runs", type=_labelled, nargs="+", required=True, help="LABEL=PATH ..., {seed} in PATH")
+    parser.add_argument("--seeds", type=int, nargs="+", required=True)
+    parser.add_argument("--label", default="", help="results file reward_by_version-LABEL-<date>")
+    parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
+    args = parser.parse_args()
+    run_and_record(record_name("reward_by_version", args.label), args, run, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -66,7 +66,7 @@ def paired_gaps(runs: dict[int, dict], baseline: dict[int, dict]) -> dict[str, l
             "reward": [100 * version_aligned_reward_gap(runs[s], baseline[s]) for s in seeds]}
 
 
-def _labelled(text: str) -> tuple[str, str]:
+def labelled(text: str) -> tuple[str, str]:
     label, _, pattern = text.partition("=")
     if not pattern or "{seed}" not in pattern:
         raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=PATH with {{seed}} in PATH")
@@ -99,8 +99,8 @@ def report(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", type=_labelled, required=True, help="LABEL=PATH, {seed} in PATH")
-    parser.add_argument("--runs", type=_labelled, nargs="+", required=True, help="LABEL=PATH ..., {seed} in PATH")
+    parser.add_argument("--baseline", type=labelled, required=True, help="LABEL=PATH, {seed} in PATH")
+    parser.add_argument("--runs", type=labelled, nargs="+", required=True, help="LABEL=PATH ..., {seed} in PATH")
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
     parser.add_argument("--label", default="", help="results file reward_by_version-LABEL-<date>")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")

@@ -20,13 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from areal_hpc.fsio import read_json_lines
+
 sys.path.insert(0, str(Path(__file__).parent))
 from recording import machine, record_name, run_and_record  # noqa: E402
 from reward_by_version import labelled, mean_and_error  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from areal_hpc.fsio import read_json_lines  # noqa: E402
 
 
 def scores(run_dir: Path, config: Path, samples: int) -> dict:

@@ -26,11 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.fsio import read_json_lines
+
 sys.path.insert(0, str(Path(__file__).parent))
 from recording import machine, record_name, run_and_record  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from areal_hpc.fsio import read_json_lines  # noqa: E402
 
 LAST_EVALS = 3
 

@@ -24,7 +24,7 @@ from areal_hpc.fsio import read_json_lines
 
 sys.path.insert(0, str(Path(__file__).parent))
 from recording import machine, record_name, run_and_record  # noqa: E402
-from reward_by_version import labelled, mean_and_error  # noqa: E402
+from reward_by_version import add_pairing_arguments, mean_and_error  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,9 +71,7 @@ def report(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", type=labelled, required=True, help="LABEL=RUN_DIR, {seed} in RUN_DIR")
-    parser.add_argument("--runs", type=labelled, nargs="+", required=True, help="LABEL=RUN_DIR ..., {seed} in it")
-    parser.add_argument("--seeds", type=int, nargs="+", required=True)
+    add_pairing_arguments(parser, "RUN_DIR")
     parser.add_argument("--samples", type=int, default=16, help="answers sampled a problem (pass@1 over them)")
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "quickstart.yaml")
     parser.add_argument("--label", default="", help="results file greedy_vs_sampled-LABEL-<date>")

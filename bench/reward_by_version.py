@@ -72,6 +72,13 @@ def labelled(text: str) -> tuple[str, str]:
     return label, pattern
 
 
+def add_pairing_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """--baseline LABEL=WHAT, --runs LABEL=WHAT ... (``{seed}`` in WHAT) and --seeds: runs paired by seed."""
+    parser.add_argument("--baseline", type=labelled, required=True, help=f"LABEL={what}, {{seed}} in {what}")
+    parser.add_argument("--runs", type=labelled, nargs="+", required=True, help=f"LABEL={what} ..., {{seed}} in each")
+    parser.add_argument("--seeds", type=int, nargs="+", required=True)
+
+
 def run(args) -> dict:
     sides = {}
     for label, pattern in [args.baseline, *args.runs]:
@@ -98,9 +105,7 @@ def report(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", type=labelled, required=True, help="LABEL=PATH, {seed} in PATH")
-    parser.add_argument("--runs", type=labelled, nargs="+", required=True, help="LABEL=PATH ..., {seed} in PATH")
-    parser.add_argument("--seeds", type=int, nargs="+", required=True)
+    add_pairing_arguments(parser, "PATH")
     parser.add_argument("--label", default="", help="results file reward_by_version-LABEL-<date>")
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     args = parser.parse_args()

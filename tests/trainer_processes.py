@@ -64,8 +64,9 @@ def main(model: str, out: str, overrides: list[str]) -> None:
         follow(actor, engines, mesh)
 
 
-# What every rank script imports, imported once by one fork server for the session's ranks (the
-# launcher's, on CPU): a rank starts as a fork of it in ~0.1 s instead of ~4 s of imports.
+# What the rank scripts import (the trainer, and Megatron's engine for its rank scripts), imported once by
+# one fork server for the session's ranks (as the launcher's, on CPU): a rank starts as a fork of it in
+# ~0.1 s instead of 4-7.5 s of imports.
 RANK_PRELOAD = ("areal_hpc.train.build", "areal_hpc.engines.megatron.engine")
 _rank_forks: list[ForkServer] = []
 

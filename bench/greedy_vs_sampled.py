@@ -24,7 +24,7 @@ from areal_hpc.fsio import read_json_lines
 
 sys.path.insert(0, str(Path(__file__).parent))
 from recording import machine, record_name, run_and_record  # noqa: E402
-from reward_by_version import add_pairing_arguments, mean_and_error  # noqa: E402
+from reward_by_version import add_pairing_arguments, mean_and_error, paired_paths  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,11 +39,11 @@ def scores(run_dir: Path, config: Path, samples: int) -> dict:
 
 
 def run(args) -> dict:
-    sides = {}
-    for label, pattern in [args.baseline, *args.runs]:
+    sides: dict[str, dict[int, dict]] = {}
+    for label, runs in paired_paths(args).items():
         sides[label] = {}
-        for seed in args.seeds:
-            sides[label][seed] = scores(Path(pattern.format(seed=seed)), args.config, args.samples)
+        for seed, run_dir in runs.items():
+            sides[label][seed] = scores(run_dir, args.config, args.samples)
             print(f"{label} seed {seed}: {sides[label][seed]}", flush=True)
     base = sides[args.baseline[0]]
     comparisons = {label: {kind: [100 * (sides[label][s][kind] - base[s][kind]) for s in args.seeds]

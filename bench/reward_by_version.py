@@ -79,10 +79,22 @@ def add_pairing_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", required=True)
 
 
+def paired_paths(args) -> dict[str, dict[int, Path]]:
+    """Each label's path for each seed (baseline first); a missing one is refused in one line (exit 2)
+    before anything is read or run."""
+    paths = {label: {seed: Path(pattern.format(seed=seed)) for seed in args.seeds}
+             for label, pattern in [args.baseline, *args.runs]}
+    missing = [(label, seed, path) for label, runs in paths.items() for seed, path in runs.items() if not path.exists()]
+    if missing:
+        label, seed, path = missing[0]
+        print(f"{label} seed {seed}: {path} does not exist ({len(missing)} of the paths are missing); "
+              "each --baseline/--runs pattern must name a finished run for every --seeds value", file=sys.stderr)
+        sys.exit(2)
+    return paths
+
+
 def run(args) -> dict:
-    sides = {}
-    for label, pattern in [args.baseline, *args.runs]:
-        sides[label] = {seed: run_summary(Path(pattern.format(seed=seed))) for seed in args.seeds}
+    sides = {label: {seed: run_summary(path) for seed, path in runs.items()} for label, runs in paired_paths(args).items()}
     base_label = args.baseline[0]
     return {"date": datetime.date.today().isoformat(), "machine": machine(), "baseline": base_label,
             "patterns": dict([args.baseline, *args.runs]),

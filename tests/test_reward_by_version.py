@@ -39,16 +39,29 @@ def write_run(folder: Path, rewards: list[float], staleness: float, accuracy: li
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + evals))
 
 
+def pair_runs(tmp_path: Path, *seeds: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "bench/reward_by_version.py",
+                           "--baseline", f"sync={tmp_path}/sync{{seed}}/metrics.jsonl",
+                           "--runs", f"async={tmp_path}/async{{seed}}/metrics.jsonl", "--seeds", *seeds],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
 def test_the_command_pairs_runs_by_seed(tmp_path):
     for seed, (gap, accuracy_gap) in {1: (0.02, -0.01), 2: (0.04, -0.03)}.items():
         curve = [0.3 + 0.01 * s for s in range(40)]
         write_run(tmp_path / f"sync{seed}", curve, 0.0, [0.5, 0.6, 0.7, 0.8])
         write_run(tmp_path / f"async{seed}", [0.3] + [r + gap for r in curve], 1.0,
                   [0.5, 0.6, 0.7 + accuracy_gap, 0.8 + accuracy_gap])
-    done = subprocess.run([sys.executable, "bench/reward_by_version.py",
-                           "--baseline", f"sync={tmp_path}/sync{{seed}}/metrics.jsonl",
-                           "--runs", f"async={tmp_path}/async{{seed}}/metrics.jsonl", "--seeds", "1", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = pair_runs(tmp_path, "1", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     # final accuracy: the mean of the last 3 evaluations, so 2/3 of each run's offset; rewards: 2 and 4 points
     assert "| async | 2 | 1.00 | -1.33 ± 0.67 | +3.00 ± 1.00 |" in done.stdout
+
+
+def test_a_seed_without_a_run_is_refused_in_one_line_before_anything_is_read(tmp_path):
+    write_run(tmp_path / "sync1", [0.5] * 10, 0.0, [0.5, 0.6, 0.7])
+    done = pair_runs(tmp_path, "1")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (f"async seed 1: {tmp_path}/async1/metrics.jsonl does not exist (1 of the paths are "
+                                   "missing); each --baseline/--runs pattern must name a finished run for every "
+                                   "--seeds value")

@@ -278,8 +278,14 @@ class ActorConfig:
     eps_clip_high: float = spec(0.0, "upper clip range (DAPO clip-higher); 0 means eps_clip", ge=0.0)
     importance_level: str = spec("token", "importance ratio per token (PPO) or per sequence (GSPO)",
                                  choices=["token", "sequence"])
+    decoupled_loss: bool = spec(True, "decoupled PPO (AReaL): the ratio and its clip against the policy before this "
+                                "step (π_prox), the behaviour weight π_prox/π_behav beside them; false: PPO's own, "
+                                "the ratio and clip against the policy that sampled each token")
     behav_correction: str = spec("cap", "decoupled PPO: cap the behaviour weight, mask tokens beyond the cap, "
                                  "mask by the KPop criterion, or none", choices=["cap", "mask", "kpop", "none"])
+    behav_weight_level: str = spec("token", "decoupled PPO: the behaviour weight π_prox/π_behav of each token, or "
+                                   "of its whole sequence (the product over the sequence's trained tokens)",
+                                   choices=["token", "sequence"])
     behav_imp_weight_cap: float = spec(5.0, "cap of the behaviour importance weight (decoupled PPO)", gt=0.0)
     kpop_threshold: float = spec(2.0, "KPop: mask tokens whose binary KL (either direction) exceeds this", gt=0.0)
     policy_loss: str = spec("ppo", "policy objective: ppo (clipped ratio), sapo (soft sigmoid gate instead of the "

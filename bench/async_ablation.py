@@ -44,6 +44,18 @@ SETTINGS = {
     "eta2_lr1e-4": ["rollout.max_head_offpolicyness=2", "actor.lr=1e-4"],
     "eta2_lr1e-3": ["rollout.max_head_offpolicyness=2", "actor.lr=1e-3"],
     "eta0_lr1e-4": ["rollout.max_head_offpolicyness=0", "actor.lr=1e-4"],
+    # 2026-12-01: at 3e-4 asynchrony costs several points in 100 steps (at 1e-4 under one): which change removes it?
+    "eta0_lr3e-4": ["rollout.max_head_offpolicyness=0", "actor.lr=3e-4"],
+    "eta2_lr3e-4": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4"],
+    "eta1_lr3e-4": ["rollout.max_head_offpolicyness=1", "actor.lr=3e-4"],
+    "eta0_lr3e-4_drgrpo": ["rollout.max_head_offpolicyness=0", "actor.lr=3e-4", "actor.adv_estimator=dr_grpo"],
+    "eta2_lr3e-4_drgrpo": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "actor.adv_estimator=dr_grpo"],
+    "eta2_lr3e-4_seqw": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "actor.tree_training=off",
+                         "actor.behav_weight_level=sequence"],
+    "eta2_coupled": ["rollout.max_head_offpolicyness=2", "actor.decoupled_loss=false"],
+    "eta2_lr3e-4_coupled": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "actor.decoupled_loss=false"],
+    "eta2_lr3e-4_nocorrection": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "actor.behav_correction=none"],
+    "eta2_lr3e-4_float32": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "model.compute_dtype=float32"],
     "eta2_lr5e-5": ["rollout.max_head_offpolicyness=2", "actor.lr=5e-5"],
     "eta2_minibatches4": ["rollout.max_head_offpolicyness=2", "actor.ppo_n_minibatches=4"],
     "eta2_dynamic": ["rollout.max_head_offpolicyness=2", "actor.dynamic_sampling=true"],
@@ -81,6 +93,9 @@ def run_one(args, setting: str, seed: int) -> dict:
             "seconds": json.loads(done.read_text())["seconds"],
             "behav_weight_dev": float(np.mean([r["actor/behav_weight_dev"] for r in steps])),
             "behav_capped_fraction": float(np.mean([r["actor/behav_capped_fraction"] for r in steps])),
+            # the mean of w = π_prox/π_behav is 1 when the recorded logprobs are the sampler's (runs before
+            # 2026-12-01 did not log it)
+            "behav_weight_mean": float(np.mean([r.get("actor/behav_weight_mean", np.nan) for r in steps])),
             "entropy_end": float(np.mean([r["actor/entropy"] for r in steps[-20:]])),
             "staleness": float(np.mean([r["staleness/mean"] for r in steps])),
             "s_per_step": float(np.mean([r["time/step"] - r.get("time/eval_wait", 0.0) for r in timed]))}
@@ -107,8 +122,8 @@ def report(result: dict) -> str:
              f"machine: {result['machine']}; {result['steps']} RL steps per run, greedy accuracy on "
              f"{result['eval_size']} held-out problems every {result['eval_every']} steps; final = mean of the "
              f"last 3 evaluations; start model {result['start_model']}", "",
-             "| setting | overrides | seeds | start | peak | final | final - eta0 | behaviour weight dev | capped | "
-             "entropy (last 20 steps) | staleness | s/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| setting | overrides | seeds | start | peak | final | final - eta0 | behaviour weight dev | mean w | capped | "
+             "entropy (last 20 steps) | staleness | s/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_setting: dict[str, list[dict]] = {}
     for row in result["runs"]:
         by_setting.setdefault(row["setting"], []).append(row)
@@ -121,6 +136,7 @@ def report(result: dict) -> str:
                      f"{100 * np.mean([r['start'] for r in rows]):.1f} | {100 * np.mean([r['peak'] for r in rows]):.1f} | "
                      f"**{100 * final:.1f}** ± {100 * spread:.1f} | {delta} | "
                      f"{np.mean([r['behav_weight_dev'] for r in rows]):.3f} | "
+                     f"{np.mean([r.get('behav_weight_mean', np.nan) for r in rows]):.4f} | "
                      f"{np.mean([r['behav_capped_fraction'] for r in rows]):.4f} | "
                      f"{np.mean([r['entropy_end'] for r in rows]):.3f} | "
                      f"{np.mean([r.get('staleness', np.nan) for r in rows]):.2f} | "

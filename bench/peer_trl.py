@@ -153,26 +153,29 @@ def fresh(folder: Path) -> Path:
     return folder
 
 
-def run_ours(console: Console, root: Path, model: Path, seed: int, steps: int, eval_every: int) -> dict:
+def run_ours(console: Console, root: Path, model: Path, seed: int, steps: int, eval_every: int,
+             extra: list[str]) -> dict:
     fileroot = fresh(root / f"ours-seed{seed}")
     command = [sys.executable, "-m", "areal_hpc", "train", "--config", CONFIG,
-               *run_overrides(model, seed, steps, eval_every), f"cluster.fileroot={fileroot}",
+               *run_overrides(model, seed, steps, eval_every, extra), f"cluster.fileroot={fileroot}",
                "saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false"]
     tracked = run_tracked(console, f"ours, seed {seed}", command, fileroot / RUN_FILE, steps, fileroot / "log.txt")
     return {"trainer": "ours", "seed": seed} | curve(fileroot / RUN_FILE) | tracked
 
 
 def run_trl(console: Console, root: Path, model: Path, seed: int, steps: int, eval_every: int,
-            threads: int) -> dict:
+            extra: list[str], threads: int, steps_per_generation: int) -> dict:
     fileroot = fresh(root / f"trl-seed{seed}")
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(fileroot), "--start-model",
-               str(model), "--seeds", str(seed), "--steps", str(steps), "--eval-every", str(eval_every)]
+               str(model), "--seeds", str(seed), "--steps", str(steps), "--eval-every", str(eval_every),
+               "--trl-steps-per-generation", str(steps_per_generation), *(f"--set={kv}" for kv in extra)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None  # as ours sets its processes'
     tracked = run_tracked(console, f"TRL, seed {seed}", command, fileroot / RUN_FILE, steps, fileroot / "log.txt", env)
     return {"trainer": "trl", "seed": seed} | curve(fileroot / RUN_FILE) | tracked
 
 
-def trl_child(fileroot: Path, model_dir: Path, seed: int, steps: int, eval_every: int) -> None:
+def trl_child(fileroot: Path, model_dir: Path, seed: int, steps: int, eval_every: int, extra: list[str],
+              steps_per_generation: int) -> None:
     """GRPOTrainer on the quickstart task (see the module docstring); writes ``fileroot/RUN_FILE``."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -190,7 +193,7 @@ def trl_child(fileroot: Path, model_dir: Path, seed: int, steps: int, eval_every
     from areal_hpc.train.metrics import MetricsLogger
     from areal_hpc.train.task_setup import open_task, reward_pool
 
-    cfg = load_config(CONFIG, run_overrides(model_dir, seed, steps, eval_every))
+    cfg = load_config(CONFIG, run_overrides(model_dir, seed, steps, eval_every, extra))
     if unmatched := trl_cannot_follow(cfg):
         raise SystemExit(f"{CONFIG} sets what this mapping onto GRPOConfig does not carry: {', '.join(unmatched)}")
     tokenizer = load_tokenizer(model_dir)
@@ -198,7 +201,9 @@ def trl_child(fileroot: Path, model_dir: Path, seed: int, steps: int, eval_every
     task = open_task(cfg, tokenizer, model_dir)
     k, per_step = cfg.gconfig.n_samples, cfg.rollout.consumer_batch_size
     stream = PromptStream(task.train, cfg.experiment.seed)
-    order = [next(stream) for _ in range(steps * per_step)]  # the order ours' rollout controller draws them in
+    # TRL draws whole generations of ``steps_per_generation`` steps: the last may reach past the steps it trains
+    generated_steps = math.ceil(steps / steps_per_generation) * steps_per_generation
+    order = [next(stream) for _ in range(generated_steps * per_step)]  # the order ours' rollout controller draws
     examples = {ex.uid: ex for ex in order}
     rendered = {ex.uid: example_prompt_ids(tokenizer, ex) for ex in order}  # once per prompt, as ours caches them
     dataset = Dataset.from_dict({"prompt": [list(ex.messages) or [{"role": "user", "content": ex.prompt}]
@@ -223,7 +228,8 @@ def trl_child(fileroot: Path, model_dir: Path, seed: int, steps: int, eval_every
     gen = cfg.gconfig
     args = GRPOConfig(
         output_dir=str(fileroot / "trl"), seed=seed, max_steps=steps, per_device_train_batch_size=per_step * k,
-        gradient_accumulation_steps=1, num_generations=k, steps_per_generation=1, num_iterations=1,
+        gradient_accumulation_steps=1, num_generations=k, steps_per_generation=steps_per_generation,
+        num_iterations=1,
         shuffle_dataset=False, max_completion_length=gen.max_new_tokens, temperature=gen.temperature,
         top_p=gen.top_p, top_k=max(0, gen.top_k), learning_rate=cfg.actor.lr,
         max_grad_norm=cfg.optimizer.gradient_clipping, beta=cfg.actor.kl_ctl, epsilon=cfg.actor.eps_clip,
@@ -261,8 +267,8 @@ def trl_child(fileroot: Path, model_dir: Path, seed: int, steps: int, eval_every
     finally:
         rewards.close()
         metrics.close()
-    if checked.batches != steps:
-        raise SystemExit(f"TRL generated {checked.batches} batches, expected {steps}: the prompt check did not "
+    if checked.rows != generated_steps * per_step * k:
+        raise SystemExit(f"TRL generated {checked.rows} rows, expected {generated_steps * per_step * k}: the prompt check did not "
                          f"see every batch")
 
 
@@ -303,10 +309,11 @@ def trl_cannot_follow(cfg) -> list[str]:
     return [key for key, holds in checks.items() if not holds]
 
 
-def run_overrides(model_dir: Path, seed: int, steps: int, eval_every: int) -> list[str]:
-    """The quickstart as both sides run it here: ours on its command line, TRL reads its knobs from it."""
+def run_overrides(model_dir: Path, seed: int, steps: int, eval_every: int, extra: list[str]) -> list[str]:
+    """The quickstart as both sides run it here (with ``--set``'s ``extra`` overrides): ours on its command
+    line, TRL reads its knobs from it."""
     return [f"model.path={model_dir}", "rl.sft_warmup_steps=0", f"rl.total_train_steps={steps}",
-            f"rl.eval_every_steps={eval_every}", f"experiment.seed={seed}"]
+            f"rl.eval_every_steps={eval_every}", f"experiment.seed={seed}", *extra]
 
 
 def start_model(console: Console, root: Path, sft_steps: int) -> Path:
@@ -347,12 +354,17 @@ def run(args, console: Console) -> dict:
                 "start_model": args.start_model or f"SFT warm-up, {sft_steps} steps",
                 "versions": {"python": platform.python_version(),
                              **{name: importlib.metadata.version(name) for name in ("torch", "trl", "transformers")}}}
+    if args.set:  # recorded (and matched when pooling) only where set: earlier records have neither key
+        settings["overrides"] = args.set
+    if args.trl_steps_per_generation != 1:
+        settings["trl_steps_per_generation"] = args.trl_steps_per_generation
     earlier = pooled_rows(args.pool_with, settings, args.seeds)
     rows = []
     for seed in args.seeds:
-        rows.append(run_ours(console, root, model, seed, args.steps, eval_every))
+        rows.append(run_ours(console, root, model, seed, args.steps, eval_every, args.set))
         console.print(run_table(rows[-1]))
-        rows.append(run_trl(console, root, model, seed, args.steps, eval_every, args.trl_threads))
+        rows.append(run_trl(console, root, model, seed, args.steps, eval_every, args.set, args.trl_threads,
+                            args.trl_steps_per_generation))
         console.print(run_table(rows[-1]))
     rows = earlier + rows
     ours, trl = ([r for r in rows if r["trainer"] == name] for name in ("ours", "trl"))
@@ -444,6 +456,8 @@ def report(r: dict) -> str:
              f"mean of the last {r['last_evals']} evaluations, memory the PSS of each run's process tree.", "",
              f"TRL's torch threads: {r['trl_threads']}; ours: the quickstart's launcher (rollout server and trainer "
              "pinned to their own cores).", "",
+             f"Overrides on both sides: {' '.join(r.get('overrides', [])) or 'none'}; TRL generates every "
+             f"{r.get('trl_steps_per_generation', 1)} optimizer step(s).", "",
              "| trainer | seed | s/step | median s/step | every step: s/step, median (beside an evaluation) | "
              "final accuracy | accuracy by step | mean reward | "
              "PSS peak (MiB) | PSS steady (MiB) | wall s | cores used | other load (cores) |", "|---" * 13 + "|"]
@@ -522,12 +536,18 @@ def main() -> None:
     parser.add_argument("--pool-with", type=Path, nargs="+", default=[], metavar="RECORD.json",
                         help="earlier records of this benchmark (same machine, versions, steps, evaluations and start "
                              "model; other seeds) whose runs the summary counts beside this run's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for both sides (repeatable; TRL refuses what it cannot follow)")
+    parser.add_argument("--trl-steps-per-generation", type=int, default=1, metavar="K",
+                        help="TRL generates once every K optimizer steps, so its j-th step of each K trains on "
+                             "answers j versions old, importance-weighted by its PPO ratio (1: on-policy)")
     parser.add_argument("--trl-child", metavar="DIR", help=argparse.SUPPRESS)  # the TRL run, in its own process
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
         refuse(INSTALL)
     if args.trl_child:
-        trl_child(Path(args.trl_child), Path(args.start_model), args.seeds[0], args.steps, args.eval_every)
+        trl_child(Path(args.trl_child), Path(args.start_model), args.seeds[0], args.steps, args.eval_every, args.set,
+                  args.trl_steps_per_generation)
         return
     if args.quick and args.save:
         refuse("--quick checks that the benchmark works; its numbers are not recorded (drop --save)")

@@ -142,7 +142,8 @@ def binary_kl(p, q):
 def reference_loss(b, weights, cfg: PPOLossConfig, trust_keep=None) -> dict:
     """The loss and the token counts of its statistics, token by token."""
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
-    out = {"loss": 0.0, "loss_tokens": 0, "kept_tokens": 0, "clipped_tokens": 0, "capped_tokens": 0}
+    out = {"loss": 0.0, "behav_weight_sum": 0.0, "loss_tokens": 0, "kept_tokens": 0, "clipped_tokens": 0,
+           "capped_tokens": 0}
     for seq in sequences_of(b["cu"]):
         tokens = [t for t in seq if b["mask"][t]]
         seq_log_ratio = sum(b["logp"][t].item() - b["prox"][t].item() for t in tokens) / max(len(tokens), 1)
@@ -151,6 +152,7 @@ def reference_loss(b, weights, cfg: PPOLossConfig, trust_keep=None) -> dict:
             u = math.exp(seq_log_ratio if cfg.importance_level == "sequence" else logp - prox)
             w = math.exp(prox - behav)
             out["loss_tokens"] += 1
+            out["behav_weight_sum"] += w  # before any correction: its mean is 1 when behav is the sampler's
             out["capped_tokens"] += w > cfg.behav_imp_weight_cap
             if cfg.policy_loss == "m2po":
                 if not trust_keep[t]:
@@ -225,6 +227,7 @@ def test_decoupled_loss_matches_reference(lengths, seed, correction, level, eps_
                                      reference_logprobs=b["ref"], trust_keep=torch.tensor(keep))
     want = reference_loss(b, weights.tolist(), cfg, keep)
     assert loss.item() == pytest.approx(want.pop("loss"), rel=1e-9, abs=1e-12)
+    assert stats["behav_weight_sum"] == pytest.approx(want.pop("behav_weight_sum"), rel=1e-9)
     assert {key: stats[key] for key in want} == want
     # the gradient against central differences of the float loop
     loss.backward()

@@ -29,6 +29,8 @@ class PPOLossConfig:
     behav_imp_weight_cap: float = 5.0
     kpop_threshold: float = 2.0
     importance_level: str = "token"
+    decoupled: bool = True  # False: PPO's own loss, the ratio and clip against the behaviour policy
+    behav_weight_level: str = "token"
     kl_coef: float = 0.0
     policy_loss: str = "ppo"
     sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
@@ -42,6 +44,10 @@ class PPOLossConfig:
             raise ValueError(f"behav_correction={self.behav_correction!r}; valid: {', '.join(BEHAV_CORRECTIONS)}")
         if self.importance_level not in IMPORTANCE_LEVELS:
             raise ValueError(f"importance_level={self.importance_level!r}; valid: {', '.join(IMPORTANCE_LEVELS)}")
+        if self.policy_loss == "m2po" and not self.decoupled:
+            raise ValueError("policy_loss='m2po' bounds log π_prox/π_behav: it needs the decoupled loss")
+        if self.behav_weight_level not in IMPORTANCE_LEVELS:
+            raise ValueError(f"behav_weight_level={self.behav_weight_level!r}; valid: {', '.join(IMPORTANCE_LEVELS)}")
 
 
 def token_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, n_tokens: int, n_seqs: int,
@@ -105,6 +111,13 @@ def second_moment_cut(log_ratio: torch.Tensor, threshold: float) -> float:
     return float(descending[int(within.nonzero()[0])])
 
 
+def _per_sequence_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each position's sequence total of ``values`` over the loss tokens."""
+    seq_ids = sequence_ids(cu_seqlens)
+    sums = values.new_zeros(len(cu_seqlens) - 1).index_add(0, seq_ids, torch.where(mask, values, 0.0))
+    return sums[seq_ids]
+
+
 def _gated_surrogate(ratio, advantages, cfg: PPOLossConfig):
     """(the per-token objective the policy gradient ascends, the tokens the clip made inactive)."""
     if cfg.policy_loss == "sapo":
@@ -132,6 +145,10 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     Dropped and off-mask tokens contribute exactly 0; the weights keep counting dropped tokens, so the loss
     stays normalised by the original token count.
 
+    ``decoupled=False`` is PPO's own loss: the behaviour policy stands in for the proximal one, so u_t is
+    π_θ/π_behav, its clip bounds how far a token moves from the policy that sampled it (over all the steps
+    since, with stale data), and w_t = 1.
+
     ``policy_loss`` replaces the clipped term: "sapo" uses the soft gate (4/τ)·σ(τ·(u_t − 1))·A_t with
     τ = ``sapo_tau_pos`` where A_t > 0 and ``sapo_tau_neg`` elsewhere [Gao et al. 2025, SAPO]; "m2po" uses
     u_t·A_t unclipped with the raw w_t (π_θ/π_behav) on the tokens ``trust_keep`` holds, the batch's
@@ -140,11 +157,14 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     Statistics are this micro-batch's sums and counts over its loss tokens, to be added across micro-batches
     and ranks (``*_max`` keys: take the max): loss_tokens, kept_tokens (not dropped by the behaviour
     correction or the trust region), clipped_tokens (kept tokens whose clipped term is the active one),
-    capped_tokens (w above the cap), behav_weight_dev_sum (Σ|w−1| before correction), behav_weight_max,
+    capped_tokens (w above the cap), behav_weight_sum (Σw before correction; its mean is 1 when the
+    behaviour logprobs are those of the sampler), behav_weight_dev_sum (Σ|w−1| before correction), behav_weight_max,
     ratio_max (max u), approx_kl_sum (Σ ½(logp − logp_prox)², KL(prox ‖ new) to second order), ref_kl_sum
     (Σ k3, with a reference).
     """
     mask = loss_mask.bool()
+    if not cfg.decoupled:  # the sampler is the proximal policy: the behaviour weight is 1
+        proximal_logprobs = behaviour_logprobs
     token_log_ratio = torch.where(mask, logprobs - proximal_logprobs, 0.0)
     log_ratio = token_log_ratio
     if cfg.importance_level == "sequence":
@@ -154,7 +174,10 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
         log_ratio = torch.where(mask, (sums / counts)[seq_ids], 0.0)
     ratio = log_ratio.exp()
     surrogate, clipped = _gated_surrogate(ratio, advantages, cfg)
-    raw_w = torch.where(mask, proximal_logprobs - behaviour_logprobs, 0.0).detach().exp()
+    log_w = torch.where(mask, proximal_logprobs - behaviour_logprobs, 0.0).detach()
+    if cfg.behav_weight_level == "sequence":
+        log_w = torch.where(mask, _per_sequence_sum(log_w, mask, cu_seqlens), 0.0)
+    raw_w = log_w.exp()
     if cfg.policy_loss == "m2po":
         if trust_keep is None:
             raise ValueError("policy_loss='m2po' needs trust_keep, the tokens within the batch's second_moment_cut")
@@ -175,6 +198,7 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
             "kept_tokens": keep.sum(),
             "clipped_tokens": (keep & clipped).sum(),
             "capped_tokens": (mask & (raw_w > cfg.behav_imp_weight_cap)).sum(),
+            "behav_weight_sum": torch.where(mask, raw_w, 0.0).sum(),
             "behav_weight_dev_sum": torch.where(mask, (raw_w - 1).abs(), 0.0).sum(),
             "behav_weight_max": torch.where(mask, raw_w, 0.0).max(),
             "ratio_max": torch.where(mask, ratio, 0.0).max(),

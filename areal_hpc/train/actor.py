@@ -25,6 +25,8 @@ def loss_config(cfg: ActorConfig) -> PPOLossConfig:
     return PPOLossConfig(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high or None,
                          behav_correction=cfg.behav_correction, behav_imp_weight_cap=cfg.behav_imp_weight_cap,
                          kpop_threshold=cfg.kpop_threshold, importance_level=cfg.importance_level,
+                         decoupled=cfg.decoupled_loss,
+                         behav_weight_level=cfg.behav_weight_level,
                          kl_coef=cfg.kl_ctl, policy_loss=cfg.policy_loss, sapo_tau_pos=cfg.sapo_tau_pos,
                          sapo_tau_neg=cfg.sapo_tau_neg, m2_threshold=cfg.m2_threshold)
 
@@ -43,7 +45,8 @@ class PPOActor:
         # The proximal policy is the one before this step's first update. With one minibatch it is the
         # policy the update's own forward runs, so its logprobs come from that pass (detached), unless M2PO
         # needs them for its trust region before the update.
-        recompute = len(minibatches) > 1 or self.loss_cfg.policy_loss == "m2po"
+        # PPO's own loss (not decoupled) takes its ratio against the sampler and needs no proximal policy.
+        recompute = self.loss_cfg.decoupled and (len(minibatches) > 1 or self.loss_cfg.policy_loss == "m2po")
         for mb in minibatches:
             if len(mb) and recompute:
                 mb.fields["prox_logprobs"] = self.actor.forward(mb)["logprobs"]

@@ -117,6 +117,7 @@ def ppo_fractions(stats: dict[str, float]) -> dict[str, float]:
     return {"actor/clip_fraction": stats["actor/clipped_tokens"] / tokens,
             "actor/behav_masked_fraction": 1.0 - stats["actor/kept_tokens"] / tokens,
             "actor/behav_capped_fraction": stats["actor/capped_tokens"] / tokens,
+            "actor/behav_weight_mean": stats["actor/behav_weight_sum"] / tokens,
             "actor/behav_weight_dev": stats["actor/behav_weight_dev_sum"] / tokens,
             "actor/approx_kl": stats["actor/approx_kl_sum"] / tokens,
             "actor/entropy": stats["actor/entropy_sum"] / tokens}

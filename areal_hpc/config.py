@@ -283,9 +283,6 @@ class ActorConfig:
                                 "the ratio and clip against the policy that sampled each token")
     behav_correction: str = spec("cap", "decoupled PPO: cap the behaviour weight, mask tokens beyond the cap, "
                                  "mask by the KPop criterion, or none", choices=["cap", "mask", "kpop", "none"])
-    behav_weight_level: str = spec("token", "decoupled PPO: the behaviour weight π_prox/π_behav of each token, or "
-                                   "of its whole sequence (the product over the sequence's trained tokens)",
-                                   choices=["token", "sequence"])
     behav_imp_weight_cap: float = spec(5.0, "cap of the behaviour importance weight (decoupled PPO)", gt=0.0)
     kpop_threshold: float = spec(2.0, "KPop: mask tokens whose binary KL (either direction) exceeds this", gt=0.0)
     policy_loss: str = spec("ppo", "policy objective: ppo (clipped ratio), sapo (soft sigmoid gate instead of the "
@@ -586,7 +583,15 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] = ()) 
     except OmegaConfBaseException as exc:
         raise _type_error(exc) from None
     validate(cfg)
+    check_combinations(cfg)
     return cfg
+
+
+def check_combinations(cfg: RunConfig) -> None:
+    """Settings valid one by one that do not go together: one line each."""
+    if cfg.actor.policy_loss == "m2po" and not cfg.actor.decoupled_loss:
+        raise UserError("actor.policy_loss=m2po bounds log(π_prox/π_behav), which actor.decoupled_loss=false does "
+                        "not use; set actor.decoupled_loss=true, or actor.policy_loss=ppo or sapo")
 
 
 PATH_KEYS = ("cluster.fileroot", "model.path", "tokenizer.path", "dataset.path", "dataset.eval_path")

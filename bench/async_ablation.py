@@ -50,8 +50,6 @@ SETTINGS = {
     "eta1_lr3e-4": ["rollout.max_head_offpolicyness=1", "actor.lr=3e-4"],
     "eta0_lr3e-4_drgrpo": ["rollout.max_head_offpolicyness=0", "actor.lr=3e-4", "actor.adv_estimator=dr_grpo"],
     "eta2_lr3e-4_drgrpo": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "actor.adv_estimator=dr_grpo"],
-    "eta2_lr3e-4_seqw": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "actor.tree_training=off",
-                         "actor.behav_weight_level=sequence"],
     "eta2_coupled": ["rollout.max_head_offpolicyness=2", "actor.decoupled_loss=false"],
     "eta2_lr3e-4_coupled": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "actor.decoupled_loss=false"],
     "eta2_lr3e-4_nocorrection": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4", "actor.behav_correction=none"],

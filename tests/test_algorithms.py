@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.algo.advantages import (SEQUENCE_ESTIMATORS, expand_to_tokens, gae, outcome_token_rewards,
@@ -238,9 +238,52 @@ def test_decoupled_loss_matches_reference(lengths, seed, correction, level, eps_
         assert logp.grad[t].item() == pytest.approx((up - down) / (2 * h), rel=1e-5, abs=1e-8)
 
 
+def textbook_ppo_loss(b, weights, eps_clip: float) -> float:
+    """PPO's clipped surrogate against the sampler, token by token: -Σ weight·min(u·A, clip(u)·A), u = π_θ/π_behav."""
+    total = 0.0
+    for t in range(len(b["mask"])):
+        if b["mask"][t]:
+            u = math.exp(b["logp"][t].item() - b["behav"][t].item())
+            adv = b["adv"][t].item()
+            total -= weights[t] * min(u * adv, min(max(u, 1 - eps_clip), 1 + eps_clip) * adv)
+    return total
+
+
+@FAST
+@given(lengths_st, st.integers(0, 2**31), st.sampled_from(BEHAV_CORRECTIONS), st.sampled_from(AGGREGATIONS))
+def test_ppo_own_loss_clips_against_the_sampler(lengths, seed, correction, aggregation):
+    """``decoupled=False``: the proximal logprobs are ignored and no behaviour weight applies, whatever the
+    correction: PPO's textbook loss, in value and gradient."""
+    b = random_batch(lengths, seed)
+    cfg = PPOLossConfig(eps_clip=0.2, behav_correction=correction, behav_imp_weight_cap=1.5, decoupled=False)
+    weights = token_weights(b["mask"], b["cu"], aggregation, int(b["mask"].sum()), len(lengths), 8,
+                            dtype=torch.float64)
+    logp = b["logp"].clone().requires_grad_()
+    loss, stats = decoupled_ppo_loss(logp, b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], weights, cfg)
+    assert loss.item() == pytest.approx(textbook_ppo_loss(b, weights.tolist(), 0.2), rel=1e-9, abs=1e-12)
+    assert stats["kept_tokens"] == stats["loss_tokens"] and stats["behav_weight_dev_sum"] == 0
+    loss.backward()
+    h = 1e-6
+    for t in range(len(logp)):
+        up, down = (textbook_ppo_loss(dict(b, logp=b["logp"] + sign * h * (torch.arange(len(logp)) == t)),
+                                      weights.tolist(), 0.2) for sign in (1, -1))
+        assert logp.grad[t].item() == pytest.approx((up - down) / (2 * h), rel=1e-5, abs=1e-8)
+
+
+def test_m2po_needs_the_decoupled_loss():
+    with pytest.raises(ValueError, match="decoupled"):
+        PPOLossConfig(policy_loss="m2po", decoupled=False)
+
+
 @settings(deadline=None, max_examples=200)
 @given(st.lists(st.floats(-4, 4, allow_nan=False), max_size=40), st.floats(1e-3, 2.0))
+@example([0.0, 0.0, 0.0, 1.0, 0.05, 0.05], 0.001)  # an exact tie at the bound (set aside, above)
 def test_second_moment_trust_region_is_the_papers_greedy_masking(log_ratios, threshold):
+    # where the mean left after a masking equals the bound in exact arithmetic (squares [0, 0, 0, 1, 0.0025,
+    # 0.0025] against 0.001), rounding decides whether to mask once more, and two orders of summation differ
+    descending = sorted((r * r for r in log_ratios), reverse=True)
+    assume(all(abs(sum(descending[k:]) / (len(descending) - k) - threshold) > 1e-9 * threshold
+               for k in range(len(descending))))
     cut = second_moment_cut(torch.tensor(log_ratios, dtype=torch.float64), threshold)
     kept = [r * r < cut for r in log_ratios]
     assert sum(r * r for r, k in zip(log_ratios, kept) if k) <= threshold * sum(kept) + 1e-12

@@ -30,7 +30,6 @@ class PPOLossConfig:
     kpop_threshold: float = 2.0
     importance_level: str = "token"
     decoupled: bool = True  # False: PPO's own loss, the ratio and clip against the behaviour policy
-    behav_weight_level: str = "token"
     kl_coef: float = 0.0
     policy_loss: str = "ppo"
     sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
@@ -46,8 +45,6 @@ class PPOLossConfig:
             raise ValueError(f"importance_level={self.importance_level!r}; valid: {', '.join(IMPORTANCE_LEVELS)}")
         if self.policy_loss == "m2po" and not self.decoupled:
             raise ValueError("policy_loss='m2po' bounds log π_prox/π_behav: it needs the decoupled loss")
-        if self.behav_weight_level not in IMPORTANCE_LEVELS:
-            raise ValueError(f"behav_weight_level={self.behav_weight_level!r}; valid: {', '.join(IMPORTANCE_LEVELS)}")
 
 
 def token_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, n_tokens: int, n_seqs: int,
@@ -111,13 +108,6 @@ def second_moment_cut(log_ratio: torch.Tensor, threshold: float) -> float:
     return float(descending[int(within.nonzero()[0])])
 
 
-def _per_sequence_sum(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Each position's sequence total of ``values`` over the loss tokens."""
-    seq_ids = sequence_ids(cu_seqlens)
-    sums = values.new_zeros(len(cu_seqlens) - 1).index_add(0, seq_ids, torch.where(mask, values, 0.0))
-    return sums[seq_ids]
-
-
 def _gated_surrogate(ratio, advantages, cfg: PPOLossConfig):
     """(the per-token objective the policy gradient ascends, the tokens the clip made inactive)."""
     if cfg.policy_loss == "sapo":
@@ -147,7 +137,7 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
 
     ``decoupled=False`` is PPO's own loss: the behaviour policy stands in for the proximal one, so u_t is
     π_θ/π_behav, its clip bounds how far a token moves from the policy that sampled it (over all the steps
-    since, with stale data), and w_t = 1.
+    since, with stale data), and w_t = 1 whatever ``behav_correction`` says.
 
     ``policy_loss`` replaces the clipped term: "sapo" uses the soft gate (4/τ)·σ(τ·(u_t − 1))·A_t with
     τ = ``sapo_tau_pos`` where A_t > 0 and ``sapo_tau_neg`` elsewhere [Gao et al. 2025, SAPO]; "m2po" uses
@@ -163,7 +153,7 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     (Σ k3, with a reference).
     """
     mask = loss_mask.bool()
-    if not cfg.decoupled:  # the sampler is the proximal policy: the behaviour weight is 1
+    if not cfg.decoupled:  # the sampler stands in for the proximal policy
         proximal_logprobs = behaviour_logprobs
     token_log_ratio = torch.where(mask, logprobs - proximal_logprobs, 0.0)
     log_ratio = token_log_ratio
@@ -174,14 +164,13 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
         log_ratio = torch.where(mask, (sums / counts)[seq_ids], 0.0)
     ratio = log_ratio.exp()
     surrogate, clipped = _gated_surrogate(ratio, advantages, cfg)
-    log_w = torch.where(mask, proximal_logprobs - behaviour_logprobs, 0.0).detach()
-    if cfg.behav_weight_level == "sequence":
-        log_w = torch.where(mask, _per_sequence_sum(log_w, mask, cu_seqlens), 0.0)
-    raw_w = log_w.exp()
+    raw_w = torch.where(mask, proximal_logprobs - behaviour_logprobs, 0.0).detach().exp()
     if cfg.policy_loss == "m2po":
         if trust_keep is None:
             raise ValueError("policy_loss='m2po' needs trust_keep, the tokens within the batch's second_moment_cut")
         w, keep = raw_w, mask & trust_keep.bool()
+    elif not cfg.decoupled:
+        w, keep = torch.ones_like(raw_w), mask
     else:
         w, keep = _behaviour_weight(raw_w, proximal_logprobs, behaviour_logprobs, mask, cfg)
     per_token = -w * surrogate

@@ -26,7 +26,6 @@ def loss_config(cfg: ActorConfig) -> PPOLossConfig:
                          behav_correction=cfg.behav_correction, behav_imp_weight_cap=cfg.behav_imp_weight_cap,
                          kpop_threshold=cfg.kpop_threshold, importance_level=cfg.importance_level,
                          decoupled=cfg.decoupled_loss,
-                         behav_weight_level=cfg.behav_weight_level,
                          kl_coef=cfg.kl_ctl, policy_loss=cfg.policy_loss, sapo_tau_pos=cfg.sapo_tau_pos,
                          sapo_tau_neg=cfg.sapo_tau_neg, m2_threshold=cfg.m2_threshold)
 

@@ -61,6 +61,10 @@ SETTINGS = {
     **{f"eta{eta}{suffix}": [f"rollout.max_head_offpolicyness={eta}", *loss]
        for eta in (8, 16, 32) for suffix, loss in (("", []), ("_m2po", ["actor.policy_loss=m2po"]))},
 }
+# Until 2026-12-01 the quickstart trained with the decoupled loss; its settings here keep it, so that each
+# reruns what its records ran. The *_coupled settings take PPO's own loss, the quickstart's default since.
+SETTINGS = {name: overrides if any(o.startswith("actor.decoupled_loss=") for o in overrides)
+            else [*overrides, "actor.decoupled_loss=true"] for name, overrides in SETTINGS.items()}
 QUIET = ["saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false", "rl.sft_warmup_steps=0"]
 
 
@@ -115,6 +119,12 @@ def run(args) -> dict:
             "settings": {s: SETTINGS[s] for s in args.settings}, "runs": rows}
 
 
+def mean_logged(values: list[float]) -> str:
+    """The mean over the runs that logged the statistic (NaN: an older run), or "-" when none did."""
+    logged = [v for v in values if not np.isnan(v)]
+    return f"{np.mean(logged):.4f}" if logged else "-"
+
+
 def report(result: dict) -> str:
     lines = [f"# asynchronous RL ablation ({result['date']})", "",
              f"machine: {result['machine']}; {result['steps']} RL steps per run, greedy accuracy on "
@@ -134,7 +144,7 @@ def report(result: dict) -> str:
                      f"{100 * np.mean([r['start'] for r in rows]):.1f} | {100 * np.mean([r['peak'] for r in rows]):.1f} | "
                      f"**{100 * final:.1f}** ± {100 * spread:.1f} | {delta} | "
                      f"{np.mean([r['behav_weight_dev'] for r in rows]):.3f} | "
-                     f"{np.mean([r.get('behav_weight_mean', np.nan) for r in rows]):.4f} | "
+                     f"{mean_logged([r.get('behav_weight_mean', np.nan) for r in rows])} | "
                      f"{np.mean([r['behav_capped_fraction'] for r in rows]):.4f} | "
                      f"{np.mean([r['entropy_end'] for r in rows]):.3f} | "
                      f"{np.mean([r.get('staleness', np.nan) for r in rows]):.2f} | "

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.algo.advantages import (SEQUENCE_ESTIMATORS, expand_to_tokens, gae, outcome_token_rewards,
@@ -277,7 +277,6 @@ def test_m2po_needs_the_decoupled_loss():
 
 @settings(deadline=None, max_examples=200)
 @given(st.lists(st.floats(-4, 4, allow_nan=False), max_size=40), st.floats(1e-3, 2.0))
-@example([0.0, 0.0, 0.0, 1.0, 0.05, 0.05], 0.001)  # an exact tie at the bound (set aside, above)
 def test_second_moment_trust_region_is_the_papers_greedy_masking(log_ratios, threshold):
     # where the mean left after a masking equals the bound in exact arithmetic (squares [0, 0, 0, 1, 0.0025,
     # 0.0025] against 0.001), rounding decides whether to mask once more, and two orders of summation differ

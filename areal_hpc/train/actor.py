@@ -43,8 +43,8 @@ class PPOActor:
         started = time.perf_counter()
         # The proximal policy is the one before this step's first update. With one minibatch it is the
         # policy the update's own forward runs, so its logprobs come from that pass (detached), unless M2PO
-        # needs them for its trust region before the update.
-        # PPO's own loss (not decoupled) takes its ratio against the sampler and needs no proximal policy.
+        # needs them for its trust region before the update. PPO's own loss (not decoupled) takes its ratio
+        # against the sampler and needs no proximal policy.
         recompute = self.loss_cfg.decoupled and (len(minibatches) > 1 or self.loss_cfg.policy_loss == "m2po")
         for mb in minibatches:
             if len(mb) and recompute:

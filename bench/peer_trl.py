@@ -34,8 +34,9 @@ of the run (steady state); and the cores the run used and those the rest of the 
 TRL runs with torch's threads (every core) unless ``--trl-threads`` says otherwise: on a busy machine
 they spin against other work (on 2 cores kept busy by others, one ``generate()`` of the 128 answers took
 0.4-0.7 s with one thread and 7-12 s with two), so read s/step beside the other-load column.
-What cannot be made equal (TRL has no knob for it): TRL is synchronous and on-policy, ours trains
-batches up to 2 versions stale with decoupled PPO (the point of the comparison); TRL divides advantages
+What cannot be made equal (TRL has no knob for it): TRL is synchronous and on-policy by default, ours trains
+batches up to 2 versions stale (the point of the comparison; through PPO's own ratio and clip against the
+sampler, as TRL's would be with ``--trl-steps-per-generation`` above 1); TRL divides advantages
 by the Bessel-corrected group std + 1e-4, ours by the population std + 1e-6 (a constant factor sqrt(8/7)
 that AdamW's normalisation all but cancels); TRL's ``generate()`` runs under the same bfloat16 autocast as
 its training, ours samples in float32 on the rollout server; ours' batches are the first 16 groups to
@@ -71,6 +72,7 @@ from recording import RESULTS, machine, machine_and_versions, record_name, save 
 from run_processes import process_tree, pss_mib  # noqa: E402
 
 from areal_hpc.config import load_config  # noqa: E402
+from areal_hpc.errors import UserError  # noqa: E402
 from areal_hpc.fsio import read_json_lines  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -284,7 +286,7 @@ class PromptCheck:
     each ``k`` times in a row, token for token as the project renders them (left padding stripped)."""
 
     def __init__(self, model, rendered: list[list[int]], k: int):
-        self.generate, self.rendered, self.k, self.rows, self.batches = model.generate, rendered, k, 0, 0
+        self.generate, self.rendered, self.k, self.rows = model.generate, rendered, k, 0
         model.generate = self
 
     def __call__(self, input_ids, attention_mask, **kwargs):
@@ -293,7 +295,6 @@ class PromptCheck:
             if got != want:
                 raise SystemExit(f"TRL's prompt row {self.rows} is {got}, the project renders {want}")
             self.rows += 1
-        self.batches += 1
         return self.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 
@@ -549,6 +550,12 @@ def main() -> None:
         trl_child(Path(args.trl_child), Path(args.start_model), args.seeds[0], args.steps, args.eval_every, args.set,
                   args.trl_steps_per_generation)
         return
+    if args.trl_steps_per_generation < 1:
+        refuse(f"--trl-steps-per-generation {args.trl_steps_per_generation}: TRL generates once every K >= 1 steps")
+    try:
+        load_config(CONFIG, args.set)  # a wrong --set is refused here, before any run starts
+    except UserError as error:
+        refuse(f"--set: {error}")
     if args.quick and args.save:
         refuse("--quick checks that the benchmark works; its numbers are not recorded (drop --save)")
     if args.quick:

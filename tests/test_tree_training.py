@@ -27,7 +27,8 @@ from areal_hpc.config import ActorConfig, OptimizerConfig, load_config
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
-from areal_hpc.engines.torch.tree import cache_keyword, check_tree_layout
+from areal_hpc.engines.torch import tree as tree_module
+from areal_hpc.engines.torch.tree import Segments, cache_keyword, check_tree_layout, is_chain
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_critic, load_model
 from areal_hpc.parallel.dims import ParallelDims
@@ -121,14 +122,39 @@ def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) ->
         assert float((p.grad - theirs[name]).abs().max()) <= tolerance, name
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(shared_prefix_batches(), st.integers(0, 2**16), st.booleans(), st.sampled_from([0, 0, 3, 8]))
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shared_prefix_batches(), st.integers(0, 2**16), st.booleans(), st.sampled_from([0, 0, 3, 8]),
+       st.sampled_from([5, 10, 24]))
 def test_tree_step_equals_the_flat_step_and_each_sequence_alone(policy, sequences, seed, per_position_temperatures,
-                                                                min_saved_tokens):
-    """With every common prefix shared (0), or only those saving 3 or 8 token computations."""
+                                                                min_saved_tokens, max_tokens):
+    """With every common prefix shared (0), or only those saving 3 or 8 token computations; with rows of
+    at most 24 tokens (most trees forwarded whole, each under its tree mask), or of 5 and 10 (the larger
+    trees a level at a time)."""
     sequences = [[3 + 41 * token for token in s] for s in sequences]
-    batch = ppo_batch(sequences, seed, per_position_temperatures)
-    tree, flat = engine(policy, "dta", min_saved_tokens=min_saved_tokens), engine(policy, "off")
+    assert_tree_step_exact(policy, ppo_batch(sequences, seed, per_position_temperatures), max_tokens, min_saved_tokens)
+
+
+def test_a_branching_subtree_is_flattened_under_the_prefix_above_it(policy, monkeypatch):
+    """Subtrees of at most 8 tokens flattened: two prompts (30 and 27 tokens, runs of their own) whose
+    answers branch after shared tokens; every answer subtree is one row under its tree mask, all in one
+    chunk, each reading its own prompt's keys and values (padded to the longest)."""
+    monkeypatch.setattr(tree_module, "FLAT_SUBTREE_TOKENS", 8)
+    prompts = [list(range(3, 33)), list(range(40, 67))]
+    answers = [[100, 101, 102], [100, 101, 103], [100, 104], [105, 106, 107, 108], [105, 106]]
+    sequences = [prompt + answer for prompt in prompts for answer in answers]
+    tree = build_prefix_tree(sequences)
+    segments = Segments(tree, 8)
+    below = [segments.of(child) for root in tree.roots for child in tree.nodes[root].children]
+    assert [len(segments.of(root)) for root in tree.roots] == [1, 1]  # the prompts: runs
+    assert sum(not is_chain(tree, segment) for segment in below) == 2  # a branching subtree per prompt
+    assert_tree_step_exact(policy, ppo_batch(sequences, 0, True), max_tokens=4096, min_saved_tokens=0)
+
+
+def assert_tree_step_exact(policy, batch: SequenceBatch, max_tokens: int, min_saved_tokens: int) -> None:
+    """The tree engine's PPO step on ``batch`` has the flat engine's and each sequence's own logprobs,
+    entropies, loss, token counts and gradients."""
+    tree = engine(policy, "dta", max_tokens=max_tokens, min_saved_tokens=min_saved_tokens)
+    flat = engine(policy, "off")
     tree_actor, flat_actor = PPOActor(tree, ActorConfig()), PPOActor(flat, ActorConfig())
     tree_seen, flat_seen = {}, {}
     tree_stats = tree.train_step(batch, recording(tree_actor._policy_loss, tree_seen))
@@ -141,8 +167,10 @@ def test_tree_step_equals_the_flat_step_and_each_sequence_alone(policy, sequence
         got, want = torch.tensor([seen[k] for k in reference_seen]), torch.tensor(list(reference_seen.values()))
         if len(want):
             assert relative_difference(got, want) <= RTOL
-    assert tree_stats["loss"] == pytest.approx(reference_loss.item(), rel=RTOL, abs=1e-7)
-    assert tree_stats["loss"] == pytest.approx(flat_stats["loss"], rel=RTOL, abs=1e-7)
+    # the loss is a sum of terms of either sign: its rounding is relative to their size, not to the sum
+    terms = sum(float((w * a).abs().sum()) for w, a in zip(batch.fields["weights"], batch.fields["advantages"]))
+    assert tree_stats["loss"] == pytest.approx(reference_loss.item(), rel=RTOL, abs=RTOL * terms + 1e-7)
+    assert tree_stats["loss"] == pytest.approx(flat_stats["loss"], rel=RTOL, abs=RTOL * terms + 1e-7)
     for key in ("loss_tokens", "kept_tokens", "capped_tokens"):
         assert tree_stats.get(key, 0.0) == flat_stats.get(key, 0.0)
     if reference_seen:  # some target: every parameter has a gradient

@@ -1,7 +1,8 @@
 """The decoder forward of tree training's segments, written out for dense Qwen2/Qwen3 models.
 
 Tree training (``engines/torch/tree.py``) runs padded segments [B, T] that continue cached prefixes
-(each row its own parent's keys and values, some padded), several times a step. On the quickstart's
+(each row its own parent's keys and values, some padded), causal or under a tree mask (a flattened
+subtree), several times a step. On the quickstart's
 tiny model such a forward is bound by dispatch as much as by arithmetic, and the update shares trainer
 rank 0's interpreter with its rollout side, so every Python-level operation counts twice. Here the
 norms are torch's fused ``rms_norm``, q|k|v and gate|up one matmul each (their weights concatenated
@@ -46,22 +47,27 @@ def supports_segment_forward(model: torch.nn.Module) -> bool:
 
 def segment_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                     prefix: KeyValues | None, prefix_valid: torch.Tensor | None,
-                    attention_dtype: torch.dtype) -> tuple[torch.Tensor, KeyValues]:
+                    attention_dtype: torch.dtype, segment_mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, KeyValues]:
     """Hidden states [B, T, hidden] of ``tokens`` [B, T] at ``positions`` [B, T], each row continuing
     its ``prefix`` (per layer keys and values [B, kv heads, P, head dim], rotated) of which
     ``prefix_valid`` [B, P] marks the real positions; and per layer the keys and values of prefix and
-    segment together [B, kv heads, P + T, head dim]. Attention runs in ``attention_dtype``."""
+    segment together [B, kv heads, P + T, head dim]. Within its segment a position attends to those
+    ``segment_mask`` [B, T, T] allows (a flattened subtree: its own branch), or to all before it (None).
+    Attention runs in ``attention_dtype``."""
     body, config = model.base_model, model.config
     batch, length = tokens.shape
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     hidden = F.embedding(tokens, body.embed_tokens.weight)
     cos, sin = body.rotary_emb(hidden, positions)  # [B, T, head dim]
-    mask = None  # no prefix: plain causal attention
-    if prefix is not None:  # every prefix position a row owns, then its own segment causally
-        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
-        mask = torch.cat([prefix_valid[:, None, :].expand(batch, length, -1),
-                          causal.expand(batch, length, length)], dim=-1)[:, None]
+    mask = None  # no prefix, no tree: plain causal attention
+    if prefix is not None or segment_mask is not None:  # every prefix position a row owns, then its segment
+        if segment_mask is None:
+            segment_mask = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril().expand(batch, -1, -1)
+        mask = segment_mask if prefix is None else torch.cat(
+            [prefix_valid[:, None, :].expand(batch, length, -1), segment_mask], dim=-1)
+        mask = mask[:, None]
     states = []
     for i, layer in enumerate(body.layers):
         attn = layer.self_attn

@@ -89,7 +89,9 @@ class MegatronTrainEngine:
         if self.trainable:
             self.roots = [wrap_data_parallel(root, self.config, mesh, sharded=self.sharded,
                                              distributed_optimizer=self.zero1) for root in self.roots]
-        torch_optimizer = build_optimizer(self.model, optimizer, lr) if optimizer else None  # FSDP's shards, if any
+        # FSDP's shards, if any; the per-tensor loop: with the fused kernel inside Megatron's ZeRO-1 wrapper its
+        # sharded steps no longer matched the replicated ones bit for bit (tests/test_megatron_zero1.py)
+        torch_optimizer = build_optimizer(self.model, optimizer, lr, fused=False) if optimizer else None
         if self.zero1:  # its shards of the parameters replace the torch optimizer's groups' parameters
             self.optimizer = with_distributed_optimizer(torch_optimizer, self.roots, self.clip or float("inf"),
                                                         bf16=self.bf16)

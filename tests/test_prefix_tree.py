@@ -63,21 +63,49 @@ def test_the_trie_is_compressed(sequences):
         assert node.children or n in ends
 
 
+def exact_trie_tokens(sequences: list[list[int]], depth: int) -> int:
+    """Tokens of the exact trie of ``sequences`` from ``depth`` on (0 where nothing is left)."""
+    rest = [s[depth:] for s in sequences if len(s) > depth]
+    return build_prefix_tree(rest).n_tokens if rest else 0
+
+
 @settings(max_examples=300, deadline=None)
-@given(shared_prefix_batches(), st.integers(0, 12))
-def test_a_node_is_shared_only_where_it_saves_min_saved_tokens(sequences, min_saved_tokens):
+@given(shared_prefix_batches(), st.integers(0, 12), st.sampled_from([0, 0, 4, 12, 1000]))
+def test_a_node_is_shared_only_where_it_saves_min_saved_tokens_or_fits_a_row(sequences, min_saved_tokens,
+                                                                            shared_within):
     """Every node with two or more branches (children, and the sequences that end at it) saves its
-    length x (branches - 1) >= min_saved_tokens; the tree holds at least the exact trie's tokens (what
-    it does not share is recomputed), and with min_saved_tokens <= 1 it is the exact trie."""
-    tree = build_prefix_tree(sequences, min_saved_tokens)
+    length x (branches - 1) >= min_saved_tokens, or its subtree (the exact trie of its sequences from
+    its start) holds at most ``shared_within`` tokens and it saves at least what it widens a row (the
+    branches' exact tries but the largest); the tree holds at least the exact trie's tokens (what it
+    does not share is recomputed), and with min_saved_tokens <= 1 it is the exact trie."""
+    tree = build_prefix_tree(sequences, min_saved_tokens, shared_within)
+    ends = {path[-1] for path in tree.paths}
     for n, node in enumerate(tree.nodes):
-        branches = len(node.children) + (n in {path[-1] for path in tree.paths})
-        if branches >= 2:
-            assert len(node.tokens) * (branches - 1) >= min_saved_tokens
+        branches = len(node.children) + (n in ends)
+        saved = len(node.tokens) * (branches - 1)
+        if branches >= 2 and saved < min_saved_tokens:  # then it fits a row: its branches as it was made
+            through = [sequences[s] for s in node.sequences]  # (a branch not made later splits into children)
+            by_next: dict[int, list[list[int]]] = {}
+            for sequence in (q for q in through if len(q) > node.stop):
+                by_next.setdefault(sequence[node.stop], []).append(sequence)
+            below = [exact_trie_tokens(group, node.stop) for group in by_next.values()] + [0] * (n in ends)
+            assert exact_trie_tokens(through, node.start) <= shared_within
+            assert len(node.tokens) * (len(below) - 1) >= sum(below) - max(below)
     exact = build_prefix_tree(sequences)
     assert tree.n_tokens >= exact.n_tokens
     if min_saved_tokens <= 1:  # any node saves at least one token computation: the exact trie
         assert [(node.tokens, node.start) for node in tree.nodes] == [(node.tokens, node.start) for node in exact.nodes]
+
+
+def test_a_groups_prompt_is_shared_within_a_row_and_two_groups_over_a_shared_token_are_not():
+    """With sharing free within a 512-token row: a group's 17-token prompt over its two distinct answers
+    (5 and 3 samples) is a node although it saves fewer than 64 token computations; the 2 tokens two
+    groups' prompts begin with are not (a row of both groups would be twice as wide for 2 tokens)."""
+    groups = [[1, 2, *range(10, 25)], [1, 2, *range(30, 45)]]
+    sequences = [prompt + answer for prompt in groups for answer in [[7, 0]] * 5 + [[8, 0]] * 3]
+    tree = build_prefix_tree(sequences, min_saved_tokens=64, shared_within=512)
+    assert [node.tokens for node in tree.nodes] == [groups[0], [7, 0], [8, 0], groups[1], [7, 0], [8, 0]]
+    assert len(build_prefix_tree(sequences, min_saved_tokens=64).nodes) == 4  # each prompt + answer a root
 
 
 def test_short_answer_branches_of_a_group_are_recomputed_and_its_prompt_shared():

@@ -202,13 +202,19 @@ def grpo_groups(groups: int = 2, samples: int = 4, prompts: tuple[int, ...] = (1
     return batch
 
 
-@pytest.mark.parametrize("max_tokens, min_saved_tokens", [(24, 0), (4096, 0), (4096, 16)],
-                         ids=["chunk_per_group", "groups_in_one_chunk", "short_prefixes_recomputed"])
-def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, max_tokens, min_saved_tokens):
-    """Prompts of 30, 10 and 3 tokens: with room, the prompts run in two chunks of one wave (the 3-token
-    one would make padding most of the first) and all completions in one chunk, each row over its own
-    prompt's K/V, read from either chunk and padded to the longest. Sharing only what saves 16 token
-    computations, the 3-token prompt and the one-token completion prefix are recomputed per branch."""
+@pytest.mark.parametrize("max_tokens, min_saved_tokens, flat_subtree_tokens",
+                         [(24, 0, 512), (4096, 0, 0), (4096, 16, 0), (4096, 16, 512)],
+                         ids=["chunk_per_group", "groups_in_one_chunk", "short_prefixes_recomputed",
+                              "groups_flattened"])
+def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, monkeypatch, max_tokens, min_saved_tokens,
+                                                     flat_subtree_tokens):
+    """Prompts of 30, 10 and 3 tokens, a level at a time (no subtree flattened): with room, the prompts
+    run in two chunks of one wave (the 3-token one would make padding most of the first) and all
+    completions in one chunk, each row over its own prompt's K/V, read from either chunk and padded to
+    the longest. Sharing only what saves 16 token computations, the 3-token prompt and the one-token
+    completion prefix are recomputed per branch. With 24-token rows, each group a level at a time,
+    its small answer subtrees flattened; with 512, every group one row, all shared."""
+    monkeypatch.setattr(tree_module, "FLAT_SUBTREE_TOKENS", flat_subtree_tokens)
     batch = grpo_groups(groups=3, prompts=(30, 10, 3))
     assert build_prefix_tree(batch.sequences).compression > 1.8
     tree, flat = engine(policy, "dta", max_tokens=max_tokens, min_saved_tokens=min_saved_tokens), engine(policy, "off")
@@ -218,7 +224,8 @@ def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, max_tokens, min_sav
     assert tree_stats["actor/entropy_sum"] == pytest.approx(flat_stats["actor/entropy_sum"], rel=RTOL)
     assert tree_stats["actor/grad_norm"] == pytest.approx(flat_stats["actor/grad_norm"], rel=RTOL)
     assert tree_stats["actor/loss_tokens"] == flat_stats["actor/loss_tokens"]
-    assert tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences, min_saved_tokens).n_tokens
+    shared_within = tree_module.flat_subtree_tokens(tree.model, max_tokens)
+    assert tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences, min_saved_tokens, shared_within).n_tokens
     assert_same_gradients(tree.model, flat.model)
 
 

@@ -72,7 +72,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0) -> PrefixTree:
+def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0, shared_within: int = 0) -> PrefixTree:
     """The compressed trie of ``sequences`` (each at least one token). Sorted, a node is a run of sorted
     sequences [a, b) at depth ``start``: its segment runs to the shortest common prefix of the run
     (neighbours' LCPs, and its shortest sequence), the sequences that stop there end at it, and the
@@ -82,7 +82,12 @@ def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0) -> 
     segment's length times its branches less one) is not made: its branches start where it would have,
     each with its segment as its own first tokens. Each level of the tree costs tree training one more
     forward and backward of the model, more than a few shared tokens save (the one- to three-token
-    branches of a GRPO group's answers, a chat template's first tokens shared across groups)."""
+    branches of a GRPO group's answers, a chat template's first tokens shared across groups). Except
+    where its subtree holds at most ``shared_within`` tokens and sharing saves at least as many token
+    computations as it widens the row: tree training forwards such a subtree as one row
+    (``engines.torch.tree.Segments``), where sharing costs no forward, only width (the row holds every
+    branch where each branch's own row would hold one; rows are padded to the widest of their chunk)
+    -- a group's prompt over its few distinct answers, not two groups over a shared first digit."""
     if not sequences:
         raise UserError("tree training got an empty batch (no sequences); every rank needs at least one")
     if empty := [i for i, s in enumerate(sequences) if not s]:
@@ -92,6 +97,17 @@ def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0) -> 
     lcp = [0] + [_common_prefix(a, b) for a, b in zip(ordered, ordered[1:])]  # lcp[k]: with the one before
     nodes: list[TreeNode] = []
     paths: list[list[int]] = [[] for _ in sequences]
+
+    def trie_tokens(a: int, b: int, depth: int) -> int:
+        """Tokens of the sorted sequences [a, b) from ``depth`` on, each common prefix counted once."""
+        return sum(len(ordered[k]) - (depth if k == a else max(depth, lcp[k])) for k in range(a, b))
+
+    def free_to_share(branches: list[tuple[int, int]], start: int, stop: int) -> bool:
+        """Whether the node [start, stop) over ``branches`` fits a row and saves more than it widens it."""
+        if trie_tokens(branches[0][0], branches[-1][1], start) > shared_within:
+            return False
+        below = [trie_tokens(c, d, stop) for c, d in branches]
+        return (stop - start) * (len(branches) - 1) >= sum(below) - max(below)
 
     def runs(a: int, b: int, depth: int) -> list[tuple[int, int]]:
         """[a, b) cut before every k whose LCP with its neighbour is ``depth`` (none for an empty range)."""
@@ -109,7 +125,8 @@ def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0) -> 
             ending += 1
         children = runs(ending, b, stop)
         branches = ([(a, ending)] if ending > a else []) + children  # the sequences ending here: one branch
-        if len(branches) >= 2 and (stop - start) * (len(branches) - 1) < min_saved_tokens:
+        if len(branches) >= 2 and (stop - start) * (len(branches) - 1) < min_saved_tokens and \
+                not free_to_share(branches, start, stop):
             pending += [(c, d, start, parent) for c, d in reversed(branches)]
             continue
         index = len(nodes)

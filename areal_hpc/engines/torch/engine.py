@@ -47,7 +47,7 @@ from areal_hpc.engines.torch.parallelize import (PackedForward, clip_grad_norm, 
                                                  parallelize, sharded_mixed_precision)
 from areal_hpc.engines.torch.pipeline import Pipeline
 from areal_hpc.engines.torch.recompute import recompute_activations
-from areal_hpc.engines.torch.tree import check_tree_layout, tree_train_pass
+from areal_hpc.engines.torch.tree import check_tree_layout, flat_subtree_tokens, tree_train_pass
 from areal_hpc.models.hf import DTYPES, read_checkpoint, save_model
 from areal_hpc.parallel.context import context_passes
 from areal_hpc.parallel.mesh import TrainMesh
@@ -226,7 +226,9 @@ class TorchTrainEngine:
             self._hold_parameters(True)
         parts = []
         if len(batch) or not self._data_parallel():
-            tree, started = build_prefix_tree(batch.sequences, self.tree_min_saved_tokens), time.perf_counter()
+            tree = build_prefix_tree(batch.sequences, self.tree_min_saved_tokens,
+                                     flat_subtree_tokens(self.model, self.max_tokens_per_mb))
+            started = time.perf_counter()
             with self._compute():
                 parts = tree_train_pass(self.root, tree, batch, loss_fn, self.max_tokens_per_mb)
             # "loss" is the chunks' sum: 0 with no trained target, as for flat micro-batches without one;

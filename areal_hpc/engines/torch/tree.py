@@ -311,6 +311,13 @@ def cache_keyword(model: torch.nn.Module) -> str:
                     f"{type(model.base_model).__name__}.forward takes neither cache nor past_key_values")
 
 
+def flat_subtree_tokens(model: torch.nn.Module, max_tokens: int) -> int:
+    """The largest subtree ``tree_train_pass`` forwards as one row on ``model``: 0 where its forward takes
+    no tree mask."""
+    _, takes_tree_masks = segment_forward_of(model, next(model.parameters()).device)
+    return min(FLAT_SUBTREE_TOKENS, max_tokens) if takes_tree_masks else 0
+
+
 def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatch, loss_fn: LossFn,
                     max_tokens: int) -> list[dict[str, float]]:
     """Accumulate into the model's gradients those of Σ_nodes ``loss_fn`` over ``batch`` (whose
@@ -324,8 +331,8 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         raise UserError(f"tree training got a sequence of {deepest} tokens, deeper than the model's context "
                         f"(max_position_embeddings={context}); cap prompt + max_new_tokens at {context}")
     device = next(model.parameters()).device
-    decode, takes_tree_masks = segment_forward_of(model, device)
-    segments = Segments(tree, min(FLAT_SUBTREE_TOKENS, max_tokens) if takes_tree_masks else 0)
+    decode, _ = segment_forward_of(model, device)
+    segments = Segments(tree, flat_subtree_tokens(model, max_tokens))
     whole = PackedFields.of(batch)
     parts = []
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.bootstrap import (RENDEZVOUS, Placement, assigned_devices, cpu_threads, het_component,
+from areal_hpc.runtime.bootstrap import (RENDEZVOUS, Placement, allocator_env, assigned_devices, cpu_threads, het_component,
                                          new_incarnation, node_address, TaskGroup, task_role)
 from areal_hpc.runtime.rendezvous import ADDRESS_FILE, rendezvous_store
 from tests.conftest import REPO
@@ -233,3 +233,12 @@ def test_task_groups_that_do_not_match_the_run_are_one_line(groups, message):
     cfg = load_config(None, [f"slurm.task_groups={groups}", "rl.trainer_processes=1", "rollout.n_servers=1"])
     with pytest.raises(UserError, match=message):
         task_groups(cfg)
+
+
+def test_a_trainer_keeps_more_onednn_primitives_and_the_users_environment_wins():
+    """A trainer's update reuses its ~100 padded matmul shapes (256 kept); a rollout server keeps 16; what
+    the user's environment sets is left alone."""
+    assert allocator_env({})["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
+    assert allocator_env({}, trainer=True) == {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
+                                               "LRU_CACHE_CAPACITY": "16"}
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in allocator_env({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8"}, trainer=True)

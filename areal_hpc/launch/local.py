@@ -114,7 +114,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
         try:
             # the warm-up is trainer rank 0's work: its threads, not every core (on a busy 2-core machine two
             # OpenMP threads spin against the other processes: SFT steps took ~7 s with 2 threads, ~1 s with 1)
-            warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads)}
+            warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads), **allocator_env(trainer=True)}
             start_model = prepare_start_model(cfg, args, warm_up_env, fork_server=fork_server)
             for i in range(cfg.rollout.n_servers):
                 start(f"rollout server {i}", server_command(args, start_model),
@@ -125,7 +125,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
                 start(f"trainer rank {rank}", trainer_command(args, start_model, resume),
                       None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log", trainer_cores[rank],
                       {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
-                       **trainer_devices[rank], **(rollout_side if rank == 0 else {})})
+                       **trainer_devices[rank], **(rollout_side if rank == 0 else {}), **allocator_env(trainer=True)})
             if fork_server is not None:  # every process is started: its pages no child shares are freed
                 fork_server.close()
             trainers = started[-cfg.rl.trainer_processes:]

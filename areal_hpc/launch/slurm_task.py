@@ -92,7 +92,7 @@ def run_task(config: str, overrides: list[str]) -> int:
         return _supervise(SupervisedProcess(f"rollout server {index}", command, log, env), cfg, marks)
     resume = should_resume(cfg, "auto")  # the same answer on every rank: nothing is written before they meet
     env.update({"RANK": str(index), "WORLD_SIZE": str(cfg.rl.trainer_processes),
-                "LOCAL_RANK": str(placement.local_rank)})
+                "LOCAL_RANK": str(placement.local_rank), **allocator_env(trainer=True)})
     if index > 0:
         start_model = wait_for_model(start_model_path(cfg))
         env[TRAINERS_AT] = str(time.time())

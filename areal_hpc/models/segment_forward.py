@@ -45,22 +45,56 @@ def supports_segment_forward(model: torch.nn.Module) -> bool:
             and all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters()))
 
 
+# Matrix products on a CPU run through oneDNN, which builds a kernel for every new shape (~1 ms each, 5x
+# a cached product of the quickstart's): the rows a call computes are padded to a multiple of this, so
+# shapes repeat from step to step (a varying count of real positions otherwise makes every step new).
+ROWS_MULTIPLE = 64
+
+
+def padded_rows(n: int) -> int:
+    return -(-n // ROWS_MULTIPLE) * ROWS_MULTIPLE
+
+
+def computed_positions(own: torch.Tensor | None) -> torch.Tensor | None:
+    """Which of the flattened [B * T] positions a forward computes: those ``own`` [B, T] marks real, then
+    padding ones up to ``padded_rows`` (or every position where that is all of them: None)."""
+    if own is None:
+        return None
+    own = own.flatten()
+    real = own.nonzero()[:, 0]
+    count = padded_rows(len(real))
+    if count >= len(own):
+        return None
+    return torch.cat([real, (~own).nonzero()[:count - len(real), 0]])
+
+
 def segment_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                     prefix: KeyValues | None, prefix_valid: torch.Tensor | None,
-                    attention_dtype: torch.dtype, segment_mask: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, KeyValues]:
+                    attention_dtype: torch.dtype, segment_mask: torch.Tensor | None = None,
+                    own: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyValues]:
     """Hidden states [B, T, hidden] of ``tokens`` [B, T] at ``positions`` [B, T], each row continuing
     its ``prefix`` (per layer keys and values [B, kv heads, P, head dim], rotated) of which
     ``prefix_valid`` [B, P] marks the real positions; and per layer the keys and values of prefix and
     segment together [B, kv heads, P + T, head dim]. Within its segment a position attends to those
     ``segment_mask`` [B, T, T] allows (a flattened subtree: its own branch), or to all before it (None).
-    Attention runs in ``attention_dtype``."""
+    ``own`` [B, T]: the real positions (None: all); the projections, norms and MLPs run on those only
+    (``computed_positions``), attention on the rows; the other positions' outputs are zeros and no real
+    position attends to them. Attention runs in ``attention_dtype``."""
     body, config = model.base_model, model.config
     batch, length = tokens.shape
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    hidden = F.embedding(tokens, body.embed_tokens.weight)
-    cos, sin = body.rotary_emb(hidden, positions)  # [B, T, head dim]
+    computed = computed_positions(own)
+    tokens, positions = tokens.flatten(), positions.flatten()
+    if computed is not None:
+        tokens, positions = tokens[computed], positions[computed]
+    hidden = F.embedding(tokens, body.embed_tokens.weight)  # [N, hidden]: the computed positions
+    cos, sin = (x[0] for x in body.rotary_emb(hidden, positions[None]))  # [N, head dim]
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] of the computed positions -> [B * T, ...], zeros elsewhere."""
+        return x if computed is None else x.new_zeros(batch * length, *x.shape[1:]).index_copy(0, computed, x)
+
     mask = None  # no prefix, no tree: plain causal attention
     if prefix is not None or segment_mask is not None:  # every prefix position a row owns, then its segment
         if segment_mask is None:
@@ -72,20 +106,21 @@ def segment_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: tor
     for i, layer in enumerate(body.layers):
         attn = layer.self_attn
         qkv = _linear(_norm(layer.input_layernorm, hidden), (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q, k, v = (x.view(batch, length, -1, head_dim).transpose(1, 2) for x in (q, k, v))
+        q, k, v = (x.view(len(hidden), -1, head_dim) for x in
+                   qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
         if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        q, k, v = (rows(x).view(batch, length, -1, head_dim).transpose(1, 2) for x in (q, k, v))
         if prefix is not None:
             k, v = torch.cat([prefix[i][0], k], dim=2), torch.cat([prefix[i][1], v], dim=2)
         states.append((k, v))
-        out = _attention(q, k, v, mask, attn.scaling, attention_dtype)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, length, heads * head_dim))
+        out = _attention(q, k, v, mask, attn.scaling, attention_dtype).transpose(1, 2).reshape(batch * length, -1)
+        hidden = hidden + attn.o_proj(out if computed is None else out[computed])
         mlp = layer.mlp
         gate, up = _linear(_norm(layer.post_attention_layernorm, hidden), (mlp.gate_proj, mlp.up_proj)).chunk(2, dim=-1)
         hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-    return _norm(body.norm, hidden), states
+    return rows(_norm(body.norm, hidden)).view(batch, length, -1), states
 
 
 def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -164,14 +164,20 @@ def cpu_threads(environ: Mapping[str, str] = os.environ) -> int | None:
 
 # Host-memory settings of every process a launcher starts, unless the user's environment sets them. glibc
 # gives each thread that allocates its own 64 MB heap (a rollout server held 6 of them, 255 MB), and
-# oneDNN keeps up to 1024 primitives, one per matmul shape of a bf16 update, whose packed rows vary
-# from step to step: together 1.1 of the quickstart's 2.1 GiB. 16 primitives cost its update ~5%.
+# oneDNN keeps up to 1024 primitives (~0.3 MB each), one per matmul shape, whose rows varied from step
+# to step: together 1.1 of the quickstart's 2.1 GiB. A trainer keeps 256: tree training pads its rows
+# to multiples of 64 (``models.segment_forward.ROWS_MULTIPLE``), so a bf16 update's ~100 shapes recur,
+# and holding 16 rebuilt most of them every step (~1 ms each: the quickstart's tree pass 0.097 -> 0.075 s
+# with 256, peak PSS +0.1 GiB, 2026-12-01).
 ALLOCATOR_DEFAULTS = {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
+TRAINER_ALLOCATOR_DEFAULTS = {**ALLOCATOR_DEFAULTS, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
 
 
-def allocator_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """``ALLOCATOR_DEFAULTS`` the user's environment does not already set."""
-    return {name: value for name, value in ALLOCATOR_DEFAULTS.items() if name not in environ}
+def allocator_env(environ: Mapping[str, str] = os.environ, trainer: bool = False) -> dict[str, str]:
+    """``ALLOCATOR_DEFAULTS`` (a ``trainer``'s: ``TRAINER_ALLOCATOR_DEFAULTS``) the user's environment does
+    not already set."""
+    defaults = TRAINER_ALLOCATOR_DEFAULTS if trainer else ALLOCATOR_DEFAULTS
+    return {name: value for name, value in defaults.items() if name not in environ}
 
 
 def assigned_devices(first: int, count: int, environ: Mapping[str, str] = os.environ) -> list[str]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from areal_hpc.algo.packing import PackedBatch
+from areal_hpc.models.segment_forward import padded_rows
 from areal_hpc.models.varlen import packed_attention, packed_attention_inputs
 from areal_hpc.parallel.context import CONTEXT_SDPA, ContextShard
 
@@ -47,8 +48,9 @@ def decoder_hidden(model: torch.nn.Module, batch: PackedBatch, hidden: torch.Ten
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
                     temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p_T(token), entropy of p_T) for each row of ``hidden``, T its row of ``temperatures`` [N, 1],
-    in float32."""
-    logits = F.linear(hidden, weight, bias).float() / temperatures
+    in float32. The product runs on the rows padded to ``padded_rows`` (shapes that repeat)."""
+    rows = len(hidden)
+    logits = F.linear(F.pad(hidden, (0, 0, 0, padded_rows(rows) - rows)), weight, bias)[:rows].float() / temperatures
     normaliser = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, tokens[:, None])[:, 0] - normaliser
     with torch.no_grad():  # logged, not trained

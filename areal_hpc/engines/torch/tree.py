@@ -272,20 +272,20 @@ def gather_prefixes(items: list[Item]) -> Prefix | None:
 
 
 def segment_forward_of(model: torch.nn.Module, device: torch.device):
-    """(``decode(model, tokens, positions, prefix, tree_masks)`` -> (hidden states, per layer the K/V of
-    prefix and segment), whether it takes tree masks): ``models.segment_forward`` on a CPU where it
-    applies, else the model's own forward over a Hugging Face cache (causal segments only: its mask
-    builders take no tree). On a CPU attention runs in float32 under a bfloat16 autocast (its
-    bfloat16 backward is the slow part)."""
+    """(``decode(model, tokens, positions, prefix, tree_masks, own)`` -> (hidden states, per layer the K/V
+    of prefix and segment), whether it takes tree masks): ``models.segment_forward`` on a CPU where it
+    applies (computing the ``own`` positions only), else the model's own forward over a Hugging Face
+    cache (causal segments only: its mask builders take no tree). On a CPU attention runs in float32
+    under a bfloat16 autocast (its bfloat16 backward is the slow part)."""
     if device.type == "cpu" and supports_segment_forward(model):
-        def written_out(model, tokens, positions, prefix: Prefix | None, tree_masks: torch.Tensor | None):
+        def written_out(model, tokens, positions, prefix: Prefix | None, tree_masks: torch.Tensor | None, own):
             return segment_forward(model, tokens, positions, None if prefix is None else prefix.states,
-                                   None if prefix is None else prefix.valid, torch.float32, tree_masks)
+                                   None if prefix is None else prefix.valid, torch.float32, tree_masks, own)
         return written_out, True
     attention = SDPA_FLOAT32 if device.type == "cpu" else model.config._attn_implementation
     keyword = cache_keyword(model)
 
-    def hugging_face(model, tokens, positions, prefix: Prefix | None, tree_masks: None):
+    def hugging_face(model, tokens, positions, prefix: Prefix | None, tree_masks: None, own):
         cache, mask = DynamicCache(config=model.config), None
         if prefix is not None:
             for layer, (keys, values) in enumerate(prefix.states):
@@ -355,7 +355,7 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         cached: KeyValues = []  # per layer [chunk, kv heads, positions, dim]: the prefix's and the chunk's own
 
         def outputs_of(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-            hidden, states = decode(model, tokens, positions, prefix, masks)
+            hidden, states = decode(model, tokens, positions, prefix, masks, own)
             cached.extend(states)
             if pieces is None:
                 return None

@@ -143,7 +143,9 @@ class Prefix:
 # another chunk costs a forward's overhead (on the quickstart's tiny model the rows are cheap, on larger
 # ones the padding is not: measured on both, 2026-11-27).
 PADDING_SHARE, PADDING_ROWS = 0.25, 64
-FLAT_SUBTREE_TOKENS = 512  # a subtree of at most this many tokens is one row under a tree mask
+# A subtree of at most this many tokens is one row under a tree mask (faster than a level at a time below
+# ~750 on the tiny and small presets: bench/results/tree_flat_subtrees-2026-12-01.md).
+FLAT_SUBTREE_TOKENS = 512
 PREFIX_WEIGHT = 0.25  # a row's copied prefix position holds K/V only, a fraction of a forwarded token's memory
 
 

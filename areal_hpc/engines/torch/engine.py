@@ -226,11 +226,11 @@ class TorchTrainEngine:
             self._hold_parameters(True)
         parts = []
         if len(batch) or not self._data_parallel():
-            tree = build_prefix_tree(batch.sequences, self.tree_min_saved_tokens,
-                                     flat_subtree_tokens(self.model, self.max_tokens_per_mb))
+            flatten_within = flat_subtree_tokens(self.model, self.max_tokens_per_mb)
+            tree = build_prefix_tree(batch.sequences, self.tree_min_saved_tokens, flatten_within)
             started = time.perf_counter()
             with self._compute():
-                parts = tree_train_pass(self.root, tree, batch, loss_fn, self.max_tokens_per_mb)
+                parts = tree_train_pass(self.root, tree, batch, loss_fn, self.max_tokens_per_mb, flatten_within)
             # "loss" is the chunks' sum: 0 with no trained target, as for flat micro-batches without one;
             # the tree's features and seconds are what 'areal-hpc tree-cost' fits the cost model on
             features = dict(zip(TREE_FEATURES, node_features(tree).sum(0).tolist()))

@@ -273,17 +273,22 @@ def gather_prefixes(items: list[Item]) -> Prefix | None:
     return Prefix(states, stacked(lambda p: p.valid, 0))
 
 
+def writes_out_segments(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the pass runs ``models.segment_forward`` (which takes tree masks) on this model."""
+    return device.type == "cpu" and supports_segment_forward(model)
+
+
 def segment_forward_of(model: torch.nn.Module, device: torch.device):
-    """(``decode(model, tokens, positions, prefix, tree_masks, own)`` -> (hidden states, per layer the K/V
-    of prefix and segment), whether it takes tree masks): ``models.segment_forward`` on a CPU where it
-    applies (computing the ``own`` positions only), else the model's own forward over a Hugging Face
-    cache (causal segments only: its mask builders take no tree). On a CPU attention runs in float32
-    under a bfloat16 autocast (its bfloat16 backward is the slow part)."""
-    if device.type == "cpu" and supports_segment_forward(model):
+    """``decode(model, tokens, positions, prefix, tree_masks, own)`` -> (hidden states, per layer the K/V
+    of prefix and segment): ``models.segment_forward`` where ``writes_out_segments`` (computing the
+    ``own`` positions only), else the model's own forward over a Hugging Face cache (causal segments
+    only: its mask builders take no tree). On a CPU attention runs in float32 under a bfloat16 autocast
+    (its bfloat16 backward is the slow part)."""
+    if writes_out_segments(model, device):
         def written_out(model, tokens, positions, prefix: Prefix | None, tree_masks: torch.Tensor | None, own):
             return segment_forward(model, tokens, positions, None if prefix is None else prefix.states,
                                    None if prefix is None else prefix.valid, torch.float32, tree_masks, own)
-        return written_out, True
+        return written_out
     attention = SDPA_FLOAT32 if device.type == "cpu" else model.config._attn_implementation
     keyword = cache_keyword(model)
 
@@ -298,7 +303,7 @@ def segment_forward_of(model: torch.nn.Module, device: torch.device):
             hidden = model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                                       use_cache=True, **{keyword: cache}).last_hidden_state
         return hidden, [(layer.keys, layer.values) for layer in cache.layers]
-    return hugging_face, False
+    return hugging_face
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -316,25 +321,25 @@ def cache_keyword(model: torch.nn.Module) -> str:
 def flat_subtree_tokens(model: torch.nn.Module, max_tokens: int) -> int:
     """The largest subtree ``tree_train_pass`` forwards as one row on ``model``: 0 where its forward takes
     no tree mask."""
-    _, takes_tree_masks = segment_forward_of(model, next(model.parameters()).device)
-    return min(FLAT_SUBTREE_TOKENS, max_tokens) if takes_tree_masks else 0
+    return min(FLAT_SUBTREE_TOKENS, max_tokens) if writes_out_segments(model, next(model.parameters()).device) else 0
 
 
 def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatch, loss_fn: LossFn,
-                    max_tokens: int) -> list[dict[str, float]]:
+                    max_tokens: int, flatten_within: int) -> list[dict[str, float]]:
     """Accumulate into the model's gradients those of Σ_nodes ``loss_fn`` over ``batch`` (whose
     sequences ``tree`` was built from), depth first. ``root``: the engine's ``PackedForward`` (every
     forward goes through it, under the data-parallel hooks); its ``forward_fn.head`` gives the
-    outputs ``loss_fn`` reads. Returns each chunk's statistics (chunks without a trained target have
-    no loss and none)."""
+    outputs ``loss_fn`` reads; subtrees of at most ``flatten_within`` tokens run as one row each
+    (``flat_subtree_tokens``, as the tree was built with). Returns each chunk's statistics (chunks
+    without a trained target have no loss and none)."""
     model, head = root.model, root.forward_fn.head
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and (deepest := max(len(s) for s in batch.sequences)) > context:
         raise UserError(f"tree training got a sequence of {deepest} tokens, deeper than the model's context "
                         f"(max_position_embeddings={context}); cap prompt + max_new_tokens at {context}")
     device = next(model.parameters()).device
-    decode, _ = segment_forward_of(model, device)
-    segments = Segments(tree, flat_subtree_tokens(model, max_tokens))
+    decode = segment_forward_of(model, device)
+    segments = Segments(tree, flatten_within)
     whole = PackedFields.of(batch)
     parts = []
 

@@ -1,22 +1,29 @@
 """One torch.distributed world met through the name-resolve rendezvous (AREAL_HPC_RENDEZVOUS; no
-MASTER_ADDR/PORT), with an MPI world in the same processes when asked. Prints one JSON line per rank:
-its placement, role, threads and devices, the sums of gloo allreduces over every rank and over the
-trainer ranks, and of an mpi4py allreduce.
+MASTER_ADDR/PORT), with an MPI world in the same processes when asked. Each rank reports, as one JSON
+line, its placement, role, threads and devices, the sums of gloo allreduces over every rank and over the
+trainer ranks, and of an mpi4py allreduce. The line goes to stdout, or with ``--reports DIR`` to
+DIR/rank<r>.json: mpirun and srun merge their ranks' stdout without keeping lines whole.
 
     RANK=r WORLD_SIZE=w AREAL_HPC_RENDEZVOUS=DIR python -m tests.rank_allreduce N_TRAINERS
-    AREAL_HPC_RENDEZVOUS=DIR mpirun -np 2 python -m tests.rank_allreduce N_TRAINERS --mpi
-    srun --mpi=pmix --het-group=0,1 python -m tests.rank_allreduce N_TRAINERS --mpi   (in a het job)
+    AREAL_HPC_RENDEZVOUS=DIR mpirun -np 2 python -m tests.rank_allreduce N_TRAINERS --mpi --reports OUT
+    srun --mpi=pmix --het-group=0,1 python -m tests.rank_allreduce N_TRAINERS --mpi --reports OUT   (het job)
 """
 
+import argparse
 import dataclasses
 import json
 import os
-import sys
+from pathlib import Path
 
 from areal_hpc.runtime.bootstrap import Placement, TaskGroup, assigned_devices, cpu_threads, task_role
 
 placement = Placement.detect()  # before MPI_Init: from what the launcher set alone
-n_trainers, with_mpi = int(sys.argv[1]), "--mpi" in sys.argv[2:]
+parser = argparse.ArgumentParser()
+parser.add_argument("n_trainers", type=int)
+parser.add_argument("--mpi", action="store_true")
+parser.add_argument("--reports", type=Path, help="write the report to DIR/rank<r>.json instead of stdout")
+args = parser.parse_args()
+n_trainers, with_mpi = args.n_trainers, args.mpi
 report = {**dataclasses.asdict(placement), "threads": cpu_threads(),
           "devices": assigned_devices(placement.local_rank, 1)}
 role = task_role(placement, [TaskGroup("trainer", n_trainers), TaskGroup("rollout", placement.world - n_trainers)])
@@ -42,7 +49,11 @@ among_trainers = torch.tensor([float(rank + 1)])
 if report["role"] == "trainer":
     dist.all_reduce(among_trainers, group=trainers)
 report.update(torch_rank=rank, torch_world=world, torch_sum=everyone.item(), trainer_sum=among_trainers.item())
-print(json.dumps(report), flush=True)
+if args.reports is None:
+    print(json.dumps(report), flush=True)
+else:
+    args.reports.mkdir(parents=True, exist_ok=True)
+    (args.reports / f"rank{rank}.json").write_text(json.dumps(report))
 dist.destroy_process_group()
 if with_mpi:  # rank 0 hosts the rendezvous store: it leaves only once every rank has left its groups
     MPI.COMM_WORLD.Barrier()

@@ -26,17 +26,18 @@ def _clean_environ() -> dict:
             if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "OMPI_", "PMI"))}
 
 
-def _reports(output: str) -> list[dict]:
-    """The JSON line of every rank, by rank."""
-    return sorted((json.loads(line) for line in output.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+def _reports(folder) -> list[dict]:
+    """The report every rank wrote to FOLDER (tests/rank_allreduce.py --reports), by rank."""
+    return sorted((json.loads(path.read_text()) for path in folder.glob("rank*.json")), key=lambda r: r["rank"])
 
 
 def test_mpirun_world_is_one_torch_world(tmp_path):
     done = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m",
-                           "tests.rank_allreduce", "1", "--mpi"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                           "tests.rank_allreduce", "1", "--mpi", "--reports", str(tmp_path / "reports")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**_clean_environ(), RENDEZVOUS: str(tmp_path / "rendezvous"), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
-    reports = _reports(done.stdout)
+    reports = _reports(tmp_path / "reports")
     assert [(r["rank"], r["world"], r["source"]) for r in reports] == [(0, 2, "mpi"), (1, 2, "mpi")]
     assert [(r["mpi_sum"], r["torch_rank"], r["torch_sum"]) for r in reports] == [(3, 0, 3.0), (3, 1, 3.0)]
     # with only PMIX_RANK left, Placement asks mpi4py and finds the same place
@@ -57,7 +58,7 @@ def test_het_job_is_one_world_across_components(tmp_path):
 export OMPI_MCA_btl=self,tcp  # shared memory segfaults between the two fake nodes of one host
 export {RENDEZVOUS}={tmp_path}/name_resolve/trainer/$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}
 {sys.executable} -m areal_hpc.launch.srun_guard --poll-s 1 --grace-s 5 \\
-  srun --mpi=pmix --het-group=0,1 {sys.executable} -m tests.rank_allreduce 2 --mpi
+  srun --mpi=pmix --het-group=0,1 {sys.executable} -m tests.rank_allreduce 2 --mpi --reports {tmp_path}/reports
 """)
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30,
                                env=_clean_environ())
@@ -67,7 +68,7 @@ export {RENDEZVOUS}={tmp_path}/name_resolve/trainer/$SLURM_JOB_ID.${{SLURM_RESTA
     states = [state for state, _, _ in ended.values()]
     output = out.read_text() if out.exists() else "(no output file)"
     assert states == ["COMPLETED", "COMPLETED"], output
-    reports = _reports(output)
+    reports = _reports(tmp_path / "reports")
     placed = [(r["rank"], r["world"], r["local_rank"], r["node"], r["source"], r["role"], r["index"]) for r in reports]
     assert placed == [(0, 3, 0, "train1", "slurm", "trainer", 0), (1, 3, 1, "train1", "slurm", "trainer", 1),
                       (2, 3, 0, "rollout1", "slurm", "rollout", 0)], output

@@ -2,7 +2,8 @@
 MASTER_ADDR/PORT), with an MPI world in the same processes when asked. Each rank reports, as one JSON
 line, its placement, role, threads and devices, the sums of gloo allreduces over every rank and over the
 trainer ranks, and of an mpi4py allreduce. The line goes to stdout, or with ``--reports DIR`` to
-DIR/rank<r>.json: mpirun and srun merge their ranks' stdout without keeping lines whole.
+DIR/rank<r>.json: mpirun forwards its ranks' stdout without keeping lines whole (two ranks' reports once
+came as one line), and srun gathers every task's into one output file.
 
     RANK=r WORLD_SIZE=w AREAL_HPC_RENDEZVOUS=DIR python -m tests.rank_allreduce N_TRAINERS
     AREAL_HPC_RENDEZVOUS=DIR mpirun -np 2 python -m tests.rank_allreduce N_TRAINERS --mpi --reports OUT

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ def _clean_environ() -> dict:
             if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "OMPI_", "PMI"))}
 
 
-def _reports(folder) -> list[dict]:
+def _reports(folder: Path) -> list[dict]:
     """The report every rank wrote to FOLDER (tests/rank_allreduce.py --reports), by rank."""
     return sorted((json.loads(path.read_text()) for path in folder.glob("rank*.json")), key=lambda r: r["rank"])
 

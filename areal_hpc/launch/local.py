@@ -114,7 +114,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
         try:
             # the warm-up is trainer rank 0's work: its threads, not every core (on a busy 2-core machine two
             # OpenMP threads spin against the other processes: SFT steps took ~7 s with 2 threads, ~1 s with 1)
-            warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads)}  # its packed shapes vary: 16 kept
+            warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads)}  # servers' allocator defaults: its shapes vary
             start_model = prepare_start_model(cfg, args, warm_up_env, fork_server=fork_server)
             for i in range(cfg.rollout.n_servers):
                 start(f"rollout server {i}", server_command(args, start_model),

@@ -1,0 +1,1 @@
+../../kernels/segment_attention.py

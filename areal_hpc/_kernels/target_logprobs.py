@@ -1,0 +1,1 @@
+../../kernels/target_logprobs.py

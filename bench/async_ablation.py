@@ -44,7 +44,7 @@ SETTINGS = {
     "eta2_lr1e-4": ["rollout.max_head_offpolicyness=2", "actor.lr=1e-4"],
     "eta2_lr1e-3": ["rollout.max_head_offpolicyness=2", "actor.lr=1e-3"],
     "eta0_lr1e-4": ["rollout.max_head_offpolicyness=0", "actor.lr=1e-4"],
-    # 2026-12-01: at 3e-4 asynchrony costs several points in 100 steps (at 1e-4 under one): which change removes it?
+    # at 3e-4 asynchrony costs several points in 100 steps (at 1e-4 under one): which change removes it?
     "eta0_lr3e-4": ["rollout.max_head_offpolicyness=0", "actor.lr=3e-4"],
     "eta2_lr3e-4": ["rollout.max_head_offpolicyness=2", "actor.lr=3e-4"],
     "eta1_lr3e-4": ["rollout.max_head_offpolicyness=1", "actor.lr=3e-4"],
@@ -61,8 +61,8 @@ SETTINGS = {
     **{f"eta{eta}{suffix}": [f"rollout.max_head_offpolicyness={eta}", *loss]
        for eta in (8, 16, 32) for suffix, loss in (("", []), ("_m2po", ["actor.policy_loss=m2po"]))},
 }
-# Until 2026-12-01 the quickstart trained with the decoupled loss; its settings here keep it, so that each
-# reruns what its records ran. The *_coupled settings take PPO's own loss, the quickstart's default since.
+# A setting that names no ``actor.decoupled_loss`` trains with the decoupled loss (the quickstart's earlier
+# default), so that it reruns what its records ran; the *_coupled settings take PPO's own loss, as the quickstart does.
 SETTINGS = {name: overrides if any(o.startswith("actor.decoupled_loss=") for o in overrides)
             else [*overrides, "actor.decoupled_loss=true"] for name, overrides in SETTINGS.items()}
 QUIET = ["saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false", "rl.sft_warmup_steps=0"]
@@ -95,8 +95,8 @@ def run_one(args, setting: str, seed: int) -> dict:
             "seconds": json.loads(done.read_text())["seconds"],
             "behav_weight_dev": float(np.mean([r["actor/behav_weight_dev"] for r in steps])),
             "behav_capped_fraction": float(np.mean([r["actor/behav_capped_fraction"] for r in steps])),
-            # the mean of w = π_prox/π_behav is 1 when the recorded logprobs are the sampler's (runs before
-            # 2026-12-01 did not log it)
+            # the mean of w = π_prox/π_behav is 1 when the recorded logprobs are the sampler's (older runs
+            # did not log it: NaN)
             "behav_weight_mean": float(np.mean([r.get("actor/behav_weight_mean", np.nan) for r in steps])),
             "entropy_end": float(np.mean([r["actor/entropy"] for r in steps[-20:]])),
             "staleness": float(np.mean([r["staleness/mean"] for r in steps])),

@@ -6,9 +6,9 @@ share of the other core.
 
 Why: in ``areal-hpc train`` trainer rank 0's event loop (HTTP replies, episodes, rewards, shard commits)
 runs Python on the rollout server's core while the update runs on its own. Both are threads of one
-interpreter. Measured per thread from /proc in a quickstart run (2026-11-28, 2 cores): the event loop
-used 17% of a core and the shard commits 5% (hence ``--duty 0.22``), the update thread 68%; the update
-took ~0.13 s in the run and ~0.10 s alone on the same batches. This benchmark isolates the cause: the
+interpreter. Per thread from /proc, in a quickstart run on 2 cores the event loop uses ~17% of a core and
+the shard commits 5% (hence ``--duty 0.22``), the update thread 68%; the update takes ~0.13 s in the run
+and ~0.10 s alone on the same batches. This benchmark isolates the cause: the
 neighbour here is a plain Python loop, busy ``duty`` of every 10 ms on the other core, either a thread
 (sharing the interpreter's lock with the update, as the rollout side does now) or a process of its own
 (as AReaL's rollout workers are). The update: ``TrainerGroup.update`` of the quickstart's config (tree

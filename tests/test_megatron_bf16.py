@@ -89,8 +89,8 @@ def test_bf16_steps_follow_float32(bf16_run):
     """Loss, gradient norm and logprobs of the bf16 engine stay within bf16's precision of the float32
     engine's over 20 steps. bf16 keeps 8 significant bits (a relative spacing of 2^-8 = 3.9e-3): the
     logits carry rounding of that order from the bf16 matmuls, and the weights drift apart by as much
-    each step. Measured on the tiny model, on two hosts of the same VM type (the one this test was written on
-    and an AMD EPYC with AVX512-BF16, 2026-11-27): logprobs (about -6.5) within 2.1e-3 / 6.8e-3 relative,
+    each step. Measured on the tiny model, on two hosts (one an AMD EPYC with AVX512-BF16): logprobs
+    (about -6.5) within 2.1e-3 / 6.8e-3 relative,
     gradient norms within 4.4e-3 / 4.0e-2 relative (on the second host one step of 20 at 4.0e-2, three
     above 1e-2, their mean 6.4e-3: the norm moves more than the logprobs as the weights drift), losses (a weighted
     mean of ratio x advantage, Σ weights = 1, |adv| ~ 1, some near 0, hence absolute) within 7e-4.

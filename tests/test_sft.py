@@ -25,7 +25,7 @@ from .conftest import embedded_server, run_cli
 
 # Fixed seed, 1-2 digit addition, 700 steps at the quickstart's warm-up settings (constant lr 2e-3; about
 # 80 s on 2 cores). Accuracy rises steeply at a step that float rounding moves: after 500 steps it was
-# 50-60% with two torch threads and 11.5% with one (2026-11-26); after 700 with one thread, 45.5%.
+# 50-60% with two torch threads and 11.5% with one; after 700 with one thread, 45.5%.
 MIN_ACCURACY_AFTER = 0.35
 
 

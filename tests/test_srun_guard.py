@@ -53,7 +53,7 @@ def test_an_srun_that_ends_by_itself_keeps_its_exit_code(tmp_path):
 
 
 # sacct on the dev cluster while a het step (task 0 exits 3 on train1, task 1 exits 4 on rollout1) ended,
-# before and after slurmdbd had learnt the job's components (job 649, 2026-11-28).
+# before and after slurmdbd had learnt the job's components (job 649).
 BEFORE_COMPONENTS = """649|2026-11-28T01:42:21|PENDING|0:0
 649.batch|2026-11-28T01:42:21|RUNNING|0:0
 649.0|2026-11-28T01:42:21|FAILED|3:0

@@ -42,7 +42,7 @@ class EpisodeGroups:
     def _settings(self, client) -> EngineSettings:
         """A batcher of the group's own samples (one /generate), or one for every group (the staleness gate
         admits a batch's worth at each weight update: the quickstart's 16 requests a step cost both event
-        loops about 0.5 ms each, 2026-11-28)."""
+        loops about 0.5 ms each)."""
         if not self.merge_groups:
             return self.settings_for(client).for_group()
         if self._merged is None or self._merged[0] is not client:

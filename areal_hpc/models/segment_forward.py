@@ -8,8 +8,8 @@ rank 0's interpreter with its rollout side, so every Python-level operation coun
 norms are torch's fused ``rms_norm``, q|k|v and gate|up one matmul each (their weights concatenated
 per call, so the gradients reach the model's own parameters; 705 matrix products in 5 quickstart
 updates instead of 1,125), the rotary tables and their application are the model's own (``rotary_emb``, ``apply_rotary_pos_emb``), one boolean mask
-serves every layer, and there is no cache object or mask builder. On the quickstart's update alone it
-saved ~3% (0.094 -> 0.092 s, one thread, 2026-11-28). Results match the model's forward within float
+serves every layer, and there is no cache object or mask builder. It makes the quickstart's update alone
+~3% faster than the model's own forward (one thread). Results match the model's forward within float
 rounding (``tests/test_segment_forward.py`` checks outputs and gradients against it in float64).
 
 ``supports_segment_forward`` says where it applies: a dense Qwen2/Qwen3 decoder whose projections

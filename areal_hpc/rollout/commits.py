@@ -1,7 +1,7 @@
 """Group commit: episodes that finish while a store is running are stored together by the next one.
 
 A shard commit costs an HDF5 flush and two fsyncs however many records it holds: a quickstart step's 16
-groups took 11.6 CPU-ms committed one by one, 7.4 in one commit (2026-11-28). ``GroupCommits.store(item)``
+groups take ~12 CPU-ms committed one by one, ~7 in one commit. ``GroupCommits.store(item)``
 returns once a call of ``store_all`` that held ``item`` has returned (and raises what that call
 raised): calls run one at a time on ``executor``, each with everything that arrived meanwhile, in
 arrival order, so no latency is added when they do not overlap.

@@ -167,8 +167,8 @@ def cpu_threads(environ: Mapping[str, str] = os.environ) -> int | None:
 # oneDNN keeps up to 1024 primitives (~0.3 MB each), one per matmul shape, whose rows varied from step
 # to step: together 1.1 of the quickstart's 2.1 GiB. A trainer keeps 256: tree training pads its rows
 # to multiples of 64 (``models.segment_forward.ROWS_MULTIPLE``), so a bf16 update's ~100 shapes recur,
-# and holding 16 rebuilt most of them every step (~1 ms each: the quickstart's tree pass 0.097 -> 0.075 s
-# with 256, peak PSS +0.1 GiB, 2026-12-01).
+# and holding 16 rebuilds most of them every step (~1 ms each: 256 shortens the quickstart's tree pass by
+# about a fifth for ~0.1 GiB more peak PSS, bench/results/rl_step-primitives-rollout-side-*.md).
 ALLOCATOR_DEFAULTS = {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 TRAINER_ALLOCATOR_DEFAULTS = {**ALLOCATOR_DEFAULTS, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
 

@@ -24,7 +24,7 @@ INTERRUPTIBLE_GAIN = {"1.5B": ("r1-distill-qwen-1.5b", 1.12), "7B": ("r1-distill
 # 8k context: short math prompts, answers long-tailed up to the context (AReaL's setting).
 WORKLOAD = Workload(prompts=64, answers=16, prompt_len=256, gen_mean=4500, gen_max=7936)
 SPREAD, STEPS = 0.6, 12  # log-normal spread: about 10% of answers reach the context limit
-# Written by `areal-hpc repro areal-eta --calibrate` (2026-11-22) from the η = 0 row.
+# Written by `areal-hpc repro areal-eta --calibrate`, fitted to the η = 0 row.
 OVERALL = 0.597
 
 

@@ -35,7 +35,7 @@ PAPER = {  # per model: (uniform, optimised) on 24 H800, hex throughput, sync H8
 # see NOTES). decode_hbm and decode_mfu set where decode turns from HBM-bound to compute-bound, which
 # Table 1's generation ratio pins: H20 has 1.19x an H800's HBM bandwidth but 0.15x its FLOP/s.
 FITTED = ("overall", "decode_hbm", "decode_mfu", "sync", "H20.train")
-# Written from `areal-hpc repro hex --calibrate` (2026-11-27), fitted to the rows marked "fit".
+# Written from `areal-hpc repro hex --calibrate`, fitted to the rows marked "fit".
 CALIBRATED = load_efficiency(EFFICIENCY_AREAL_HEX)
 
 

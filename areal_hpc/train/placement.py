@@ -3,26 +3,23 @@ weight staging and the shard commits on the trainer's own cores, the rest of ran
 controller's event loop, the rollout client, reward scoring, evaluation) on the servers' cores.
 
 On 2 cores the local launcher pins the server to core 0 and the trainer to core 1. The update is the
-step's critical path; rank 0's rollout side (about 0.09 CPU-s a quickstart step, as much as the server's
-generation) allowed on core 1 as well preempted it there (0.17 s of wall time for 0.12 s of CPU). On
-core 0 beside generation, which finishes well within a step since a group's prompt is prefilled once,
-the quickstart's step took 0.86-0.92x the time (3 alternating pairs, 2026-11-27). The launcher names the
-cores in ``ROLLOUT_SIDE_CORES``; without them (Slurm, pinning off) nothing moves, and the update runs on
-a thread of its own all the same.
+step's critical path; rank 0's rollout side (about as much CPU a quickstart step as the server's generation)
+allowed on core 1 as well preempts it there. Core 0 beside generation, which finishes well within a step
+since a group's prompt is prefilled once, has room for it (bench/results/rl_step_threads-*.md). The launcher
+names the cores in ``ROLLOUT_SIDE_CORES``; without them (Slurm, pinning off) nothing moves, and the update
+runs on a thread of its own all the same.
 
-Once tree training and an in-process reward made the update shorter (0.10 s of a 0.14 s step), the
-servers' core was the full one: the shard commits (a group's records, an HDF5 flush and two fsyncs, 16
-times a step) moved to a thread on the trainer's cores, which mostly waits on the disk (2 alternating
-pairs, 2026-11-28: 0.140 / 0.140 s a step against 0.150 / 0.147).
+With tree training and an in-process reward the update is short enough that the servers' core is the
+full one: the shard commits (a group's records, an HDF5 flush and two fsyncs, 16 times a step) run on a
+thread on the trainer's cores, which mostly waits on the disk.
 
 With the training in a child process (``rl.rank0_training=child``, on the trainer's cores) every thread of rank
-0's own process belongs to the rollout side, the shard commits too: on the trainer's core they took CPU
-from the update itself, no longer only the interpreter's lock (median step 0.133 / 0.137 s against
-0.141 / 0.146, 2 alternating pairs, 2026-11-28). Once tree training flattened a group's subtree (an update
-of ~0.09 s), the servers' core was the full one (generation and the rollout side) while the trainer's idled
-between updates: the rollout side may now run on the trainer's cores too, ``ROLLOUT_SIDE_NICE`` lower than
-the training child (which the fork left at its priority), so it takes what the child leaves (median step
-0.156 -> 0.140 s, 2026-12-01, one run each).
+0's own process belongs to the rollout side, the shard commits too: on the trainer's core they would take CPU
+from the update itself, not only the interpreter's lock. With tree training's flattened subtrees the update is
+short, the servers' core is the full one (generation and the rollout side) and the trainer's idles between
+updates: the rollout side may then run on the trainer's cores too, ``ROLLOUT_SIDE_NICE`` lower than the
+training child (which the fork left at its priority), so it takes what the child leaves
+(bench/results/rl_step-primitives-rollout-side-*.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ plain DPO lowers math accuracy and this term keeps the chosen answers likely); f
 regularises the body, read through the causal LM's output layer, to stay a language model of the chosen
 answers (Yang et al. 2024, "Regularizing Hidden States Enables Learning Generalizable Reward Model for
 LLMs"): on the quickstart's unseen problems it is what lifts pairwise accuracy from 70-83% to 90-99%
-(bench/results/rm_recipe_grid-2026-11-28.md). DPO's reference log-likelihoods
+(bench/results/rm_recipe_grid-*.md). DPO's reference log-likelihoods
 are the starting model's, computed once before the first step (no second model in memory) and cached
 in the run folder. Held-out pairwise accuracy (and, with
 ``preference.eval_task``, the policy's accuracy on the configured task) before, during and after

@@ -19,9 +19,8 @@ a pipe, for what it needs of the training (the ``TrainerGroup`` calls below), on
 Only the disk weight sync works this way (``rl.weight_sync=disk``: the servers read what the child
 wrote); the distributed one broadcasts from the training process's own tensors, so it keeps them in
 rank 0's process (``rl.rank0_training=auto`` chooses that). On an accelerator ``auto`` keeps them there
-too: the update then waits on the device, not on the interpreter lock, and on an H200 the quickstart
-stepped in 0.196 s with a thread against 0.251 s with a child (one run each,
-``bench/results/peer_trl-2026-11-28-h200.md``). The child ignores the stop signals, as the
+too: the update then waits on the device, not on the interpreter lock, and the quickstart steps faster
+with a thread than with a child (``bench/results/peer_trl-*-h200.md``). The child ignores the stop signals, as the
 other ranks do: the parent decides, and a child whose parent ends (however) ends too (end of the pipe,
 or the kernel's parent-death signal while it trains).
 """

@@ -143,7 +143,7 @@ def create_shard(path: Path, experiment: str, trial: str, writer: str, durable: 
 def fixed_text(value: str) -> np.ndarray:
     """A text attribute stored fixed-length, inside its object header, which HDF5 checksums. Python
     strings become variable-length ones, kept in HDF5's global heap: no checksum, and HDF5 2.0 loops
-    forever on some damaged heaps (shards written before 2026-11-26 hold theirs there)."""
+    forever on some damaged heaps (older shards hold theirs there: ``attribute_text`` reads both)."""
     encoded = value.encode()
     return np.array(encoded, dtype=h5py.string_dtype("utf-8", max(1, len(encoded))))
 

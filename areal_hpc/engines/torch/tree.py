@@ -141,10 +141,10 @@ class Prefix:
 
 # A chunk's padding stays within this share of its rows plus this many rows: padded rows cost compute,
 # another chunk costs a forward's overhead (on the quickstart's tiny model the rows are cheap, on larger
-# ones the padding is not: measured on both, 2026-11-27).
+# ones the padding is not).
 PADDING_SHARE, PADDING_ROWS = 0.25, 64
 # A subtree of at most this many tokens is one row under a tree mask (faster than a level at a time below
-# 400-750 tokens on the tiny and small presets: bench/results/tree_flat_subtrees-2026-12-02.md).
+# 400-750 tokens on the tiny and small presets: bench/results/tree_flat_subtrees-*.md).
 FLAT_SUBTREE_TOKENS = 512
 PREFIX_WEIGHT = 0.25  # a row's copied prefix position holds K/V only, a fraction of a forwarded token's memory
 

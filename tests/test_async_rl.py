@@ -73,6 +73,17 @@ def processes_of(run: Path) -> list[int]:
     return found
 
 
+@pytest.mark.smoke
+def test_the_quickstart_trains_five_steps(tiny_model_dir, tmp_path):
+    """The quickstart's own settings, shrunk: five asynchronous steps, each with its reward and staleness."""
+    result = run_cli(*train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=5", "rl.eval_every_steps=0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in metrics(run_dir(tmp_path)) if "rollout/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert all(0 <= r["rollout/reward"] <= 1 and r["staleness/max"] <= 2 for r in steps)
+    assert (run_dir(tmp_path) / "checkpoints" / "latest").read_text().strip() == "step000005"
+
+
 def test_async_run_with_two_trainer_ranks_and_distributed_weight_sync(tiny_model_dir, tmp_path):
     """One KV slot on the server makes generation the slow side (eta * B groups decode one sequence
     at a time while a step trains), so weight updates find requests in flight and interrupt them:

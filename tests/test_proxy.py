@@ -56,6 +56,7 @@ def records(proxy_state) -> dict:
         return {t.id: t for t in store.trajectories()}
 
 
+@pytest.mark.smoke
 def test_openai_client_sync_async_and_streaming_get_the_servers_tokens(proxy, tiny_model_dir):
     base, state, _ = proxy
     _, key = start_session(base, ALICE)

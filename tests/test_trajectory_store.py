@@ -55,6 +55,7 @@ def trajectories(draw, tenants=("a", "b", "c")):
                                                          st.integers(0, 5), st.integers(0, 5)), max_size=2)))
 
 
+@pytest.mark.smoke
 @SETTINGS
 @given(records=st.lists(trajectories(), max_size=12), flush_every=st.integers(1, 5),
        per_shard=st.integers(1, 6))

@@ -54,7 +54,7 @@ class Plan:
 
     @property
     def allocation(self) -> str:
-        """The allocation string (README, "Planning a heterogeneous cluster"), e.g. ``sglang:d12t2+megatron:d1p1t8``."""
+        """The allocation string (docs/tutorials/planning.md), e.g. ``sglang:d12t2+megatron:d1p1t8``."""
         parts = [f"sglang:d{y}t{r.tp}" + (f"p{r.pp}" if r.pp > 1 else "") for r, y in self.rollout.replicas]
         parts += [f"megatron:d{g.dp}p{g.pp}t{g.tp}" for g in self.train]
         return "+".join(parts)

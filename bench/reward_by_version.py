@@ -4,10 +4,14 @@
         --runs "ours=/tmp/peer30/ours-seed{seed}/quickstart/trial0/metrics.jsonl" \
         --baseline "trl=/tmp/peer30/trl-seed{seed}/quickstart/trial0/metrics.jsonl" --seeds 11 ... 30 [--save]
 
-Reads finished runs' metrics.jsonl (``areal-hpc train``'s, or the TRL runs of ``peer_trl.py``, which write
-the same names) and compares each run with the baseline's run of the same seed twice:
+Reads finished runs' metrics.jsonl (``areal-hpc train``'s, or the runs of ``peer_trl.py``, whose TRL side
+writes the same names) and compares each run with the baseline's run of the same seed twice:
 
-- final greedy held-out accuracy (the mean of the last three evaluations), as the other benchmarks do;
+- final greedy held-out accuracy (the mean of the last three evaluations), as the other benchmarks do. The
+  evaluations are those of ``peer_trl.py``'s ``areal-hpc eval`` of the run's checkpoints, ``evals.json`` in the
+  run's folder (the folder ``peer_trl.py``'s ``--root`` holds: ``<side>-seed<N>/evals.json`` beside
+  ``<side>-seed<N>/quickstart/trial0/metrics.jsonl``), where there is one; else the run's own in-run
+  evaluations, ``eval/accuracy`` in its metrics.jsonl;
 - the training reward (``rollout/reward``: the mean reward of the step's sampled answers) **of the same
   policy version**: a run whose batches are on average k versions stale (``staleness/mean``, rounded;
   0 without it) trains at step s + k on answers drawn by about the policy that drew the baseline's batch at
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 from pathlib import Path
 
@@ -32,6 +37,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 from recording import machine, record_name, run_and_record  # noqa: E402
 
 LAST_EVALS = 3
+PEER_RUN_FILE = Path("quickstart/trial0/metrics.jsonl")  # peer_trl.py's RUN_FILE: a run's metrics under its folder
+
+
+def evals_file(metrics: Path) -> Path | None:
+    """``evals.json`` of the peer_trl.py run whose metrics.jsonl is ``metrics`` (its evaluations by ``areal-hpc
+    eval`` after the run), or None when ``metrics`` is not such a run's or the file is not there."""
+    depth = len(PEER_RUN_FILE.parts)
+    if len(metrics.parts) <= depth or metrics.parts[-depth:] != PEER_RUN_FILE.parts:
+        return None
+    found = metrics.parents[depth - 1] / "evals.json"
+    return found if found.is_file() else None
+
+
+def accuracies(metrics: Path, records: list[dict]) -> list[float]:
+    """A run's held-out accuracies in step order: from its evals.json where it has one, else ``eval/accuracy``
+    of its metrics ``records``."""
+    found = evals_file(metrics)
+    if found is None:
+        return [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    return [e["accuracy"] for e in sorted(json.loads(found.read_text()), key=lambda e: e["step"])]
 
 
 def run_summary(metrics: Path) -> dict:
@@ -39,7 +64,10 @@ def run_summary(metrics: Path) -> dict:
     records = read_json_lines(metrics)
     steps = sorted((r for r in records if "rollout/reward" in r and "time/step" in r), key=lambda r: r["step"])
     staleness = [r["staleness/mean"] for r in records if "staleness/mean" in r]
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    evals = accuracies(metrics, records)
+    if not evals:
+        raise SystemExit(f"{metrics}: no held-out evaluation (no evals.json of peer_trl.py beside the run, no "
+                         "eval/accuracy in it)")
     return {"rewards": [r["rollout/reward"] for r in steps], "staleness": float(np.mean(staleness)) if staleness else 0.0,
             "final": float(np.mean(evals[-LAST_EVALS:]))}
 

@@ -123,3 +123,11 @@ def pytest_runtest_setup(item):
         if os.environ.get(variable) == "1":
             pytest.fail(f"{message} ({reason}; {variable}=1 requires it)", pytrace=False)
         pytest.skip(f"{message} ({reason})")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``make test`` runs two pytest-xdist workers (``--dist loadgroup``): every Slurm test goes to the same
+    one, so the dev cluster's two nodes run one test's jobs at a time, as each test expects."""
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))

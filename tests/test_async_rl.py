@@ -52,7 +52,7 @@ def metrics(run: Path) -> list[dict]:
     return read_json_lines(run / "metrics.jsonl")
 
 
-def wait_for_no_processes(run: Path, seconds: float = 20) -> list[int]:
+def wait_for_no_processes(run: Path, seconds: float = 60) -> list[int]:
     deadline = time.monotonic() + seconds
     while processes_of(run) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -155,7 +155,8 @@ def test_ppo_with_a_critic_and_a_kl_penalty_trains_both_models(tiny_model_dir, t
 
 
 def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_model_dir, tmp_path):
-    args = train_args(tiny_model_dir, tmp_path, "rl.total_train_steps=7", "rl.eval_every_steps=0",
+    total = 10  # the kill at step 3 leaves 7 steps to go: a slow poll cannot let the run finish first
+    args = train_args(tiny_model_dir, tmp_path, f"rl.total_train_steps={total}", "rl.eval_every_steps=0",
                       "saver.freq_steps=2", "rollout.max_head_offpolicyness=2", "optimizer.lr_scheduler_type=linear")
     run = run_dir(tmp_path)
     launcher = subprocess.Popen([sys.executable, "-m", "areal_hpc", *args], cwd=REPO, stdout=subprocess.DEVNULL,
@@ -175,15 +176,15 @@ def test_a_run_killed_with_sigkill_resumes_and_trains_each_trajectory_once(tiny_
     result = run_cli(*args, "--resume", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [r for r in metrics(run) if "rollout/reward" in r]
-    assert [r["step"] for r in records] == list(range(1, 8))  # lost steps were replaced, not duplicated
+    assert [r["step"] for r in records] == list(range(1, total + 1))  # lost steps were replaced, not duplicated
     cfg = load_config(str(REPO / "configs/quickstart.yaml"),
-                      SMALL_RUN + ["rl.total_train_steps=7", "optimizer.lr_scheduler_type=linear"])
+                      SMALL_RUN + [f"rl.total_train_steps={total}", "optimizer.lr_scheduler_type=linear"])
     for r in records:  # the schedule continued from the checkpoint (optimizer and scheduler state restored)
-        assert r["actor/lr"] == pytest.approx(cfg.actor.lr * lr_multiplier(r["step"] - 1, 7, cfg.optimizer))
+        assert r["actor/lr"] == pytest.approx(cfg.actor.lr * lr_multiplier(r["step"] - 1, total, cfg.optimizer))
 
-    audit = assert_each_trajectory_trained_once(run, 7)
+    audit = assert_each_trajectory_trained_once(run, total)
     assert untrained, "the kill left nothing to recover: the test did not exercise recovery"
-    assert untrained <= set(audit.trained) | audit.dropped | untrained_at(run, 7)  # none lost
+    assert untrained <= set(audit.trained) | audit.dropped | untrained_at(run, total)  # none lost
     assert untrained & audit.trained_after_resume  # the recovered ones were trained after the resume
     assert wait_for_no_processes(run) == []
 

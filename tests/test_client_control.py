@@ -27,7 +27,8 @@ def test_pause_returns_within_a_second_with_more_than_100_requests_in_flight(tin
                 info = await model_info(server)
                 return info["running_requests"] == SLOTS and info["waiting_requests"] == IN_FLIGHT - SLOTS
 
-            await wait_until(all_on_the_server, what=f"{IN_FLIGHT} requests on the server")
+            await wait_until(all_on_the_server, what=f"{IN_FLIGHT} requests on the server",
+                             seen=lambda: model_info(server))
             started = time.monotonic()
             healthy = await client.healthy(server)
             probed = time.monotonic() - started
@@ -52,10 +53,11 @@ async def sglang_like_server(reported_version):
     """SGLang's reply shape: no per-token versions, ``weight_version`` a string. A request running
     when /pause_generation comes returns with finish reason abort and 2 tokens; one that arrives
     while paused waits for /continue_generation, then generates all it was asked for."""
-    state = {"paused": asyncio.Event(), "resumed": asyncio.Event(), "updates": 0}
+    state = {"paused": asyncio.Event(), "resumed": asyncio.Event(), "arrived": asyncio.Event(), "updates": 0}
 
     async def generate(request):
         budget = (await request.json())["sampling_params"]["max_new_tokens"]
+        state["arrived"].set()  # in the same turn as the check below: a pause after this finds it running
         if not state["paused"].is_set():
             await state["paused"].wait()
             n, reason = 2, "abort"
@@ -79,17 +81,18 @@ async def sglang_like_server(reported_version):
                     web.post("/continue_generation", route("resumed")),
                     web.post("/update_weights_from_disk", route(count=True)), web.get("/health", route())])
     async with serve_on_loopback(app) as address:
-        yield address
+        yield address, state
 
 
 def run_interrupted_generation(reported_version):
     """The run's first push (version 3), then a request cut short by a pause, the weights updated to
     version 4, and the request finished after the resume."""
     async def run():
-        async with sglang_like_server(reported_version) as server, RolloutClient([server]) as client:
+        async with sglang_like_server(reported_version) as (server, state), RolloutClient([server]) as client:
             await client.update_weights_from_disk("/models/v3", 3)
             request = asyncio.create_task(client.generate([1, 2, 3], {"max_new_tokens": 5}))
-            await wait_until(lambda: client.outstanding[server] == 1, what="the request to be sent")
+            # at the server, not only sent: the pause goes on another connection and could overtake it
+            await asyncio.wait_for(state["arrived"].wait(), 30)
             await client.pause()
             await client.update_weights_from_disk("/models/v4", 4)
             await client.resume()

@@ -12,9 +12,15 @@ from .slurm_jobs import wait_for_end
 pytestmark = pytest.mark.slurm
 
 
-def run(*args: str, timeout: float = 60) -> str:
-    """Run a Slurm command; its stdout, or the test fails with its stderr."""
-    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+def run(*args: str, timeout: float = 300) -> str:
+    """Run a Slurm command; its stdout, or the test fails with its stderr (or, if it has not ended after
+    ``timeout``, e.g. an srun still waiting for a node, with what squeue shows)."""
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        queue = subprocess.run(["squeue", "-o", "%i %j %T %R"], capture_output=True, text=True).stdout
+        raise AssertionError(f"{' '.join(args)} had not ended after {timeout:g} s; stderr: {exc.stderr}\n"
+                             f"squeue:\n{queue}") from None
     assert done.returncode == 0, f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}"
     return done.stdout
 
@@ -25,7 +31,7 @@ def sbatch(folder: Path, *args: str) -> str:
 
 def finished(job: str, components: int = 1) -> dict[str, tuple[str, str]]:
     """sacct's final (state, exit code) of every component of ``job``."""
-    return {jobid: (state, code) for jobid, (state, code, _) in wait_for_end(job, 60, components).items()}
+    return {jobid: (state, code) for jobid, (state, code, _) in wait_for_end(job, 300, components).items()}
 
 
 def test_nodes_are_in_train_rollout_and_all():

@@ -78,7 +78,8 @@ async def until_stopped(controller: RolloutController, timeout: float = 120) -> 
         with pytest.raises(RolloutError) as raised:
             await asyncio.wait_for(controller.prepare_batch(10_000), timeout)
         await wait_until(lambda: not (controller.submitting or controller.gate.running), 30,
-                         "the submit loop to end (nothing new starts) and the last episodes to finish")
+                         "the submit loop to end (nothing new starts) and the last episodes to finish",
+                         seen=lambda: f"submitting: {controller.submitting}, running: {controller.gate.running}")
         return raised.value
     finally:
         await controller.stop()
@@ -262,7 +263,8 @@ def test_dapo_rejected_groups_are_counted_not_failed():
                                            examples(8), accept=informative, budget=FailureBudget(max_consecutive=1))
             await controller.start()
             batch = await asyncio.wait_for(controller.prepare_batch(4), timeout=30)
-            await wait_until(lambda: not controller.gate.running, 30, "e0, e2, e4, e6 (started before e7) to end")
+            await wait_until(lambda: not controller.gate.running, 30, "e0, e2, e4, e6 (started before e7) to end",
+                             seen=lambda: f"{controller.gate.running} episodes running")
             await controller.stop()
             return batch, controller
 

@@ -50,8 +50,14 @@ def test_a_paused_batch_resumes_each_sample_from_its_own_output(tiny_model_dir, 
     async def run(server):
         async with RolloutClient([server]) as client:
             samplings = [{"max_new_tokens": budget, "ignore_eos": True, "sampling_seed": s} for s in range(3)]
+            # the batch waits in the paused server's queue (a state that lasts) ...
+            await client.post(server, "/pause_generation", {"mode": "abort"})
             batch = asyncio.create_task(client.generate_batch(PROMPTS, samplings))
-            await wait_until(lambda: _running(server), what="the batch to be decoding")
+            await wait_until(lambda: _waiting(server, 3), what="the batch to wait in the paused server's queue",
+                             seen=lambda: model_info(server))
+            # ... until it continues: two slots' samples are admitted and given first tokens before the
+            # engine takes the client's pause, which returns those two with their tokens and the third
+            await client.post(server, "/continue_generation", {})
             await client.pause()
             await client.resume()
             return await asyncio.wait_for(batch, timeout=120)
@@ -64,8 +70,8 @@ def test_a_paused_batch_resumes_each_sample_from_its_own_output(tiny_model_dir, 
     assert sum(g.interruptions for g in generations) >= 2  # the two decoding when it paused
 
 
-async def _running(server: str) -> bool:
-    return (await model_info(server))["running_requests"] > 0
+async def _waiting(server: str, count: int) -> bool:
+    return (await model_info(server))["waiting_requests"] == count
 
 
 class BatchingClient:
@@ -142,7 +148,7 @@ def test_same_tick_batch_runs_one_call_per_turn_and_shares_its_outcome():
 
 
 def test_same_tick_batch_is_cancelled_when_every_caller_left():
-    started, cancelled = asyncio.Event(), []
+    started, gone, cancelled = asyncio.Event(), asyncio.Event(), []
 
     async def run(items):
         started.set()
@@ -150,6 +156,7 @@ def test_same_tick_batch_is_cancelled_when_every_caller_left():
             await asyncio.sleep(60)
         except asyncio.CancelledError:
             cancelled.append(items)
+            gone.set()
             raise
 
     async def main():
@@ -162,7 +169,7 @@ def test_same_tick_batch_is_cancelled_when_every_caller_left():
         for caller in callers[1:]:
             caller.cancel()
         await asyncio.gather(*callers, return_exceptions=True)
-        await asyncio.sleep(0.01)
+        await asyncio.wait_for(gone.wait(), 30)  # by the batch itself, not by asyncio.run's final clean-up
 
     asyncio.run(main())
     assert cancelled == [[0, 1, 2]]

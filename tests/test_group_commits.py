@@ -11,19 +11,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.rollout.commits import GroupCommits
+from tests.waiting import wait_until
 
 
 class RecordingStore:
     """``store_all`` that records each call, checks that calls never overlap, takes ``seconds`` and
-    raises for calls holding an item in ``fail_on``."""
+    raises for calls holding an item in ``fail_on``. ``gated``: calls wait until ``open_gate()``, and
+    ``calls_started`` counts the calls that began, so a test knows a store is running instead of
+    guessing from a sleep."""
 
-    def __init__(self, seconds: float = 0.0, fail_on=()):
+    def __init__(self, seconds: float = 0.0, fail_on=(), gated: bool = False):
         self.calls, self.seconds, self.fail_on = [], seconds, set(fail_on)
         self._running = threading.Lock()
+        self._gate = threading.Event()
+        if not gated:
+            self._gate.set()
+        self.calls_started = 0
 
     def __call__(self, items):
         assert self._running.acquire(blocking=False), "two stores ran at once"
         try:
+            self.calls_started += 1
+            assert self._gate.wait(timeout=60), "the test never opened the gate"
             time.sleep(self.seconds)
             self.calls.append(list(items))
             if self.fail_on & set(items):
@@ -31,29 +40,40 @@ class RecordingStore:
         finally:
             self._running.release()
 
+    def open_gate(self) -> None:
+        self._gate.set()
+
+    async def running(self) -> None:
+        """Until the first call has begun (it then waits at the gate)."""
+        await wait_until(lambda: self.calls_started >= 1, 30, "the first store to run")
+
 
 def test_items_arriving_during_a_store_go_together_into_the_next():
-    store = RecordingStore(seconds=0.2)
+    store = RecordingStore(gated=True)
 
     async def run():
         commits = GroupCommits(store)
         first = asyncio.create_task(commits.store(0))
-        await asyncio.sleep(0.05)  # the first store is running
-        await asyncio.gather(first, *(commits.store(i) for i in range(1, 10)))
+        await store.running()
+        rest = [asyncio.create_task(commits.store(i)) for i in range(1, 10)]
+        await asyncio.sleep(0)  # one turn: each has handed its item over and waits
+        store.open_gate()
+        await asyncio.gather(first, *rest)
 
     asyncio.run(run())
     assert store.calls == [[0], list(range(1, 10))]
 
 
 def test_a_failed_store_fails_its_own_items_only():
-    store = RecordingStore(seconds=0.1, fail_on={1})
+    store = RecordingStore(fail_on={1}, gated=True)
 
     async def run():
         commits = GroupCommits(store)
         first = asyncio.create_task(commits.store(0))
-        await asyncio.sleep(0.03)
+        await store.running()
         second = [asyncio.create_task(commits.store(i)) for i in (1, 2)]
-        await asyncio.sleep(0.03)  # 1 and 2 wait for the first store
+        await asyncio.sleep(0)  # 1 and 2 wait for the first store
+        store.open_gate()
         third = await asyncio.gather(first, *second, return_exceptions=True)
         return third, await asyncio.gather(commits.store(3), return_exceptions=True)
 
@@ -64,15 +84,16 @@ def test_a_failed_store_fails_its_own_items_only():
 
 
 def test_a_cancelled_callers_item_is_still_stored():
-    store = RecordingStore(seconds=0.1)
+    store = RecordingStore(gated=True)
 
     async def run():
         commits = GroupCommits(store)
         first = asyncio.create_task(commits.store(0))
-        await asyncio.sleep(0.03)
+        await store.running()
         waiting = asyncio.create_task(commits.store(1))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # it has handed its item over and waits for the first store
         waiting.cancel()
+        store.open_gate()
         await first
         await commits.finished()
         return waiting.cancelled()
@@ -107,15 +128,19 @@ def test_every_item_is_stored_once_in_arrival_order(arrivals, store_ms, fail_eve
 
 @pytest.mark.parametrize("cancelled_first", [True, False])
 def test_finished_waits_for_the_running_store(cancelled_first):
-    store = RecordingStore(seconds=0.1)
+    store = RecordingStore(gated=True)
 
     async def run():
         commits = GroupCommits(store)
         caller = asyncio.create_task(commits.store(0))
-        await asyncio.sleep(0.02)
+        await store.running()
         if cancelled_first:
             caller.cancel()
-        await commits.finished()
+        finishing = asyncio.create_task(commits.finished())
+        await asyncio.sleep(0)
+        assert not finishing.done()  # the store is still running
+        store.open_gate()
+        await finishing
         return len(store.calls)
 
     assert asyncio.run(run()) == 1

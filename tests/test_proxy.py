@@ -22,7 +22,7 @@ from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.proxy.tenants import hash_key
 from tests.conftest import REPO, embedded_server
 from tests.proxy_helpers import call, proxy_config, running_proxy, start_session, write_keys
-from tests.test_rollout_server import in_background, model_info, wait_for
+from tests.test_rollout_server import in_background, paused, wait_queued
 
 ALICE, BOB, LIMITED, LOAD = "tk-alice", "tk-bob", "tk-limited", "tk-load"
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
@@ -176,9 +176,8 @@ def test_bad_input_gets_openai_json_errors_and_the_proxy_keeps_serving(proxy, ke
 
     _, bob_key = start_session(base, BOB)
     tree = yaml.safe_load(keys_file.read_text())
-    keys_file.write_text(yaml.safe_dump({**tree, "revoked": [hash_key(BOB)]}))
-    try:
-        time.sleep(0.01)
+    keys_file.write_text(yaml.safe_dump({**tree, "revoked": [hash_key(BOB)]}))  # re-read at the next call:
+    try:  # its size changed (the proxy compares size, mtime and inode), however fine the clock
         assert call(base, "/rl/start_session", {}, BOB)[1]["error"]["code"] == "invalid_api_key"
         assert call(base, "/v1/chat/completions", chat, bob_key)[0] == 401  # its sessions' keys go with it
     finally:
@@ -213,16 +212,13 @@ def test_a_turn_paused_by_a_weight_update_resumes_and_is_one_turn(proxy, server)
     _, key = start_session(base, ALICE)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
     before = state.router.interrupted
-    # greedy: the tiny model's reply to QUESTION has no end-of-turn token in 150, so the turn cannot end
-    # before the poll below sees it run (at temperature 1 it sometimes did)
-    asker, result = in_background(client.chat.completions.create, model="tiny", messages=QUESTION,
-                                  max_tokens=150, temperature=0.0)
-    try:
-        wait_for(lambda: model_info(server)["running_requests"] == 1, "the turn to run")
-        assert call(f"http://{server}", "/pause_generation", {"mode": "abort"})[0] == 200
-        wait_for(lambda: model_info(server)["waiting_requests"] == 1, "the turn to be sent again and wait")
-    finally:
-        assert call(f"http://{server}", "/continue_generation", {})[0] == 200
+    # greedy: the tiny model's reply to QUESTION has no end-of-turn token in 150, so the turn ends by length
+    with paused(server):  # the turn waits in the server's queue until it continues, then decodes ...
+        asker, result = in_background(client.chat.completions.create, model="tiny", messages=QUESTION,
+                                      max_tokens=150, temperature=0.0)
+        wait_queued(server, 1, "the turn to wait in the paused server's queue")
+    with paused(server):  # ... when this pause (a weight update's) is taken: it returns with its first tokens
+        wait_queued(server, 1, "the turn to be sent again and wait")
     asker.join(timeout=60)
     turn = state.by_key[hash_key(key)].turns[-1]
     reply = result["result"]
@@ -237,9 +233,11 @@ def test_a_backend_that_dies_mid_turn_is_replaced_and_nothing_is_lost(tiny_model
         with running_proxy(cfg) as (base, state, _):
             session_id, key = start_session(base, ALICE)
             client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+            # paused, the victim holds the turn in its queue until the kill (decoding, it could end first)
+            assert call(f"http://{victim_address}", "/pause_generation", {"mode": "abort"})[0] == 200
             asker, result = in_background(client.chat.completions.create, model="tiny", messages=QUESTION,
                                           max_tokens=150, temperature=1.0)
-            wait_for(lambda: model_info(victim_address)["running_requests"] == 1, "the turn to run on the victim")
+            wait_queued(victim_address, 1, "the turn to wait in the victim's queue")
             victim.send_signal(signal.SIGKILL)
             asker.join(timeout=120)
             reply = result["result"]

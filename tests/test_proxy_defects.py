@@ -157,30 +157,45 @@ def test_unused_reservations_are_refunded_after_a_short_reply_an_error_and_a_cli
     server.fail = True  # a failed generation gives all of it back
     assert [chat(base, key, max_tokens=150)[0] for _ in range(3)] == [502, 502, 502]
     server.fail, server.delay = False, 0.5
-    for _ in range(2):  # a client gone before its reply: it is not recorded, its unused tokens come back
-        leave_early(base, key, max_tokens=150)
-        wait_until(lambda: not state.active.get(session_id), "the abandoned turn to finish")
+    for sent in (7, 8):  # a client gone before its reply: it is not recorded, its unused tokens come back
+        leave_early(base, key, server, max_tokens=150)
+        wait_until(lambda: len(server.prompts) == sent and not state.active.get(session_id),
+                   "the abandoned turn to reach the server and end",
+                   seen=lambda: f"{len(server.prompts)} prompts at the server, {state.active.get(session_id)} "
+                                "turns in flight")
     server.delay = 0
     assert chat(base, key, max_tokens=150)[0] == 200
     turns = state.sessions[session_id].turns
     assert len(turns) == 4 and all(len(t.output_ids) == 5 for t in turns)
 
 
-def leave_early(base: str, key: str, **fields) -> None:
-    """A chat whose client closes its connection before the reply comes."""
+def leave_early(base: str, key: str, server: ScriptedServer, **fields) -> None:
+    """A chat whose client closes its connection once the scripted server has its request (the proxy
+    has the turn in flight), well before the server's reply (``server.delay`` after it came)."""
     async def go():
+        sent = len(server.prompts)
         async with aiohttp.ClientSession() as http:
-            with pytest.raises(asyncio.TimeoutError):
-                await http.post(f"{base}/v1/chat/completions", timeout=aiohttp.ClientTimeout(total=0.15),
-                                json={"model": "tiny", "messages": QUESTION, **fields},
-                                headers={"Authorization": f"Bearer {key}"})
+            chat = asyncio.create_task(http.post(f"{base}/v1/chat/completions",
+                                                 json={"model": "tiny", "messages": QUESTION, **fields},
+                                                 headers={"Authorization": f"Bearer {key}"}))
+            deadline = time.monotonic() + 60
+            while len(server.prompts) == sent:
+                assert not chat.done(), f"the chat ended before the server had it: {chat.result().status}"
+                assert time.monotonic() < deadline, "the chat never reached the scripted server"
+                await asyncio.sleep(0.005)
+            chat.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await chat
+        # the session's close closes the connection
     asyncio.run(go())
 
 
-def wait_until(condition, what: str, timeout: float = 10) -> None:
+def wait_until(condition, what: str, timeout: float = 60, seen=None) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
+                                 + (f"; last seen: {seen()}" if seen is not None else ""))
         time.sleep(0.02)
 
 
@@ -238,8 +253,8 @@ def test_well_formed_tools_and_fields_are_served_and_the_openai_client_sees_the_
 
 # -- 4. megabyte prompts beside other tenants' requests -------------------------------------------------
 def test_megabyte_prompts_are_tokenised_off_the_event_loop_so_other_tenants_wait_for_nothing(proxy, backend):
-    base, _, _ = proxy
-    _, big = start_session(base, "tk-big")
+    base, state, _ = proxy
+    big_session, big = start_session(base, "tk-big")
     _, small = start_session(base, "tk-open")
     backend[0].tokens = 1
     megabyte = json.dumps({"model": "tiny", "max_tokens": 1,
@@ -254,7 +269,9 @@ def test_megabyte_prompts_are_tokenised_off_the_event_loop_so_other_tenants_wait
     senders = [threading.Thread(target=send_big) for _ in range(2)]  # ~1.5 s of tokenising each
     for sender in senders:
         sender.start()
-    time.sleep(0.3)  # their bodies are in (a loopback megabyte takes milliseconds)
+    # their bodies are in and both turns are in flight (counted before their prompts are tokenised)
+    wait_until(lambda: state.active.get(big_session) == 2 or len(finished) == 2, "both megabyte turns to start",
+               seen=lambda: f"{state.active.get(big_session)} in flight, finished: {finished}")
     latencies = []
     while len(finished) < 2 and len(latencies) < 40:
         started = time.monotonic()
@@ -414,8 +431,10 @@ def test_a_reply_whose_client_left_is_not_recorded(proxy, backend, stream):
     server.tokens = 3
     assert chat(base, key, stream=False)[0] == 200
     server.delay = 0.5
-    leave_early(base, key, max_tokens=3, stream=stream)
-    wait_until(lambda: len(server.prompts) == 2 and not state.active.get(session_id), "the abandoned turn to end")
+    leave_early(base, key, server, max_tokens=3, stream=stream)
+    wait_until(lambda: len(server.prompts) == 2 and not state.active.get(session_id), "the abandoned turn to end",
+               seen=lambda: f"{len(server.prompts)} prompts at the server, {state.active.get(session_id)} "
+                            "turns in flight")
     assert call(base, "/rl/end_session", {}, key)[1]["interactions"] == [state.sessions[session_id].turns[0]
                                                                           .interaction_id]
     assert len(state.sessions[session_id].turns) == 1  # generated, never seen: not a turn of the record

@@ -70,17 +70,27 @@ def test_resumed_gate_counts_earlier_batches_as_accepted():
     assert gate.accepted == 12 and gate.capacity() == (1 + 3 + 1) * 4 - 12
 
 
-async def running_requests(server: str) -> int:
-    """Requests the server is decoding now (each has produced at least its first token)."""
-    return (await model_info(server))["running_requests"]
+async def waiting_requests(server: str) -> int:
+    """Requests waiting in the server's queue (while it is paused, they stay there)."""
+    return (await model_info(server))["waiting_requests"]
 
 
 def test_requests_survive_a_server_killed_mid_run(tiny_model_dir, tmp_path):
     async def run(addresses, victim):
         async with RolloutClient(addresses) as client:
+            victim_address = addresses[0]
+            # paused, the victim holds its share in its queue until the kill (decoding, they could end first)
+            await client.post(victim_address, "/pause_generation", {"mode": "abort"})
             jobs = [asyncio.create_task(client.generate([3, 4, 5, i], {"max_new_tokens": 1000, "ignore_eos": True}))
                     for i in range(8)]
-            await wait_until(lambda: running_requests(addresses[0]), what="the victim to be decoding")
+
+            async def all_there() -> bool:
+                return 0 < client.outstanding[victim_address] == await waiting_requests(victim_address)
+
+            async def seen() -> str:
+                return f"{client.outstanding[victim_address]} sent to the victim, {await model_info(victim_address)}"
+
+            await wait_until(all_there, what="the victim's share of the requests to wait in its queue", seen=seen)
             victim.send_signal(signal.SIGKILL)
             return await asyncio.gather(*jobs), client.alive
 
@@ -136,8 +146,13 @@ def test_weight_updates_interrupt_generation_and_later_tokens_come_from_the_new_
                 for version in range(3):
                     episodes = await controller.prepare_batch(batch)
                     consumed += [(version, e) for e in episodes]
-                    if version == 0:
-                        await wait_until(lambda: running_requests(address), what="generation in flight")
+                    if version == 0:  # the episodes started since wait in the paused server's queue ...
+                        await client.post(address, "/pause_generation", {"mode": "abort"})
+                        await wait_until(lambda: waiting_requests(address), what="generation in flight",
+                                         seen=lambda: model_info(address))
+                        # ... until it continues: they are admitted and given first tokens (of version 0)
+                        # before the engine takes the pause below, which interrupts them
+                        await client.post(address, "/continue_generation", {})
                     await controller.pause()
                     await client.update_weights_from_disk(str(weights[version + 1]), version + 1)
                     controller.set_version(version + 1)

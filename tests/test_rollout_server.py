@@ -4,6 +4,7 @@ Tests here share one server and leave it as they found it (never paused, weights
 tests that change weights are in test_rollout_weights.py and start their own.
 """
 
+import contextlib
 import json
 import threading
 import time
@@ -50,13 +51,36 @@ def model_info(address: str) -> dict:
         return json.loads(response.read())
 
 
-def wait_for(condition, what: str, timeout_s: float = 60):
-    """Poll ``condition`` until it is truthy (and return it); fail after ``timeout_s`` saying ``what``."""
+def wait_for(condition, what: str, timeout_s: float = 60, seen=None):
+    """Poll ``condition`` until it is truthy (and return it); fail after ``timeout_s`` saying ``what``
+    and, given ``seen``, what ``seen()`` finds then (the state the test saw instead)."""
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}"
+                                 + (f"; last seen: {seen()}" if seen is not None else ""))
         time.sleep(0.02)
     return value
+
+
+@contextlib.contextmanager
+def paused(address: str):
+    """The server paused (abort mode) for the block, then continued whatever happens. Requests sent
+    meanwhile wait in its queue, a state that lasts until it continues (``wait_queued`` waits for it);
+    on the continue the engine admits them, prefilling each a first token, before it takes any later
+    command (a pause, an abort): so right after the block they are decoding, without a poll for a
+    request to be running, which it may finish before the poll sees it."""
+    assert post(address, "/pause_generation", {"mode": "abort"}) == (200, {"success": True})
+    try:
+        yield
+    finally:
+        assert post(address, "/continue_generation")[0] == 200
+
+
+def wait_queued(address: str, count: int, what: str, timeout_s: float = 60) -> None:
+    """Wait until ``count`` requests wait in the queue of the paused server at ``address``."""
+    wait_for(lambda: model_info(address)["waiting_requests"] == count, what, timeout_s,
+             seen=lambda: model_info(address))
 
 
 def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
@@ -144,16 +168,17 @@ def test_batched_prompts_stop_tokens_and_greedy_determinism(server):
 
 
 def test_pause_returns_partial_outputs_and_queues_new_work_until_continue(server):
-    running, results = in_background(generate, server, max_new_tokens=900, ignore_eos=True)
-    try:
-        wait_for(lambda: model_info(server)["running_requests"] == 1, "the long request to run")
+    with paused(server):
+        running, results = in_background(generate, server, max_new_tokens=900, ignore_eos=True)
+        wait_queued(server, 1, "the long request to wait in the paused server's queue")
+    try:  # continued: the long request is decoding when the pause below is taken
         assert post(server, "/pause_generation", {"mode": "abort"}) == (200, {"success": True})
         running.join(timeout=60)
         partial = results["result"]
         assert partial["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < len(partial["output_ids"]) < 900
         queued, later = in_background(generate, server, max_new_tokens=4)
-        wait_for(lambda: model_info(server)["waiting_requests"] == 1, "the new request to be queued")
+        wait_queued(server, 1, "the new request to be queued")
         assert "result" not in later and model_info(server)["running_requests"] == 0  # held while paused
     finally:  # the server is shared by the module's tests: never leave it paused
         assert post(server, "/continue_generation")[0] == 200
@@ -162,27 +187,33 @@ def test_pause_returns_partial_outputs_and_queues_new_work_until_continue(server
 
 
 def test_abort_request_by_id(server):
-    worker, results = in_background(post, server, "/generate", {
-        "input_ids": PROMPT, "rid": "victim", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}})
-    wait_for(lambda: model_info(server)["running_requests"] == 1, "the request to run")
-    assert post(server, "/abort_request", {"rid": "victim"})[0] == 200
+    with paused(server):
+        worker, results = in_background(post, server, "/generate", {
+            "input_ids": PROMPT, "rid": "victim", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}})
+        wait_queued(server, 1, "the request to wait in the paused server's queue")
+    assert post(server, "/abort_request", {"rid": "victim"})[0] == 200  # decoding when the abort is taken
     worker.join(timeout=60)
     assert results["result"][1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 @pytest.mark.parametrize("field, value", [("abort_all", "no"), ("abort_all", 1), ("rid", 7)])
 def test_abort_request_flags_are_booleans_not_truthy_values(server, field, value, tiny_model_dir):
-    worker, results = in_background(generate, server, max_new_tokens=150, ignore_eos=True)
-    wait_for(lambda: model_info(server)["running_requests"] == 1, "the request to run")
-    status, reply = post(server, "/abort_request", {field: value})
+    # asked while the request waits in the paused server's queue, where it stays: an abort the engine
+    # took would end it there (an abort ends queued requests as it ends decoding ones)
+    with paused(server):
+        worker, results = in_background(generate, server, max_new_tokens=150, ignore_eos=True)
+        wait_queued(server, 1, "the request to wait in the paused server's queue")
+        status, reply = post(server, "/abort_request", {field: value})
     assert status == 400 and f"{field} = {value!r}" in reply["error"]["message"], reply
     worker.join(timeout=120)
     assert results["result"]["meta_info"]["finish_reason"]["type"] == "length"  # not aborted
 
 
 def test_a_temperature_below_the_floor_is_refused_and_running_requests_carry_on(server, tiny_model_dir):
-    workers = [in_background(generate, server, PROMPT[:i + 1], max_new_tokens=200, ignore_eos=True) for i in range(5)]
-    wait_for(lambda: model_info(server)["running_requests"] == 5, "five requests to run")
+    with paused(server):
+        workers = [in_background(generate, server, PROMPT[:i + 1], max_new_tokens=200, ignore_eos=True)
+                   for i in range(5)]
+        wait_queued(server, 5, "five requests to wait in the paused server's queue")
     status, reply = post(server, "/generate", {"input_ids": [5, 6],
                                                "sampling_params": {"max_new_tokens": 3, "temperature": 1e-40}})
     assert status == 400, reply
@@ -312,9 +343,10 @@ def test_a_row_with_non_finite_logits_fails_alone(tiny_model_dir, tmp_path):
     poisoned = save_model(model, load_tokenizer(tiny_model_dir), tmp_path / "poisoned")
     prompts = [PROMPT[: i + 1] for i in range(5)]
     with embedded_server(poisoned, tmp_path / "runs") as (_, address):
-        workers = [in_background(generate, address, p, max_new_tokens=60, ignore_eos=True, stop_token_ids=[poison])
-                   for p in prompts]
-        wait_for(lambda: model_info(address)["running_requests"] == 5, "five requests to run")
+        with paused(address):
+            workers = [in_background(generate, address, p, max_new_tokens=60, ignore_eos=True,
+                                     stop_token_ids=[poison]) for p in prompts]
+            wait_queued(address, 5, "five requests to wait in the paused server's queue")
         status, reply = post(address, "/generate", {"input_ids": PROMPT + [poison] * 30,
                                                     "sampling_params": {"max_new_tokens": 3}})
         assert status == 500 and "logits are not finite" in reply["error"]["message"], reply
@@ -324,9 +356,10 @@ def test_a_row_with_non_finite_logits_fails_alone(tiny_model_dir, tmp_path):
         # a long sequence in row 0, then short ones in rows 1-7 (the failed one's among them): they attend
         # over cache columns up to the long one's position, which the failed sequence wrote (masked, but a
         # masked NaN still reaches the output)
-        long, out = in_background(generate, address, PROMPT * 8, max_new_tokens=60, ignore_eos=True,
-                                  stop_token_ids=[poison])
-        wait_for(lambda: model_info(address)["running_requests"] == 1, "the long request to run")
+        with paused(address):
+            long, out = in_background(generate, address, PROMPT * 8, max_new_tokens=60, ignore_eos=True,
+                                      stop_token_ids=[poison])
+            wait_queued(address, 1, "the long request to wait in the paused server's queue")
         status, replies = post(address, "/generate", {"input_ids": [PROMPT] * 7, "return_logprob": True,
                                                       "sampling_params": {"max_new_tokens": 5, "ignore_eos": True,
                                                                           "stop_token_ids": [poison]}})

@@ -241,9 +241,15 @@ def test_a_restarted_trainer_joins_again_while_the_old_one_hangs_and_nothing_lea
     restarted trainer joins a new group and updates through it; when the old trainer's process ends
     its update fails. Restarting three times leaves the server with the files and threads of one group."""
     process, address = own_server
+    http_port = int(address.rsplit(":", 1)[1])
 
     def resources():
-        return len(os.listdir(f"/proc/{process.pid}/fd")), len(os.listdir(f"/proc/{process.pid}/task"))
+        """The server's open files and threads, less the connections of HTTP requests: the server closes
+        its end of a finished request's connection in its own time (after the reply the test reads)."""
+        http = http_connections(process.pid, http_port)
+        fds = [fd for fd in os.listdir(f"/proc/{process.pid}/fd")
+               if (link := _link(f"/proc/{process.pid}/fd/{fd}")) and link not in http]
+        return len(fds), len(os.listdir(f"/proc/{process.pid}/task"))
 
     with trainer_group(address):  # the old trainer: it declares a bucket and sends nothing
         hung, hung_reply = in_background(post, address, "/update_weights_from_distributed", {
@@ -265,7 +271,31 @@ def test_a_restarted_trainer_joins_again_while_the_old_one_hangs_and_nothing_lea
     status, update = hung_reply["result"]
     assert status == 500 and peer_closed(update["error"]["message"]), update
     assert model_info(address)["weight_version"] == "12"
-    assert wait_for(lambda: resources() < held[0], "the hung update's group to be freed", timeout_s=10)
+    assert wait_for(lambda: resources() < held[0], "the hung update's group to be freed",
+                    seen=lambda: f"(files, threads) {resources()}, with both groups {held[0]}")
+
+
+def http_connections(pid: int, port: int) -> set[str]:
+    """The ``socket:[inode]`` links of ``pid``'s TCP connections accepted on ``port`` (not its listener)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
+            if local_port == port and state != "0A":  # 0A: LISTEN
+                found.add(f"socket:[{inode}]")
+    return found
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed meanwhile
+        return ""
 
 
 # -- the trainer's side: SGLang's group conventions, a server killed between pushes ---------------

@@ -5,6 +5,7 @@ scores correct, wrong and looping solutions."""
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -117,14 +118,18 @@ def test_a_grandchild_left_sleeping_is_killed():
 
 def test_a_process_that_left_the_session_is_killed_too():
     token = f"1000.{uuid.uuid4().int % 10**9}"
+    # the program ends once the grandchild runs sleep: the pipe's write end (close-on-exec) closes in
+    # it at the exec, and in the child at its exit, so the read returns then
     program = f"""
-import os, time
+import os
+r, w = os.pipe()
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
         os.execv('/bin/sleep', ['sleep', '{token}'])
     os._exit(0)
-time.sleep(0.3)
+os.close(w)
+os.read(r, 1)
 """
     result = run_python(program, max_processes=5)
     assert result.returncode == 0
@@ -132,28 +137,40 @@ time.sleep(0.3)
 
 
 def test_nothing_survives_the_caller_being_killed():
-    marker = uuid.uuid4().hex
+    token = f"1000.{uuid.uuid4().int % 10**9}"  # on the sandboxed program's command line: it runs sleep
     caller = subprocess.Popen([sys.executable, "-c", (
         "from areal_hpc.reward.sandbox import run_python\n"
-        f"run_python('import time\\ntime.sleep(1000)  # {marker}', timeout_s=100)")], cwd=REPO)
-    deadline = time.monotonic() + 20
-    while not processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_with(marker), "the sandboxed program never started"
-    caller.kill()
-    caller.wait()
-    deadline = time.monotonic() + 5
-    while processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_with(marker) == []
+        f"run_python(\"import os\\nos.execv('/bin/sleep', ['sleep', '{token}'])\", timeout_s=100)")], cwd=REPO)
+
+    def program() -> list[int]:  # the caller's own command line holds the token too
+        return [pid for pid in processes_with(token) if pid != caller.pid]
+
+    try:
+        deadline = time.monotonic() + 60
+        while not program():
+            assert caller.poll() is None, f"the caller exited ({caller.returncode}) before the program ran"
+            assert time.monotonic() < deadline, "the sandboxed program never started"
+            time.sleep(0.05)
+        caller.kill()
+        caller.wait()
+        deadline = time.monotonic() + 60
+        while survivors := program():
+            assert time.monotonic() < deadline, \
+                f"still alive 60 s after the caller's death: {[_read(f'/proc/{pid}/cmdline') for pid in survivors]}"
+            time.sleep(0.05)
+    finally:
+        caller.kill()
+        for pid in program():
+            os.kill(pid, signal.SIGKILL)
 
 
 NOBODY_CHECK = """
 import json, os, sandbox
 fork = sandbox.run_python("import os\\nos.fork()")
 escape = sandbox.run_python(
-    "import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
-    "        os.execv('/bin/sleep', ['sleep', '%s'])\\n    os._exit(0)\\ntime.sleep(0.3)", max_processes=5)
+    "import os\\nr, w = os.pipe()\\nif os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
+    "        os.execv('/bin/sleep', ['sleep', '%s'])\\n    os._exit(0)\\nos.close(w)\\nos.read(r, 1)",
+    max_processes=5)
 print(json.dumps([os.geteuid(), fork.killed_by, fork.returncode, escape.returncode, escape.network_isolated]))
 """
 

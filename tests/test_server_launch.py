@@ -4,6 +4,7 @@ server advertises."""
 import asyncio
 import socket
 import sys
+import time
 
 import pytest
 
@@ -68,6 +69,10 @@ def test_a_server_that_dies_at_launch_is_reported_with_its_log_tail(tmp_path):
 def test_a_server_that_never_answers_is_stopped_after_the_timeout(tmp_path):
     command = [sys.executable, "-c", "import time; print('loading weights', flush=True); time.sleep(600)"]
     server = SupervisedProcess("slow server", command, tmp_path / "server.log").start()
+    deadline = time.monotonic() + 60  # its line is in the log before the 2 s start (a loaded machine starts slowly)
+    while "loading weights" not in (tmp_path / "server.log").read_text():
+        assert server.process.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+        time.sleep(0.05)
     with pytest.raises(ServerLaunchError, match=r"did not answer http://127.0.0.1:9/health within 2 s") as failure:
         server.wait_healthy("127.0.0.1:9", timeout_s=2)
     assert "loading weights" in str(failure.value)

@@ -24,7 +24,7 @@ from areal_hpc.runtime.bootstrap import RUN_MARKER
 
 from .conftest import REPO, run_cli
 from .run_audit import assert_each_trajectory_trained_once, read_audit
-from .slurm_jobs import cancel, components_of, submitted_job, wait_for, wait_for_end
+from .slurm_jobs import cancel, components_of, ended_at, states, submitted_job, wait_for, wait_for_end
 from .test_async_rl import SMALL_RUN, metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -170,7 +170,10 @@ def wait_for_step(run: Path, step: int, job: str, timeout: float = 180) -> None:
         state = components_of(job)
         assert not any(s in ("FAILED", "CANCELLED") for s, _, _ in state.values()), state
         return (run / "logs" / "batches.jsonl").exists() and max(read_audit(run).effective, default=0) >= step
-    wait_for(reached, timeout, f"step {step}")
+    def seen():
+        trained = max(read_audit(run).effective, default=0) if (run / "logs" / "batches.jsonl").exists() else 0
+        return f"trained up to step {trained}; {states(job)}"
+    wait_for(reached, timeout, f"step {step}", seen=seen)
 
 
 @pytest.mark.parametrize("how", ["scontrol requeue", "stop warning (SIGUSR2)"])
@@ -199,9 +202,10 @@ def test_a_rollout_server_that_dies_fails_the_job_within_30_s_with_the_reason(ti
     wait_for_step(run, 2, job)
     server = wait_for(lambda: processes_of(run, "serve"), 30, "the rollout server process")
     os.kill(server[0], signal.SIGKILL)
-    killed = time.monotonic()
-    ended = wait_for_end(job, 60, components=2)
-    assert time.monotonic() - killed < 30, f"the job took {time.monotonic() - killed:.0f} s to end"
+    killed = time.time()
+    ended = wait_for_end(job, 120, components=2)
+    took = ended_at(job) - killed  # by Slurm's own end time: sacct's lag on a loaded machine is not the job's
+    assert took < 30, f"the job took {took:.0f} s to end"
     assert "FAILED" in {state for state, _, _ in ended.values()}, ended
     reason = "rollout server 0 exited with code -9 on rollout1"
     assert reason in (run / "logs" / "failures.log").read_text()

@@ -22,7 +22,7 @@ from areal_hpc.launch.sweep.grid import grid, split_items
 from areal_hpc.launch.sweep.results import read_metrics, state_from_result
 
 from .conftest import REPO, run_cli
-from .slurm_jobs import wait_for
+from .slurm_jobs import states, wait_for
 from .test_async_rl import SMALL_RUN
 
 CONFIG = "configs/quickstart.yaml"
@@ -114,15 +114,27 @@ def test_a_three_point_sweep_runs_as_one_array_requeues_a_stopped_element_and_re
          "sweep.actor.lr=[1e-4,2e-4,3e-4]"],
         cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     record = None
+
+    def submitted():  # sweep.json is written whole (renamed into place) once the array is submitted
+        assert sweep.poll() is None or (folder / "sweep.json").exists(), \
+            f"the sweep exited {sweep.returncode} before writing sweep.json: {sweep.communicate()}"
+        return (folder / "sweep.json").exists() and json.loads((folder / "sweep.json").read_text())
+
+    def last_step(run_dir: str) -> int:
+        return max((r["step"] for r in read_metrics(Path(run_dir))), default=0)
+
     try:
-        record = wait_for(lambda: (folder / "sweep.json").exists() and json.loads((folder / "sweep.json").read_text()),
-                      30, "sweep.json")
+        record = wait_for(submitted, 120, "sweep.json")
         first = record["points"][0]
         assert "device: cpu" in (folder / "config.yaml").read_text()  # the site profile, merged for the elements
-        wait_for(lambda: max((r["step"] for r in read_metrics(Path(first["run_dir"]))), default=0) >= 1, 120,
-             "element 0 to train a step")  # then 11 steps left: seconds to signal it mid-run
+        wait_for(lambda: last_step(first["run_dir"]) >= 1, 240, "element 0 to train a step",
+                 seen=lambda: f"element 0 at step {last_step(first['run_dir'])}, {states(first['job_id'])}")
+        # then 11 steps left: seconds to signal it mid-run
         subprocess.run(["scancel", "--signal=USR2", first["job_id"]], check=True)
-        out, err = sweep.communicate(timeout=150)
+        try:
+            out, err = sweep.communicate(timeout=200)  # ~30 s alone; all three bounds within pytest's 600 s
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the sweep had not ended after 200 s; {states(record['array_job_id'])}") from None
     finally:
         if sweep.poll() is None:
             sweep.kill()

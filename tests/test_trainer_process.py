@@ -92,10 +92,10 @@ def test_the_child_ends_with_its_parent(tiny_model_dir, tmp_path):
     done = run_case(tiny_model_dir, tmp_path, "orphaned")
     assert done.returncode == -signal.SIGKILL
     child = int(done.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while alive(child) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60  # it notices at once; the bound is for a loaded machine
+    while alive(child):
+        assert time.monotonic() < deadline, f"the child outlived its parent by 60 s: {_stat(child)}"
         time.sleep(0.05)
-    assert not alive(child)
 
 
 def alive(pid: int) -> bool:
@@ -104,6 +104,13 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _stat(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().strip()
+    except OSError:
+        return "gone"
 
 
 @pytest.mark.parametrize("overrides, message", [

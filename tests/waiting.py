@@ -11,18 +11,24 @@ import aiohttp
 from aiohttp import web
 
 
-async def wait_until(condition, timeout: float = 60.0, what: str = "condition"):
+async def wait_until(condition, timeout: float = 60.0, what: str = "condition", seen=None):
     """Poll ``condition`` (a function, possibly async) until it is true and return its value; fail
-    the test after ``timeout`` seconds."""
+    the test after ``timeout`` seconds saying ``what`` and, given ``seen`` (a function, possibly
+    async), what it finds then: the state the test saw instead."""
     deadline = time.monotonic() + timeout
     while True:
-        result = condition()
-        if inspect.isawaitable(result):
-            result = await result
+        result = await _value(condition)
         if result:
             return result
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            last = f"; last seen: {await _value(seen)}" if seen is not None else ""
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{last}")
         await asyncio.sleep(0.02)
+
+
+async def _value(function):
+    result = function()
+    return await result if inspect.isawaitable(result) else result
 
 
 async def model_info(server: str) -> dict:

@@ -14,7 +14,7 @@ seed takes about 3 min: ours' run about 45 s, TRL's about 85 s, and 6 evaluation
 about 10 s each, most of it the ``areal-hpc eval`` process starting. ``--eval-every-checkpoint`` evaluates
 all 10 checkpoints a side (20 evaluations a seed, about 5.5 min a seed, about an hour in all).
 
-TRL is a bench-only extra: ``.venv/bin/pip install -c constraints/cpu.txt -e '.[peer]'``.
+TRL comes with the dev lock: ``make .venv/.installed-dev`` (what ``make test`` installs).
 
 - Start model: ``--start-model DIR``, else the quickstart's SFT warm-up (``areal-hpc sft``, up to
   ``rl.sft_warmup_steps`` steps, stopping at ``sft.stop_at_accuracy``), built once under ``--root`` and reused.
@@ -108,7 +108,7 @@ from areal_hpc.fsio import read_json_lines  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().with_name("peer_trl_child.py")
 CONFIG = "configs/quickstart.yaml"
-INSTALL = "TRL is not installed: .venv/bin/pip install -c constraints/cpu.txt -e '.[peer]'"
+INSTALL = "TRL is not installed: make .venv/.installed-dev (the dev lock, which make test installs)"
 METHOD = "TRL alone in its process; checkpoints of both sides evaluated by areal-hpc eval"  # pools only with its own kind
 SKIP_STEPS = 3  # steps left out of the timed window: start-up, the servers' first episodes, allocator warm-up
 LAST_EVALS = 3  # evaluations averaged into the final accuracy
@@ -710,8 +710,10 @@ def eval_steps(steps: int, save_every: int, every_checkpoint: bool = False) -> l
 
 
 def final_accuracy(evals: list[dict]) -> float:
-    """The mean accuracy of the last LAST_EVALS evaluations of a run (step 0, the start model, first)."""
-    return statistics.fmean(e["accuracy"] for e in sorted(evals, key=lambda e: e["step"])[-LAST_EVALS:])
+    """The mean accuracy of the run's last LAST_EVALS checkpoints (fewer where it saved fewer). The start
+    model (step 0) never counts: both sides share it, and it would pull their difference towards zero."""
+    trained = sorted((e for e in evals if e["step"] > 0), key=lambda e: e["step"])
+    return statistics.fmean(e["accuracy"] for e in trained[-LAST_EVALS:])
 
 
 def run(args, console: Console) -> dict:

@@ -228,12 +228,19 @@ CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 FILE_SUFFIXES = {"py", "md", "yaml", "yml", "json", "jsonl", "png", "sh", "h5", "txt", "toml", "log", "csv", "in"}
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 REFUSED = re.compile(r"unknown config key '([^']+)'")
-RECORD = re.compile(r"bench/results/[\w.-]*\w")
+RECORD = re.compile(r"bench/results/[a-z0-9][\w.*-]*[\w*]")  # a record's name, or a glob over a benchmark's records
 
 
 def _docs_to_scan() -> list[Path]:
     pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
     return [p for p in pages if p.is_file() and p not in PAGES]
+
+
+def _citing_records() -> list[Path]:
+    """Every file that may cite a benchmark record: the docs, the code's docstrings, the configs."""
+    code = [*ROOT.glob("areal_hpc/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("kernels/*.py"),
+            *ROOT.glob("configs/*.yaml"), ROOT / "bench" / "README.md"]
+    return _docs_to_scan() + sorted(code)
 
 
 def _code(text: str):
@@ -269,7 +276,8 @@ def config_key_problems() -> list[str]:
 
 
 def file_problems() -> list[str]:
-    """README.md's relative links must reach files, and every benchmark record named must exist."""
+    """README.md's relative links must reach files, and every benchmark record that the docs, the code or
+    the configs name must exist (a glob must match at least one)."""
     problems = []
     readme = ROOT / "README.md"
     text = readme.read_text()
@@ -278,10 +286,10 @@ def file_problems() -> list[str]:
         if target and "://" not in target and not target.startswith("mailto:") and not (ROOT / target).exists():
             line = text.count("\n", 0, match.start()) + 1
             problems.append(f"README.md:{line}: link to {target}, which does not exist")
-    for page in _docs_to_scan():
+    for page in _citing_records():
         text = page.read_text()
         for match in RECORD.finditer(text):
-            if not (ROOT / match.group(0)).exists():
+            if not any(ROOT.glob(match.group(0))):
                 line = text.count("\n", 0, match.start()) + 1
                 problems.append(f"{page.relative_to(ROOT)}:{line}: names {match.group(0)}, which does not exist")
     return problems

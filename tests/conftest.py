@@ -15,6 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ["HF_HUB_OFFLINE"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the cores (`make test`): one OpenMP thread per process unless the product sets its
+    # own (the launcher does, per role). Two-thread torch ops spin at their barriers whenever the other
+    # worker holds a core: an SFT run took 4.6x its time alone so. Set before any test module imports torch.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

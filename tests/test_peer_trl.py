@@ -33,6 +33,17 @@ def project_reward():
     return task, peer_trl.project_reward(task)
 
 
+def test_the_trl_child_names_no_project_or_bench_module_anywhere():
+    """Every import statement of the child, lazy ones included: no areal_hpc, nothing from bench/."""
+    import ast
+
+    tree = ast.parse((ROOT / "bench" / "peer_trl_child.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    bench = {path.stem for path in (ROOT / "bench").glob("*.py")}
+    assert not {name for name in imported if name.split(".")[0] in {"areal_hpc", "tests", *bench}}
+
+
 def test_the_trl_process_imports_nothing_of_the_project():
     """What the child imports to train (torch, transformers, datasets, trl's GRPOTrainer) pulls in no areal_hpc
     module; the child also asserts it at the end of every run, and the parent reads its report."""
@@ -143,7 +154,7 @@ def test_only_the_checkpoints_the_final_accuracy_averages_are_evaluated_unless_e
         evals = [{"step": step, "accuracy": accuracy[step]} for step in [0, *peer_trl.eval_steps(200, 20, every)]]
         assert peer_trl.final_accuracy(evals) == pytest.approx((160 + 180 + 200) / 3 / 400)
     quick = [{"step": step, "accuracy": accuracy.get(step, 0.1)} for step in (0, 3, 6)]
-    assert peer_trl.final_accuracy(quick) == pytest.approx((0 + 0.1 + 0.1) / 3)  # the start model counts
+    assert peer_trl.final_accuracy(quick) == pytest.approx(0.1)  # the start model (step 0) never counts
 
 
 def test_ours_keeps_only_the_checkpoints_it_will_evaluate(tmp_path):

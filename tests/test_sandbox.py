@@ -64,6 +64,15 @@ def test_an_infinite_loop_is_stopped_by_the_cpu_limit():
     assert result.duration_s < 10
 
 
+@pytest.mark.parametrize("cpu_share, killed_by", [(1.02, "cpu"), (0.9, "cpu"), (0.2, None)])
+def test_a_sigkill_the_sandbox_did_not_send_is_the_cpu_limit_once_most_of_it_was_used(cpu_share, killed_by):
+    """The launcher's report of a program SIGKILLed at 2 CPU seconds: the kernel's tick-sampled CPU clock may
+    run ahead of what wait4 reports, so a little under the limit is still the limit; far under is not."""
+    status = ["1", f"{signal.SIGKILL} {2 * cpu_share}"]  # the wait status of a SIGKILL is the signal number
+    result = sandbox._result(status, 0, bytearray(), bytearray(), None, cpu_limit=2, duration_s=1.0)
+    assert (result.returncode, result.killed_by) == (-signal.SIGKILL, killed_by)
+
+
 def test_a_sleeping_program_is_stopped_by_the_wall_clock():
     result = run_python("import time\ntime.sleep(1000)", timeout_s=0.5)
     assert (result.killed_by, result.timed_out, result.returncode) == ("wall_clock", True, -9)

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 # A SIGKILL the sandbox did not send is the CPU limit's once the program used this share of its CPU seconds.
 # Not ~1: the kernel checks RLIMIT_CPU against tick-sampled CPU time, which on a loaded or virtualised
-# machine runs ahead of the precise time wait4 reports (a 1 s limit killed a loop that wait4 timed below
-# 0.95 s). A program that SIGKILLs itself after half its budget is the rare case this misnames.
+# machine runs ahead of the precise time wait4 reports (with both cores busy, a 1 s limit killed loops that
+# wait4 timed at 0.88-0.95 s). A program that SIGKILLs itself after half its budget is the rare case this
+# misnames.
 CPU_KILL_SHARE = 0.5
 OUTPUT_LIMIT = 64 * 1024  # bytes kept of stdout (its head) and of stderr (its tail: where a traceback ends)
 POLL_S = 0.01  # how often the wall clock and the process count are checked

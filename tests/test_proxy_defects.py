@@ -23,6 +23,7 @@ from areal_hpc.config import load_config
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from tests.conftest import REPO
 from tests.proxy_helpers import call, proxy_config, running_proxy, serving, start_session, write_keys
+from tests.waiting import wait_for
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 IM_START, IM_END = 1, 2  # the tiny tokenizer's special tokens
@@ -159,7 +160,7 @@ def test_unused_reservations_are_refunded_after_a_short_reply_an_error_and_a_cli
     server.fail, server.delay = False, 0.5
     for sent in (7, 8):  # a client gone before its reply: it is not recorded, its unused tokens come back
         leave_early(base, key, server, max_tokens=150)
-        wait_until(lambda: len(server.prompts) == sent and not state.active.get(session_id),
+        wait_for(lambda: len(server.prompts) == sent and not state.active.get(session_id),
                    "the abandoned turn to reach the server and end",
                    seen=lambda: f"{len(server.prompts)} prompts at the server, {state.active.get(session_id)} "
                                 "turns in flight")
@@ -188,15 +189,6 @@ def leave_early(base: str, key: str, server: ScriptedServer, **fields) -> None:
                 await chat
         # the session's close closes the connection
     asyncio.run(go())
-
-
-def wait_until(condition, what: str, timeout: float = 60, seen=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
-                                 + (f"; last seen: {seen()}" if seen is not None else ""))
-        time.sleep(0.02)
 
 
 # -- 3. malformed tools and fields ----------------------------------------------------------------------
@@ -270,7 +262,7 @@ def test_megabyte_prompts_are_tokenised_off_the_event_loop_so_other_tenants_wait
     for sender in senders:
         sender.start()
     # their bodies are in and both turns are in flight (counted before their prompts are tokenised)
-    wait_until(lambda: state.active.get(big_session) == 2 or len(finished) == 2, "both megabyte turns to start",
+    wait_for(lambda: state.active.get(big_session) == 2 or len(finished) == 2, "both megabyte turns to start",
                seen=lambda: f"{state.active.get(big_session)} in flight, finished: {finished}")
     latencies = []
     while len(finished) < 2 and len(latencies) < 40:
@@ -432,7 +424,7 @@ def test_a_reply_whose_client_left_is_not_recorded(proxy, backend, stream):
     assert chat(base, key, stream=False)[0] == 200
     server.delay = 0.5
     leave_early(base, key, server, max_tokens=3, stream=stream)
-    wait_until(lambda: len(server.prompts) == 2 and not state.active.get(session_id), "the abandoned turn to end",
+    wait_for(lambda: len(server.prompts) == 2 and not state.active.get(session_id), "the abandoned turn to end",
                seen=lambda: f"{len(server.prompts)} prompts at the server, {state.active.get(session_id)} "
                             "turns in flight")
     assert call(base, "/rl/end_session", {}, key)[1]["interactions"] == [state.sessions[session_id].turns[0]

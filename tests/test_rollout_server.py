@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from tests.conftest import embedded_server
+from tests.waiting import wait_for
 
 PROMPT = [5, 17, 33, 2, 9]
 
@@ -49,18 +50,6 @@ def generate(address: str, prompt=PROMPT, **sampling) -> dict:
 def model_info(address: str) -> dict:
     with urllib.request.urlopen(f"http://{address}/get_model_info", timeout=30) as response:
         return json.loads(response.read())
-
-
-def wait_for(condition, what: str, timeout_s: float = 60, seen=None):
-    """Poll ``condition`` until it is truthy (and return it); fail after ``timeout_s`` saying ``what``
-    and, given ``seen``, what ``seen()`` finds then (the state the test saw instead)."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}"
-                                 + (f"; last seen: {seen()}" if seen is not None else ""))
-        time.sleep(0.02)
-    return value
 
 
 @contextlib.contextmanager

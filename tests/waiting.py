@@ -26,6 +26,18 @@ async def wait_until(condition, timeout: float = 60.0, what: str = "condition", 
         await asyncio.sleep(0.02)
 
 
+def wait_for(condition, what: str, timeout_s: float = 60.0, seen=None):
+    """``wait_until`` for plain (not async) code: poll ``condition`` until it is truthy and return it; fail
+    after ``timeout_s`` saying ``what`` and, given ``seen``, what ``seen()`` finds then."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}"
+                                 + (f"; last seen: {seen()}" if seen is not None else ""))
+        time.sleep(0.02)
+    return value
+
+
 async def _value(function):
     result = function()
     return await result if inspect.isawaitable(result) else result

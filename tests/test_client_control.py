@@ -9,6 +9,7 @@ from aiohttp import web
 
 from areal_hpc.rollout.client import RolloutClient
 from tests.conftest import embedded_server
+from tests.test_rollout_server import post
 from tests.waiting import model_info, serve_on_loopback, wait_until
 
 IN_FLIGHT = 150  # more than aiohttp's default pool of 100 connections
@@ -20,15 +21,19 @@ def test_pause_returns_within_a_second_with_more_than_100_requests_in_flight(tin
         async with RolloutClient([server], max_requests=IN_FLIGHT) as client:
             body = {"input_ids": [3, 4, 5], "return_logprob": True,
                     "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+            # The server paused holds every request in its queue, so all of them arrive before any can finish
+            # (a poll for "every slot decoding" could miss that window on a loaded machine). Once continued,
+            # the engine starts the first SLOTS decoding before it takes its next command: the pause below.
+            await asyncio.to_thread(post, server, "/pause_generation", {"mode": "abort"})
             posts = [asyncio.create_task(client.post(server, "/generate", {**body, "rid": f"r{i}"}))
                      for i in range(IN_FLIGHT)]
 
-            async def all_on_the_server():  # every slot decoding, the rest queued
-                info = await model_info(server)
-                return info["running_requests"] == SLOTS and info["waiting_requests"] == IN_FLIGHT - SLOTS
+            async def all_queued():
+                return (await model_info(server))["waiting_requests"] == IN_FLIGHT
 
-            await wait_until(all_on_the_server, what=f"{IN_FLIGHT} requests on the server",
+            await wait_until(all_queued, what=f"{IN_FLIGHT} requests queued on the paused server",
                              seen=lambda: model_info(server))
+            await asyncio.to_thread(post, server, "/continue_generation")
             started = time.monotonic()
             healthy = await client.healthy(server)
             probed = time.monotonic() - started

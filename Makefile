@@ -13,7 +13,7 @@ TORCH_INDEX_URL ?=
 TORCH_SOURCE = $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL))
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
-TARGETS := venv venv-dev demo test test-latest lock docs clean
+TARGETS := venv venv-dev demo check test test-latest lock docs clean
 
 .PHONY: $(TARGETS)
 
@@ -42,6 +42,13 @@ $(LOCK) $(DEV_LOCK):
 
 demo: venv
 	$(BIN)/areal-hpc train --config configs/quickstart.yaml
+
+# Lint, format and types: ruff over the repository's Python, mypy over areal_hpc/ (settings and the
+# per-module exceptions in pyproject.toml). About a minute, so CI runs it before the suite.
+check: $(DEV_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # The suite runs on TEST_WORKERS pytest-xdist workers (every Slurm test on one of them) in a fresh random
 # order each time (modules shuffled, and tests within each module); the seed is printed at the top.

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def start_server(model: Path, fileroot: Path) -> tuple[subprocess.Popen, str]:
     trial = uuid.uuid4().hex[:8]
     names = NameResolve(fileroot / "quickstart" / trial / "name_resolve")
     names.root.mkdir(parents=True)
-    log = open(names.root.parent / "server.log", "w")
+    log = open(names.root.parent / "server.log", "w")  # noqa: SIM115 - the server writes it for its lifetime
     process = subprocess.Popen(
         [sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={model}", "port=0",
          f"cluster.fileroot={fileroot}", f"experiment.trial={trial}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -347,7 +347,7 @@ def main():
         finally:
             server.terminate()
             server.wait(timeout=60)
-    meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.node()}: {os.cpu_count()} cores ({cpu_model()}), {platform.platform()}",
             "versions": f"python {platform.python_version()}, torch {torch.__version__}, openai {openai.__version__}",
             "load_average_1_5_15": f"{'/'.join(f'{x:.2f}' for x in load_before)} before, "

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, record_name, run_and_record  # noqa: E402
+from recording import machine, record_name, run_and_record
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, run_and_record
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/quickstart.yaml"
@@ -104,7 +104,7 @@ def probe_lengths(model_dir: Path, temperatures: list[float], max_new_tokens: in
                                 stop_token_ids=[tokenizer.eos_token_id])
 
         async def sample():
-            return await asyncio.gather(*(engine.generate(uuid.uuid4().hex, ids, params)
+            return await asyncio.gather(*(engine.generate(uuid.uuid4().hex, ids, params)  # noqa: B023 - called within this iteration
                                           for ids in prompts for _ in range(samples)))
         try:
             results = asyncio.run(sample())

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, run_and_record
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/quickstart.yaml"

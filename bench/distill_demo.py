@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import REPO, last3, machine, once, records, run_and_record  # noqa: E402
+from recording import REPO, last3, machine, once, records, run_and_record
 
 CLI = [sys.executable, "-m", "areal_hpc"]
 QUIET = ["saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false"]
@@ -40,7 +40,7 @@ def served(model: Path, work: Path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    log = open(work / "teacher-serve.log", "w")
+    log = open(work / "teacher-serve.log", "w")  # noqa: SIM115 - the server writes it for its lifetime
     server = subprocess.Popen([*CLI, "serve", "backend=embedded", f"model.path={model}", "host=127.0.0.1",
                                f"port={port}", f"cluster.fileroot={work / 'teacher-serve'}"],
                               cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -58,19 +58,19 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, machine_and_versions, save  # noqa: E402
-from trainer_step import dense_policy_outputs, mixed_length_batch  # noqa: E402
+from recording import machine, machine_and_versions, save
+from trainer_step import dense_policy_outputs, mixed_length_batch
 
-from areal_hpc.config import load_config  # noqa: E402
-from areal_hpc.engines.sequence_batch import SequenceBatch  # noqa: E402
-from areal_hpc.engines.torch.engine import TorchTrainEngine  # noqa: E402
-from areal_hpc.engines.torch import outputs  # noqa: E402
-from areal_hpc.engines.torch.outputs import PolicyOutputs, packed_policy_outputs  # noqa: E402
-from areal_hpc.models.hf import load_model  # noqa: E402
-from areal_hpc.models.varlen import VARLEN_SDPA, packed_attention_inputs, padded_groups  # noqa: E402
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams  # noqa: E402
-from areal_hpc.sched.hardware import CATALOGUE  # noqa: E402
-from areal_hpc.train.build import build_actor  # noqa: E402
+from areal_hpc.config import load_config
+from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch import outputs
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import PolicyOutputs, packed_policy_outputs
+from areal_hpc.models.hf import load_model
+from areal_hpc.models.varlen import VARLEN_SDPA, packed_attention_inputs, padded_groups
+from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
+from areal_hpc.sched.hardware import CATALOGUE
+from areal_hpc.train.build import build_actor
 
 SHAPE = Path(__file__).parent.parent / "areal_hpc/sched/catalog/models/r1-distill-qwen-1.5b/config.json"
 TOY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -292,8 +292,8 @@ def decode(check: Check) -> dict:
             prompts = [rng.integers(0, check.shape["vocab"], s.prompt_tokens).tolist() for _ in range(batch)]
             asyncio.run(ours(prompts[:1]))  # warm-up: kernels, allocator
             theirs(prompts[:1])
-            tokens, seconds = timed(lambda: asyncio.run(ours(prompts)))
-            their_tokens, their_seconds = timed(lambda: theirs(prompts))
+            tokens, seconds = timed(lambda: asyncio.run(ours(prompts)))  # noqa: B023 - called within this iteration
+            their_tokens, their_seconds = timed(lambda: theirs(prompts))  # noqa: B023 - called within this iteration
             rows.append({"batch": batch, "tokens": tokens, "tokens_per_s": tokens / seconds,
                          "generate_tokens_per_s": their_tokens / their_seconds,
                          "ratio": (tokens / seconds) / (their_tokens / their_seconds)})
@@ -381,7 +381,7 @@ def run(args) -> dict:
             print(f"[gpu_check] {name} ...", flush=True)
             try:
                 section = SECTIONS[name](check)
-            except Exception as failure:  # recorded; the other sections still run
+            except Exception as failure:  # noqa: BLE001 - recorded; the other sections still run
                 section = {"error": f"{type(failure).__name__}: {failure}",
                            "traceback": traceback.format_exc(limit=6)}
             section["seconds"] = time.perf_counter() - started

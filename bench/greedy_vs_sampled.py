@@ -23,8 +23,8 @@ from pathlib import Path
 from areal_hpc.fsio import read_json_lines
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, record_name, run_and_record  # noqa: E402
-from reward_by_version import add_pairing_arguments, mean_and_error, paired_paths  # noqa: E402
+from recording import machine, record_name, run_and_record
+from reward_by_version import add_pairing_arguments, mean_and_error, paired_paths
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine  # noqa: E402
+from recording import machine
 
 ATTENTION_CASES = [dict(S=512, P=2048, H=12, H_kv=2, D=128), dict(S=2048, P=0, H=12, H_kv=2, D=128),
                    dict(S=128, P=8192, H=32, H_kv=8, D=128)]
@@ -217,7 +217,7 @@ def main() -> None:
         if run is not None:
             try:
                 row.update(run())
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - recorded in the row; the other rows still run
                 row["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 traceback.print_exc()
         record["rows"].append(row)
@@ -232,7 +232,7 @@ def main() -> None:
             try:
                 for implementation, run in rows(case, device, dtype, repeats):
                     add({"kernel": kernel, "case": case, "implementation": implementation}, run)
-            except Exception as error:  # the inputs or the float32 reference of this case failed
+            except Exception as error:  # noqa: BLE001 - the inputs or the float32 reference of this case failed
                 traceback.print_exc()
                 add({"kernel": kernel, "case": case, "implementation": "setup",
                      "error": f"{type(error).__name__}: {error}".splitlines()[0][:300]})

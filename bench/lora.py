@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, run_and_record
 
 CONFIG = "configs/quickstart.yaml"
 
@@ -40,13 +40,13 @@ def _measure(model_dir: str, overrides: list[str], steps: int) -> dict:
     """In a fresh process on one thread: the trainer's step, memory, push and checkpoint."""
     import numpy as np
     import torch
+    from trainer_step import quickstart_trajectories
 
     from areal_hpc.algo.temperature import run_temperature
     from areal_hpc.config import load_config
     from areal_hpc.train.build import build_actor
     from areal_hpc.train.repro_dta import PeakResidentSet
     from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
-    from trainer_step import quickstart_trajectories
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
@@ -90,12 +90,12 @@ def _interleaved(model_dir: str, variants: dict[str, list[str]], steps: int) -> 
     other load hits them alike); the median s/step of each after two untimed rounds."""
     import numpy as np
     import torch
+    from trainer_step import quickstart_trajectories
 
     from areal_hpc.algo.temperature import run_temperature
     from areal_hpc.config import load_config
     from areal_hpc.train.build import build_actor
     from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
-    from trainer_step import quickstart_trajectories
 
     torch.set_num_threads(1)
     trainers, times = {}, {name: [] for name in variants}

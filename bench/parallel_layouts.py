@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, run_and_record
 
-from areal_hpc.data.trajectory import Reward, Segment, Trajectory  # noqa: E402
-from areal_hpc.runtime.name_resolve import free_port  # noqa: E402
+from areal_hpc.data.trajectory import Reward, Segment, Trajectory
+from areal_hpc.runtime.name_resolve import free_port
 
 LAYOUTS = {  # name -> (processes, overrides); the single-process baseline first
     "single": (1, ()),

@@ -96,14 +96,16 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from async_vs_sync import cpu_seconds  # noqa: E402
-from peer_trl_child import answer_reward  # noqa: E402  (stdlib only at import)
-from recording import machine, machine_and_versions, record_name, save  # noqa: E402
-from run_processes import process_tree, pss_mib  # noqa: E402
+import itertools
 
-from areal_hpc.config import load_config  # noqa: E402
-from areal_hpc.errors import UserError  # noqa: E402
-from areal_hpc.fsio import read_json_lines  # noqa: E402
+from async_vs_sync import cpu_seconds
+from peer_trl_child import answer_reward
+from recording import machine, machine_and_versions, record_name, save
+from run_processes import process_tree, pss_mib
+
+from areal_hpc.config import load_config
+from areal_hpc.errors import UserError
+from areal_hpc.fsio import read_json_lines
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().with_name("peer_trl_child.py")
@@ -174,7 +176,7 @@ class TreeSampler:
 
 def cpu_at(samples: list[tuple[float, float, float]], moment: float) -> float:
     """The tree's CPU seconds at ``moment``, interpolated between the samples around it."""
-    for (t0, _, c0), (t1, _, c1) in zip(samples, samples[1:]):
+    for (t0, _, c0), (t1, _, c1) in itertools.pairwise(samples):
         if t0 <= moment <= t1:
             return c0 + (c1 - c0) * (moment - t0) / (t1 - t0) if t1 > t0 else c1
     return samples[0][2] if moment < samples[0][0] else samples[-1][2]
@@ -193,7 +195,7 @@ def step_window(records: list[dict], samples: list) -> dict:
     wall, cpu = timed[-1] - start, cpu_at(samples, timed[-1]) - cpu_at(samples, start)
     steps = len(timed) - 1
     return {"steps_timed": steps, "s_per_step": wall / steps, "cpu_s_per_step": cpu / steps,
-            "median_s_per_step": statistics.median(b - a for a, b in zip(timed, timed[1:])),
+            "median_s_per_step": statistics.median(b - a for a, b in itertools.pairwise(timed)),
             "cores_in_steps": cpu / wall if wall else 0.0, "timed_beside_evaluation": not alone}
 
 
@@ -329,7 +331,7 @@ def project_reward(task):
 def edge_cases(answers: list[str]) -> list[tuple[str, str]]:
     """(completion, answer) pairs around each answer: right, wrong, decorated, several numbers, commas, decimals,
     signs, none, and the answer beyond and within the scored tail of a long completion."""
-    pairs = [("", "5"), ("no idea", "5"), ("5", ""), ("٥", "5"), ("1e1", "10"), ("12,", "12"), (",12", "12")]
+    pairs = [("", "5"), ("no idea", "5"), ("5", ""), ("٥", "5"), ("1e1", "10"), ("12,", "12"), (",12", "12")]  # noqa: RUF001 - the Arabic-Indic five is the point of the case
     for answer in answers:
         number = int(answer)
         pairs += [(answer, answer), (f"The answer is {answer}.", answer), (str(number + 1), answer),
@@ -514,7 +516,7 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def summary_line(s: dict) -> str:
-    paired, m = s["accuracy_paired"], lambda key, unit, f: (  # noqa: E731
+    paired, m = s["accuracy_paired"], lambda key, unit, f: (
         f"{s[key + '_ratio']:.2f}x ({s[key + '_median']['ours']:{f}} vs {s[key + '_median']['trl']:{f}} {unit})")
     accuracy = f"accuracy: {s['accuracy_verdict']}"
     if paired["mean"] is not None:

@@ -104,7 +104,7 @@ def train(spec: dict) -> None:
                                                  attn_implementation=spec["attn_implementation"], local_files_only=True)
     dataset = datasets.Dataset.from_list(spec["prompts"])  # columns "prompt" (chat messages) and "answer"
     group = spec["grpo_config"]["num_generations"]
-    metrics, samples = Path(spec["metrics"]).open("w"), Path(spec["rewards"]).open("w")
+    metrics, samples = Path(spec["metrics"]).open("w"), Path(spec["rewards"]).open("w")  # noqa: SIM115 - written through the training run, closed at its end
     last: list[float] = []
 
     def reward(prompts, completions, answer, **_) -> list[float]:

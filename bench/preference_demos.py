@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import last3, machine, once, records, run_and_record  # noqa: E402
+from recording import last3, machine, once, records, run_and_record
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "areal_hpc"]

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import REPO, machine, run_and_record  # noqa: E402
-from rl_step import export  # noqa: E402
+from recording import REPO, machine, run_and_record
+from rl_step import export
 
 IMPORTS = ("import torch", "import torch, areal_hpc.train.driver", "import torch, areal_hpc.rollout.server")
 ENDINGS = {"interpreter exit": "sys.exit(0)",

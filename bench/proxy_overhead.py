@@ -27,7 +27,6 @@ from datetime import date
 from pathlib import Path
 
 import aiohttp
-
 from recording import machine, run_and_record
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +38,7 @@ MESSAGES = [{"role": "user", "content": "What is 12 + 30? Answer with the number
 
 def start(args: list[str], log: Path, ready: str, cores: set[int]) -> subprocess.Popen:
     """``areal-hpc ARGS`` on ``cores`` (one torch thread per core), once its log says ``ready``."""
-    out = open(log, "w")
+    out = open(log, "w")  # noqa: SIM115 - the server writes it for its lifetime
     process = subprocess.Popen([sys.executable, "-m", "areal_hpc", *args], cwd=REPO, stdout=out,
                                stderr=subprocess.STDOUT, preexec_fn=lambda: os.sched_setaffinity(0, cores),
                                env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(len(cores))})

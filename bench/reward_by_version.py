@@ -34,7 +34,7 @@ import numpy as np
 from areal_hpc.fsio import read_json_lines
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, record_name, run_and_record  # noqa: E402
+from recording import machine, record_name, run_and_record
 
 LAST_EVALS = 3
 PEER_RUN_FILE = Path("quickstart/trial0/metrics.jsonl")  # peer_trl.py's RUN_FILE: a run's metrics under its folder

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, run_and_record
 
-from areal_hpc.data.rewards import RewardPool, RewardRequest  # noqa: E402
-from areal_hpc.train.reward_model import RewardModelScore  # noqa: E402
+from areal_hpc.data.rewards import RewardPool, RewardRequest
+from areal_hpc.train.reward_model import RewardModelScore
 
 
 class OneAtATime:
@@ -73,7 +73,7 @@ def run(args) -> dict:
         pools = {"batched": RewardPool(score, timeout_s=60.0), "one per call": RewardPool(OneAtATime(score), timeout_s=60.0)}
         seconds = {name: [] for name in pools}
         try:
-            for name, pool in pools.items():  # start the workers (not timed) and check both score alike
+            for pool in pools.values():  # start the workers (not timed) and check both score alike
                 pool.score(step_requests(args, vocab, 0))
             first = [[o.value for o in pool.score(step_requests(args, vocab, 1))] for pool in pools.values()]
             assert max(abs(a - b) for a, b in zip(*first)) < 1e-4, "the two ways score differently"

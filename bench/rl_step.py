@@ -37,11 +37,11 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from async_vs_sync import cpu_seconds  # noqa: E402
-from recording import machine, machine_and_versions, run_and_record  # noqa: E402
-from run_processes import role  # noqa: E402
+from async_vs_sync import cpu_seconds
+from recording import machine, machine_and_versions, run_and_record
+from run_processes import role
 
-from areal_hpc.config import load_config  # noqa: E402
+from areal_hpc.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/quickstart.yaml"
@@ -154,7 +154,7 @@ def run(args) -> dict:
         runs = v["runs"]
 
         def median(key: str) -> float | None:
-            values = [r[key] for r in runs if key in r]
+            values = [r[key] for r in runs if key in r]  # noqa: B023 - called within this iteration
             return statistics.median(values) if values else None
         rows.append({"variant": v["label"], "commit": v["commit"], "overrides": v["overrides"],
                      **{part: median(part) for part in PARTS}, "cpu_per_step_total": median("cpu_per_step_total"),

@@ -41,9 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from torch.profiler import ProfilerActivity, profile
-
 from recording import machine, run_and_record
+from torch.profiler import ProfilerActivity, profile
 
 from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.models.hf import load_model

@@ -29,8 +29,8 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
-from run_processes import process_tree, pss_mib, role  # noqa: E402
+from recording import machine, run_and_record
+from run_processes import process_tree, pss_mib, role
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_S = 0.5

@@ -43,26 +43,26 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, run_and_record
 
-from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches  # noqa: E402
-from areal_hpc.algo.ppo import decoupled_ppo_loss, token_weights  # noqa: E402
-from areal_hpc.algo.temperature import run_temperature  # noqa: E402
-from areal_hpc.config import RunConfig, load_config  # noqa: E402
-from areal_hpc.data.prompts import PromptStream  # noqa: E402
-from areal_hpc.data.registry import build_task, corpus_for_tokenizer  # noqa: E402
-from areal_hpc.data.trajectory import Reward, Segment, Trajectory  # noqa: E402
-from areal_hpc.models.chat import prompt_ids  # noqa: E402
-from areal_hpc.models.hf import load_model, load_tokenizer  # noqa: E402
-from areal_hpc.models.tiny import count_parameters, init_model  # noqa: E402
-from areal_hpc.train.actor import loss_config  # noqa: E402
-from areal_hpc.train.build import build_actor  # noqa: E402
-from areal_hpc.engines.torch.engine import TorchTrainEngine  # noqa: E402
-from areal_hpc.engines.torch import outputs  # noqa: E402
-from areal_hpc.engines.torch.outputs import packed_policy_outputs  # noqa: E402
-from areal_hpc.engines.optim import build_optimizer, build_scheduler  # noqa: E402
-from areal_hpc.engines.sequence_batch import SequenceBatch  # noqa: E402
-from areal_hpc.train.trajectory_batch import build_batch, split_minibatches  # noqa: E402
+from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches
+from areal_hpc.algo.ppo import decoupled_ppo_loss, token_weights
+from areal_hpc.algo.temperature import run_temperature
+from areal_hpc.config import RunConfig, load_config
+from areal_hpc.data.prompts import PromptStream
+from areal_hpc.data.registry import build_task, corpus_for_tokenizer
+from areal_hpc.data.trajectory import Reward, Segment, Trajectory
+from areal_hpc.engines.optim import build_optimizer, build_scheduler
+from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch import outputs
+from areal_hpc.engines.torch.engine import TorchTrainEngine
+from areal_hpc.engines.torch.outputs import packed_policy_outputs
+from areal_hpc.models.chat import prompt_ids
+from areal_hpc.models.hf import load_model, load_tokenizer
+from areal_hpc.models.tiny import count_parameters, init_model
+from areal_hpc.train.actor import loss_config
+from areal_hpc.train.build import build_actor
+from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
 
 CONFIG = "configs/quickstart.yaml"
 LANDED_TOKENS_PER_MB = 256  # actor.max_tokens_per_mb of the quickstart at fb75a2a

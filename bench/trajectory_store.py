@@ -29,7 +29,6 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-
 from recording import machine, run_and_record
 
 from areal_hpc.data.shards import TrajectoryShardWriter, TrajectoryStore
@@ -74,7 +73,7 @@ def read_shards(folder: Path) -> float:
 def write_raw(folder: Path, trajectories: list[Trajectory], flush_every: int) -> float:
     folder.mkdir(parents=True)
     start = time.perf_counter()
-    files = {a: open(folder / f"{a}.bin", "wb") for a in ARRAYS}
+    files = {a: open(folder / f"{a}.bin", "wb") for a in ARRAYS}  # noqa: SIM115 - one per array, closed after the timed writes
     lengths = []
     for i, traj in enumerate(trajectories, 1):
         seg = traj.segments[0]

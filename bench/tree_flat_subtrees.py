@@ -21,12 +21,11 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, machine_and_versions, run_and_record  # noqa: E402
+import torch
+from recording import machine, machine_and_versions, run_and_record
 
-import torch  # noqa: E402
-
-from areal_hpc.engines.torch import tree  # noqa: E402
-from areal_hpc.train.repro_dta import _measure, grpo  # noqa: E402
+from areal_hpc.engines.torch import tree
+from areal_hpc.train.repro_dta import _measure, grpo
 
 PROMPTS = (16, 32, 64, 128, 256, 512)
 SAMPLES = 8

@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record  # noqa: E402
+from recording import machine, run_and_record
 
-from areal_hpc.train.repro_dta import compression, grpo, measure  # noqa: E402
+from areal_hpc.train.repro_dta import compression, grpo, measure
 
 REPLY, SAMPLES, GROUPS = 14, 16, 4
 PROMPTS = {2: 16, 4: 56, 8: 196}  # c -> prompt length

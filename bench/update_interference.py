@@ -36,16 +36,16 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, machine_and_versions, run_and_record  # noqa: E402
-from trainer_step import CONFIG, quickstart_trajectories  # noqa: E402
+from recording import machine, machine_and_versions, run_and_record
+from trainer_step import CONFIG, quickstart_trajectories
 
-from areal_hpc.config import load_config  # noqa: E402
-from areal_hpc.data.registry import corpus_for_tokenizer  # noqa: E402
-from areal_hpc.models.hf import load_tokenizer  # noqa: E402
-from areal_hpc.models.tiny import init_model  # noqa: E402
-from areal_hpc.parallel.mesh import close_distributed  # noqa: E402
-from areal_hpc.train.build import start_trainer, build_actor  # noqa: E402
-from areal_hpc.train.trainer_group import TrainerGroup  # noqa: E402
+from areal_hpc.config import load_config
+from areal_hpc.data.registry import corpus_for_tokenizer
+from areal_hpc.models.hf import load_tokenizer
+from areal_hpc.models.tiny import init_model
+from areal_hpc.parallel.mesh import close_distributed
+from areal_hpc.train.build import build_actor, start_trainer
+from areal_hpc.train.trainer_group import TrainerGroup
 
 PERIOD_S = 0.01  # the neighbour's cycle: busy for duty x PERIOD_S, then asleep
 OUTPUT_TOKENS = (2, 5)
@@ -68,7 +68,7 @@ class Neighbour:
     def __init__(self, variant: str, duty: float, core: int):
         self.variant, self.duty, self.core = variant, duty, core
 
-    def __enter__(self) -> "Neighbour":
+    def __enter__(self) -> Neighbour:
         if self.variant == "beside a Python thread":
             self.stop = threading.Event()
             self.worker = threading.Thread(target=busy, args=(self.duty, self.core, self.stop), daemon=True)
@@ -99,7 +99,7 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="update_interference-") as tmp:
         model = init_model(Path(tmp) / "model", corpus_for_tokenizer(1), preset="tiny", seed=1)
         cfg = load_config(CONFIG, [f"model.path={model}", f"cluster.fileroot={tmp}"])
-        rank, mesh = start_trainer(cfg)
+        _rank, mesh = start_trainer(cfg)
         try:
             actor, engines = build_actor(cfg, mesh)
             group = TrainerGroup(actor, engines, mesh, cfg)

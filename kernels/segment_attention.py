@@ -78,7 +78,7 @@ def _forward_over_keys(acc, row_max, row_sum, q, query_positions, k_ptr, v_ptr, 
                        PRECISION: tl.constexpr):
     """The online softmax over keys [0, stop) of one K/V block list whose key j sits at key_start + j."""
     for n0 in range(0, stop, BLOCK_N):
-        k, v, scores = _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head, n_kv_heads,
+        _k, v, scores = _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head, n_kv_heads,
                                   scale_log2, D, BLOCK_N, BLOCK_D, PRECISION)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         correction = tl.exp2(row_max - new_max)

@@ -19,7 +19,7 @@ SUB_MESHES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp")
 
 
 def main(out: str, sizes: list[str]) -> None:
-    rank, world = init_distributed(torch.device("cpu"))
+    rank, _world = init_distributed(torch.device("cpu"))
     mesh = build_mesh(ParallelDims(**{k: int(v) for k, v in (s.split("=") for s in sizes)}), torch.device("cpu"))
     groups = {name: dist.get_process_group_ranks(mesh.group(name)) for name in SUB_MESHES}
     with open(f"{out}.rank{rank}.json", "w") as f:

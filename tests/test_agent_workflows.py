@@ -384,8 +384,8 @@ def test_eval_runs_a_users_workflow_with_samples_pass_at_k_and_writes_every_epis
 def test_a_model_without_a_chat_template_serves_no_client_and_says_why(tiny_model_dir, tmp_path):
     import shutil
 
-    from areal_hpc.errors import UserError
     from areal_hpc.agents.chat import optional_chat
+    from areal_hpc.errors import UserError
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
@@ -418,7 +418,7 @@ def memorise(model, tokenizer, pairs: list[tuple[list[int], str]], max_steps: in
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for step in range(max_steps):
+        for _step in range(max_steps):
             optimizer.zero_grad()
             said = []
             for prompt, completion in batch:

@@ -65,9 +65,9 @@ def processes_of(run: Path) -> list[int]:
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
-                if (proc / "stat").read_text().split(") ")[1][0] != "Z":
-                    found.append(int(proc.name))
+            if (proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0")
+                    and (proc / "stat").read_text().split(") ")[1][0] != "Z"):
+                found.append(int(proc.name))
         except OSError:
             continue
     return found

@@ -14,8 +14,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.bootstrap import (RENDEZVOUS, Placement, allocator_env, assigned_devices, cpu_threads, het_component,
-                                         new_incarnation, node_address, TaskGroup, task_role)
+from areal_hpc.runtime.bootstrap import (
+    RENDEZVOUS,
+    Placement,
+    TaskGroup,
+    allocator_env,
+    assigned_devices,
+    cpu_threads,
+    het_component,
+    new_incarnation,
+    node_address,
+    task_role,
+)
 from areal_hpc.runtime.rendezvous import ADDRESS_FILE, rendezvous_store
 from tests.conftest import REPO
 

@@ -25,7 +25,7 @@ def run_servers(model_dir, cfg):
     started = []
 
     def start() -> subprocess.Popen:
-        log = open(cfg.run_dir / f"server{len(started)}.log", "w")
+        log = open(cfg.run_dir / f"server{len(started)}.log", "w")  # noqa: SIM115 - the server writes it for its lifetime
         started.append(subprocess.Popen(
             [sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={model_dir}", "port=0",
              f"cluster.fileroot={cfg.cluster.fileroot}", f"experiment.trial={cfg.experiment.trial}"],

@@ -19,6 +19,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_hpc.agents.engine import Sampling
 from areal_hpc.config import load_config
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.registry import build_task
@@ -30,13 +31,12 @@ from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.rollout.client import NoServerError, RolloutClient, RolloutError
 from areal_hpc.rollout.controller import FAILURE_KINDS, FailureBudget, FailureLog, RolloutController, RolloutFailure
 from areal_hpc.rollout.staleness import StalenessGate
-from areal_hpc.agents.engine import Sampling
 from areal_hpc.train.build import build_controller
 from areal_hpc.train.rl_run import shards
 from tests import rewards_for_tests
-from tests.workflow_helpers import episode_groups
 from tests.conftest import embedded_server
 from tests.waiting import serve_on_loopback, wait_until
+from tests.workflow_helpers import episode_groups
 
 # -- the budget and the log ----------------------------------------------------------------------
 
@@ -295,11 +295,10 @@ def test_the_driver_closes_its_shard_writer_and_store(tmp_path):
 
 def test_a_writer_that_cannot_commit_at_the_end_does_not_hide_why_the_run_stopped(tmp_path):
     cfg = load_config(None, [f"cluster.fileroot={tmp_path}"])
-    with pytest.raises(RolloutFailure, match="rollouts keep failing"):
-        with shards(cfg, {}) as (writer, consumer):
-            writer.append(Trajectory([Segment([1], [2], [-0.5], [0])], group_id="g"))
-            writer.flush()
-            assert len(consumer.pending()) == 1
-            writer.append(Trajectory([Segment([1], [3], [-0.5], [0])], group_id="h"))
-            writer.flush = FullDiskWriter.flush.__get__(writer)  # the disk filled up: the last commit fails
-            raise RolloutFailure("rollouts keep failing: 4 episodes in a row failed (store 4)")
+    with pytest.raises(RolloutFailure, match="rollouts keep failing"), shards(cfg, {}) as (writer, consumer):
+        writer.append(Trajectory([Segment([1], [2], [-0.5], [0])], group_id="g"))
+        writer.flush()
+        assert len(consumer.pending()) == 1
+        writer.append(Trajectory([Segment([1], [3], [-0.5], [0])], group_id="h"))
+        writer.flush = FullDiskWriter.flush.__get__(writer)  # the disk filled up: the last commit fails
+        raise RolloutFailure("rollouts keep failing: 4 episodes in a row failed (store 4)")

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-from areal_hpc._kernels import segment_attention as attention  # noqa: E402
-from areal_hpc._kernels import target_logprobs as logprobs  # noqa: E402
+from areal_hpc._kernels import segment_attention as attention
+from areal_hpc._kernels import target_logprobs as logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 ATTENTION_TOLERANCE = dict(atol=2e-5, rtol=1e-4)

@@ -26,8 +26,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.sched.memory import (GB, Precision, TrainLayout, kv_bytes_per_slot, largest_micro_tokens,
-                                    rollout_estimate, train_estimate, usable_bytes)
+from areal_hpc.sched.memory import (
+    GB,
+    Precision,
+    TrainLayout,
+    kv_bytes_per_slot,
+    largest_micro_tokens,
+    rollout_estimate,
+    train_estimate,
+    usable_bytes,
+)
 from areal_hpc.sched.model_spec import load_model_spec
 from tests.conftest import run_cli
 

@@ -13,13 +13,20 @@ from hypothesis import strategies as st
 
 from areal_hpc.algo.preference import LOSSES, PairLossConfig, margin_gradients, pair_losses, sequence_coefficients
 from areal_hpc.config import PreferenceConfig, load_config
-from areal_hpc.train.preference_pairs import load_pairs, pairs_from_episodes, split_conversations
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import RegularisedRewardOutputs, ValueOutputs, packed_policy_outputs
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import (CheckpointError, attach_language_head, detach_language_head, load_critic, load_model,
-                                 load_tokenizer, save_model)
+from areal_hpc.models.hf import (
+    CheckpointError,
+    attach_language_head,
+    detach_language_head,
+    load_critic,
+    load_model,
+    load_tokenizer,
+    save_model,
+)
 from areal_hpc.train.preference import PairScorer, PreferenceTrainer, pair_batch, weighted_outputs_loss
+from areal_hpc.train.preference_pairs import load_pairs, pairs_from_episodes, split_conversations
 
 from .conftest import run_cli
 
@@ -146,7 +153,7 @@ def test_weighted_outputs_give_the_objectives_gradient(tiny_model_dir, tmp_path,
     if nll_weight:
         likelihood = scorer.reduce(packed, per_position["logprobs"].double(), "logprobs")[0::2]
         direct = direct - nll_weight * (likelihood / torch.tensor([len(p.chosen_ids) for p in pairs])).mean()
-    direct_grads = torch.autograd.grad(direct, [p for p in model.parameters()])
+    direct_grads = torch.autograd.grad(direct, list(model.parameters()))
 
     # the trainer's way: numbers without gradient, then the engine's weighted pass
     model.zero_grad()

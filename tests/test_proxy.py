@@ -319,7 +319,7 @@ async def main():
                       "rss_kb": int(status["VmHWM"].split()[0]), "records": records}))
 
 asyncio.run(main())
-""" % (ALICE, ALICE)
+""" % (ALICE, ALICE)  # noqa: UP031 (the script is full of braces: % fills its two keys without escaping them)
 
 
 def test_the_proxy_runs_without_importing_torch_stays_small_and_writes_open_sessions_at_shutdown(

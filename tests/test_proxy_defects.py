@@ -160,7 +160,7 @@ def test_unused_reservations_are_refunded_after_a_short_reply_an_error_and_a_cli
     server.fail, server.delay = False, 0.5
     for sent in (7, 8):  # a client gone before its reply: it is not recorded, its unused tokens come back
         leave_early(base, key, server, max_tokens=150)
-        wait_for(lambda: len(server.prompts) == sent and not state.active.get(session_id),
+        wait_for(lambda: len(server.prompts) == sent and not state.active.get(session_id),  # noqa: B023 - called within this iteration
                    "the abandoned turn to reach the server and end",
                    seen=lambda: f"{len(server.prompts)} prompts at the server, {state.active.get(session_id)} "
                                 "turns in flight")

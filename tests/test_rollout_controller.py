@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_hpc.agents.engine import Sampling
+from areal_hpc.agents.multi_turn_math import MultiTurnMathWorkflow
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Segment, Trajectory
@@ -18,12 +19,10 @@ from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode, RolloutController
 from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
-from areal_hpc.agents.engine import Sampling
-from areal_hpc.agents.multi_turn_math import MultiTurnMathWorkflow
 from tests import rewards_for_tests
-from tests.workflow_helpers import episode_groups
 from tests.conftest import embedded_server
 from tests.waiting import model_info, wait_until
+from tests.workflow_helpers import episode_groups
 
 
 @settings(max_examples=300, deadline=None)

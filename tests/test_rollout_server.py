@@ -7,7 +7,6 @@ tests that change weights are in test_rollout_weights.py and start their own.
 import contextlib
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 

@@ -183,7 +183,13 @@ def test_a_bucket_that_cannot_be_received_closes_the_group_so_the_trainer_fails_
     before = served(server)
     with trainer_group(server) as group:
         body = {"names": ["model.norm.weight"], "dtypes": ["float8"], "shapes": [[128]]}
-        sending, sent = in_background(lambda: pytest.raises(RuntimeError, broadcast_tensor, group, torch.ones(128)))
+
+        def refused_broadcast():
+            with pytest.raises(RuntimeError) as refusal:
+                broadcast_tensor(group, torch.ones(128))
+            return refusal
+
+        sending, sent = in_background(refused_broadcast)
         message = refused(server, "/update_weights_from_distributed", body)
         sending.join(timeout=30)  # the group's timeout is 60 s: only a closed connection ends it sooner
         assert not sending.is_alive() and peer_closed(str(sent["result"].value))
@@ -280,7 +286,8 @@ def http_connections(pid: int, port: int) -> set[str]:
     found = set()
     for table in ("tcp", "tcp6"):
         try:
-            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
+            with open(f"/proc/{pid}/net/{table}") as listing:
+                lines = listing.read().splitlines()[1:]
         except OSError:
             continue
         for line in lines:

@@ -39,8 +39,8 @@ def test_vectorised_top_k_top_p_keeps_the_same_tokens_as_a_per_row_filter(rows, 
     probs = torch.tensor(rows)
     probs /= probs.sum(dim=-1, keepdim=True)
     top_k = data.draw(st.lists(st.sampled_from([-1, 1, 2, 3, 5, 20]), min_size=len(rows), max_size=len(rows)))
-    top_p = data.draw(st.lists(st.one_of(st.just(1.0), st.floats(0.01, 1.0)), min_size=len(rows), max_size=len(rows)))
-    for top_p in (top_p, [1.0] * len(rows)):  # the second: top-k alone, which takes no sort
+    drawn_p = data.draw(st.lists(st.one_of(st.just(1.0), st.floats(0.01, 1.0)), min_size=len(rows), max_size=len(rows)))
+    for top_p in (drawn_p, [1.0] * len(rows)):  # the second: top-k alone, which takes no sort
         kept = truncate(probs, torch.tensor([max(k, 0) for k in top_k]), torch.tensor(top_p)) > 0
         expected = torch.stack([kept_by_reference(p, k, q) for p, k, q in zip(probs, top_k, top_p)])
         assert torch.equal(kept, expected)

@@ -128,7 +128,7 @@ def test_sampling_values_at_numeric_edges_get_200_or_a_400_naming_the_field_and_
         message = reply["error"]["message"]
         assert "\n" not in message and len(message) < 300, message
         named = [f for f in invalid if f"sampling_params.{f} = {reprlib.repr(sampling[f])};" in message
-                 or f == "max_new_tokens" and f"+ {reprlib.repr(sampling[f])} max_new_tokens >" in message]
+                 or (f == "max_new_tokens" and f"+ {reprlib.repr(sampling[f])} max_new_tokens >" in message)]
         assert named, (sampling, message)  # the field and its value
 
     for sampling in HEADLINE + [{"top_k": vocab + 1}, {"stop_token_ids": [vocab - 1]}, {"stop_token_ids": [vocab]}]:

@@ -20,6 +20,7 @@ import pytest
 from areal_hpc.reward import sandbox
 from areal_hpc.reward.code_tests import code_reward
 from areal_hpc.reward.sandbox import OUTPUT_LIMIT, run_python
+
 from .conftest import REPO
 
 
@@ -27,9 +28,9 @@ def processes_with(marker: str) -> list[int]:
     """Live processes whose command line or working directory contains ``marker`` (zombies have neither)."""
     found = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid():
-            if marker in _read(f"/proc/{name}/cmdline") or marker in _cwd(name):
-                found.append(int(name))
+        if name.isdigit() and int(name) != os.getpid() and (marker in _read(f"/proc/{name}/cmdline")
+                                                            or marker in _cwd(name)):
+            found.append(int(name))
     return found
 
 

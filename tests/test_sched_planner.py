@@ -43,7 +43,7 @@ def test_allocation_string_counts_every_device():
     assert all(re.fullmatch(r"(sglang:d\d+t\d+(p\d+)?|megatron:d\d+p\d+t\d+)", p) for p in parts)
     devices = 0
     for part in parts:
-        dims = dict((k, int(v)) for k, v in re.findall(r"([dtp])(\d+)", part.split(":")[1]))
+        dims = {k: int(v) for k, v in re.findall(r"([dtp])(\d+)", part.split(":")[1])}
         devices += dims["d"] * dims["t"] * dims.get("p", 1)
     assert devices == sum(g.devices for g in plan.train) + plan.rollout.devices()
 

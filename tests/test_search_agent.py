@@ -276,7 +276,7 @@ def test_a_scripted_agent_follows_the_hops_through_hostile_turns_to_the_answer(t
     for name, page_id in zip(names[:-1], question.path):
         turns += [f"Look up <search>{name}</search>", f"<open> {page_id.upper()} </open>"]
     turns.append(f"It is <answer>{question.answer}</answer> <search>more</search>")
-    record, engine, model = scripted_episode(tokenizer, pool, turns, example_of(question),
+    record, engine, _model = scripted_episode(tokenizer, pool, turns, example_of(question),
                                              SearchAgentWorkflow(max_turns=20))
     assert len(record.segments) == len(turns) == 15
     assert_exact(record, engine.generations)

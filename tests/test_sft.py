@@ -15,8 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
 from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.config import load_config
-from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.registry import build_task
+from areal_hpc.data.rewards import RewardPool
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.train.evaluate import evaluate, evaluate_model

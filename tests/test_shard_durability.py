@@ -151,5 +151,5 @@ def test_a_failed_commit_drops_its_records_and_the_next_commit_writes_over_it(tm
     store = TrajectoryStore(tmp_path)
     assert [t.id for t in store.trajectories()] == [t.id for t in [*stored, after, lost]]
     store.close()
-    damage, notes, checked = verify(tmp_path)
+    damage, _notes, checked = verify(tmp_path)
     assert (damage, checked) == ([], 4)

@@ -7,8 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.data.shards import (ShardDamageError, TrajectoryConsumer, TrajectoryShardWriter, TrajectoryStore,
-                                   UnknownTrajectoryError)
+from areal_hpc.data.shards import (
+    ShardDamageError,
+    TrajectoryConsumer,
+    TrajectoryShardWriter,
+    TrajectoryStore,
+    UnknownTrajectoryError,
+)
 from areal_hpc.data.shards import reader as reader_module
 from areal_hpc.data.trajectory import Segment, Trajectory
 from tests.shard_processes import make_trajectory

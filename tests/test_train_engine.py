@@ -5,9 +5,12 @@ embedded engine on the model) decodes what transformers' greedy ``generate`` doe
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
+from areal_hpc.agents.engine import Sampling
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
@@ -15,7 +18,6 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
-from areal_hpc.agents.engine import Sampling
 from areal_hpc.train.evaluate import evaluate_model
 from areal_hpc.train.sft import sft_step
 
@@ -75,7 +77,7 @@ def test_rollout_weights_are_every_tensor_once_in_bounded_buckets(tiny_model_dir
             assert torch.equal(tensor, state[name])
     sizes = [[t.numel() * t.element_size() for _, t in bucket] for bucket in buckets]
     assert all(sum(s) <= limit or len(s) == 1 for s in sizes)  # within the limit, or one tensor too big for it
-    assert all(sum(a) + b[0] > limit for a, b in zip(sizes, sizes[1:]))  # each bucket as full as it could be
+    assert all(sum(a) + b[0] > limit for a, b in itertools.pairwise(sizes))  # each bucket as full as it could be
 
 
 def test_save_and_load_restore_weights_and_optimizer(tiny_model_dir, tmp_path):

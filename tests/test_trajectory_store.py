@@ -11,8 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.data.shards import (ConsumerCursor, ShardDamageError, TrajectoryConsumer, TrajectoryFilter,
-                                   TrajectoryShardWriter, TrajectoryStore, UnknownTrajectoryError)
+from areal_hpc.data.shards import (
+    ConsumerCursor,
+    ShardDamageError,
+    TrajectoryConsumer,
+    TrajectoryFilter,
+    TrajectoryShardWriter,
+    TrajectoryStore,
+    UnknownTrajectoryError,
+)
 from areal_hpc.data.shards.format import INDEX_DTYPE, SCHEMA_VERSION
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory, expand_version_runs, version_runs
 from areal_hpc.errors import UserError

@@ -25,16 +25,16 @@ from areal_hpc.algo.ppo import decoupled_ppo_loss, token_weights, value_loss
 from areal_hpc.algo.prefix_tree import build_prefix_tree
 from areal_hpc.config import ActorConfig, OptimizerConfig, load_config
 from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.engines.torch import tree as tree_module
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
-from areal_hpc.engines.torch import tree as tree_module
 from areal_hpc.engines.torch.tree import Segments, cache_keyword, check_tree_layout, is_chain
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_critic, load_model
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.train.actor import PPOActor
 from areal_hpc.parallel.groups import check_group_training
 from areal_hpc.parallel.tree_layout import resolve_tree_training
+from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.build import build_actor
 from tests.test_parallel_layouts import STEP, assert_same_step
 from tests.test_prefix_tree import shared_prefix_batches

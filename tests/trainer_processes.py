@@ -42,7 +42,7 @@ def synthetic_batch(vocab: int, groups: int = 4, group_size: int = 4, seed: int 
     batch = []
     for g in range(groups):
         prompt = rng.integers(3, vocab, int(rng.integers(4, 12)))
-        for k in range(group_size):
+        for _k in range(group_size):
             n = int(rng.integers(2, 9))
             segment = Segment(prompt, rng.integers(3, vocab, n), -rng.uniform(0.5, 3.0, n), np.zeros(n, dtype=int))
             batch.append(Trajectory([segment], group_id=f"g{g}", rewards=[Reward(float(rng.integers(0, 2)))]))

@@ -183,11 +183,11 @@ class RecordingOpenAI(openai.AsyncOpenAI):
     to a turn (default: the latest), ``records()`` are the session's conversations. ``with_options``
     (``copy``) gives a client of the same session."""
 
-    def __init__(self, *, gateway: "ChatGateway", session: Session, **options):
+    def __init__(self, *, gateway: ChatGateway, session: Session, **options):
         super().__init__(**options)
         self.gateway, self.session = gateway, session
 
-    def copy(self, **options) -> "RecordingOpenAI":
+    def copy(self, **options) -> RecordingOpenAI:
         extra = {**options.pop("_extra_kwargs", {}), "gateway": self.gateway, "session": self.session}
         return super().copy(**options, _extra_kwargs=extra)
 
@@ -224,7 +224,7 @@ class ChatGateway:
         self.transport = InProcessTransport(self.proxy)
         self.http = None
 
-    async def __aenter__(self) -> "ChatGateway":
+    async def __aenter__(self) -> ChatGateway:
         # one HTTP client for every episode's openai client
         self.http = openai.DefaultAsyncHttpxClient(transport=self.transport)
         return self

@@ -42,14 +42,14 @@ class Sampling:
     top_k: int = -1
 
     @classmethod
-    def from_config(cls, gconfig) -> "Sampling":
+    def from_config(cls, gconfig) -> Sampling:
         return cls(gconfig.max_new_tokens, run_temperature(gconfig), gconfig.top_p, gconfig.top_k)
 
     def params(self, stop_token_ids: list[int]) -> dict:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "stop_token_ids": stop_token_ids}
 
-    def greedy(self) -> "Sampling":
+    def greedy(self) -> Sampling:
         return replace(self, temperature=0.0)
 
 
@@ -86,7 +86,7 @@ class SameTickBatch:
             self._start(batch[start:start + size])
 
     def _start(self, batch: list[tuple[object, asyncio.Future]]) -> None:
-        task = asyncio.ensure_future(self._run([item for item, _ in batch]))
+        task = asyncio.ensure_future(self._run([item for item, _ in batch]))  # noqa: RUF006 - held in self._running
         self._running.add(task)
         task.add_done_callback(lambda done: self._answer(done, [f for _, f in batch]))
 
@@ -163,7 +163,7 @@ class EngineSettings:
     # (RolloutClient.generate_batch); None: each generation is its own request
     generate_batch: object = None
 
-    def for_group(self, max_batch: int | None = None, parts: Callable[[], int] | None = None) -> "EngineSettings":
+    def for_group(self, max_batch: int | None = None, parts: Callable[[], int] | None = None) -> EngineSettings:
         """These settings for episodes that start together (groups' samples, an evaluation's examples):
         generations they ask for in the same turn of the event loop (every episode's first turn) go to the
         servers as batched /generate requests of at most ``max_batch`` (None: one request), split into
@@ -176,7 +176,7 @@ class EngineSettings:
         async def together(calls: list) -> list:
             try:
                 return await self.generate_batch([ids for ids, _ in calls], [params for _, params in calls])
-            except Exception:  # noqa: BLE001 - found out below, one by one
+            except Exception:
                 if len(calls) == 1:
                     raise
                 return await asyncio.gather(*(self.generate(ids, params) for ids, params in calls),

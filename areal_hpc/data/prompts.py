@@ -16,7 +16,7 @@ class PromptStream:
         for _ in range(drawn):
             next(self)
 
-    def __iter__(self) -> "PromptStream":
+    def __iter__(self) -> PromptStream:
         return self
 
     def __next__(self) -> Example:

@@ -80,7 +80,7 @@ def examples_from_rows(rows: list[dict], cfg, source: str) -> list[Example]:
     target_key = cfg.target_field or ("target" if "target" in columns else "")
     for what, column in (("dataset.prompt_field", prompt_key), ("dataset.answer_field", cfg.answer_field),
                          ("dataset.target_field", target_key)):
-        if column is None or column and column not in columns:
+        if column is None or (column and column not in columns):
             shown = column or "prompt or messages"
             raise UserError(f"config key '{what}': {source} has no column {shown!r}; its columns are "
                             f"{', '.join(columns)}")

@@ -32,12 +32,26 @@ from pathlib import Path
 from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
 from areal_hpc.launch.preemption import StopForwarder
-from areal_hpc.launch.roles import (config_args, forget_other_incarnations, incarnation_folder, prepare_start_model,
-                                    server_command, trainer_command)
+from areal_hpc.launch.roles import (
+    config_args,
+    forget_other_incarnations,
+    incarnation_folder,
+    prepare_start_model,
+    server_command,
+    trainer_command,
+)
 from areal_hpc.parallel.groups import TrainerGroups, check_group_training
 from areal_hpc.parallel.tree_layout import resolve_tree_training
-from areal_hpc.runtime.bootstrap import (INCARNATION, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT, allocator_env,
-                                         cpu_threads, new_incarnation)
+from areal_hpc.runtime.bootstrap import (
+    INCARNATION,
+    LAUNCHED_AT,
+    RENDEZVOUS,
+    RUN_MARKER,
+    TRAINERS_AT,
+    allocator_env,
+    cpu_threads,
+    new_incarnation,
+)
 from areal_hpc.runtime.forkserver import ForkServer, cpu_only
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint

@@ -26,7 +26,7 @@ class StopForwarder:
         self.requested, self.target = False, None
         self._previous = signal.getsignal(signal.SIGUSR2)
 
-    def __enter__(self) -> "StopForwarder":
+    def __enter__(self) -> StopForwarder:
         signal.signal(signal.SIGUSR2, self._on_signal)
         return self
 

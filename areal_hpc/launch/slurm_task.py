@@ -32,12 +32,33 @@ from areal_hpc.errors import UserError
 from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.local import should_resume
 from areal_hpc.launch.preemption import StopForwarder
-from areal_hpc.launch.roles import (config_args, forget_other_incarnations, incarnation_folder, initial_model,
-                                    prepare_start_model, server_command, start_model_path, trainer_command,
-                                    wait_for_model)
-from areal_hpc.runtime.bootstrap import (INCARNATION, INTERFACE, LAUNCHED_AT, RENDEZVOUS, RUN_MARKER, TRAINERS_AT,
-                                         Placement, TaskGroup, TaskRole, allocator_env, assigned_devices, cpu_threads,
-                                         new_incarnation, task_role)
+from areal_hpc.launch.roles import (
+    config_args,
+    forget_other_incarnations,
+    incarnation_folder,
+    initial_model,
+    prepare_start_model,
+    server_command,
+    start_model_path,
+    trainer_command,
+    wait_for_model,
+)
+from areal_hpc.runtime.bootstrap import (
+    INCARNATION,
+    INTERFACE,
+    LAUNCHED_AT,
+    RENDEZVOUS,
+    RUN_MARKER,
+    TRAINERS_AT,
+    Placement,
+    TaskGroup,
+    TaskRole,
+    allocator_env,
+    assigned_devices,
+    cpu_threads,
+    new_incarnation,
+    task_role,
+)
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED
 from areal_hpc.runtime.supervisor import SupervisedProcess
 

@@ -34,7 +34,7 @@ class ParallelDims:
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
 
     @classmethod
-    def from_config(cls, parallel, world_size: int) -> "ParallelDims":
+    def from_config(cls, parallel, world_size: int) -> ParallelDims:
         """Sizes from ``actor.parallel`` (``allocation``, e.g. ``megatron:d8p1t1``, sets dp, pp and tp;
         dp=0 takes what the other sizes leave of ``world_size``), checked against the world."""
         dp, tp, pp = parallel.dp, parallel.tp, parallel.pp

@@ -30,7 +30,7 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 UNMADE = object()  # a process group not created yet (None is a made one this rank is not in)
 
 
-def build_mesh(dims: ParallelDims, device: torch.device) -> "TrainMesh":
+def build_mesh(dims: ParallelDims, device: torch.device) -> TrainMesh:
     """Collective: every rank calls it after ``init_distributed``."""
     return TrainMesh(dims, init_device_mesh(device.type, dims.shape, mesh_dim_names=MESH_DIMS), device)
 
@@ -46,7 +46,7 @@ class StageLinks:
     stage_writer: int
 
 
-def build_group_meshes(layout: TrainerGroups, device: torch.device) -> "TrainMesh":
+def build_group_meshes(layout: TrainerGroups, device: torch.device) -> TrainMesh:
     """This rank's group's mesh. Collective: every rank builds every group's ``DeviceMesh`` (and a
     process group of its ranks) in turn, then the groups that link the stages across them and the
     pipelines' ends, as creating a process group asks of all ranks in one order: a group that only one
@@ -84,7 +84,7 @@ class TrainMesh:
         self.layout, self.index = layout or TrainerGroups((dims,)), index
         self.members = members or dist.group.WORLD
         self.links: StageLinks | None = None  # with several groups (``build_group_meshes``)
-        self._pipeline_ends: dist.ProcessGroup | None | object = UNMADE  # made once, by every rank
+        self._pipeline_ends: dist.ProcessGroup | object | None = UNMADE  # made once, by every rank
         self.rank = dist.get_rank()
         self.coords = self.layout.coordinates(self.rank)
         self._extra: dict[str, DeviceMesh] = {}

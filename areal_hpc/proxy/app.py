@@ -136,8 +136,8 @@ async def completion_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIt
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if not (isinstance(prompt, str) and prompt
-            or isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt)):
+    if not ((isinstance(prompt, str) and prompt)
+            or (isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt))):
         raise api.bad("prompt", prompt, "a non-empty string or list of token ids (one prompt per request)")
     want_logprobs = api.number(body, "logprobs", None, 0, 5, integer=True) is not None
     stream = api.flag(body, "stream")

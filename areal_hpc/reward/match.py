@@ -30,7 +30,7 @@ def exact_match_reward(prompt: str, completion: str, prompt_ids: list[int], comp
     """1.0 when the final answer equals ``answer``, both stripped and case-folded; else 0.0."""
     try:
         return float(final_answer(completion).casefold() == str(answer).strip().casefold())
-    except Exception:  # a completion that is not text
+    except Exception:  # noqa: BLE001 - a completion that is not text
         return 0.0
 
 
@@ -41,5 +41,5 @@ def regex_reward(prompt: str, completion: str, prompt_ids: list[int], completion
     try:
         return float(regex.fullmatch(str(answer if pattern is None else pattern), final_answer(completion),
                                      timeout=REGEX_TIMEOUT_S) is not None)
-    except Exception:  # regex.error, TimeoutError, a completion that is not text
+    except Exception:  # noqa: BLE001 - regex.error, TimeoutError, a completion that is not text
         return 0.0

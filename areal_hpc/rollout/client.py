@@ -113,7 +113,7 @@ class RolloutClient:
         self._control: aiohttp.ClientSession | None = None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    async def __aenter__(self) -> "RolloutClient":
+    async def __aenter__(self) -> RolloutClient:
         self._generation = aiohttp.ClientSession(
             timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_requests), headers=self._headers)
         self._control = aiohttp.ClientSession(  # per host: servers that join later get the same
@@ -163,7 +163,7 @@ class RolloutClient:
                     for i in pending:
                         outs[i].interruptions += 1
                     continue
-                except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                     reason = f"{server}/generate: {str(exc) or type(exc).__name__}"
                     if not await self.healthy(server):
                         self.drop(server, reason)
@@ -265,7 +265,7 @@ class RolloutClient:
         try:
             async with self._control.get(f"http://{server}/health", timeout=HEALTH_TIMEOUT) as response:
                 return response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     def _pick(self, rid: str) -> str:

@@ -29,8 +29,7 @@ import aiohttp
 
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
-from areal_hpc.rollout.client import (ConnectionFailedError, NoServerError, RolloutClient, RolloutError,
-                                      ServerReplyError)
+from areal_hpc.rollout.client import ConnectionFailedError, NoServerError, RolloutClient, RolloutError, ServerReplyError
 from areal_hpc.rollout.commits import GroupCommits
 from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
 
@@ -88,7 +87,7 @@ class FailureBudget:
         self._last = deque(maxlen=self.window)
 
     @classmethod
-    def from_config(cls, cfg) -> "FailureBudget":
+    def from_config(cls, cfg) -> FailureBudget:
         """From a ``FailureBudgetConfig`` (``rollout.failure_budget``)."""
         return cls(cfg.max_consecutive, cfg.window, cfg.max_rate)
 

@@ -179,7 +179,7 @@ class SlotDecoder:
                 caches[i] = grown
         self.capacity = capacity
 
-    def _attention(self, layer: "_Layer", q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    def _attention(self, layer: _Layer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    bias: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention of q [B, T, H, D] over cache views [B, kv, span, D]: the query heads
         sharing a kv head are one matrix (rows = group x T), so keys and values are read in place."""

@@ -92,7 +92,7 @@ class SamplingParams:
     sampling_seed: int | None = None  # the same seed, prompt and weights give the same tokens (None: the engine's)
 
     @classmethod
-    def from_json(cls, obj) -> "SamplingParams":
+    def from_json(cls, obj) -> SamplingParams:
         """Check field names, types and ranges; the message names the field and what is valid."""
         if obj is None:
             return cls()
@@ -273,13 +273,13 @@ class EmbeddedEngine:
             for fn, future in commands:
                 try:
                     future.set_result(fn())
-                except Exception as exc:  # reported to the caller (the HTTP handler), engine carries on
+                except Exception as exc:  # noqa: BLE001 - reported to the caller (the HTTP handler), engine carries on
                     future.set_exception(exc)
             try:
                 self._admit()
                 if self._running:
                     self._step()
-            except Exception as exc:  # noqa: BLE001 - a bug outside the forward pass: fail these, keep serving
+            except Exception as exc:
                 log.exception("engine step failed")
                 for request in self._running:
                     request.error = f"{type(exc).__name__}: {exc}"

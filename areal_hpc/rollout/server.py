@@ -83,7 +83,7 @@ async def errors_as_json(request: web.Request, handler):
         return error(400, str(exc))
     except web.HTTPException as exc:  # aiohttp's own 404/405/413: same JSON shape
         return error(exc.status, exc.reason)
-    except Exception as exc:  # noqa: BLE001 - a bug or a failed weight transfer: say what, keep serving
+    except Exception as exc:
         logging.getLogger(__name__).exception("%s failed", request.path)
         return error(500, f"{type(exc).__name__}: {exc}")
 

@@ -26,7 +26,7 @@ class StalenessGate:
     running: int = 0
 
     @classmethod
-    def resumed(cls, batch_size: int, max_staleness: int, max_concurrent: int, version: int) -> "StalenessGate":
+    def resumed(cls, batch_size: int, max_staleness: int, max_concurrent: int, version: int) -> StalenessGate:
         """After a restart at version v every earlier batch was consumed: count them as accepted."""
         return cls(batch_size, max_staleness, max_concurrent, version=version, accepted=version * batch_size)
 

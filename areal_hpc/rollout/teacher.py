@@ -28,7 +28,7 @@ class TeacherClient:
         self.max_requests = max_requests
         self.session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "TeacherClient":
+    async def __aenter__(self) -> TeacherClient:
         self.session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout,
                                              connector=aiohttp.TCPConnector(limit=self.max_requests))
         return self
@@ -44,7 +44,7 @@ class TeacherClient:
                     message = reply.get("error", {}).get("message", reply) if isinstance(reply, dict) else reply
                     raise UserError(f"the teacher at {self.url}{route} answered {response.status}: {message}")
                 return reply
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise UserError(f"the teacher at {self.url} cannot be reached ({type(exc).__name__}: {exc}); "
                             "check distill.teacher_url") from None
 

@@ -70,7 +70,7 @@ class ForkServer:
         self.env, self.preload = env, preload
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "ForkServer":
+    def start(self) -> ForkServer:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of our descendants (the adopted children) come to us
         replies_in, replies_out = os.pipe()
         self.process = subprocess.Popen(
@@ -82,7 +82,7 @@ class ForkServer:
         return self
 
     def spawn(self, name: str, command: list[str], env: dict[str, str], cores: list[int] | None,
-              log_path: Path | None) -> "AdoptedProcess":
+              log_path: Path | None) -> AdoptedProcess:
         """Start ``command`` (``python -m MODULE ...`` or ``python -c CODE ...``) as a fork of the server."""
         if len(command) < 3 or command[1] not in ("-m", "-c"):
             raise ForkServerError(f"the fork server runs 'python -m' and 'python -c' commands, not {command!r}")
@@ -178,7 +178,7 @@ def _run_adopted(request: dict) -> int:
     for sig, action in ((signal.SIGINT, signal.default_int_handler), (signal.SIGUSR2, signal.SIG_IGN)):
         signal.signal(sig, action)  # SIGUSR2 as every supervised child (see ``runtime.supervisor``)
     _redirect(os.open(os.devnull, os.O_RDONLY), 0)  # the fork server's stdin is its command pipe
-    sys.stdin = open(0, closefd=False)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 for the child's lifetime
     if request["log"]:
         Path(request["log"]).parent.mkdir(parents=True, exist_ok=True)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

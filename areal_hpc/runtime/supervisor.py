@@ -53,7 +53,7 @@ class SupervisedProcess:
         self.env, self.cores, self.fork_server = env, cores, fork_server
         self.process: subprocess.Popen | AdoptedProcess | None = None
 
-    def start(self) -> "SupervisedProcess":
+    def start(self) -> SupervisedProcess:
         env = {**os.environ, **(self.env or {})}
         if self.fork_server is not None:
             self.process = self.fork_server.spawn(self.name, self.command, env, self.cores, self.log_path)

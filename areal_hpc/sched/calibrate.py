@@ -7,8 +7,8 @@ and measurements agree best. Plans are integer choices, so the fit is derivative
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from scipy.optimize import minimize

@@ -24,8 +24,16 @@ from importlib.resources.abc import Traversable
 from areal_hpc.errors import UserError, closest
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.sched.hardware import CATALOGUE, NodePool, read_yaml
-from areal_hpc.sched.memory import (GB, MemoryEstimate, Precision, TrainLayout, kv_shards, rollout_estimate,
-                                    rollout_slots, train_estimate)
+from areal_hpc.sched.memory import (
+    GB,
+    MemoryEstimate,
+    Precision,
+    TrainLayout,
+    kv_shards,
+    rollout_estimate,
+    rollout_slots,
+    train_estimate,
+)
 from areal_hpc.sched.model_spec import ModelSpec
 
 # What the planner assumes of a trainer: Megatron-LM's defaults for mixed precision (bfloat16 weights and
@@ -55,7 +63,7 @@ class Efficiency:
             return dict(self.per_device).get(name, 1.0)
         return getattr(self, name)
 
-    def replace(self, **values) -> "Efficiency":
+    def replace(self, **values) -> Efficiency:
         """A copy with factors replaced; names as in ``factor``."""
         devices = dict(self.per_device) | {k: float(v) for k, v in values.items() if "." in k}
         plain = {f.name: getattr(self, f.name) for f in fields(self)} | {k: v for k, v in values.items() if "." not in k}

@@ -40,7 +40,7 @@ def ratio_split(cluster: Cluster, share: float) -> dict[str, int]:
     total = sum(p.devices * p.device.tflops for p in cluster.pools)
     counts, taken = {pool.name: 0 for pool in cluster.pools}, 0.0
     for pool in sorted(cluster.pools, key=lambda p: p.device.tflops / p.device.hbm_gbs, reverse=True):
-        want = int(round((share * total - taken) / pool.device.tflops))
+        want = round((share * total - taken) / pool.device.tflops)
         counts[pool.name] = max(0, min(pool.devices, want))
         taken += counts[pool.name] * pool.device.tflops
     return counts

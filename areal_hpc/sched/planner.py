@@ -247,7 +247,7 @@ class HeteroPlanner:
             best = step
 
     def _counts(self, plan: Plan) -> dict[str, int]:
-        counts = {name: 0 for name in self.pools}
+        counts = dict.fromkeys(self.pools, 0)
         for group in plan.train:
             counts[group.pool] += group.devices
         return counts

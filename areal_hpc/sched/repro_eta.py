@@ -15,8 +15,8 @@ from areal_hpc.sched.cost import CostModel, Efficiency, Workload
 from areal_hpc.sched.hardware import make_cluster
 from areal_hpc.sched.model_spec import load_model_spec
 from areal_hpc.sched.planner import HeteroPlanner
-from areal_hpc.sched.repro_hex import Row
 from areal_hpc.sched.report import plan_dict
+from areal_hpc.sched.repro_hex import Row
 from areal_hpc.sched.simulator import sample_lengths, simulator_for_plan
 
 PAPER = {0: 27.1e3, 1: 47.8e3, 2: 47.8e3, 4: 49.0e3, 8: 51.5e3, 16: 52.0e3}

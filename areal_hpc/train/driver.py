@@ -47,14 +47,14 @@ async def drive(cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dic
             # The staleness gate admits episodes all along; servers generate them, the reward pool scores them.
             # trained at version ``step``, which the servers may still be loading (the push runs beside this)
             episodes = await stop.unless_stopped(run.controller.prepare_batch(cfg.rollout.consumer_batch_size, step),
-                                                 on_stop=lambda: run.save_and_stop(step))
+                                                 on_stop=lambda: run.save_and_stop(step))  # noqa: B023 - called within this iteration
             waited = time.perf_counter() - started
             batch = run.take_batch(episodes, step)  # consumed through the HDF5 shards, with agents' proxy records
             stats = await run.update(batch)  # proximal logprobs + decoupled-PPO steps, on the training thread
 
             def trained_then_stop() -> None:  # the step is trained; its weight push is not needed
-                run.trained(step + 1, batch, stats, waited, started)
-                run.save_and_stop(step + 1)
+                run.trained(step + 1, batch, stats, waited, started)  # noqa: B023 - called within this iteration
+                run.save_and_stop(step + 1)  # noqa: B023 - called within this iteration
             stop.check(trained_then_stop)  # saved without a weight push: servers may be stopping too
             async with stop.excusing_errors(trained_then_stop):
                 stats |= await run.push_weights(step + 1)  # stage; interrupt generation, new weights, continue

@@ -51,7 +51,7 @@ class ThreadPlacement:
     def _pin_training(self) -> None:
         os.sched_setaffinity(0, self.training_cores)  # Linux: the calling thread only
 
-    def __enter__(self) -> "ThreadPlacement":
+    def __enter__(self) -> ThreadPlacement:
         if self.rollout_side_cores and self.training_elsewhere:
             for thread in os.listdir("/proc/self/task"):  # Linux: niceness is per thread, inherited by new ones
                 niceness = os.getpriority(os.PRIO_PROCESS, int(thread))

@@ -8,8 +8,7 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
+import matplotlib.pyplot as plt
 
 SMOOTH_FROM = 30  # points in a curve from which a moving average is drawn over the raw values
 

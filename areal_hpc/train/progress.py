@@ -43,7 +43,7 @@ class RLProgress:
         self._started, self._trained_tokens = time.perf_counter(), 0
         self._step, self._counts = start_step, None  # last step trained, rollout counts last logged
 
-    def __enter__(self) -> "RLProgress":
+    def __enter__(self) -> RLProgress:
         self._progress.start()
         return self
 

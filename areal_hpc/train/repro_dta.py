@@ -50,7 +50,7 @@ class Workload:
         rng = np.random.default_rng(self.seed)
 
         def tokens(mean: float) -> list[int]:
-            n = max(1, int(round(rng.lognormal(np.log(mean), self.spread)))) if mean else 0
+            n = max(1, round(rng.lognormal(np.log(mean), self.spread))) if mean else 0
             return rng.integers(3, VOCAB, n).tolist()
 
         sequences, masks = [], []

@@ -17,21 +17,29 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 
-from areal_hpc.algo.temperature import run_temperature
-from areal_hpc.config import RunConfig
-from areal_hpc.data.prompts import PromptStream
 from areal_hpc.agents.chat import optional_chat
 from areal_hpc.agents.engine import EngineSettings, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.agents.registry import build_workflow
+from areal_hpc.algo.temperature import run_temperature
+from areal_hpc.config import RunConfig
+from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.shards.consumer import TrajectoryConsumer
 from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode
 from areal_hpc.runtime.rollout_token import rollout_token
-from areal_hpc.train.build import (build_controller, build_weight_sync, engine_settings, open_proxy_records,
-                                   open_shards, recovered_episodes, take_proxy_records, wait_for_servers)
+from areal_hpc.train.build import (
+    build_controller,
+    build_weight_sync,
+    engine_settings,
+    open_proxy_records,
+    open_shards,
+    recovered_episodes,
+    take_proxy_records,
+    wait_for_servers,
+)
 from areal_hpc.train.distill import Teacher, open_teacher
 from areal_hpc.train.evaluate import evaluate
 from areal_hpc.train.placement import ThreadPlacement
@@ -73,7 +81,7 @@ class RLRun:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: RunConfig, group: TrainerGroup, state: dict) -> AsyncIterator["RLRun"]:
+    async def open(cls, cfg: RunConfig, group: TrainerGroup, state: dict) -> AsyncIterator[RLRun]:
         # the update on this process's cores (or a child's there), this thread on the rollout side's
         with ThreadPlacement(training_elsewhere=group.trains_elsewhere) as placement:
             tokenizer, model_dir = group.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path

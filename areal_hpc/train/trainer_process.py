@@ -70,7 +70,7 @@ class TrainerProcess:
         self.engines = {name: RemoteEngine(self, name, tokenizer, device) for name, device in ready["engines"].items()}
 
     @classmethod
-    def start(cls, cfg: RunConfig, resume: bool) -> "TrainerProcess":
+    def start(cls, cfg: RunConfig, resume: bool) -> TrainerProcess:
         """Fork the child (from the calling thread, which must live as long as the run: the child's
         parent-death signal follows it) and wait until it has built its engines."""
         context = multiprocessing.get_context("fork")
@@ -89,7 +89,7 @@ class TrainerProcess:
             gc.unfreeze()
             raise
 
-    def __enter__(self) -> "TrainerProcess":
+    def __enter__(self) -> TrainerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -180,7 +180,7 @@ def _serve(connection, parents_end, cfg: RunConfig, resume: bool) -> None:
                 if command == "stop":
                     _answer(connection, group.stop)
                     return
-                _answer(connection, lambda: calls[command](*args))
+                _answer(connection, lambda: calls[command](*args))  # noqa: B023 - called within this iteration
         finally:
             close_distributed()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it

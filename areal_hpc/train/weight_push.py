@@ -44,8 +44,13 @@ import aiohttp
 
 from areal_hpc.engines.base import TrainEngine, WeightBucket
 from areal_hpc.models.hf import DTYPES
-from areal_hpc.parallel.weight_group import (GROUP_TIMEOUT_S, UpdateGroup, broadcast_tensor, host_store,
-                                             join_update_group)
+from areal_hpc.parallel.weight_group import (
+    GROUP_TIMEOUT_S,
+    UpdateGroup,
+    broadcast_tensor,
+    host_store,
+    join_update_group,
+)
 from areal_hpc.rollout.client import NoServerError, RolloutClient, RolloutError, ServerReplyError, disk_update
 from areal_hpc.runtime.name_resolve import ServerDirectory
 
@@ -235,7 +240,7 @@ class DistributedWeightSync:
             body = {"names": [name for name, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": self._name,
                     "weight_version": str(version)}
-            sending = asyncio.ensure_future(asyncio.to_thread(broadcast_all, self.group, [t for _, t in bucket]))
+            sending = asyncio.ensure_future(asyncio.to_thread(broadcast_all, self.group, [t for _, t in bucket]))  # noqa: RUF006 - held and awaited below
             answers = asyncio.ensure_future(client.broadcast("/update_weights_from_distributed", body, self.members))
             for task in (sending, answers):
                 task.add_done_callback(consume)
@@ -299,5 +304,5 @@ async def admit_servers(directory: ServerDirectory, client: RolloutClient, sync,
             client.drop(server, f"{server} restarted")  # a restarted server holds its launch weights, not ours
             try:
                 report(f"rollout server {server} {await sync.admit(client, server)}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, ServerReplyError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ServerReplyError) as exc:
                 report(f"rollout server {server} registered but could not join: {str(exc) or type(exc).__name__}")

@@ -25,7 +25,7 @@ def first_tag(text: str, tags: tuple[str, ...]) -> tuple[str, str] | None:
     for tag in tags:
         opening, closing = f"<{tag}>", f"</{tag}>"
         start = text.find(opening)
-        if start < 0 or best is not None and start >= best[0]:
+        if start < 0 or (best is not None and start >= best[0]):
             continue
         end = text.find(closing, start + len(opening))
         if end >= 0:  # else no later opening of this tag is closed either

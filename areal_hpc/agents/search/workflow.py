@@ -80,7 +80,7 @@ class SearchAgentWorkflow:
 
     async def arun_episode(self, engine, example: Example):
         episode = engine.episode(example)
-        counts = {tool: 0 for tool in TOOLS} | {"invalid": 0}
+        counts = dict.fromkeys(TOOLS, 0) | {"invalid": 0}
         answered, ended_by_context = None, False
         while True:
             generation = await episode.generate()

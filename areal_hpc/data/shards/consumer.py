@@ -59,7 +59,7 @@ class ConsumerCursor:
                            for stem in sorted(self._next.keys() | self._extra.keys())}}
 
     @classmethod
-    def from_state_dict(cls, state: dict | None) -> "ConsumerCursor":
+    def from_state_dict(cls, state: dict | None) -> ConsumerCursor:
         cursor = cls()
         if not state:
             return cursor
@@ -74,7 +74,7 @@ class ConsumerCursor:
         atomic_write_json(Path(path), self.state_dict())
 
     @classmethod
-    def load(cls, path: str | Path) -> "ConsumerCursor":
+    def load(cls, path: str | Path) -> ConsumerCursor:
         path = Path(path)
         return cls.from_state_dict(json.loads(path.read_text())) if path.exists() else cls()
 
@@ -97,7 +97,7 @@ class TrajectoryConsumer:
     def close(self) -> None:
         self.store.close()
 
-    def __enter__(self) -> "TrajectoryConsumer":
+    def __enter__(self) -> TrajectoryConsumer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -128,7 +128,7 @@ class TrajectoryConsumer:
         self._mark(self._locate(ids))
 
     def _locate(self, ids: list[str]) -> list[tuple[float, str, int, str]]:
-        wanted = {trajectory_id: None for trajectory_id in ids}
+        wanted = dict.fromkeys(ids)
         for candidate in self._candidates():
             if candidate[3] in wanted:
                 wanted[candidate[3]] = candidate

@@ -47,8 +47,15 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from areal_hpc.data.trajectory import (MAX_ID_BYTES, MAX_SOURCE_BYTES, Reward, Segment, Trajectory, expand_version_runs,
-                                       version_runs)
+from areal_hpc.data.trajectory import (
+    MAX_ID_BYTES,
+    MAX_SOURCE_BYTES,
+    Reward,
+    Segment,
+    Trajectory,
+    expand_version_runs,
+    version_runs,
+)
 from areal_hpc.errors import UserError
 from areal_hpc.fsio import fsync_path
 

@@ -24,10 +24,26 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX, METADATA_WAIT,
-                                          REWARD_DTYPE, TOKEN_DTYPE, ShardDamageError, attribute_text, decode,
-                                          hdf5_damage, intact, open_shard, record_checksum, reward_from_row,
-                                          shard_stem, text)
+from areal_hpc.data.shards.format import (
+    COLUMNS,
+    COUNTED,
+    FINAL_SUFFIX,
+    INDEX_DTYPE,
+    LIVE_SUFFIX,
+    METADATA_WAIT,
+    REWARD_DTYPE,
+    TOKEN_DTYPE,
+    ShardDamageError,
+    attribute_text,
+    decode,
+    hdf5_damage,
+    intact,
+    open_shard,
+    record_checksum,
+    reward_from_row,
+    shard_stem,
+    text,
+)
 from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.errors import UserError
 
@@ -169,7 +185,7 @@ class ShardFile:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "ShardFile":
+    def __enter__(self) -> ShardFile:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -367,7 +383,7 @@ class TrajectoryStore:
         for shard in self.shards.values():
             shard.close()
 
-    def __enter__(self) -> "TrajectoryStore":
+    def __enter__(self) -> TrajectoryStore:
         return self
 
     def __exit__(self, *exc) -> None:

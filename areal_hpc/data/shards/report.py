@@ -7,6 +7,7 @@ nobody finalised, a torn tail of a commit its writer never finished (notes, exit
 
 from __future__ import annotations
 
+import itertools
 import json
 import zlib
 from pathlib import Path
@@ -213,7 +214,7 @@ def _histogram(values: np.ndarray, label=lambda v: f"{v:g}", bins: int = 10) -> 
         labels = [label(v) for v in distinct]
     else:
         counts, edges = np.histogram(values, bins=bins)
-        labels = [f"[{lo:.3g}, {hi:.3g})" for lo, hi in zip(edges[:-1], edges[1:])]
+        labels = [f"[{lo:.3g}, {hi:.3g})" for lo, hi in itertools.pairwise(edges)]
     width = max(len(text) for text in labels)
     top = max(counts)
     return [f"  {text:>{width}} {'#' * max(1, round(BAR_WIDTH * c / top)) if c else '':<{BAR_WIDTH}} {c:,}"

@@ -24,9 +24,20 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from areal_hpc.data.shards.format import (COLUMNS, COUNTED, FINAL_SUFFIX, INDEX_DTYPE, LIVE_SUFFIX,
-                                          REWARD_DTYPE, create_shard, encode, pack_tokens, reward_row, seal,
-                                          shard_stem)
+from areal_hpc.data.shards.format import (
+    COLUMNS,
+    COUNTED,
+    FINAL_SUFFIX,
+    INDEX_DTYPE,
+    LIVE_SUFFIX,
+    REWARD_DTYPE,
+    create_shard,
+    encode,
+    pack_tokens,
+    reward_row,
+    seal,
+    shard_stem,
+)
 from areal_hpc.data.shards.stored_ids import StoredIds
 from areal_hpc.data.trajectory import MAX_ID_BYTES, MAX_SOURCE_BYTES, Reward, Trajectory, check_name
 from areal_hpc.errors import UserError
@@ -122,7 +133,7 @@ class TrajectoryShardWriter:
         finally:
             self._ids.close()
 
-    def __enter__(self) -> "TrajectoryShardWriter":
+    def __enter__(self) -> TrajectoryShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:

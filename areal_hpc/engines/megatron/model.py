@@ -144,8 +144,10 @@ def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, 
     recomputation (``RECOMPUTE``); with ``dims.vpp`` > 1, one chunk per virtual stage (interleaved 1F1B)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from areal_hpc.engines.megatron.attention import PackedCoreAttention
@@ -236,8 +238,12 @@ def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool, distrib
     ranks), with gradients summed, not averaged. Its default units also take ``ColumnParallelLinear``
     (inside the local spec's layers: FSDP2 wants inner units wrapped first) and the embedding (whose
     weight a tied output layer reads outside its forward): both stay with the root here."""
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig)
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        TorchFullyShardedDataParallel,
+        TorchFullyShardedDataParallelConfig,
+    )
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.fsdp import FSDPModule
 

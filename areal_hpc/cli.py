@@ -18,10 +18,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from areal_hpc import builtins
 from areal_hpc.errors import UserError
 from areal_hpc.launch.sweep import cli as sweep_cli
 from areal_hpc.runtime.exit import exit_process
 from areal_hpc.sched import cli as planner_cli
+
+
+def extension(point: str) -> Callable[[str], str]:
+    """An argparse ``type`` for a flag that names ``point``'s code: a built-in's name or the user's spec,
+    checked by the same rule as its config key (``builtins.check``)."""
+
+    def checked(value: str) -> str:
+        try:
+            builtins.check(point, value)
+        except UserError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    checked.__name__ = builtins.POINTS[point].key  # argparse names the type in its error line
+    return checked
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -201,8 +217,9 @@ def _repro_dta(args) -> int:
 
 def _eval_arguments(ev) -> None:
     ev.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")
-    ev.add_argument("--task", choices=["arithmetic", "countdown", "gsm8k", "custom"],
-                    help="task (default: the config's; custom: dataset.path and reward.fn)")
+    ev.add_argument("--task", type=extension("task"), metavar="TASK",
+                    help=f"dataset.task: {builtins.describe('task')} (default: the config's; custom: dataset.path "
+                    "and reward.fn)")
     ev.add_argument("--limit", type=int, help="evaluate only the first N held-out problems")
     ev.add_argument("--samples", type=int, default=1, metavar="N",
                     help="episodes per prompt: 1 is greedy; N > 1 samples at gconfig.temperature (pass@k)")

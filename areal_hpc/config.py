@@ -19,12 +19,14 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_hpc import builtins
 from areal_hpc.errors import UserError, closest
 
 
-def spec(default: Any, help: str, *, choices=None, ge=None, gt=None, le=None):
-    """A dataclass field carrying its help text and the constraints ``validate`` enforces."""
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
+def spec(default: Any, help: str, *, choices=None, ge=None, gt=None, le=None, point: str | None = None):
+    """A dataclass field carrying its help text and the constraints ``validate`` enforces; ``point``: the
+    extension point (``builtins.POINTS``) the key names code of, a built-in's name or the user's spec."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "point": point}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -90,8 +92,8 @@ class CountdownConfig:
 
 @dataclass
 class DatasetConfig:
-    task: str = spec("arithmetic", "a built-in task, or custom: your data from `path` (with reward.fn)",
-                     choices=["arithmetic", "countdown", "gsm8k", "calculator", "custom"])
+    task: str = spec("arithmetic", "the problems trained on: a built-in task's generator, your own make_task, or "
+                     "custom: your data from `path` (with reward.fn)", point="task")
     path: str = spec("", "custom, gsm8k: your data: a JSONL, Parquet or Arrow file, a glob of them, a folder of them or "
                      "a datasets.save_to_disk folder (gsm8k: empty uses the shipped sample)")
     eval_path: str = spec("", "held-out data in the same forms; empty: eval_split of a saved DatasetDict, else "
@@ -113,9 +115,9 @@ class DatasetConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = spec("", "your reward: 'package.module:function' or 'path/to/file.py:function', called as "
-                   "fn(prompt, completion, prompt_ids, completion_ids, **fields) (sync or async) and returning a "
-                   "number or {'reward': number, metric: number}; empty: the task's own")
+    fn: str = spec("", "the reward: a built-in reward or yours, called as fn(prompt, completion, prompt_ids, "
+                   "completion_ids, **fields) (sync or async) and returning a number or {'reward': number, "
+                   "metric: number}; empty: the task's own", point="reward")
     model: str = spec("", "a reward model trained by `areal-hpc rm` (its <run>/model folder): RL rollouts are scored by "
                       "its value after the last token; evaluations keep the task's own reward (accuracy)")
     timeout_s: float = spec(5.0, "seconds one reward call may take; a slower one fails (counted, scored 0)", gt=0.0)
@@ -217,9 +219,8 @@ class RolloutConfig:
     tp_size: int = spec(1, "sglang: tensor-parallel size per server", ge=1)
     dp_size: int = spec(1, "sglang: data-parallel replicas per server", ge=1)
     mem_fraction_static: float = spec(0.8, "sglang: GPU memory fraction for weights and KV cache", gt=0.0, le=1.0)
-    workflow: str = spec("", "what one episode is: a built-in (rlvr, multi_turn_math, calculator, python_tool, search) "
-                         "or your class 'package.module:Class' / 'path/to/file.py:Class' with "
-                         "`async arun_episode(engine, example)`; empty: rlvr")
+    workflow: str = spec("rlvr", "what one episode is: a built-in workflow or your class with "
+                         "`async arun_episode(engine, example)`", point="workflow")
     workflow_args: dict = spec({}, "keyword arguments the workflow class is built with")
     turn_discount: float = spec(1.0, "multi-turn episodes: a turn's reward reaches each earlier turn multiplied by "
                                 "this (the episode's reward is its first turn's discounted return)", ge=0.0, le=1.0)
@@ -270,8 +271,7 @@ class LoRAConfig:
 class ActorConfig:
     lr: float = spec(1e-4, "peak learning rate of the RL actor", gt=0.0)
     adv_estimator: str = spec("grpo", "advantage estimator (ppo trains a critic and uses GAE)",
-                              choices=["grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp",
-                                       "reinforce_pp_baseline", "ppo"])
+                              point="advantage_estimator")
     aggregation: str = spec("token-mean", "how token losses make the batch loss (Dr.GRPO: seq-mean-token-sum-norm)",
                             choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
     eps_clip: float = spec(0.2, "PPO clip range", gt=0.0)
@@ -287,8 +287,8 @@ class ActorConfig:
     kpop_threshold: float = spec(2.0, "KPop: mask tokens whose binary KL (either direction) exceeds this", gt=0.0)
     policy_loss: str = spec("ppo", "policy objective: ppo (clipped ratio), sapo (soft sigmoid gate instead of the "
                             "clip) or m2po (unclipped, tokens masked until the batch's second moment of "
-                            "log π/π_behav is within m2_threshold: made for very stale data)",
-                            choices=["ppo", "sapo", "m2po"])
+                            "log π/π_behav is within m2_threshold: made for very stale data), or your own",
+                            point="policy_loss")
     sapo_tau_pos: float = spec(1.0, "sapo: gate temperature for positive advantages", gt=0.0)
     sapo_tau_neg: float = spec(1.05, "sapo: gate temperature for negative advantages", gt=0.0)
     m2_threshold: float = spec(0.04, "m2po: bound on the mean squared log importance ratio of the kept tokens",
@@ -320,8 +320,9 @@ class ActorConfig:
     lam: float = spec(1.0, "ppo: GAE lambda", ge=0.0, le=1.0)
     critic_lr: float = spec(1e-4, "ppo: peak learning rate of the critic", gt=0.0)
     value_clip: float = spec(0.2, "ppo: value clip range", gt=0.0)
-    engine: str = spec("torch", "training engine: torch (PyTorch-native: FSDP2 or replicated dp, DTensor TP) or "
-                       "megatron (Megatron-core GPTModel: dp, tp, pp; extra `megatron`)", choices=["torch", "megatron"])
+    engine: str = spec("torch", "training engine: torch (PyTorch-native: FSDP2 or replicated dp, DTensor TP), "
+                       "megatron (Megatron-core GPTModel: dp, tp, pp; extra `megatron`) or your own",
+                       point="train_engine")
     parallel: ParallelConfig = section(ParallelConfig)
     lora: LoRAConfig = section(LoRAConfig)
 
@@ -562,6 +563,8 @@ def validate(cfg, prefix: str = "") -> None:
             validate(value, path + ".")
             continue
         meta = f.metadata
+        if meta.get("point"):
+            builtins.check(meta["point"], value)
         if meta.get("choices") and value not in meta["choices"]:
             allowed = ", ".join(map(str, meta["choices"]))
             raise UserError(f"config key '{path}': {value!r} is not one of {allowed}")
@@ -589,13 +592,14 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] = ()) 
 
 def check_combinations(cfg: RunConfig) -> None:
     """Settings valid one by one that do not go together: one line each."""
-    if cfg.actor.policy_loss == "m2po" and not cfg.actor.decoupled_loss:
-        raise UserError("actor.policy_loss=m2po bounds log(π_prox/π_behav), which actor.decoupled_loss=false does "
-                        "not use; set actor.decoupled_loss=true, or actor.policy_loss=ppo or sapo")
+    policy_loss = cfg.actor.policy_loss
+    if builtins.load("policy_loss", policy_loss).trust_region and not cfg.actor.decoupled_loss:
+        raise UserError(f"actor.policy_loss={policy_loss} bounds log(π_prox/π_behav), which actor.decoupled_loss=false "
+                        "does not use; set actor.decoupled_loss=true, or a policy loss without a trust region")
 
 
 PATH_KEYS = ("cluster.fileroot", "model.path", "tokenizer.path", "dataset.path", "dataset.eval_path")
-SPEC_KEYS = ("reward.fn", "rollout.workflow")  # 'path/to/file.py:name' specs
+SPEC_KEYS = tuple(point.key for point in builtins.POINTS.values())  # may be 'path/to/file.py:name' specs
 
 
 def absolute_path_overrides(cfg: RunConfig) -> list[str]:

@@ -3,9 +3,11 @@
 - ``docs/reference/config.md`` from the config schema: the dataclasses of ``areal_hpc/config.py``, whose
   fields carry their help text, choices and bounds (every key, its type, default and meaning, by section);
 - ``docs/reference/cli.md`` from the parser ``areal-hpc`` itself builds (``areal_hpc.cli.build_parser``,
-  made from the ``COMMANDS`` table): every subcommand and flag.
+  made from the ``COMMANDS`` table): every subcommand and flag;
+- ``docs/reference/builtins.md`` from ``areal_hpc/builtins.py``: every extension point, its built-ins and
+  what your own code must be to take their place.
 
-    .venv/bin/python docs/gen_reference.py           # write both pages
+    .venv/bin/python docs/gen_reference.py           # write the pages
     .venv/bin/python docs/gen_reference.py --check   # write nothing; exit 1 naming each problem, one line each
 
 ``--check`` (what ``make docs`` and ``tests/test_docs.py`` run) reports a reference page that differs from
@@ -52,6 +54,11 @@ def _escape(text: str) -> str:
 
 def _type(kind, meta) -> str:
     name = getattr(kind, "__name__", str(kind))
+    if meta.get("point"):
+        from areal_hpc.builtins import POINTS
+
+        names = " \\| ".join(f"`{n}`" if n else '`""`' for n in POINTS[meta["point"]].names)
+        return f"{name}: {names} \\| [your own](builtins.md#{_slug(POINTS[meta['point']].key)})"
     if meta.get("choices"):
         return f"{name}: " + " \\| ".join(f"`{c}`" for c in meta["choices"])
     ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
@@ -118,7 +125,7 @@ def config_page() -> str:
            "the key.", "",
            f"{len(LEAF_TYPES)} keys in {len(sections)} sections:", "",
            "| section | keys |", "|---|---|"]
-    for cls, name in sections:
+    for _, name in sections:
         count = sum(1 for key in LEAF_TYPES if key.startswith(name + "."))
         out.append(f"| [`{name}`](#{_slug(name)}) | {count} |")
     for cls, name in sections:
@@ -218,7 +225,35 @@ def cli_page() -> str:
     return "\n".join(out) + "\n"
 
 
-PAGES = {DOCS / "reference" / "config.md": config_page, DOCS / "reference" / "cli.md": cli_page}
+# ---------------------------------------------------------------------------------------------- built-ins
+
+
+def builtins_page() -> str:
+    from areal_hpc.builtins import FORMS, POINTS
+
+    out = [GENERATED_NOTE.format(source="areal_hpc/builtins.py"), "",
+           "# Built-ins and your own code", "",
+           "Every config key that names code, with the built-ins it accepts by name. Each also takes your own "
+           f"code as {FORMS}: a module on the Python path or a file (relative to the "
+           "folder you launch from; launchers make it absolute for the nodes). Your object must be what the key's "
+           "contract says; it is imported once per process, and a spec that does not load is refused in one "
+           "line naming the key.", "",
+           "| key | built-ins | contract |", "|---|---|---|"]
+    for point in POINTS.values():
+        out.append(f"| [`{point.key}`](#{_slug(point.key)}) | {', '.join(f'`{n}`' for n in point.builtins)} | "
+                   f"{_escape(point.contract)} |")
+    for point in POINTS.values():
+        out += ["", f"## {point.key}", "", f"Contract: {_escape(point.contract)}. Default: `{point.default}`"
+                if point.default else f"Contract: {_escape(point.contract)}. Default: none.", "",
+                "| name | code |", "|---|---|"]
+        out += [f"| `{name}` | `{spec}` |" for name, spec in point.builtins.items()]
+        out += [f"| `{name}` | {_escape(meaning)} |" if name else f"| empty | {_escape(meaning)} |"
+                for name, meaning in point.keywords.items()]
+    return "\n".join(out) + "\n"
+
+
+PAGES = {DOCS / "reference" / "config.md": config_page, DOCS / "reference" / "cli.md": cli_page,
+         DOCS / "reference" / "builtins.md": builtins_page}
 
 
 # ---------------------------------------------------------------------------------------------- checks

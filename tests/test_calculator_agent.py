@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from areal_hpc.agents.calculator import MAX_EXPRESSION_CHARS, CalculatorWorkflow, calculate, run_tool, tool_call
 from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
-from areal_hpc.agents.registry import BUILT_IN as WORKFLOWS
+from areal_hpc.builtins import POINTS
 from areal_hpc.config import DatasetConfig, load_config
 from areal_hpc.data import calculator
-from areal_hpc.data.registry import BUILT_IN as TASKS
 from areal_hpc.data.registry import build_task, corpus_for_tokenizer
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
@@ -81,7 +80,8 @@ def test_reward_checks_the_answer_and_reports_tool_use():
 def test_task_mixes_sft_demonstrations_and_holds_out_plain_questions():
     cfg = load_config("configs/agent_calculator.yaml", ["dataset.train_size=4000"])
     task = build_task(cfg.dataset)
-    assert "calculator" in TASKS and "calculator" in WORKFLOWS and task.name == "calculator"
+    assert "calculator" in POINTS["task"].builtins and "calculator" in POINTS["workflow"].builtins
+    assert task.name == "calculator"
     assert len(task.eval) == cfg.dataset.eval_size and all(not ex.messages for ex in task.eval)
     for ex in task.eval + task.train:
         a, b = map(int, re.fullmatch(r"What is (\d+)\*(\d+)\?", ex.prompt).groups())
@@ -133,7 +133,7 @@ def test_tool_episode_record_is_exact(tiny_model_dir):
 def test_bad_calls_get_errors_and_an_episode_without_an_answer_scores_zero(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     with RewardPool(calculator.reward) as pool:
-        model, record = scripted_episode(tokenizer, pool, ["<calc>2**99</calc>", "<calc>1+", "<calc>2*3</calc>"])
+        _model, record = scripted_episode(tokenizer, pool, ["<calc>2**99</calc>", "<calc>1+", "<calc>2*3</calc>"])
         direct_model, direct = scripted_episode(tokenizer, pool, ["12"])
     replies = [tokenizer.decode(s.input_ids) for s in record.segments[1:]]
     assert "<error>only integers, + - * and parentheses</error>" in replies[0] and "<error>malformed call" in replies[1]

@@ -1,7 +1,7 @@
 """The folder tells the architecture (docs/architecture.md): no module imports a module that imports it
 back (directly or through others), and every import goes down the floors, never up or sideways:
 
-    errors, _kernels  <  fsio, extras, config, plugins  <  algo, data, models, sched, reward  <  runtime  <  parallel
+    errors, _kernels  <  fsio, extras, builtins  <  config  <  algo, data, models, sched, reward  <  runtime  <  parallel
         <  engines, rollout  <  proxy  <  agents  <  train  <  launch  <  cli  <  __main__
 
 A module imports its own package and packages on lower floors only; so ``launch`` is imported by the
@@ -52,7 +52,8 @@ def test_no_module_imports_itself_back():
 
 FLOORS = [
     {"errors", "areal_hpc", "_kernels"},  # "areal_hpc": the package's own __init__; "_kernels": kernels/, no imports
-    {"fsio", "extras", "config", "plugins"},
+    {"fsio", "extras", "builtins"},
+    {"config"},
     {"algo", "data", "models", "reward"},
     {"runtime"},
     {"parallel"},

@@ -13,7 +13,8 @@ import pytest
 from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.python_tool import PythonToolWorkflow, code_blocks, observation
-from areal_hpc.agents.registry import BUILT_IN, build_workflow
+from areal_hpc.agents.registry import build_workflow
+from areal_hpc.builtins import POINTS
 from areal_hpc.config import load_config
 from areal_hpc.data import arithmetic
 from areal_hpc.data.rewards import RewardPool
@@ -110,7 +111,7 @@ def test_an_episode_still_writing_code_scores_the_empty_answer(tokenizer, pool):
 
 
 def test_a_turn_without_code_is_the_answer(tokenizer, pool):
-    model, _, record = scripted_episode(tokenizer, pool, ["It is 41."])
+    _model, _, record = scripted_episode(tokenizer, pool, ["It is 41."])
     assert len(record.segments) == 1 and record.reward == 0.0 and record.metadata["tool_calls"] == 0
 
 
@@ -128,7 +129,7 @@ def test_code_blocks_and_observations():
 
 def test_the_config_builds_the_workflow():
     cfg = load_config("configs/agent_python_tool.yaml")
-    assert BUILT_IN["python_tool"] == "areal_hpc.agents.python_tool:PythonToolWorkflow"
+    assert POINTS["workflow"].builtins["python_tool"] == "areal_hpc.agents.python_tool:PythonToolWorkflow"
     workflow = build_workflow(cfg.rollout)
     assert isinstance(workflow, PythonToolWorkflow) and workflow.max_context_tokens == 1024
     assert cfg.dataset.task == "arithmetic" and cfg.dataset.arithmetic.ops == "*"

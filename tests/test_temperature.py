@@ -16,10 +16,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from areal_hpc.algo.temperature import (MIN_TEMPERATURE, is_greedy, is_servable, logprob_temperature,
-                                        requested_temperature, run_temperature)
+from areal_hpc.agents.engine import Sampling
+from areal_hpc.algo.temperature import (
+    MIN_TEMPERATURE,
+    is_greedy,
+    is_servable,
+    logprob_temperature,
+    requested_temperature,
+    run_temperature,
+)
 from areal_hpc.config import GenerationConfig, load_config
 from areal_hpc.data.shards import TrajectoryStore
+from areal_hpc.engines.base import sampler_temperature
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
@@ -27,8 +35,7 @@ from areal_hpc.proxy.openai_api import sampling_params
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.embedded_engine import RequestError, SamplingParams
 from areal_hpc.rollout.sampling import SlotSampler
-from areal_hpc.agents.engine import Sampling
-from areal_hpc.train.build import build_actor, sampler_temperature
+from areal_hpc.train.build import build_actor
 from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
 
 from .conftest import embedded_server

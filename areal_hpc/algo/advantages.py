@@ -4,13 +4,16 @@ Token tensors are flat [T] over packed sequences (``cu_seqlens`` bounds); positi
 about predicting token t+1, so only ``loss_mask`` positions are actions. Every standard deviation here
 is the population one (divide by n, ``unbiased=False``): it is defined for groups of one (0, so the
 advantage is 0 rather than NaN) and is what "normalise this batch" means for a fixed batch.
+
+The sequence estimators are ``actor.adv_estimator``'s built-ins (``builtins.POINTS``); a user's own is a
+function of the same signature, named by its spec and called through ``sequence_advantages``.
 """
 
 from __future__ import annotations
 
 import torch
 
-SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+from areal_hpc import builtins
 
 
 def _group_stats(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -24,6 +27,12 @@ def _group_stats(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor
     return sums[inverse], counts[inverse], (sq / counts).sqrt()[inverse]
 
 
+def _centred(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """r - group mean."""
+    sums, counts, _ = _group_stats(rewards, group_ids)
+    return rewards - sums / counts
+
+
 def _batch_normalise(x: torch.Tensor, eps: float, centre: bool = True) -> torch.Tensor:
     mean = x.mean() if centre else 0.0
     return (x - mean) / (x.std(unbiased=False) + eps)
@@ -33,32 +42,45 @@ def sequence_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimato
                         eps: float = 1e-6) -> torch.Tensor:
     """One advantage per sequence from its scalar reward; ``group_ids`` equal = answers to one prompt.
 
-    grpo: (r - group mean) / (group std + eps)              [DeepSeekMath GRPO]
-    dr_grpo: r - group mean                                  [Dr.GRPO: no std]
-    lite_ppo: (r - group mean) / (batch std of those + eps)  [LitePPO: group mean, batch std]
-    rloo: r - mean of the other answers of the group (0 for a group of one)
-    reinforce_pp: (r - batch mean) / (batch std + eps)       [REINFORCE++]
-    reinforce_pp_baseline: r - group mean, then batch-normalised  [REINFORCE++-baseline]
+    ``estimator`` (``actor.adv_estimator``) is a built-in's name or the user's spec (``builtins.load``): a
+    function ``(rewards: float64 [N], group_ids: [N], eps) -> [N]``, the built-ins below. It gets the
+    rewards in float64; its advantages come back in the rewards' dtype.
     """
-    if estimator not in SEQUENCE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(SEQUENCE_ESTIMATORS)}")
-    r = rewards.double()
-    if estimator == "reinforce_pp":
-        return _batch_normalise(r, eps).to(rewards.dtype)
-    sums, counts, group_std = _group_stats(r, group_ids)
-    centred = r - sums / counts
-    if estimator == "grpo":
-        out = centred / (group_std + eps)
-    elif estimator == "dr_grpo":
-        out = centred
-    elif estimator == "lite_ppo":
-        out = _batch_normalise(centred, eps, centre=False)
-    elif estimator == "rloo":
-        others = counts - 1
-        out = torch.where(others > 0, r - (sums - r) / others.clamp(min=1), torch.zeros_like(r))
-    else:  # reinforce_pp_baseline
-        out = _batch_normalise(centred, eps)
-    return out.to(rewards.dtype)
+    estimate = builtins.load("advantage_estimator", estimator)
+    return estimate(rewards.double(), group_ids, eps).to(rewards.dtype)
+
+
+def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """(r - group mean) / (group std + eps)  [DeepSeekMath GRPO]"""
+    sums, counts, group_std = _group_stats(rewards, group_ids)
+    return (rewards - sums / counts) / (group_std + eps)
+
+
+def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """r - group mean  [Dr.GRPO: no std]"""
+    return _centred(rewards, group_ids)
+
+
+def lite_ppo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """(r - group mean) / (batch std of those + eps)  [LitePPO: group mean, batch std]"""
+    return _batch_normalise(_centred(rewards, group_ids), eps, centre=False)
+
+
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """r - mean of the other answers of the group (0 for a group of one)  [RLOO]"""
+    sums, counts, _ = _group_stats(rewards, group_ids)
+    others = counts - 1
+    return torch.where(others > 0, rewards - (sums - rewards) / others.clamp(min=1), torch.zeros_like(rewards))
+
+
+def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """(r - batch mean) / (batch std + eps)  [REINFORCE++]"""
+    return _batch_normalise(rewards, eps)
+
+
+def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """r - group mean, then batch-normalised  [REINFORCE++-baseline]"""
+    return _batch_normalise(_centred(rewards, group_ids), eps)
 
 
 def distillation_advantages(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor,

@@ -1,7 +1,8 @@
-"""AReaL's decoupled PPO loss (behaviour weight π_prox/π_behav, clipped ratio π_θ/π_prox), GSPO's
-sequence-level ratio, SAPO's soft gate and M2PO's second-moment trust region in place of the clip, the k3
-KL penalty to a reference model, the clipped value loss, and the per-token weights that make a sum over
-micro-batches equal the whole-batch aggregation.
+"""AReaL's decoupled PPO loss (behaviour weight π_prox/π_behav, ratio π_θ/π_prox under the policy loss of
+``policy_losses.py``: PPO's clip, SAPO's soft gate, M2PO's unclipped ratio), GSPO's sequence-level ratio,
+M2PO's second-moment trust region in place of the behaviour correction, the k3 KL penalty to a reference
+model, the clipped value loss, and the per-token weights that make a sum over micro-batches equal the
+whole-batch aggregation.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from areal_hpc import builtins
 from areal_hpc.algo.advantages import sequence_ids
+from areal_hpc.algo.policy_losses import PolicyLoss
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 BEHAV_CORRECTIONS = ("cap", "mask", "kpop", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
-POLICY_LOSSES = ("ppo", "sapo", "m2po")
 
 
 @dataclass(frozen=True)
@@ -31,20 +33,23 @@ class PPOLossConfig:
     importance_level: str = "token"
     decoupled: bool = True  # False: PPO's own loss, the ratio and clip against the behaviour policy
     kl_coef: float = 0.0
-    policy_loss: str = "ppo"
+    policy_loss: str = builtins.POINTS["policy_loss"].default  # a built-in's name or a spec: see ``objective``
     sapo_tau_pos: float = 1.0  # SAPO gate temperature for A > 0
     sapo_tau_neg: float = 1.05  # ... and for A <= 0 (the paper: steeper, negative updates spread wider)
     m2_threshold: float = 0.04  # M2PO: bound on the mean of (log π_prox/π_behav)² over the kept tokens
 
     def __post_init__(self):
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"policy_loss={self.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)}")
         if self.behav_correction not in BEHAV_CORRECTIONS:
             raise ValueError(f"behav_correction={self.behav_correction!r}; valid: {', '.join(BEHAV_CORRECTIONS)}")
         if self.importance_level not in IMPORTANCE_LEVELS:
             raise ValueError(f"importance_level={self.importance_level!r}; valid: {', '.join(IMPORTANCE_LEVELS)}")
-        if self.policy_loss == "m2po" and not self.decoupled:
-            raise ValueError("policy_loss='m2po' bounds log π_prox/π_behav: it needs the decoupled loss")
+        if self.objective.trust_region and not self.decoupled:
+            raise ValueError(f"policy_loss={self.policy_loss!r} bounds log π_prox/π_behav: it needs the decoupled loss")
+
+    @property
+    def objective(self) -> PolicyLoss:
+        """The ``PolicyLoss`` ``policy_loss`` names (``builtins.load``: one ``UserError`` line when it names none)."""
+        return builtins.load("policy_loss", self.policy_loss)
 
 
 def token_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, n_tokens: int, n_seqs: int,
@@ -108,24 +113,12 @@ def second_moment_cut(log_ratio: torch.Tensor, threshold: float) -> float:
     return float(descending[int(within.nonzero()[0])])
 
 
-def _gated_surrogate(ratio, advantages, cfg: PPOLossConfig):
-    """(the per-token objective the policy gradient ascends, the tokens the clip made inactive)."""
-    if cfg.policy_loss == "sapo":
-        tau = torch.where(advantages > 0, ratio.new_tensor(cfg.sapo_tau_pos), ratio.new_tensor(cfg.sapo_tau_neg))
-        gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # slope 1 at ratio 1, like the plain ratio
-        return gate * advantages, torch.zeros_like(ratio, dtype=torch.bool)
-    if cfg.policy_loss == "m2po":
-        return ratio * advantages, torch.zeros_like(ratio, dtype=torch.bool)
-    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
-    clipped = ratio.clamp(1 - cfg.eps_clip, 1 + eps_high) * advantages
-    return torch.minimum(ratio * advantages, clipped), clipped < ratio * advantages
-
-
 def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, cu_seqlens, weights,
                        cfg: PPOLossConfig, reference_logprobs=None, trust_keep=None) -> tuple[torch.Tensor, dict]:
     """Σ_t weights_t · ℓ_t over this micro-batch, and additive statistics.
 
     ℓ_t = −w_t · min(u_t·A_t, clip(u_t, 1−ε, 1+ε_high)·A_t) + kl_coef · k3_t   [AReaL eq. decoupled PPO]
+    (the min(...) term is ``cfg.objective``'s surrogate, PPO's clip by default: ``policy_losses.py``)
     u_t = exp(logp_t − logp_prox_t) (token level) or, for GSPO, s_i = exp(mean_{t∈i}(logp_t − logp_prox_t))
     on every token of sequence i, with the gradient flowing through the mean. w_t = exp(logp_prox − logp_behav)
     without gradient, capped at ``behav_imp_weight_cap`` ("cap"), or the token dropped when w_t exceeds the cap
@@ -139,10 +132,9 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     π_θ/π_behav, its clip bounds how far a token moves from the policy that sampled it (over all the steps
     since, with stale data), and w_t = 1 whatever ``behav_correction`` says.
 
-    ``policy_loss`` replaces the clipped term: "sapo" uses the soft gate (4/τ)·σ(τ·(u_t − 1))·A_t with
-    τ = ``sapo_tau_pos`` where A_t > 0 and ``sapo_tau_neg`` elsewhere [Gao et al. 2025, SAPO]; "m2po" uses
-    u_t·A_t unclipped with the raw w_t (π_θ/π_behav) on the tokens ``trust_keep`` holds, the batch's
-    second-moment trust region (M2 below ``second_moment_cut``) [M2PO], in place of the behaviour correction.
+    A policy loss with a ``trust_region`` (M2PO) takes the raw w_t (π_prox/π_behav) on the tokens ``trust_keep``
+    holds, the batch's second-moment trust region (M2 below ``second_moment_cut``), in place of the
+    behaviour correction.
 
     Statistics are this micro-batch's sums and counts over its loss tokens, to be added across micro-batches
     and ranks (``*_max`` keys: take the max): loss_tokens, kept_tokens (not dropped by the behaviour
@@ -163,11 +155,13 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
         counts = sums.new_zeros(len(sums)).index_add_(0, seq_ids, mask.to(sums.dtype)).clamp(min=1)
         log_ratio = torch.where(mask, (sums / counts)[seq_ids], 0.0)
     ratio = log_ratio.exp()
-    surrogate, clipped = _gated_surrogate(ratio, advantages, cfg)
+    objective = cfg.objective
+    surrogate, clipped = objective.surrogate(ratio, advantages, cfg)
     raw_w = torch.where(mask, proximal_logprobs - behaviour_logprobs, 0.0).detach().exp()
-    if cfg.policy_loss == "m2po":
+    if objective.trust_region:
         if trust_keep is None:
-            raise ValueError("policy_loss='m2po' needs trust_keep, the tokens within the batch's second_moment_cut")
+            raise ValueError(f"policy_loss={cfg.policy_loss!r} needs trust_keep, the tokens within the batch's "
+                             "second_moment_cut")
         w, keep = raw_w, mask & trust_keep.bool()
     elif not cfg.decoupled:
         w, keep = torch.ones_like(raw_w), mask

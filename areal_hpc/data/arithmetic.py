@@ -40,7 +40,7 @@ def split(cfg: DatasetConfig, name: str) -> tuple[list[Example], list[Example]]:
     if a.min_digits > a.max_digits:
         raise UserError(f"config key 'dataset.arithmetic.min_digits': {a.min_digits} is above max_digits={a.max_digits}")
     draw = partial(draw_problem, min_digits=a.min_digits, max_digits=a.max_digits, ops=a.ops)
-    return generate_split(draw, cfg.seed, cfg.train_size, cfg.eval_size, name)
+    return generate_split(draw, cfg, name)
 
 
 def make_task(cfg: DatasetConfig) -> Task:

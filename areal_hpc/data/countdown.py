@@ -87,5 +87,5 @@ def reward(prompt: str, completion: str, prompt_ids, completion_ids, answer: str
 
 def make_task(cfg: DatasetConfig) -> Task:
     draw = partial(draw_problem, num_count=cfg.countdown.num_count, max_number=cfg.countdown.max_number)
-    train, held_out = generate_split(draw, cfg.seed, cfg.train_size, cfg.eval_size, "countdown")
+    train, held_out = generate_split(draw, cfg, "countdown")
     return Task("countdown", train, held_out, RewardFunction(reward))

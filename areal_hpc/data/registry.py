@@ -1,18 +1,14 @@
-"""The tasks by name: ``build_task(cfg.dataset, cfg.reward)`` (a built-in generator, GSM8K, or your
-data with your reward) and the text the tiny tokenizer is trained on."""
+"""The task a run trains on: ``build_task(cfg.dataset, cfg.reward)`` (a built-in generator, GSM8K, your
+own ``make_task``, or your data with your reward) and the text the tiny tokenizer is trained on."""
 
 from __future__ import annotations
 
+from areal_hpc import builtins
 from areal_hpc.config import DatasetConfig, RewardConfig
-from areal_hpc.data import arithmetic, calculator, countdown, gsm8k
 from areal_hpc.data.rewards import RewardFunction
 from areal_hpc.data.tasks import Task
 from areal_hpc.data.user_data import read_rows, split_examples
 from areal_hpc.errors import UserError
-from areal_hpc.plugins import load_object
-
-BUILT_IN = {"arithmetic": arithmetic.make_task, "countdown": countdown.make_task, "gsm8k": gsm8k.make_task,
-            "calculator": calculator.make_task}
 
 
 def build_task(cfg: DatasetConfig, reward: RewardConfig | None = None) -> Task:
@@ -22,7 +18,7 @@ def build_task(cfg: DatasetConfig, reward: RewardConfig | None = None) -> Task:
     if reward is not None and reward.fn and reward.model:
         raise UserError("config keys 'reward.fn' and 'reward.model' are both set: RL trains on one reward (the "
                         "task's own, or reward.fn, still scores evaluations beside reward.model)")
-    if cfg.task == "custom":
+    if builtins.is_custom_task(cfg.task):
         if not cfg.path:
             raise UserError("config key 'dataset.path': dataset.task=custom trains on your data: give "
                             "dataset.path (a JSONL, Parquet or Arrow file, a glob or a folder)")
@@ -31,21 +27,21 @@ def build_task(cfg: DatasetConfig, reward: RewardConfig | None = None) -> Task:
                             "reward.fn='package.module:function' or 'path/to/file.py:function' (or reward.model)")
         train, held_out = split_examples(cfg, "custom", read_rows)
         task = Task("custom", train, held_out, None)
-    elif cfg.path and cfg.task != "gsm8k":
-        raise UserError(f"config key 'dataset.path': {cfg.task} generates its problems; dataset.path is read with "
-                        "dataset.task=custom (your data) or gsm8k")
     else:
-        task = BUILT_IN[cfg.task](cfg)
+        task = builtins.load("task", cfg.task)(cfg)
+        if not isinstance(task, Task):
+            raise UserError(f"config key 'dataset.task': {cfg.task!r} returned a {type(task).__name__}, not a Task "
+                            "(areal_hpc.data.tasks.Task: train and held-out examples with their reward)")
     if reward is not None and reward.fn:
-        load_object(reward.fn, "reward.fn")
-        task.reward = RewardFunction(reward.fn)
+        builtins.load("reward", reward.fn)
+        task.reward = RewardFunction(builtins.spec_of("reward", reward.fn))
     return task
 
 
 def corpus_for_tokenizer(seed: int) -> list[str]:
     """Prompts and targets of every built-in task, so the tokenizer's merges fit the text it will see."""
     lines = []
-    for task in BUILT_IN:
+    for task in builtins.POINTS["task"].builtins:
         cfg = DatasetConfig(task=task, seed=seed, train_size=1000, eval_size=10)
         cfg.arithmetic.ops = "+-*"
         for ex in build_task(cfg).train:

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from areal_hpc.plugins import load_object
+from areal_hpc.builtins import load_object
 
 # Rewards look at the tail of a completion only: parsing cost stays bounded whatever the model writes.
 MAX_SCORED_CHARS = 4096
@@ -139,8 +139,8 @@ def checked_reward(result) -> tuple[float, dict]:
 
 
 def _is_finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        or type(value).__module__ == "numpy" and _is_finite_number(value.item())
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)) \
+        or (type(value).__module__ == "numpy" and _is_finite_number(value.item()))
 
 
 def _call(reward_fn: RewardFunction, requests: list[RewardRequest]) -> list:
@@ -210,7 +210,7 @@ class RewardPool:
         outcomes: list[RewardOutcome | None] = [None] * len(requests)
         for call in self._calls(list(range(len(requests)))):
             asked = [requests[i] for i in call]
-            for i, outcome in zip(call, self._call_outcomes(len(call), lambda: _call(self.reward_fn, asked))):
+            for i, outcome in zip(call, self._call_outcomes(len(call), lambda: _call(self.reward_fn, asked))):  # noqa: B023 - called within this iteration
                 outcomes[i] = outcome
         return outcomes
 
@@ -239,7 +239,7 @@ class RewardPool:
             for k, (call, handle) in enumerate(handles):
                 timeout_s = self.timeout_s * len(call)
                 try:
-                    results = self._call_outcomes(len(call), lambda: handle.get(timeout=timeout_s))
+                    results = self._call_outcomes(len(call), lambda: handle.get(timeout=timeout_s))  # noqa: B023 - called within this iteration
                 except mp.TimeoutError:
                     # The worker may be stuck for good: replace the pool, re-run what is left.
                     results = [RewardOutcome(0.0, f"reward timed out after {timeout_s:g}s", "timeout")] * len(call)

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
+from areal_hpc.config import DatasetConfig
 from areal_hpc.data.tasks import Example
+from areal_hpc.errors import UserError
 
 
-def generate_split(draw: Callable[[random.Random], Example], seed: int, train_size: int, eval_size: int,
+def generate_split(draw: Callable[[random.Random], Example], cfg: DatasetConfig,
                    name: str) -> tuple[list[Example], list[Example]]:
-    """Draw the eval set first (seed stream 'eval'), then train problems whose prompt is not in it.
+    """Draw ``cfg.eval_size`` eval problems first (seed stream 'eval'), then ``cfg.train_size`` train problems
+    whose prompt is not in it; a generated task reads no data, so ``cfg.path`` is refused.
 
     The eval set depends only on (seed, eval_size), so growing the training set never changes it.
     Stops early when the problem space is exhausted rather than looping forever.
     """
+    if cfg.path:
+        raise UserError(f"config key 'dataset.path': {name} generates its problems; dataset.path is read by "
+                        "dataset.task=custom (your data) and by tasks made from data (gsm8k)")
+    seed, train_size, eval_size = cfg.seed, cfg.train_size, cfg.eval_size
     eval_rng, train_rng = random.Random(f"{name}-{seed}-eval"), random.Random(f"{name}-{seed}-train")
     eval_prompts: set[str] = set()
     eval_set = _draw_up_to(draw, eval_rng, eval_size, excluded=eval_prompts, unique=True)

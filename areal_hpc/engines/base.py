@@ -1,6 +1,8 @@
 """What every training engine shares: the ``TrainEngine`` protocol that the PPO actor, SFT, checkpoints
-and the weight push use (nothing else of an engine), the types of its loss and weight buckets, and the
+and the weight push use (nothing else of an engine), the roles an engine is built for (``ROLES``) and
+what each reads of the config (``role_training``), the types of its loss and weight buckets, and the
 helpers both engines call (statistics merged over micro-batches and ranks, weight bucketing).
+``engines.factory.build_engine`` builds every engine through its class's ``build``.
 
 Losses are weighted sums whose weights already carry the normaliser of the whole minibatch (see
 ``algo.ppo.token_weights``), so summing gradients over micro-batches and ranks is exact.
@@ -10,14 +12,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
 from areal_hpc.algo.packing import PackedBatch
+from areal_hpc.algo.temperature import logprob_temperature, run_temperature
 from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.errors import UserError
 from areal_hpc.parallel.mesh import TrainMesh
 
 Outputs = dict[str, torch.Tensor]  # per-position outputs of a packed micro-batch, e.g. {"logprobs", "entropy"}
@@ -26,6 +31,54 @@ LossFn = Callable[[Outputs, PackedBatch, dict[str, torch.Tensor]], tuple[torch.T
 WeightBucket = list[tuple[str, torch.Tensor]]
 TRAINING_STATE = "training_state.pt"
 OPTIMIZER_SHARDS = "optimizer"  # a sharded engine's optimizer state: one torch.distributed.checkpoint
+
+ROLES = {  # what an engine is built to train: role -> its name in an error line
+    "policy": "the RL policy",
+    "reference": "the RL policy's frozen reference (actor.kl_ctl > 0)",
+    "critic": "the PPO critic",
+    "sft": "the SFT policy",
+    "dpo": "the DPO policy (it scores its own reference log-likelihoods before the first step)",
+    "rm": "the reward model",
+}
+RL_ROLES = ("policy", "reference", "critic")  # the ones actor.lora and actor.tree_training apply to
+
+
+@dataclass(frozen=True)
+class RoleTraining:
+    """What an engine of one role trains with, read from the config; ``lr`` None: frozen."""
+
+    critic: bool  # a value head ("values") instead of the policy's "logprobs" and "entropy"
+    lr: float | None
+    total_steps: int
+    max_tokens_per_mb: int
+    temperature: float  # of the policy's logprobs: the sampler's for RL, 1 (the data's likelihood) otherwise
+
+
+def sampler_temperature(cfg) -> float:
+    """The temperature of the rollout logprobs the trainer must match: ``gconfig.temperature``, or 1
+    for greedy rollouts (temperature 0, whose logprobs servers report untempered)."""
+    return logprob_temperature(run_temperature(cfg.gconfig))
+
+
+def role_training(role: str, cfg) -> RoleTraining:
+    """``role``'s ``RoleTraining`` in the run ``cfg`` (a ``RunConfig``)."""
+    if role in RL_ROLES:
+        actor = cfg.actor
+        steps = cfg.rl.total_train_steps * min(actor.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
+        lr = {"policy": actor.lr, "reference": None, "critic": actor.critic_lr}[role]
+        return RoleTraining(role == "critic", lr, steps, actor.max_tokens_per_mb, sampler_temperature(cfg))
+    if role == "sft":
+        return RoleTraining(False, cfg.sft.lr, cfg.sft.total_train_steps, cfg.sft.max_tokens_per_mb, 1.0)
+    if role in ("dpo", "rm"):
+        pcfg = cfg.preference
+        return RoleTraining(role == "rm", pcfg.lr, pcfg.total_train_steps, pcfg.max_tokens_per_mb, 1.0)
+    raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
+
+
+def unsupported_role(cfg, role: str) -> UserError:
+    """The one line an engine class raises for a role its ``build`` does not build."""
+    return UserError(f"actor.engine={cfg.actor.engine} does not train {ROLES[role]} ({role}) yet; "
+                     f"use actor.engine=torch")
 
 
 class TrainEngine(Protocol):
@@ -37,10 +90,25 @@ class TrainEngine(Protocol):
     those of ``log_softmax(logits / T)``): the batch's ``temperatures`` per position where it carries
     them (each record's own), else the engine's (``gconfig.temperature``); and "entropy", on target
     positions only (0 elsewhere); a critic's is "values".
+
+    An engine class subclasses it: ``build`` is how ``engines.factory.build_engine`` makes one, and the
+    capabilities below (False unless the class says otherwise) are what the run's rules ask of
+    ``actor.engine``, so a subclass of an engine inherits its answers.
     """
+
+    supports_tree_training: ClassVar[bool] = False  # actor.tree_training=dta: trains a batch's prefix tree
+    supports_lora: ClassVar[bool] = False  # actor.lora.rank > 0
+    supports_training_groups: ClassVar[bool] = False  # actor.parallel.groups: sums gradients across the groups
 
     device: torch.device  # where this rank's tensors live (NCCL reduces device tensors only)
     tokenizer: object  # saved with the weights, so a saved folder is a complete Hugging Face model
+
+    @classmethod
+    def build(cls, role: str, cfg, mesh: TrainMesh | None, path: Path, tokenizer) -> TrainEngine:
+        """An engine of ``role`` (one of ``ROLES``) for the run ``cfg``, from the Hugging Face folder
+        ``path``, on ``mesh`` (None: one process on ``cluster.device``); ``unsupported_role`` for a role
+        the class does not build (here: every role)."""
+        raise unsupported_role(cfg, role)
 
     def forward(self, batch: SequenceBatch) -> dict[str, list[torch.Tensor]]:
         """Each output as per-sequence [len] tensors, without gradient, in the model's evaluation mode.

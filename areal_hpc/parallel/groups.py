@@ -1,7 +1,8 @@
 """Training groups of different shapes in one job: AReaL-Hex gives each device pool its own training
 layout (H100s at dp2 x tp1, A100s at dp1 x tp2, ...), so the trainer ranks are cut into consecutive
 groups, each a mesh of its own (``ParallelDims``), and every group's data-parallel replicas together
-share each batch. Plain arithmetic (no torch), like ``dims.py``.
+share each batch. Plain arithmetic (no torch), like ``dims.py``, but for ``check_group_training``, which
+asks the engine's class (it imports the engine) when groups are set.
 
 ``actor.parallel.groups`` lists the groups' ``[dp, tp, pp]`` in rank order (``submit --plan`` writes it
 when the plan's training groups differ in shape); empty, the trainer ranks form one mesh as
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_hpc import builtins
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import ParallelDims
 
@@ -122,15 +124,17 @@ def data_parallel_weights(cfg, dp: int) -> list[float] | None:
 
 
 def check_group_training(actor_cfg) -> None:
-    """With ``actor.parallel.groups``: the torch engine sums the groups' gradients; what else needs
-    collectives over every replica (a critic's whitening, M2PO's batch-wide bound) or a gradient path
-    of its own (LoRA, tree training) is not built for them: one line each."""
+    """With ``actor.parallel.groups``: an engine that sums the groups' gradients (its class says
+    ``supports_training_groups``: the torch engine's); what else needs collectives over every replica (a
+    critic's whitening, M2PO's batch-wide bound) or a gradient path of its own (LoRA, tree training) is
+    not built for them: one line each."""
     if not actor_cfg.parallel.groups:
         return
-    unbuilt = [("actor.engine", actor_cfg.engine, actor_cfg.engine != "torch", "torch"),
-               ("actor.adv_estimator", actor_cfg.adv_estimator, actor_cfg.adv_estimator == "ppo",
+    engine, loss = builtins.load("train_engine", actor_cfg.engine), builtins.load("policy_loss", actor_cfg.policy_loss)
+    unbuilt = [("actor.engine", actor_cfg.engine, not engine.supports_training_groups, "torch"),
+               ("actor.adv_estimator", actor_cfg.adv_estimator, builtins.uses_critic(actor_cfg.adv_estimator),
                 "an estimator without a critic, e.g. grpo"),
-               ("actor.policy_loss", actor_cfg.policy_loss, actor_cfg.policy_loss == "m2po", "another policy loss"),
+               ("actor.policy_loss", actor_cfg.policy_loss, loss.trust_region, "a policy loss without a trust region"),
                ("actor.lora.rank", actor_cfg.lora.rank, actor_cfg.lora.rank != 0, "0"),
                ("actor.tree_training", actor_cfg.tree_training, actor_cfg.tree_training == "dta", "off or auto")]
     for name, value, refused, instead in unbuilt:

@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from areal_hpc import builtins
 from areal_hpc.errors import UserError
 
 
@@ -132,8 +133,16 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
     of float32 logits (the caller imports the engine; this module stays free of torch)."""
     from areal_hpc.parallel.groups import TrainerGroups
     from areal_hpc.sched.hardware import CATALOGUE
-    from areal_hpc.sched.memory import (GB, Precision, TrainLayout, largest_micro_tokens, rollout_estimate,
-                                        rollout_slots, train_estimate, usable_bytes)
+    from areal_hpc.sched.memory import (
+        GB,
+        Precision,
+        TrainLayout,
+        largest_micro_tokens,
+        rollout_estimate,
+        rollout_slots,
+        train_estimate,
+        usable_bytes,
+    )
     from areal_hpc.sched.model_spec import load_model_spec
 
     if device in CATALOGUE:
@@ -150,7 +159,7 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
         raise UserError("--check-memory needs model.path (a folder with the model's config.json)")
     model = load_model_spec(cfg.model.path)
     room = f"{usable_bytes(device_bytes) / GB:.1f} GB usable of {device}'s {device_bytes / GB:.0f} GB"
-    megatron = cfg.actor.engine == "megatron"
+    megatron = builtins.is_megatron_engine(cfg.actor.engine)
     if megatron:  # bf16 compute: Megatron's mixed precision (bf16 weights, fp32 gradients and master weights)
         precision = Precision(cfg.model.compute_dtype if cfg.model.compute_dtype == "bfloat16" else cfg.model.dtype,
                               cfg.model.compute_dtype, "float32", "float32")

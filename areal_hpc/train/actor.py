@@ -42,10 +42,10 @@ class PPOActor:
     def update(self, minibatches: list[SequenceBatch]) -> dict[str, float]:
         started = time.perf_counter()
         # The proximal policy is the one before this step's first update. With one minibatch it is the
-        # policy the update's own forward runs, so its logprobs come from that pass (detached), unless M2PO
-        # needs them for its trust region before the update. PPO's own loss (not decoupled) takes its ratio
-        # against the sampler and needs no proximal policy.
-        recompute = self.loss_cfg.decoupled and (len(minibatches) > 1 or self.loss_cfg.policy_loss == "m2po")
+        # policy the update's own forward runs, so its logprobs come from that pass (detached), unless a
+        # policy loss with a trust region (M2PO) needs them before the update. PPO's own loss (not
+        # decoupled) takes its ratio against the sampler and needs no proximal policy.
+        recompute = self.loss_cfg.decoupled and (len(minibatches) > 1 or self.loss_cfg.objective.trust_region)
         for mb in minibatches:
             if len(mb) and recompute:
                 mb.fields["prox_logprobs"] = self.actor.forward(mb)["logprobs"]
@@ -53,7 +53,7 @@ class PPOActor:
                 mb.fields["ref_logprobs"] = self.reference.forward(mb)["logprobs"]
         if self.critic is not None:
             self._estimate_advantages(minibatches)
-        if self.loss_cfg.policy_loss == "m2po":
+        if self.loss_cfg.objective.trust_region:
             self._second_moment_trust_region(minibatches)
         recomputed = time.perf_counter()
         steps = []

@@ -19,8 +19,8 @@ import torch
 from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.algo.filters import is_informative_group
-from areal_hpc.algo.temperature import logprob_temperature, run_temperature
 from areal_hpc.algo.tree_balance import check_cost
+from areal_hpc.builtins import uses_critic
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
 from areal_hpc.data.rewards import RewardPool
@@ -29,12 +29,10 @@ from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import PROXY_WRITER_PREFIX, TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.base import TrainEngine
-from areal_hpc.engines.torch.engine import TorchTrainEngine
-from areal_hpc.engines.torch.lora import check_layout as check_lora_layout
-from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
+from areal_hpc.engines.factory import build_engine, engine_class
+from areal_hpc.engines.torch.lora import check_engine as check_lora_engine
 from areal_hpc.errors import UserError
-from areal_hpc.extras import require
-from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
+from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.parallel.device import check_precision, resolve_device
 from areal_hpc.parallel.groups import TrainerGroups, check_group_training
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_group_meshes, init_distributed
@@ -75,23 +73,18 @@ def build_engines(cfg: RunConfig, mesh, resume: bool) -> tuple[PPOActor, dict[st
     return actor, engines, state
 
 
-def sampler_temperature(cfg: RunConfig) -> float:
-    """The temperature of the rollout logprobs the trainer must match: ``gconfig.temperature``, or 1
-    for greedy rollouts (temperature 0, whose logprobs servers report untempered)."""
-    return logprob_temperature(run_temperature(cfg.gconfig))
-
-
 def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[str, TrainEngine]]:
-    """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO), on the trainer mesh.
-    The policy and the reference compute logprobs at the sampler's temperature. ``mesh=None``: one process
-    without a process group, on ``cluster.device``."""
+    """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO), on the trainer mesh,
+    each built by ``engines.factory.build_engine``. The policy and the reference compute logprobs at the
+    sampler's temperature. ``mesh=None``: one process without a process group, on ``cluster.device``."""
     if not cfg.model.path:
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
     path, model, actor_cfg = cfg.model.path, cfg.model, resolve_tree_training(cfg).actor
     if actor_cfg.importance_level == "sequence" and mesh is not None and mesh.dims.cp > 1:
         raise UserError(f"actor.importance_level=sequence (GSPO) takes each sequence's ratio over all its tokens, "
                         f"but actor.parallel.cp={mesh.dims.cp} deals them over several ranks; use cp=1 with GSPO")
-    if actor_cfg.tree_training == "dta" and (actor_cfg.engine != "torch" or actor_cfg.importance_level != "token"):
+    trains_trees = engine_class(actor_cfg.engine).supports_tree_training
+    if actor_cfg.tree_training == "dta" and (not trains_trees or actor_cfg.importance_level != "token"):
         raise UserError(f"actor.tree_training=dta needs actor.engine=torch and actor.importance_level=token (a loss "
                         f"summed per token), got engine={actor_cfg.engine}, importance_level="
                         f"{actor_cfg.importance_level}; set actor.tree_training=off")
@@ -99,39 +92,22 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
         check_cost(actor_cfg.tree_cost)
     check_group_training(actor_cfg)
     if actor_cfg.lora.rank:
-        check_lora_layout(actor_cfg.engine, mesh.dims if mesh is not None else None, actor_cfg.tree_training)
+        check_lora_engine(actor_cfg.engine)
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
-    optimizer_steps = cfg.rl.total_train_steps * min(actor_cfg.ppo_n_minibatches, cfg.rollout.consumer_batch_size)
-    temperature = sampler_temperature(cfg)
     device = mesh.device if mesh is not None else resolve_device(cfg.cluster.device)
     check_precision(device, model_dtype=model.dtype, model_compute_dtype=model.compute_dtype)
 
-    def engine(kind: str, lr: float | None = None) -> TrainEngine:
-        """kind: "policy" or "critic"; without ``lr`` the engine is frozen (the reference)."""
-        common = dict(mesh=mesh, optimizer=cfg.optimizer if lr else None, lr=lr or 0.0, total_steps=optimizer_steps,
-                      max_tokens_per_mb=actor_cfg.max_tokens_per_mb, tokenizer=tokenizer,
-                      compute_dtype=model.compute_dtype, recompute=actor_cfg.recompute)
-        if actor_cfg.engine == "megatron":
-            require("megatron.core")  # the extra `megatron`: one line naming it when it is missing
-            from areal_hpc.engines.megatron.engine import MegatronTrainEngine
-
-            return MegatronTrainEngine(path, kind, temperature=temperature, **common)
-        tree = dict(tree_training=actor_cfg.tree_training, tree_min_saved_tokens=actor_cfg.tree_min_saved_tokens)
-        if kind == "critic":
-            return TorchTrainEngine(load_critic(path, model.dtype, model.attn_impl, device), ValueOutputs(),
-                                    **tree, **common)
-        network = load_model(path, model.dtype, model.attn_impl, device).requires_grad_(lr is not None)
-        return TorchTrainEngine(network, PolicyOutputs(temperature), lora=actor_cfg.lora if lr else None, **tree,
-                                **common)  # the reference is the base model
+    def engine(role: str) -> TrainEngine:
+        return build_engine(role, cfg, mesh, path, tokenizer)
 
     if actor_cfg.lora.rank:
         torch.manual_seed(cfg.experiment.seed)  # the adapters' initialisation depends on the seed only
-    engines = {"actor": engine("policy", actor_cfg.lr)}
-    if actor_cfg.adv_estimator == "ppo":
+    engines = {"actor": engine("policy")}
+    if uses_critic(actor_cfg.adv_estimator):
         torch.manual_seed(cfg.experiment.seed)  # the value head's initialisation depends on the seed only
-        engines["critic"] = engine("critic", actor_cfg.critic_lr)
+        engines["critic"] = engine("critic")
     # The frozen starting weights for the KL penalty; not checkpointed (they never change).
-    reference = engine("policy") if actor_cfg.kl_ctl > 0 else None
+    reference = engine("reference") if actor_cfg.kl_ctl > 0 else None
     return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"),
                     mesh.group("dp") if mesh is not None else None, cfg.distill.kl_weight), engines
 

@@ -16,7 +16,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, distillation_advantages
+from areal_hpc import builtins
+from areal_hpc.algo.advantages import distillation_advantages
 from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
@@ -72,8 +73,8 @@ def check_teacher(cfg: RunConfig, reach: bool = True) -> None:
 
 def _checked_token(cfg: RunConfig) -> str | None:
     """The token the teacher's server asks for (None: none), once the run's settings allow a teacher."""
-    if cfg.actor.adv_estimator not in SEQUENCE_ESTIMATORS:
-        raise UserError(f"distill.teacher_url needs a sequence advantage estimator ({', '.join(SEQUENCE_ESTIMATORS)}); "
+    if builtins.uses_critic(cfg.actor.adv_estimator):
+        raise UserError("distill.teacher_url needs a sequence advantage estimator (one without a critic); "
                         f"actor.adv_estimator={cfg.actor.adv_estimator} learns a critic of the reward alone")
     if not cfg.distill.teacher_token_file:
         return None

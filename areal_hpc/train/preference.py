@@ -37,21 +37,18 @@ from areal_hpc.algo.advantages import sequence_ids
 from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.algo.preference import PairLossConfig, margin_gradients, pair_statistics, sequence_coefficients
 from areal_hpc.config import RunConfig, save_resolved
-from areal_hpc.train.preference_pairs import PreferencePair, load_pairs
+from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.factory import build_engine
 from areal_hpc.engines.sequence_batch import SequenceBatch
-from areal_hpc.engines.torch.engine import TorchTrainEngine
-from areal_hpc.engines.torch.outputs import RegularisedRewardOutputs, ValueOutputs, packed_policy_outputs
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import (CheckpointError, attach_language_head, detach_language_head, load_critic, load_model,
-                                 load_tokenizer)
+from areal_hpc.models.hf import detach_language_head, load_tokenizer
 from areal_hpc.parallel.device import check_precision, resolve_device
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
+from areal_hpc.train.preference_pairs import PreferencePair, load_pairs
 from areal_hpc.train.sft import index_stream
 
-OBJECTIVES = ("dpo", "rm")
-OUTPUTS = {("dpo", False): packed_policy_outputs, ("rm", False): ValueOutputs(),
-           ("rm", True): RegularisedRewardOutputs()}  # (objective, with a language-model regulariser)
+OBJECTIVES = ("dpo", "rm")  # each the role (``engines.base.ROLES``) its engine is built for
 
 
 @dataclass
@@ -76,11 +73,11 @@ class PairScorer:
     def __init__(self, objective: str):
         self.output = "logprobs" if objective == "dpo" else "values"
 
-    def scores(self, engine: TorchTrainEngine, batch: SequenceBatch) -> torch.Tensor:
+    def scores(self, engine: TrainEngine, batch: SequenceBatch) -> torch.Tensor:
         """[2n] float64: each sequence's completion log-likelihood (dpo) or its last value (rm)."""
         return self.per_sequence(engine, batch)[self.output]
 
-    def per_sequence(self, engine: TorchTrainEngine, batch: SequenceBatch) -> dict[str, torch.Tensor]:
+    def per_sequence(self, engine: TrainEngine, batch: SequenceBatch) -> dict[str, torch.Tensor]:
         """{output: [n] float64} of each output the engine computes that a sequence can be read by."""
         packed, _ = batch.packed()
         outputs = engine.forward(batch)
@@ -116,7 +113,7 @@ def weighted_outputs_loss(outputs: list[str]):
 class PreferenceTrainer:
     """One objective's steps and evaluations on an engine."""
 
-    def __init__(self, engine: TorchTrainEngine, objective: str, cfg: RunConfig,
+    def __init__(self, engine: TrainEngine, objective: str, cfg: RunConfig,
                  reference: dict[str, torch.Tensor] | None):
         pcfg = cfg.preference
         self.engine, self.scorer = engine, PairScorer(objective)
@@ -173,7 +170,7 @@ class PreferenceTrainer:
         return {f"eval/pair_{key}": value for key, value in stats.items()}
 
 
-def reference_scores(engine: TorchTrainEngine, splits: dict[str, list[PreferencePair]], folder: Path,
+def reference_scores(engine: TrainEngine, splits: dict[str, list[PreferencePair]], folder: Path,
                      model_dir: Path, batch_size: int, say) -> dict[str, torch.Tensor]:
     """{split: [n, 2] float64 (chosen, rejected) log-likelihoods} of the starting model, read from the run
     folder's cache when it holds those of the same model and pairs."""
@@ -207,23 +204,12 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
     check_precision(device, model_dtype=cfg.model.dtype, model_compute_dtype=cfg.model.compute_dtype)
     model_dir = Path(cfg.model.path)
     tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
-    load = load_model if objective == "dpo" else load_critic
-    model = load(model_dir, cfg.model.dtype, cfg.model.attn_impl, device)
-    regularised = objective == "rm" and pcfg.nll_weight > 0
-    if regularised:
-        try:
-            attach_language_head(model, model_dir)
-        except CheckpointError as exc:
-            raise UserError(f"config key 'model.path': {exc}; the reward model's language-model regulariser reads "
-                            "that output layer (preference.nll_weight=0 trains without it)") from None
+    engine = build_engine(objective, cfg, None, model_dir, tokenizer)  # the reward model's regulariser included
+    model = engine.model  # the Hugging Face module: its context, the policy's evaluation, the head detached at the end
     context = getattr(model.config, "max_position_embeddings", 1 << 30)
     train, held_out = load_pairs(pcfg, cfg.experiment.seed, tokenizer, context, console.print)
     task = _TaskEvaluation(cfg, tokenizer, model_dir, console) if objective == "dpo" and pcfg.eval_task else None
     save_resolved(cfg)  # only once every input has been checked
-    engine = TorchTrainEngine(model, OUTPUTS[objective, regularised],
-                              optimizer=cfg.optimizer, lr=pcfg.lr, total_steps=pcfg.total_train_steps,
-                              max_tokens_per_mb=pcfg.max_tokens_per_mb, tokenizer=tokenizer,
-                              compute_dtype=cfg.model.compute_dtype)
     console.print(f"[bold]{objective.upper()}[/] on {len(train)} pairs ({len(held_out)} held out) from "
                   f"{pcfg.path}, starting from {model_dir}; run folder {cfg.run_dir}", soft_wrap=True)
     reference = None
@@ -237,7 +223,7 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
     def run_eval(step: int) -> dict[str, float]:
         scalars = trainer.evaluate(held_out, pcfg.batch_size) if held_out else {}
         if task is not None:
-            scalars.update(task.evaluate(engine.model))
+            scalars.update(task.evaluate(model))
         metrics.log(step, scalars)
         return scalars
 

@@ -2,13 +2,14 @@
 
     areal-hpc sft --config configs/sft_tiny.yaml [key=value ...]
 
-SFT is a loss function (mean NLL of the completion tokens) on the same ``TorchTrainEngine`` the RL
-actor trains with: the same packed micro-batches (no padding), AdamW with warm-up + decay and
-gradient clipping. Held-out greedy evaluation before, during and after training runs the embedded
-rollout engine on the model (``train.evaluate``); it never touches the training RNG or data order, so
-evaluating changes nothing trained. ``sft.stop_at_accuracy`` ends training at the first evaluation that
-reaches it: SFT's accuracy rises steeply at a point that varies with the seed, so a fixed step count
-lands anywhere from 10% to 35% (500 steps, 3 seeds) where a target lands within one evaluation's rise.
+SFT is a loss function (mean NLL of the completion tokens) on the engine the RL actor trains with
+(``actor.engine``, built by ``engines.factory.build_engine`` for the role "sft"): the same packed
+micro-batches (no padding), AdamW with warm-up + decay and gradient clipping. Held-out greedy evaluation
+before, during and after training runs the embedded rollout engine on the model (``train.evaluate``); it
+never touches the training RNG or data order, so evaluating changes nothing trained. ``sft.stop_at_accuracy``
+ends training at the first evaluation that reaches it: SFT's accuracy rises steeply at a point that varies
+with the seed, so a fixed step count lands anywhere from 10% to 35% (500 steps, 3 seeds) where a target
+lands within one evaluation's rise.
 HF-format checkpoints, metrics in JSONL and TensorBoard, a PNG curve. One process on CPU or one accelerator.
 Simplifications on purpose: no resume (SFT here is a minutes-long warm-up), no data parallelism.
 """
@@ -23,19 +24,18 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from areal_hpc.algo.ppo import token_weights
 from areal_hpc.agents.engine import Sampling
 from areal_hpc.agents.registry import build_workflow
+from areal_hpc.algo.ppo import token_weights
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.data.tasks import Example
 from areal_hpc.engines.base import TrainEngine
+from areal_hpc.engines.factory import build_engine
 from areal_hpc.engines.sequence_batch import SequenceBatch
-from areal_hpc.engines.torch.engine import TorchTrainEngine
-from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.errors import UserError
 from areal_hpc.models.chat import completion_ids, example_prompt_ids
-from areal_hpc.models.hf import load_model, load_tokenizer
+from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
 from areal_hpc.parallel.device import check_precision, resolve_device
 from areal_hpc.train.evaluate import EvalResult, evaluate_model
@@ -118,8 +118,9 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     device = resolve_device(cfg.cluster.device)
     check_precision(device, model_dtype=cfg.model.dtype, model_compute_dtype=cfg.model.compute_dtype)
     model_dir = prepare_model_dir(cfg)
-    model = load_model(model_dir, cfg.model.dtype, cfg.model.attn_impl, device)
     tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
+    engine = build_engine("sft", cfg, None, model_dir, tokenizer)
+    model = engine.model  # the Hugging Face model held-out evaluation generates with
     task = open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print)
     if cfg.sft.stop_at_accuracy and not cfg.sft.eval_every_steps:
         raise UserError(f"config key 'sft.stop_at_accuracy' = {cfg.sft.stop_at_accuracy:g} needs evaluations to "
@@ -134,10 +135,6 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                   f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}",
                   soft_wrap=True)
 
-    engine = TorchTrainEngine(model, packed_policy_outputs, optimizer=cfg.optimizer, lr=cfg.sft.lr,
-                              total_steps=cfg.sft.total_train_steps, max_tokens_per_mb=cfg.sft.max_tokens_per_mb,
-                              tokenizer=tokenizer, compute_dtype=cfg.model.compute_dtype,
-                              recompute=cfg.actor.recompute)  # the actor's model, the actor's memory trade
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
     rewards = reward_pool(cfg, task)
     order = index_stream(len(train), cfg.experiment.seed)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from areal_hpc.algo.advantages import SEQUENCE_ESTIMATORS, expand_to_tokens, sequence_advantages
+from areal_hpc import builtins
+from areal_hpc.algo.advantages import expand_to_tokens, sequence_advantages
 from areal_hpc.algo.filters import overlong_penalty
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.algo.temperature import logprob_temperature
@@ -63,7 +64,7 @@ def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens
     rewards = torch.tensor([shaped_reward(t, cfg, max_new_tokens) for t in trajectories])
     batch = SequenceBatch(list(sequences), list(masks), {"behav_logprobs": list(behaviour)}, list(temperatures))
     batch.fields["rewards"] = [torch.full((len(s),), float(r)) for s, r in zip(sequences, rewards)]
-    if cfg.adv_estimator in SEQUENCE_ESTIMATORS:
+    if not builtins.uses_critic(cfg.adv_estimator):
         _, group_ids = np.unique([t.group_id for t in trajectories], return_inverse=True)
         advantages = sequence_advantages(rewards, torch.as_tensor(group_ids), cfg.adv_estimator)
         if teacher_logprobs is not None:

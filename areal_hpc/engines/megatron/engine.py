@@ -31,27 +31,66 @@ import torch.distributed as dist
 
 from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.config import OptimizerConfig
-from areal_hpc.engines.base import TRAINING_STATE, LossFn, Outputs, WeightBucket, merge_over_context, merge_stats
-from areal_hpc.engines.megatron.checkpoint import (buckets_on_rank0, load_hf_weights, load_optimizer_state,
-                                                   save_hf_folder, save_optimizer_state, stage_hf_tensors)
+from areal_hpc.engines.base import (
+    RL_ROLES,
+    TRAINING_STATE,
+    LossFn,
+    Outputs,
+    TrainEngine,
+    WeightBucket,
+    merge_over_context,
+    merge_stats,
+    role_training,
+    unsupported_role,
+)
+from areal_hpc.engines.megatron.checkpoint import (
+    buckets_on_rank0,
+    load_hf_weights,
+    load_optimizer_state,
+    save_hf_folder,
+    save_optimizer_state,
+    stage_hf_tensors,
+)
 from areal_hpc.engines.megatron.convert import ModelShape
-from areal_hpc.engines.megatron.model import (build_stage, check_layout, clip_grad_norm, in_compute_dtype,
-                                              initialize_megatron, with_distributed_optimizer,
-                                              with_fp32_master_weights, wrap_data_parallel)
+from areal_hpc.engines.megatron.model import (
+    build_stage,
+    check_layout,
+    clip_grad_norm,
+    in_compute_dtype,
+    initialize_megatron,
+    with_distributed_optimizer,
+    with_fp32_master_weights,
+    wrap_data_parallel,
+)
 from areal_hpc.engines.megatron.outputs import per_position_outputs
 from areal_hpc.engines.megatron.schedule import Pass, from_last_stage, microbatches, run_schedule
 from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
+from areal_hpc.extras import require
 from areal_hpc.models.hf import DTYPES
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
 
 
-class MegatronTrainEngine:
+class MegatronTrainEngine(TrainEngine):
     """``TrainEngine`` on a Megatron-core GPTModel built from the Hugging Face folder ``path`` over
     ``mesh`` (one process when ``mesh`` is None). ``kind`` is "policy" (per-position "logprobs" and
     "entropy") or "critic" (HF's token classifier with one label: "values")."""
+
+    @classmethod
+    def build(cls, role: str, cfg, mesh: TrainMesh | None, path: Path, tokenizer) -> MegatronTrainEngine:
+        """The RL roles (policy, reference, critic); SFT, DPO and the reward model read the Hugging Face
+        module itself (held-out evaluation, the regulariser's language head): one line, before anything
+        imports Megatron."""
+        if role not in RL_ROLES:
+            raise unsupported_role(cfg, role)
+        training = role_training(role, cfg)
+        require("megatron.core")  # the extra `megatron`: one line naming it when it is missing
+        return cls(str(path), "critic" if training.critic else "policy", temperature=training.temperature, mesh=mesh,
+                   optimizer=cfg.optimizer if training.lr else None, lr=training.lr or 0.0,
+                   total_steps=training.total_steps, max_tokens_per_mb=training.max_tokens_per_mb, tokenizer=tokenizer,
+                   compute_dtype=cfg.model.compute_dtype, recompute=cfg.actor.recompute)
 
     def __init__(self, path: str, kind: str, *, temperature: float = 1.0, mesh: TrainMesh | None = None,
                  optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,

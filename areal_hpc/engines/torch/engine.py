@@ -36,26 +36,54 @@ from areal_hpc.algo.packing import PackedBatch, dynamic_microbatches, pack
 from areal_hpc.algo.prefix_tree import build_prefix_tree
 from areal_hpc.algo.tree_balance import TREE_FEATURES, node_features
 from areal_hpc.config import LoRAConfig, OptimizerConfig
-from areal_hpc.engines.base import (OPTIMIZER_SHARDS, TRAINING_STATE, ForwardFn, LossFn, WeightBucket,
-                                    merge_over_context, merge_stats, weight_buckets)
+from areal_hpc.engines.base import (
+    OPTIMIZER_SHARDS,
+    RL_ROLES,
+    TRAINING_STATE,
+    ForwardFn,
+    LossFn,
+    TrainEngine,
+    WeightBucket,
+    merge_over_context,
+    merge_stats,
+    role_training,
+    weight_buckets,
+)
 from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch import lora as lora_adapters
 from areal_hpc.engines.torch.experts import reduce_expert_gradients
 from areal_hpc.engines.torch.group_gradients import GroupGradientSum
-from areal_hpc.engines.torch.parallelize import (PackedForward, clip_grad_norm, full_state, load_full_state,
-                                                 parallelize, sharded_mixed_precision)
+from areal_hpc.engines.torch.outputs import PolicyOutputs, RegularisedRewardOutputs, ValueOutputs
+from areal_hpc.engines.torch.parallelize import (
+    PackedForward,
+    clip_grad_norm,
+    full_state,
+    load_full_state,
+    parallelize,
+    sharded_mixed_precision,
+)
 from areal_hpc.engines.torch.pipeline import Pipeline
 from areal_hpc.engines.torch.recompute import recompute_activations
 from areal_hpc.engines.torch.tree import check_tree_layout, flat_subtree_tokens, tree_train_pass
-from areal_hpc.models.hf import DTYPES, read_checkpoint, save_model
+from areal_hpc.errors import UserError
+from areal_hpc.models.hf import (
+    DTYPES,
+    CheckpointError,
+    attach_language_head,
+    load_critic,
+    load_model,
+    read_checkpoint,
+    save_model,
+)
 from areal_hpc.parallel.context import context_passes
+from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.mesh import TrainMesh
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class TorchTrainEngine:
+class TorchTrainEngine(TrainEngine):
     """``TrainEngine`` on a plain Hugging Face model, parallelised over ``mesh`` by ``engines.torch.parallelize``
     (tensor parallel, FSDP2 or replicated data parallel; one process when ``mesh`` is None).
 
@@ -72,6 +100,32 @@ class TorchTrainEngine:
     the weights.
     """
 
+    supports_tree_training = supports_lora = supports_training_groups = True
+
+    @classmethod
+    def build(cls, role: str, cfg, mesh: TrainMesh | None, path: Path, tokenizer) -> TorchTrainEngine:
+        """Every role of ``engines.base.ROLES``: the Hugging Face causal LM (a policy's) or token classifier
+        (a critic's, the reward model's: ``models.hf.load_critic``) from ``path``; the RL roles with
+        ``actor.tree_training``, the RL policy with ``actor.lora``; the reward model with its language head
+        for ``preference.nll_weight`` > 0."""
+        training, actor, model_cfg = role_training(role, cfg), cfg.actor, cfg.model
+        device = mesh.device if mesh is not None else resolve_device(cfg.cluster.device)
+        model = (load_critic if training.critic else load_model)(path, model_cfg.dtype, model_cfg.attn_impl, device)
+        model.requires_grad_(training.lr is not None)
+        outputs = ValueOutputs() if training.critic else PolicyOutputs(training.temperature)
+        if role == "rm" and cfg.preference.nll_weight > 0:
+            try:
+                attach_language_head(model, path)
+            except CheckpointError as exc:
+                raise UserError(f"config key 'model.path': {exc}; the reward model's language-model regulariser "
+                                "reads that output layer (preference.nll_weight=0 trains without it)") from None
+            outputs = RegularisedRewardOutputs()
+        tree = actor.tree_training if role in RL_ROLES else "off"
+        return cls(model, outputs, mesh=mesh, optimizer=cfg.optimizer if training.lr else None, lr=training.lr or 0.0,
+                   total_steps=training.total_steps, max_tokens_per_mb=training.max_tokens_per_mb, tokenizer=tokenizer,
+                   compute_dtype=model_cfg.compute_dtype, recompute=actor.recompute, tree_training=tree,
+                   tree_min_saved_tokens=actor.tree_min_saved_tokens, lora=actor.lora if role == "policy" else None)
+
     def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, mesh: TrainMesh | None = None,
                  optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
                  max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32",
@@ -80,7 +134,7 @@ class TorchTrainEngine:
         check_tree_layout(tree_training, mesh, recompute, forward_fn)
         self.lora = lora if lora is not None and lora.rank > 0 else None
         if self.lora is not None:
-            lora_adapters.check_layout("torch", mesh.dims if mesh is not None else None, tree_training)
+            lora_adapters.check_layout(mesh.dims if mesh is not None else None, tree_training)
             lora_adapters.add_adapters(model, self.lora)
         self.tree_training, self.tree_min_saved_tokens = tree_training, tree_min_saved_tokens
         self.model, self.mesh, self.tokenizer = model, mesh, tokenizer

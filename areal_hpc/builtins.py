@@ -76,8 +76,8 @@ POINTS: dict[str, ExtensionPoint] = {
     "train_engine": ExtensionPoint(
         key="actor.engine",
         contract="a subclass of areal_hpc.engines.base.TrainEngine (e.g. of TorchTrainEngine) with the classmethod "
-                 "`build(role, cfg, mesh, path, tokenizer)` (roles: engines.base.ROLES) and its capabilities as class "
-                 "attributes (supports_tree_training, supports_lora, supports_training_groups)",
+        "`build(role, cfg, mesh, path, tokenizer)` (roles: engines.base.ROLES) and its capabilities as class "
+        "attributes (supports_tree_training, supports_lora, supports_training_groups)",
         builtins={
             "torch": "areal_hpc.engines.torch.engine:TorchTrainEngine",
             "megatron": "areal_hpc.engines.megatron.engine:MegatronTrainEngine",
@@ -87,7 +87,7 @@ POINTS: dict[str, ExtensionPoint] = {
     "policy_loss": ExtensionPoint(
         key="actor.policy_loss",
         contract="a PolicyLoss (areal_hpc.algo.policy_losses): `surrogate(ratio, advantages, cfg)` and its "
-                 "`trust_region` flag",
+        "`trust_region` flag",
         builtins={
             "ppo": "areal_hpc.algo.policy_losses:CLIPPED",
             "sapo": "areal_hpc.algo.policy_losses:SAPO",
@@ -112,7 +112,7 @@ POINTS: dict[str, ExtensionPoint] = {
     "reward": ExtensionPoint(
         key="reward.fn",
         contract="fn(prompt, completion, prompt_ids, completion_ids, **fields) -> number or {'reward': number, ...} "
-                 "(sync or async)",
+        "(sync or async)",
         builtins={
             "math_verify": "areal_hpc.reward.math_answer:math_verify_reward",
             "exact_match": "areal_hpc.reward.match:exact_match_reward",
@@ -184,8 +184,10 @@ def load_object(spec: str, key: str) -> Any:
     module = _module_of_file(source, key) if source.endswith(".py") else _import(source, key)
     obj = getattr(module, name, None)
     if obj is None:
-        raise UserError(f"config key '{key}': {spec!r}: {module.__name__} has no {name!r} "
-                        f"(it defines {', '.join(n for n in dir(module) if not n.startswith('_'))[:300]})")
+        raise UserError(
+            f"config key '{key}': {spec!r}: {module.__name__} has no {name!r} "
+            f"(it defines {', '.join(n for n in dir(module) if not n.startswith('_'))[:300]})"
+        )
     if not callable(obj):
         raise UserError(f"config key '{key}': {spec!r} is a {type(obj).__name__}, not a function or class")
     return obj

@@ -86,8 +86,12 @@ def _config_show(args) -> int:
 
 def _init_model_arguments(init) -> None:
     init.add_argument("--out", required=True, metavar="DIR", help="output folder (Hugging Face format)")
-    init.add_argument("--preset", default="tiny", choices=["tiny", "small", "tiny-moe"],
-                      help="model size and kind (default: tiny; tiny-moe: a Qwen3-MoE with 8 experts)")
+    init.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "small", "tiny-moe"],
+        help="model size and kind (default: tiny; tiny-moe: a Qwen3-MoE with 8 experts)",
+    )
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
 
 
@@ -98,8 +102,10 @@ def _init_model(args) -> int:
 
     out = init_model(args.out, corpus_for_tokenizer(args.seed), preset=args.preset, seed=args.seed)
     model = load_model(out)
-    print(f"wrote {args.preset} {type(model).__name__} ({count_parameters(model) / 1e6:.2f}M parameters) "
-          f"and tokenizer to {out}")
+    print(
+        f"wrote {args.preset} {type(model).__name__} ({count_parameters(model) / 1e6:.2f}M parameters) "
+        f"and tokenizer to {out}"
+    )
     return 0
 
 
@@ -110,8 +116,10 @@ def _sft(args) -> int:
     from areal_hpc.train.sft import run_sft
 
     result = run_sft(cfg)
-    print(f"eval accuracy: before {result.before.summary()} -> after {result.after.summary()} "
-          f"in {result.seconds:.0f} s; model saved to {result.model_dir}")
+    print(
+        f"eval accuracy: before {result.before.summary()} -> after {result.after.summary()} "
+        f"in {result.seconds:.0f} s; model saved to {result.model_dir}"
+    )
     return 0
 
 
@@ -124,11 +132,14 @@ def _preference(objective: str):
 
         result = run_preference(cfg, objective)
         shown = {key.removeprefix("eval/"): value for key, value in result.after.items()}
-        print(f"{objective}: held-out pair accuracy before {result.before.get('eval/pair_accuracy', float('nan')):.1%}"
-              f" -> after {shown.get('pair_accuracy', float('nan')):.1%}"
-              + (f", task accuracy {shown['accuracy']:.1%}" if "accuracy" in shown else "")
-              + f" in {result.seconds:.0f} s; model saved to {result.model_dir}")
+        print(
+            f"{objective}: held-out pair accuracy before {result.before.get('eval/pair_accuracy', float('nan')):.1%}"
+            f" -> after {shown.get('pair_accuracy', float('nan')):.1%}"
+            + (f", task accuracy {shown['accuracy']:.1%}" if "accuracy" in shown else "")
+            + f" in {result.seconds:.0f} s; model saved to {result.model_dir}"
+        )
         return 0
+
     return command
 
 
@@ -136,12 +147,17 @@ def _pairs_arguments(pairs) -> None:
     pairs.add_argument("--model", required=True, metavar="DIR", help="the model whose samples make the pairs")
     pairs.add_argument("--out", required=True, metavar="FILE.jsonl", help="where the pairs are written")
     pairs.add_argument("--samples", type=int, default=4, metavar="N", help="completions sampled per prompt (default 4)")
-    pairs.add_argument("--split", choices=["train", "eval"], default="train",
-                       help="the task's prompts to sample on (default: train)")
+    pairs.add_argument(
+        "--split", choices=["train", "eval"], default="train", help="the task's prompts to sample on (default: train)"
+    )
     pairs.add_argument("--limit", type=int, help="use only the first N prompts")
-    pairs.add_argument("--pairing", choices=["best-worst", "all"], default="best-worst",
-                       help="per prompt: its best completion against its worst (default), or every completion "
-                            "against every one rewarded lower (more pairs, the near misses too)")
+    pairs.add_argument(
+        "--pairing",
+        choices=["best-worst", "all"],
+        default="best-worst",
+        help="per prompt: its best completion against its worst (default), or every completion "
+        "against every one rewarded lower (more pairs, the near misses too)",
+    )
     _optional_config_arguments(pairs)
 
 
@@ -160,14 +176,20 @@ def _pairs(args) -> int:
     task, examples, result = _model_episodes(cfg, args.model, args.split, args.limit, args.samples)
     rows = pairs_from_episodes(result.episodes, args.samples, args.pairing)
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print(f"{len(rows)} pairs from {len(examples)} {task.name} prompts ({args.samples} samples each; prompts whose "
-          f"samples all scored alike give none) written to {out}")
+    print(
+        f"{len(rows)} pairs from {len(examples)} {task.name} prompts ({args.samples} samples each; prompts whose "
+        f"samples all scored alike give none) written to {out}"
+    )
     return 0
 
 
 def _tree_cost_arguments(fit) -> None:
-    fit.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders trained with actor.tree_training=dta "
-                                                                 "(their metrics.jsonl)")
+    fit.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run folders trained with actor.tree_training=dta (their metrics.jsonl)",
+    )
 
 
 def _tree_cost(args) -> int:
@@ -180,8 +202,10 @@ def _tree_cost(args) -> int:
             raise UserError(f"{run} has no metrics.jsonl; give the folder of a run (e.g. <fileroot>/<name>/trial0)")
         records += read_json_lines(run / "metrics.jsonl")
     coefficients, error, steps = fit_from_records(records)
-    print(f"fitted on {steps} steps (median error {error:.1%}): " +
-          ", ".join(f"{name} {c:.3g} s" for name, c in zip(TREE_FEATURES, coefficients)))
+    print(
+        f"fitted on {steps} steps (median error {error:.1%}): "
+        + ", ".join(f"{name} {c:.3g} s" for name, c in zip(TREE_FEATURES, coefficients))
+    )
     print("actor.tree_cost=[" + ",".join(f"{c:.4g}" for c in coefficients) + "]")
     return 0
 
@@ -206,9 +230,21 @@ def _repro_dta(args) -> int:
             print(json.dumps(row.to_dict()))
         return 0
     print(f"AReaL-DTA (tree training) vs ours: model preset '{preset}', one CPU thread, median of {steps} steps\n")
-    print(table(["row", "paper", "ours", "ours/paper", "workload"],
-                [[r.row, "-" if r.paper is None else f"{r.paper:.2f}x", f"{r.ours:.2f}x",
-                  "-" if r.ratio is None else f"{r.ratio:.2f}", r.workload] for r in rows]))
+    print(
+        table(
+            ["row", "paper", "ours", "ours/paper", "workload"],
+            [
+                [
+                    r.row,
+                    "-" if r.paper is None else f"{r.paper:.2f}x",
+                    f"{r.ours:.2f}x",
+                    "-" if r.ratio is None else f"{r.ratio:.2f}",
+                    r.workload,
+                ]
+                for r in rows
+            ],
+        )
+    )
     print()
     for note in repro_dta.NOTES:
         print(f"- {note}")
@@ -217,12 +253,20 @@ def _repro_dta(args) -> int:
 
 def _eval_arguments(ev) -> None:
     ev.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face model folder")
-    ev.add_argument("--task", type=extension("task"), metavar="TASK",
-                    help=f"dataset.task: {builtins.describe('task')} (default: the config's; custom: dataset.path "
-                    "and reward.fn)")
+    ev.add_argument(
+        "--task",
+        type=extension("task"),
+        metavar="TASK",
+        help=f"dataset.task: {builtins.describe('task')} (default: the config's; custom: dataset.path and reward.fn)",
+    )
     ev.add_argument("--limit", type=int, help="evaluate only the first N held-out problems")
-    ev.add_argument("--samples", type=int, default=1, metavar="N",
-                    help="episodes per prompt: 1 is greedy; N > 1 samples at gconfig.temperature (pass@k)")
+    ev.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        metavar="N",
+        help="episodes per prompt: 1 is greedy; N > 1 samples at gconfig.temperature (pass@k)",
+    )
     ev.add_argument("--out", metavar="FILE.jsonl", help="write every episode (prompt, completion, reward) here")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     _optional_config_arguments(ev)
@@ -245,9 +289,19 @@ def _model_episodes(cfg, model: str, split: str, limit: int | None, samples: int
     workflow = build_workflow(cfg.rollout)
     network = load_model(model, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
     with reward_pool(cfg, task) as rewards:
-        result = evaluate_model(network, tokenizer, examples, rewards, Sampling.from_config(cfg.gconfig), workflow,
-                                model, n_samples=samples, greedy=samples == 1, discount=cfg.rollout.turn_discount,
-                                seed=cfg.experiment.seed)
+        result = evaluate_model(
+            network,
+            tokenizer,
+            examples,
+            rewards,
+            Sampling.from_config(cfg.gconfig),
+            workflow,
+            model,
+            n_samples=samples,
+            greedy=samples == 1,
+            discount=cfg.rollout.turn_discount,
+            seed=cfg.experiment.seed,
+        )
     return task, examples, result
 
 
@@ -268,21 +322,36 @@ def _eval(args) -> int:
         out.write_text("".join(json.dumps(row) + "\n" for row in result.episodes))
     passes = {f"pass@{k}": v for k, v in result.pass_at.items()}
     if args.json:
-        print(json.dumps({"task": task.name, "model": args.model, "accuracy": result.accuracy, "n": result.n,
-                          "correct": result.correct, "mean_reward": result.mean_reward, "samples": args.samples,
-                          **passes, "reward_failures": result.reward_failures,
-                          "episode_failures": result.episode_failures}))
+        print(
+            json.dumps(
+                {
+                    "task": task.name,
+                    "model": args.model,
+                    "accuracy": result.accuracy,
+                    "n": result.n,
+                    "correct": result.correct,
+                    "mean_reward": result.mean_reward,
+                    "samples": args.samples,
+                    **passes,
+                    "reward_failures": result.reward_failures,
+                    "episode_failures": result.episode_failures,
+                }
+            )
+        )
     else:
         for prompt, completion, value in result.samples:
             print(f"  {prompt!r} -> {completion!r}  reward {value:g}")
         shown = "  ".join(f"{k} {v:.1%}" for k, v in passes.items())
-        print(f"{task.name} accuracy of {args.model}: {result.summary()}, mean reward {result.mean_reward:.3f}, "
-              f"{shown}" + (f"; episodes written to {out}" if out else ""))
+        print(
+            f"{task.name} accuracy of {args.model}: {result.summary()}, mean reward {result.mean_reward:.3f}, "
+            f"{shown}" + (f"; episodes written to {out}" if out else "")
+        )
     return 0
 
 
 def _exit_1_on_damage(handler):
     """Shard commands: data that cannot be read (damaged, truncated) is one line on stderr and exit 1."""
+
     def run(args) -> int:
         from areal_hpc.data.shards import ShardDamageError
 
@@ -291,15 +360,23 @@ def _exit_1_on_damage(handler):
         except ShardDamageError as exc:
             print(f"areal-hpc: error: {exc}", file=sys.stderr)
             return 1
+
     return run
 
 
 def _shard_path_argument(parser) -> None:
-    parser.add_argument("path", metavar="PATH",
-                        help="a shard file (.h5) or a folder of shards, e.g. <fileroot>/<experiment>/<trial>/shards")
-    parser.add_argument("--metadata-wait", type=_seconds, metavar="S",
-                        help="how long a live shard's metadata may fail its checksum (its writer may be rewriting "
-                             "it) before it counts as damage (default: 1 s)")
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="a shard file (.h5) or a folder of shards, e.g. <fileroot>/<experiment>/<trial>/shards",
+    )
+    parser.add_argument(
+        "--metadata-wait",
+        type=_seconds,
+        metavar="S",
+        help="how long a live shard's metadata may fail its checksum (its writer may be rewriting "
+        "it) before it counts as damage (default: 1 s)",
+    )
 
 
 def _seconds(value: str) -> float:
@@ -361,8 +438,9 @@ def _shards_export(args) -> int:
     from areal_hpc.data.shards.reader import TrajectoryFilter
     from areal_hpc.data.shards.report import export_jsonl, open_store, problems_line
 
-    where = TrajectoryFilter(tenant=args.tenant, min_version=args.min_version, max_version=args.max_version,
-                             eligible_only=args.eligible_only)
+    where = TrajectoryFilter(
+        tenant=args.tenant, min_version=args.min_version, max_version=args.max_version, eligible_only=args.eligible_only
+    )
     with open_store(args.path, _metadata_wait(args)) as store:
         if store.problems():  # an export that silently left records out would look complete
             raise ShardDamageError(problems_line(store))
@@ -384,9 +462,15 @@ def _shards_export(args) -> int:
 
 def _train_arguments(train) -> None:
     _config_arguments(train)
-    train.add_argument("--resume", nargs="?", const="always", default="never", choices=["always", "auto", "never"],
-                       help="continue the run from its latest checkpoint; --resume=auto: continue if there is "
-                            "one, else start (what a requeued job does)")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="always",
+        default="never",
+        choices=["always", "auto", "never"],
+        help="continue the run from its latest checkpoint; --resume=auto: continue if there is "
+        "one, else start (what a requeued job does)",
+    )
 
 
 def _train(args) -> int:
@@ -397,16 +481,34 @@ def _train(args) -> int:
 
 def _submit_arguments(sub) -> None:
     _config_arguments(sub)
-    sub.add_argument("--profile", metavar="FILE", help="site profile YAML under the config (e.g. slurm/profiles/dev.yaml)")
-    sub.add_argument("--plan", metavar="FILE", help="`areal-hpc plan --out` output: its pools' partitions become "
-                                                    "the job's components")
-    sub.add_argument("--resume", nargs="?", const="always", default="never", choices=["always", "auto", "never"],
-                     help="as for `train`: continue the run folder's run (a requeued job always does)")
-    sub.add_argument("--dry-run", action="store_true", help="print the job script and check it with "
-                                                            "`sbatch --test-only`; submit nothing")
-    sub.add_argument("--check-memory", metavar="DEVICE", help="refuse the run, before anything is queued, if a "
-                     "trainer rank or a rollout server would not fit in DEVICE's memory: a device type (H100, H20, "
-                     "...) or a size in GB (e.g. 24)")
+    sub.add_argument(
+        "--profile", metavar="FILE", help="site profile YAML under the config (e.g. slurm/profiles/dev.yaml)"
+    )
+    sub.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="`areal-hpc plan --out` output: its pools' partitions become the job's components",
+    )
+    sub.add_argument(
+        "--resume",
+        nargs="?",
+        const="always",
+        default="never",
+        choices=["always", "auto", "never"],
+        help="as for `train`: continue the run folder's run (a requeued job always does)",
+    )
+    sub.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the job script and check it with `sbatch --test-only`; submit nothing",
+    )
+    sub.add_argument(
+        "--check-memory",
+        metavar="DEVICE",
+        help="refuse the run, before anything is queued, if a "
+        "trainer rank or a rollout server would not fit in DEVICE's memory: a device type (H100, H20, "
+        "...) or a size in GB (e.g. 24)",
+    )
 
 
 def _submit(args) -> int:
@@ -445,9 +547,11 @@ def _serve(args) -> int:
         raise UserError("serve needs model.path=DIR (a local Hugging Face model folder)")
     if cfg.rollout.backend == "embedded":
         from areal_hpc.rollout.server import serve_embedded
+
         serve_embedded(cfg)
     else:
         from areal_hpc.rollout.sglang_server import serve_sglang
+
         serve_sglang(cfg)
     return 0
 
@@ -470,8 +574,10 @@ def _proxy_key(args) -> int:
 
     key = add_key(args.keys_file, args.tenant)
     print(key)
-    print(f"added a key for tenant {args.tenant} to {args.keys_file} (only its hash is stored: keep the key)",
-          file=sys.stderr)
+    print(
+        f"added a key for tenant {args.tenant} to {args.keys_file} (only its hash is stored: keep the key)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -482,67 +588,150 @@ def _serve_alias(item: str) -> str:
 
 # Every subcommand, in the order `areal-hpc --help` lists them.
 COMMANDS = (
-    Group("config", "inspect experiment configs", "ACTION", (
-        Command("show", "print the merged config (defaults <- YAML <- overrides)", _config_arguments, _config_show),
-    )),
+    Group(
+        "config",
+        "inspect experiment configs",
+        "ACTION",
+        (Command("show", "print the merged config (defaults <- YAML <- overrides)", _config_arguments, _config_show),),
+    ),
     Command("init-model", "write a tiny Qwen2 model + tokenizer, built offline", _init_model_arguments, _init_model),
     Command("sft", "supervised fine-tuning with held-out evaluation", _config_arguments, _sft),
-    Command("pairs", "preference pairs from a model's own samples on a task: best- against worst-rewarded completion",
-            _pairs_arguments, _pairs),
-    Command("dpo", "direct preference optimisation (DPO, cDPO, IPO) on preference pairs", _config_arguments,
-            _preference("dpo")),
-    Command("rm", "a Bradley-Terry reward model on preference pairs (score it as a reward with reward.model)",
-            _config_arguments, _preference("rm")),
+    Command(
+        "pairs",
+        "preference pairs from a model's own samples on a task: best- against worst-rewarded completion",
+        _pairs_arguments,
+        _pairs,
+    ),
+    Command(
+        "dpo",
+        "direct preference optimisation (DPO, cDPO, IPO) on preference pairs",
+        _config_arguments,
+        _preference("dpo"),
+    ),
+    Command(
+        "rm",
+        "a Bradley-Terry reward model on preference pairs (score it as a reward with reward.model)",
+        _config_arguments,
+        _preference("rm"),
+    ),
     Command("train", "asynchronous RL: rollout servers + trainer processes on this machine", _train_arguments, _train),
-    Command("submit", "submit a run as one heterogeneous Slurm job (trainer + rollout components, through submitit)",
-            _submit_arguments, _submit),
-    Command("slurm-task", "one task of a run's Slurm job (what slurm/*.sbatch scripts run under srun); its role comes "
-                          "from its rank", _config_arguments, _slurm_task),
-    Command("eval", "a model on a task's held-out split through its workflow: accuracy, mean reward, pass@k", _eval_arguments,
-            _eval),
-    Command("tree-cost", "fit tree training's load-balancing cost model (actor.tree_cost) to runs' measured steps",
-            _tree_cost_arguments, _tree_cost),
-    Command("serve", "run a rollout server (embedded engine or SGLang) with SGLang's HTTP API",
-            _optional_config_arguments, _serve),
-    Command("proxy", "the login-node proxy: an OpenAI-compatible gateway whose sessions become trajectory records "
-                     "(no GPU, no torch)", _optional_config_arguments, _proxy),
-    Command("proxy-key", "make a tenant key for the proxy: prints it, stores its hash", _proxy_key_arguments,
-            _proxy_key),
-    Group("shards", "inspect, verify and export trajectory shards", "ACTION", (
-        Command("inspect", "summary: trajectories, tokens, rewards, versions, tenants", _shard_path_argument,
-                _shards_inspect),
-        Command("verify", "check checksums, commit counts and manifests (exit 1 on damage)", _shard_path_argument,
-                _shards_verify),
-        Command("export", "write the trajectories as JSON lines", _shards_export_arguments, _shards_export),
-    )),
-    Command("plan", "split a (heterogeneous) cluster between training and rollout", planner_cli.plan_arguments,
-            planner_cli.run_plan),
-    Command("simulate", "discrete-event simulation of asynchronous RL on a saved plan", planner_cli.simulate_arguments,
-            planner_cli.run_simulate),
-    Group("repro", "the papers' tables beside our predictions", "PAPER", (
-        Command("hex", "AReaL-Hex: Tables 1-4 and the same-budget ratios", planner_cli.repro_hex_arguments,
-                planner_cli.run_repro_hex),
-        Command("areal-eta", "AReaL: throughput vs staleness (Table 7)", planner_cli.repro_arguments,
-                planner_cli.run_repro_eta),
-        Command("dta", "AReaL-DTA: token compression and tree-vs-flat training speed (measured here, minutes)",
-                _repro_dta_arguments, _repro_dta),
-    )),
-    Command("sweep", "a grid of runs as one Slurm job array (submitit), and its results", sweep_cli.sweep_arguments,
-            sweep_cli.run_sweep),
+    Command(
+        "submit",
+        "submit a run as one heterogeneous Slurm job (trainer + rollout components, through submitit)",
+        _submit_arguments,
+        _submit,
+    ),
+    Command(
+        "slurm-task",
+        "one task of a run's Slurm job (what slurm/*.sbatch scripts run under srun); its role comes from its rank",
+        _config_arguments,
+        _slurm_task,
+    ),
+    Command(
+        "eval",
+        "a model on a task's held-out split through its workflow: accuracy, mean reward, pass@k",
+        _eval_arguments,
+        _eval,
+    ),
+    Command(
+        "tree-cost",
+        "fit tree training's load-balancing cost model (actor.tree_cost) to runs' measured steps",
+        _tree_cost_arguments,
+        _tree_cost,
+    ),
+    Command(
+        "serve",
+        "run a rollout server (embedded engine or SGLang) with SGLang's HTTP API",
+        _optional_config_arguments,
+        _serve,
+    ),
+    Command(
+        "proxy",
+        "the login-node proxy: an OpenAI-compatible gateway whose sessions become trajectory records "
+        "(no GPU, no torch)",
+        _optional_config_arguments,
+        _proxy,
+    ),
+    Command(
+        "proxy-key", "make a tenant key for the proxy: prints it, stores its hash", _proxy_key_arguments, _proxy_key
+    ),
+    Group(
+        "shards",
+        "inspect, verify and export trajectory shards",
+        "ACTION",
+        (
+            Command(
+                "inspect",
+                "summary: trajectories, tokens, rewards, versions, tenants",
+                _shard_path_argument,
+                _shards_inspect,
+            ),
+            Command(
+                "verify",
+                "check checksums, commit counts and manifests (exit 1 on damage)",
+                _shard_path_argument,
+                _shards_verify,
+            ),
+            Command("export", "write the trajectories as JSON lines", _shards_export_arguments, _shards_export),
+        ),
+    ),
+    Command(
+        "plan",
+        "split a (heterogeneous) cluster between training and rollout",
+        planner_cli.plan_arguments,
+        planner_cli.run_plan,
+    ),
+    Command(
+        "simulate",
+        "discrete-event simulation of asynchronous RL on a saved plan",
+        planner_cli.simulate_arguments,
+        planner_cli.run_simulate,
+    ),
+    Group(
+        "repro",
+        "the papers' tables beside our predictions",
+        "PAPER",
+        (
+            Command(
+                "hex",
+                "AReaL-Hex: Tables 1-4 and the same-budget ratios",
+                planner_cli.repro_hex_arguments,
+                planner_cli.run_repro_hex,
+            ),
+            Command(
+                "areal-eta",
+                "AReaL: throughput vs staleness (Table 7)",
+                planner_cli.repro_arguments,
+                planner_cli.run_repro_eta,
+            ),
+            Command(
+                "dta",
+                "AReaL-DTA: token compression and tree-vs-flat training speed (measured here, minutes)",
+                _repro_dta_arguments,
+                _repro_dta,
+            ),
+        ),
+    ),
+    Command(
+        "sweep",
+        "a grid of runs as one Slurm job array (submitit), and its results",
+        sweep_cli.sweep_arguments,
+        sweep_cli.run_sweep,
+    ),
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="areal-hpc",
-                           description="Asynchronous RL of LLMs on Slurm clusters (AReaL, packaged for HPC).")
+    parser = OneLineParser(
+        prog="areal-hpc", description="Asynchronous RL of LLMs on Slurm clusters (AReaL, packaged for HPC)."
+    )
     _add_commands(parser, "COMMAND", COMMANDS)
     return parser
 
 
 def _add_commands(parser: argparse.ArgumentParser, metavar: str, commands: tuple[Command | Group, ...]) -> None:
     """The table's rows as ``parser``'s subcommands; the one given lands in ``args.<metavar, lower case>``."""
-    subparsers = parser.add_subparsers(dest=metavar.lower(), metavar=metavar, parser_class=OneLineParser,
-                                       required=True)
+    subparsers = parser.add_subparsers(dest=metavar.lower(), metavar=metavar, parser_class=OneLineParser, required=True)
     for command in commands:
         sub = subparsers.add_parser(command.name, help=command.help)
         if isinstance(command, Group):

@@ -39,11 +39,26 @@ def run_seed(root: Path, seed: int, overrides: list[str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with (folder / "train.log").open("w") as log:
-        subprocess.run([sys.executable, "-m", "areal_hpc", "train", "--config", CONFIG, f"cluster.fileroot={folder}",
-                        f"experiment.seed={seed}", *overrides], cwd=REPO, check=True, stdout=log,
-                       stderr=subprocess.STDOUT)
-    (folder / "wall.json").write_text(json.dumps({"wall_s": time.time() - started, "started": started,
-                                                  "load_before": os.getloadavg()}) + "\n")
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "areal_hpc",
+                "train",
+                "--config",
+                CONFIG,
+                f"cluster.fileroot={folder}",
+                f"experiment.seed={seed}",
+                *overrides,
+            ],
+            cwd=REPO,
+            check=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    (folder / "wall.json").write_text(
+        json.dumps({"wall_s": time.time() - started, "started": started, "load_before": os.getloadavg()}) + "\n"
+    )
 
 
 def read_seed(root: Path, seed: int) -> dict:
@@ -54,10 +69,17 @@ def read_seed(root: Path, seed: int) -> dict:
     steps = [r for r in rl if "rollout/turns" in r]
     wall_file = root / f"seed{seed}" / "wall.json"
     wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else None
-    return {"seed": seed, "evals": evals, "start": evals[0], "end": float(np.mean(list(evals.values())[-3:])),
-            "sft_s": sft[-1]["time"] - sft[0]["time"], "rl_s": rl[-1]["time"] - rl[0]["time"], "wall_s": wall,
-            "tool_used": [(r["step"], r.get("reward/tool_used", float("nan"))) for r in steps],
-            "turns": [(r["step"], r["rollout/turns"]) for r in steps]}
+    return {
+        "seed": seed,
+        "evals": evals,
+        "start": evals[0],
+        "end": float(np.mean(list(evals.values())[-3:])),
+        "sft_s": sft[-1]["time"] - sft[0]["time"],
+        "rl_s": rl[-1]["time"] - rl[0]["time"],
+        "wall_s": wall,
+        "tool_used": [(r["step"], r.get("reward/tool_used", float("nan"))) for r in steps],
+        "turns": [(r["step"], r["rollout/turns"]) for r in steps],
+    }
 
 
 def report(rows: list[dict]) -> str:
@@ -66,14 +88,21 @@ def report(rows: list[dict]) -> str:
     base = np.mean([r["start"] for r in rows])
     for step in steps:
         values = [r["evals"][step] for r in rows]
-        lines.append(f"| {step} | {np.mean(values):.1%} | {min(values):.1%} | {max(values):.1%} | "
-                     f"{np.mean(values) - base:+.1%} |")
-    lines += ["", "| seed | SFT start (step 0) | end (mean of last 3 evals) | gain | SFT s | RL s | job wall s |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {step} | {np.mean(values):.1%} | {min(values):.1%} | {max(values):.1%} | "
+            f"{np.mean(values) - base:+.1%} |"
+        )
+    lines += [
+        "",
+        "| seed | SFT start (step 0) | end (mean of last 3 evals) | gain | SFT s | RL s | job wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         wall = f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-"
-        lines.append(f"| {r['seed']} | {r['start']:.1%} | {r['end']:.1%} | {r['end'] - r['start']:+.1%} | "
-                     f"{r['sft_s']:.0f} | {r['rl_s']:.0f} | {wall} |")
+        lines.append(
+            f"| {r['seed']} | {r['start']:.1%} | {r['end']:.1%} | {r['end'] - r['start']:+.1%} | "
+            f"{r['sft_s']:.0f} | {r['rl_s']:.0f} | {wall} |"
+        )
     start, end = np.mean([r["start"] for r in rows]), np.mean([r["end"] for r in rows])
     lines += ["", f"mean over {len(rows)} seeds: {start:.1%} -> {end:.1%} ({end - start:+.1%})"]
     return "\n".join(lines)
@@ -92,16 +121,25 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.plot(steps, values.mean(0), marker="o", label="mean")
     start = values[:, 0].mean()
     ax.axhline(start, color="grey", linestyle="--", linewidth=1)
-    ax.annotate(f"SFT warm-up: {start:.0f}%", (steps[0], start), textcoords="offset points", xytext=(6, 6),
-                color="grey")
-    ax.set(xlabel="RL step", ylabel="held-out success (%)", ylim=(0, 100),
-           title="3-4 digit products with a calculator tool (greedy)")
+    ax.annotate(
+        f"SFT warm-up: {start:.0f}%", (steps[0], start), textcoords="offset points", xytext=(6, 6), color="grey"
+    )
+    ax.set(
+        xlabel="RL step",
+        ylabel="held-out success (%)",
+        ylim=(0, 100),
+        title="3-4 digit products with a calculator tool (greedy)",
+    )
     ax.legend(loc="center right")
     for r in rows:
         tool_steps, used = zip(*r["tool_used"])
         tools.plot(tool_steps, np.array(used) * 100, linewidth=1, label=f"seed {r['seed']}")
-    tools.set(xlabel="RL step", ylabel="answers after a tool call (%)", ylim=(0, 100),
-              title="tool use while training (sampled)")
+    tools.set(
+        xlabel="RL step",
+        ylabel="answers after a tool call (%)",
+        ylim=(0, 100),
+        title="tool use while training (sampled)",
+    )
     tools.legend(loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,9 +163,11 @@ def main(argv=None) -> int:
     text = report(rows)
     print(text)
     if args.md:
-        header = (f"# Calculator agent over {len(rows)} seeds ({datetime.date.today().isoformat()})\n\n"
-                  f"machine: {platform.node()}: {os.cpu_count()} cores, {platform.machine()}, {platform.platform()}\n"
-                  f"config: {CONFIG}, end to end (SFT warm-up + asynchronous GRPO)\n\n")
+        header = (
+            f"# Calculator agent over {len(rows)} seeds ({datetime.date.today().isoformat()})\n\n"
+            f"machine: {platform.node()}: {os.cpu_count()} cores, {platform.machine()}, {platform.platform()}\n"
+            f"config: {CONFIG}, end to end (SFT warm-up + asynchronous GRPO)\n\n"
+        )
         args.md.write_text(header + text + "\n")
     if args.png:
         plot(rows, args.png)

@@ -49,9 +49,14 @@ sys.path.insert(0, str(REPO))
 SERVER_CORES, CLIENT_CORES = {0}, {1}
 FEEDBACK = "That is not correct. Try again and give only the final answer."
 VARIANTS = ["A", "B", "B0", "C", "D", "D0"]
-NAMES = {"A": "A direct client loop (k turns)", "B": "B token workflow + reward/turn",
-         "B0": "B0 token workflow, no reward", "C": "C chat workflow (openai) + reward/turn",
-         "D": "D single-turn workflow (k*M tokens)", "D0": "D0 single generate on the client"}
+NAMES = {
+    "A": "A direct client loop (k turns)",
+    "B": "B token workflow + reward/turn",
+    "B0": "B0 token workflow, no reward",
+    "C": "C chat workflow (openai) + reward/turn",
+    "D": "D single-turn workflow (k*M tokens)",
+    "D0": "D0 single generate on the client",
+}
 
 
 def start_server(model: Path, fileroot: Path) -> tuple[subprocess.Popen, str]:
@@ -63,10 +68,23 @@ def start_server(model: Path, fileroot: Path) -> tuple[subprocess.Popen, str]:
     names.root.mkdir(parents=True)
     log = open(names.root.parent / "server.log", "w")  # noqa: SIM115 - the server writes it for its lifetime
     process = subprocess.Popen(
-        [sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={model}", "port=0",
-         f"cluster.fileroot={fileroot}", f"experiment.trial={trial}"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "areal_hpc",
+            "serve",
+            "backend=embedded",
+            f"model.path={model}",
+            "port=0",
+            f"cluster.fileroot={fileroot}",
+            f"experiment.trial={trial}",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         preexec_fn=lambda: os.sched_setaffinity(0, SERVER_CORES),
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
     deadline = time.monotonic() + 180
     while not names.values(ROLLOUT_SERVERS):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -86,8 +104,12 @@ class TokenTurns:
         for turn in range(self.turns):
             generation = await episode.generate()
             if self.score:
-                value = await engine.reward(example, engine.decode(generation.output_ids), generation.output_ids,
-                                            prompt_ids=episode.context[:-len(generation.output_ids) or None])
+                value = await engine.reward(
+                    example,
+                    engine.decode(generation.output_ids),
+                    generation.output_ids,
+                    prompt_ids=episode.context[: -len(generation.output_ids) or None],
+                )
                 episode.reward(value)
             if turn < self.turns - 1:
                 episode.observe_message(FEEDBACK)
@@ -104,8 +126,9 @@ class ChatTurns:
         client = engine.openai_client()
         messages = [{"role": "user", "content": example.prompt}]
         for turn in range(self.turns):
-            reply = await client.chat.completions.create(model=engine.model_name, messages=messages,
-                                                         max_tokens=self.max_tokens, temperature=self.temperature)
+            reply = await client.chat.completions.create(
+                model=engine.model_name, messages=messages, max_tokens=self.max_tokens, temperature=self.temperature
+            )
             content = reply.choices[0].message.content or ""
             client.set_reward(await engine.reward(example, content))
             messages.append({"role": "assistant", "content": content})
@@ -133,8 +156,10 @@ async def direct_episode(client, tokenizer, prompt_ids: list[int], turns: int, p
 def direct_records(episodes: list[tuple[str, list[tuple]]]):
     from areal_hpc.data.trajectory import Segment, Trajectory
 
-    return [Trajectory([Segment(ids, g.output_ids, g.logprobs, g.versions) for ids, g in turns], group_id=group)
-            for group, turns in episodes]
+    return [
+        Trajectory([Segment(ids, g.output_ids, g.logprobs, g.versions) for ids, g in turns], group_id=group)
+        for group, turns in episodes
+    ]
 
 
 async def one_run(variant: str, ctx: dict) -> dict:
@@ -152,22 +177,34 @@ async def one_run(variant: str, ctx: dict) -> dict:
 
         async def group(example):
             prompt = ctx["prompt_ids"][example.uid]
-            return [(example.uid, turns_) for turns_ in await asyncio.gather(
-                *(direct_episode(client, ctx["tokenizer"], prompt, turns, params) for _ in range(args.n_samples)))]
+            return [
+                (example.uid, turns_)
+                for turns_ in await asyncio.gather(
+                    *(direct_episode(client, ctx["tokenizer"], prompt, turns, params) for _ in range(args.n_samples))
+                )
+            ]
+
         raw = [e for g in await asyncio.gather(*(group(ex) for ex in examples)) for e in g]
         wall = time.perf_counter() - started
         converted = time.perf_counter()
         records = direct_records(raw)
     else:
-        workflow = {"B": TokenTurns(args.turns), "B0": TokenTurns(args.turns, score=False),
-                    "C": ChatTurns(args.turns, args.max_new_tokens, args.temperature), "D": ctx["rlvr"]}[variant]
+        workflow = {
+            "B": TokenTurns(args.turns),
+            "B0": TokenTurns(args.turns, score=False),
+            "C": ChatTurns(args.turns, args.max_new_tokens, args.temperature),
+            "D": ctx["rlvr"],
+        }[variant]
         settings = ctx["settings_D"] if variant == "D" else ctx["settings"]
         groups = EpisodeGroups(workflow, lambda _: settings, args.n_samples, "arithmetic")
         records = [r for g in await asyncio.gather(*(groups.run(client, ex) for ex in examples)) for r in g]
         wall = time.perf_counter() - started
         converted = time.perf_counter()
-    cpu = time.process_time() - cpu_before[0], cpu_seconds(ctx["server_pid"]) - cpu_before[1], \
-        reward_cpu(ctx["pool"]) - cpu_before[2]
+    cpu = (
+        time.process_time() - cpu_before[0],
+        cpu_seconds(ctx["server_pid"]) - cpu_before[1],
+        reward_cpu(ctx["pool"]) - cpu_before[2],
+    )
     records_s = time.perf_counter() - converted  # A, D0: their Trajectory objects are made here
     batch_s = []
     for _ in range(3):  # the least of three builds of the batch from the same records (this box is noisy)
@@ -176,9 +213,18 @@ async def one_run(variant: str, ctx: dict) -> dict:
         batch_s.append(time.perf_counter() - again)
     convert_s = records_s + min(batch_s)
     trained = sum(map(sum, batch.loss_masks))
-    return {"wall_s": wall, "convert_s": convert_s, "episodes": len(records), "turns": sum(len(r.segments) for r in records),
-            "generated": sum(r.n_output_tokens for r in records), "tokens": sum(r.n_tokens for r in records),
-            "trained": trained, "client_cpu_s": cpu[0], "server_cpu_s": cpu[1], "reward_cpu_s": cpu[2]}
+    return {
+        "wall_s": wall,
+        "convert_s": convert_s,
+        "episodes": len(records),
+        "turns": sum(len(r.segments) for r in records),
+        "generated": sum(r.n_output_tokens for r in records),
+        "tokens": sum(r.n_tokens for r in records),
+        "trained": trained,
+        "client_cpu_s": cpu[0],
+        "server_cpu_s": cpu[1],
+        "reward_cpu_s": cpu[2],
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -217,26 +263,41 @@ async def measure(args, server: str, server_pid: int, model: Path) -> dict:
     from areal_hpc.rollout.client import RolloutClient
 
     task = build_task(DatasetConfig(task="arithmetic", seed=0, train_size=args.groups, eval_size=1))
-    examples = task.train[:args.groups]
+    examples = task.train[: args.groups]
     tokenizer = load_tokenizer(model)
     sampling = Sampling(args.max_new_tokens, temperature=args.temperature)
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
     with RewardPool(task.reward) as pool:
-        async with RolloutClient([server], max_requests=4 * args.groups * args.n_samples) as client, \
-                ChatGateway(client.generate, model, default_max_tokens=args.max_new_tokens) as chat:
+        async with (
+            RolloutClient([server], max_requests=4 * args.groups * args.n_samples) as client,
+            ChatGateway(client.generate, model, default_max_tokens=args.max_new_tokens) as chat,
+        ):
             settings = EngineSettings(client.generate, tokenizer, sampling, Scorer(pool), chat)
-            ctx = {"args": args, "client": client, "examples": examples, "tokenizer": tokenizer, "sampling": sampling,
-                   "prompt_ids": {ex.uid: example_prompt_ids(tokenizer, ex) for ex in examples},
-                   "settings": settings, "rlvr": RLVRWorkflow(), "server_pid": server_pid, "pool": pool,
-                   "settings_D": replace(settings, sampling=replace(sampling, max_new_tokens=args.turns
-                                                                    * args.max_new_tokens))}
+            ctx = {
+                "args": args,
+                "client": client,
+                "examples": examples,
+                "tokenizer": tokenizer,
+                "sampling": sampling,
+                "prompt_ids": {ex.uid: example_prompt_ids(tokenizer, ex) for ex in examples},
+                "settings": settings,
+                "rlvr": RLVRWorkflow(),
+                "server_pid": server_pid,
+                "pool": pool,
+                "settings_D": replace(
+                    settings, sampling=replace(sampling, max_new_tokens=args.turns * args.max_new_tokens)
+                ),
+            }
             for variant in args.variants:  # warm-up: connections, reward worker, template caches
                 await one_run(variant, ctx)
             for _ in range(args.repeats):
                 for variant in args.variants:
                     runs[variant].append(await one_run(variant, ctx))
-                    print(variant, {k: round(v, 4) if isinstance(v, float) else v
-                                    for k, v in runs[variant][-1].items()}, flush=True)
+                    print(
+                        variant,
+                        {k: round(v, 4) if isinstance(v, float) else v for k, v in runs[variant][-1].items()},
+                        flush=True,
+                    )
     return runs
 
 
@@ -252,8 +313,10 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             "batch_tokens_per_s": med(r["tokens"] / r["convert_s"] for r in rs),
             "convert_ms": med(1e3 * r["convert_s"] for r in rs),
             "wall_s": med(r["wall_s"] for r in rs),
-            "generated": med(r["generated"] for r in rs), "tokens": med(r["tokens"] for r in rs),
-            "turns": med(r["turns"] for r in rs), "episodes": rs[0]["episodes"],
+            "generated": med(r["generated"] for r in rs),
+            "tokens": med(r["tokens"] for r in rs),
+            "turns": med(r["turns"] for r in rs),
+            "episodes": rs[0]["episodes"],
             "client_cpu_ms_per_turn": med(1e3 * r["client_cpu_s"] / r["turns"] for r in rs),
             "reward_cpu_ms_per_turn": med(1e3 * r["reward_cpu_s"] / r["turns"] for r in rs),
             "server_cpu_ms_per_turn": med(1e3 * r["server_cpu_s"] / r["turns"] for r in rs),
@@ -263,8 +326,9 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
         }
     if "A" in runs:  # per-round ratios against A (the same round: the machine's load then)
         for variant, rs in runs.items():
-            out[variant]["ratio_runs"] = [(r["generated"] / r["wall_s"]) / (a["generated"] / a["wall_s"])
-                                          for r, a in zip(rs, runs["A"])]
+            out[variant]["ratio_runs"] = [
+                (r["generated"] / r["wall_s"]) / (a["generated"] / a["wall_s"]) for r, a in zip(rs, runs["A"])
+            ]
     return out
 
 
@@ -277,37 +341,55 @@ def cpu_model() -> str:
 
 def report(args, summary: dict, meta: dict) -> str:
     a = summary.get("A")
-    lines = ["| variant | episodes/s | generated tok/s | trained tok/s (rollout + batch) | record->batch tok/s "
-             "| batch ms | tokens generated / in records | turns | vs A (gen tok/s, median of rounds) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | episodes/s | generated tok/s | trained tok/s (rollout + batch) | record->batch tok/s "
+        "| batch ms | tokens generated / in records | turns | vs A (gen tok/s, median of rounds) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for variant, s in summary.items():
         ratio = statistics.median(s["ratio_runs"]) if a else float("nan")
         spread = f" ({min(s['ratio_runs']):.2f}-{max(s['ratio_runs']):.2f})" if a else ""
-        lines.append(f"| {NAMES[variant]} | {s['episodes_per_s']:.1f} | {s['generated_per_s']:.0f} | "
-                     f"{s['trained_per_s']:.0f} | {s['batch_tokens_per_s']:.0f} | {s['convert_ms']:.1f} | "
-                     f"{s['generated']:.0f} / {s['tokens']:.0f} | {s['turns']:.0f} | {ratio:.3f}{spread} |")
-    lines += ["", "| variant | client CPU ms/turn | reward worker CPU ms/turn | server CPU ms/turn | client CPU / wall "
-              "| server CPU / wall |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {NAMES[variant]} | {s['episodes_per_s']:.1f} | {s['generated_per_s']:.0f} | "
+            f"{s['trained_per_s']:.0f} | {s['batch_tokens_per_s']:.0f} | {s['convert_ms']:.1f} | "
+            f"{s['generated']:.0f} / {s['tokens']:.0f} | {s['turns']:.0f} | {ratio:.3f}{spread} |"
+        )
+    lines += [
+        "",
+        "| variant | client CPU ms/turn | reward worker CPU ms/turn | server CPU ms/turn | client CPU / wall "
+        "| server CPU / wall |",
+        "|---|---|---|---|---|---|",
+    ]
     for variant, s in summary.items():
-        lines.append(f"| {variant} | {s['client_cpu_ms_per_turn']:.2f} | {s['reward_cpu_ms_per_turn']:.2f} | "
-                     f"{s['server_cpu_ms_per_turn']:.2f} | {s['client_core_busy']:.2f} | {s['server_core_busy']:.2f} |")
+        lines.append(
+            f"| {variant} | {s['client_cpu_ms_per_turn']:.2f} | {s['reward_cpu_ms_per_turn']:.2f} | "
+            f"{s['server_cpu_ms_per_turn']:.2f} | {s['client_core_busy']:.2f} | {s['server_core_busy']:.2f} |"
+        )
     if a:
         lines.append("")
         for variant in ("B", "B0", "C", "D"):
             if variant in summary:
                 s = summary[variant]
-                lines.append(f"{variant}/A: episodes/s {s['episodes_per_s'] / a['episodes_per_s']:.3f}, generated "
-                             f"tok/s {s['generated_per_s'] / a['generated_per_s']:.3f}, trained tok/s "
-                             f"{s['trained_per_s'] / a['trained_per_s']:.3f} ("
-                             + (f"overhead {100 * (1 - s['trained_per_s'] / a['trained_per_s']):+.1f}%; "
-                                if variant != "D" else "") + "best rounds "
-                             f"{s['best_trained_per_s'] / a['best_trained_per_s']:.3f}); client CPU "
-                             f"{s['client_cpu_ms_per_turn'] + s['reward_cpu_ms_per_turn']:.2f} ms/turn vs A's "
-                             f"{a['client_cpu_ms_per_turn']:.2f}")
+                lines.append(
+                    f"{variant}/A: episodes/s {s['episodes_per_s'] / a['episodes_per_s']:.3f}, generated "
+                    f"tok/s {s['generated_per_s'] / a['generated_per_s']:.3f}, trained tok/s "
+                    f"{s['trained_per_s'] / a['trained_per_s']:.3f} ("
+                    + (
+                        f"overhead {100 * (1 - s['trained_per_s'] / a['trained_per_s']):+.1f}%; "
+                        if variant != "D"
+                        else ""
+                    )
+                    + "best rounds "
+                    f"{s['best_trained_per_s'] / a['best_trained_per_s']:.3f}); client CPU "
+                    f"{s['client_cpu_ms_per_turn'] + s['reward_cpu_ms_per_turn']:.2f} ms/turn vs A's "
+                    f"{a['client_cpu_ms_per_turn']:.2f}"
+                )
     lines.append("")
-    lines.append(f"settings: turns k={args.turns}, M={args.max_new_tokens} new tokens/turn, {args.groups} groups x "
-                 f"{args.n_samples} samples = {args.groups * args.n_samples} episodes in flight, temperature "
-                 f"{args.temperature}, {args.repeats} interleaved rounds after 1 warm-up; {meta}")
+    lines.append(
+        f"settings: turns k={args.turns}, M={args.max_new_tokens} new tokens/turn, {args.groups} groups x "
+        f"{args.n_samples} samples = {args.groups * args.n_samples} episodes in flight, temperature "
+        f"{args.temperature}, {args.repeats} interleaved rounds after 1 warm-up; {meta}"
+    )
     return "\n".join(lines)
 
 
@@ -335,6 +417,7 @@ def main():
         if model is None:
             from areal_hpc.data.registry import corpus_for_tokenizer
             from areal_hpc.models.tiny import init_model
+
             model = init_model(scratch / "tiny", corpus_for_tokenizer(0), preset="tiny", seed=0)
         server, address = start_server(model, scratch)
         try:
@@ -347,12 +430,14 @@ def main():
         finally:
             server.terminate()
             server.wait(timeout=60)
-    meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.node()}: {os.cpu_count()} cores ({cpu_model()}), {platform.platform()}",
-            "versions": f"python {platform.python_version()}, torch {torch.__version__}, openai {openai.__version__}",
-            "load_average_1_5_15": f"{'/'.join(f'{x:.2f}' for x in load_before)} before, "
-                                   f"{'/'.join(f'{x:.2f}' for x in load_after)} after",
-            "measured_s": round(elapsed, 1)}
+    meta = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.node()}: {os.cpu_count()} cores ({cpu_model()}), {platform.platform()}",
+        "versions": f"python {platform.python_version()}, torch {torch.__version__}, openai {openai.__version__}",
+        "load_average_1_5_15": f"{'/'.join(f'{x:.2f}' for x in load_before)} before, "
+        f"{'/'.join(f'{x:.2f}' for x in load_after)} after",
+        "measured_s": round(elapsed, 1),
+    }
     text = report(args, summarise(runs), meta)
     print(text)
     if args.out:

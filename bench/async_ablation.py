@@ -58,13 +58,20 @@ SETTINGS = {
     "eta2_minibatches4": ["rollout.max_head_offpolicyness=2", "actor.ppo_n_minibatches=4"],
     "eta2_dynamic": ["rollout.max_head_offpolicyness=2", "actor.dynamic_sampling=true"],
     # issue 24: does M2PO hold accuracy where GRPO's clipped loss degrades, at large staleness?
-    **{f"eta{eta}{suffix}": [f"rollout.max_head_offpolicyness={eta}", *loss]
-       for eta in (8, 16, 32) for suffix, loss in (("", []), ("_m2po", ["actor.policy_loss=m2po"]))},
+    **{
+        f"eta{eta}{suffix}": [f"rollout.max_head_offpolicyness={eta}", *loss]
+        for eta in (8, 16, 32)
+        for suffix, loss in (("", []), ("_m2po", ["actor.policy_loss=m2po"]))
+    },
 }
 # A setting that names no ``actor.decoupled_loss`` trains with the decoupled loss (the quickstart's earlier
 # default), so that it reruns what its records ran; the *_coupled settings take PPO's own loss, as the quickstart does.
-SETTINGS = {name: overrides if any(o.startswith("actor.decoupled_loss=") for o in overrides)
-            else [*overrides, "actor.decoupled_loss=true"] for name, overrides in SETTINGS.items()}
+SETTINGS = {
+    name: overrides
+    if any(o.startswith("actor.decoupled_loss=") for o in overrides)
+    else [*overrides, "actor.decoupled_loss=true"]
+    for name, overrides in SETTINGS.items()
+}
 QUIET = ["saver.freq_steps=0", "stats.tensorboard=false", "stats.plot=false", "rl.sft_warmup_steps=0"]
 
 
@@ -77,11 +84,21 @@ def run_one(args, setting: str, seed: int) -> dict:
     metrics = folder / "ablation" / "trial0" / "metrics.jsonl"
     done = folder / "done.json"
     if not done.exists():
-        command = [str(REPO / ".venv/bin/areal-hpc"), "train", "--config", str(REPO / "configs/quickstart.yaml"),
-                   f"model.path={args.start_model}", f"cluster.fileroot={folder}", "experiment.name=ablation",
-                   f"experiment.seed={seed}", f"rl.total_train_steps={args.steps}",
-                   f"rl.eval_every_steps={args.eval_every}", f"dataset.eval_size={args.eval_size}",
-                   *QUIET, *SETTINGS[setting]]
+        command = [
+            str(REPO / ".venv/bin/areal-hpc"),
+            "train",
+            "--config",
+            str(REPO / "configs/quickstart.yaml"),
+            f"model.path={args.start_model}",
+            f"cluster.fileroot={folder}",
+            "experiment.name=ablation",
+            f"experiment.seed={seed}",
+            f"rl.total_train_steps={args.steps}",
+            f"rl.eval_every_steps={args.eval_every}",
+            f"dataset.eval_size={args.eval_size}",
+            *QUIET,
+            *SETTINGS[setting],
+        ]
         started = time.time()
         with open(folder.with_suffix(".log"), "w") as log:
             subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -90,17 +107,23 @@ def run_one(args, setting: str, seed: int) -> dict:
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
     steps = [r for r in records if "actor/loss" in r]
     timed = sorted((r for r in records if "time/step" in r), key=lambda r: r["step"])[3:]  # past the warm-up
-    return {"setting": setting, "seed": seed, "evals": evals, "start": evals[0][1],
-            "peak": max(a for _, a in evals), "final": float(np.mean([a for _, a in evals[-3:]])),
-            "seconds": json.loads(done.read_text())["seconds"],
-            "behav_weight_dev": float(np.mean([r["actor/behav_weight_dev"] for r in steps])),
-            "behav_capped_fraction": float(np.mean([r["actor/behav_capped_fraction"] for r in steps])),
-            # the mean of w = π_prox/π_behav is 1 when the recorded logprobs are the sampler's (older runs
-            # did not log it: NaN)
-            "behav_weight_mean": float(np.mean([r.get("actor/behav_weight_mean", np.nan) for r in steps])),
-            "entropy_end": float(np.mean([r["actor/entropy"] for r in steps[-20:]])),
-            "staleness": float(np.mean([r["staleness/mean"] for r in steps])),
-            "s_per_step": float(np.mean([r["time/step"] - r.get("time/eval_wait", 0.0) for r in timed]))}
+    return {
+        "setting": setting,
+        "seed": seed,
+        "evals": evals,
+        "start": evals[0][1],
+        "peak": max(a for _, a in evals),
+        "final": float(np.mean([a for _, a in evals[-3:]])),
+        "seconds": json.loads(done.read_text())["seconds"],
+        "behav_weight_dev": float(np.mean([r["actor/behav_weight_dev"] for r in steps])),
+        "behav_capped_fraction": float(np.mean([r["actor/behav_capped_fraction"] for r in steps])),
+        # the mean of w = π_prox/π_behav is 1 when the recorded logprobs are the sampler's (older runs
+        # did not log it: NaN)
+        "behav_weight_mean": float(np.mean([r.get("actor/behav_weight_mean", np.nan) for r in steps])),
+        "entropy_end": float(np.mean([r["actor/entropy"] for r in steps[-20:]])),
+        "staleness": float(np.mean([r["staleness/mean"] for r in steps])),
+        "s_per_step": float(np.mean([r["time/step"] - r.get("time/eval_wait", 0.0) for r in timed])),
+    }
 
 
 def run(args) -> dict:
@@ -112,11 +135,21 @@ def run(args) -> dict:
                 continue
             rows.append(run_one(args, setting, seed))
             row = rows[-1]
-            print(f"{setting} seed {seed}: start {row['start']:.3f} peak {row['peak']:.3f} final {row['final']:.3f} "
-                  f"({row['seconds']:.0f} s)", flush=True)
-    return {"date": datetime.date.today().isoformat(), "machine": machine(), "steps": args.steps,
-            "eval_every": args.eval_every, "eval_size": args.eval_size, "start_model": str(args.start_model),
-            "settings": {s: SETTINGS[s] for s in args.settings}, "runs": rows}
+            print(
+                f"{setting} seed {seed}: start {row['start']:.3f} peak {row['peak']:.3f} final {row['final']:.3f} "
+                f"({row['seconds']:.0f} s)",
+                flush=True,
+            )
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "eval_size": args.eval_size,
+        "start_model": str(args.start_model),
+        "settings": {s: SETTINGS[s] for s in args.settings},
+        "runs": rows,
+    }
 
 
 def mean_logged(values: list[float]) -> str:
@@ -126,12 +159,17 @@ def mean_logged(values: list[float]) -> str:
 
 
 def report(result: dict) -> str:
-    lines = [f"# asynchronous RL ablation ({result['date']})", "",
-             f"machine: {result['machine']}; {result['steps']} RL steps per run, greedy accuracy on "
-             f"{result['eval_size']} held-out problems every {result['eval_every']} steps; final = mean of the "
-             f"last 3 evaluations; start model {result['start_model']}", "",
-             "| setting | overrides | seeds | start | peak | final | final - eta0 | behaviour weight dev | mean w | capped | "
-             "entropy (last 20 steps) | staleness | s/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# asynchronous RL ablation ({result['date']})",
+        "",
+        f"machine: {result['machine']}; {result['steps']} RL steps per run, greedy accuracy on "
+        f"{result['eval_size']} held-out problems every {result['eval_every']} steps; final = mean of the "
+        f"last 3 evaluations; start model {result['start_model']}",
+        "",
+        "| setting | overrides | seeds | start | peak | final | final - eta0 | behaviour weight dev | mean w | capped | "
+        "entropy (last 20 steps) | staleness | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     by_setting: dict[str, list[dict]] = {}
     for row in result["runs"]:
         by_setting.setdefault(row["setting"], []).append(row)
@@ -140,15 +178,17 @@ def report(result: dict) -> str:
         final = np.mean([r["final"] for r in rows])
         spread = np.std([r["final"] for r in rows])
         delta = f"{100 * (final - base):+.1f}" if base is not None else "-"
-        lines.append(f"| {setting} | {' '.join(result['settings'][setting])} | {len(rows)} | "
-                     f"{100 * np.mean([r['start'] for r in rows]):.1f} | {100 * np.mean([r['peak'] for r in rows]):.1f} | "
-                     f"**{100 * final:.1f}** ± {100 * spread:.1f} | {delta} | "
-                     f"{np.mean([r['behav_weight_dev'] for r in rows]):.3f} | "
-                     f"{mean_logged([r.get('behav_weight_mean', np.nan) for r in rows])} | "
-                     f"{np.mean([r['behav_capped_fraction'] for r in rows]):.4f} | "
-                     f"{np.mean([r['entropy_end'] for r in rows]):.3f} | "
-                     f"{np.mean([r.get('staleness', np.nan) for r in rows]):.2f} | "
-                     f"{np.mean([r.get('s_per_step', np.nan) for r in rows]):.3f} |")
+        lines.append(
+            f"| {setting} | {' '.join(result['settings'][setting])} | {len(rows)} | "
+            f"{100 * np.mean([r['start'] for r in rows]):.1f} | {100 * np.mean([r['peak'] for r in rows]):.1f} | "
+            f"**{100 * final:.1f}** ± {100 * spread:.1f} | {delta} | "
+            f"{np.mean([r['behav_weight_dev'] for r in rows]):.3f} | "
+            f"{mean_logged([r.get('behav_weight_mean', np.nan) for r in rows])} | "
+            f"{np.mean([r['behav_capped_fraction'] for r in rows]):.4f} | "
+            f"{np.mean([r['entropy_end'] for r in rows]):.3f} | "
+            f"{np.mean([r.get('staleness', np.nan) for r in rows]):.2f} | "
+            f"{np.mean([r.get('s_per_step', np.nan) for r in rows]):.3f} |"
+        )
     lines += ["", "Per run (step: accuracy):"]
     for row in result["runs"]:
         curve = " ".join(f"{s}:{100 * a:.0f}" for s, a in row["evals"])

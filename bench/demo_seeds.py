@@ -37,9 +37,23 @@ TARGETS = {"sft_range": (0.35, 0.60), "sft_spread": 0.05, "gain": 0.20, "wall_s"
 
 def run_seed(root: Path, seed: int, overrides: list[str]) -> dict:
     started = time.time()
-    done = subprocess.run([sys.executable, "-m", "areal_hpc", "train", "--config", CONFIG, f"cluster.fileroot={root}",
-                           f"experiment.seed={seed}", *overrides], cwd=REPO, check=True, stdout=subprocess.PIPE,
-                          text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_hpc",
+            "train",
+            "--config",
+            CONFIG,
+            f"cluster.fileroot={root}",
+            f"experiment.seed={seed}",
+            *overrides,
+        ],
+        cwd=REPO,
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     wall = time.time() - started
     peak = PEAK.search(done.stdout)
     run_dir = root / "quickstart" / "trial0"
@@ -47,11 +61,16 @@ def run_seed(root: Path, seed: int, overrides: list[str]) -> dict:
     sft = [json.loads(line) for line in (run_dir / "sft_warmup" / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["time"] - started, r["eval/accuracy"]) for r in rl if "eval/accuracy" in r]
     steps = [r for r in rl if "time/step" in r]
-    return {"seed": seed, "wall_s": wall, "evals": evals, "peak_gib": float(peak.group(1)) if peak else None,
-            "sft_accuracy": [r["eval/accuracy"] for r in sft if "eval/accuracy" in r][-1],
-            "sft_steps": max(r["step"] for r in sft if "train/loss" in r),
-            "last3": float(np.mean([a for _, _, a in evals[-3:]])),
-            "rl_seconds_per_step": (steps[-1]["time"] - steps[0]["time"]) / max(1, len(steps) - 1)}
+    return {
+        "seed": seed,
+        "wall_s": wall,
+        "evals": evals,
+        "peak_gib": float(peak.group(1)) if peak else None,
+        "sft_accuracy": [r["eval/accuracy"] for r in sft if "eval/accuracy" in r][-1],
+        "sft_steps": max(r["step"] for r in sft if "train/loss" in r),
+        "last3": float(np.mean([a for _, _, a in evals[-3:]])),
+        "rl_seconds_per_step": (steps[-1]["time"] - steps[0]["time"]) / max(1, len(steps) - 1),
+    }
 
 
 def run(args) -> dict:
@@ -61,33 +80,52 @@ def run(args) -> dict:
     for seed in args.seeds:
         with tempfile.TemporaryDirectory(prefix="demo_seeds-") as tmp:
             rows.append(run_seed(Path(tmp), seed, args.set))
-    return {"benchmark": "demo_seeds", "date": datetime.date.today().isoformat(), "machine": machine(),
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__}, "config": CONFIG,
-            "overrides": args.set, "rows": rows}
+    return {
+        "benchmark": "demo_seeds",
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
+        "config": CONFIG,
+        "overrides": args.set,
+        "rows": rows,
+    }
 
 
 def report(result: dict) -> str:
     rows = result["rows"]
     steps = [step for step, _, _ in rows[0]["evals"]]
-    lines = [f"# make demo over {len(rows)} seeds ({result['date']})", "", f"machine: {result['machine']}",
-             f"versions: {result['versions']}; config {result['config']} {' '.join(result.get('overrides', []))}, "
-             "end to end (SFT warm-up + RL)", "",
-             "| RL step | wall s from launch (mean) | eval accuracy mean | min | max | gain over step 0 (mean) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# make demo over {len(rows)} seeds ({result['date']})",
+        "",
+        f"machine: {result['machine']}",
+        f"versions: {result['versions']}; config {result['config']} {' '.join(result.get('overrides', []))}, "
+        "end to end (SFT warm-up + RL)",
+        "",
+        "| RL step | wall s from launch (mean) | eval accuracy mean | min | max | gain over step 0 (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
     start = np.mean([r["evals"][0][2] for r in rows])
     for i, step in enumerate(steps):
         accuracy = [r["evals"][i][2] for r in rows]
         wall = np.mean([r["evals"][i][1] for r in rows])
-        lines.append(f"| {step} | {wall:.0f} | {np.mean(accuracy):.1%} | {min(accuracy):.1%} | {max(accuracy):.1%} | "
-                     f"{np.mean(accuracy) - start:+.1%} |")
-    lines += ["", "| seed | SFT steps | SFT point (RL step 0) | mean of the last 3 evaluations | gain | best | "
-              "job wall time | RL s/step | peak PSS |", "|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {step} | {wall:.0f} | {np.mean(accuracy):.1%} | {min(accuracy):.1%} | {max(accuracy):.1%} | "
+            f"{np.mean(accuracy) - start:+.1%} |"
+        )
+    lines += [
+        "",
+        "| seed | SFT steps | SFT point (RL step 0) | mean of the last 3 evaluations | gain | best | "
+        "job wall time | RL s/step | peak PSS |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         accuracy = [a for _, _, a in r["evals"]]
         peak = f"{r['peak_gib']:.2f} GiB" if r.get("peak_gib") is not None else "-"
-        lines.append(f"| {r['seed']} | {r['sft_steps']} | {accuracy[0]:.1%} | {r['last3']:.1%} | "
-                     f"{100 * (r['last3'] - accuracy[0]):+.1f} | {max(accuracy):.1%} | {r['wall_s']:.0f} s | "
-                     f"{r['rl_seconds_per_step']:.3f} | {peak} |")
+        lines.append(
+            f"| {r['seed']} | {r['sft_steps']} | {accuracy[0]:.1%} | {r['last3']:.1%} | "
+            f"{100 * (r['last3'] - accuracy[0]):+.1f} | {max(accuracy):.1%} | {r['wall_s']:.0f} s | "
+            f"{r['rl_seconds_per_step']:.3f} | {peak} |"
+        )
     return "\n".join(lines + ["", verdict(rows)])
 
 
@@ -97,16 +135,33 @@ def verdict(rows: list[dict]) -> str:
     points = [r["evals"][0][2] for r in rows]
     gains = [r["last3"] - r["evals"][0][2] for r in rows]
     peaks = [r["peak_gib"] for r in rows if r.get("peak_gib") is not None]
-    checks = [(f"SFT point in {low:.0%}-{high:.0%}", all(low <= p <= high for p in points),
-               ", ".join(f"{p:.1%}" for p in points)),
-              (f"SFT points within one ±{100 * TARGETS['sft_spread']:.0f}-point band (range <= {200 * TARGETS['sft_spread']:.0f})",
-               max(points) - min(points) <= 2 * TARGETS["sft_spread"], f"range {100 * (max(points) - min(points)):.1f}"),
-              (f"gain >= +{100 * TARGETS['gain']:.0f} points (mean of seeds)", np.mean(gains) >= TARGETS["gain"],
-               f"{100 * np.mean(gains):+.1f} (each: {', '.join(f'{100 * g:+.1f}' for g in gains)})"),
-              (f"job <= {TARGETS['wall_s']} s", all(r["wall_s"] <= TARGETS["wall_s"] for r in rows),
-               ", ".join(f"{r['wall_s']:.0f} s" for r in rows)),
-              (f"peak PSS <= {TARGETS['peak_gib']} GiB", bool(peaks) and max(peaks) <= TARGETS["peak_gib"],
-               ", ".join(f"{p:.2f}" for p in peaks) or "not printed")]
+    checks = [
+        (
+            f"SFT point in {low:.0%}-{high:.0%}",
+            all(low <= p <= high for p in points),
+            ", ".join(f"{p:.1%}" for p in points),
+        ),
+        (
+            f"SFT points within one ±{100 * TARGETS['sft_spread']:.0f}-point band (range <= {200 * TARGETS['sft_spread']:.0f})",
+            max(points) - min(points) <= 2 * TARGETS["sft_spread"],
+            f"range {100 * (max(points) - min(points)):.1f}",
+        ),
+        (
+            f"gain >= +{100 * TARGETS['gain']:.0f} points (mean of seeds)",
+            np.mean(gains) >= TARGETS["gain"],
+            f"{100 * np.mean(gains):+.1f} (each: {', '.join(f'{100 * g:+.1f}' for g in gains)})",
+        ),
+        (
+            f"job <= {TARGETS['wall_s']} s",
+            all(r["wall_s"] <= TARGETS["wall_s"] for r in rows),
+            ", ".join(f"{r['wall_s']:.0f} s" for r in rows),
+        ),
+        (
+            f"peak PSS <= {TARGETS['peak_gib']} GiB",
+            bool(peaks) and max(peaks) <= TARGETS["peak_gib"],
+            ", ".join(f"{p:.2f}" for p in peaks) or "not printed",
+        ),
+    ]
     return "\n".join(f"- {'met' if ok else '**not met**'}: {name} ({value})" for name, ok, value in checks)
 
 

@@ -41,9 +41,20 @@ def served(model: Path, work: Path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     log = open(work / "teacher-serve.log", "w")  # noqa: SIM115 - the server writes it for its lifetime
-    server = subprocess.Popen([*CLI, "serve", "backend=embedded", f"model.path={model}", "host=127.0.0.1",
-                               f"port={port}", f"cluster.fileroot={work / 'teacher-serve'}"],
-                              cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            *CLI,
+            "serve",
+            "backend=embedded",
+            f"model.path={model}",
+            "host=127.0.0.1",
+            f"port={port}",
+            f"cluster.fileroot={work / 'teacher-serve'}",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -67,10 +78,24 @@ def accuracy_curve(folder: Path) -> list[tuple[int, float]]:
 
 def train(work: Path, name: str, start: Path, seed: int, steps: int, eval_every: int, extra: list[str]) -> dict:
     folder = work / name
-    seconds = once(work / f"{name}.done", [
-        *CLI, "train", "--config", "configs/quickstart.yaml", f"model.path={start}", f"cluster.fileroot={folder}",
-        f"experiment.seed={seed}", "rl.sft_warmup_steps=0", f"rl.total_train_steps={steps}",
-        f"rl.eval_every_steps={eval_every}", *QUIET, *extra], work / f"{name}.log")
+    seconds = once(
+        work / f"{name}.done",
+        [
+            *CLI,
+            "train",
+            "--config",
+            "configs/quickstart.yaml",
+            f"model.path={start}",
+            f"cluster.fileroot={folder}",
+            f"experiment.seed={seed}",
+            "rl.sft_warmup_steps=0",
+            f"rl.total_train_steps={steps}",
+            f"rl.eval_every_steps={eval_every}",
+            *QUIET,
+            *extra,
+        ],
+        work / f"{name}.log",
+    )
     evals = accuracy_curve(folder)
     return {"seed": seed, "evals": evals, "seconds": seconds, "final": last3([a for _, a in evals]), "folder": folder}
 
@@ -79,18 +104,32 @@ def run(args) -> dict:
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     teacher = train(work, "teacher", args.start_model, 1, args.teacher_steps, 20, [])
-    result = {"date": datetime.date.today().isoformat(), "machine": machine(), "start_model": str(args.start_model),
-              "teacher": {"steps": args.teacher_steps, "evals": teacher["evals"], "final": teacher["final"],
-                          "seconds": teacher["seconds"]},
-              "steps": args.steps, "eval_every": args.eval_every, "runs": []}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "start_model": str(args.start_model),
+        "teacher": {
+            "steps": args.teacher_steps,
+            "evals": teacher["evals"],
+            "final": teacher["final"],
+            "seconds": teacher["seconds"],
+        },
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "runs": [],
+    }
     with served(teacher["folder"] / "quickstart" / "trial0" / "model", work) as url:
         for seed in args.seeds:
             for arm, extra in ARMS.items():
                 teacher_args = [f"distill.teacher_url={url}"] if arm != "rl" else []
-                one = train(work, f"{arm}-s{seed}", args.start_model, seed, args.steps, args.eval_every,
-                            [*extra, *teacher_args])
-                kl = [r["distill/reverse_kl"] for r in records(one.pop("folder") / "quickstart" / "trial0")
-                      if "distill/reverse_kl" in r]
+                one = train(
+                    work, f"{arm}-s{seed}", args.start_model, seed, args.steps, args.eval_every, [*extra, *teacher_args]
+                )
+                kl = [
+                    r["distill/reverse_kl"]
+                    for r in records(one.pop("folder") / "quickstart" / "trial0")
+                    if "distill/reverse_kl" in r
+                ]
                 result["runs"].append({"arm": arm, **one, "reverse_kl": [kl[0], kl[-1]] if kl else None})
     return result
 
@@ -104,25 +143,35 @@ def report(result: dict) -> str:
     teacher = result["teacher"]["final"]
     target = 0.9 * teacher
     start = result["runs"][0]["evals"][0][1]
-    lines = [f"# on-policy distillation against RL alone ({result['date']})", "",
-             f"machine: {result['machine']}; start model {result['start_model']} (held-out accuracy {start:.1%}); "
-             f"teacher: the quickstart's GRPO for {result['teacher']['steps']} steps from it, final accuracy "
-             f"**{teacher:.1%}** (mean of its last 3 evaluations; {result['teacher']['seconds']:.0f} s), served by "
-             f"`areal-hpc serve`; target = 90% of it = {target:.1%}", "",
-             f"{result['steps']} steps per run, greedy accuracy on 500 held-out problems every "
-             f"{result['eval_every']} steps; final = mean of the last 3 evaluations", "",
-             "| arm | seeds | steps to the target (per seed) | final (mean ± sd) | final / teacher | reverse KL first -> last step | s per run |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# on-policy distillation against RL alone ({result['date']})",
+        "",
+        f"machine: {result['machine']}; start model {result['start_model']} (held-out accuracy {start:.1%}); "
+        f"teacher: the quickstart's GRPO for {result['teacher']['steps']} steps from it, final accuracy "
+        f"**{teacher:.1%}** (mean of its last 3 evaluations; {result['teacher']['seconds']:.0f} s), served by "
+        f"`areal-hpc serve`; target = 90% of it = {target:.1%}",
+        "",
+        f"{result['steps']} steps per run, greedy accuracy on 500 held-out problems every "
+        f"{result['eval_every']} steps; final = mean of the last 3 evaluations",
+        "",
+        "| arm | seeds | steps to the target (per seed) | final (mean ± sd) | final / teacher | reverse KL first -> last step | s per run |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for arm in ARMS:
         runs = [r for r in result["runs"] if r["arm"] == arm]
         reached = [steps_to(r["evals"], target) for r in runs]
         finals = [r["final"] for r in runs]
         kl = ", ".join(f"{a:.3f} -> {b:.3f}" for a, b in (r["reverse_kl"] for r in runs if r["reverse_kl"])) or "-"
-        lines.append(f"| {arm} | {len(runs)} | {', '.join('never' if s is None else str(s) for s in reached)} | "
-                     f"**{100 * np.mean(finals):.1f}** ± {100 * np.std(finals):.1f} | {np.mean(finals) / teacher:.2f} | "
-                     f"{kl} | {np.mean([r['seconds'] for r in runs]):.0f} |")
-    lines += ["", "Per run (step: accuracy):",
-              "- teacher: " + " ".join(f"{s}:{100 * a:.0f}" for s, a in result["teacher"]["evals"])]
+        lines.append(
+            f"| {arm} | {len(runs)} | {', '.join('never' if s is None else str(s) for s in reached)} | "
+            f"**{100 * np.mean(finals):.1f}** ± {100 * np.std(finals):.1f} | {np.mean(finals) / teacher:.2f} | "
+            f"{kl} | {np.mean([r['seconds'] for r in runs]):.0f} |"
+        )
+    lines += [
+        "",
+        "Per run (step: accuracy):",
+        "- teacher: " + " ".join(f"{s}:{100 * a:.0f}" for s, a in result["teacher"]["evals"]),
+    ]
     for r in result["runs"]:
         lines.append(f"- {r['arm']} seed {r['seed']}: " + " ".join(f"{s}:{100 * a:.0f}" for s, a in r["evals"]))
     return "\n".join(lines)

@@ -73,8 +73,14 @@ from areal_hpc.sched.hardware import CATALOGUE
 from areal_hpc.train.build import build_actor
 
 SHAPE = Path(__file__).parent.parent / "areal_hpc/sched/catalog/models/r1-distill-qwen-1.5b/config.json"
-TOY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           vocab_size=512)
+TOY = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 LOGPROB_TOLERANCE = {"bfloat16": (0.05, 1.0), "float32": (2e-3, 5e-2)}  # (mean, max) |Δ logprob| in nats
 
 
@@ -127,17 +133,23 @@ def make_model(folder: Path, device: torch.device, dry_run: bool) -> dict:
     model.save_pretrained(folder)
     build_tokenizer(["0 1 2 3 4 5 6 7 8 9 + = ?"]).save_pretrained(folder)
     embedding = model.get_input_embeddings().weight.numel()
-    return {"parameters": sum(p.numel() for p in model.parameters()),
-            "matmul_parameters": sum(p.numel() for p in model.parameters()) - embedding
-            - sum(p.numel() for n, p in model.named_parameters() if "norm" in n),
-            "layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size}
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "matmul_parameters": sum(p.numel() for p in model.parameters())
+        - embedding
+        - sum(p.numel() for n, p in model.named_parameters() if "norm" in n),
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "vocab": config.vocab_size,
+    }
 
 
 def model_flops(batch: SequenceBatch, shape: dict) -> float:
     """Training FLOPs of one pass over ``batch`` (see the module docstring)."""
     lengths = [len(s) for s in batch.sequences]
     return 6.0 * shape["matmul_parameters"] * sum(lengths) + 6.0 * shape["layers"] * shape["hidden"] * sum(
-        n * n for n in lengths)
+        n * n for n in lengths
+    )
 
 
 def synchronize(device: torch.device) -> None:
@@ -146,7 +158,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def reset_peak(device: torch.device) -> None:
@@ -165,20 +177,40 @@ class Check:
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check-"))
         self.model_dir = self.tmp / "model"
         self.device_name, self.peak_tflops = device_peak_tflops(self.device)
-        self.result = {"benchmark": "gpu_check", "date": date.today().isoformat(), "machine": machine(),
-                       "dry_run": self.dry_run, "device": self.device_name, "peak_bf16_tflops": self.peak_tflops,
-                       "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                                    "cuda": torch.version.cuda, "transformers": transformers.__version__,
-                                    "megatron-core": _version("megatron-core")},
-                       "sizes": dataclasses.asdict(self.sizes), "overrides": self.overrides, "sections": {}}
+        self.result = {
+            "benchmark": "gpu_check",
+            "date": date.today().isoformat(),
+            "machine": machine(),
+            "dry_run": self.dry_run,
+            "device": self.device_name,
+            "peak_bf16_tflops": self.peak_tflops,
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "transformers": transformers.__version__,
+                "megatron-core": _version("megatron-core"),
+            },
+            "sizes": dataclasses.asdict(self.sizes),
+            "overrides": self.overrides,
+            "sections": {},
+        }
         self.shape = make_model(self.model_dir, self.device, self.dry_run)
         self.result["model"] = self.shape
 
     def config(self, *overrides: str):
-        return load_config("configs/quickstart.yaml", [f"model.path={self.model_dir}", f"cluster.fileroot={self.tmp}",
-                                                       f"actor.max_tokens_per_mb={self.sizes.tokens_per_mb}",
-                                                       "model.compute_dtype=bfloat16", "actor.tree_training=off",
-                                                       *overrides, *self.overrides])
+        return load_config(
+            "configs/quickstart.yaml",
+            [
+                f"model.path={self.model_dir}",
+                f"cluster.fileroot={self.tmp}",
+                f"actor.max_tokens_per_mb={self.sizes.tokens_per_mb}",
+                "model.compute_dtype=bfloat16",
+                "actor.tree_training=off",
+                *overrides,
+                *self.overrides,
+            ],
+        )
 
     def training_batch(self, vocab: int) -> SequenceBatch:
         return mixed_length_batch(self.sizes.tokens_per_step, vocab, np.random.default_rng(0))
@@ -207,8 +239,10 @@ def ppo_steps(check: Check, engine_name: str) -> dict:
     except Exception as refused:  # an engine that does not build bfloat16 yet: its float32 row, and why
         if "compute_dtype" not in str(refused):
             raise
-        actor, compute = build_actor(check.config(f"actor.engine={engine_name}", "model.compute_dtype=float32"),
-                                     None)[0], f"float32 ({refused})"
+        actor, compute = (
+            build_actor(check.config(f"actor.engine={engine_name}", "model.compute_dtype=float32"), None)[0],
+            f"float32 ({refused})",
+        )
     engine = actor.actor
     batch = check.training_batch(check.shape["vocab"])
     reset_peak(engine.device)
@@ -222,11 +256,19 @@ def ppo_steps(check: Check, engine_name: str) -> dict:
             times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
     flops = model_flops(batch, check.shape) / seconds
-    return {"compute": compute, "tokens": batch.n_tokens, "sequences": len(batch),
-            "microbatches": stats.get("microbatches"), "s_per_step": seconds, "tokens_per_s": batch.n_tokens / seconds,
-            "tflops": flops / 1e12, "mfu": flops / (check.peak_tflops * 1e12) if check.peak_tflops else None,
-            "peak_memory_gib": peak_memory_gib(engine.device), "loss": stats.get("loss"),
-            "grad_norm": stats.get("grad_norm")}
+    return {
+        "compute": compute,
+        "tokens": batch.n_tokens,
+        "sequences": len(batch),
+        "microbatches": stats.get("microbatches"),
+        "s_per_step": seconds,
+        "tokens_per_s": batch.n_tokens / seconds,
+        "tflops": flops / 1e12,
+        "mfu": flops / (check.peak_tflops * 1e12) if check.peak_tflops else None,
+        "peak_memory_gib": peak_memory_gib(engine.device),
+        "loss": stats.get("loss"),
+        "grad_norm": stats.get("grad_norm"),
+    }
 
 
 def torch_engine(check: Check) -> dict:
@@ -245,8 +287,12 @@ def logprobs(check: Check) -> dict:
     batch = SequenceBatch(sequences, [[0] * (length // 4) + [1] * (length - length // 4)] * n)
 
     def per_token(device: torch.device, compute: str) -> torch.Tensor:
-        engine = TorchTrainEngine(load_model(check.model_dir, "float32", device=device), PolicyOutputs(1.0),
-                                  max_tokens_per_mb=n * length, compute_dtype=compute)
+        engine = TorchTrainEngine(
+            load_model(check.model_dir, "float32", device=device),
+            PolicyOutputs(1.0),
+            max_tokens_per_mb=n * length,
+            compute_dtype=compute,
+        )
         return torch.cat(engine.forward(batch)["logprobs"])
 
     reference = per_token(torch.device("cpu"), "float32")
@@ -255,8 +301,13 @@ def logprobs(check: Check) -> dict:
     for compute in ("bfloat16", "float32"):
         gap = (per_token(check.device, compute) - reference)[targets].abs()
         mean_ok, max_ok = LOGPROB_TOLERANCE[compute]
-        rows[compute] = {"mean_abs": float(gap.mean()), "max_abs": float(gap.max()), "tolerance_mean": mean_ok,
-                         "tolerance_max": max_ok, "within": bool(gap.mean() <= mean_ok and gap.max() <= max_ok)}
+        rows[compute] = {
+            "mean_abs": float(gap.mean()),
+            "max_abs": float(gap.max()),
+            "tolerance_mean": mean_ok,
+            "tolerance_max": max_ok,
+            "within": bool(gap.mean() <= mean_ok and gap.max() <= max_ok),
+        }
     return {"targets": int(targets.sum()), "reference_mean_logprob": float(reference[targets].mean()), **rows}
 
 
@@ -264,8 +315,9 @@ def decode(check: Check) -> dict:
     """Embedded engine vs ``generate()``: decode tokens/s at each batch size, same bf16 model, same work."""
     model = load_model(check.model_dir, "bfloat16", device=check.device)
     s = check.sizes
-    engine = EmbeddedEngine(model, slots=max(s.decode_batches), context_length=s.prompt_tokens + s.new_tokens,
-                            eos_token_ids=[])
+    engine = EmbeddedEngine(
+        model, slots=max(s.decode_batches), context_length=s.prompt_tokens + s.new_tokens, eos_token_ids=[]
+    )
     params = SamplingParams(max_new_tokens=s.new_tokens, ignore_eos=True)
     rng = np.random.default_rng(2)
 
@@ -275,8 +327,16 @@ def decode(check: Check) -> dict:
 
     def theirs(prompts: list[list[int]]) -> int:
         ids = torch.tensor(prompts, device=check.device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, top_p=1.0,
-                             max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=s.new_tokens,
+            min_new_tokens=s.new_tokens,
+            pad_token_id=0,
+        )
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
     def timed(run) -> tuple[int, float]:
@@ -294,9 +354,15 @@ def decode(check: Check) -> dict:
             theirs(prompts[:1])
             tokens, seconds = timed(lambda: asyncio.run(ours(prompts)))  # noqa: B023 - called within this iteration
             their_tokens, their_seconds = timed(lambda: theirs(prompts))  # noqa: B023 - called within this iteration
-            rows.append({"batch": batch, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                         "generate_tokens_per_s": their_tokens / their_seconds,
-                         "ratio": (tokens / seconds) / (their_tokens / their_seconds)})
+            rows.append(
+                {
+                    "batch": batch,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / seconds,
+                    "generate_tokens_per_s": their_tokens / their_seconds,
+                    "ratio": (tokens / seconds) / (their_tokens / their_seconds),
+                }
+            )
     finally:
         engine.stop()
     return {"rows": rows}
@@ -304,8 +370,10 @@ def decode(check: Check) -> dict:
 
 def per_sequence_sdpa_outputs(model: torch.nn.Module, batch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """``packed_policy_outputs`` with per-sequence sdpa forced (the CPU's path), whatever the device."""
+
     def sdpa_inputs(model, cu_seqlens):
         return VARLEN_SDPA, {"padded_groups": padded_groups(cu_seqlens)}
+
     with mock.patch.object(outputs, "packed_attention_inputs", sdpa_inputs):
         return packed_policy_outputs(model, batch, temperature)
 
@@ -321,8 +389,11 @@ def attention(check: Check) -> dict:
     with torch.autocast(check.device.type, dtype=torch.bfloat16):
         trainer_path = packed_attention_inputs(model, packed.cu_seqlens)[0]
     rows = {}
-    for name, forward in ((f"trainer ({trainer_path})", packed_policy_outputs),
-                          ("per-sequence sdpa", per_sequence_sdpa_outputs), ("dense-mask sdpa", dense_policy_outputs)):
+    for name, forward in (
+        (f"trainer ({trainer_path})", packed_policy_outputs),
+        ("per-sequence sdpa", per_sequence_sdpa_outputs),
+        ("dense-mask sdpa", dense_policy_outputs),
+    ):
         times = []
         for repeat in range(3):
             model.zero_grad(set_to_none=True)
@@ -334,8 +405,10 @@ def attention(check: Check) -> dict:
             synchronize(check.device)
             if repeat:
                 times.append(time.perf_counter() - started)
-        rows[name] = {"tokens_per_s": packed.input_ids.shape[1] / statistics.median(times),
-                      "max_abs_vs_float32": float((out.detach().float() - reference).abs().max())}
+        rows[name] = {
+            "tokens_per_s": packed.input_ids.shape[1] / statistics.median(times),
+            "max_abs_vs_float32": float((out.detach().float() - reference).abs().max()),
+        }
     return {"tokens": packed.input_ids.shape[1], "sequences": len(batch), "rows": rows}
 
 
@@ -343,8 +416,9 @@ def weight_push(check: Check) -> dict:
     """Trainer weights into a rollout engine: in process, bucket by bucket; and through a folder on disk."""
     cfg = check.config()
     engine = build_actor(cfg, None)[0].actor
-    server = EmbeddedEngine(load_model(check.model_dir, "bfloat16", device=check.device), slots=4,
-                            context_length=256, eos_token_ids=[])
+    server = EmbeddedEngine(
+        load_model(check.model_dir, "bfloat16", device=check.device), slots=4, context_length=256, eos_token_ids=[]
+    )
     bucket_bytes = cfg.rl.weight_sync_bucket_mb << 20
     try:
         synchronize(check.device)
@@ -364,13 +438,25 @@ def weight_push(check: Check) -> dict:
         loaded = time.perf_counter() - started - saved
     finally:
         server.stop()
-    return {"bytes": pushed, "bucket_mb": cfg.rl.weight_sync_bucket_mb, "in_process_s": in_process,
-            "in_process_gb_per_s": pushed / in_process / 1e9, "disk_save_s": saved, "disk_load_s": loaded,
-            "nccl": "not measured: one device (NCCL refuses two ranks on one GPU)"}
+    return {
+        "bytes": pushed,
+        "bucket_mb": cfg.rl.weight_sync_bucket_mb,
+        "in_process_s": in_process,
+        "in_process_gb_per_s": pushed / in_process / 1e9,
+        "disk_save_s": saved,
+        "disk_load_s": loaded,
+        "nccl": "not measured: one device (NCCL refuses two ranks on one GPU)",
+    }
 
 
-SECTIONS = {"torch_engine": torch_engine, "megatron_engine": megatron_engine, "logprobs": logprobs,
-            "decode": decode, "attention": attention, "weight_push": weight_push}
+SECTIONS = {
+    "torch_engine": torch_engine,
+    "megatron_engine": megatron_engine,
+    "logprobs": logprobs,
+    "decode": decode,
+    "attention": attention,
+    "weight_push": weight_push,
+}
 
 
 def run(args) -> dict:
@@ -382,12 +468,14 @@ def run(args) -> dict:
             try:
                 section = SECTIONS[name](check)
             except Exception as failure:  # noqa: BLE001 - recorded; the other sections still run
-                section = {"error": f"{type(failure).__name__}: {failure}",
-                           "traceback": traceback.format_exc(limit=6)}
+                section = {"error": f"{type(failure).__name__}: {failure}", "traceback": traceback.format_exc(limit=6)}
             section["seconds"] = time.perf_counter() - started
             check.record(name, section)
-            print(f"[gpu_check] {name}: {'error: ' + section['error'] if 'error' in section else 'ok'} "
-                  f"({section['seconds']:.1f} s)", flush=True)
+            print(
+                f"[gpu_check] {name}: {'error: ' + section['error'] if 'error' in section else 'ok'} "
+                f"({section['seconds']:.1f} s)",
+                flush=True,
+            )
             gc.collect()  # the section's engines and models, before the next one allocates
             if check.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -402,44 +490,74 @@ def _fmt(value, spec: str = ".3g") -> str:
 
 def report(r: dict) -> str:
     s, m = r["sections"], r["model"]
-    lines = [f"# GPU check{' (dry run, CPU, toy sizes)' if r['dry_run'] else ''}: {r['device']} ({r['date']})", "",
-             machine_and_versions(r)
-             + (f" Overrides: {' '.join(r['overrides'])}." if r.get("overrides") else ""),
-             f"Model: Qwen2-shaped, {m['parameters'] / 1e6:,.1f}M parameters ({m['layers']} layers, hidden "
-             f"{m['hidden']}, vocabulary {m['vocab']}), random weights. Peak dense bf16: "
-             f"{_fmt(r['peak_bf16_tflops'])} TFLOP/s.", ""]
+    lines = [
+        f"# GPU check{' (dry run, CPU, toy sizes)' if r['dry_run'] else ''}: {r['device']} ({r['date']})",
+        "",
+        machine_and_versions(r) + (f" Overrides: {' '.join(r['overrides'])}." if r.get("overrides") else ""),
+        f"Model: Qwen2-shaped, {m['parameters'] / 1e6:,.1f}M parameters ({m['layers']} layers, hidden "
+        f"{m['hidden']}, vocabulary {m['vocab']}), random weights. Peak dense bf16: "
+        f"{_fmt(r['peak_bf16_tflops'])} TFLOP/s.",
+        "",
+    ]
     for name in ("torch_engine", "megatron_engine"):
         if name in s:
             lines.append(_engine_row(name, s[name]))
     if "logprobs" in s:
         lp = s["logprobs"]
         lines += ["", "## Logprobs against CPU float32", ""]
-        lines += [f"Error: {lp['error']}"] if "error" in lp else [
-            "| device compute | mean abs | max abs | tolerance (mean, max) | within |", "|---|---|---|---|---|"] + [
-            f"| {c} | {lp[c]['mean_abs']:.2e} | {lp[c]['max_abs']:.2e} | {lp[c]['tolerance_mean']}, "
-            f"{lp[c]['tolerance_max']} | {lp[c]['within']} |" for c in ("bfloat16", "float32")] + [
-            "", f"{lp['targets']} target tokens; mean reference logprob {lp['reference_mean_logprob']:.2f}."]
+        lines += (
+            [f"Error: {lp['error']}"]
+            if "error" in lp
+            else ["| device compute | mean abs | max abs | tolerance (mean, max) | within |", "|---|---|---|---|---|"]
+            + [
+                f"| {c} | {lp[c]['mean_abs']:.2e} | {lp[c]['max_abs']:.2e} | {lp[c]['tolerance_mean']}, "
+                f"{lp[c]['tolerance_max']} | {lp[c]['within']} |"
+                for c in ("bfloat16", "float32")
+            ]
+            + ["", f"{lp['targets']} target tokens; mean reference logprob {lp['reference_mean_logprob']:.2f}."]
+        )
     if "decode" in s:
         lines += ["", "## Decode: embedded engine vs generate()", ""]
-        lines += [f"Error: {s['decode']['error']}"] if "error" in s["decode"] else [
-            "| batch | ours tokens/s | generate() tokens/s | ratio |", "|---|---|---|---|"] + [
-            f"| {row['batch']} | {row['tokens_per_s']:.0f} | {row['generate_tokens_per_s']:.0f} | "
-            f"**{row['ratio']:.2f}x** |" for row in s["decode"]["rows"]]
+        lines += (
+            [f"Error: {s['decode']['error']}"]
+            if "error" in s["decode"]
+            else ["| batch | ours tokens/s | generate() tokens/s | ratio |", "|---|---|---|---|"]
+            + [
+                f"| {row['batch']} | {row['tokens_per_s']:.0f} | {row['generate_tokens_per_s']:.0f} | "
+                f"**{row['ratio']:.2f}x** |"
+                for row in s["decode"]["rows"]
+            ]
+        )
     if "attention" in s:
         a = s["attention"]
         lines += ["", "## Packed attention: one micro-batch, forward+backward, bf16 autocast", ""]
-        lines += [f"Error: {a['error']}"] if "error" in a else [
-            f"{a['tokens']} tokens in {a['sequences']} sequences.", "",
-            "| attention | tokens/s | vs dense mask | max abs logprob gap to float32 |", "|---|---|---|---|"] + [
-            f"| {name} | {row['tokens_per_s']:.0f} | **{row['tokens_per_s'] / a['rows']['dense-mask sdpa']['tokens_per_s']:.2f}x**"
-            f" | {row['max_abs_vs_float32']:.2e} |" for name, row in a["rows"].items()]
+        lines += (
+            [f"Error: {a['error']}"]
+            if "error" in a
+            else [
+                f"{a['tokens']} tokens in {a['sequences']} sequences.",
+                "",
+                "| attention | tokens/s | vs dense mask | max abs logprob gap to float32 |",
+                "|---|---|---|---|",
+            ]
+            + [
+                f"| {name} | {row['tokens_per_s']:.0f} | **{row['tokens_per_s'] / a['rows']['dense-mask sdpa']['tokens_per_s']:.2f}x**"
+                f" | {row['max_abs_vs_float32']:.2e} |"
+                for name, row in a["rows"].items()
+            ]
+        )
     if "weight_push" in s:
         w = s["weight_push"]
         lines += ["", "## Weight push", ""]
-        lines += [f"Error: {w['error']}"] if "error" in w else [
-            f"{w['bytes'] / 1e9:.2f} GB in {w['bucket_mb']} MB buckets: in process {w['in_process_s']:.2f} s "
-            f"({w['in_process_gb_per_s']:.1f} GB/s); through disk: save {w['disk_save_s']:.2f} s, load "
-            f"{w['disk_load_s']:.2f} s. NCCL: {w['nccl']}."]
+        lines += (
+            [f"Error: {w['error']}"]
+            if "error" in w
+            else [
+                f"{w['bytes'] / 1e9:.2f} GB in {w['bucket_mb']} MB buckets: in process {w['in_process_s']:.2f} s "
+                f"({w['in_process_gb_per_s']:.1f} GB/s); through disk: save {w['disk_save_s']:.2f} s, load "
+                f"{w['disk_load_s']:.2f} s. NCCL: {w['nccl']}."
+            ]
+        )
     lines += ["", "Seconds per section: " + ", ".join(f"{k} {v['seconds']:.1f}" for k, v in s.items()) + "."]
     return "\n".join(lines)
 
@@ -447,10 +565,12 @@ def report(r: dict) -> str:
 def _engine_row(name: str, e: dict) -> str:
     if "error" in e:
         return f"- **{name}**: error: {e['error']}"
-    return (f"- **{name}** PPO step ({e['compute']}): {e['tokens']} tokens in {e['sequences']} sequences, "
-            f"{_fmt(e['microbatches'], '.0f')} micro-batches: {e['s_per_step']:.3f} s/step, "
-            f"{e['tokens_per_s']:.0f} tokens/s, {e['tflops']:.1f} TFLOP/s, MFU {_fmt(e['mfu'], '.1%')}, "
-            f"peak memory {_fmt(e['peak_memory_gib'], '.1f')} GiB.")
+    return (
+        f"- **{name}** PPO step ({e['compute']}): {e['tokens']} tokens in {e['sequences']} sequences, "
+        f"{_fmt(e['microbatches'], '.0f')} micro-batches: {e['s_per_step']:.3f} s/step, "
+        f"{e['tokens_per_s']:.0f} tokens/s, {e['tflops']:.1f} TFLOP/s, MFU {_fmt(e['mfu'], '.1%')}, "
+        f"peak memory {_fmt(e['peak_memory_gib'], '.1f')} GiB."
+    )
 
 
 if __name__ == "__main__":
@@ -458,8 +578,12 @@ if __name__ == "__main__":
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: the same code paths, for CI")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for the JSON and table")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run these sections only")
-    parser.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="config overrides of the trainer sections, "
-                        "e.g. actor.recompute=full")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="config overrides of the trainer sections, e.g. actor.recompute=full",
+    )
     parser.add_argument("--save", action="store_true", help="also record the result in bench/results/")
     arguments = parser.parse_args()
     result = run(arguments)

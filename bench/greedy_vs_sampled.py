@@ -32,9 +32,23 @@ REPO = Path(__file__).resolve().parent.parent
 def scores(run_dir: Path, config: Path, samples: int) -> dict:
     """The run's greedy accuracy at its last evaluation and its final model's sampled pass@1."""
     greedy = [r["eval/accuracy"] for r in read_json_lines(run_dir / "metrics.jsonl") if "eval/accuracy" in r][-1]
-    out = subprocess.run([str(REPO / ".venv/bin/areal-hpc"), "eval", "--model", str(run_dir / "model"), "--config",
-                          str(config), "--samples", str(samples), "--json"],
-                         cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            str(REPO / ".venv/bin/areal-hpc"),
+            "eval",
+            "--model",
+            str(run_dir / "model"),
+            "--config",
+            str(config),
+            "--samples",
+            str(samples),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return {"greedy": greedy, "sampled": json.loads(out.stdout)["pass@1"]}
 
 
@@ -46,26 +60,45 @@ def run(args) -> dict:
             sides[label][seed] = scores(run_dir, args.config, args.samples)
             print(f"{label} seed {seed}: {sides[label][seed]}", flush=True)
     base = sides[args.baseline[0]]
-    comparisons = {label: {kind: [100 * (sides[label][s][kind] - base[s][kind]) for s in args.seeds]
-                           for kind in ("greedy", "sampled")} for label, _ in args.runs}
-    return {"date": datetime.date.today().isoformat(), "machine": machine(), "baseline": args.baseline[0],
-            "patterns": dict([args.baseline, *args.runs]), "seeds": args.seeds, "samples": args.samples,
-            "config": str(args.config.relative_to(REPO)), "scores": sides, "comparisons": comparisons}
+    comparisons = {
+        label: {
+            kind: [100 * (sides[label][s][kind] - base[s][kind]) for s in args.seeds] for kind in ("greedy", "sampled")
+        }
+        for label, _ in args.runs
+    }
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "baseline": args.baseline[0],
+        "patterns": dict([args.baseline, *args.runs]),
+        "seeds": args.seeds,
+        "samples": args.samples,
+        "config": str(args.config.relative_to(REPO)),
+        "scores": sides,
+        "comparisons": comparisons,
+    }
 
 
 def report(result: dict) -> str:
     base = result["baseline"]
-    lines = [f"# Greedy and sampled accuracy of final models ({result['date']})", "",
-             f"{result['machine']}; config `{result['config']}`'s held-out problems; sampled: pass@1 over "
-             f"{result['samples']} answers a problem; seeds {result['seeds']}. Runs: "
-             + "; ".join(f"{label}: `{pattern}`" for label, pattern in result["patterns"].items()), "",
-             "| model | greedy accuracy at the last step | sampled accuracy (pass@1) |", "|---|---|---|"]
+    lines = [
+        f"# Greedy and sampled accuracy of final models ({result['date']})",
+        "",
+        f"{result['machine']}; config `{result['config']}`'s held-out problems; sampled: pass@1 over "
+        f"{result['samples']} answers a problem; seeds {result['seeds']}. Runs: "
+        + "; ".join(f"{label}: `{pattern}`" for label, pattern in result["patterns"].items()),
+        "",
+        "| model | greedy accuracy at the last step | sampled accuracy (pass@1) |",
+        "|---|---|---|",
+    ]
     for label, runs in result["scores"].items():
         mean = {kind: 100 * sum(r[kind] for r in runs.values()) / len(runs) for kind in ("greedy", "sampled")}
         lines.append(f"| {label} | {mean['greedy']:.2f}% | {mean['sampled']:.2f}% |")
     for label, gaps in result["comparisons"].items():
-        lines.append(f"| {label} minus {base}, seed by seed (points) | {mean_and_error(gaps['greedy'])} | "
-                     f"{mean_and_error(gaps['sampled'])} |")
+        lines.append(
+            f"| {label} minus {base}, seed by seed (points) | {mean_and_error(gaps['greedy'])} | "
+            f"{mean_and_error(gaps['sampled'])} |"
+        )
     return "\n".join(lines)
 
 

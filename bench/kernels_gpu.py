@@ -42,8 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 from recording import machine
 
-ATTENTION_CASES = [dict(S=512, P=2048, H=12, H_kv=2, D=128), dict(S=2048, P=0, H=12, H_kv=2, D=128),
-                   dict(S=128, P=8192, H=32, H_kv=8, D=128)]
+ATTENTION_CASES = [
+    dict(S=512, P=2048, H=12, H_kv=2, D=128),
+    dict(S=2048, P=0, H=12, H_kv=2, D=128),
+    dict(S=128, P=8192, H=32, H_kv=8, D=128),
+]
 LOGPROB_CASES = [dict(N=4096, Hd=1536, V=151936)]
 DRY_ATTENTION_CASES = [dict(S=40, P=24, H=4, H_kv=2, D=32), dict(S=24, P=0, H=2, H_kv=1, D=16)]
 DRY_LOGPROB_CASES = [dict(N=24, Hd=32, V=300)]
@@ -68,13 +71,15 @@ def median_ms(run, repeats: int) -> float:
 
 
 def largest_gap(outputs, expected) -> float:
-    return max(((a.float() - b.float()).abs().max().item() for a, b in zip(outputs, expected) if a.numel()),
-               default=0.0)
+    return max(
+        ((a.float() - b.float()).abs().max().item() for a, b in zip(outputs, expected) if a.numel()), default=0.0
+    )
 
 
 def measure(function, inputs: list[torch.Tensor], loss, expected, repeats: int) -> dict:
     """Forward and forward+backward times of ``function(*inputs)``, the peak memory of each beyond the
     inputs, and the largest gap of (outputs, input gradients) from ``expected``."""
+
     def forward():
         with torch.no_grad():
             function(*inputs)
@@ -113,8 +118,10 @@ def sdpa_lower_right(q, k_prefix, v_prefix, k_seg, v_seg):
     from torch.nn.attention.bias import causal_lower_right
 
     group = q.shape[1] // k_seg.shape[1]
-    keys, values = (torch.cat(pair).repeat_interleave(group, dim=1).transpose(0, 1)[None] for pair in
-                    ((k_prefix, k_seg), (v_prefix, v_seg)))
+    keys, values = (
+        torch.cat(pair).repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        for pair in ((k_prefix, k_seg), (v_prefix, v_seg))
+    )
     bias = causal_lower_right(len(q), keys.shape[2])
     return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=bias)[0].transpose(0, 1)
 
@@ -124,8 +131,9 @@ def sdpa_dense_mask(q, k_prefix, v_prefix, k_seg, v_seg):
     prefix, length = len(k_prefix), len(q)
     mask = torch.arange(prefix + length, device=q.device) <= prefix + torch.arange(length, device=q.device)[:, None]
     keys, values = (torch.cat(pair).transpose(0, 1)[None] for pair in ((k_prefix, k_seg), (v_prefix, v_seg)))
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
-                                          enable_gqa=keys.shape[1] != q.shape[1])[0].transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1]
+    )[0].transpose(0, 1)
 
 
 def attention_rows(case: dict, device, dtype, repeats: int):
@@ -141,8 +149,12 @@ def attention_rows(case: dict, device, dtype, repeats: int):
         return (out.float() * grad.float()).sum()
 
     expected = reference_results(segment_attention_reference, inputs, loss)
-    for name, function in (("triton", segment_attention), ("reference", segment_attention_reference),
-                           ("sdpa_lower_right_causal", sdpa_lower_right), ("sdpa_dense_mask", sdpa_dense_mask)):
+    for name, function in (
+        ("triton", segment_attention),
+        ("reference", segment_attention_reference),
+        ("sdpa_lower_right_causal", sdpa_lower_right),
+        ("sdpa_dense_mask", sdpa_dense_mask),
+    ):
         yield name, lambda function=function: measure(function, inputs, loss, expected, repeats)
 
 
@@ -152,7 +164,7 @@ def logprob_rows(case: dict, device, dtype, repeats: int):
     torch.manual_seed(0)
     n, hd, v = case["N"], case["Hd"], case["V"]
     hidden = torch.randn(n, hd, device=device, dtype=dtype).requires_grad_()
-    weight = (torch.randn(v, hd, device=device, dtype=dtype) * hd ** -0.5).requires_grad_()
+    weight = (torch.randn(v, hd, device=device, dtype=dtype) * hd**-0.5).requires_grad_()
     tokens = torch.randint(0, v, (n,), device=device)
     temperatures = torch.rand(n, device=device) + 0.5
 
@@ -168,26 +180,36 @@ def logprob_rows(case: dict, device, dtype, repeats: int):
         return lambda hidden, weight: function(hidden, weight, tokens, temperatures)
 
     expected = reference_results(bound(target_logprobs_entropy_reference), [hidden, weight], loss)
-    for name, function in (("triton", bound(target_logprobs_entropy)),
-                           ("reference", bound(target_logprobs_entropy_reference)),
-                           ("torch_chunked", trainer_chunked)):
+    for name, function in (
+        ("triton", bound(target_logprobs_entropy)),
+        ("reference", bound(target_logprobs_entropy_reference)),
+        ("torch_chunked", trainer_chunked),
+    ):
         yield name, lambda function=function: measure(function, [hidden, weight], loss, expected, repeats)
 
 
 def markdown(record: dict) -> str:
-    lines = [f"# Triton kernels ({record['device']}, torch {record['torch']}, triton {record['triton']}"
-             f"{', dry run' if record['dry_run'] else ''}), {record['date']}", "", f"Machine: {record['machine']}.", "",
-             "| kernel | case | implementation | forward ms | fwd+bwd ms | fwd+bwd peak MiB | max abs error | "
-             "max abs grad error |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Triton kernels ({record['device']}, torch {record['torch']}, triton {record['triton']}"
+        f"{', dry run' if record['dry_run'] else ''}), {record['date']}",
+        "",
+        f"Machine: {record['machine']}.",
+        "",
+        "| kernel | case | implementation | forward ms | fwd+bwd ms | fwd+bwd peak MiB | max abs error | "
+        "max abs grad error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in record["rows"]:
         case = " ".join(f"{k}={v}" for k, v in row["case"].items())
         if "error" in row:
             lines.append(f"| {row['kernel']} | {case} | {row['implementation']} | error: {row['error']} | | | | |")
             continue
         peak = row.get("forward_backward_peak_mib")
-        lines.append(f"| {row['kernel']} | {case} | {row['implementation']} | {row['forward_ms']:.3f} | "
-                     f"{row['forward_backward_ms']:.3f} | {'' if peak is None else f'{peak:.0f}'} | "
-                     f"{row['max_abs_error']:.2e} | {row['max_abs_grad_error']:.2e} |")
+        lines.append(
+            f"| {row['kernel']} | {case} | {row['implementation']} | {row['forward_ms']:.3f} | "
+            f"{row['forward_backward_ms']:.3f} | {'' if peak is None else f'{peak:.0f}'} | "
+            f"{row['max_abs_error']:.2e} | {row['max_abs_grad_error']:.2e} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -207,12 +229,22 @@ def main() -> None:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     repeats = args.repeats or (1 if args.dry_run else 10)
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"date": date.today().isoformat(), "machine": machine(),
-              "device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
-              "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype).removeprefix("torch."),
-              "dry_run": args.dry_run, "repeats": repeats, "rows": []}
-    cases = [("segment_attention", attention_rows, DRY_ATTENTION_CASES if args.dry_run else ATTENTION_CASES),
-             ("target_logprobs", logprob_rows, DRY_LOGPROB_CASES if args.dry_run else LOGPROB_CASES)]
+    record = {
+        "date": date.today().isoformat(),
+        "machine": machine(),
+        "device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "dry_run": args.dry_run,
+        "repeats": repeats,
+        "rows": [],
+    }
+    cases = [
+        ("segment_attention", attention_rows, DRY_ATTENTION_CASES if args.dry_run else ATTENTION_CASES),
+        ("target_logprobs", logprob_rows, DRY_LOGPROB_CASES if args.dry_run else LOGPROB_CASES),
+    ]
+
     def add(row: dict, run=None) -> None:
         if run is not None:
             try:
@@ -234,8 +266,14 @@ def main() -> None:
                     add({"kernel": kernel, "case": case, "implementation": implementation}, run)
             except Exception as error:  # noqa: BLE001 - the inputs or the float32 reference of this case failed
                 traceback.print_exc()
-                add({"kernel": kernel, "case": case, "implementation": "setup",
-                     "error": f"{type(error).__name__}: {error}".splitlines()[0][:300]})
+                add(
+                    {
+                        "kernel": kernel,
+                        "case": case,
+                        "implementation": "setup",
+                        "error": f"{type(error).__name__}: {error}".splitlines()[0][:300],
+                    }
+                )
     print(markdown(record), flush=True)
 
 

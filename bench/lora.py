@@ -75,14 +75,24 @@ def _measure(model_dir: str, overrides: list[str], steps: int) -> dict:
         started = time.perf_counter()
         engine.save(folder)
         save_s = time.perf_counter() - started
-        optimizer_bytes = sum(v.numel() * v.element_size() for state in engine.optimizer.state.values()
-                              for v in state.values() if torch.is_tensor(v) and v.dim())
-        return {"s_per_step": statistics.median(times), "peak_over_start_bytes": memory.peak - before,
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "parameters": sum(p.numel() for p in engine.model.parameters()),
-                "trained_parameters": sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
-                "optimizer_state_bytes": optimizer_bytes, "push_bytes": pushed, "push_s": push_s,
-                "checkpoint_bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()), "save_s": save_s}
+        optimizer_bytes = sum(
+            v.numel() * v.element_size()
+            for state in engine.optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim()
+        )
+        return {
+            "s_per_step": statistics.median(times),
+            "peak_over_start_bytes": memory.peak - before,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "parameters": sum(p.numel() for p in engine.model.parameters()),
+            "trained_parameters": sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
+            "optimizer_state_bytes": optimizer_bytes,
+            "push_bytes": pushed,
+            "push_s": push_s,
+            "checkpoint_bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()),
+            "save_s": save_s,
+        }
 
 
 def _interleaved(model_dir: str, variants: dict[str, list[str]], steps: int) -> dict[str, float]:
@@ -126,8 +136,10 @@ def run(args) -> dict:
     from areal_hpc.models.tiny import init_model
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    variants = {"full": [], f"lora r={args.rank}": [f"actor.lora.rank={args.rank}",
-                                                      f"actor.lora.alpha={2 * args.rank}"]}
+    variants = {
+        "full": [],
+        f"lora r={args.rank}": [f"actor.lora.rank={args.rank}", f"actor.lora.alpha={2 * args.rank}"],
+    }
     load, rows = [os.getloadavg()[0]], []
     with tempfile.TemporaryDirectory(prefix="bench-lora-models-") as tmp:
         for preset in args.presets:
@@ -136,8 +148,11 @@ def run(args) -> dict:
             for repeat in range(args.repeats):
                 for name, overrides in variants.items():
                     runs[name].append(in_child(_measure, str(model), overrides, args.steps))
-                    print(f"{preset} {name} #{repeat + 1}: {runs[name][-1]['s_per_step']:.4f} s/step", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"{preset} {name} #{repeat + 1}: {runs[name][-1]['s_per_step']:.4f} s/step",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             interleaved = in_child(_interleaved, str(model), variants, args.steps)
             for name, samples in runs.items():
                 row = {"preset": preset, "variant": name, "runs": samples}
@@ -146,39 +161,67 @@ def run(args) -> dict:
                 row["s_per_step_alone"], row["s_per_step"] = row["s_per_step"], interleaved[name]
                 rows.append(row)
     load.append(os.getloadavg()[0])
-    return {"benchmark": "lora", "date": datetime.date.today().isoformat(), "machine": machine(),
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                         "peft": __import__("peft").__version__},
-            "steps": args.steps, "repeats": args.repeats, "rank": args.rank, "rows": rows,
-            "load_average_1min": load}
+    return {
+        "benchmark": "lora",
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "versions": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "peft": __import__("peft").__version__,
+        },
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "rank": args.rank,
+        "rows": rows,
+        "load_average_1min": load,
+    }
 
 
 def report(result: dict) -> str:
     mib = 2**20
-    lines = [f"# LoRA vs full fine-tuning, the quickstart's trainer ({result['date']})", "",
-             f"machine: {result['machine']}; versions: {result['versions']}; one thread, one process per variant, "
-             f"s/step: median of {result['steps']} steps of each variant in turn in one process; memory, push and "
-             f"checkpoint: median of {result['repeats']} processes per variant; "
-             f"1-minute load average at start and end: {', '.join(f'{x:.2f}' for x in result['load_average_1min'])}",
-             "", "| model | variant | trained parameters | s/step | peak over start (MiB) | peak RSS (MiB) | "
-             "optimizer state (MiB) | push (s) | checkpoint (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# LoRA vs full fine-tuning, the quickstart's trainer ({result['date']})",
+        "",
+        f"machine: {result['machine']}; versions: {result['versions']}; one thread, one process per variant, "
+        f"s/step: median of {result['steps']} steps of each variant in turn in one process; memory, push and "
+        f"checkpoint: median of {result['repeats']} processes per variant; "
+        f"1-minute load average at start and end: {', '.join(f'{x:.2f}' for x in result['load_average_1min'])}",
+        "",
+        "| model | variant | trained parameters | s/step | peak over start (MiB) | peak RSS (MiB) | "
+        "optimizer state (MiB) | push (s) | checkpoint (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     base = {r["preset"]: r["parameters"] for r in result["rows"] if r["variant"] == "full"}  # without adapters
     for r in result["rows"]:
-        lines.append(f"| {r['preset']} ({base[r['preset']] / 1e6:.2f}M) | {r['variant']} | "
-                     f"{r['trained_parameters']:,.0f} "
-                     f"({r['trained_parameters'] / base[r['preset']]:.1%}) | {r['s_per_step']:.4f} | "
-                     f"{r['peak_over_start_bytes'] / mib:.1f} | {r['peak_rss_bytes'] / mib:.0f} | "
-                     f"{r['optimizer_state_bytes'] / mib:.2f} | {r['push_s']:.3f} | "
-                     f"{r['checkpoint_bytes'] / mib:.2f} |")
+        lines.append(
+            f"| {r['preset']} ({base[r['preset']] / 1e6:.2f}M) | {r['variant']} | "
+            f"{r['trained_parameters']:,.0f} "
+            f"({r['trained_parameters'] / base[r['preset']]:.1%}) | {r['s_per_step']:.4f} | "
+            f"{r['peak_over_start_bytes'] / mib:.1f} | {r['peak_rss_bytes'] / mib:.0f} | "
+            f"{r['optimizer_state_bytes'] / mib:.2f} | {r['push_s']:.3f} | "
+            f"{r['checkpoint_bytes'] / mib:.2f} |"
+        )
     lines += ["", "LoRA / full:", ""]
     for preset in dict.fromkeys(r["preset"] for r in result["rows"]):
         full, lora = (r for r in result["rows"] if r["preset"] == preset)
-        ratio = {key: lora[key] / full[key] for key in ("s_per_step", "peak_over_start_bytes", "peak_rss_bytes",
-                                                         "optimizer_state_bytes", "push_s", "checkpoint_bytes")}
-        lines.append(f"- {preset}: s/step **{ratio['s_per_step']:.2f}x**, peak over start "
-                     f"**{ratio['peak_over_start_bytes']:.2f}x**, peak RSS {ratio['peak_rss_bytes']:.2f}x, optimizer "
-                     f"state {ratio['optimizer_state_bytes']:.3f}x, push {ratio['push_s']:.2f}x, checkpoint "
-                     f"{ratio['checkpoint_bytes']:.3f}x")
+        ratio = {
+            key: lora[key] / full[key]
+            for key in (
+                "s_per_step",
+                "peak_over_start_bytes",
+                "peak_rss_bytes",
+                "optimizer_state_bytes",
+                "push_s",
+                "checkpoint_bytes",
+            )
+        }
+        lines.append(
+            f"- {preset}: s/step **{ratio['s_per_step']:.2f}x**, peak over start "
+            f"**{ratio['peak_over_start_bytes']:.2f}x**, peak RSS {ratio['peak_rss_bytes']:.2f}x, optimizer "
+            f"state {ratio['optimizer_state_bytes']:.3f}x, push {ratio['push_s']:.2f}x, checkpoint "
+            f"{ratio['checkpoint_bytes']:.3f}x"
+        )
     return "\n".join(lines)
 
 

@@ -90,12 +90,34 @@ def rank_main(model: str, out: str, steps: int, overrides: list[str]) -> None:
 def run_layout(model: Path, out: Path, engine: str, layout: str, steps: int) -> dict:
     processes, overrides = LAYOUTS[layout]
     port = str(free_port("127.0.0.1"))
-    command = [sys.executable, __file__, "--rank", str(model), str(out), str(steps), f"actor.engine={engine}",
-               "model.compute_dtype=float32", *overrides]
-    ranks = [subprocess.Popen(command, cwd=REPO, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(processes),
-                                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                                       "OMP_NUM_THREADS": str(max(1, 2 // processes))},
-                              stderr=subprocess.PIPE, text=True) for r in range(processes)]
+    command = [
+        sys.executable,
+        __file__,
+        "--rank",
+        str(model),
+        str(out),
+        str(steps),
+        f"actor.engine={engine}",
+        "model.compute_dtype=float32",
+        *overrides,
+    ]
+    ranks = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(processes),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "OMP_NUM_THREADS": str(max(1, 2 // processes)),
+            },
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(processes)
+    ]
     codes = [p.wait() for p in ranks]
     if codes != [0] * processes:
         return {"error": next(p.stderr.read().strip().splitlines()[-1] for p, c in zip(ranks, codes) if c)}
@@ -112,8 +134,11 @@ def run(args) -> dict:
         model = init_model(Path(tmp) / "model", corpus_for_tokenizer(1), preset=args.preset, seed=1)
         for engine in args.engines:
             for layout in LAYOUTS:
-                row = {"engine": engine, "layout": layout,
-                       **run_layout(model, Path(tmp) / "out.json", engine, layout, args.steps)}
+                row = {
+                    "engine": engine,
+                    "layout": layout,
+                    **run_layout(model, Path(tmp) / "out.json", engine, layout, args.steps),
+                }
                 print(row, flush=True)
                 rows.append(row)
     for row in rows:
@@ -122,25 +147,40 @@ def run(args) -> dict:
             row["tokens_per_s"] = row["tokens"] / row["s_per_step"]
             row["vs_single"] = base["s_per_step"] / row["s_per_step"]
     import transformers
-    return {"date": str(date.today()), "machine": machine(), "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "preset": args.preset, "steps": args.steps, "rows": rows}
+
+    return {
+        "date": str(date.today()),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "preset": args.preset,
+        "steps": args.steps,
+        "rows": rows,
+    }
 
 
 def report(result: dict) -> str:
-    lines = [f"# Parallel layouts: training tokens/s vs one process ({result['date']})", "",
-             f"{result['machine']}; torch {result['torch']}, transformers {result['transformers']}; "
-             f"preset {result['preset']}, float32, median of "
-             f"{result['steps']} PPO steps after a warm-up (64 sequences, 64-256 tokens).", "",
-             "CPU figure, correctness first: every layout's ranks share the same 2 cores, so a layout can only lose "
-             "against one process; the ratio is what communication and sharding cost here, not a cluster's speed-up.",
-             "", "| engine | layout | processes | s/step | tokens/s | vs one process |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Parallel layouts: training tokens/s vs one process ({result['date']})",
+        "",
+        f"{result['machine']}; torch {result['torch']}, transformers {result['transformers']}; "
+        f"preset {result['preset']}, float32, median of "
+        f"{result['steps']} PPO steps after a warm-up (64 sequences, 64-256 tokens).",
+        "",
+        "CPU figure, correctness first: every layout's ranks share the same 2 cores, so a layout can only lose "
+        "against one process; the ratio is what communication and sharding cost here, not a cluster's speed-up.",
+        "",
+        "| engine | layout | processes | s/step | tokens/s | vs one process |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['engine']} | {row['layout']} | | not run: {row['error'][:90]} | | |")
         else:
-            lines.append(f"| {row['engine']} | {row['layout']} | {row['processes']} | {row['s_per_step']:.3f} | "
-                         f"{row['tokens_per_s']:,.0f} | {row['vs_single']:.2f}x |")
+            lines.append(
+                f"| {row['engine']} | {row['layout']} | {row['processes']} | {row['s_per_step']:.3f} | "
+                f"{row['tokens_per_s']:,.0f} | {row['vs_single']:.2f}x |"
+            )
     return "\n".join(lines)
 
 

@@ -111,13 +111,22 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().with_name("peer_trl_child.py")
 CONFIG = "configs/quickstart.yaml"
 INSTALL = "TRL is not installed: make .venv/.installed-dev (the dev lock, which make test installs)"
-METHOD = "TRL alone in its process; checkpoints of both sides evaluated by areal-hpc eval"  # pools only with its own kind
+METHOD = (
+    "TRL alone in its process; checkpoints of both sides evaluated by areal-hpc eval"  # pools only with its own kind
+)
 SKIP_STEPS = 3  # steps left out of the timed window: start-up, the servers' first episodes, allocator warm-up
 LAST_EVALS = 3  # evaluations averaged into the final accuracy
 SAMPLE_S = 0.5  # seconds between memory and CPU samples
 RUN_FILE = "quickstart/trial0/metrics.jsonl"  # under a run's fileroot, for both sides
-HARNESS_KEYS = ("model.path", "rl.sft_warmup_steps", "rl.total_train_steps", "rl.eval_every_steps", "saver.freq_steps",
-                "experiment.seed", "cluster.fileroot")  # set by the harness on both sides: not through --set
+HARNESS_KEYS = (
+    "model.path",
+    "rl.sft_warmup_steps",
+    "rl.total_train_steps",
+    "rl.eval_every_steps",
+    "saver.freq_steps",
+    "experiment.seed",
+    "cluster.fileroot",
+)  # set by the harness on both sides: not through --set
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # left out of TRL's environment: torch's own default
 QUICK = {"steps": 6, "eval_every": 3, "eval_limit": 100}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -170,8 +179,11 @@ class TreeSampler:
         started, ended = self.samples[0][0], self.samples[-1][0]
         half = (started + ended) / 2
         values = [mib for _, mib, _ in self.samples]
-        return {"peak_mib": max(values), "steady_mib": statistics.median(m for t, m, _ in self.samples if t >= half),
-                "samples": len(values)}
+        return {
+            "peak_mib": max(values),
+            "steady_mib": statistics.median(m for t, m, _ in self.samples if t >= half),
+            "samples": len(values),
+        }
 
 
 def cpu_at(samples: list[tuple[float, float, float]], moment: float) -> float:
@@ -194,13 +206,26 @@ def step_window(records: list[dict], samples: list) -> dict:
     timed = [end for end in ends if end >= start]
     wall, cpu = timed[-1] - start, cpu_at(samples, timed[-1]) - cpu_at(samples, start)
     steps = len(timed) - 1
-    return {"steps_timed": steps, "s_per_step": wall / steps, "cpu_s_per_step": cpu / steps,
-            "median_s_per_step": statistics.median(b - a for a, b in itertools.pairwise(timed)),
-            "cores_in_steps": cpu / wall if wall else 0.0, "timed_beside_evaluation": not alone}
+    return {
+        "steps_timed": steps,
+        "s_per_step": wall / steps,
+        "cpu_s_per_step": cpu / steps,
+        "median_s_per_step": statistics.median(b - a for a, b in itertools.pairwise(timed)),
+        "cores_in_steps": cpu / wall if wall else 0.0,
+        "timed_beside_evaluation": not alone,
+    }
 
 
-def run_tracked(console: Console, label: str, command: list[str], metrics: Path, steps: int, log: Path,
-                env: dict | None = None, every_second=None) -> tuple[dict, list]:
+def run_tracked(
+    console: Console,
+    label: str,
+    command: list[str],
+    metrics: Path,
+    steps: int,
+    log: Path,
+    env: dict | None = None,
+    every_second=None,
+) -> tuple[dict, list]:
     """Run ``command`` (output to ``log``), sampling its process tree and showing the steps its metrics file
     records (``every_second`` is called once a second meanwhile and once at the end); (the memory figures,
     the wall and CPU seconds, the cores the run used and those the rest of the machine used meanwhile;
@@ -213,8 +238,10 @@ def run_tracked(console: Console, label: str, command: list[str], metrics: Path,
             if every_second is not None:
                 every_second()
             done = sum("time/step" in r for r in read_json_lines(metrics))
-            status.update(f"{label}: step {done}/{steps}, {time.perf_counter() - started:.0f} s, "
-                          f"{sampler.samples[-1][1] if sampler.samples else 0:.0f} MiB")
+            status.update(
+                f"{label}: step {done}/{steps}, {time.perf_counter() - started:.0f} s, "
+                f"{sampler.samples[-1][1] if sampler.samples else 0:.0f} MiB"
+            )
             time.sleep(1.0)
         result = sampler.stop()
     if every_second is not None:
@@ -223,8 +250,12 @@ def run_tracked(console: Console, label: str, command: list[str], metrics: Path,
     if process.returncode != 0:
         raise SystemExit(f"{label} exited with {process.returncode} (log {log}):\n{log.read_text()[-3000:]}")
     used = children_end - children  # CPU seconds of the run's processes (each waited for by its parent)
-    return result | {"wall_s": wall, "cpu_s": used, "cores_used": used / wall,
-                     "other_load": max(0.0, (busy_end - busy - used) / wall)}, sampler.samples
+    return result | {
+        "wall_s": wall,
+        "cpu_s": used,
+        "cores_used": used / wall,
+        "other_load": max(0.0, (busy_end - busy - used) / wall),
+    }, sampler.samples
 
 
 def fresh(folder: Path) -> Path:
@@ -238,8 +269,13 @@ def fresh(folder: Path) -> Path:
 
 def base_overrides(model_dir: Path, seed: int, steps: int, extra: list[str]) -> list[str]:
     """The quickstart as both sides run it here, from ``model_dir`` (with ``--set``'s ``extra``)."""
-    return [f"model.path={model_dir}", "rl.sft_warmup_steps=0", f"rl.total_train_steps={steps}",
-            f"experiment.seed={seed}", *extra]
+    return [
+        f"model.path={model_dir}",
+        "rl.sft_warmup_steps=0",
+        f"rl.total_train_steps={steps}",
+        f"experiment.seed={seed}",
+        *extra,
+    ]
 
 
 def keep_checkpoints(run_dir: Path, kept: Path, wanted: set[int]) -> None:
@@ -248,8 +284,12 @@ def keep_checkpoints(run_dir: Path, kept: Path, wanted: set[int]) -> None:
     root = run_dir / "checkpoints"
     for folder in sorted(root.glob("step*")) if root.is_dir() else []:
         target = kept / folder.name
-        if folder.name.endswith(".partial") or target.exists() or not folder.name[4:].isdigit() \
-                or int(folder.name[4:]) not in wanted:
+        if (
+            folder.name.endswith(".partial")
+            or target.exists()
+            or not folder.name[4:].isdigit()
+            or int(folder.name[4:]) not in wanted
+        ):
             continue
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
@@ -260,20 +300,51 @@ def keep_checkpoints(run_dir: Path, kept: Path, wanted: set[int]) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def run_ours(console: Console, root: Path, model: Path, seed: int, steps: int, save_every: int,
-             extra: list[str], wanted: set[int]) -> tuple[dict, dict[int, Path]]:
+def run_ours(
+    console: Console,
+    root: Path,
+    model: Path,
+    seed: int,
+    steps: int,
+    save_every: int,
+    extra: list[str],
+    wanted: set[int],
+) -> tuple[dict, dict[int, Path]]:
     """Ours' run; (its row, the model folders of the checkpoints of the ``wanted`` steps)."""
     fileroot = fresh(root / f"ours-seed{seed}")
     run_dir, kept = (fileroot / RUN_FILE).parent, fileroot / "kept"
-    command = [sys.executable, "-m", "areal_hpc", "train", "--config", CONFIG, *base_overrides(model, seed, steps, extra),
-               "rl.eval_every_steps=0", f"saver.freq_steps={save_every}", f"cluster.fileroot={fileroot}",
-               "stats.tensorboard=false", "stats.plot=false"]
-    tracked, samples = run_tracked(console, f"ours, seed {seed}", command, fileroot / RUN_FILE, steps,
-                                   fileroot / "log.txt", every_second=lambda: keep_checkpoints(run_dir, kept, wanted))
+    command = [
+        sys.executable,
+        "-m",
+        "areal_hpc",
+        "train",
+        "--config",
+        CONFIG,
+        *base_overrides(model, seed, steps, extra),
+        "rl.eval_every_steps=0",
+        f"saver.freq_steps={save_every}",
+        f"cluster.fileroot={fileroot}",
+        "stats.tensorboard=false",
+        "stats.plot=false",
+    ]
+    tracked, samples = run_tracked(
+        console,
+        f"ours, seed {seed}",
+        command,
+        fileroot / RUN_FILE,
+        steps,
+        fileroot / "log.txt",
+        every_second=lambda: keep_checkpoints(run_dir, kept, wanted),
+    )
     records = read_json_lines(fileroot / RUN_FILE)
-    row = {"trainer": "ours", "seed": seed, **step_window(records, samples), **tracked,
-           "mean_reward": statistics.fmean(r["rollout/reward"] for r in records if "rollout/reward" in r),
-           "in_run_evals": [{"step": r["step"], "accuracy": r["eval/accuracy"]} for r in records if "eval/accuracy" in r]}
+    row = {
+        "trainer": "ours",
+        "seed": seed,
+        **step_window(records, samples),
+        **tracked,
+        "mean_reward": statistics.fmean(r["rollout/reward"] for r in records if "rollout/reward" in r),
+        "in_run_evals": [{"step": r["step"], "accuracy": r["eval/accuracy"]} for r in records if "eval/accuracy" in r],
+    }
     return row, {int(folder.name[4:]): folder for folder in kept.glob("step*") if not folder.name.endswith(".partial")}
 
 
@@ -283,41 +354,71 @@ def hf_schedule(optimizer, steps: int) -> dict:
     if optimizer.lr_scheduler_type == "constant":
         return {"lr_scheduler_type": "constant_with_warmup" if warmup else "constant", "warmup_steps": warmup}
     if optimizer.lr_scheduler_type == "cosine" and optimizer.min_lr_ratio:
-        return {"lr_scheduler_type": "cosine_with_min_lr", "warmup_steps": warmup,
-                "lr_scheduler_kwargs": {"min_lr_rate": optimizer.min_lr_ratio}}
+        return {
+            "lr_scheduler_type": "cosine_with_min_lr",
+            "warmup_steps": warmup,
+            "lr_scheduler_kwargs": {"min_lr_rate": optimizer.min_lr_ratio},
+        }
     return {"lr_scheduler_type": optimizer.lr_scheduler_type, "warmup_steps": warmup}
 
 
-def grpo_config(cfg, output_dir: Path, seed: int, steps: int, save_every: int, steps_per_generation: int,
-                use_cpu: bool) -> dict:
+def grpo_config(
+    cfg, output_dir: Path, seed: int, steps: int, save_every: int, steps_per_generation: int, use_cpu: bool
+) -> dict:
     """GRPOConfig's arguments for the run ``cfg`` describes (see the module docstring)."""
     gen, actor, optimizer = cfg.gconfig, cfg.actor, cfg.optimizer
     return dict(
-        output_dir=str(output_dir), seed=seed, max_steps=steps, use_cpu=use_cpu,
-        per_device_train_batch_size=cfg.rollout.consumer_batch_size * gen.n_samples, gradient_accumulation_steps=1,
-        num_generations=gen.n_samples, steps_per_generation=steps_per_generation, num_iterations=1,
-        shuffle_dataset=False, max_completion_length=gen.max_new_tokens, temperature=gen.temperature,
-        top_p=gen.top_p, top_k=max(0, gen.top_k), beta=actor.kl_ctl, epsilon=actor.eps_clip,
-        epsilon_high=actor.eps_clip_high or actor.eps_clip, loss_type="dapo", scale_rewards="group",
-        importance_sampling_level=actor.importance_level, bf16=cfg.model.compute_dtype == "bfloat16",
-        learning_rate=actor.lr, weight_decay=optimizer.weight_decay, adam_beta1=optimizer.beta1,
-        adam_beta2=optimizer.beta2, adam_epsilon=optimizer.eps, max_grad_norm=optimizer.gradient_clipping,
-        **hf_schedule(optimizer, steps), save_strategy="steps", save_steps=save_every, report_to="none",
-        disable_tqdm=True)
+        output_dir=str(output_dir),
+        seed=seed,
+        max_steps=steps,
+        use_cpu=use_cpu,
+        per_device_train_batch_size=cfg.rollout.consumer_batch_size * gen.n_samples,
+        gradient_accumulation_steps=1,
+        num_generations=gen.n_samples,
+        steps_per_generation=steps_per_generation,
+        num_iterations=1,
+        shuffle_dataset=False,
+        max_completion_length=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=max(0, gen.top_k),
+        beta=actor.kl_ctl,
+        epsilon=actor.eps_clip,
+        epsilon_high=actor.eps_clip_high or actor.eps_clip,
+        loss_type="dapo",
+        scale_rewards="group",
+        importance_sampling_level=actor.importance_level,
+        bf16=cfg.model.compute_dtype == "bfloat16",
+        learning_rate=actor.lr,
+        weight_decay=optimizer.weight_decay,
+        adam_beta1=optimizer.beta1,
+        adam_beta2=optimizer.beta2,
+        adam_epsilon=optimizer.eps,
+        max_grad_norm=optimizer.gradient_clipping,
+        **hf_schedule(optimizer, steps),
+        save_strategy="steps",
+        save_steps=save_every,
+        report_to="none",
+        disable_tqdm=True,
+    )
 
 
 def trl_cannot_follow(cfg) -> list[str]:
     """Settings that the mapping onto GRPOConfig and the child's reward do not carry (the quickstart sets none)."""
     actor, gen, optimizer = cfg.actor, cfg.gconfig, cfg.optimizer
-    checks = {"actor.adv_estimator": actor.adv_estimator == "grpo",
-              "actor.aggregation": actor.aggregation == "token-mean",
-              "actor.ppo_n_minibatches": actor.ppo_n_minibatches == 1,
-              "actor.dynamic_sampling": not actor.dynamic_sampling,
-              "actor.overlong_cache_tokens": actor.overlong_cache_tokens == 0, "gconfig.greedy": not gen.greedy,
-              "rollout.workflow": cfg.rollout.workflow in ("", "rlvr"),
-              "dataset.task": cfg.dataset.task == "arithmetic", "reward.fn": not cfg.reward.fn,
-              "reward.model": not cfg.reward.model,
-              "optimizer.min_lr_ratio": not (optimizer.lr_scheduler_type == "linear" and optimizer.min_lr_ratio)}
+    checks = {
+        "actor.adv_estimator": actor.adv_estimator == "grpo",
+        "actor.aggregation": actor.aggregation == "token-mean",
+        "actor.ppo_n_minibatches": actor.ppo_n_minibatches == 1,
+        "actor.dynamic_sampling": not actor.dynamic_sampling,
+        "actor.overlong_cache_tokens": actor.overlong_cache_tokens == 0,
+        "gconfig.greedy": not gen.greedy,
+        "rollout.workflow": cfg.rollout.workflow in ("", "rlvr"),
+        "dataset.task": cfg.dataset.task == "arithmetic",
+        "reward.fn": not cfg.reward.fn,
+        "reward.model": not cfg.reward.model,
+        "optimizer.min_lr_ratio": not (optimizer.lr_scheduler_type == "linear" and optimizer.min_lr_ratio),
+    }
     return [key for key, holds in checks.items() if not holds]
 
 
@@ -334,11 +435,22 @@ def edge_cases(answers: list[str]) -> list[tuple[str, str]]:
     pairs = [("", "5"), ("no idea", "5"), ("5", ""), ("٥", "5"), ("1e1", "10"), ("12,", "12"), (",12", "12")]  # noqa: RUF001 - the Arabic-Indic five is the point of the case
     for answer in answers:
         number = int(answer)
-        pairs += [(answer, answer), (f"The answer is {answer}.", answer), (str(number + 1), answer),
-                  (f"{answer} or {number + 1}", answer), (f"{number + 1}, no: {answer}", answer), (f"{answer}.0", answer),
-                  (f"{answer}.5", answer), (f"-{answer}", answer), (f"{answer[:1]},{answer[1:]}", answer),
-                  (f"0{answer}", answer), (answer + "x" * 5000, answer), ("x" * 5000 + answer, answer),
-                  (answer + " " + "y" * 4094, answer), (f"{number}+{number}={2 * number}", answer)]
+        pairs += [
+            (answer, answer),
+            (f"The answer is {answer}.", answer),
+            (str(number + 1), answer),
+            (f"{answer} or {number + 1}", answer),
+            (f"{number + 1}, no: {answer}", answer),
+            (f"{answer}.0", answer),
+            (f"{answer}.5", answer),
+            (f"-{answer}", answer),
+            (f"{answer[:1]},{answer[1:]}", answer),
+            (f"0{answer}", answer),
+            (answer + "x" * 5000, answer),
+            ("x" * 5000 + answer, answer),
+            (answer + " " + "y" * 4094, answer),
+            (f"{number}+{number}={2 * number}", answer),
+        ]
     return pairs
 
 
@@ -346,15 +458,18 @@ def check_rewards(scored: list[tuple[str, str, float]], where: str) -> int:
     """``scored``: (completion, answer, the project's reward); the child's reward must agree on every one."""
     wrong = [(c, a, r, answer_reward(c, a)) for c, a, r in scored if answer_reward(c, a) != r]
     if wrong:
-        raise SystemExit(f"TRL's reward (bench/peer_trl_child.py) disagrees with the project's on {len(wrong)} of "
-                         f"{len(scored)} {where}; (completion, answer, project, child): {wrong[:3]}")
+        raise SystemExit(
+            f"TRL's reward (bench/peer_trl_child.py) disagrees with the project's on {len(wrong)} of "
+            f"{len(scored)} {where}; (completion, answer, project, child): {wrong[:3]}"
+        )
     return len(scored)
 
 
 def trl_rendering(tokenizer, messages: list[list[dict]]) -> list[list[int]]:
     """Prompt ids as TRL renders conversational prompts (one batched ``apply_chat_template``)."""
-    rendered = tokenizer.apply_chat_template(conversation=messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)
+    rendered = tokenizer.apply_chat_template(
+        conversation=messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return [list(ids) for ids in rendered["input_ids"]]
 
 
@@ -368,12 +483,22 @@ def check_prompt_ids(record: Path, rendered: list[list[int]], k: int, expected_r
                 raise SystemExit(f"TRL's prompt row {row} is {got}, the project renders {want}")
             row += 1
     if row != expected_rows:
-        raise SystemExit(f"TRL generated {row} rows, expected {expected_rows}: the prompt check did not see every batch")
+        raise SystemExit(
+            f"TRL generated {row} rows, expected {expected_rows}: the prompt check did not see every batch"
+        )
     return row
 
 
-def run_trl(console: Console, root: Path, model: Path, seed: int, steps: int, save_every: int, extra: list[str],
-            steps_per_generation: int) -> tuple[dict, dict[int, Path]]:
+def run_trl(
+    console: Console,
+    root: Path,
+    model: Path,
+    seed: int,
+    steps: int,
+    save_every: int,
+    extra: list[str],
+    steps_per_generation: int,
+) -> tuple[dict, dict[int, Path]]:
     from areal_hpc.data.prompts import PromptStream
     from areal_hpc.models.chat import example_prompt_ids
     from areal_hpc.models.hf import load_tokenizer
@@ -396,32 +521,65 @@ def run_trl(console: Console, root: Path, model: Path, seed: int, steps: int, sa
     first = 2 * per_step
     if trl_rendering(tokenizer, messages[:first]) != rendered[:first]:
         raise SystemExit("TRL's rendering of the first prompts differs from the project's (example_prompt_ids)")
-    files = {name: run_dir / f"{name}.{suffix}" for name, suffix in
-             (("prompt_ids", "jsonl"), ("rewards", "jsonl"), ("report", "json"), ("spec", "json"))}
-    spec = {"model": str(model), "dtype": cfg.model.dtype, "attn_implementation": cfg.model.attn_impl,
-            "prompts": [{"prompt": m, "answer": ex.answer} for m, ex in zip(messages, order)],
-            "grpo_config": grpo_config(cfg, fileroot / "trl", seed, steps, save_every, steps_per_generation,
-                                       resolve_device(cfg.cluster.device).type == "cpu"),
-            "metrics": str(fileroot / RUN_FILE), **{name: str(path) for name, path in files.items() if name != "spec"}}
+    files = {
+        name: run_dir / f"{name}.{suffix}"
+        for name, suffix in (("prompt_ids", "jsonl"), ("rewards", "jsonl"), ("report", "json"), ("spec", "json"))
+    }
+    spec = {
+        "model": str(model),
+        "dtype": cfg.model.dtype,
+        "attn_implementation": cfg.model.attn_impl,
+        "prompts": [{"prompt": m, "answer": ex.answer} for m, ex in zip(messages, order)],
+        "grpo_config": grpo_config(
+            cfg,
+            fileroot / "trl",
+            seed,
+            steps,
+            save_every,
+            steps_per_generation,
+            resolve_device(cfg.cluster.device).type == "cpu",
+        ),
+        "metrics": str(fileroot / RUN_FILE),
+        **{name: str(path) for name, path in files.items() if name != "spec"},
+    }
     files["spec"].write_text(json.dumps(spec))
     env = {name: value for name, value in os.environ.items() if name not in THREAD_VARIABLES} | {"HF_HUB_OFFLINE": "1"}
-    tracked, samples = run_tracked(console, f"TRL, seed {seed}", [sys.executable, str(CHILD), str(files["spec"])],
-                                   fileroot / RUN_FILE, steps, fileroot / "log.txt", env)
+    tracked, samples = run_tracked(
+        console,
+        f"TRL, seed {seed}",
+        [sys.executable, str(CHILD), str(files["spec"])],
+        fileroot / RUN_FILE,
+        steps,
+        fileroot / "log.txt",
+        env,
+    )
     report = json.loads(files["report"].read_text())
     if report["areal_hpc_modules"]:
         raise SystemExit(f"TRL's process imported the project: {report['areal_hpc_modules']}")
     rows = check_prompt_ids(files["prompt_ids"], rendered, k, generated * k)
     reward = project_reward(task)
-    sampled = [(c, a, child, reward(c, a)) for line in read_json_lines(files["rewards"])
-               for c, a, child in zip(line["completions"], line["answers"], line["rewards"])]
+    sampled = [
+        (c, a, child, reward(c, a))
+        for line in read_json_lines(files["rewards"])
+        for c, a, child in zip(line["completions"], line["answers"], line["rewards"])
+    ]
     if wrong := [one for one in sampled if one[2] != one[3]]:
-        raise SystemExit(f"TRL's rewards of {len(wrong)} of the {len(sampled)} training completions it sampled differ "
-                         f"from the project's; (completion, answer, child, project): {wrong[:3]}")
+        raise SystemExit(
+            f"TRL's rewards of {len(wrong)} of the {len(sampled)} training completions it sampled differ "
+            f"from the project's; (completion, answer, child, project): {wrong[:3]}"
+        )
     records = read_json_lines(fileroot / RUN_FILE)
-    row = {"trainer": "trl", "seed": seed, **step_window(records, samples), **tracked,
-           "mean_reward": statistics.fmean(r["rollout/reward"] for r in records),
-           "torch_threads": report["torch_threads"], "child_versions": report["versions"],
-           "prompt_rows_checked": rows, "training_rewards_checked": len(sampled)}
+    row = {
+        "trainer": "trl",
+        "seed": seed,
+        **step_window(records, samples),
+        **tracked,
+        "mean_reward": statistics.fmean(r["rollout/reward"] for r in records),
+        "torch_threads": report["torch_threads"],
+        "child_versions": report["versions"],
+        "prompt_rows_checked": rows,
+        "training_rewards_checked": len(sampled),
+    }
     return row, {int(folder.name.split("-")[1]): folder for folder in (fileroot / "trl").glob("checkpoint-*")}
 
 
@@ -431,20 +589,48 @@ def run_trl(console: Console, root: Path, model: Path, seed: int, steps: int, sa
 def evaluate(model: Path, out: Path, extra: list[str], limit: int) -> dict:
     """``areal-hpc eval`` of one model folder (greedy, the quickstart's held-out problems); every episode to
     ``out``, where the child's reward is checked against the project's reward that scored it."""
-    command = [sys.executable, "-m", "areal_hpc", "eval", "--config", CONFIG, "--model", str(model), "--json",
-               "--out", str(out), *(["--limit", str(limit)] if limit else []), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "areal_hpc",
+        "eval",
+        "--config",
+        CONFIG,
+        "--model",
+        str(model),
+        "--json",
+        "--out",
+        str(out),
+        *(["--limit", str(limit)] if limit else []),
+        *extra,
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"areal-hpc eval of {model} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
+        raise SystemExit(
+            f"areal-hpc eval of {model} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
+        )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     episodes = read_json_lines(out)
     checked = check_rewards([(e["completion"], e["answer"], e["reward"]) for e in episodes], f"episodes of {out}")
-    return {"accuracy": result["accuracy"], "n": result["n"], "reward_failures": result["reward_failures"],
-            "episode_failures": result["episode_failures"], "rewards_checked": checked}
+    return {
+        "accuracy": result["accuracy"],
+        "n": result["n"],
+        "reward_failures": result["reward_failures"],
+        "episode_failures": result["episode_failures"],
+        "rewards_checked": checked,
+    }
 
 
-def evaluate_run(console: Console, label: str, fileroot: Path, checkpoints: dict[int, Path], eval_steps: list[int],
-                 start: dict, extra: list[str], limit: int) -> dict:
+def evaluate_run(
+    console: Console,
+    label: str,
+    fileroot: Path,
+    checkpoints: dict[int, Path],
+    eval_steps: list[int],
+    start: dict,
+    extra: list[str],
+    limit: int,
+) -> dict:
     """The checkpoints of ``eval_steps`` of a finished run, after it, one ``areal-hpc eval`` each (it takes one
     model a call); the start model's evaluation as step 0. All of them to ``fileroot/evals.json``."""
     missing = sorted(set(eval_steps) - set(checkpoints))
@@ -457,9 +643,12 @@ def evaluate_run(console: Console, label: str, fileroot: Path, checkpoints: dict
             status.update(f"{label}: evaluating step {step}'s checkpoint")
             evals.append({"step": step, **evaluate(checkpoints[step], folder / f"step{step:06d}.jsonl", extra, limit)})
     (fileroot / "evals.json").write_text(json.dumps(evals, indent=1) + "\n")
-    return {"evals": evals, "final_accuracy": final_accuracy(evals),
-            "eval_wall_s": time.perf_counter() - started,
-            "eval_rewards_checked": sum(e["rewards_checked"] for e in evals[1:])}
+    return {
+        "evals": evals,
+        "final_accuracy": final_accuracy(evals),
+        "eval_wall_s": time.perf_counter() - started,
+        "eval_rewards_checked": sum(e["rewards_checked"] for e in evals[1:]),
+    }
 
 
 def start_model(console: Console, root: Path, sft_steps: int) -> Path:
@@ -471,9 +660,24 @@ def start_model(console: Console, root: Path, sft_steps: int) -> Path:
         return model
     fresh(fileroot)
     with console.status(f"SFT warm-up, at most {sft_steps} steps"):
-        subprocess.run([sys.executable, "-m", "areal_hpc", "sft", "--config", CONFIG, f"cluster.fileroot={fileroot}",
-                        f"sft.total_train_steps={sft_steps}", "saver.freq_steps=0", "stats.tensorboard=false",
-                        "stats.plot=false"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "areal_hpc",
+                "sft",
+                "--config",
+                CONFIG,
+                f"cluster.fileroot={fileroot}",
+                f"sft.total_train_steps={sft_steps}",
+                "saver.freq_steps=0",
+                "stats.tensorboard=false",
+                "stats.plot=false",
+            ],
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return model
 
 
@@ -481,7 +685,7 @@ def start_model(console: Console, root: Path, sft_steps: int) -> Path:
 
 
 def verdict(interval: list[float] | None) -> str:
-    """"parity" when the 95% interval of ours minus TRL spans zero, else which side is higher."""
+    """ "parity" when the 95% interval of ours minus TRL spans zero, else which side is higher."""
     if interval is None:
         return "no interval (fewer than 2 seeds)"
     low, high = interval
@@ -497,17 +701,25 @@ def paired_difference(ours: list[dict], trl: list[dict]) -> dict:
         return {"seeds": len(differences), "mean": statistics.fmean(differences) if differences else None}
     mean, error = statistics.fmean(differences), statistics.stdev(differences) / math.sqrt(len(differences))
     half = scipy.stats.t.ppf(0.975, len(differences) - 1) * error
-    return {"seeds": len(differences), "mean": mean, "standard_error": error,
-            "ci95": [float(mean - half), float(mean + half)]}
+    return {
+        "seeds": len(differences),
+        "mean": mean,
+        "standard_error": error,
+        "ci95": [float(mean - half), float(mean + half)],
+    }
 
 
 def summarise(rows: list[dict]) -> dict:
     """Ours / TRL: the ratios of the per-side medians over seeds; the paired accuracy difference and its verdict."""
     ours, trl = ([r for r in rows if r["trainer"] == name] for name in ("ours", "trl"))
     median = lambda side, key: statistics.median(r[key] for r in side)  # noqa: E731
-    out = {"accuracy_paired": paired_difference(ours, trl),
-           "final_accuracy_mean": {"ours": statistics.fmean(r["final_accuracy"] for r in ours),
-                                   "trl": statistics.fmean(r["final_accuracy"] for r in trl)}}
+    out = {
+        "accuracy_paired": paired_difference(ours, trl),
+        "final_accuracy_mean": {
+            "ours": statistics.fmean(r["final_accuracy"] for r in ours),
+            "trl": statistics.fmean(r["final_accuracy"] for r in trl),
+        },
+    }
     for key in ("cpu_s_per_step", "s_per_step", "peak_mib", "steady_mib"):
         out[f"{key}_median"] = {"ours": median(ours, key), "trl": median(trl, key)}
         out[f"{key}_ratio"] = median(ours, key) / median(trl, key)
@@ -516,31 +728,43 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def summary_line(s: dict) -> str:
-    paired, m = s["accuracy_paired"], lambda key, unit, f: (
-        f"{s[key + '_ratio']:.2f}x ({s[key + '_median']['ours']:{f}} vs {s[key + '_median']['trl']:{f}} {unit})")
+    paired, m = (
+        s["accuracy_paired"],
+        lambda key, unit, f: (
+            f"{s[key + '_ratio']:.2f}x ({s[key + '_median']['ours']:{f}} vs {s[key + '_median']['trl']:{f}} {unit})"
+        ),
+    )
     accuracy = f"accuracy: {s['accuracy_verdict']}"
     if paired["mean"] is not None:
         accuracy += f", ours - TRL {100 * paired['mean']:+.2f} points"
     if "ci95" in paired:
-        accuracy += (f" (95% interval {100 * paired['ci95'][0]:+.2f} to {100 * paired['ci95'][1]:+.2f}, "
-                     f"{paired['seeds']} seeds)")
-    return (f"{accuracy}; ours / TRL (medians over seeds): CPU-s/step {m('cpu_s_per_step', 's', '.3f')}, "
-            f"wall s/step {m('s_per_step', 's', '.3f')}, peak PSS {m('peak_mib', 'MiB', '.0f')}, "
-            f"steady PSS {m('steady_mib', 'MiB', '.0f')}")
+        accuracy += (
+            f" (95% interval {100 * paired['ci95'][0]:+.2f} to {100 * paired['ci95'][1]:+.2f}, {paired['seeds']} seeds)"
+        )
+    return (
+        f"{accuracy}; ours / TRL (medians over seeds): CPU-s/step {m('cpu_s_per_step', 's', '.3f')}, "
+        f"wall s/step {m('s_per_step', 's', '.3f')}, peak PSS {m('peak_mib', 'MiB', '.0f')}, "
+        f"steady PSS {m('steady_mib', 'MiB', '.0f')}"
+    )
 
 
 def run_table(row: dict) -> Table:
     table = Table(title=f"{row['trainer']}, seed {row['seed']}", show_header=False)
     for name, value in (
-            ("timed steps: wall s/step (median), CPU-s/step, cores",
-             f"{row['s_per_step']:.3f} ({row['median_s_per_step']:.3f}), {row['cpu_s_per_step']:.3f}, "
-             f"{row['cores_in_steps']:.2f} over {row['steps_timed']} steps"),
-            ("final accuracy", f"{row['final_accuracy']:.1%}"),
-            ("accuracy by step", " ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in row["evals"])),
-            ("mean training reward", f"{row['mean_reward']:.3f}"),
-            ("PSS of the process tree (peak, steady)", f"{row['peak_mib']:.0f}, {row['steady_mib']:.0f} MiB"),
-            ("whole run: wall s, CPU s, other load (cores)",
-             f"{row['wall_s']:.0f}, {row['cpu_s']:.0f}, {row['other_load']:.2f}")):
+        (
+            "timed steps: wall s/step (median), CPU-s/step, cores",
+            f"{row['s_per_step']:.3f} ({row['median_s_per_step']:.3f}), {row['cpu_s_per_step']:.3f}, "
+            f"{row['cores_in_steps']:.2f} over {row['steps_timed']} steps",
+        ),
+        ("final accuracy", f"{row['final_accuracy']:.1%}"),
+        ("accuracy by step", " ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in row["evals"])),
+        ("mean training reward", f"{row['mean_reward']:.3f}"),
+        ("PSS of the process tree (peak, steady)", f"{row['peak_mib']:.0f}, {row['steady_mib']:.0f} MiB"),
+        (
+            "whole run: wall s, CPU s, other load (cores)",
+            f"{row['wall_s']:.0f}, {row['cpu_s']:.0f}, {row['other_load']:.2f}",
+        ),
+    ):
         table.add_row(name, value)
     return table
 
@@ -548,41 +772,62 @@ def run_table(row: dict) -> Table:
 def report(r: dict) -> str:
     s = r["summary"]
     every = len(r["evaluated_steps"]) - 1 == len(checkpoint_steps(r["steps"], r["save_every"]))
-    which = ("every checkpoint" + (", --eval-every-checkpoint" if r["eval_every_checkpoint"] else "") if every else
-             f"the last {r['last_evals']}, those the final accuracy averages; all with --eval-every-checkpoint")
-    lines = [f"# ours vs TRL GRPOTrainer on the quickstart ({r['date']})", "", machine_and_versions(r), "",
-             f"Rerun: `{r['command']}`", "",
-             f"{r['steps']} steps of 16 prompts x 8 samples from {r['start_model']}, seeds {r['seeds']}, one run at a time "
-             f"(ours, then TRL's); checkpoints every {r['save_every']} steps and at the end; after each run "
-             f"`areal-hpc eval` (greedy, {r['eval_problems']} held-out problems) evaluated those of steps "
-             f"{', '.join(map(str, r['evaluated_steps'][1:]))} ({which}), the start model as step 0; final accuracy "
-             f"the mean of the last {r['last_evals']} evaluations; wall and CPU seconds per step over the steps "
-             f"after the first {r['skip_steps']} (and after ours' step-0 evaluation); memory the PSS of each run's "
-             "process tree. TRL ran alone in its process (bench/peer_trl_child.py, no areal_hpc module loaded) with "
-             f"torch's own threads ({r['trl_torch_threads']}).", "",
-             f"Overrides on both sides: {' '.join(r.get('overrides', [])) or 'none'}; TRL generates every "
-             f"{r.get('trl_steps_per_generation', 1)} optimizer step(s).", "",
-             f"**{summary_line(s)}**", "",
-             "| trainer | seed | wall s/step | median s/step | CPU-s/step | cores | final accuracy | accuracy by evaluated step | "
-             "mean reward | PSS peak (MiB) | PSS steady (MiB) | wall s | CPU s | other load (cores) |", "|---" * 14 + "|"]
+    which = (
+        "every checkpoint" + (", --eval-every-checkpoint" if r["eval_every_checkpoint"] else "")
+        if every
+        else f"the last {r['last_evals']}, those the final accuracy averages; all with --eval-every-checkpoint"
+    )
+    lines = [
+        f"# ours vs TRL GRPOTrainer on the quickstart ({r['date']})",
+        "",
+        machine_and_versions(r),
+        "",
+        f"Rerun: `{r['command']}`",
+        "",
+        f"{r['steps']} steps of 16 prompts x 8 samples from {r['start_model']}, seeds {r['seeds']}, one run at a time "
+        f"(ours, then TRL's); checkpoints every {r['save_every']} steps and at the end; after each run "
+        f"`areal-hpc eval` (greedy, {r['eval_problems']} held-out problems) evaluated those of steps "
+        f"{', '.join(map(str, r['evaluated_steps'][1:]))} ({which}), the start model as step 0; final accuracy "
+        f"the mean of the last {r['last_evals']} evaluations; wall and CPU seconds per step over the steps "
+        f"after the first {r['skip_steps']} (and after ours' step-0 evaluation); memory the PSS of each run's "
+        "process tree. TRL ran alone in its process (bench/peer_trl_child.py, no areal_hpc module loaded) with "
+        f"torch's own threads ({r['trl_torch_threads']}).",
+        "",
+        f"Overrides on both sides: {' '.join(r.get('overrides', [])) or 'none'}; TRL generates every "
+        f"{r.get('trl_steps_per_generation', 1)} optimizer step(s).",
+        "",
+        f"**{summary_line(s)}**",
+        "",
+        "| trainer | seed | wall s/step | median s/step | CPU-s/step | cores | final accuracy | accuracy by evaluated step | "
+        "mean reward | PSS peak (MiB) | PSS steady (MiB) | wall s | CPU s | other load (cores) |",
+        "|---" * 14 + "|",
+    ]
     for row in r["rows"]:
-        lines.append(f"| {row['trainer']} | {row['seed']} | {row['s_per_step']:.3f} | {row['median_s_per_step']:.3f} | "
-                     f"{row['cpu_s_per_step']:.3f} | {row['cores_in_steps']:.2f} | {row['final_accuracy']:.1%} | "
-                     + " ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in row["evals"])
-                     + f" | {row['mean_reward']:.3f} | {row['peak_mib']:.0f} | {row['steady_mib']:.0f} | "
-                     f"{row['wall_s']:.0f} | {row['cpu_s']:.0f} | {row['other_load']:.2f} |")
+        lines.append(
+            f"| {row['trainer']} | {row['seed']} | {row['s_per_step']:.3f} | {row['median_s_per_step']:.3f} | "
+            f"{row['cpu_s_per_step']:.3f} | {row['cores_in_steps']:.2f} | {row['final_accuracy']:.1%} | "
+            + " ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in row["evals"])
+            + f" | {row['mean_reward']:.3f} | {row['peak_mib']:.0f} | {row['steady_mib']:.0f} | "
+            f"{row['wall_s']:.0f} | {row['cpu_s']:.0f} | {row['other_load']:.2f} |"
+        )
     means = s["final_accuracy_mean"]
     trl_rows, ours_rows = ([row for row in r["rows"] if row["trainer"] == name] for name in ("trl", "ours"))
-    lines += ["", f"Mean final accuracy: ours {means['ours']:.2%}, TRL {means['trl']:.2%}.",
-              "Checks: TRL's prompt rows equal to the project's rendering: "
-              f"{sum(row['prompt_rows_checked'] for row in trl_rows)}; its reward equal to the project's on "
-              f"{r['reward_edge_cases']} edge cases before the runs, {sum(row['training_rewards_checked'] for row in trl_rows)} "
-              f"training completions and {r['start_eval']['rewards_checked'] + sum(row['eval_rewards_checked'] for row in r['rows'])} "
-              "evaluated episodes.",
-              f"Ours' own evaluations in the run (on all {r['in_run_eval_problems']} held-out problems; compare them with "
-              "`areal-hpc eval` of the same weights above where that evaluated them all): "
-              + "; ".join(f"seed {row['seed']} " + ", ".join(
-                  f"step {e['step']} {e['accuracy']:.1%}" for e in row["in_run_evals"]) for row in ours_rows) + "."]
+    lines += [
+        "",
+        f"Mean final accuracy: ours {means['ours']:.2%}, TRL {means['trl']:.2%}.",
+        "Checks: TRL's prompt rows equal to the project's rendering: "
+        f"{sum(row['prompt_rows_checked'] for row in trl_rows)}; its reward equal to the project's on "
+        f"{r['reward_edge_cases']} edge cases before the runs, {sum(row['training_rewards_checked'] for row in trl_rows)} "
+        f"training completions and {r['start_eval']['rewards_checked'] + sum(row['eval_rewards_checked'] for row in r['rows'])} "
+        "evaluated episodes.",
+        f"Ours' own evaluations in the run (on all {r['in_run_eval_problems']} held-out problems; compare them with "
+        "`areal-hpc eval` of the same weights above where that evaluated them all): "
+        + "; ".join(
+            f"seed {row['seed']} " + ", ".join(f"step {e['step']} {e['accuracy']:.1%}" for e in row["in_run_evals"])
+            for row in ours_rows
+        )
+        + ".",
+    ]
     return "\n".join(lines)
 
 
@@ -619,35 +864,62 @@ def plot(result: dict, out: Path) -> None:
         label = "ours" if trainer == "ours" else "TRL GRPOTrainer"
         shift = side * result["save_every"] / 8  # the two sides' points side by side at each step
         shown = [[e for e in r["evals"] if whole_curve or e["step"] > 0] for r in rows]
-        curves.scatter([e["step"] + shift for evals in shown for e in evals],
-                       [e["accuracy"] for evals in shown for e in evals], color=colour, alpha=0.35, s=9, linewidths=0)
+        curves.scatter(
+            [e["step"] + shift for evals in shown for e in evals],
+            [e["accuracy"] for evals in shown for e in evals],
+            color=colour,
+            alpha=0.35,
+            s=9,
+            linewidths=0,
+        )
         steps = sorted({e["step"] for evals in shown for e in evals})  # pooled records may have evaluated more
-        mean = {step: statistics.fmean(e["accuracy"] for evals in shown for e in evals if e["step"] == step)
-                for step in steps}
+        mean = {
+            step: statistics.fmean(e["accuracy"] for evals in shown for e in evals if e["step"] == step)
+            for step in steps
+        }
         final = statistics.fmean(r["final_accuracy"] for r in rows)
         curves.plot(steps, [mean[step] for step in steps], color=colour, linewidth=1, linestyle=":")
         stretches = adjacent_runs(steps, result["save_every"])
         dotted = dotted or len(stretches) > 1
         for n, stretch in enumerate(stretches):
-            curves.plot(stretch, [mean[step] for step in stretch], color=colour, linewidth=2, marker="o", markersize=4,
-                        label=f"{label}: last {result['last_evals']} evaluations {final:.1%}" if n == 0 else None)
-        speed.scatter([r["seed"] for r in rows], [r["cpu_s_per_step"] for r in rows], color=colour,
-                      label=f"{label}: {statistics.median(r['cpu_s_per_step'] for r in rows):.3f} CPU-s median")
-    curves.set_xlabel("RL step" + ("" if whole_curve else ", the checkpoints evaluated")
-                      + (" (dotted: across checkpoints not evaluated)" if dotted else ""))
+            curves.plot(
+                stretch,
+                [mean[step] for step in stretch],
+                color=colour,
+                linewidth=2,
+                marker="o",
+                markersize=4,
+                label=f"{label}: last {result['last_evals']} evaluations {final:.1%}" if n == 0 else None,
+            )
+        speed.scatter(
+            [r["seed"] for r in rows],
+            [r["cpu_s_per_step"] for r in rows],
+            color=colour,
+            label=f"{label}: {statistics.median(r['cpu_s_per_step'] for r in rows):.3f} CPU-s median",
+        )
+    curves.set_xlabel(
+        "RL step"
+        + ("" if whole_curve else ", the checkpoints evaluated")
+        + (" (dotted: across checkpoints not evaluated)" if dotted else "")
+    )
     curves.set_ylabel("held-out accuracy (areal-hpc eval, greedy)")
     curves.grid(alpha=0.3)
     curves.legend(loc="lower right")
     trl_final = {r["seed"]: r["final_accuracy"] for r in result["rows"] if r["trainer"] == "trl"}
-    differences = sorted((r["seed"], 100 * (r["final_accuracy"] - trl_final[r["seed"]]))
-                         for r in result["rows"] if r["trainer"] == "ours" and r["seed"] in trl_final)
+    differences = sorted(
+        (r["seed"], 100 * (r["final_accuracy"] - trl_final[r["seed"]]))
+        for r in result["rows"]
+        if r["trainer"] == "ours" and r["seed"] in trl_final
+    )
     paired.axhline(0, color="black", linewidth=0.8)
-    paired.scatter([seed for seed, _ in differences], [d for _, d in differences], color="tab:green", s=14,
-                   label="one seed")
+    paired.scatter(
+        [seed for seed, _ in differences], [d for _, d in differences], color="tab:green", s=14, label="one seed"
+    )
     s, difference = result["summary"], result["summary"]["accuracy_paired"]
     if difference["mean"] is not None:
-        paired.axhline(100 * difference["mean"], color="tab:green", linewidth=2,
-                       label=f"mean {100 * difference['mean']:+.2f}")
+        paired.axhline(
+            100 * difference["mean"], color="tab:green", linewidth=2, label=f"mean {100 * difference['mean']:+.2f}"
+        )
     if "ci95" in difference:
         low, high = (100 * bound for bound in difference["ci95"])
         paired.axhspan(low, high, color="tab:green", alpha=0.15, label=f"95% interval {low:+.2f} to {high:+.2f}")
@@ -664,9 +936,12 @@ def plot(result: dict, out: Path) -> None:
     speed.set_ylim(bottom=0)
     speed.grid(alpha=0.3)
     speed.legend(loc="best", fontsize=8)
-    fig.suptitle(f"ours vs TRL on the quickstart ({result['date']}): accuracy {s['accuracy_verdict']}\n"
-                 f"ours / TRL: {s['cpu_s_per_step_ratio']:.2f}x the CPU per step, {s['peak_mib_ratio']:.2f}x the peak "
-                 "PSS (medians over seeds)", fontsize=10)
+    fig.suptitle(
+        f"ours vs TRL on the quickstart ({result['date']}): accuracy {s['accuracy_verdict']}\n"
+        f"ours / TRL: {s['cpu_s_per_step_ratio']:.2f}x the CPU per step, {s['peak_mib_ratio']:.2f}x the peak "
+        "PSS (medians over seeds)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -684,18 +959,28 @@ def pooled_rows(records: list[Path], settings: dict, seeds: list[int]) -> list[d
             record = json.loads(path.read_text())
         except (OSError, ValueError) as error:
             refuse(f"--pool-with {path}: not a readable JSON record of this benchmark ({error})")
-        if not isinstance(record, dict) or record.get("benchmark") != "peer_trl" or not isinstance(record.get("rows"), list):
+        if (
+            not isinstance(record, dict)
+            or record.get("benchmark") != "peer_trl"
+            or not isinstance(record.get("rows"), list)
+        ):
             refuse(f"--pool-with {path}: not a record of peer_trl (a bench/results/peer_trl-*.json)")
         for key, value in settings.items():
             if record.get(key) != value:
-                refuse(f"--pool-with {path}: its {key} is {record.get(key)!r}, this run's {value!r}; "
-                       "only records made under the same settings pool")
+                refuse(
+                    f"--pool-with {path}: its {key} is {record.get(key)!r}, this run's {value!r}; "
+                    "only records made under the same settings pool"
+                )
         rows += record["rows"]
-    runs = Counter([(r["trainer"], r["seed"]) for r in rows] + [(side, seed) for seed in seeds for side in ("ours", "trl")])
+    runs = Counter(
+        [(r["trainer"], r["seed"]) for r in rows] + [(side, seed) for seed in seeds for side in ("ours", "trl")]
+    )
     repeated = sorted({seed for (_, seed), count in runs.items() if count > 1})
     if repeated:
-        refuse(f"--pool-with: seeds {repeated} would count twice (in two records, or in a record and this run); "
-               "pool records of other seeds and run other seeds")
+        refuse(
+            f"--pool-with: seeds {repeated} would count twice (in two records, or in a record and this run); "
+            "pool records of other seeds and run other seeds"
+        )
     return rows
 
 
@@ -724,11 +1009,18 @@ def run(args, console: Console) -> dict:
     cfg = load_config(CONFIG)
     sft_steps = args.sft_steps or cfg.rl.sft_warmup_steps
     save_every = args.eval_every or args.steps
-    settings = {"machine": machine(), "method": METHOD, "steps": args.steps, "eval_every": save_every,
-                "eval_problems": args.eval_limit or cfg.dataset.eval_size,
-                "start_model": args.start_model or f"SFT warm-up, at most {sft_steps} steps",
-                "versions": {"python": platform.python_version(),
-                             **{name: importlib.metadata.version(name) for name in ("torch", "trl", "transformers")}}}
+    settings = {
+        "machine": machine(),
+        "method": METHOD,
+        "steps": args.steps,
+        "eval_every": save_every,
+        "eval_problems": args.eval_limit or cfg.dataset.eval_size,
+        "start_model": args.start_model or f"SFT warm-up, at most {sft_steps} steps",
+        "versions": {
+            "python": platform.python_version(),
+            **{name: importlib.metadata.version(name) for name in ("torch", "trl", "transformers")},
+        },
+    }
     if args.set:
         settings["overrides"] = args.set
     if args.trl_steps_per_generation != 1:
@@ -741,31 +1033,61 @@ def run(args, console: Console) -> dict:
     console.print(f"start model: {start['accuracy']:.1%} of {start['n']} held-out problems")
     steps_evaluated, rows = eval_steps(args.steps, save_every, args.eval_every_checkpoint), []
     skipped = len(checkpoint_steps(args.steps, save_every)) - len(steps_evaluated)
-    console.print(f"checkpoints every {save_every} steps and at the end; evaluated after each run: steps "
-                  f"{', '.join(map(str, steps_evaluated))}"
-                  + (f" (the last {LAST_EVALS}; all {skipped + len(steps_evaluated)}: --eval-every-checkpoint)"
-                     if skipped else ""))
+    console.print(
+        f"checkpoints every {save_every} steps and at the end; evaluated after each run: steps "
+        f"{', '.join(map(str, steps_evaluated))}"
+        + (
+            f" (the last {LAST_EVALS}; all {skipped + len(steps_evaluated)}: --eval-every-checkpoint)"
+            if skipped
+            else ""
+        )
+    )
     for seed in args.seeds:
         for side in ("ours", "trl"):
             if side == "ours":
-                row, checkpoints = run_ours(console, root, model, seed, args.steps, save_every, args.set,
-                                            set(steps_evaluated))
+                row, checkpoints = run_ours(
+                    console, root, model, seed, args.steps, save_every, args.set, set(steps_evaluated)
+                )
             else:
-                row, checkpoints = run_trl(console, root, model, seed, args.steps, save_every, args.set,
-                                           args.trl_steps_per_generation)
+                row, checkpoints = run_trl(
+                    console, root, model, seed, args.steps, save_every, args.set, args.trl_steps_per_generation
+                )
             label = f"{'ours' if side == 'ours' else 'TRL'}, seed {seed}"
-            rows.append(row | evaluate_run(console, label, root / f"{side}-seed{seed}", checkpoints, steps_evaluated,
-                                           start, args.set, args.eval_limit))
+            rows.append(
+                row
+                | evaluate_run(
+                    console,
+                    label,
+                    root / f"{side}-seed{seed}",
+                    checkpoints,
+                    steps_evaluated,
+                    start,
+                    args.set,
+                    args.eval_limit,
+                )
+            )
             console.print(run_table(rows[-1]))
     rows = earlier + rows
     threads = sorted({r["torch_threads"] for r in rows if r["trainer"] == "trl"})
-    return {"benchmark": "peer_trl", "date": date.today().isoformat(), **settings, "save_every": save_every,
-            "evaluated_steps": [0, *steps_evaluated], "eval_every_checkpoint": args.eval_every_checkpoint,
-            "command": " ".join([".venv/bin/python", "bench/peer_trl.py", *map(shlex.quote, sys.argv[1:])]),
-            "seeds": sorted({r["seed"] for r in rows}), "pooled_with": [str(path) for path in args.pool_with],
-            "trl_torch_threads": ", ".join(map(str, threads)), "skip_steps": SKIP_STEPS, "last_evals": LAST_EVALS,
-            "reward_edge_cases": args.edge_cases, "in_run_eval_problems": load_config(CONFIG, args.set).dataset.eval_size,
-            "start_eval": start, "rows": rows, "summary": summarise(rows)}
+    return {
+        "benchmark": "peer_trl",
+        "date": date.today().isoformat(),
+        **settings,
+        "save_every": save_every,
+        "evaluated_steps": [0, *steps_evaluated],
+        "eval_every_checkpoint": args.eval_every_checkpoint,
+        "command": " ".join([".venv/bin/python", "bench/peer_trl.py", *map(shlex.quote, sys.argv[1:])]),
+        "seeds": sorted({r["seed"] for r in rows}),
+        "pooled_with": [str(path) for path in args.pool_with],
+        "trl_torch_threads": ", ".join(map(str, threads)),
+        "skip_steps": SKIP_STEPS,
+        "last_evals": LAST_EVALS,
+        "reward_edge_cases": args.edge_cases,
+        "in_run_eval_problems": load_config(CONFIG, args.set).dataset.eval_size,
+        "start_eval": start,
+        "rows": rows,
+        "summary": summarise(rows),
+    }
 
 
 def check_before(args) -> None:
@@ -779,9 +1101,14 @@ def check_before(args) -> None:
         args.eval_limit = args.eval_limit or QUICK["eval_limit"]
         args.seeds = (args.seeds or [1])[:1]
     args.seeds = args.seeds or list(range(1, args.n_seeds + 1))
-    for flag, value, least in (("--steps", args.steps, 2), ("--n-seeds", args.n_seeds, 1), ("--eval-every", args.eval_every, 0),
-                               ("--eval-limit", args.eval_limit, 0), ("--sft-steps", args.sft_steps, 0),
-                               ("--trl-steps-per-generation", args.trl_steps_per_generation, 1)):
+    for flag, value, least in (
+        ("--steps", args.steps, 2),
+        ("--n-seeds", args.n_seeds, 1),
+        ("--eval-every", args.eval_every, 0),
+        ("--eval-limit", args.eval_limit, 0),
+        ("--sft-steps", args.sft_steps, 0),
+        ("--trl-steps-per-generation", args.trl_steps_per_generation, 1),
+    ):
         if value is not None and value < least:
             refuse(f"{flag} {value}: at least {least}")
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
@@ -790,14 +1117,18 @@ def check_before(args) -> None:
         refuse(f"--start-model {args.start_model}: not a Hugging Face model folder (no config.json)")
     for override in args.set:
         if override.split("=", 1)[0].strip() in HARNESS_KEYS:
-            refuse(f"--set {override}: set by the harness on both sides (--steps, --eval-every, --seeds, --start-model, "
-                   "--root)")
+            refuse(
+                f"--set {override}: set by the harness on both sides (--steps, --eval-every, --seeds, --start-model, "
+                "--root)"
+            )
     try:
         cfg = load_config(CONFIG, args.set)  # a wrong --set is refused here, before any run starts
     except UserError as error:
         refuse(f"--set: {error}")
     if unmatched := trl_cannot_follow(cfg):
-        refuse(f"{CONFIG} with --set {' '.join(args.set)} sets what the TRL side does not carry: {', '.join(unmatched)}")
+        refuse(
+            f"{CONFIG} with --set {' '.join(args.set)} sets what the TRL side does not carry: {', '.join(unmatched)}"
+        )
     from areal_hpc.data.registry import build_task
 
     task = build_task(cfg.dataset, cfg.reward)
@@ -815,30 +1146,68 @@ def main() -> None:
     seeds = parser.add_mutually_exclusive_group()
     seeds.add_argument("--seeds", type=int, nargs="+", help="seeds, each run by ours then TRL")
     seeds.add_argument("--n-seeds", type=int, default=10, help="seeds 1..N (default 10)")
-    parser.add_argument("--eval-every", type=int, default=None, help="steps between checkpoints (default: the "
-                        f"quickstart's rl.eval_every_steps; 0: the last only); the last {LAST_EVALS} are evaluated")
-    parser.add_argument("--eval-every-checkpoint", action="store_true",
-                        help="evaluate every checkpoint, not only the last "
-                             f"{LAST_EVALS} that the final accuracy averages: the whole accuracy-by-step curve")
-    parser.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N held-out problems "
-                        "(default: all of the quickstart's)")
-    parser.add_argument("--start-model", default="", help="start model folder (default: the quickstart's SFT "
-                        "warm-up, built once under --root)")
-    parser.add_argument("--sft-steps", type=int, default=0,
-                        help="at most this many steps of that warm-up (default: the quickstart's rl.sft_warmup_steps)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="steps between checkpoints (default: the "
+        f"quickstart's rl.eval_every_steps; 0: the last only); the last {LAST_EVALS} are evaluated",
+    )
+    parser.add_argument(
+        "--eval-every-checkpoint",
+        action="store_true",
+        help="evaluate every checkpoint, not only the last "
+        f"{LAST_EVALS} that the final accuracy averages: the whole accuracy-by-step curve",
+    )
+    parser.add_argument(
+        "--eval-limit",
+        type=int,
+        default=0,
+        help="evaluate on the first N held-out problems (default: all of the quickstart's)",
+    )
+    parser.add_argument(
+        "--start-model",
+        default="",
+        help="start model folder (default: the quickstart's SFT warm-up, built once under --root)",
+    )
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=0,
+        help="at most this many steps of that warm-up (default: the quickstart's rl.sft_warmup_steps)",
+    )
     parser.add_argument("--root", default="runs/bench/peer_trl", help="folder of the runs (and of the warm-up)")
-    parser.add_argument("--quick", action="store_true", help="a check that it works: 6 steps, 1 seed, a checkpoint "
-                        "every 3, 100 held-out problems")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a check that it works: 6 steps, 1 seed, a checkpoint every 3, 100 held-out problems",
+    )
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     parser.add_argument("--label", default="", help="results file peer_trl-LABEL-<date>")
-    parser.add_argument("--pool-with", type=Path, nargs="+", default=[], metavar="RECORD.json",
-                        help="earlier records of this benchmark (same machine, versions, method, steps, evaluations "
-                             "and start model; other seeds) whose runs the summary counts beside this run's")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for both sides (repeatable; TRL refuses what it cannot follow)")
-    parser.add_argument("--trl-steps-per-generation", type=int, default=1, metavar="K",
-                        help="TRL generates once every K optimizer steps, so its j-th step of each K trains on "
-                             "answers j versions old, importance-weighted by its PPO ratio (1: on-policy)")
+    parser.add_argument(
+        "--pool-with",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="RECORD.json",
+        help="earlier records of this benchmark (same machine, versions, method, steps, evaluations "
+        "and start model; other seeds) whose runs the summary counts beside this run's",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for both sides (repeatable; TRL refuses what it cannot follow)",
+    )
+    parser.add_argument(
+        "--trl-steps-per-generation",
+        type=int,
+        default=1,
+        metavar="K",
+        help="TRL generates once every K optimizer steps, so its j-th step of each K trains on "
+        "answers j versions old, importance-weighted by its PPO ratio (1: on-policy)",
+    )
     args = parser.parse_args()
     check_before(args)
     if args.eval_every is None:

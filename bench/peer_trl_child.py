@@ -100,8 +100,12 @@ def train(spec: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"], local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"]),
-                                                 attn_implementation=spec["attn_implementation"], local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model"],
+        dtype=getattr(torch, spec["dtype"]),
+        attn_implementation=spec["attn_implementation"],
+        local_files_only=True,
+    )
     dataset = datasets.Dataset.from_list(spec["prompts"])  # columns "prompt" (chat messages) and "answer"
     group = spec["grpo_config"]["num_generations"]
     metrics, samples = Path(spec["metrics"]).open("w"), Path(spec["rewards"]).open("w")  # noqa: SIM115 - written through the training run, closed at its end
@@ -110,8 +114,9 @@ def train(spec: dict) -> None:
     def reward(prompts, completions, answer, **_) -> list[float]:
         texts = [completion_text(c) for c in completions]
         last[:] = [answer_reward(text, want) for text, want in zip(texts, answer)]
-        samples.write(json.dumps({"completions": texts[:group], "answers": list(answer[:group]),
-                                  "rewards": last[:group]}) + "\n")
+        samples.write(
+            json.dumps({"completions": texts[:group], "answers": list(answer[:group]), "rewards": last[:group]}) + "\n"
+        )
         return list(last)
 
     class StepClock(TrainerCallback):
@@ -122,22 +127,50 @@ def train(spec: dict) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
-            metrics.write(json.dumps({"step": state.global_step, "time": time.time(), "time/step": now - self.mark,
-                                      "rollout/reward": sum(last) / len(last)}) + "\n")
+            metrics.write(
+                json.dumps(
+                    {
+                        "step": state.global_step,
+                        "time": time.time(),
+                        "time/step": now - self.mark,
+                        "rollout/reward": sum(last) / len(last),
+                    }
+                )
+                + "\n"
+            )
             metrics.flush()
             self.mark = now
 
     PromptRecorder(model, Path(spec["prompt_ids"]))
     config = GRPOConfig(**spec["grpo_config"], **{checkpointing_field(GRPOConfig): False})
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[StepClock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
     trainer.train()
     metrics.close()
     samples.close()
-    Path(spec["report"]).write_text(json.dumps({
-        "areal_hpc_modules": project_modules(), "torch_threads": torch.get_num_threads(),
-        "versions": {name: module.__version__ for name, module in
-                     (("torch", torch), ("transformers", transformers), ("datasets", datasets), ("trl", trl))}}))
+    Path(spec["report"]).write_text(
+        json.dumps(
+            {
+                "areal_hpc_modules": project_modules(),
+                "torch_threads": torch.get_num_threads(),
+                "versions": {
+                    name: module.__version__
+                    for name, module in (
+                        ("torch", torch),
+                        ("transformers", transformers),
+                        ("datasets", datasets),
+                        ("trl", trl),
+                    )
+                },
+            }
+        )
+    )
     assert not project_modules(), f"the TRL process imported {project_modules()}"
 
 

@@ -28,11 +28,22 @@ from recording import REPO, machine, run_and_record
 from rl_step import export
 
 IMPORTS = ("import torch", "import torch, areal_hpc.train.driver", "import torch, areal_hpc.rollout.server")
-ENDINGS = {"interpreter exit": "sys.exit(0)",
-           "exit_process": "from areal_hpc.runtime.exit import exit_process; exit_process(0)"}
-SMALL_RUN = ["rl.total_train_steps=2", "dataset.train_size=64", "dataset.eval_size=16", "rl.sft_warmup_steps=0",
-             "rollout.consumer_batch_size=4", "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4",
-             "gconfig.max_new_tokens=6", "rollout.max_running_requests=32", "stats.tensorboard=false"]
+ENDINGS = {
+    "interpreter exit": "sys.exit(0)",
+    "exit_process": "from areal_hpc.runtime.exit import exit_process; exit_process(0)",
+}
+SMALL_RUN = [
+    "rl.total_train_steps=2",
+    "dataset.train_size=64",
+    "dataset.eval_size=16",
+    "rl.sft_warmup_steps=0",
+    "rollout.consumer_batch_size=4",
+    "rollout.max_concurrent_rollouts=8",
+    "gconfig.n_samples=4",
+    "gconfig.max_new_tokens=6",
+    "rollout.max_running_requests=32",
+    "stats.tensorboard=false",
+]
 
 
 def exit_seconds(imports: str, ending: str) -> float:
@@ -46,10 +57,23 @@ def exit_seconds(imports: str, ending: str) -> float:
 def run_seconds(package_root: Path, model: Path, fileroot: Path) -> float:
     shutil.rmtree(fileroot, ignore_errors=True)
     started = time.time()
-    subprocess.run([sys.executable, "-m", "areal_hpc", "train", "--config", str(REPO / "configs/quickstart.yaml"),
-                    f"model.path={model}", f"cluster.fileroot={fileroot}", *SMALL_RUN], cwd=package_root,
-                   env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(package_root), "HF_HUB_OFFLINE": "1"},
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_hpc",
+            "train",
+            "--config",
+            str(REPO / "configs/quickstart.yaml"),
+            f"model.path={model}",
+            f"cluster.fileroot={fileroot}",
+            *SMALL_RUN,
+        ],
+        cwd=package_root,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(package_root), "HF_HUB_OFFLINE": "1"},
+        check=True,
+        capture_output=True,
+    )
     return time.time() - started
 
 
@@ -60,28 +84,45 @@ def run(args) -> dict:
         for _ in range(args.repeats):
             for ending, code in ENDINGS.items():
                 seconds[ending].append(exit_seconds(imports, code))
-        rows.append({"process": f"python -c '{imports}'", **{ending: statistics.median(s) for ending, s in seconds.items()}})
+        rows.append(
+            {"process": f"python -c '{imports}'", **{ending: statistics.median(s) for ending, s in seconds.items()}}
+        )
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         from areal_hpc.data.registry import corpus_for_tokenizer
         from areal_hpc.models.tiny import init_model
+
         model = init_model(scratch / "model", corpus_for_tokenizer(0), preset="tiny", seed=0)
         slow, _ = export(args.before, scratch)
         runs = {"interpreter exit": [], "exit_process": []}
         for _ in range(args.runs):
             runs["interpreter exit"].append(run_seconds(slow, model, scratch / "runs"))
             runs["exit_process"].append(run_seconds(REPO, model, scratch / "runs"))
-    rows.append({"process": f"areal-hpc train, 2 steps (the command; {args.before} vs now, {args.runs} runs)",
-                 **{ending: statistics.median(s) for ending, s in runs.items()}})
-    return {"date": datetime.date.today().isoformat(), "machine": machine(),
-            "versions": f"python {sys.version.split()[0]}, torch {__import__('torch').__version__}",
-            "repeats": args.repeats, "before": args.before, "rows": rows}
+    rows.append(
+        {
+            "process": f"areal-hpc train, 2 steps (the command; {args.before} vs now, {args.runs} runs)",
+            **{ending: statistics.median(s) for ending, s in runs.items()},
+        }
+    )
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "versions": f"python {sys.version.split()[0]}, torch {__import__('torch').__version__}",
+        "repeats": args.repeats,
+        "before": args.before,
+        "rows": rows,
+    }
 
 
 def report(result: dict) -> str:
-    lines = [f"# Process exit ({result['date']})", "", f"{result['machine']}; {result['versions']}; "
-             f"median of {result['repeats']} alternating pairs", "",
-             "| process | interpreter exit (s) | exit_process (s) | ratio |", "|---|---|---|---|"]
+    lines = [
+        f"# Process exit ({result['date']})",
+        "",
+        f"{result['machine']}; {result['versions']}; median of {result['repeats']} alternating pairs",
+        "",
+        "| process | interpreter exit (s) | exit_process (s) | ratio |",
+        "|---|---|---|---|",
+    ]
     for row in result["rows"]:
         before, after = row["interpreter exit"], row["exit_process"]
         lines.append(f"| {row['process']} | {before:.3f} | {after:.3f} | {after / before:.2f} |")

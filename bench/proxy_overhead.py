@@ -39,9 +39,14 @@ MESSAGES = [{"role": "user", "content": "What is 12 + 30? Answer with the number
 def start(args: list[str], log: Path, ready: str, cores: set[int]) -> subprocess.Popen:
     """``areal-hpc ARGS`` on ``cores`` (one torch thread per core), once its log says ``ready``."""
     out = open(log, "w")  # noqa: SIM115 - the server writes it for its lifetime
-    process = subprocess.Popen([sys.executable, "-m", "areal_hpc", *args], cwd=REPO, stdout=out,
-                               stderr=subprocess.STDOUT, preexec_fn=lambda: os.sched_setaffinity(0, cores),
-                               env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(len(cores))})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "areal_hpc", *args],
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(len(cores))},
+    )
     deadline = time.monotonic() + 180
     while ready not in log.read_text():
         if process.poll() is not None or time.monotonic() > deadline:
@@ -69,21 +74,31 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def measure(args, server: str, proxy: str, tenant_key: str, prompt_ids: list[int], proxy_pid: int) -> dict:
-    direct = (f"http://{server}/generate", {"input_ids": prompt_ids, "return_logprob": True, "sampling_params": {
-        "max_new_tokens": args.max_tokens, "temperature": 1.0, "stop_token_ids": [2]}}, {})
+    direct = (
+        f"http://{server}/generate",
+        {
+            "input_ids": prompt_ids,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 1.0, "stop_token_ids": [2]},
+        },
+        {},
+    )
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         n_sessions = (2 * args.requests * args.repeats + args.latency_requests) // 8 + 2 * args.concurrency
         keys = []
         for _ in range(n_sessions):
-            async with http.post(f"http://{proxy}/rl/start_session", json={},
-                                 headers={"Authorization": f"Bearer {tenant_key}"}) as reply:
+            async with http.post(
+                f"http://{proxy}/rl/start_session", json={}, headers={"Authorization": f"Bearer {tenant_key}"}
+            ) as reply:
                 keys.append((await reply.json())["session_key"])
         turns = iter([k for k in keys for _ in range(8)])
 
         def proxied():
-            return (f"http://{proxy}/v1/chat/completions",
-                    {"model": "tiny", "messages": MESSAGES, "max_tokens": args.max_tokens, "temperature": 1.0},
-                    {"Authorization": f"Bearer {next(turns)}"})
+            return (
+                f"http://{proxy}/v1/chat/completions",
+                {"model": "tiny", "messages": MESSAGES, "max_tokens": args.max_tokens, "temperature": 1.0},
+                {"Authorization": f"Bearer {next(turns)}"},
+            )
 
         for _ in range(20):  # warm both paths
             await one(http, *direct)
@@ -98,6 +113,7 @@ async def measure(args, server: str, proxy: str, tenant_key: str, prompt_ids: li
             async def worker():
                 for _ in queue:
                     await one(http, *make())
+
             started = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             return args.requests / (time.perf_counter() - started)
@@ -110,12 +126,18 @@ async def measure(args, server: str, proxy: str, tenant_key: str, prompt_ids: li
             proxy_cpu += cpu_seconds(proxy_pid) - before
         ended = time.perf_counter()
         for key in keys:
-            async with http.post(f"http://{proxy}/rl/end_session", json={},
-                                 headers={"Authorization": f"Bearer {key}"}) as reply:
+            async with http.post(
+                f"http://{proxy}/rl/end_session", json={}, headers={"Authorization": f"Bearer {key}"}
+            ) as reply:
                 assert reply.status == 200
         end_s = time.perf_counter() - ended
-    return {"pairs": pairs, "rates": rates, "sessions": len(keys), "end_sessions_s": end_s,
-            "proxy_cpu_ms_per_request": 1e3 * proxy_cpu / (args.requests * args.repeats)}
+    return {
+        "pairs": pairs,
+        "rates": rates,
+        "sessions": len(keys),
+        "end_sessions_s": end_s,
+        "proxy_cpu_ms_per_request": 1e3 * proxy_cpu / (args.requests * args.repeats),
+    }
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -130,27 +152,53 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         model = scratch / "model"
-        subprocess.run([sys.executable, "-m", "areal_hpc", "init-model", "--out", str(model)], cwd=REPO, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "areal_hpc", "init-model", "--out", str(model)],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         key = add_key(scratch / "keys.yaml", "bench")
-        server = start(["serve", "backend=embedded", f"model.path={model}", "port=0", f"cluster.fileroot={scratch}"],
-                       scratch / "server.log", "embedded rollout server", SERVER_CORES)
+        server = start(
+            ["serve", "backend=embedded", f"model.path={model}", "port=0", f"cluster.fileroot={scratch}"],
+            scratch / "server.log",
+            "embedded rollout server",
+            SERVER_CORES,
+        )
         try:
             server_address = address_of(scratch / "server.log")
-            proxy = start(["proxy", f"model.path={model}", "proxy.port=0", f"proxy.backends={server_address}",
-                           f"proxy.keys_file={scratch / 'keys.yaml'}", "proxy.model_name=tiny",
-                           "proxy.requests_per_minute=0", "proxy.tokens_per_minute=0", f"cluster.fileroot={scratch}"],
-                          scratch / "proxy.log", "proxy for", CLIENT_CORES)
+            proxy = start(
+                [
+                    "proxy",
+                    f"model.path={model}",
+                    "proxy.port=0",
+                    f"proxy.backends={server_address}",
+                    f"proxy.keys_file={scratch / 'keys.yaml'}",
+                    "proxy.model_name=tiny",
+                    "proxy.requests_per_minute=0",
+                    "proxy.tokens_per_minute=0",
+                    f"cluster.fileroot={scratch}",
+                ],
+                scratch / "proxy.log",
+                "proxy for",
+                CLIENT_CORES,
+            )
             try:
                 tokenizer = ChatTokenizer(model)
                 prompt_ids = tokenizer.encode(tokenizer.render(MESSAGES))
                 os.sched_setaffinity(0, CLIENT_CORES)
                 load_before = os.getloadavg()[0]
-                found = asyncio.run(measure(args, server_address, address_of(scratch / "proxy.log"), key, prompt_ids,
-                                            proxy.pid))
+                found = asyncio.run(
+                    measure(args, server_address, address_of(scratch / "proxy.log"), key, prompt_ids, proxy.pid)
+                )
                 load_after = os.getloadavg()[0]
-                rss_kb = int(next(line for line in Path(f"/proc/{proxy.pid}/status").read_text().splitlines()
-                                  if line.startswith("VmHWM")).split()[1])
+                rss_kb = int(
+                    next(
+                        line
+                        for line in Path(f"/proc/{proxy.pid}/status").read_text().splitlines()
+                        if line.startswith("VmHWM")
+                    ).split()[1]
+                )
             finally:
                 proxy.terminate()
                 proxy.wait(timeout=60)
@@ -160,36 +208,60 @@ def run(args) -> dict:
     direct, proxied = [d for d, _ in found["pairs"]], [p for _, p in found["pairs"]]
     added = [p - d for d, p in found["pairs"]]
     rates = {side: statistics.median(values) for side, values in found["rates"].items()}
-    return {"date": date.today().isoformat(), "machine": args.machine,
-            "versions": {"python": platform.python_version(), "aiohttp": aiohttp.__version__},
-            "settings": {"latency_requests": args.latency_requests, "requests": args.requests,
-                         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                         "prompt_tokens": len(prompt_ids)},
-            "latency_ms": {name: {"p50": 1e3 * quantile(v, 0.5), "p99": 1e3 * quantile(v, 0.99)}
-                           for name, v in (("direct", direct), ("proxy", proxied), ("added", added))},
-            "requests_per_s": rates, "throughput_ratio": rates["proxy"] / rates["direct"],
-            "all_rates": found["rates"], "proxy_peak_rss_mib": rss_kb / 1024, "sessions": found["sessions"],
-            "end_sessions_s": found["end_sessions_s"], "load_average": [load_before, load_after],
-            "proxy_cpu_ms_per_request": found["proxy_cpu_ms_per_request"]}
+    return {
+        "date": date.today().isoformat(),
+        "machine": args.machine,
+        "versions": {"python": platform.python_version(), "aiohttp": aiohttp.__version__},
+        "settings": {
+            "latency_requests": args.latency_requests,
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "prompt_tokens": len(prompt_ids),
+        },
+        "latency_ms": {
+            name: {"p50": 1e3 * quantile(v, 0.5), "p99": 1e3 * quantile(v, 0.99)}
+            for name, v in (("direct", direct), ("proxy", proxied), ("added", added))
+        },
+        "requests_per_s": rates,
+        "throughput_ratio": rates["proxy"] / rates["direct"],
+        "all_rates": found["rates"],
+        "proxy_peak_rss_mib": rss_kb / 1024,
+        "sessions": found["sessions"],
+        "end_sessions_s": found["end_sessions_s"],
+        "load_average": [load_before, load_after],
+        "proxy_cpu_ms_per_request": found["proxy_cpu_ms_per_request"],
+    }
 
 
 def report(result: dict) -> str:
     lat, s = result["latency_ms"], result["settings"]
-    lines = [f"# proxy overhead ({result['date']})", "",
-             f"machine: {result['machine']}", f"versions: {result['versions']}",
-             f"settings: {s}; 1-minute load average before/after: "
-             f"{result['load_average'][0]:.2f} / {result['load_average'][1]:.2f}", "",
-             "| | p50 (ms) | p99 (ms) |", "|---|---|---|"]
+    lines = [
+        f"# proxy overhead ({result['date']})",
+        "",
+        f"machine: {result['machine']}",
+        f"versions: {result['versions']}",
+        f"settings: {s}; 1-minute load average before/after: "
+        f"{result['load_average'][0]:.2f} / {result['load_average'][1]:.2f}",
+        "",
+        "| | p50 (ms) | p99 (ms) |",
+        "|---|---|---|",
+    ]
     lines += [f"| {name} | {lat[name]['p50']:.2f} | {lat[name]['p99']:.2f} |" for name in ("direct", "proxy", "added")]
     rates = result["requests_per_s"]
-    lines += ["", f"throughput at concurrency {s['concurrency']}: direct {rates['direct']:.0f} req/s, proxy "
-              f"{rates['proxy']:.0f} req/s: **{result['throughput_ratio']:.2f}x** (target >= 0.8x; p50 added "
-              f"latency target < 2 ms: **{lat['added']['p50']:.2f} ms**)",
-              f"proxy CPU per request {result['proxy_cpu_ms_per_request']:.2f} ms (one core: about "
-              f"{1e3 / result['proxy_cpu_ms_per_request']:.0f} requests/s); "
-              f"proxy peak RSS {result['proxy_peak_rss_mib']:.0f} MiB; {result['sessions']} sessions ended "
-              f"(records written) in {result['end_sessions_s']:.2f} s", "",
-              json.dumps(result["all_rates"])]
+    lines += [
+        "",
+        f"throughput at concurrency {s['concurrency']}: direct {rates['direct']:.0f} req/s, proxy "
+        f"{rates['proxy']:.0f} req/s: **{result['throughput_ratio']:.2f}x** (target >= 0.8x; p50 added "
+        f"latency target < 2 ms: **{lat['added']['p50']:.2f} ms**)",
+        f"proxy CPU per request {result['proxy_cpu_ms_per_request']:.2f} ms (one core: about "
+        f"{1e3 / result['proxy_cpu_ms_per_request']:.0f} requests/s); "
+        f"proxy peak RSS {result['proxy_peak_rss_mib']:.0f} MiB; {result['sessions']} sessions ended "
+        f"(records written) in {result['end_sessions_s']:.2f} s",
+        "",
+        json.dumps(result["all_rates"]),
+    ]
     return "\n".join(lines)
 
 

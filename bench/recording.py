@@ -21,16 +21,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 def machine() -> str:
     gpus = accelerators()
-    return (f"{platform.node()}: {os.cpu_count()} cores, {cpu_model()}, {platform.machine()}, {platform.platform()}"
-            + (f", GPUs: {gpus}" if gpus else ""))
+    return f"{platform.node()}: {os.cpu_count()} cores, {cpu_model()}, {platform.machine()}, {platform.platform()}" + (
+        f", GPUs: {gpus}" if gpus else ""
+    )
 
 
 def accelerators() -> str:
     """The GPUs ``nvidia-smi`` lists (name, memory, driver), counted; empty without any. Asked of a child
     process: this one initialises no accelerator (benchmarks fork workers after recording)."""
     try:
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=60, check=True).stdout
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
     counts = collections.Counter(line.strip() for line in listed.splitlines() if line.strip())
@@ -48,13 +54,23 @@ def cpu_model() -> str:
     flags = set(fields.get("flags", "").split())
     extensions = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
     family = f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields else ""
-    return " ".join(filter(None, [fields.get("model name", platform.processor() or "unknown CPU"), family,
-                                  f"({' '.join(extensions)})" if extensions else ""]))
+    return " ".join(
+        filter(
+            None,
+            [
+                fields.get("model name", platform.processor() or "unknown CPU"),
+                family,
+                f"({' '.join(extensions)})" if extensions else "",
+            ],
+        )
+    )
 
 
 def machine_and_versions(result: dict) -> str:
     """A result table's line naming what it ran on: ``Machine: ... Versions: torch 2.x, ...``."""
-    return f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + "."
+    return (
+        f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()) + "."
+    )
 
 
 def record_name(benchmark: str, label: str = "") -> str:

@@ -66,10 +66,14 @@ def run_summary(metrics: Path) -> dict:
     staleness = [r["staleness/mean"] for r in records if "staleness/mean" in r]
     evals = accuracies(metrics, records)
     if not evals:
-        raise SystemExit(f"{metrics}: no held-out evaluation (no evals.json of peer_trl.py beside the run, no "
-                         "eval/accuracy in it)")
-    return {"rewards": [r["rollout/reward"] for r in steps], "staleness": float(np.mean(staleness)) if staleness else 0.0,
-            "final": float(np.mean(evals[-LAST_EVALS:]))}
+        raise SystemExit(
+            f"{metrics}: no held-out evaluation (no evals.json of peer_trl.py beside the run, no eval/accuracy in it)"
+        )
+    return {
+        "rewards": [r["rollout/reward"] for r in steps],
+        "staleness": float(np.mean(staleness)) if staleness else 0.0,
+        "final": float(np.mean(evals[-LAST_EVALS:])),
+    }
 
 
 def version_aligned_reward_gap(run: dict, baseline: dict) -> float:
@@ -88,9 +92,11 @@ def mean_and_error(values: list[float]) -> str:
 def paired_gaps(runs: dict[int, dict], baseline: dict[int, dict]) -> dict[str, list[float]]:
     """Per seed both ran: final accuracy and same-version training reward, run minus baseline, in points."""
     seeds = sorted(set(runs) & set(baseline))
-    return {"seeds": seeds,
-            "accuracy": [100 * (runs[s]["final"] - baseline[s]["final"]) for s in seeds],
-            "reward": [100 * version_aligned_reward_gap(runs[s], baseline[s]) for s in seeds]}
+    return {
+        "seeds": seeds,
+        "accuracy": [100 * (runs[s]["final"] - baseline[s]["final"]) for s in seeds],
+        "reward": [100 * version_aligned_reward_gap(runs[s], baseline[s]) for s in seeds],
+    }
 
 
 def labelled(text: str) -> tuple[str, str]:
@@ -110,36 +116,54 @@ def add_pairing_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 def paired_paths(args) -> dict[str, dict[int, Path]]:
     """Each label's path for each seed (baseline first); a missing one is refused in one line (exit 2)
     before anything is read or run."""
-    paths = {label: {seed: Path(pattern.format(seed=seed)) for seed in args.seeds}
-             for label, pattern in [args.baseline, *args.runs]}
+    paths = {
+        label: {seed: Path(pattern.format(seed=seed)) for seed in args.seeds}
+        for label, pattern in [args.baseline, *args.runs]
+    }
     missing = [(label, seed, path) for label, runs in paths.items() for seed, path in runs.items() if not path.exists()]
     if missing:
         label, seed, path = missing[0]
-        print(f"{label} seed {seed}: {path} does not exist ({len(missing)} of the paths are missing); "
-              "each --baseline/--runs pattern must name a finished run for every --seeds value", file=sys.stderr)
+        print(
+            f"{label} seed {seed}: {path} does not exist ({len(missing)} of the paths are missing); "
+            "each --baseline/--runs pattern must name a finished run for every --seeds value",
+            file=sys.stderr,
+        )
         sys.exit(2)
     return paths
 
 
 def run(args) -> dict:
-    sides = {label: {seed: run_summary(path) for seed, path in runs.items()} for label, runs in paired_paths(args).items()}
+    sides = {
+        label: {seed: run_summary(path) for seed, path in runs.items()} for label, runs in paired_paths(args).items()
+    }
     base_label = args.baseline[0]
-    return {"date": datetime.date.today().isoformat(), "machine": machine(), "baseline": base_label,
-            "patterns": dict([args.baseline, *args.runs]),
-            "comparisons": {label: paired_gaps(sides[label], sides[base_label]) for label, _ in args.runs},
-            "staleness": {label: float(np.mean([r["staleness"] for r in runs.values()])) for label, runs in sides.items()}}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "baseline": base_label,
+        "patterns": dict([args.baseline, *args.runs]),
+        "comparisons": {label: paired_gaps(sides[label], sides[base_label]) for label, _ in args.runs},
+        "staleness": {label: float(np.mean([r["staleness"] for r in runs.values()])) for label, runs in sides.items()},
+    }
 
 
 def report(result: dict) -> str:
     base = result["baseline"]
-    lines = [f"# Learning per update or the greedy score? ({result['date']})", "",
-             f"Runs read on {result['machine']}: " + "; ".join(f"{label}: `{pattern}`"
-                                                         for label, pattern in result["patterns"].items()), "",
-             f"| run minus {base} | seeds | mean staleness | final greedy accuracy (points) | "
-             "training reward of the same policy version, 2nd half (points) |", "|---|---|---|---|---|"]
+    lines = [
+        f"# Learning per update or the greedy score? ({result['date']})",
+        "",
+        f"Runs read on {result['machine']}: "
+        + "; ".join(f"{label}: `{pattern}`" for label, pattern in result["patterns"].items()),
+        "",
+        f"| run minus {base} | seeds | mean staleness | final greedy accuracy (points) | "
+        "training reward of the same policy version, 2nd half (points) |",
+        "|---|---|---|---|---|",
+    ]
     for label, gaps in result["comparisons"].items():
-        lines.append(f"| {label} | {len(gaps['seeds'])} | {result['staleness'][label]:.2f} | "
-                     f"{mean_and_error(gaps['accuracy'])} | {mean_and_error(gaps['reward'])} |")
+        lines.append(
+            f"| {label} | {len(gaps['seeds'])} | {result['staleness'][label]:.2f} | "
+            f"{mean_and_error(gaps['accuracy'])} | {mean_and_error(gaps['reward'])} |"
+        )
     return "\n".join(lines)
 
 

@@ -70,7 +70,10 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         score = reward_model(args.model, Path(tmp))
         vocab = score.load().config.vocab_size
-        pools = {"batched": RewardPool(score, timeout_s=60.0), "one per call": RewardPool(OneAtATime(score), timeout_s=60.0)}
+        pools = {
+            "batched": RewardPool(score, timeout_s=60.0),
+            "one per call": RewardPool(OneAtATime(score), timeout_s=60.0),
+        }
         seconds = {name: [] for name in pools}
         try:
             for pool in pools.values():  # start the workers (not timed) and check both score alike
@@ -88,22 +91,36 @@ def run(args) -> dict:
             for pool in pools.values():
                 pool.close()
     per_step = {name: statistics.mean(s) for name, s in seconds.items()}
-    return {"date": datetime.date.today().isoformat(), "machine": machine(), "torch": torch.__version__,
-            "model": str(args.model or "tiny critic"), "requests_per_step": args.prompts * args.samples,
-            "completion_tokens": args.completion_tokens, "steps": args.steps, "s_per_step": per_step,
-            "ratio_batched_over_one_per_call": per_step["batched"] / per_step["one per call"]}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "model": str(args.model or "tiny critic"),
+        "requests_per_step": args.prompts * args.samples,
+        "completion_tokens": args.completion_tokens,
+        "steps": args.steps,
+        "s_per_step": per_step,
+        "ratio_batched_over_one_per_call": per_step["batched"] / per_step["one per call"],
+    }
 
 
 def report(result: dict) -> str:
     s = result["s_per_step"]
-    return "\n".join([
-        f"# reward model scoring ({result['date']})", "",
-        f"machine: {result['machine']}; torch {result['torch']}; model {result['model']}; "
-        f"{result['requests_per_step']} completions per step (1-{result['completion_tokens']} tokens), "
-        f"{result['steps']} steps, one reward worker", "",
-        "| scoring | s per step | per completion |", "|---|---|---|",
-        *(f"| {name} | {t:.4f} | {1000 * t / result['requests_per_step']:.2f} ms |" for name, t in s.items()), "",
-        f"batched / one per call: **{result['ratio_batched_over_one_per_call']:.3f}**"])
+    return "\n".join(
+        [
+            f"# reward model scoring ({result['date']})",
+            "",
+            f"machine: {result['machine']}; torch {result['torch']}; model {result['model']}; "
+            f"{result['requests_per_step']} completions per step (1-{result['completion_tokens']} tokens), "
+            f"{result['steps']} steps, one reward worker",
+            "",
+            "| scoring | s per step | per completion |",
+            "|---|---|---|",
+            *(f"| {name} | {t:.4f} | {1000 * t / result['requests_per_step']:.2f} ms |" for name, t in s.items()),
+            "",
+            f"batched / one per call: **{result['ratio_batched_over_one_per_call']:.3f}**",
+        ]
+    )
 
 
 def main() -> None:

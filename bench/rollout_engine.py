@@ -72,8 +72,9 @@ def serve(engine: EmbeddedEngine, requests) -> float:
 
     start = time.perf_counter()
     for i, (prompt, length) in enumerate(requests):
-        engine.submit(Request(str(i), prompt, SamplingParams(max_new_tokens=length, top_k=TOP_K, ignore_eos=True),
-                              on_done))
+        engine.submit(
+            Request(str(i), prompt, SamplingParams(max_new_tokens=length, top_k=TOP_K, ignore_eos=True), on_done)
+        )
     done.wait()
     elapsed = time.perf_counter() - start
     assert sum(len(r.output_ids) for r in finished) == sum(k for _, k in requests)
@@ -92,13 +93,20 @@ def run_generate(model, requests, batch: int) -> float:
     pad_id = model.config.pad_token_id
     start = time.perf_counter()
     for first in range(0, len(requests), batch):
-        chunk = requests[first:first + batch]
+        chunk = requests[first : first + batch]
         width, longest = max(len(p) for p, _ in chunk), max(k for _, k in chunk)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=True, top_k=TOP_K, pad_token_id=pad_id)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=True,
+                top_k=TOP_K,
+                pad_token_id=pad_id,
+            )
     return time.perf_counter() - start
 
 
@@ -110,12 +118,15 @@ def decode_rates(model, batch: int, tokens: int, repeats: int) -> dict:
     for _ in range(repeats):  # an engine per repeat: none is alive while generate() runs, as in the main comparison
         engine = EmbeddedEngine(model, slots=batch, context_length=1024)
         try:
-            times["engine"].append(serve(engine, [(p, tokens) for p in prompts])
-                                   - serve(engine, [(p, 1) for p in prompts]))
+            times["engine"].append(
+                serve(engine, [(p, tokens) for p in prompts]) - serve(engine, [(p, 1) for p in prompts])
+            )
         finally:
             engine.stop()
-        times["generate"].append(run_generate(model, [(p, tokens) for p in prompts], batch)
-                                 - run_generate(model, [(p, 1) for p in prompts], batch))
+        times["generate"].append(
+            run_generate(model, [(p, tokens) for p in prompts], batch)
+            - run_generate(model, [(p, 1) for p in prompts], batch)
+        )
     rates = {k: round(batch * (tokens - 1) / statistics.median(v), 1) for k, v in times.items()}
     return {"batch": batch, **rates, "ratio": round(rates["engine"] / rates["generate"], 2)}
 
@@ -132,8 +143,13 @@ def profile_engine(model, requests, batch: int, top: int = 10) -> dict:
     ops = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     in_ops = sum(e.self_cpu_time_total for e in ops) / 1e6
     rows = [{"op": e.key, "calls": e.count, "s": round(e.self_cpu_time_total / 1e6, 3)} for e in ops[:top]]
-    rows.append({"op": "other torch ops", "calls": sum(e.count for e in ops[top:]),
-                 "s": round(sum(e.self_cpu_time_total for e in ops[top:]) / 1e6, 3)})
+    rows.append(
+        {
+            "op": "other torch ops",
+            "calls": sum(e.count for e in ops[top:]),
+            "s": round(sum(e.self_cpu_time_total for e in ops[top:]) / 1e6, 3),
+        }
+    )
     rows.append({"op": "outside torch ops (Python)", "calls": None, "s": round(wall - in_ops, 3)})
     for row in rows:
         row["share"] = round(row["s"] / wall, 3)
@@ -141,8 +157,9 @@ def profile_engine(model, requests, batch: int, top: int = 10) -> dict:
 
 
 def git_revision() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent)
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    )
     return out.stdout.strip() or "unknown"
 
 
@@ -153,8 +170,8 @@ def run(args) -> dict:
     useful = sum(k for _, k in requests)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     load_before = os.getloadavg()
-    run_engine(model, requests[:args.batch], args.batch)  # warm-up: first-call allocations, kernel selection
-    run_generate(model, requests[:args.batch], args.batch)
+    run_engine(model, requests[: args.batch], args.batch)  # warm-up: first-call allocations, kernel selection
+    run_generate(model, requests[: args.batch], args.batch)
     times = {"engine": [], "generate": []}
     for _ in range(args.repeats):
         times["engine"].append(run_engine(model, requests, args.batch))
@@ -162,22 +179,33 @@ def run(args) -> dict:
     median = {k: statistics.median(v) for k, v in times.items()}
     sweep = [decode_rates(model, b, args.sweep_tokens, args.repeats) for b in args.sweep]
     result = {
-        "benchmark": "rollout_engine", "date": date.today().isoformat(), "machine": machine(),
+        "benchmark": "rollout_engine",
+        "date": date.today().isoformat(),
+        "machine": machine(),
         "revision": args.revision or git_revision(),
         "model": f"{args.preset} Qwen2 ({count_parameters(model) / 1e6:.2f}M parameters), float32, CPU",
-        "requests": len(requests), "batch": args.batch, "useful_tokens": useful, "top_k": TOP_K,
-        "lengths": {"min": min(k for _, k in requests), "median": int(np.median([k for _, k in requests])),
-                    "max": max(k for _, k in requests)},
-        "repeats": args.repeats, "threads": torch.get_num_threads(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "requests": len(requests),
+        "batch": args.batch,
+        "useful_tokens": useful,
+        "top_k": TOP_K,
+        "lengths": {
+            "min": min(k for _, k in requests),
+            "median": int(np.median([k for _, k in requests])),
+            "max": max(k for _, k in requests),
+        },
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "engine tokens/s": round(useful / median["engine"], 1),
         "generate tokens/s": round(useful / median["generate"], 1),
         "ratio": round(statistics.median(g / e for g, e in zip(times["generate"], times["engine"])), 2),
         "sweep": {"prompt_tokens": SWEEP_PROMPT, "new_tokens": args.sweep_tokens, "rows": sweep},
         "profile": profile_engine(model, requests, args.batch) if args.profile else None,
-        "load_average": {"before": [round(x, 2) for x in load_before],
-                         "after": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
     }
     if args.before:
         result["before"] = json.loads(Path(args.before).read_text())
@@ -190,37 +218,56 @@ def report(r: dict) -> str:
     before = r.get("before")
     then = f"before ({before['revision']})" if before else None
     lines = [
-        f"# Embedded engine vs transformers generate() ({r['date']})", "",
+        f"# Embedded engine vs transformers generate() ({r['date']})",
+        "",
         f"Machine: {r['machine']}, {r['threads']} torch threads; load average (1/5/15 min) "
         f"{'/'.join(map(str, r['load_average']['before']))} before, "
         f"{'/'.join(map(str, r['load_average']['after']))} after. Versions: "
-        + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + f". Revision {r['revision']}.",
+        + ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+        + f". Revision {r['revision']}.",
         f"Model: {r['model']}. {r['requests']} requests, batch {r['batch']}, output lengths {r['lengths']['min']}-"
         f"{r['lengths']['max']} (median {r['lengths']['median']}), {r['useful_tokens']:,} requested tokens, "
-        f"temperature 1 and top-k {r['top_k']} for both; median of {r['repeats']} alternating repeats.", ""]
+        f"temperature 1 and top-k {r['top_k']} for both; median of {r['repeats']} alternating repeats.",
+        "",
+    ]
     head = "| | tokens/s |" + (f" {then} |" if before else "")
     lines += [head, "|---|---|" + ("---|" if before else "")]
-    for name, key in (("embedded engine (continuous batching)", "engine tokens/s"),
-                      ("transformers generate() (static batches)", "generate tokens/s")):
+    for name, key in (
+        ("embedded engine (continuous batching)", "engine tokens/s"),
+        ("transformers generate() (static batches)", "generate tokens/s"),
+    ):
         lines.append(f"| {name} | {r[key]} |" + (f" {before[key]} |" if before else ""))
     lines.append(f"| **ratio** | **{r['ratio']}x** |" + (f" {before['ratio']}x |" if before else ""))
     sweep = r["sweep"]
-    lines += ["", f"Decode tokens/s by batch size ({sweep['prompt_tokens']}-token prompts, {sweep['new_tokens']} new "
-              "tokens each, prefill excluded), same run:", "",
-              "| batch | engine | generate() | ratio |" + (f" engine {then} | ratio {then} |" if before else ""),
-              "|---|---|---|---|" + ("---|---|" if before else "")]
+    lines += [
+        "",
+        f"Decode tokens/s by batch size ({sweep['prompt_tokens']}-token prompts, {sweep['new_tokens']} new "
+        "tokens each, prefill excluded), same run:",
+        "",
+        "| batch | engine | generate() | ratio |" + (f" engine {then} | ratio {then} |" if before else ""),
+        "|---|---|---|---|" + ("---|---|" if before else ""),
+    ]
     old = {row["batch"]: row for row in before["sweep"]["rows"]} if before else {}
     for row in sweep["rows"]:
         was = old.get(row["batch"])
-        lines.append(f"| {row['batch']} | {row['engine']} | {row['generate']} | {row['ratio']}x |"
-                     + ((f" {was['engine']} | {was['ratio']}x |" if was else " | |") if before else ""))
+        lines.append(
+            f"| {row['batch']} | {row['engine']} | {row['generate']} | {row['ratio']}x |"
+            + ((f" {was['engine']} | {was['ratio']}x |" if was else " | |") if before else "")
+        )
     for title, result in (("Where the engine's time goes", r), (f"Where the engine's time went, {then}", before)):
         if result and result.get("profile"):
             prof = result["profile"]
-            lines += ["", f"{title} (torch.profiler on the engine thread, one run of the main workload, "
-                      f"{prof['wall_s']} s):", "", "| op | calls | s | share |", "|---|---|---|---|"]
-            lines += [f"| {o['op']} | {o['calls'] if o['calls'] is not None else ''} | {o['s']} | {o['share']:.0%} |"
-                      for o in prof["ops"]]
+            lines += [
+                "",
+                f"{title} (torch.profiler on the engine thread, one run of the main workload, {prof['wall_s']} s):",
+                "",
+                "| op | calls | s | share |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| {o['op']} | {o['calls'] if o['calls'] is not None else ''} | {o['s']} | {o['share']:.0%} |"
+                for o in prof["ops"]
+            ]
     lines += ["", "Target: >= 3x."]
     return "\n".join(lines)
 
@@ -232,8 +279,12 @@ def main() -> None:
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    parser.add_argument("--sweep", type=lambda s: [int(b) for b in s.split(",") if b], default=[1, 8, 32, 64],
-                        help="batch sizes for decode tokens/s, comma-separated (empty: none)")
+    parser.add_argument(
+        "--sweep",
+        type=lambda s: [int(b) for b in s.split(",") if b],
+        default=[1, 8, 32, 64],
+        help="batch sizes for decode tokens/s, comma-separated (empty: none)",
+    )
     parser.add_argument("--sweep-tokens", type=int, default=64, help="new tokens per request in the sweep")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler run")
     parser.add_argument("--revision", help="the engine's revision, as recorded (default: this checkout's HEAD)")

@@ -37,9 +37,14 @@ SAMPLE_S = 0.5
 TARGET_GIB = 1.0
 VARIANTS = {
     "defaults": ([], {}),
-    "previous": (["cluster.fork_server=false"],
-                 {"MALLOC_ARENA_MAX": str(8 * os.cpu_count()), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024",
-                  "LRU_CACHE_CAPACITY": "1024"}),
+    "previous": (
+        ["cluster.fork_server=false"],
+        {
+            "MALLOC_ARENA_MAX": str(8 * os.cpu_count()),
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024",
+            "LRU_CACHE_CAPACITY": "1024",
+        },
+    ),
 }
 
 
@@ -56,13 +61,24 @@ def sample_roles(root: int, done: threading.Event, samples: list) -> None:
 
 def run_variant(name: str, args, fileroot: Path) -> dict:
     overrides, env = VARIANTS[name]
-    command = [sys.executable, "-m", "areal_hpc", "train", "--config", "configs/quickstart.yaml",
-               f"model.path={args.start_model}", "rl.sft_warmup_steps=0", f"rl.total_train_steps={args.steps}",
-               f"cluster.fileroot={fileroot}", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "areal_hpc",
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.path={args.start_model}",
+        "rl.sft_warmup_steps=0",
+        f"rl.total_train_steps={args.steps}",
+        f"cluster.fileroot={fileroot}",
+        *overrides,
+    ]
     samples, done = [], threading.Event()
     with open(fileroot.with_suffix(".log"), "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **env, "OMP_NUM_THREADS": "1"})
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}
+        )
         sampler = threading.Thread(target=sample_roles, args=(process.pid, done, samples), daemon=True)
         sampler.start()
         code = process.wait()
@@ -75,8 +91,10 @@ def run_variant(name: str, args, fileroot: Path) -> dict:
     row = {"variant": name}
     for r in [*roles, "total"]:
         values = [(t, by_role.get(r, 0.0) if r != "total" else sum(by_role.values())) for t, by_role in samples]
-        row[r] = {"steady_mib": statistics.median(v for t, v in values if t >= half),
-                  "peak_mib": max(v for _, v in values)}
+        row[r] = {
+            "steady_mib": statistics.median(v for t, v in values if t >= half),
+            "peak_mib": max(v for _, v in values),
+        }
     return row
 
 
@@ -87,27 +105,43 @@ def run(args) -> dict:
             for name in VARIANTS:
                 print(f"repeat {repeat + 1}/{args.repeats}: {name}", flush=True)
                 rows.append(run_variant(name, args, Path(scratch) / f"{name}-{repeat}"))
-    totals = {name: statistics.median(r["total"]["peak_mib"] for r in rows if r["variant"] == name)
-              for name in VARIANTS}
-    return {"date": str(date.today()), "machine": machine(), "steps": args.steps, "start_model": args.start_model,
-            "rows": rows, "peak_total_mib": totals, "peak_ratio_defaults_over_previous":
-            totals["defaults"] / totals["previous"], "target_gib": TARGET_GIB,
-            "target_met": totals["defaults"] / 1024 <= TARGET_GIB}
+    totals = {
+        name: statistics.median(r["total"]["peak_mib"] for r in rows if r["variant"] == name) for name in VARIANTS
+    }
+    return {
+        "date": str(date.today()),
+        "machine": machine(),
+        "steps": args.steps,
+        "start_model": args.start_model,
+        "rows": rows,
+        "peak_total_mib": totals,
+        "peak_ratio_defaults_over_previous": totals["defaults"] / totals["previous"],
+        "target_gib": TARGET_GIB,
+        "target_met": totals["defaults"] / 1024 <= TARGET_GIB,
+    }
 
 
 def report(result: dict) -> str:
-    lines = [f"# Memory of the quickstart's RL run by process ({result['date']})", "",
-             f"{result['machine']}; {result['steps']} RL steps from {result['start_model']}; PSS in MiB, "
-             "steady (median of the second half) / peak.", "",
-             "| variant | role | steady | peak |", "|---|---|---|---|"]
+    lines = [
+        f"# Memory of the quickstart's RL run by process ({result['date']})",
+        "",
+        f"{result['machine']}; {result['steps']} RL steps from {result['start_model']}; PSS in MiB, "
+        "steady (median of the second half) / peak.",
+        "",
+        "| variant | role | steady | peak |",
+        "|---|---|---|---|",
+    ]
     for row in result["rows"]:
         for r, values in row.items():
             if r != "variant" and values["peak_mib"] >= 1:  # a role seen only while starting or gone
                 lines.append(f"| {row['variant']} | {r} | {values['steady_mib']:.0f} | {values['peak_mib']:.0f} |")
     totals = result["peak_total_mib"]
-    lines += ["", f"Peak of the whole tree (median over repeats): defaults {totals['defaults'] / 1024:.2f} GiB, "
-              f"previous {totals['previous'] / 1024:.2f} GiB (ratio {result['peak_ratio_defaults_over_previous']:.2f}); "
-              f"target <= {result['target_gib']} GiB: {'met' if result['target_met'] else 'not met'}."]
+    lines += [
+        "",
+        f"Peak of the whole tree (median over repeats): defaults {totals['defaults'] / 1024:.2f} GiB, "
+        f"previous {totals['previous'] / 1024:.2f} GiB (ratio {result['peak_ratio_defaults_over_previous']:.2f}); "
+        f"target <= {result['target_gib']} GiB: {'met' if result['target_met'] else 'not met'}.",
+    ]
     return "\n".join(lines)
 
 

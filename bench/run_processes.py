@@ -46,8 +46,13 @@ def role(pid: int) -> str:
     for prefix, label in (("rollout server", "rollout server"), ("trainer rank", "trainer")):
         if name.startswith(prefix):
             return label
-    for needle, label in ((" serve ", "rollout server"), ("train.driver", "trainer"), ("forkserver", "fork server"),
-                          ("multiprocessing", "helpers"), (" train ", "launcher")):
+    for needle, label in (
+        (" serve ", "rollout server"),
+        ("train.driver", "trainer"),
+        ("forkserver", "fork server"),
+        ("multiprocessing", "helpers"),
+        (" train ", "launcher"),
+    ):
         if needle in command:
             return label
     return "other"

@@ -31,9 +31,19 @@ from areal_hpc.fsio import read_json_lines
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "areal_hpc"]
-RUN = ["dataset.train_size=64", "dataset.eval_size=16", "rl.sft_warmup_steps=0", "rollout.consumer_batch_size=4",
-       "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
-       "rollout.max_running_requests=32", "stats.tensorboard=false", "rl.eval_every_steps=0", "cluster.device=cpu"]
+RUN = [
+    "dataset.train_size=64",
+    "dataset.eval_size=16",
+    "rl.sft_warmup_steps=0",
+    "rollout.consumer_batch_size=4",
+    "rollout.max_concurrent_rollouts=8",
+    "gconfig.n_samples=4",
+    "gconfig.max_new_tokens=6",
+    "rollout.max_running_requests=32",
+    "stats.tensorboard=false",
+    "rl.eval_every_steps=0",
+    "cluster.device=cpu",
+]
 
 
 def trained_steps(run: Path) -> list[dict]:
@@ -59,9 +69,21 @@ def local_side(model: Path, root: Path, steps: int) -> dict:
     log = root / "local.log"
     root.mkdir(parents=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen([*CLI, "train", "--config", "configs/quickstart.yaml", f"model.path={model}",
-                                 f"cluster.fileroot={root}", *RUN, f"rl.total_train_steps={steps}"],
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                *CLI,
+                "train",
+                "--config",
+                "configs/quickstart.yaml",
+                f"model.path={model}",
+                f"cluster.fileroot={root}",
+                *RUN,
+                f"rl.total_train_steps={steps}",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         run = root / "quickstart" / "trial0"
         wait(lambda: any("trained" in e for e in trained_steps(run)))
         first_step = time.monotonic() - started
@@ -71,9 +93,25 @@ def local_side(model: Path, root: Path, steps: int) -> dict:
 
 def slurm_side(model: Path, root: Path, steps: int, requeue_at: int | None) -> dict:
     started = time.monotonic()
-    out = subprocess.run([*CLI, "submit", "--profile", "slurm/profiles/dev.yaml", "--config", "configs/quickstart.yaml",
-                          f"model.path={model}", f"cluster.fileroot={root}", *RUN, f"rl.total_train_steps={steps}",
-                          "saver.freq_steps=1000"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            *CLI,
+            "submit",
+            "--profile",
+            "slurm/profiles/dev.yaml",
+            "--config",
+            "configs/quickstart.yaml",
+            f"model.path={model}",
+            f"cluster.fileroot={root}",
+            *RUN,
+            f"rl.total_train_steps={steps}",
+            "saver.freq_steps=1000",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     job = re.search(r"submitted job (\d+)", out).group(1)
     run = root / "quickstart" / "trial0"
     try:
@@ -90,12 +128,15 @@ def slurm_side(model: Path, root: Path, steps: int, requeue_at: int | None) -> d
                 lines = trained_steps(run)
                 at = next((i for i, e in enumerate(lines) if "resumed_from" in e), None)
                 return at is not None and any("trained" in e for e in lines[at:])
+
             wait(lambda: (run / "logs" / "trainer-0.restart1.log").exists())
             result["requeue_to_restart_s"] = time.monotonic() - requeued  # Slurm: kill, requeue, start again
             wait(resumed_step)
             result["requeue_to_step_s"] = time.monotonic() - requeued
-        wait(lambda: subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == "",
-             timeout=600)
+        wait(
+            lambda: subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == "",
+            timeout=600,
+        )
     finally:
         subprocess.run(["scancel", job], capture_output=True)
     return result
@@ -110,22 +151,39 @@ def run(args) -> dict:
             samples["local"].append(local_side(model, Path(tmp) / f"local{i}", args.steps))
             samples["slurm"].append(slurm_side(model, Path(tmp) / f"slurm{i}", args.steps * 10, requeue_at=5))
             print(f"repeat {i + 1}/{args.repeats}: {samples['local'][-1]} | {samples['slurm'][-1]}", file=sys.stderr)
-    medians = {side: {key: statistics.median(s[key] for s in rows) for key in rows[0]} for side, rows in samples.items()}
+    medians = {
+        side: {key: statistics.median(s[key] for s in rows) for key in rows[0]} for side, rows in samples.items()
+    }
     versions = subprocess.run(["sinfo", "--version"], capture_output=True, text=True).stdout.strip()
-    return {"date": date.today().isoformat(), "machine": machine(), "slurm": versions, "repeats": args.repeats,
-            "samples": samples, "medians": medians}
+    return {
+        "date": date.today().isoformat(),
+        "machine": machine(),
+        "slurm": versions,
+        "repeats": args.repeats,
+        "samples": samples,
+        "medians": medians,
+    }
 
 
 def report(result: dict) -> str:
     local, slurm = result["medians"]["local"], result["medians"]["slurm"]
-    rows = [("submit/launch -> first rollout", local["first_rollout_s"], slurm["first_rollout_s"]),
-            ("submit/launch -> first trained step", local["first_step_s"], slurm["first_step_s"])]
-    lines = [f"# Slurm launch overhead ({result['date']})", "", f"machine: {result['machine']}; {result['slurm']}; "
-             f"medians of {result['repeats']}", "", "| seconds | local launcher | areal-hpc submit (het job) | ratio |",
-             "|---|---:|---:|---:|"]
+    rows = [
+        ("submit/launch -> first rollout", local["first_rollout_s"], slurm["first_rollout_s"]),
+        ("submit/launch -> first trained step", local["first_step_s"], slurm["first_step_s"]),
+    ]
+    lines = [
+        f"# Slurm launch overhead ({result['date']})",
+        "",
+        f"machine: {result['machine']}; {result['slurm']}; medians of {result['repeats']}",
+        "",
+        "| seconds | local launcher | areal-hpc submit (het job) | ratio |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f}x |" for name, a, b in rows]
-    lines += [f"| scontrol requeue -> the job's tasks run again (Slurm) | | {slurm['requeue_to_restart_s']:.1f} | |",
-              f"| scontrol requeue -> first step trained after the resume | | {slurm['requeue_to_step_s']:.1f} | |"]
+    lines += [
+        f"| scontrol requeue -> the job's tasks run again (Slurm) | | {slurm['requeue_to_restart_s']:.1f} | |",
+        f"| scontrol requeue -> first step trained after the resume | | {slurm['requeue_to_step_s']:.1f} | |",
+    ]
     return "\n".join(lines)
 
 

@@ -68,8 +68,9 @@ CONFIG = "configs/quickstart.yaml"
 LANDED_TOKENS_PER_MB = 256  # actor.max_tokens_per_mb of the quickstart at fb75a2a
 
 
-def quickstart_trajectories(cfg: RunConfig, tokenizer, rng: np.random.Generator,
-                            output_tokens: tuple[int, int] = (3, 8)) -> list[Trajectory]:
+def quickstart_trajectories(
+    cfg: RunConfig, tokenizer, rng: np.random.Generator, output_tokens: tuple[int, int] = (3, 8)
+) -> list[Trajectory]:
     """One training batch of the quickstart: consumer_batch_size prompts x n_samples completions of
     ``output_tokens`` (least, most) tokens."""
     prompts = PromptStream(build_task(cfg.dataset).train, cfg.experiment.seed)
@@ -100,7 +101,11 @@ class LandedTrainer:
 
     def __init__(self, cfg: RunConfig, temperature: float, max_tokens_per_mb: int = LANDED_TOKENS_PER_MB):
         self.model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl)
-        self.temperature, self.max_tokens_per_mb, self.clip = temperature, max_tokens_per_mb, cfg.optimizer.gradient_clipping
+        self.temperature, self.max_tokens_per_mb, self.clip = (
+            temperature,
+            max_tokens_per_mb,
+            cfg.optimizer.gradient_clipping,
+        )
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.actor.lr)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.rl.total_train_steps)
         self.loss_cfg = loss_config(cfg.actor)
@@ -124,9 +129,16 @@ class LandedTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         for _, packed, f in self._microbatches(batch):
-            loss, _ = decoupled_ppo_loss(landed_logprobs(self.model, packed, self.temperature), f["prox_logprobs"],
-                                         f["behav_logprobs"], f["advantages"], packed.target_mask, packed.cu_seqlens,
-                                         f["weights"], self.loss_cfg)
+            loss, _ = decoupled_ppo_loss(
+                landed_logprobs(self.model, packed, self.temperature),
+                f["prox_logprobs"],
+                f["behav_logprobs"],
+                f["advantages"],
+                packed.target_mask,
+                packed.cu_seqlens,
+                f["weights"],
+                self.loss_cfg,
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip if self.clip > 0 else float("inf"))
         self.optimizer.step()
@@ -148,13 +160,17 @@ def quickstart_steps(cfg: RunConfig, steps: int) -> list[dict]:
     trajectories = quickstart_trajectories(cfg, tokenizer, np.random.default_rng(0))
     max_new = cfg.gconfig.max_new_tokens
     temperature = cfg.gconfig.temperature
-    after = {dtype: build_actor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype)),
-                                None)[0] for dtype in ("float32", "bfloat16")}
+    after = {
+        dtype: build_actor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype)), None)[0]
+        for dtype in ("float32", "bfloat16")
+    }
     variants = {
-        "before (fb75a2a: dense-mask sdpa, full-vocab log-softmax, 256-token mbs, separate recompute, float32)":
-            LandedTrainer(cfg, temperature).update,
-        "after, float32 (per-sequence attention, target-only head, 4096-token mbs, no recompute)":
-            after["float32"].update,
+        "before (fb75a2a: dense-mask sdpa, full-vocab log-softmax, 256-token mbs, separate recompute, float32)": LandedTrainer(
+            cfg, temperature
+        ).update,
+        "after, float32 (per-sequence attention, target-only head, 4096-token mbs, no recompute)": after[
+            "float32"
+        ].update,
         "after, bfloat16 autocast (the quickstart's settings)": after["bfloat16"].update,
     }
     times: dict[str, list[dict]] = {name: [] for name in variants}
@@ -169,18 +185,29 @@ def quickstart_steps(cfg: RunConfig, steps: int) -> list[dict]:
     rows = []
     for name, samples in times.items():
         step_s = statistics.median(s["step"] for s in samples)
-        rows.append({"trainer": name, "s_per_step": step_s,
-                     "logprob_s": statistics.median(s["time/logprob"] for s in samples),
-                     "update_s": statistics.median(s["time/update"] for s in samples),
-                     "trained_tokens_per_s": trained / step_s, "tokens_per_s": tokens / step_s})
+        rows.append(
+            {
+                "trainer": name,
+                "s_per_step": step_s,
+                "logprob_s": statistics.median(s["time/logprob"] for s in samples),
+                "update_s": statistics.median(s["time/update"] for s in samples),
+                "trained_tokens_per_s": trained / step_s,
+                "tokens_per_s": tokens / step_s,
+            }
+        )
     for row in rows:
         row["speedup_vs_before"] = rows[0]["s_per_step"] / row["s_per_step"]
-    return rows, {"sequences": len(trajectories), "tokens": tokens, "trained_tokens": trained,
-                  "landed_microbatches": len(dynamic_microbatches([len(s) for s in batch.sequences],
-                                                                  LANDED_TOKENS_PER_MB))}
+    return rows, {
+        "sequences": len(trajectories),
+        "tokens": tokens,
+        "trained_tokens": trained,
+        "landed_microbatches": len(dynamic_microbatches([len(s) for s in batch.sequences], LANDED_TOKENS_PER_MB)),
+    }
 
 
-def dense_policy_outputs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def dense_policy_outputs(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
     """``packed_policy_outputs`` with the model's own sdpa over the packed row (Hugging Face builds a dense
     block-diagonal mask from the restarting position ids); everything else, the LM head included, unchanged."""
     with mock.patch.object(outputs, "packed_attention", lambda *args: contextlib.nullcontext()):
@@ -197,20 +224,26 @@ def mixed_length_batch(budget: int, vocab: int, rng: np.random.Generator) -> Seq
     batch = SequenceBatch(sequences, masks, {"behav_logprobs": [torch.full((n,), -1.0) for n in lengths]})
     packed, _ = batch.packed()
     batch.set_packed("advantages", torch.randn(packed.input_ids.shape[1]))
-    batch.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, "token-mean",
-                                              n_tokens=packed.n_targets, n_seqs=len(batch), max_len=1))
+    batch.set_packed(
+        "weights",
+        token_weights(
+            packed.target_mask, packed.cu_seqlens, "token-mean", n_tokens=packed.n_targets, n_seqs=len(batch), max_len=1
+        ),
+    )
     return batch
 
 
 def microbatch_throughput(cfg: RunConfig, model_dir: Path, budget: int, repeats: int) -> dict:
     """Tokens/s of one PPO step on one micro-batch of ``budget`` tokens: per-sequence attention vs dense mask."""
-    actor = build_actor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir),
-                                                                           compute_dtype="float32")),
-                        None)[0]
+    actor = build_actor(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir), compute_dtype="float32")),
+        None,
+    )[0]
     batch = mixed_length_batch(budget, actor.actor.model.config.vocab_size, np.random.default_rng(budget))
     engines = {"per_sequence": actor.actor}
-    engines["dense_mask"] = TorchTrainEngine(load_model(model_dir), dense_policy_outputs, optimizer=cfg.optimizer,
-                                             lr=cfg.actor.lr, max_tokens_per_mb=budget)
+    engines["dense_mask"] = TorchTrainEngine(
+        load_model(model_dir), dense_policy_outputs, optimizer=cfg.optimizer, lr=cfg.actor.lr, max_tokens_per_mb=budget
+    )
     times: dict[str, list[float]] = {name: [] for name in engines}
     for repeat in range(repeats + 1):
         for name, engine in engines.items():
@@ -220,8 +253,12 @@ def microbatch_throughput(cfg: RunConfig, model_dir: Path, budget: int, repeats:
                 times[name].append(time.perf_counter() - started)
     tokens = batch.n_tokens
     lengths = [len(s) for s in batch.sequences]
-    row = {"tokens": tokens, "sequences": len(lengths), "length_median": int(np.median(lengths)),
-           **{f"{name}_tokens_per_s": tokens / statistics.median(t) for name, t in times.items()}}
+    row = {
+        "tokens": tokens,
+        "sequences": len(lengths),
+        "length_median": int(np.median(lengths)),
+        **{f"{name}_tokens_per_s": tokens / statistics.median(t) for name, t in times.items()},
+    }
     row["ratio"] = row["per_sequence_tokens_per_s"] / row["dense_mask_tokens_per_s"]
     return row
 
@@ -231,56 +268,91 @@ def run(args) -> dict:
     torch.manual_seed(0)
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="trainer_step-") as tmp:
-        models = {preset: init_model(Path(tmp) / preset, corpus_for_tokenizer(1), preset=preset, seed=1)
-                  for preset in args.presets}
+        models = {
+            preset: init_model(Path(tmp) / preset, corpus_for_tokenizer(1), preset=preset, seed=1)
+            for preset in args.presets
+        }
         first = args.presets[0]
-        cfg = load_config(CONFIG, [f"model.path={args.model or models[first]}", f"model.preset={first}",
-                                   f"cluster.fileroot={tmp}"])
+        cfg = load_config(
+            CONFIG, [f"model.path={args.model or models[first]}", f"model.preset={first}", f"cluster.fileroot={tmp}"]
+        )
         rows, batch = quickstart_steps(cfg, args.steps)
         load.append(os.getloadavg()[0])
         micro = []
         for preset in args.presets:
             for budget in args.mb_tokens:
-                micro.append({"preset": preset, "parameters": count_parameters(load_model(models[preset])),
-                              **microbatch_throughput(cfg, models[preset], budget, args.repeats)})
+                micro.append(
+                    {
+                        "preset": preset,
+                        "parameters": count_parameters(load_model(models[preset])),
+                        **microbatch_throughput(cfg, models[preset], budget, args.repeats),
+                    }
+                )
                 print(f"  {preset} {budget}: {micro[-1]['ratio']:.2f}x", flush=True)
     load.append(os.getloadavg()[0])
-    return {"benchmark": "trainer_step", "date": date.today().isoformat(), "machine": machine(),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": transformers.__version__},
-            "threads": torch.get_num_threads(), "steps": args.steps, "repeats": args.repeats,
-            "model": args.model or f"{first} (freshly initialised)", "batch": batch, "quickstart": rows,
-            "microbatch": micro, "load_average_1min": load}
+    return {
+        "benchmark": "trainer_step",
+        "date": date.today().isoformat(),
+        "machine": machine(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "model": args.model or f"{first} (freshly initialised)",
+        "batch": batch,
+        "quickstart": rows,
+        "microbatch": micro,
+        "load_average_1min": load,
+    }
 
 
 def report(r: dict) -> str:
     b = r["batch"]
-    lines = [f"# Trainer PPO step, before (fb75a2a) vs after ({r['date']})", "",
-             f"Machine: {r['machine']}, {r['threads']} torch thread(s); 1-minute load average at start, after the "
-             f"quickstart part, at the end: {', '.join(f'{x:.2f}' for x in r['load_average_1min'])}. Versions: "
-             + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".", "",
-             f"## The quickstart RL step ({r['model']}; median of {r['steps']} steps each, taken in turn)", "",
-             f"Batch: {b['sequences']} sequences (16 prompts x 8 samples), {b['tokens']} tokens of which "
-             f"{b['trained_tokens']} trained; before cuts it into {b['landed_microbatches']} micro-batches per pass, "
-             "after into 1.", "",
-             "| trainer | s/step | logprob recompute (s) | update (s) | trained tokens/s | tokens/s | vs before |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Trainer PPO step, before (fb75a2a) vs after ({r['date']})",
+        "",
+        f"Machine: {r['machine']}, {r['threads']} torch thread(s); 1-minute load average at start, after the "
+        f"quickstart part, at the end: {', '.join(f'{x:.2f}' for x in r['load_average_1min'])}. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+        + ".",
+        "",
+        f"## The quickstart RL step ({r['model']}; median of {r['steps']} steps each, taken in turn)",
+        "",
+        f"Batch: {b['sequences']} sequences (16 prompts x 8 samples), {b['tokens']} tokens of which "
+        f"{b['trained_tokens']} trained; before cuts it into {b['landed_microbatches']} micro-batches per pass, "
+        "after into 1.",
+        "",
+        "| trainer | s/step | logprob recompute (s) | update (s) | trained tokens/s | tokens/s | vs before |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in r["quickstart"]:
-        lines.append(f"| {row['trainer']} | {row['s_per_step']:.4f} | {row['logprob_s']:.4f} | {row['update_s']:.4f} | "
-                     f"{row['trained_tokens_per_s']:.0f} | {row['tokens_per_s']:.0f} | "
-                     f"**{row['speedup_vs_before']:.2f}x** |")
+        lines.append(
+            f"| {row['trainer']} | {row['s_per_step']:.4f} | {row['logprob_s']:.4f} | {row['update_s']:.4f} | "
+            f"{row['trained_tokens_per_s']:.0f} | {row['tokens_per_s']:.0f} | "
+            f"**{row['speedup_vs_before']:.2f}x** |"
+        )
     rows = r["quickstart"]
-    lines += ["", f"bfloat16's share: after float32 / after bfloat16 = {rows[1]['s_per_step'] / rows[2]['s_per_step']:.2f}x; "
-              f"after/before s/step ratio {rows[2]['s_per_step'] / rows[0]['s_per_step']:.3f} (bfloat16), "
-              f"{rows[1]['s_per_step'] / rows[0]['s_per_step']:.3f} (float32).", "",
-              f"## One PPO step of one packed micro-batch (sequences of 20-400 tokens, float32, median of "
-              f"{r['repeats']})", "",
-              "| model | tokens | sequences (median length) | per-sequence attention tokens/s | dense-mask sdpa tokens/s | ratio |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"bfloat16's share: after float32 / after bfloat16 = {rows[1]['s_per_step'] / rows[2]['s_per_step']:.2f}x; "
+        f"after/before s/step ratio {rows[2]['s_per_step'] / rows[0]['s_per_step']:.3f} (bfloat16), "
+        f"{rows[1]['s_per_step'] / rows[0]['s_per_step']:.3f} (float32).",
+        "",
+        f"## One PPO step of one packed micro-batch (sequences of 20-400 tokens, float32, median of {r['repeats']})",
+        "",
+        "| model | tokens | sequences (median length) | per-sequence attention tokens/s | dense-mask sdpa tokens/s | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for m in r["microbatch"]:
-        lines.append(f"| {m['preset']} ({m['parameters'] / 1e6:.2f}M) | {m['tokens']} | {m['sequences']} "
-                     f"({m['length_median']}) | {m['per_sequence_tokens_per_s']:.0f} | {m['dense_mask_tokens_per_s']:.0f} | "
-                     f"**{m['ratio']:.2f}x** |")
+        lines.append(
+            f"| {m['preset']} ({m['parameters'] / 1e6:.2f}M) | {m['tokens']} | {m['sequences']} "
+            f"({m['length_median']}) | {m['per_sequence_tokens_per_s']:.0f} | {m['dense_mask_tokens_per_s']:.0f} | "
+            f"**{m['ratio']:.2f}x** |"
+        )
     return "\n".join(lines)
 
 
@@ -291,8 +363,11 @@ if __name__ == "__main__":
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
     parser.add_argument("--mb-tokens", nargs="+", type=int, default=[4096, 8192], help="micro-batch budgets")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the pinned trainer has one core)")
-    parser.add_argument("--model", default="", help="model of the quickstart part (default: a fresh first preset; "
-                                                     "e.g. the quickstart's SFT warm-up)")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="model of the quickstart part (default: a fresh first preset; e.g. the quickstart's SFT warm-up)",
+    )
     parser.add_argument("--save", action="store_true", help="record the result in bench/results/")
     arguments = parser.parse_args()
     run_and_record("trainer_step", arguments, run, report)

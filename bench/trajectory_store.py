@@ -44,9 +44,20 @@ def realistic_trajectories(n: int, seed: int = 0) -> list[Trajectory]:
     for i in range(n):
         n_out = int(rng.integers(1024, 8193))
         versions = np.full(n_out, i // 64, dtype=np.int32)
-        versions[int(rng.integers(0, n_out)):] += 1  # one weight update mid-generation
-        out.append(Trajectory([Segment(rng.integers(0, 151_000, 512), rng.integers(0, 151_000, n_out),
-                                       -rng.exponential(0.5, n_out), versions)], group_id=str(i // 8)))
+        versions[int(rng.integers(0, n_out)) :] += 1  # one weight update mid-generation
+        out.append(
+            Trajectory(
+                [
+                    Segment(
+                        rng.integers(0, 151_000, 512),
+                        rng.integers(0, 151_000, n_out),
+                        -rng.exponential(0.5, n_out),
+                        versions,
+                    )
+                ],
+                group_id=str(i // 8),
+            )
+        )
     return out
 
 
@@ -92,8 +103,13 @@ def write_raw(folder: Path, trajectories: list[Trajectory], flush_every: int) ->
 def read_raw(folder: Path) -> float:
     start = time.perf_counter()
     lengths = np.load(folder / "lengths.npy")
-    dtypes = {"input_ids": np.int32, "output_ids": np.int32, "output_logprobs": np.float32,
-              "output_versions": np.int32, "loss_mask": np.uint8}
+    dtypes = {
+        "input_ids": np.int32,
+        "output_ids": np.int32,
+        "output_logprobs": np.float32,
+        "output_versions": np.int32,
+        "loss_mask": np.uint8,
+    }
     arrays = {a: np.fromfile(folder / f"{a}.bin", dtype=dtypes[a]) for a in ARRAYS}
     cuts = {"input_ids": np.cumsum(lengths[:, 0])[:-1]}
     for a in ARRAYS[1:]:
@@ -142,22 +158,39 @@ def run(args) -> dict:
                 for folder in (durable, fast, raw):
                     shutil.rmtree(folder)
             median = {k: statistics.median(v) for k, v in times.items()}
-            rows.append({"mode": label, "flush_every": flush_every, "size_ratio": round(size_ratio, 3),
-                         **{f"{k} MB/s": round(nbytes / v / 1e6, 1) for k, v in median.items()},
-                         **{f"{k} traj/s": round(len(trajectories) / v, 1) for k, v in median.items()},
-                         "fsync ratio": round(median["shard write, no fsync"] / median["shard write"], 3),
-                         "write ratio": round(median["raw write"] / median["shard write, no fsync"], 3),
-                         "durable write ratio": round(median["raw write"] / median["shard write"], 3),
-                         "read ratio": round(median["raw read"] / median["shard read"], 3)})
+            rows.append(
+                {
+                    "mode": label,
+                    "flush_every": flush_every,
+                    "size_ratio": round(size_ratio, 3),
+                    **{f"{k} MB/s": round(nbytes / v / 1e6, 1) for k, v in median.items()},
+                    **{f"{k} traj/s": round(len(trajectories) / v, 1) for k, v in median.items()},
+                    "fsync ratio": round(median["shard write, no fsync"] / median["shard write"], 3),
+                    "write ratio": round(median["raw write"] / median["shard write, no fsync"], 3),
+                    "durable write ratio": round(median["raw write"] / median["shard write"], 3),
+                    "read ratio": round(median["raw read"] / median["shard read"], 3),
+                }
+            )
         latency.append(fsync_latency_ms(scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"benchmark": "trajectory_store", "date": date.today().isoformat(), "machine": args.machine,
-            "trajectories": len(trajectories), "payload_MB": round(nbytes / 1e6, 1), "repeats": args.repeats,
-            "fsync_ms_before_after": latency,
-            "versions": {"python": platform.python_version(), "numpy": np.__version__, "h5py": h5py.__version__,
-                         "hdf5": h5py.version.hdf5_version, "areal-hpc": _commit()},
-            "rows": rows}
+    return {
+        "benchmark": "trajectory_store",
+        "date": date.today().isoformat(),
+        "machine": args.machine,
+        "trajectories": len(trajectories),
+        "payload_MB": round(nbytes / 1e6, 1),
+        "repeats": args.repeats,
+        "fsync_ms_before_after": latency,
+        "versions": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "h5py": h5py.__version__,
+            "hdf5": h5py.version.hdf5_version,
+            "areal-hpc": _commit(),
+        },
+        "rows": rows,
+    }
 
 
 def _commit() -> str:
@@ -170,30 +203,44 @@ def _commit() -> str:
 
 
 def report(result: dict) -> str:
-    lines = [f"# Trajectory shards vs raw numpy files ({result['date']})", "",
-             f"Machine: {result['machine']}. Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
-             + ".", f"{result['trajectories']} trajectories, {result['payload_MB']} MB of arrays, "
-             f"median of {result['repeats']} alternating repeats, scratch on the same disk for all writers; "
-             "a 4 KiB write + fsync took {} ms before the run and {} ms after (medians of 50).".format(
-                 *result["fsync_ms_before_after"]), "",
-             "| flush policy | shard write MB/s (fsync) | shard write MB/s (no fsync) | **fsync ratio** "
-             "| raw write MB/s | **write ratio** (no fsync) | write ratio (fsync) | shard read MB/s | raw read MB/s "
-             "| **read ratio** | size ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Trajectory shards vs raw numpy files ({result['date']})",
+        "",
+        f"Machine: {result['machine']}. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
+        + ".",
+        f"{result['trajectories']} trajectories, {result['payload_MB']} MB of arrays, "
+        f"median of {result['repeats']} alternating repeats, scratch on the same disk for all writers; "
+        "a 4 KiB write + fsync took {} ms before the run and {} ms after (medians of 50).".format(
+            *result["fsync_ms_before_after"]
+        ),
+        "",
+        "| flush policy | shard write MB/s (fsync) | shard write MB/s (no fsync) | **fsync ratio** "
+        "| raw write MB/s | **write ratio** (no fsync) | write ratio (fsync) | shard read MB/s | raw read MB/s "
+        "| **read ratio** | size ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['mode']} | {r['shard write MB/s']} ({r['shard write traj/s']} traj/s) | "
-                     f"{r['shard write, no fsync MB/s']} ({r['shard write, no fsync traj/s']} traj/s) | "
-                     f"**{r['fsync ratio']}x** | {r['raw write MB/s']} | **{r['write ratio']}x** | "
-                     f"{r['durable write ratio']}x | {r['shard read MB/s']} | {r['raw read MB/s']} | "
-                     f"**{r['read ratio']}x** | {r['size_ratio']} |")
-    lines += ["", "fsync ratio: throughput of the default writer (two fsyncs a commit: it survives a node crash) "
-              "over fsync=False (it survives a killed process only). Write ratios: shard over raw writes, which "
-              "never fsync. Targets (no fsync): write ratio >= 0.5x flushing every trajectory, >= 0.8x with "
-              "batched flushes."]
+        lines.append(
+            f"| {r['mode']} | {r['shard write MB/s']} ({r['shard write traj/s']} traj/s) | "
+            f"{r['shard write, no fsync MB/s']} ({r['shard write, no fsync traj/s']} traj/s) | "
+            f"**{r['fsync ratio']}x** | {r['raw write MB/s']} | **{r['write ratio']}x** | "
+            f"{r['durable write ratio']}x | {r['shard read MB/s']} | {r['raw read MB/s']} | "
+            f"**{r['read ratio']}x** | {r['size_ratio']} |"
+        )
+    lines += [
+        "",
+        "fsync ratio: throughput of the default writer (two fsyncs a commit: it survives a node crash) "
+        "over fsync=False (it survives a killed process only). Write ratios: shard over raw writes, which "
+        "never fsync. Targets (no fsync): write ratio >= 0.5x flushing every trajectory, >= 0.8x with "
+        "batched flushes.",
+    ]
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -42,23 +42,42 @@ def run(args) -> dict:
             for variant, cap in VARIANTS.items():
                 tree.FLAT_SUBTREE_TOKENS = cap
                 seconds[variant] = _measure("dta", workload, preset, args.steps, 8192)["seconds"]
-            rows.append({"preset": preset, "prompt": prompt, "subtree_tokens": prompt + SAMPLES * prompt // 4,
-                         **{f"{v}_s": s for v, s in seconds.items()},
-                         "ratio": seconds["flattened"] / seconds["levels"]})
+            rows.append(
+                {
+                    "preset": preset,
+                    "prompt": prompt,
+                    "subtree_tokens": prompt + SAMPLES * prompt // 4,
+                    **{f"{v}_s": s for v, s in seconds.items()},
+                    "ratio": seconds["flattened"] / seconds["levels"],
+                }
+            )
             print(f"{preset} prompt {prompt}: flattened / levels {rows[-1]['ratio']:.2f}x", flush=True)
-    return {"benchmark": "tree_flat_subtrees", "date": date.today().isoformat(), "machine": machine(),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__},
-            "steps": args.steps, "rows": rows}
+    return {
+        "benchmark": "tree_flat_subtrees",
+        "date": date.today().isoformat(),
+        "machine": machine(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "steps": args.steps,
+        "rows": rows,
+    }
 
 
 def report(r: dict) -> str:
-    lines = [f"# Tree training: flattened subtrees vs a level at a time ({r['date']})", "", machine_and_versions(r),
-             f"4 prompts x {SAMPLES} answers (answers P / 4 on average), the torch engine's PPO step, one thread, "
-             f"median of {r['steps']} steps.", "",
-             "| preset | prompt P | subtree (~tokens) | levels s/step | flattened s/step | flattened / levels |",
-             "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {x['preset']} | {x['prompt']} | {x['subtree_tokens']} | {x['levels_s']:.4f} | "
-              f"{x['flattened_s']:.4f} | **{x['ratio']:.2f}x** |" for x in r["rows"]]
+    lines = [
+        f"# Tree training: flattened subtrees vs a level at a time ({r['date']})",
+        "",
+        machine_and_versions(r),
+        f"4 prompts x {SAMPLES} answers (answers P / 4 on average), the torch engine's PPO step, one thread, "
+        f"median of {r['steps']} steps.",
+        "",
+        "| preset | prompt P | subtree (~tokens) | levels s/step | flattened s/step | flattened / levels |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {x['preset']} | {x['prompt']} | {x['subtree_tokens']} | {x['levels_s']:.4f} | "
+        f"{x['flattened_s']:.4f} | **{x['ratio']:.2f}x** |"
+        for x in r["rows"]
+    ]
     return "\n".join(lines)
 
 

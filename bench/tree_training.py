@@ -42,26 +42,40 @@ def run(args) -> dict:
         flat, tree = (measure(mode, workload, args.preset, args.steps) for mode in ("flat", "dta"))
         rows.append({"c": c, "measured_c": compression(workload), "prompt": prompt, "flat": flat, "tree": tree})
         print(f"c={c}: flat {flat['seconds']:.3f} s, tree {tree['seconds']:.3f} s", file=sys.stderr, flush=True)
-    return {"benchmark": "tree_training", "date": datetime.date.today().isoformat(), "machine": machine(),
-            "versions": {"python": sys.version.split()[0], "torch": torch.__version__}, "preset": args.preset,
-            "steps": args.steps, "rows": rows}
+    return {
+        "benchmark": "tree_training",
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__},
+        "preset": args.preset,
+        "steps": args.steps,
+        "rows": rows,
+    }
 
 
 def report(result: dict) -> str:
-    lines = [f"# Tree training vs flat ({result['date']})", "", f"machine: {result['machine']}",
-             f"versions: {result['versions']}; preset {result['preset']}, one thread, median of {result['steps']} "
-             f"steps; {GROUPS} prompts x {SAMPLES} completions of {REPLY} tokens", "",
-             "| c (measured) | prompt | flat s/step | tree s/step | flat tokens/s | tree tokens/s | tree/flat | "
-             "target | flat peak MiB | tree peak MiB | met |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Tree training vs flat ({result['date']})",
+        "",
+        f"machine: {result['machine']}",
+        f"versions: {result['versions']}; preset {result['preset']}, one thread, median of {result['steps']} "
+        f"steps; {GROUPS} prompts x {SAMPLES} completions of {REPLY} tokens",
+        "",
+        "| c (measured) | prompt | flat s/step | tree s/step | flat tokens/s | tree tokens/s | tree/flat | "
+        "target | flat peak MiB | tree peak MiB | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         flat, tree = row["flat"], row["tree"]
         speed = [r["sequence_tokens"] / r["seconds"] for r in (flat, tree)]
         ratio, target = speed[1] / speed[0], TARGET[row["c"]] * row["c"]
         met = ratio >= target and tree["peak_bytes"] <= flat["peak_bytes"]
-        lines.append(f"| {row['c']} ({row['measured_c']:.2f}) | {row['prompt']} | {flat['seconds']:.3f} | "
-                     f"{tree['seconds']:.3f} | {speed[0]:,.0f} | {speed[1]:,.0f} | {ratio:.2f}x | >= {target:.1f}x | "
-                     f"{flat['peak_bytes'] / 2**20:.0f} | {tree['peak_bytes'] / 2**20:.0f} | "
-                     f"{'yes' if met else '**no**'} |")
+        lines.append(
+            f"| {row['c']} ({row['measured_c']:.2f}) | {row['prompt']} | {flat['seconds']:.3f} | "
+            f"{tree['seconds']:.3f} | {speed[0]:,.0f} | {speed[1]:,.0f} | {ratio:.2f}x | >= {target:.1f}x | "
+            f"{flat['peak_bytes'] / 2**20:.0f} | {tree['peak_bytes'] / 2**20:.0f} | "
+            f"{'yes' if met else '**no**'} |"
+        )
     return "\n".join(lines)
 
 

@@ -113,28 +113,54 @@ def run(args) -> dict:
                             started = time.perf_counter()
                             group.update(batch)
                             times[variant].append(time.perf_counter() - started)
-                print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
-                    f"{v} {statistics.median(t):.4f} s" for v, t in times.items()), flush=True)
+                print(
+                    f"round {round_ + 1}/{args.rounds}: "
+                    + ", ".join(f"{v} {statistics.median(t):.4f} s" for v, t in times.items()),
+                    flush=True,
+                )
         finally:
             close_distributed()
     alone = statistics.median(times["alone"])
-    rows = [{"variant": v, "update_s": statistics.median(t), "ratio_to_alone": statistics.median(t) / alone,
-             "updates": len(t)} for v, t in times.items()]
-    return {"benchmark": "update_interference", "date": date.today().isoformat(), "machine": machine(),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": transformers.__version__},
-            "duty": args.duty, "period_s": PERIOD_S, "rounds": args.rounds, "updates_per_round": args.updates,
-            "output_tokens": list(OUTPUT_TOKENS), "rows": rows}
+    rows = [
+        {
+            "variant": v,
+            "update_s": statistics.median(t),
+            "ratio_to_alone": statistics.median(t) / alone,
+            "updates": len(t),
+        }
+        for v, t in times.items()
+    ]
+    return {
+        "benchmark": "update_interference",
+        "date": date.today().isoformat(),
+        "machine": machine(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "duty": args.duty,
+        "period_s": PERIOD_S,
+        "rounds": args.rounds,
+        "updates_per_round": args.updates,
+        "output_tokens": list(OUTPUT_TOKENS),
+        "rows": rows,
+    }
 
 
 def report(r: dict) -> str:
-    lines = [f"# The update beside a busy neighbour: thread vs process ({r['date']})", "",
-             machine_and_versions(r),
-             f"The quickstart's update (`TrainerGroup.update`, tree training, bfloat16 autocast, one torch thread) "
-             f"on its own core; the neighbour busy {r['duty']:.0%} of every {r['period_s'] * 1e3:.0f} ms with "
-             f"pure Python on the other core. {r['rounds']} rounds x {r['updates_per_round']} updates per "
-             f"variant, variants in turn.", "",
-             "| update | median s | ratio to alone |", "|---|---:|---:|"]
+    lines = [
+        f"# The update beside a busy neighbour: thread vs process ({r['date']})",
+        "",
+        machine_and_versions(r),
+        f"The quickstart's update (`TrainerGroup.update`, tree training, bfloat16 autocast, one torch thread) "
+        f"on its own core; the neighbour busy {r['duty']:.0%} of every {r['period_s'] * 1e3:.0f} ms with "
+        f"pure Python on the other core. {r['rounds']} rounds x {r['updates_per_round']} updates per "
+        f"variant, variants in turn.",
+        "",
+        "| update | median s | ratio to alone |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {row['variant']} | {row['update_s']:.4f} | {row['ratio_to_alone']:.2f}x |" for row in r["rows"]]
     return "\n".join(lines)
 

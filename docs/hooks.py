@@ -29,17 +29,18 @@ def _mirrored() -> list[str]:
 
 def on_files(files, config):
     for path in _mirrored():
-        files.append(File.generated(config, PREFIX + path, abs_src_path=str(ROOT / path),
-                                    inclusion=InclusionLevel.NOT_IN_NAV))
+        files.append(
+            File.generated(config, PREFIX + path, abs_src_path=str(ROOT / path), inclusion=InclusionLevel.NOT_IN_NAV)
+        )
     return files
 
 
 def _repository_path(src_uri: str) -> str:
-    return src_uri[len(PREFIX):] if src_uri.startswith(PREFIX) else "docs/" + src_uri
+    return src_uri[len(PREFIX) :] if src_uri.startswith(PREFIX) else "docs/" + src_uri
 
 
 def _site_uri(repository_path: str) -> str:
-    return repository_path[len("docs/"):] if repository_path.startswith("docs/") else PREFIX + repository_path
+    return repository_path[len("docs/") :] if repository_path.startswith("docs/") else PREFIX + repository_path
 
 
 def on_page_markdown(markdown, page, config, files):

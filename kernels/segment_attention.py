@@ -24,20 +24,32 @@ LOG2E = 1.4426950408889634
 def _check_shapes(q, k_prefix, v_prefix, k_seg, v_seg) -> None:
     """One line per mistake a caller can make: q [S, H, D], k/v_prefix [P, H_kv, D], k/v_seg [S, H_kv, D]."""
     if q.dim() != 3 or k_seg.dim() != 3 or k_prefix.dim() != 3:
-        raise ValueError(f"segment_attention takes q [S, H, D] and k/v [L, H_kv, D]; got q {tuple(q.shape)}, "
-                         f"k_prefix {tuple(k_prefix.shape)}, k_seg {tuple(k_seg.shape)}")
+        raise ValueError(
+            f"segment_attention takes q [S, H, D] and k/v [L, H_kv, D]; got q {tuple(q.shape)}, "
+            f"k_prefix {tuple(k_prefix.shape)}, k_seg {tuple(k_seg.shape)}"
+        )
     if k_prefix.shape != v_prefix.shape or k_seg.shape != v_seg.shape:
-        raise ValueError(f"keys and values differ in shape: k_prefix {tuple(k_prefix.shape)}, v_prefix "
-                         f"{tuple(v_prefix.shape)}, k_seg {tuple(k_seg.shape)}, v_seg {tuple(v_seg.shape)}")
+        raise ValueError(
+            f"keys and values differ in shape: k_prefix {tuple(k_prefix.shape)}, v_prefix "
+            f"{tuple(v_prefix.shape)}, k_seg {tuple(k_seg.shape)}, v_seg {tuple(v_seg.shape)}"
+        )
     (length, heads, dim), (_, kv_heads, kv_dim) = q.shape, k_seg.shape
     if len(k_seg) != length or k_prefix.shape[1:] != k_seg.shape[1:] or kv_dim != dim or heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} needs k/v_seg [{length}, H_kv, {dim}] and k/v_prefix [P, H_kv, {dim}] "
-                         f"with H = {heads} a multiple of H_kv; got k_seg {tuple(k_seg.shape)}, "
-                         f"k_prefix {tuple(k_prefix.shape)}")
+        raise ValueError(
+            f"q {tuple(q.shape)} needs k/v_seg [{length}, H_kv, {dim}] and k/v_prefix [P, H_kv, {dim}] "
+            f"with H = {heads} a multiple of H_kv; got k_seg {tuple(k_seg.shape)}, "
+            f"k_prefix {tuple(k_prefix.shape)}"
+        )
 
 
-def segment_attention_reference(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
-                                k_seg: torch.Tensor, v_seg: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def segment_attention_reference(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_seg: torch.Tensor,
+    v_seg: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
     """[S, H, D]: softmax(q k^T · scale) v over [prefix ; segment] keys, segment keys causal, in float32
     (returned in q's dtype); differentiable by autograd."""
     _check_shapes(q, k_prefix, v_prefix, k_seg, v_seg)
@@ -60,8 +72,22 @@ def _load_rows(ptr, rows, n_rows, n_heads, head, dims, D):
 
 
 @triton.jit
-def _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head, n_kv_heads, scale_log2, D,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def _key_block(
+    q,
+    query_positions,
+    k_ptr,
+    v_ptr,
+    n0,
+    key_start,
+    n_keys,
+    kv_head,
+    n_kv_heads,
+    scale_log2,
+    D,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Keys n0.. of one K/V block list (key j at position key_start + j): their k and v rows, and q's
     scores against them (scaled to base 2), -inf where a key is after the query or past the list."""
     keys, dims = n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
@@ -73,13 +99,43 @@ def _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head,
 
 
 @triton.jit
-def _forward_over_keys(acc, row_max, row_sum, q, query_positions, k_ptr, v_ptr, key_start, n_keys, stop,
-                       kv_head, n_kv_heads, scale_log2, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PRECISION: tl.constexpr):
+def _forward_over_keys(
+    acc,
+    row_max,
+    row_sum,
+    q,
+    query_positions,
+    k_ptr,
+    v_ptr,
+    key_start,
+    n_keys,
+    stop,
+    kv_head,
+    n_kv_heads,
+    scale_log2,
+    D,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """The online softmax over keys [0, stop) of one K/V block list whose key j sits at key_start + j."""
     for n0 in range(0, stop, BLOCK_N):
-        _k, v, scores = _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head, n_kv_heads,
-                                  scale_log2, D, BLOCK_N, BLOCK_D, PRECISION)
+        _k, v, scores = _key_block(
+            q,
+            query_positions,
+            k_ptr,
+            v_ptr,
+            n0,
+            key_start,
+            n_keys,
+            kv_head,
+            n_kv_heads,
+            scale_log2,
+            D,
+            BLOCK_N,
+            BLOCK_D,
+            PRECISION,
+        )
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         correction = tl.exp2(row_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
@@ -90,9 +146,25 @@ def _forward_over_keys(acc, row_max, row_sum, q, query_positions, k_ptr, v_ptr, 
 
 
 @triton.jit
-def _segment_attention_forward(q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, P, S, H, H_KV, D,
-                               scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                               PRECISION: tl.constexpr):
+def _segment_attention_forward(
+    q_ptr,
+    kp_ptr,
+    vp_ptr,
+    ks_ptr,
+    vs_ptr,
+    out_ptr,
+    lse_ptr,
+    P,
+    S,
+    H,
+    H_KV,
+    D,
+    scale_log2,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One program: BLOCK_M queries of one head. Writes out and lse (base-2, of the scaled scores)."""
     m0, head = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     kv_head = head // (H // H_KV)
@@ -102,24 +174,88 @@ def _segment_attention_forward(q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, out_ptr, l
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: padding rows stay NaN-free
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, row_max, row_sum = _forward_over_keys(acc, row_max, row_sum, q, positions, kp_ptr, vp_ptr, 0, P, P,
-                                               kv_head, H_KV, scale_log2, D, BLOCK_N, BLOCK_D, PRECISION)
-    acc, row_max, row_sum = _forward_over_keys(acc, row_max, row_sum, q, positions, ks_ptr, vs_ptr, P, S,
-                                               tl.minimum(S, m0 + BLOCK_M), kv_head, H_KV, scale_log2, D,
-                                               BLOCK_N, BLOCK_D, PRECISION)
+    acc, row_max, row_sum = _forward_over_keys(
+        acc,
+        row_max,
+        row_sum,
+        q,
+        positions,
+        kp_ptr,
+        vp_ptr,
+        0,
+        P,
+        P,
+        kv_head,
+        H_KV,
+        scale_log2,
+        D,
+        BLOCK_N,
+        BLOCK_D,
+        PRECISION,
+    )
+    acc, row_max, row_sum = _forward_over_keys(
+        acc,
+        row_max,
+        row_sum,
+        q,
+        positions,
+        ks_ptr,
+        vs_ptr,
+        P,
+        S,
+        tl.minimum(S, m0 + BLOCK_M),
+        kv_head,
+        H_KV,
+        scale_log2,
+        D,
+        BLOCK_N,
+        BLOCK_D,
+        PRECISION,
+    )
     offsets = (rows[:, None].to(tl.int64) * H + head) * D + dims[None, :]
     tl.store(out_ptr + offsets, acc / row_sum[:, None], mask=(rows[:, None] < S) & (dims[None, :] < D))
     tl.store(lse_ptr + head * S + rows, row_max + tl.log2(row_sum), mask=rows < S)
 
 
 @triton.jit
-def _query_gradients_over_keys(dq, q, do, lse, delta, query_positions, k_ptr, v_ptr, key_start, n_keys, stop,
-                               kv_head, n_kv_heads, scale_log2, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                               PRECISION: tl.constexpr):
+def _query_gradients_over_keys(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    query_positions,
+    k_ptr,
+    v_ptr,
+    key_start,
+    n_keys,
+    stop,
+    kv_head,
+    n_kv_heads,
+    scale_log2,
+    D,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dq (unscaled) += dS k over keys [0, stop) of one K/V block list whose key j sits at key_start + j."""
     for n0 in range(0, stop, BLOCK_N):
-        k, v, scores = _key_block(q, query_positions, k_ptr, v_ptr, n0, key_start, n_keys, kv_head, n_kv_heads,
-                                  scale_log2, D, BLOCK_N, BLOCK_D, PRECISION)
+        k, v, scores = _key_block(
+            q,
+            query_positions,
+            k_ptr,
+            v_ptr,
+            n0,
+            key_start,
+            n_keys,
+            kv_head,
+            n_kv_heads,
+            scale_log2,
+            D,
+            BLOCK_N,
+            BLOCK_D,
+            PRECISION,
+        )
         p = tl.exp2(scores - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -128,9 +264,28 @@ def _query_gradients_over_keys(dq, q, do, lse, delta, query_positions, k_ptr, v_
 
 
 @triton.jit
-def _segment_attention_query_backward(q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-                                      P, S, H, H_KV, D, scale, scale_log2, BLOCK_M: tl.constexpr,
-                                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def _segment_attention_query_backward(
+    q_ptr,
+    kp_ptr,
+    vp_ptr,
+    ks_ptr,
+    vs_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    P,
+    S,
+    H,
+    H_KV,
+    D,
+    scale,
+    scale_log2,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One program: dq of BLOCK_M queries of one head."""
     m0, head = tl.program_id(0) * BLOCK_M, tl.program_id(1)
     kv_head = head // (H // H_KV)
@@ -141,19 +296,74 @@ def _segment_attention_query_backward(q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, do_
     delta = tl.load(delta_ptr + head * S + rows, mask=rows < S, other=0.0)
     positions = P + rows
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _query_gradients_over_keys(dq, q, do, lse, delta, positions, kp_ptr, vp_ptr, 0, P, P, kv_head, H_KV,
-                                    scale_log2, D, BLOCK_N, BLOCK_D, PRECISION)
-    dq = _query_gradients_over_keys(dq, q, do, lse, delta, positions, ks_ptr, vs_ptr, P, S,
-                                    tl.minimum(S, m0 + BLOCK_M), kv_head, H_KV, scale_log2, D, BLOCK_N, BLOCK_D,
-                                    PRECISION)
+    dq = _query_gradients_over_keys(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        positions,
+        kp_ptr,
+        vp_ptr,
+        0,
+        P,
+        P,
+        kv_head,
+        H_KV,
+        scale_log2,
+        D,
+        BLOCK_N,
+        BLOCK_D,
+        PRECISION,
+    )
+    dq = _query_gradients_over_keys(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        positions,
+        ks_ptr,
+        vs_ptr,
+        P,
+        S,
+        tl.minimum(S, m0 + BLOCK_M),
+        kv_head,
+        H_KV,
+        scale_log2,
+        D,
+        BLOCK_N,
+        BLOCK_D,
+        PRECISION,
+    )
     offsets = (rows[:, None].to(tl.int64) * H + head) * D + dims[None, :]
     tl.store(dq_ptr + offsets, dq * scale, mask=(rows[:, None] < S) & (dims[None, :] < D))
 
 
 @triton.jit
-def _segment_attention_key_backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, key_start,
-                                    n_keys, P, S, H, H_KV, D, scale, scale_log2, BLOCK_M: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def _segment_attention_key_backward(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    key_start,
+    n_keys,
+    P,
+    S,
+    H,
+    H_KV,
+    D,
+    scale,
+    scale_log2,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One program: dk, dv of BLOCK_N keys of one K/V head (key j at position key_start + j), summed over
     the query heads that share it and over every segment query that sees it."""
     n0, kv_head = tl.program_id(0) * BLOCK_N, tl.program_id(1)
@@ -186,8 +396,12 @@ def _segment_attention_key_backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_
 
 def _launch_options(q: torch.Tensor) -> dict:
     """Block sizes, and exact float32 dot products for float32 inputs (Triton would use TF32 on a GPU)."""
-    return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_D": max(16, triton.next_power_of_2(q.shape[-1])),
-            "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+    return {
+        "BLOCK_M": BLOCK_M,
+        "BLOCK_N": BLOCK_N,
+        "BLOCK_D": max(16, triton.next_power_of_2(q.shape[-1])),
+        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+    }
 
 
 class _SegmentAttention(torch.autograd.Function):
@@ -199,8 +413,21 @@ class _SegmentAttention(torch.autograd.Function):
         lse = torch.empty(heads, length, dtype=torch.float32, device=q.device)
         if length:
             _segment_attention_forward[(triton.cdiv(length, BLOCK_M), heads)](
-                q, k_prefix, v_prefix, k_seg, v_seg, out, lse, prefix, length, heads, kv_heads, dim,
-                scale * LOG2E, **_launch_options(q))
+                q,
+                k_prefix,
+                v_prefix,
+                k_seg,
+                v_seg,
+                out,
+                lse,
+                prefix,
+                length,
+                heads,
+                kv_heads,
+                dim,
+                scale * LOG2E,
+                **_launch_options(q),
+            )
         ctx.save_for_backward(q, k_prefix, v_prefix, k_seg, v_seg, out, lse)
         ctx.scale = scale
         return out
@@ -217,18 +444,55 @@ class _SegmentAttention(torch.autograd.Function):
         options = _launch_options(q)
         scales = (ctx.scale, ctx.scale * LOG2E)
         _segment_attention_query_backward[(triton.cdiv(length, BLOCK_M), heads)](
-            q, k_prefix, v_prefix, k_seg, v_seg, grad_out, lse, delta, grads[0], prefix, length, heads, kv_heads,
-            dim, *scales, **options)
+            q,
+            k_prefix,
+            v_prefix,
+            k_seg,
+            v_seg,
+            grad_out,
+            lse,
+            delta,
+            grads[0],
+            prefix,
+            length,
+            heads,
+            kv_heads,
+            dim,
+            *scales,
+            **options,
+        )
         for key_start, k, v, dk, dv in ((0, k_prefix, v_prefix, *grads[1:3]), (prefix, k_seg, v_seg, *grads[3:])):
             if len(k):
                 _segment_attention_key_backward[(triton.cdiv(len(k), BLOCK_N), kv_heads)](
-                    q, k, v, grad_out, lse, delta, dk, dv, key_start, len(k), prefix, length, heads, kv_heads, dim,
-                    *scales, **options)
+                    q,
+                    k,
+                    v,
+                    grad_out,
+                    lse,
+                    delta,
+                    dk,
+                    dv,
+                    key_start,
+                    len(k),
+                    prefix,
+                    length,
+                    heads,
+                    kv_heads,
+                    dim,
+                    *scales,
+                    **options,
+                )
         return *grads, None
 
 
-def segment_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_seg: torch.Tensor,
-                      v_seg: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def segment_attention(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_seg: torch.Tensor,
+    v_seg: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
     """[S, H, D]: the segment's queries q [S, H, D] attending over the cached prefix k/v_prefix [P, H_kv, D]
     and, causally, the segment's own k/v_seg [S, H_kv, D]; scale defaults to 1/sqrt(D). Differentiable in
     all five tensors (Triton forward and backward); float32 accumulation, output in q's dtype."""

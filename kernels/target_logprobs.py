@@ -20,8 +20,9 @@ LOGITS_CHUNK_BYTES = 256 * 2**20
 BLOCK_V = 2048  # vocabulary tile of one row program
 
 
-def target_logprobs_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
-                                      temperatures: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logprobs_entropy_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor | float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p_T(tokens), entropy of p_T), each [N] float32, p_T = softmax(hidden @ weight^T / T) for
     hidden [N, Hd], weight [V, Hd], tokens [N], T one for all rows or each row's [N]; full logits."""
     logits = (hidden @ weight.to(hidden.dtype).T).float() / _row_temperatures(temperatures, hidden)[:, None]
@@ -37,8 +38,9 @@ def _row_temperatures(temperatures: torch.Tensor | float, hidden: torch.Tensor) 
 
 
 @triton.jit
-def _row_statistics(logits_ptr, tokens_ptr, inv_temperatures_ptr, logprobs_ptr, entropy_ptr, lse_ptr, V,
-                    BLOCK_V: tl.constexpr):
+def _row_statistics(
+    logits_ptr, tokens_ptr, inv_temperatures_ptr, logprobs_ptr, entropy_ptr, lse_ptr, V, BLOCK_V: tl.constexpr
+):
     """One program per row of a [rows, V] logits chunk: log p(target), entropy, log-sum-exp of z = logits / T.
     Each lane keeps its own running max, Σ e^(z - max) and Σ e^(z - max)·z; lanes merge at the end."""
     row = tl.program_id(0)
@@ -71,8 +73,17 @@ def _row_statistics(logits_ptr, tokens_ptr, inv_temperatures_ptr, logprobs_ptr, 
 
 
 @triton.jit
-def _logit_gradients(logits_ptr, tokens_ptr, inv_temperatures_ptr, lse_ptr, entropy_ptr, grad_logprobs_ptr,
-                     grad_entropy_ptr, V, BLOCK_V: tl.constexpr):
+def _logit_gradients(
+    logits_ptr,
+    tokens_ptr,
+    inv_temperatures_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logprobs_ptr,
+    grad_entropy_ptr,
+    V,
+    BLOCK_V: tl.constexpr,
+):
     """One program per row, in place: logits -> d(loss)/d(logits) = (g_lp (1[v = target] - p_v)
     - g_H p_v (log p_v + H)) / T, from the forward's log-sum-exp and entropy H."""
     row = tl.program_id(0)
@@ -100,12 +111,19 @@ class _TargetLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, inv_temperatures, chunk_bytes):
         vocabulary = len(weight)
-        logprobs, entropy, lse = (torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
-                                  for _ in range(3))
+        logprobs, entropy, lse = (torch.empty(len(hidden), dtype=torch.float32, device=hidden.device) for _ in range(3))
         for rows in _chunks(hidden, vocabulary, chunk_bytes):
             logits = hidden[rows] @ weight.T
-            _row_statistics[(len(logits),)](logits, tokens[rows], inv_temperatures[rows], logprobs[rows],
-                                            entropy[rows], lse[rows], vocabulary, BLOCK_V=BLOCK_V)
+            _row_statistics[(len(logits),)](
+                logits,
+                tokens[rows],
+                inv_temperatures[rows],
+                logprobs[rows],
+                entropy[rows],
+                lse[rows],
+                vocabulary,
+                BLOCK_V=BLOCK_V,
+            )
         ctx.save_for_backward(hidden, weight, tokens, inv_temperatures, lse, entropy)
         ctx.chunk_bytes = chunk_bytes
         return logprobs, entropy
@@ -118,24 +136,39 @@ class _TargetLogprobsEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight)  # accumulated chunk by chunk in weight's dtype
         for rows in _chunks(hidden, len(weight), ctx.chunk_bytes):
             grad_logits = hidden[rows] @ weight.T
-            _logit_gradients[(len(grad_logits),)](grad_logits, tokens[rows], inv_temperatures[rows], lse[rows],
-                                                  entropy[rows], grad_logprobs[rows], grad_entropy[rows],
-                                                  len(weight), BLOCK_V=BLOCK_V)
+            _logit_gradients[(len(grad_logits),)](
+                grad_logits,
+                tokens[rows],
+                inv_temperatures[rows],
+                lse[rows],
+                entropy[rows],
+                grad_logprobs[rows],
+                grad_entropy[rows],
+                len(weight),
+                BLOCK_V=BLOCK_V,
+            )
             torch.mm(grad_logits, weight, out=grad_hidden[rows])
             grad_weight.addmm_(grad_logits.T, hidden[rows])
         return grad_hidden, grad_weight, None, None, None
 
 
-def target_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
-                            temperatures: torch.Tensor | float = 1.0,
-                            chunk_bytes: int = LOGITS_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperatures: torch.Tensor | float = 1.0,
+    chunk_bytes: int = LOGITS_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p_T(tokens), entropy of p_T), each [N] float32, p_T = softmax(hidden @ weight^T / T) for
     hidden [N, Hd], weight [V, Hd] (an LM head without bias), tokens [N], T one for all rows or each row's
     ([N] or [N, 1]). Logits in hidden's dtype (weight is cast to it), softmax in float32; differentiable in
     hidden and weight through both outputs."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or tokens.shape != hidden.shape[:1]:
-        raise ValueError(f"target_logprobs_entropy takes hidden [N, Hd], weight [V, Hd], tokens [N]; got hidden "
-                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, tokens {tuple(tokens.shape)}")
+        raise ValueError(
+            f"target_logprobs_entropy takes hidden [N, Hd], weight [V, Hd], tokens [N]; got hidden "
+            f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, tokens {tuple(tokens.shape)}"
+        )
     inv_temperatures = (1 / _row_temperatures(temperatures, hidden)).contiguous()
-    return _TargetLogprobsEntropy.apply(hidden.contiguous(), weight.to(hidden.dtype).contiguous(),
-                                        tokens.contiguous(), inv_temperatures, chunk_bytes)
+    return _TargetLogprobsEntropy.apply(
+        hidden.contiguous(), weight.to(hidden.dtype).contiguous(), tokens.contiguous(), inv_temperatures, chunk_bytes
+    )

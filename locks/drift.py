@@ -32,8 +32,10 @@ def main(lock_path: str) -> None:
     for own in ("areal-hpc", "pip"):  # the project itself and the venv's installer are not locked
         installed.pop(own, None)
     changed = sorted(name for name in locked.keys() & installed.keys() if locked[name] != installed[name])
-    print(f"drift against {lock_path}: {len(changed)} changed, "
-          f"{len(installed.keys() - locked.keys())} new, {len(locked.keys() - installed.keys())} gone")
+    print(
+        f"drift against {lock_path}: {len(changed)} changed, "
+        f"{len(installed.keys() - locked.keys())} new, {len(locked.keys() - installed.keys())} gone"
+    )
     for name in changed:
         print(f"  {name}: {locked[name]} -> {installed[name]}")
     for name in sorted(installed.keys() - locked.keys()):

@@ -45,10 +45,21 @@ def tiny_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
     from areal_hpc.models.hf import load_tokenizer, save_model
 
     tokenizer = load_tokenizer(tiny_model_dir)
-    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
-                            tie_word_embeddings=False)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config)
     with torch.no_grad():
@@ -61,8 +72,14 @@ def tiny_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``areal-hpc`` as a user would: a separate process, its exit code and its output."""
-    return subprocess.run([sys.executable, "-m", "areal_hpc", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "areal_hpc", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 @contextlib.contextmanager
@@ -74,9 +91,23 @@ def embedded_server(model_dir: Path, fileroot: Path, *extra: str):
     names = NameResolve(fileroot / "quickstart" / trial / "name_resolve")
     names.root.mkdir(parents=True)
     log = open(names.root.parent / "server.log", "w")  # noqa: SIM115 - the server writes it for its lifetime; a file, not a pipe: a full pipe would block the server
-    process = subprocess.Popen([sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={model_dir}",
-                                "port=0", f"cluster.fileroot={fileroot}", f"experiment.trial={trial}", *extra],
-                               cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_hpc",
+            "serve",
+            "backend=embedded",
+            f"model.path={model_dir}",
+            "port=0",
+            f"cluster.fileroot={fileroot}",
+            f"experiment.trial={trial}",
+            *extra,
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         while not names.values(ROLLOUT_SERVERS):
@@ -95,6 +126,7 @@ def embedded_server(model_dir: Path, fileroot: Path, *extra: str):
 # mpi4py. Where those are missing the tests are skipped, unless AREAL_HPC_REQUIRE_SLURM=1 or
 # AREAL_HPC_REQUIRE_MPI=1 (as CI sets them): then they fail with the reason.
 
+
 @functools.cache
 def slurm_missing() -> str | None:
     """Why the dev Slurm cluster cannot run jobs here, or None when both its nodes answer."""
@@ -106,8 +138,11 @@ def slurm_missing() -> str | None:
         return "sinfo timed out"
     if done.returncode != 0:
         return f"sinfo failed: {done.stderr.strip()}"
-    usable = {node for node, state in (line.split() for line in done.stdout.splitlines())
-              if state in {"idle", "mix", "alloc", "comp"}}  # not drained, draining or down
+    usable = {
+        node
+        for node, state in (line.split() for line in done.stdout.splitlines())
+        if state in {"idle", "mix", "alloc", "comp"}
+    }  # not drained, draining or down
     missing = {"train1", "rollout1"} - usable
     return f"node(s) {', '.join(sorted(missing))} not responding or not usable" if missing else None
 
@@ -115,8 +150,14 @@ def slurm_missing() -> str | None:
 @functools.cache
 def mpi_missing() -> str | None:
     """Why MPI programs cannot run here (no ``mpirun``, no mpi4py), or None."""
-    absent = [name for name, present in [("mpirun (OpenMPI)", shutil.which("mpirun") is not None),
-                                         ("mpi4py", importlib.util.find_spec("mpi4py") is not None)] if not present]
+    absent = [
+        name
+        for name, present in [
+            ("mpirun (OpenMPI)", shutil.which("mpirun") is not None),
+            ("mpi4py", importlib.util.find_spec("mpi4py") is not None),
+        ]
+        if not present
+    ]
     return f"{' and '.join(absent)} not installed" if absent else None
 
 

@@ -26,9 +26,17 @@ def engine_on(model_dir, mesh=None, critic: bool = False, temperature: float = 1
     """``native_ranks.engine_on``'s settings (Adam eps raised, clipping at 0.5, the critic's head drawn
     after the same seed) on Megatron."""
     torch.manual_seed(0)
-    return MegatronTrainEngine(str(model_dir), "critic" if critic else "policy", temperature=temperature, mesh=mesh,
-                               lr=1e-3, total_steps=4, optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
-                               max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB, tokenizer=load_tokenizer(model_dir))
+    return MegatronTrainEngine(
+        str(model_dir),
+        "critic" if critic else "policy",
+        temperature=temperature,
+        mesh=mesh,
+        lr=1e-3,
+        total_steps=4,
+        optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
+        max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB,
+        tokenizer=load_tokenizer(model_dir),
+    )
 
 
 def main(model_dir: str, out: str, args: list[str]) -> None:

@@ -23,8 +23,10 @@ def main(out: str, sizes: list[str]) -> None:
     mesh = build_mesh(ParallelDims(**{k: int(v) for k, v in (s.split("=") for s in sizes)}), torch.device("cpu"))
     groups = {name: dist.get_process_group_ranks(mesh.group(name)) for name in SUB_MESHES}
     with open(f"{out}.rank{rank}.json", "w") as f:
-        json.dump({"groups": groups, "coords": mesh.coords, "data_rank": mesh.data_rank,
-                   "leads_replica": mesh.leads_replica}, f)
+        json.dump(
+            {"groups": groups, "coords": mesh.coords, "data_rank": mesh.data_rank, "leads_replica": mesh.leads_replica},
+            f,
+        )
     dist.destroy_process_group()
 
 

@@ -7,9 +7,9 @@ same in one process), and rank 0 writes what every rank saw to OUT.
         python -m tests.native_ranks MODEL OUT groups=1.2.1/2.1.1 [fsdp=1] [bucket=N] ...   # training groups
                                                                            # (dp.tp.pp each)
 
-critic=1 trains a value model (the critic's token classifier) instead of the policy; empty=1 gives the whole batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after
-the step and checks that a second engine loading DIR takes the same next step; load=DIR only loads
-DIR and reports the weights.
+critic=1 trains a value model (the critic's token classifier) instead of the policy; empty=1 gives the whole
+batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after the step and checks that a
+second engine loading DIR takes the same next step; load=DIR only loads DIR and reports the weights.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ def seeded_batch(seed: int = 0, n: int = 9, mixed_temperatures: bool = False) ->
         masks.append([0] * prompt + [1] * completion)
     targets = [torch.tensor(m[1:] + [0], dtype=torch.float32) for m in masks]  # position t predicts t+1
     total = sum(float(t.sum()) for t in targets)
-    fields = {"weights": [t / total for t in targets],
-              "advantages": [torch.randn(len(t), generator=generator) for t in targets],
-              "old_logprobs": [-6.0 + 0.1 * torch.randn(len(t), generator=generator) for t in targets]}
+    fields = {
+        "weights": [t / total for t in targets],
+        "advantages": [torch.randn(len(t), generator=generator) for t in targets],
+        "old_logprobs": [-6.0 + 0.1 * torch.randn(len(t), generator=generator) for t in targets],
+    }
     temperatures = [torch.full((len(s),), (0.7, 1.3)[i % 2]) for i, s in enumerate(sequences)]
     return SequenceBatch(sequences, masks, fields, temperatures if mixed_temperatures else None)
 
@@ -70,11 +72,17 @@ def engine_on(model_dir, mesh=None, critic: bool = False) -> TorchTrainEngine:
     """Adam's eps is raised so that its first step is near-linear in the gradient (with the default,
     m/√v ≈ ±1 on elements whose gradient is ~0 turns rounding noise into lr-sized differences)."""
     torch.manual_seed(0)  # the critic's fresh value head
-    model, forward_fn = (load_critic(model_dir), ValueOutputs()) if critic else (load_model(model_dir),
-                                                                                 PolicyOutputs())
-    return TorchTrainEngine(model, forward_fn, mesh=mesh, lr=1e-3, total_steps=4,
-                            optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
-                            max_tokens_per_mb=MAX_TOKENS_PER_MB, tokenizer=load_tokenizer(model_dir))
+    model, forward_fn = (load_critic(model_dir), ValueOutputs()) if critic else (load_model(model_dir), PolicyOutputs())
+    return TorchTrainEngine(
+        model,
+        forward_fn,
+        mesh=mesh,
+        lr=1e-3,
+        total_steps=4,
+        optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
+        max_tokens_per_mb=MAX_TOKENS_PER_MB,
+        tokenizer=load_tokenizer(model_dir),
+    )
 
 
 def shares(batch: SequenceBatch, dp: int, empty: bool) -> list[list[int]]:
@@ -90,8 +98,10 @@ def weights_of(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
 def held_weights(engine: TorchTrainEngine) -> dict[str, torch.Tensor]:
     """The whole of each parameter this rank holds a part of (collective over its tensor- and data-
     parallel peers)."""
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in engine.model.named_parameters()}
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in engine.model.named_parameters()
+    }
 
 
 def step(engine: TorchTrainEngine, batch: SequenceBatch, critic: bool = False) -> tuple[dict, dict]:
@@ -112,8 +122,11 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
     sizes = {k: int(v) for k, v in options.items() if k in ("dp", "tp", "pp", "cp", "ep")}
     flags = dict(fsdp=options.get("fsdp") == "1", sequence_parallel=options.get("sp") == "1")
     shapes = [[int(n) for n in group.split(".")] for group in options.get("groups", "").split("/") if group]
-    layout = TrainerGroups(tuple(ParallelDims(dp=dp, tp=tp, pp=pp, **flags) for dp, tp, pp in shapes)
-                           if shapes else (ParallelDims(**sizes, **flags),))
+    layout = TrainerGroups(
+        tuple(ParallelDims(dp=dp, tp=tp, pp=pp, **flags) for dp, tp, pp in shapes)
+        if shapes
+        else (ParallelDims(**sizes, **flags),)
+    )
     mesh = build_group_meshes(layout, torch.device("cpu"))
     critic = options.get("critic") == "1"
     if "bucket" in options:  # the gradient sum across groups in buckets of this many elements
@@ -126,8 +139,14 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
         batch = seeded_batch(mixed_temperatures=options.get("temperatures") == "mixed")
         own = shares(batch, layout.replicas, options.get("empty") == "1")[mesh.data_rank]
         outputs, stats = step(engine, batch.select(own), critic)
-        result = {"indices": own, "outputs": outputs, "stats": stats, "leads": mesh.leads_replica,
-                  "group": mesh.index, "held": held_weights(engine)}
+        result = {
+            "indices": own,
+            "outputs": outputs,
+            "stats": stats,
+            "leads": mesh.leads_replica,
+            "group": mesh.index,
+            "held": held_weights(engine),
+        }
         result["weights"] = weights_of(engine) if mesh.index == 0 else {}  # group 0 pushes and saves
         if "save" in options:
             if mesh.index == 0:
@@ -138,8 +157,9 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
             for twin in (engine, restored):  # the next step: same Adam moments and schedule position?
                 step(twin, seeded_batch(seed=1).select(own), critic)
             trained, loaded = held_weights(engine), held_weights(restored)
-            result["restored_step_diff"] = max(((trained[k] - loaded[k]).abs().max().item() for k in trained),
-                                               default=None)
+            result["restored_step_diff"] = max(
+                ((trained[k] - loaded[k]).abs().max().item() for k in trained), default=None
+            )
     every = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object({k: v for k, v in result.items() if k != "weights"}, every, dst=0)
     if rank == 0:

@@ -19,15 +19,25 @@ from areal_hpc.proxy.tenants import hash_key
 
 def write_keys(path: Path, tenants: dict[str, dict], revoked: list[str] = ()) -> None:
     """``tenants``: name -> {"keys": [plain keys], other fields as they are}; stored hashed."""
-    tree = {"tenants": {name: {**entry, "keys": [hash_key(k) for k in entry["keys"]]}
-                        for name, entry in tenants.items()},
-            "revoked": [hash_key(k) for k in revoked]}
+    tree = {
+        "tenants": {name: {**entry, "keys": [hash_key(k) for k in entry["keys"]]} for name, entry in tenants.items()},
+        "revoked": [hash_key(k) for k in revoked],
+    }
     path.write_text(yaml.safe_dump(tree))
 
 
 def proxy_config(model_dir: Path, run_root: Path, backends: list[str], keys_file: Path, *overrides: str):
-    return load_config(None, [f"model.path={model_dir}", f"cluster.fileroot={run_root}", f"proxy.keys_file={keys_file}",
-                              f"proxy.backends={','.join(backends)}", "proxy.model_name=tiny", *overrides])
+    return load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"cluster.fileroot={run_root}",
+            f"proxy.keys_file={keys_file}",
+            f"proxy.backends={','.join(backends)}",
+            "proxy.model_name=tiny",
+            *overrides,
+        ],
+    )
 
 
 @contextlib.contextmanager
@@ -72,12 +82,14 @@ def running_proxy(cfg):
         yield base, proxy, run
 
 
-def call(base: str, route: str, body=None, key: str | None = None, raw: bytes | None = None,
-         method: str | None = None) -> tuple[int, dict, dict]:
+def call(
+    base: str, route: str, body=None, key: str | None = None, raw: bytes | None = None, method: str | None = None
+) -> tuple[int, dict, dict]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    request = urllib.request.Request(base + route, data=data, headers=headers,
-                                     method=method or ("POST" if data is not None else "GET"))
+    request = urllib.request.Request(
+        base + route, data=data, headers=headers, method=method or ("POST" if data is not None else "GET")
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, json.loads(reply.read()), dict(reply.headers)

@@ -25,8 +25,11 @@ parser.add_argument("--mpi", action="store_true")
 parser.add_argument("--reports", type=Path, help="write the report to DIR/rank<r>.json instead of stdout")
 args = parser.parse_args()
 n_trainers, with_mpi = args.n_trainers, args.mpi
-report = {**dataclasses.asdict(placement), "threads": cpu_threads(),
-          "devices": assigned_devices(placement.local_rank, 1)}
+report = {
+    **dataclasses.asdict(placement),
+    "threads": cpu_threads(),
+    "devices": assigned_devices(placement.local_rank, 1),
+}
 role = task_role(placement, [TaskGroup("trainer", n_trainers), TaskGroup("rollout", placement.world - n_trainers)])
 report["role"], report["index"] = role.role, role.index
 if with_mpi:

@@ -64,8 +64,12 @@ class ScoresInBatches:
     def score_batch(self, requests):
         if any(r.completion == "boom" for r in requests):
             raise ValueError("bad batch code")
-        results = [float("nan") if r.completion == "nan" else {"reward": float(len(r.completion)),
-                                                              "batch": float(len(requests))} for r in requests]
+        results = [
+            float("nan")
+            if r.completion == "nan"
+            else {"reward": float(len(r.completion)), "batch": float(len(requests))}
+            for r in requests
+        ]
         return results[:-1] if any(r.completion == "short" for r in requests) else results
 
 

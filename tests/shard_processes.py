@@ -33,10 +33,24 @@ def make_trajectory(seed: int, i: int) -> Trajectory:
     for _ in range(int(rng.integers(1, 4))):
         n_out = int(rng.integers(0, 300))
         versions = np.sort(rng.integers(i // 8, i // 8 + 2, n_out))
-        segments.append(Segment(rng.integers(0, 50_000, int(rng.integers(1, 64))), rng.integers(0, 50_000, n_out),
-                                -rng.exponential(1.0, n_out), versions, rng.integers(0, 2, n_out)))
-    return Trajectory(segments, id=f"s{seed}-t{i}", tenant=f"tenant{i % 3}", task="arithmetic", group_id=str(i // 4),
-                      rewards=[Reward(float(i % 2), time=float(i))], metadata={"i": i, "seed": seed})
+        segments.append(
+            Segment(
+                rng.integers(0, 50_000, int(rng.integers(1, 64))),
+                rng.integers(0, 50_000, n_out),
+                -rng.exponential(1.0, n_out),
+                versions,
+                rng.integers(0, 2, n_out),
+            )
+        )
+    return Trajectory(
+        segments,
+        id=f"s{seed}-t{i}",
+        tenant=f"tenant{i % 3}",
+        task="arithmetic",
+        group_id=str(i // 4),
+        rewards=[Reward(float(i % 2), time=float(i))],
+        metadata={"i": i, "seed": seed},
+    )
 
 
 def write(args) -> None:

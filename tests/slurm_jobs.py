@@ -8,8 +8,17 @@ import re
 import subprocess
 import time
 
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE"}
+FINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 SACCT_RETRY_S = 30  # slurmdbd busy or restarting: sacct fails for a while, then answers
 
 
@@ -50,8 +59,10 @@ def wait_for_end(job: str, timeout: float, components: int = 1) -> dict[str, tup
         if time.monotonic() > deadline:
             queue = subprocess.run(["squeue", "-j", job], capture_output=True, text=True).stdout
             cancel(job)
-            raise AssertionError(f"job {job} did not end ({components} components in a final state) within "
-                                 f"{timeout:g} s; last seen in sacct: {found}\nsqueue:\n{queue}")
+            raise AssertionError(
+                f"job {job} did not end ({components} components in a final state) within "
+                f"{timeout:g} s; last seen in sacct: {found}\nsqueue:\n{queue}"
+            )
         time.sleep(0.25)
 
 
@@ -61,8 +72,10 @@ def wait_for(condition, timeout: float, what: str, seen=None):
     deadline = time.monotonic() + timeout
     while not (result := condition()):
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
-                                 + (f"; last seen: {seen()}" if seen is not None else ""))
+            raise AssertionError(
+                f"timed out after {timeout:g} s waiting for {what}"
+                + (f"; last seen: {seen()}" if seen is not None else "")
+            )
         time.sleep(0.2)
     return result
 
@@ -76,7 +89,7 @@ def elapsed_s(job: str) -> int:
 def ended_at(job: str) -> float:
     """When the job's last allocation ended, by Slurm's clock (seconds since the epoch, 1 s resolution): a
     duration measured against it leaves out sacct's lag behind the job's end."""
-    return max(time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S")) for end, in sacct(job, "End"))
+    return max(time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S")) for (end,) in sacct(job, "End"))
 
 
 def states(job: str) -> str:

@@ -60,8 +60,9 @@ class Conversation:
         client = engine.openai_client()
         self.messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": example.prompt}]
         for role, content in [*self.replies, (None, None)]:
-            reply = await client.chat.completions.create(model=engine.model_name, messages=self.messages,
-                                                         max_tokens=self.max_tokens, temperature=0.7)
+            reply = await client.chat.completions.create(
+                model=engine.model_name, messages=self.messages, max_tokens=self.max_tokens, temperature=0.7
+            )
             self.messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
             if role is not None:
                 self.messages.append({"role": role, "content": content})
@@ -73,10 +74,12 @@ MARKER = st.text("abcdefghijklmnopqrstuvwxyz0123456789", min_size=10, max_size=1
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(replies=st.lists(st.tuples(st.sampled_from(["tool", "user"]), MARKER), max_size=4),
-       max_tokens=st.integers(1, 12))
+@given(
+    replies=st.lists(st.tuples(st.sampled_from(["tool", "user"]), MARKER), max_size=4), max_tokens=st.integers(1, 12)
+)
 def test_an_openai_agents_record_is_its_conversation_and_the_environment_is_outside_the_loss(
-        in_process, tiny_model_dir, replies, max_tokens):
+    in_process, tiny_model_dir, replies, max_tokens
+):
     agent = Conversation(replies, max_tokens)
     tokenizer = load_tokenizer(tiny_model_dir)
 
@@ -92,13 +95,18 @@ def test_an_openai_agents_record_is_its_conversation_and_the_environment_is_outs
     # the re-tokenised conversation: what the template renders of it, each assistant turn as the model wrote
     # it (the client's text drops special tokens a random model may emit), closed as the model closed the last
     outputs = iter(s.output_ids.tolist() for s in record.segments)
-    written = [{**m, "content": tokenizer.decode(_without_eos(next(outputs), tokenizer), skip_special_tokens=False)}
-               if m["role"] == "assistant" else m for m in agent.messages]
+    written = [
+        {**m, "content": tokenizer.decode(_without_eos(next(outputs), tokenizer), skip_special_tokens=False)}
+        if m["role"] == "assistant"
+        else m
+        for m in agent.messages
+    ]
     assert [m["content"] for m in agent.messages if m["role"] == "assistant"] == [
-        tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in record.segments]
+        tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in record.segments
+    ]
     rendered = ChatTokenizer(tiny_model_dir).render(written, add_generation_prompt=False)
     decoded = tokenizer.decode(ids, skip_special_tokens=False)
-    assert rendered.startswith(decoded) and rendered[len(decoded):] in ("", "\n", "<|im_end|>\n")
+    assert rendered.startswith(decoded) and rendered[len(decoded) :] in ("", "\n", "<|im_end|>\n")
     for _, marker in replies:  # what the environment said is context, never a trained token
         assert any(marker in tokenizer.decode(s.input_ids) for s in record.segments)
         assert not any(marker in tokenizer.decode(s.output_ids) for s in record.segments)
@@ -130,8 +138,11 @@ def test_an_episodes_client_is_answered_in_process_as_the_proxy_answers(in_proce
             streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             plain = await client.completions.create(model=chat.model_name, prompt="2+3=", max_tokens=4)
             errors = []
-            for call in (client.chat.completions.create(**{**ask, "model": "other"}),
-                         client.chat.completions.create(**ask, max_tokens=0), client.models.list()):
+            for call in (
+                client.chat.completions.create(**{**ask, "model": "other"}),
+                client.chat.completions.create(**ask, max_tokens=0),
+                client.models.list(),
+            ):
                 with pytest.raises(openai.APIStatusError) as caught:
                     await call
                 errors.append((caught.value.status_code, caught.value.code))
@@ -149,8 +160,14 @@ def test_an_episodes_client_is_answered_in_process_as_the_proxy_answers(in_proce
     assert errors == [(404, "model_not_found"), (400, "invalid_value"), (404, None)]
 
 
-TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
-                                       "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+    },
+}
 
 
 def _messages(form: str):
@@ -158,24 +175,45 @@ def _messages(form: str):
     model from an earlier reply, content as text parts."""
     from openai.types.chat import ChatCompletionMessage
 
-    dicts = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"},
-             {"role": "user", "content": "And 4+4?"}]
-    return {"dicts": dicts, "tuple": tuple(dicts), "generator": (m for m in dicts),
-            "model": [dicts[0], ChatCompletionMessage(role="assistant", content="5"), dicts[2]],
-            "parts": [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in dicts]}[form]
+    dicts = [
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 4+4?"},
+    ]
+    return {
+        "dicts": dicts,
+        "tuple": tuple(dicts),
+        "generator": (m for m in dicts),
+        "model": [dicts[0], ChatCompletionMessage(role="assistant", content="5"), dicts[2]],
+        "parts": [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in dicts],
+    }[form]
 
 
-CHAT_FIELDS = st.fixed_dictionaries({"messages_form": st.sampled_from(["dicts", "tuple", "generator", "model", "parts"])},
-                                    optional={
-    "model": st.sampled_from(["other", None]), "max_tokens": st.integers(-1, 6),
-    "max_completion_tokens": st.integers(1, 6), "logprobs": st.booleans(), "temperature": st.sampled_from([0, 5]),
-    "n": st.integers(1, 2), "stop": st.sampled_from(["x", None]), "user": st.text(max_size=5),
-    "tools": st.sampled_from([[TOOL], [None], [1], [{"type": "function", "function": {}}]]),
-    "tool_choice": st.sampled_from(["auto", "none", "garbage"]),
-    "extra_body": st.sampled_from([{}, {"top_p": 0.5}, {"seed": "abc"}, {"temperature": 0}])})
-COMPLETION_FIELDS = st.fixed_dictionaries({"prompt": st.sampled_from(["2+3=", [5, 6, 7], [], [-1], 3])}, optional={
-    "max_tokens": st.integers(0, 6), "logprobs": st.integers(-1, 2), "model": st.just("other"),
-    "extra_body": st.sampled_from([{}, {"top_p": 0.5}])})
+CHAT_FIELDS = st.fixed_dictionaries(
+    {"messages_form": st.sampled_from(["dicts", "tuple", "generator", "model", "parts"])},
+    optional={
+        "model": st.sampled_from(["other", None]),
+        "max_tokens": st.integers(-1, 6),
+        "max_completion_tokens": st.integers(1, 6),
+        "logprobs": st.booleans(),
+        "temperature": st.sampled_from([0, 5]),
+        "n": st.integers(1, 2),
+        "stop": st.sampled_from(["x", None]),
+        "user": st.text(max_size=5),
+        "tools": st.sampled_from([[TOOL], [None], [1], [{"type": "function", "function": {}}]]),
+        "tool_choice": st.sampled_from(["auto", "none", "garbage"]),
+        "extra_body": st.sampled_from([{}, {"top_p": 0.5}, {"seed": "abc"}, {"temperature": 0}]),
+    },
+)
+COMPLETION_FIELDS = st.fixed_dictionaries(
+    {"prompt": st.sampled_from(["2+3=", [5, 6, 7], [], [-1], 3])},
+    optional={
+        "max_tokens": st.integers(0, 6),
+        "logprobs": st.integers(-1, 2),
+        "model": st.just("other"),
+        "extra_body": st.sampled_from([{}, {"top_p": 0.5}]),
+    },
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -211,7 +249,11 @@ def test_a_plain_create_answers_as_the_sdks_own_http_path(in_process, tiny_model
     (fast, sdk), turns = asyncio.run(both())
     assert fast == sdk
     if fast[0] == "reply":
-        assert len(turns) == 2 and turns[0].output_ids == turns[1].output_ids and turns[0].prompt_ids == turns[1].prompt_ids
+        assert (
+            len(turns) == 2
+            and turns[0].output_ids == turns[1].output_ids
+            and turns[0].prompt_ids == turns[1].prompt_ids
+        )
     else:
         assert turns == []
 
@@ -224,8 +266,9 @@ def test_a_client_with_other_options_records_into_the_same_episode(in_process, t
         async with ChatGateway(in_process.generate, tiny_model_dir) as chat:
             client = chat.client({})
             other = client.with_options(timeout=5, max_retries=2)
-            await other.chat.completions.create(model=chat.model_name, max_tokens=3,
-                                                messages=[{"role": "user", "content": "What is 2+3?"}])
+            await other.chat.completions.create(
+                model=chat.model_name, max_tokens=3, messages=[{"role": "user", "content": "What is 2+3?"}]
+            )
             other.set_reward(1.0)
             return client, other, client.records()
 
@@ -248,8 +291,9 @@ def test_an_agents_sdk_agent_runs_unchanged_and_its_turns_are_recorded(in_proces
         with RewardPool(rewards_for_tests.exact_answer) as pool:
             async with ChatGateway(in_process.generate, tiny_model_dir) as chat:
                 settings_ = EngineSettings(in_process.generate, tokenizer, Sampling(6), Scorer(pool), chat)
-                return await run_episode(AgentsSDKWorkflow(), AgentEngine(settings_), Example("q", "What is 2+3?",
-                                                                                             answer="5"))
+                return await run_episode(
+                    AgentsSDKWorkflow(), AgentEngine(settings_), Example("q", "What is 2+3?", answer="5")
+                )
 
     [record] = asyncio.run(run())
     prompt = tokenizer.decode(record.segments[0].input_ids, skip_special_tokens=False)
@@ -262,9 +306,20 @@ def test_an_agents_sdk_agent_runs_unchanged_and_its_turns_are_recorded(in_proces
 def test_a_users_project_trains_through_areal_hpc_train_without_touching_the_package(tmp_path):
     project = write_project(tmp_path / "project")
     overrides = [f"{k}={v}" for k, v in project.items()]
-    result = run_cli("train", "--config", str(REPO / "configs" / "quickstart.yaml"), f"cluster.fileroot={tmp_path / 'runs'}",
-                     *SMALL_RUN, "rl.total_train_steps=3", "rl.eval_every_steps=0", "gconfig.max_new_tokens=6",
-                     "model.compute_dtype=float32", *overrides, cwd=tmp_path, timeout=600)
+    result = run_cli(
+        "train",
+        "--config",
+        str(REPO / "configs" / "quickstart.yaml"),
+        f"cluster.fileroot={tmp_path / 'runs'}",
+        *SMALL_RUN,
+        "rl.total_train_steps=3",
+        "rl.eval_every_steps=0",
+        "gconfig.max_new_tokens=6",
+        "model.compute_dtype=float32",
+        *overrides,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "runs" / "quickstart" / "trial0"
     steps = [r for r in metrics(run) if "rollout/turns" in r]
@@ -279,19 +334,31 @@ def test_a_users_project_trains_through_areal_hpc_train_without_touching_the_pac
     assert len({r.group_id for r in records}) == len(records) // 4  # gconfig.n_samples=4 episodes a group
 
 
-@pytest.mark.parametrize("override, words", [
-    ("reward.fn=nowhere.py:reward", ["'reward.fn'", "no file", "nowhere.py"]),
-    ("reward.fn=json:no_such", ["'reward.fn'", "has no 'no_such'"]),
-    ("rollout.workflow=json:loads_", ["'rollout.workflow'", "has no 'loads_'"]),
-    ("rollout.workflow=json:JSONDecoder", ["'rollout.workflow'", "no `async def arun_episode"]),
-    ("dataset.prompt_field=title", ["'dataset.prompt_field'", "no column 'title'", "question, answer, unit"]),
-    ("dataset.path=missing.parquet", ["'dataset.path'", "missing.parquet", "does not exist"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("reward.fn=nowhere.py:reward", ["'reward.fn'", "no file", "nowhere.py"]),
+        ("reward.fn=json:no_such", ["'reward.fn'", "has no 'no_such'"]),
+        ("rollout.workflow=json:loads_", ["'rollout.workflow'", "has no 'loads_'"]),
+        ("rollout.workflow=json:JSONDecoder", ["'rollout.workflow'", "no `async def arun_episode"]),
+        ("dataset.prompt_field=title", ["'dataset.prompt_field'", "no column 'title'", "question, answer, unit"]),
+        ("dataset.path=missing.parquet", ["'dataset.path'", "missing.parquet", "does not exist"]),
+    ],
+)
 def test_bad_user_code_or_data_is_one_line_and_exit_2(tmp_path, override, words):
     project = write_project(tmp_path / "project")
     overrides = [f"{k}={v}" for k, v in project.items() if k != override.split("=")[0]]
-    result = run_cli("train", "--config", str(REPO / "configs" / "quickstart.yaml"), f"cluster.fileroot={tmp_path / 'runs'}",
-                     *SMALL_RUN, *overrides, override, cwd=tmp_path, timeout=300)
+    result = run_cli(
+        "train",
+        "--config",
+        str(REPO / "configs" / "quickstart.yaml"),
+        f"cluster.fileroot={tmp_path / 'runs'}",
+        *SMALL_RUN,
+        *overrides,
+        override,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     line = result.stderr.strip().splitlines()[-1]
     assert all(w in line for w in words), line
@@ -304,12 +371,27 @@ def test_a_users_project_trains_through_areal_hpc_submit_on_the_dev_cluster(tiny
     from .slurm_jobs import cancel, submitted_job, wait_for_end
 
     project = write_project(tmp_path / "project")
-    relative = {**project, "dataset.path": "project/sticks.parquet", "reward.fn": "project/my_reward.py:reward",
-                "rollout.workflow": "project/my_agent.py:AskTwice"}
-    result = run_cli("submit", "--profile", str(REPO / "slurm" / "profiles" / "dev.yaml"), "--config",
-                     str(REPO / "configs" / "quickstart.yaml"), f"model.path={tiny_model_dir}",
-                     f"cluster.fileroot={tmp_path / 'runs'}", *SMALL_RUN, "rl.total_train_steps=2",
-                     "rl.eval_every_steps=0", *[f"{k}={v}" for k, v in relative.items()], cwd=tmp_path, timeout=120)
+    relative = {
+        **project,
+        "dataset.path": "project/sticks.parquet",
+        "reward.fn": "project/my_reward.py:reward",
+        "rollout.workflow": "project/my_agent.py:AskTwice",
+    }
+    result = run_cli(
+        "submit",
+        "--profile",
+        str(REPO / "slurm" / "profiles" / "dev.yaml"),
+        "--config",
+        str(REPO / "configs" / "quickstart.yaml"),
+        f"model.path={tiny_model_dir}",
+        f"cluster.fileroot={tmp_path / 'runs'}",
+        *SMALL_RUN,
+        "rl.total_train_steps=2",
+        "rl.eval_every_steps=0",
+        *[f"{k}={v}" for k, v in relative.items()],
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     job = submitted_job(result.stdout)
     try:
@@ -351,9 +433,13 @@ def test_a_workflow_that_raises_is_counted_and_spends_the_failure_budget(tiny_mo
         async with RolloutClient(["127.0.0.1:9"]) as client:  # never contacted: the agent fails first
             with RewardPool(rewards_for_tests.exact_answer) as pool:
                 groups = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2, Raises())
-                controller = RolloutController(client, groups, StalenessGate(2, 0, 2),
-                                               [Example(str(i), "q", answer="1") for i in range(8)],
-                                               budget=FailureBudget(max_consecutive=3))
+                controller = RolloutController(
+                    client,
+                    groups,
+                    StalenessGate(2, 0, 2),
+                    [Example(str(i), "q", answer="1") for i in range(8)],
+                    budget=FailureBudget(max_consecutive=3),
+                )
                 await controller.start()
                 with pytest.raises(RolloutFailure) as err:
                     await asyncio.wait_for(controller.prepare_batch(2), 60)
@@ -362,16 +448,32 @@ def test_a_workflow_that_raises_is_counted_and_spends_the_failure_budget(tiny_mo
 
     error, controller = asyncio.run(run())
     assert "3 episodes in a row failed (workflow 3)" in str(error) and "KeyError" in str(error)
-    assert controller.failures.counts["workflow"] >= 3 and controller.failures.total == controller.failures.counts["workflow"]
+    assert (
+        controller.failures.counts["workflow"] >= 3
+        and controller.failures.total == controller.failures.counts["workflow"]
+    )
 
 
 @pytest.mark.slow
 def test_eval_runs_a_users_workflow_with_samples_pass_at_k_and_writes_every_episode(tmp_path, tiny_model_dir):
     project = write_project(tmp_path / "project")
     out = tmp_path / "episodes.jsonl"
-    result = run_cli("eval", "--model", str(tiny_model_dir), "--config", str(REPO / "configs" / "quickstart.yaml"),
-                     "--samples", "3", "--out", str(out), "--json", "gconfig.max_new_tokens=4",
-                     *[f"{k}={v}" for k, v in project.items()], cwd=tmp_path, timeout=300)
+    result = run_cli(
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--config",
+        str(REPO / "configs" / "quickstart.yaml"),
+        "--samples",
+        "3",
+        "--out",
+        str(out),
+        "--json",
+        "gconfig.max_new_tokens=4",
+        *[f"{k}={v}" for k, v in project.items()],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout)
     assert summary["n"] == 4 and summary["samples"] == 3 and {"pass@1", "pass@2", "pass@3"} <= set(summary)
@@ -412,8 +514,9 @@ def memorise(model, tokenizer, pairs: list[tuple[list[int], str]], max_steps: in
     tool-calling model); one thread: the steps are small."""
     import torch
 
-    batch = [(prompt, tokenizer(text + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
-             for prompt, text in pairs]
+    batch = [
+        (prompt, tokenizer(text + tokenizer.eos_token, add_special_tokens=False)["input_ids"]) for prompt, text in pairs
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -422,7 +525,7 @@ def memorise(model, tokenizer, pairs: list[tuple[list[int], str]], max_steps: in
             optimizer.zero_grad()
             said = []
             for prompt, completion in batch:
-                logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+                logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
                 torch.nn.functional.cross_entropy(logits, torch.tensor(completion)).backward()
                 said.append(logits.argmax(-1).tolist() == completion)
             if all(said):
@@ -458,15 +561,20 @@ def test_an_agents_sdk_agent_calls_its_function_tool_and_the_tool_output_is_mask
 
         async def generate(input_ids, params):
             result = await engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(params))
-            return Generation(list(input_ids), result.output_ids, result.logprobs, result.versions,
-                              result.finish_reason)
+            return Generation(
+                list(input_ids), result.output_ids, result.logprobs, result.versions, result.finish_reason
+            )
 
         async def run():
             with RewardPool(rewards_for_tests.exact_answer) as pool:
                 async with ChatGateway(generate, folder) as chat:
-                    settings_ = EngineSettings(generate, tokenizer, Sampling(max_new_tokens, temperature=0.0), Scorer(pool), chat)
-                    return await run_episode(AgentsSDKWorkflow(max_turns=3), AgentEngine(settings_),
-                                             Example("q", "What is 2+3?", answer="5"))
+                    settings_ = EngineSettings(
+                        generate, tokenizer, Sampling(max_new_tokens, temperature=0.0), Scorer(pool), chat
+                    )
+                    return await run_episode(
+                        AgentsSDKWorkflow(max_turns=3), AgentEngine(settings_), Example("q", "What is 2+3?", answer="5")
+                    )
+
         try:
             [record] = asyncio.run(run())
         finally:
@@ -478,8 +586,9 @@ def test_an_agents_sdk_agent_calls_its_function_tool_and_the_tool_output_is_mask
     memorise(model, tokenizer, [(first_prompt, TOOL_CALL)])
     called = episode(call_length)
     assert tokenizer.decode(called.segments[0].output_ids, skip_special_tokens=True) == TOOL_CALL
-    second_prompt = np.concatenate([called.segments[0].input_ids, called.segments[0].output_ids,
-                                    called.segments[1].input_ids]).tolist()
+    second_prompt = np.concatenate(
+        [called.segments[0].input_ids, called.segments[0].output_ids, called.segments[1].input_ids]
+    ).tolist()
     memorise(model, tokenizer, [(first_prompt, TOOL_CALL), (second_prompt, "5")])
 
     record = episode(call_length)
@@ -494,9 +603,18 @@ def test_an_agents_sdk_agent_calls_its_function_tool_and_the_tool_output_is_mask
 
 @pytest.mark.slow
 def test_the_agents_sdk_config_trains_through_areal_hpc_train(tmp_path):
-    result = run_cli("train", "--config", str(REPO / "configs" / "agent_sdk.yaml"), f"cluster.fileroot={tmp_path}",
-                     *SMALL_RUN, "rl.total_train_steps=2", "rl.eval_every_steps=0", "dataset.eval_size=4",
-                     cwd=tmp_path, timeout=600)
+    result = run_cli(
+        "train",
+        "--config",
+        str(REPO / "configs" / "agent_sdk.yaml"),
+        f"cluster.fileroot={tmp_path}",
+        *SMALL_RUN,
+        "rl.total_train_steps=2",
+        "rl.eval_every_steps=0",
+        "dataset.eval_size=4",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "agent_sdk" / "trial0"
     steps = [r for r in metrics(run) if "rollout/turns" in r]

@@ -49,8 +49,17 @@ def random_batch(lengths: list[int], seed: int) -> dict:
 
     behav = -3 * torch.rand(n_tokens, generator=g, dtype=torch.float64) - 1e-3
     prox = (behav + 0.8 * randn()).clamp(max=-1e-3)
-    return dict(cu=cu, mask=mask, behav=behav, prox=prox, logp=(prox + 0.3 * randn()).clamp(max=-1e-3),
-                ref=(prox + 0.3 * randn()).clamp(max=-1e-3), adv=randn(), values=randn(), rewards=randn())
+    return dict(
+        cu=cu,
+        mask=mask,
+        behav=behav,
+        prox=prox,
+        logp=(prox + 0.3 * randn()).clamp(max=-1e-3),
+        ref=(prox + 0.3 * randn()).clamp(max=-1e-3),
+        adv=randn(),
+        values=randn(),
+        rewards=randn(),
+    )
 
 
 def sequences_of(cu) -> list[range]:
@@ -58,6 +67,7 @@ def sequences_of(cu) -> list[range]:
 
 
 # ----------------------------------------------------------------------------------------- advantages
+
 
 def pstd(xs):
     m = sum(xs) / len(xs)
@@ -87,8 +97,10 @@ def reference_sequence_advantages(rewards, groups, estimator, eps):
 
 
 @FAST
-@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 0.5, 1.0, -0.3, 2.0])), min_size=1, max_size=20),
-       st.sampled_from(list(POINTS["advantage_estimator"].builtins)))
+@given(
+    st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 0.5, 1.0, -0.3, 2.0])), min_size=1, max_size=20),
+    st.sampled_from(list(POINTS["advantage_estimator"].builtins)),
+)
 def test_sequence_advantages_match_reference(pairs, estimator):
     groups, rewards = [p[0] for p in pairs], [p[1] for p in pairs]
     got = sequence_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups), estimator, eps=1e-6)
@@ -102,14 +114,17 @@ def test_users_own_estimator_gets_float64_and_gives_the_rewards_dtype(tmp_path):
         "def best_of_group(rewards, group_ids, eps):\n"
         "    assert rewards.dtype == torch.float64\n"
         "    best = torch.zeros_like(rewards).scatter_reduce(0, group_ids, rewards, 'amax', include_self=False)\n"
-        "    return rewards - best[group_ids]\n")
+        "    return rewards - best[group_ids]\n"
+    )
     rewards = torch.tensor([1.0, 0.5, 2.0, -1.0], dtype=torch.float32)
     got = sequence_advantages(rewards, torch.tensor([0, 0, 1, 1]), f"{tmp_path}/estimators.py:best_of_group")
     assert got.dtype == torch.float32 and got.tolist() == [0.0, -0.5, 0.0, -3.0]
 
 
-@pytest.mark.parametrize(("estimator", "says"), [("ppo", "names no code"), ("gpro", "is not a built-in"),
-                                                 ("no_such_module_here:f", "cannot import")])
+@pytest.mark.parametrize(
+    ("estimator", "says"),
+    [("ppo", "names no code"), ("gpro", "is not a built-in"), ("no_such_module_here:f", "cannot import")],
+)
 def test_an_estimator_that_names_no_function_is_one_line_naming_the_key(estimator, says):
     with pytest.raises(UserError, match=f"config key 'actor.adv_estimator': .*{says}") as err:
         sequence_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), estimator)
@@ -148,14 +163,18 @@ def test_outcome_reward_lands_on_last_loss_position_and_expands():
 
 # -------------------------------------------------------------------------------- PPO loss and weights
 
+
 def reference_weights(mask, cu, aggregation, n_tokens, n_seqs, max_len):
     out = [0.0] * len(mask)
     for seq in sequences_of(cu):
         length = sum(bool(mask[t]) for t in seq)
         for t in seq:
             if mask[t]:
-                out[t] = {"token-mean": 1 / n_tokens, "seq-mean-token-mean": 1 / (n_seqs * length),
-                          "seq-mean-token-sum-norm": 1 / (n_seqs * max_len)}[aggregation]
+                out[t] = {
+                    "token-mean": 1 / n_tokens,
+                    "seq-mean-token-mean": 1 / (n_seqs * length),
+                    "seq-mean-token-sum-norm": 1 / (n_seqs * max_len),
+                }[aggregation]
     return out
 
 
@@ -166,8 +185,14 @@ def binary_kl(p, q):
 def reference_loss(b, weights, cfg: PPOLossConfig, trust_keep=None) -> dict:
     """The loss and the token counts of its statistics, token by token."""
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
-    out = {"loss": 0.0, "behav_weight_sum": 0.0, "loss_tokens": 0, "kept_tokens": 0, "clipped_tokens": 0,
-           "capped_tokens": 0}
+    out = {
+        "loss": 0.0,
+        "behav_weight_sum": 0.0,
+        "loss_tokens": 0,
+        "kept_tokens": 0,
+        "clipped_tokens": 0,
+        "capped_tokens": 0,
+    }
     for seq in sequences_of(b["cu"]):
         tokens = [t for t in seq if b["mask"][t]]
         seq_log_ratio = sum(b["logp"][t].item() - b["prox"][t].item() for t in tokens) / max(len(tokens), 1)
@@ -237,19 +262,45 @@ def batch_trust_keep(b, threshold: float) -> list[bool]:
 
 
 @FAST
-@given(lengths_st, st.integers(0, 2**31), st.sampled_from(BEHAV_CORRECTIONS), st.sampled_from(["token", "sequence"]),
-       st.sampled_from([None, 0.28]), st.sampled_from([0.0, 0.1]),
-       st.sampled_from(list(POINTS["policy_loss"].builtins)))
+@given(
+    lengths_st,
+    st.integers(0, 2**31),
+    st.sampled_from(BEHAV_CORRECTIONS),
+    st.sampled_from(["token", "sequence"]),
+    st.sampled_from([None, 0.28]),
+    st.sampled_from([0.0, 0.1]),
+    st.sampled_from(list(POINTS["policy_loss"].builtins)),
+)
 def test_decoupled_loss_matches_reference(lengths, seed, correction, level, eps_high, kl_coef, policy_loss):
     b = random_batch(lengths, seed)
-    cfg = PPOLossConfig(eps_clip=0.2, eps_clip_high=eps_high, behav_correction=correction, behav_imp_weight_cap=1.5,
-                        kpop_threshold=0.05, importance_level=level, kl_coef=kl_coef, policy_loss=policy_loss,
-                        sapo_tau_pos=1.0, sapo_tau_neg=1.7, m2_threshold=0.3)
+    cfg = PPOLossConfig(
+        eps_clip=0.2,
+        eps_clip_high=eps_high,
+        behav_correction=correction,
+        behav_imp_weight_cap=1.5,
+        kpop_threshold=0.05,
+        importance_level=level,
+        kl_coef=kl_coef,
+        policy_loss=policy_loss,
+        sapo_tau_pos=1.0,
+        sapo_tau_neg=1.7,
+        m2_threshold=0.3,
+    )
     weights = token_weights(b["mask"], b["cu"], "seq-mean-token-mean", 1, len(lengths), 1, dtype=torch.float64)
     keep = batch_trust_keep(b, cfg.m2_threshold)
     logp = b["logp"].clone().requires_grad_()
-    loss, stats = decoupled_ppo_loss(logp, b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], weights, cfg,
-                                     reference_logprobs=b["ref"], trust_keep=torch.tensor(keep))
+    loss, stats = decoupled_ppo_loss(
+        logp,
+        b["prox"],
+        b["behav"],
+        b["adv"],
+        b["mask"],
+        b["cu"],
+        weights,
+        cfg,
+        reference_logprobs=b["ref"],
+        trust_keep=torch.tensor(keep),
+    )
     want = reference_loss(b, weights.tolist(), cfg, keep)
     assert loss.item() == pytest.approx(want.pop("loss"), rel=1e-9, abs=1e-12)
     assert stats["behav_weight_sum"] == pytest.approx(want.pop("behav_weight_sum"), rel=1e-9)
@@ -281,8 +332,7 @@ def test_ppo_own_loss_clips_against_the_sampler(lengths, seed, correction, aggre
     correction: PPO's textbook loss, in value and gradient."""
     b = random_batch(lengths, seed)
     cfg = PPOLossConfig(eps_clip=0.2, behav_correction=correction, behav_imp_weight_cap=1.5, decoupled=False)
-    weights = token_weights(b["mask"], b["cu"], aggregation, int(b["mask"].sum()), len(lengths), 8,
-                            dtype=torch.float64)
+    weights = token_weights(b["mask"], b["cu"], aggregation, int(b["mask"].sum()), len(lengths), 8, dtype=torch.float64)
     logp = b["logp"].clone().requires_grad_()
     loss, stats = decoupled_ppo_loss(logp, b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], weights, cfg)
     assert loss.item() == pytest.approx(textbook_ppo_loss(b, weights.tolist(), 0.2), rel=1e-9, abs=1e-12)
@@ -290,8 +340,12 @@ def test_ppo_own_loss_clips_against_the_sampler(lengths, seed, correction, aggre
     loss.backward()
     h = 1e-6
     for t in range(len(logp)):
-        up, down = (textbook_ppo_loss(dict(b, logp=b["logp"] + sign * h * (torch.arange(len(logp)) == t)),
-                                      weights.tolist(), 0.2) for sign in (1, -1))
+        up, down = (
+            textbook_ppo_loss(
+                dict(b, logp=b["logp"] + sign * h * (torch.arange(len(logp)) == t)), weights.tolist(), 0.2
+            )
+            for sign in (1, -1)
+        )
         assert logp.grad[t].item() == pytest.approx((up - down) / (2 * h), rel=1e-5, abs=1e-8)
 
 
@@ -306,8 +360,12 @@ def test_second_moment_trust_region_is_the_papers_greedy_masking(log_ratios, thr
     # where the mean left after a masking equals the bound in exact arithmetic (squares [0, 0, 0, 1, 0.0025,
     # 0.0025] against 0.001), rounding decides whether to mask once more, and two orders of summation differ
     descending = sorted((r * r for r in log_ratios), reverse=True)
-    assume(all(abs(sum(descending[k:]) / (len(descending) - k) - threshold) > 1e-9 * threshold
-               for k in range(len(descending))))
+    assume(
+        all(
+            abs(sum(descending[k:]) / (len(descending) - k) - threshold) > 1e-9 * threshold
+            for k in range(len(descending))
+        )
+    )
     cut = second_moment_cut(torch.tensor(log_ratios, dtype=torch.float64), threshold)
     kept = [r * r < cut for r in log_ratios]
     assert sum(r * r for r, k in zip(log_ratios, kept) if k) <= threshold * sum(kept) + 1e-12
@@ -325,8 +383,9 @@ def test_m2po_without_its_trust_region_is_one_clear_error():
     b = random_batch([4], 0)
     ones = torch.ones(4, dtype=torch.float64)
     with pytest.raises(ValueError, match="trust_keep"):
-        decoupled_ppo_loss(b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], ones,
-                           PPOLossConfig(policy_loss="m2po"))
+        decoupled_ppo_loss(
+            b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], ones, PPOLossConfig(policy_loss="m2po")
+        )
 
 
 def test_sapo_gate_has_the_plain_gradient_on_policy_and_decays_off_policy():
@@ -396,6 +455,7 @@ def test_value_loss_matches_reference(lengths, seed):
 
 # ------------------------------------------------------------------------------------ sanity properties
 
+
 def test_plain_ppo_when_behaviour_equals_proximal():
     b = random_batch([6, 9, 4], 1)
     mask, cu = b["mask"], b["cu"]
@@ -416,12 +476,16 @@ def test_plain_ppo_when_behaviour_equals_proximal():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_zero_advantage_tokens_get_zero_gradient(level):
     b = random_batch([7, 5, 8, 3], 2)
-    adv = expand_to_tokens(torch.tensor([0.0, 1.5, 0.0, -0.7], dtype=torch.float64), b["cu"]) if level == "sequence" \
+    adv = (
+        expand_to_tokens(torch.tensor([0.0, 1.5, 0.0, -0.7], dtype=torch.float64), b["cu"])
+        if level == "sequence"
         else torch.where(torch.arange(23) % 3 == 0, 0.0, b["adv"])
+    )
     logp = b["logp"].clone().requires_grad_()
     weights = token_weights(b["mask"], b["cu"], "token-mean", int(b["mask"].sum()), 4, 1, dtype=torch.float64)
-    loss, _ = decoupled_ppo_loss(logp, b["prox"], b["behav"], adv, b["mask"], b["cu"], weights,
-                                 PPOLossConfig(importance_level=level))
+    loss, _ = decoupled_ppo_loss(
+        logp, b["prox"], b["behav"], adv, b["mask"], b["cu"], weights, PPOLossConfig(importance_level=level)
+    )
     loss.backward()
     assert (logp.grad[adv == 0] == 0).all() and (logp.grad[b["mask"] & (adv != 0)] != 0).any()
 
@@ -431,16 +495,26 @@ def test_zero_advantage_tokens_get_zero_gradient(level):
 def test_masked_and_dropped_tokens_never_change_the_loss(correction, level):
     b = random_batch([7, 5, 8, 3], 3)
     mask, cu = b["mask"], b["cu"]
-    cfg = PPOLossConfig(behav_correction=correction, behav_imp_weight_cap=1.5, kpop_threshold=0.05,
-                        importance_level=level, kl_coef=0.1)
+    cfg = PPOLossConfig(
+        behav_correction=correction, behav_imp_weight_cap=1.5, kpop_threshold=0.05, importance_level=level, kl_coef=0.1
+    )
     weights = token_weights(mask, cu, "seq-mean-token-mean", int(mask.sum()), 4, 1, dtype=torch.float64)
-    junk = torch.tensor([float("nan"), float("inf"), -1e4, 1e4], dtype=torch.float64).repeat(len(mask))[:len(mask)]
+    junk = torch.tensor([float("nan"), float("inf"), -1e4, 1e4], dtype=torch.float64).repeat(len(mask))[: len(mask)]
     garbage = torch.where(mask, 0.0, junk)  # whatever lies off the mask, even NaN, must not leak in
 
     def loss_and_grad(delta):
         logp = (b["logp"] + delta).requires_grad_()
-        loss, _ = decoupled_ppo_loss(logp, b["prox"] + delta, b["behav"] + delta, b["adv"] + delta, mask, cu,
-                                     weights, cfg, reference_logprobs=b["ref"] + delta)
+        loss, _ = decoupled_ppo_loss(
+            logp,
+            b["prox"] + delta,
+            b["behav"] + delta,
+            b["adv"] + delta,
+            mask,
+            cu,
+            weights,
+            cfg,
+            reference_logprobs=b["ref"] + delta,
+        )
         loss.backward()
         return loss.detach(), logp.grad
 
@@ -458,6 +532,7 @@ def test_masked_and_dropped_tokens_never_change_the_loss(correction, level):
 
 # ------------------------------------------------------------------------------ micro-batch invariance
 
+
 def select(b: dict, seq_ids: list[int]) -> tuple[dict, torch.Tensor]:
     """The sub-batch of the given sequences, packed, and the flat positions it came from."""
     spans = [torch.arange(int(b["cu"][i]), int(b["cu"][i + 1])) for i in seq_ids]
@@ -468,8 +543,13 @@ def select(b: dict, seq_ids: list[int]) -> tuple[dict, torch.Tensor]:
 
 
 @FAST
-@given(st.lists(st.integers(1, 9), min_size=2, max_size=8), st.integers(0, 2**31), st.sampled_from(AGGREGATIONS),
-       st.sampled_from(["token", "sequence"]), st.integers(1, 4))
+@given(
+    st.lists(st.integers(1, 9), min_size=2, max_size=8),
+    st.integers(0, 2**31),
+    st.sampled_from(AGGREGATIONS),
+    st.sampled_from(["token", "sequence"]),
+    st.integers(1, 4),
+)
 def test_microbatch_sum_equals_whole_batch_loss_and_gradient(lengths, seed, aggregation, level, n_micro):
     b = random_batch(lengths, seed)
     cfg = PPOLossConfig(importance_level=level, behav_imp_weight_cap=1.5, kl_coef=0.05)
@@ -477,8 +557,17 @@ def test_microbatch_sum_equals_whole_batch_loss_and_gradient(lengths, seed, aggr
 
     def loss_of(sub, logp):
         weights = token_weights(sub["mask"], sub["cu"], aggregation, dtype=torch.float64, **totals)
-        return decoupled_ppo_loss(logp, sub["prox"], sub["behav"], sub["adv"], sub["mask"], sub["cu"], weights, cfg,
-                                  reference_logprobs=sub["ref"])[0]
+        return decoupled_ppo_loss(
+            logp,
+            sub["prox"],
+            sub["behav"],
+            sub["adv"],
+            sub["mask"],
+            sub["cu"],
+            weights,
+            cfg,
+            reference_logprobs=sub["ref"],
+        )[0]
 
     whole_logp = b["logp"].clone().requires_grad_()
     whole = loss_of(b, whole_logp)
@@ -527,8 +616,17 @@ def test_packed_and_unpacked_model_gradients_equal(tiny_model_dir, one_thread, l
             logp = packed_policy_outputs(model, batch)["logprobs"]
             span = slice(start, end)
             weights = token_weights(batch.target_mask, batch.cu_seqlens, "seq-mean-token-mean", **totals)
-            loss, _ = decoupled_ppo_loss(logp, prox[span], behav[span], adv[span], batch.target_mask, batch.cu_seqlens,
-                                         weights, cfg, reference_logprobs=prox[span] - 0.1)
+            loss, _ = decoupled_ppo_loss(
+                logp,
+                prox[span],
+                behav[span],
+                adv[span],
+                batch.target_mask,
+                batch.cu_seqlens,
+                weights,
+                cfg,
+                reference_logprobs=prox[span] - 0.1,
+            )
             total, logps = total + loss, logps + [logp.detach()]
         total.backward()
         return torch.cat(logps), total.detach(), [p.grad.clone() for p in model.parameters()]
@@ -544,6 +642,7 @@ def test_packed_and_unpacked_model_gradients_equal(tiny_model_dir, one_thread, l
 
 
 # ---------------------------------------------------------------------------------------- DAPO filters
+
 
 def test_dynamic_sampling_drops_all_equal_groups():
     assert not is_informative_group([1.0, 1.0, 1.0])

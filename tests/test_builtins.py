@@ -27,8 +27,9 @@ ROOT = PACKAGE.parent
 
 def _identifiers(node: ast.AST) -> set[str]:
     """The names an expression reads: ``cfg.actor.engine`` -> {cfg, actor, engine}."""
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
-        {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
 
 
 def _strings(node: ast.AST) -> list[str]:
@@ -99,6 +100,7 @@ def _fields_by_key() -> dict[str, dataclasses.Field]:
                 walk(hints[f.name], f"{prefix}{f.name}.")
             else:
                 fields[prefix + f.name] = f
+
     walk(RunConfig, "")
     return fields
 
@@ -133,10 +135,15 @@ def test_every_built_in_loads_to_what_its_contract_names():
 USER_CODE = {  # point: (a file of the user's, the name a config gives)
     "task": ("def make(cfg):\n    return cfg\n", "make"),
     "workflow": ("class Agent:\n    async def arun_episode(self, engine, example):\n        return None\n", "Agent"),
-    "train_engine": ("from areal_hpc.engines.torch.engine import TorchTrainEngine\n"
-                     "class Engine(TorchTrainEngine):\n    pass\n", "Engine"),
-    "policy_loss": ("from areal_hpc.algo.policy_losses import PolicyLoss\n"
-                    "LOSS = PolicyLoss(lambda ratio, adv, cfg: (ratio * adv, ratio < 0))\n", "LOSS"),
+    "train_engine": (
+        "from areal_hpc.engines.torch.engine import TorchTrainEngine\nclass Engine(TorchTrainEngine):\n    pass\n",
+        "Engine",
+    ),
+    "policy_loss": (
+        "from areal_hpc.algo.policy_losses import PolicyLoss\n"
+        "LOSS = PolicyLoss(lambda ratio, adv, cfg: (ratio * adv, ratio < 0))\n",
+        "LOSS",
+    ),
     "advantage_estimator": ("def estimate(rewards, group_ids, eps):\n    return rewards\n", "estimate"),
     "reward": ("def score(prompt, completion, prompt_ids, completion_ids, **fields):\n    return 1.0\n", "score"),
 }
@@ -154,8 +161,11 @@ def test_your_own_code_loads_at_every_point_the_same_way(point, tmp_path, monkey
     assert by_module is getattr(sys.modules[module], name) and type(by_module).__name__ == type(by_file).__name__
     with pytest.raises(UserError) as missing:
         builtins.load(point, f"{tmp_path / module}.py:absent")
-    assert str(missing.value).startswith(f"config key '{POINTS[point].key}': ") and "has no 'absent'" in \
-        str(missing.value) and "\n" not in str(missing.value)
+    assert (
+        str(missing.value).startswith(f"config key '{POINTS[point].key}': ")
+        and "has no 'absent'" in str(missing.value)
+        and "\n" not in str(missing.value)
+    )
     sys.modules.pop(module, None)
 
 

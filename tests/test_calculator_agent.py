@@ -31,23 +31,44 @@ from .workflow_helpers import ScriptedModel
 REPLY = re.compile(r"<result>-?\d+</result>|<error>[^<>]*</error>")
 
 
-@pytest.mark.parametrize("turn, reply", [
-    ("<calc>482*3712</calc>", "<result>1789184</result>"),
-    ("  <calc> (12 + 3) * -4 - 5 </calc>\n", "<result>-65</result>"),
-    ("<calc>0*9999</calc>", "<result>0</result>"),
-])
+@pytest.mark.parametrize(
+    "turn, reply",
+    [
+        ("<calc>482*3712</calc>", "<result>1789184</result>"),
+        ("  <calc> (12 + 3) * -4 - 5 </calc>\n", "<result>-65</result>"),
+        ("<calc>0*9999</calc>", "<result>0</result>"),
+    ],
+)
 def test_a_tool_call_is_evaluated(turn, reply):
     assert run_tool(tool_call(turn)) == reply
 
 
-@pytest.mark.parametrize("turn", [
-    "<calc>12*34", "<calc></calc>", "<calc>1+</calc>", "<calc>12*34</calc></calc>", "<calc>1/2</calc>",
-    "<calc>2**10</calc>", "<calc>9**9**9**9</calc>", "<calc>1.5*2</calc>", "<calc>True*3</calc>", "<calc>0x10</calc>",
-    "<calc>__import__('os').system('true')</calc>", "<calc>open('/etc/passwd')</calc>", "<calc>[1]*10**9</calc>",
-    "<calc>x*2</calc>", "<calc>(lambda: 1)()</calc>", "<calc>\x00</calc>", "<calc>1_000*2</calc>",
-    "<calc>" + "(" * 500 + "1" + ")" * 500 + "</calc>", "<calc>" + "9" * 30 + "</calc>",
-    "<calc>" + "*".join(["999999999999"] * 5) + "</calc>", "<calc>" + "1+" * 5000 + "1</calc>",
-])
+@pytest.mark.parametrize(
+    "turn",
+    [
+        "<calc>12*34",
+        "<calc></calc>",
+        "<calc>1+</calc>",
+        "<calc>12*34</calc></calc>",
+        "<calc>1/2</calc>",
+        "<calc>2**10</calc>",
+        "<calc>9**9**9**9</calc>",
+        "<calc>1.5*2</calc>",
+        "<calc>True*3</calc>",
+        "<calc>0x10</calc>",
+        "<calc>__import__('os').system('true')</calc>",
+        "<calc>open('/etc/passwd')</calc>",
+        "<calc>[1]*10**9</calc>",
+        "<calc>x*2</calc>",
+        "<calc>(lambda: 1)()</calc>",
+        "<calc>\x00</calc>",
+        "<calc>1_000*2</calc>",
+        "<calc>" + "(" * 500 + "1" + ")" * 500 + "</calc>",
+        "<calc>" + "9" * 30 + "</calc>",
+        "<calc>" + "*".join(["999999999999"] * 5) + "</calc>",
+        "<calc>" + "1+" * 5000 + "1</calc>",
+    ],
+)
 def test_malformed_hostile_and_huge_calls_are_error_observations(turn):
     call = tool_call(turn)
     assert call is not None  # a call, however bad: the episode goes on with an error to read
@@ -70,8 +91,10 @@ def test_only_a_turn_that_opens_with_the_tag_is_a_call():
 
 def test_reward_checks_the_answer_and_reports_tool_use():
     after_tool = "<|im_start|>tool\n<result>1789184</result><|im_end|>\n<|im_start|>assistant\n"
-    assert calculator.reward("What is 482*3712?", "1789184", [], [], answer="1789184") == {"reward": 1.0,
-                                                                                          "tool_used": 0.0}
+    assert calculator.reward("What is 482*3712?", "1789184", [], [], answer="1789184") == {
+        "reward": 1.0,
+        "tool_used": 0.0,
+    }
     assert calculator.reward(after_tool, "1789184", [], [], answer="1789184") == {"reward": 1.0, "tool_used": 1.0}
     assert calculator.reward(after_tool, "1789185", [], [], answer="1789184")["reward"] == 0.0
     assert calculator.reward("q", "<calc>1789184</calc>", [], [], answer="1789184")["reward"] == 0.0
@@ -157,10 +180,16 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
     cfg = DatasetConfig(task="calculator", train_size=256, eval_size=1)
     cfg.arithmetic.min_digits, cfg.arithmetic.max_digits, cfg.arithmetic.ops = 3, 4, "*"
     calls = [calculator.demonstration(ex, "call") for ex in build_task(cfg).train]
-    engine = TorchTrainEngine(model, packed_policy_outputs, optimizer=OptimizerConfig(lr_scheduler_type="constant"),
-                              lr=3e-3, total_steps=40, tokenizer=tokenizer)
+    engine = TorchTrainEngine(
+        model,
+        packed_policy_outputs,
+        optimizer=OptimizerConfig(lr_scheduler_type="constant"),
+        lr=3e-3,
+        total_steps=40,
+        tokenizer=tokenizer,
+    )
     for step in range(40):
-        sft_step(engine, [sft_sequence(tokenizer, ex) for ex in calls[(step * 32) % 256:][:32]])
+        sft_step(engine, [sft_sequence(tokenizer, ex) for ex in calls[(step * 32) % 256 :][:32]])
     return save_model(model, tokenizer, tmp_path_factory.mktemp("tool_model") / "model")
 
 
@@ -171,8 +200,9 @@ def test_served_tool_episode_records_exactly_what_the_server_saw(tool_model_dir,
     async def run(address):
         async with RolloutClient([address]) as client:
             with RewardPool(calculator.reward) as pool:
-                engine = AgentEngine(EngineSettings(client.generate, tokenizer, Sampling(16, temperature=0.0),
-                                                    Scorer(pool)))
+                engine = AgentEngine(
+                    EngineSettings(client.generate, tokenizer, Sampling(16, temperature=0.0), Scorer(pool))
+                )
                 return engine, await run_episode(CalculatorWorkflow(max_turns=3), engine, EXAMPLE)
 
     with embedded_server(tool_model_dir, tmp_path) as (_, address):
@@ -191,10 +221,20 @@ def test_served_tool_episode_records_exactly_what_the_server_saw(tool_model_dir,
 
 @pytest.mark.slow
 def test_agent_calculator_config_trains_end_to_end(tmp_path):
-    out = run_cli("train", "--config", "configs/agent_calculator.yaml", f"cluster.fileroot={tmp_path}",
-                  "rl.sft_warmup_steps=60", "rl.total_train_steps=4", "rl.eval_every_steps=2", "dataset.eval_size=16",
-                  "dataset.train_size=2000", "saver.freq_steps=0", "rollout.consumer_batch_size=4",
-                  "gconfig.n_samples=4")
+    out = run_cli(
+        "train",
+        "--config",
+        "configs/agent_calculator.yaml",
+        f"cluster.fileroot={tmp_path}",
+        "rl.sft_warmup_steps=60",
+        "rl.total_train_steps=4",
+        "rl.eval_every_steps=2",
+        "dataset.eval_size=16",
+        "dataset.train_size=2000",
+        "saver.freq_steps=0",
+        "rollout.consumer_batch_size=4",
+        "gconfig.n_samples=4",
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "agent_calculator" / "trial0" / "metrics.jsonl").open()]
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}

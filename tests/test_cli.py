@@ -19,17 +19,26 @@ def test_config_show_prints_the_merged_config():
     assert "experiment:\n  name: quickstart\n" in out.stdout
 
 
-@pytest.mark.parametrize("args, words", [
-    (["config", "show", "--config", "configs/quickstart.yaml", "actor.lrr=1e-4"], ["actor.lrr", "did you mean 'actor.lr'"]),
-    (["config", "show", "--config", "configs/missing.yaml"], ["config file not found", "configs/missing.yaml"]),
-    (["config", "show", "--config", "configs/quickstart.yaml", "sft.batch_size=lots"], ["sft.batch_size", "lots", "int"]),
-    (["config", "show"], ["--config"]),
-    (["sft", "--config", "configs/quickstart.yaml", "dataset.task=chess"], ["dataset.task", "chess", "arithmetic"]),
-    (["init-model", "--out", "/tmp/x", "--preset", "huge"], ["--preset", "huge", "tiny"]),
-    (["eval", "--model", "/nonexistent/model", "--task", "arithmetic"], ["/nonexistent/model", "config.json"]),
-    (["eval", "--model", "/tmp", "--task", "poetry"], ["--task", "poetry"]),
-    (["frobnicate"], ["frobnicate"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["config", "show", "--config", "configs/quickstart.yaml", "actor.lrr=1e-4"],
+            ["actor.lrr", "did you mean 'actor.lr'"],
+        ),
+        (["config", "show", "--config", "configs/missing.yaml"], ["config file not found", "configs/missing.yaml"]),
+        (
+            ["config", "show", "--config", "configs/quickstart.yaml", "sft.batch_size=lots"],
+            ["sft.batch_size", "lots", "int"],
+        ),
+        (["config", "show"], ["--config"]),
+        (["sft", "--config", "configs/quickstart.yaml", "dataset.task=chess"], ["dataset.task", "chess", "arithmetic"]),
+        (["init-model", "--out", "/tmp/x", "--preset", "huge"], ["--preset", "huge", "tiny"]),
+        (["eval", "--model", "/nonexistent/model", "--task", "arithmetic"], ["/nonexistent/model", "config.json"]),
+        (["eval", "--model", "/tmp", "--task", "poetry"], ["--task", "poetry"]),
+        (["frobnicate"], ["frobnicate"]),
+    ],
+)
 def test_bad_input_exits_2_with_one_line_and_no_traceback(args, words):
     out = run_cli(*args)
     assert out.returncode == 2
@@ -60,8 +69,14 @@ def test_init_model_then_eval_reports_accuracy(tmp_path):
 
 
 def test_missing_gsm8k_file_is_reported_before_anything_is_written(tmp_path):
-    out = run_cli("sft", "--config", "configs/sft_tiny.yaml", f"cluster.fileroot={tmp_path}",
-                  "dataset.task=gsm8k", f"dataset.path={tmp_path}/absent.jsonl")
+    out = run_cli(
+        "sft",
+        "--config",
+        "configs/sft_tiny.yaml",
+        f"cluster.fileroot={tmp_path}",
+        "dataset.task=gsm8k",
+        f"dataset.path={tmp_path}/absent.jsonl",
+    )
     assert out.returncode == 2
     assert "absent.jsonl" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "sft_tiny" / "trial0" / "config.yaml").exists()

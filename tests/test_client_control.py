@@ -19,20 +19,26 @@ SLOTS = 96  # sequences the server decodes at once; the others wait in its queue
 def test_pause_returns_within_a_second_with_more_than_100_requests_in_flight(tiny_model_dir, tmp_path):
     async def run(server):
         async with RolloutClient([server], max_requests=IN_FLIGHT) as client:
-            body = {"input_ids": [3, 4, 5], "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+            body = {
+                "input_ids": [3, 4, 5],
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
+            }
             # The server paused holds every request in its queue, so all of them arrive before any can finish
             # (a poll for "every slot decoding" could miss that window on a loaded machine). Once continued,
             # the engine starts the first SLOTS decoding before it takes its next command: the pause below.
             await asyncio.to_thread(post, server, "/pause_generation", {"mode": "abort"})
-            posts = [asyncio.create_task(client.post(server, "/generate", {**body, "rid": f"r{i}"}))
-                     for i in range(IN_FLIGHT)]
+            posts = [
+                asyncio.create_task(client.post(server, "/generate", {**body, "rid": f"r{i}"}))
+                for i in range(IN_FLIGHT)
+            ]
 
             async def all_queued():
                 return (await model_info(server))["waiting_requests"] == IN_FLIGHT
 
-            await wait_until(all_queued, what=f"{IN_FLIGHT} requests queued on the paused server",
-                             seen=lambda: model_info(server))
+            await wait_until(
+                all_queued, what=f"{IN_FLIGHT} requests queued on the paused server", seen=lambda: model_info(server)
+            )
             await asyncio.to_thread(post, server, "/continue_generation")
             started = time.monotonic()
             healthy = await client.healthy(server)
@@ -69,9 +75,16 @@ async def sglang_like_server(reported_version):
         else:
             await state["resumed"].wait()
             n, reason = budget, "length"
-        return web.json_response({"output_ids": [7] * n, "meta_info": {
-            "finish_reason": {"type": reason}, "weight_version": reported_version(state["updates"]),
-            "output_token_logprobs": [[-1.0, 7, None]] * n}})
+        return web.json_response(
+            {
+                "output_ids": [7] * n,
+                "meta_info": {
+                    "finish_reason": {"type": reason},
+                    "weight_version": reported_version(state["updates"]),
+                    "output_token_logprobs": [[-1.0, 7, None]] * n,
+                },
+            }
+        )
 
     def route(event=None, count=False):
         async def handler(request):
@@ -79,12 +92,19 @@ async def sglang_like_server(reported_version):
                 state[event].set()
             state["updates"] += count
             return web.json_response({"success": True})
+
         return handler
 
     app = web.Application()
-    app.add_routes([web.post("/generate", generate), web.post("/pause_generation", route("paused")),
-                    web.post("/continue_generation", route("resumed")),
-                    web.post("/update_weights_from_disk", route(count=True)), web.get("/health", route())])
+    app.add_routes(
+        [
+            web.post("/generate", generate),
+            web.post("/pause_generation", route("paused")),
+            web.post("/continue_generation", route("resumed")),
+            web.post("/update_weights_from_disk", route(count=True)),
+            web.get("/health", route()),
+        ]
+    )
     async with serve_on_loopback(app) as address:
         yield address, state
 
@@ -92,6 +112,7 @@ async def sglang_like_server(reported_version):
 def run_interrupted_generation(reported_version):
     """The run's first push (version 3), then a request cut short by a pause, the weights updated to
     version 4, and the request finished after the resume."""
+
     async def run():
         async with sglang_like_server(reported_version) as (server, state), RolloutClient([server]) as client:
             await client.update_weights_from_disk("/models/v3", 3)

@@ -29,11 +29,14 @@ def test_run_dir_follows_fileroot_experiment_and_trial(tmp_path):
     assert cfg.run_dir == tmp_path / "e" / "t"
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("actor.lrr=1", "did you mean 'actor.lr'"),
-    ("sft.bach_size=4", "did you mean 'sft.batch_size'"),
-    ("optimizr.eps=1", "did you mean 'optimizer.eps'"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("actor.lrr=1", "did you mean 'actor.lr'"),
+        ("sft.bach_size=4", "did you mean 'sft.batch_size'"),
+        ("optimizr.eps=1", "did you mean 'optimizer.eps'"),
+    ],
+)
 def test_misspelt_override_names_the_closest_key(override, expected):
     with pytest.raises(UserError, match=expected):
         load_config(None, [override])
@@ -48,21 +51,26 @@ def test_m2po_with_ppo_own_loss_is_refused_in_one_line():
 
 def test_misspelt_yaml_key_names_file_and_closest_key(tmp_path):
     path = write(tmp_path, "gconfig:\n  max_new_token: 4\n")
-    with pytest.raises(UserError, match=r"'gconfig.max_new_token' in .*exp.yaml, did you mean 'gconfig.max_new_tokens'"):
+    with pytest.raises(
+        UserError, match=r"'gconfig.max_new_token' in .*exp.yaml, did you mean 'gconfig.max_new_tokens'"
+    ):
         load_config(path)
 
 
-@pytest.mark.parametrize("override, words", [
-    ("sft.batch_size=many", ["sft.batch_size", "many", "int"]),
-    ("dataset.task=chess", ["dataset.task", "chess", "arithmetic, countdown, gsm8k"]),
-    ("sft.lr=0", ["sft.lr", "0", "> 0"]),
-    ("gconfig.top_p=1.5", ["gconfig.top_p", "1.5", "<= 1"]),
-    ("dataset.arithmetic=3", ["dataset.arithmetic", "section", "dataset.arithmetic.min_digits"]),
-    ("rollout.failure_budget.max_rate=1.5", ["rollout.failure_budget.max_rate", "1.5", "<= 1"]),
-    ("rollout.failure_budget.window=0", ["rollout.failure_budget.window", "0", ">= 1"]),
-    ("rollout.failure_budget=8", ["rollout.failure_budget", "section", "rollout.failure_budget.max_consecutive"]),
-    ("no_equals_sign", ["no_equals_sign", "key=value"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("sft.batch_size=many", ["sft.batch_size", "many", "int"]),
+        ("dataset.task=chess", ["dataset.task", "chess", "arithmetic, countdown, gsm8k"]),
+        ("sft.lr=0", ["sft.lr", "0", "> 0"]),
+        ("gconfig.top_p=1.5", ["gconfig.top_p", "1.5", "<= 1"]),
+        ("dataset.arithmetic=3", ["dataset.arithmetic", "section", "dataset.arithmetic.min_digits"]),
+        ("rollout.failure_budget.max_rate=1.5", ["rollout.failure_budget.max_rate", "1.5", "<= 1"]),
+        ("rollout.failure_budget.window=0", ["rollout.failure_budget.window", "0", ">= 1"]),
+        ("rollout.failure_budget=8", ["rollout.failure_budget", "section", "rollout.failure_budget.max_consecutive"]),
+        ("no_equals_sign", ["no_equals_sign", "key=value"]),
+    ],
+)
 def test_bad_values_name_key_value_and_what_is_allowed(override, words):
     with pytest.raises(UserError) as err:
         load_config(None, [override])
@@ -72,11 +80,14 @@ def test_bad_values_name_key_value_and_what_is_allowed(override, words):
         assert word in message
 
 
-@pytest.mark.parametrize("text, words", [
-    ("- just\n- a list\n", ["mapping"]),
-    ("sft: {batch_size: [1, 2\n", ["not valid YAML"]),
-    ("model: tiny\n", ["'model'", "section"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("- just\n- a list\n", ["mapping"]),
+        ("sft: {batch_size: [1, 2\n", ["not valid YAML"]),
+        ("model: tiny\n", ["'model'", "section"]),
+    ],
+)
 def test_malformed_yaml_files_are_user_errors(tmp_path, text, words):
     with pytest.raises(UserError) as err:
         load_config(write(tmp_path, text))
@@ -108,7 +119,13 @@ def test_text_overrides_stay_as_typed(trial):
 def test_the_failure_budget_is_built_from_its_config_section():
     from areal_hpc.rollout.controller import FailureBudget
 
-    cfg = load_config(None, ["rollout.failure_budget.max_consecutive=0", "rollout.failure_budget.window=50",
-                             "rollout.failure_budget.max_rate=0.25"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.failure_budget.max_consecutive=0",
+            "rollout.failure_budget.window=50",
+            "rollout.failure_budget.max_rate=0.25",
+        ],
+    )
     assert FailureBudget.from_config(cfg.rollout.failure_budget) == FailureBudget(0, 50, 0.25)
     assert FailureBudget.from_config(load_config().rollout.failure_budget) == FailureBudget()  # same defaults

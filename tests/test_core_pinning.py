@@ -25,8 +25,9 @@ def test_two_cores_one_server_one_trainer_get_one_core_each():
 
 @given(st.integers(1, 64), st.integers(1, 4), st.integers(1, 4), st.integers(0, 8))
 def test_pinned_shares_are_disjoint_and_never_empty(n_cores, servers, trainers, per_server):
-    cfg = config(f"rollout.n_servers={servers}", f"rl.trainer_processes={trainers}",
-                 f"rollout.cores_per_server={per_server}")
+    cfg = config(
+        f"rollout.n_servers={servers}", f"rl.trainer_processes={trainers}", f"rollout.cores_per_server={per_server}"
+    )
     cores = list(range(100, 100 + n_cores))
     trainer_shares, server_shares = core_shares(cfg, cores)
     shares = trainer_shares + server_shares
@@ -54,8 +55,10 @@ def test_pinning_can_be_switched_off_and_follows_the_allocation():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one")
 def test_a_supervised_child_and_its_threads_run_on_their_cores_only(tmp_path):
     core = sorted(os.sched_getaffinity(0))[-1]
-    script = ("import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)));"
-              "t.start(); t.join(); print(sorted(os.sched_getaffinity(0)), sorted(seen[0]))")
+    script = (
+        "import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)));"
+        "t.start(); t.join(); print(sorted(os.sched_getaffinity(0)), sorted(seen[0]))"
+    )
     log = tmp_path / "child.log"
     child = SupervisedProcess("child", [sys.executable, "-c", script], log, cores=[core]).start()
     assert child.process.wait(timeout=60) == 0

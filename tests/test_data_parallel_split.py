@@ -14,8 +14,10 @@ from areal_hpc.errors import UserError
 from areal_hpc.parallel.groups import data_parallel_weights
 
 
-@given(lengths=st.lists(st.integers(1, 500), max_size=60),
-       weights=st.lists(st.floats(0.05, 20.0, allow_nan=False), min_size=1, max_size=6))
+@given(
+    lengths=st.lists(st.integers(1, 500), max_size=60),
+    weights=st.lists(st.floats(0.05, 20.0, allow_nan=False), min_size=1, max_size=6),
+)
 def test_shares_follow_the_weights_within_one_sequence(lengths, weights):
     """Every sequence goes to exactly one replica, and no replica's tokens per unit of weight exceed
     another's by more than the longest sequence over the smallest weight (each sequence goes where it
@@ -33,10 +35,13 @@ def test_equal_weights_are_the_plain_split():
     assert (len(fast), len(slow)) == (6, 2)
 
 
-@pytest.mark.parametrize("weights, message", [
-    ([1, 2, 3], "must hold 2 positive numbers, one per data-parallel replica"),
-    ([1, 0], "must hold 2 positive numbers"),
-])
+@pytest.mark.parametrize(
+    "weights, message",
+    [
+        ([1, 2, 3], "must hold 2 positive numbers, one per data-parallel replica"),
+        ([1, 0], "must hold 2 positive numbers"),
+    ],
+)
 def test_weights_that_do_not_match_the_mesh_are_one_line(weights, message):
     cfg = load_config(None, [f"actor.parallel.dp_weights={weights}"])
     with pytest.raises(UserError, match=message):

@@ -25,10 +25,21 @@ from .conftest import REPO, run_cli
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 REWARD = f"reward.fn={REPO / 'tests' / 'rewards_for_tests.py'}:digit_share"
-SYNC_RUN = ["rl.sft_warmup_steps=0", "dataset.train_size=64", "dataset.eval_size=8", "rollout.consumer_batch_size=4",
-            "gconfig.n_samples=4", "gconfig.max_new_tokens=6", "rollout.max_head_offpolicyness=0",
-            "rollout.max_running_requests=1", "rl.total_train_steps=4", "saver.freq_steps=0",
-            "stats.tensorboard=false", "stats.plot=false", REWARD]
+SYNC_RUN = [
+    "rl.sft_warmup_steps=0",
+    "dataset.train_size=64",
+    "dataset.eval_size=8",
+    "rollout.consumer_batch_size=4",
+    "gconfig.n_samples=4",
+    "gconfig.max_new_tokens=6",
+    "rollout.max_head_offpolicyness=0",
+    "rollout.max_running_requests=1",
+    "rl.total_train_steps=4",
+    "saver.freq_steps=0",
+    "stats.tensorboard=false",
+    "stats.plot=false",
+    REWARD,
+]
 TIMING = ("time", "time/", "perf/")  # wall-clock values, and every key ending in "seconds"
 
 
@@ -38,8 +49,11 @@ def weights(run: Path) -> dict:
 
 def training_metrics(run: Path) -> list[dict]:
     """Every logged value but wall-clock times and evaluation records, per step."""
-    return [{k: v for k, v in record.items() if not k.startswith((*TIMING, "eval/")) and not k.endswith("seconds")}
-            for record in read_json_lines(run / "metrics.jsonl") if "actor/loss" in record]
+    return [
+        {k: v for k, v in record.items() if not k.startswith((*TIMING, "eval/")) and not k.endswith("seconds")}
+        for record in read_json_lines(run / "metrics.jsonl")
+        if "actor/loss" in record
+    ]
 
 
 def same_weights(a: dict, b: dict) -> bool:
@@ -47,8 +61,15 @@ def same_weights(a: dict, b: dict) -> bool:
 
 
 def train(model: Path, fileroot: Path, *extra: str) -> Path:
-    done = run_cli("train", "--config", "configs/quickstart.yaml", f"model.path={model}",
-                   f"cluster.fileroot={fileroot}", *SYNC_RUN, *extra)
+    done = run_cli(
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.path={model}",
+        f"cluster.fileroot={fileroot}",
+        *SYNC_RUN,
+        *extra,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return fileroot / "quickstart" / "trial0"
 
@@ -72,10 +93,19 @@ def test_a_synchronous_run_repeats_itself_bit_for_bit_and_evaluating_changes_not
 def test_sft_with_and_without_periodic_evaluation_trains_the_same_weights(tiny_model_dir, tmp_path):
     runs = []
     for every in (0, 3):
-        done = run_cli("sft", "--config", "configs/sft_tiny.yaml", f"model.path={tiny_model_dir}",
-                       f"cluster.fileroot={tmp_path / str(every)}", "sft.total_train_steps=9", "sft.batch_size=16",
-                       f"sft.eval_every_steps={every}", "dataset.eval_size=8", "stats.plot=false",
-                       "saver.freq_steps=0")
+        done = run_cli(
+            "sft",
+            "--config",
+            "configs/sft_tiny.yaml",
+            f"model.path={tiny_model_dir}",
+            f"cluster.fileroot={tmp_path / str(every)}",
+            "sft.total_train_steps=9",
+            "sft.batch_size=16",
+            f"sft.eval_every_steps={every}",
+            "dataset.eval_size=8",
+            "stats.plot=false",
+            "saver.freq_steps=0",
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(tmp_path / str(every) / "sft_tiny" / "trial0")
     assert len([r for r in read_json_lines(runs[1] / "metrics.jsonl") if "eval/accuracy" in r]) == 4  # 0, 3, 6, 9

@@ -19,8 +19,9 @@ def run(*args: str, timeout: float = 300) -> str:
         done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         queue = subprocess.run(["squeue", "-o", "%i %j %T %R"], capture_output=True, text=True).stdout
-        raise AssertionError(f"{' '.join(args)} had not ended after {timeout:g} s; stderr: {exc.stderr}\n"
-                             f"squeue:\n{queue}") from None
+        raise AssertionError(
+            f"{' '.join(args)} had not ended after {timeout:g} s; stderr: {exc.stderr}\nsqueue:\n{queue}"
+        ) from None
     assert done.returncode == 0, f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}"
     return done.stdout
 

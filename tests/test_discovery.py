@@ -26,10 +26,24 @@ def run_servers(model_dir, cfg):
 
     def start() -> subprocess.Popen:
         log = open(cfg.run_dir / f"server{len(started)}.log", "w")  # noqa: SIM115 - the server writes it for its lifetime
-        started.append(subprocess.Popen(
-            [sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={model_dir}", "port=0",
-             f"cluster.fileroot={cfg.cluster.fileroot}", f"experiment.trial={cfg.experiment.trial}"],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+        started.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "areal_hpc",
+                    "serve",
+                    "backend=embedded",
+                    f"model.path={model_dir}",
+                    "port=0",
+                    f"cluster.fileroot={cfg.cluster.fileroot}",
+                    f"experiment.trial={cfg.experiment.trial}",
+                ],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         log.close()
         return started[-1]
 
@@ -64,8 +78,11 @@ def test_a_server_that_registers_late_is_used_with_the_weights_pushed_before(tin
             await sync.push(engine, client, version=3)
             watching = asyncio.create_task(admit_servers(directory, client, sync, reports.append))
             start()  # the late one
-            late = await wait_until(lambda: joined(reports, "joined with the weights of version 3"),
-                                    timeout=JOIN_TIMEOUT_S, what="the late server to join")
+            late = await wait_until(
+                lambda: joined(reports, "joined with the weights of version 3"),
+                timeout=JOIN_TIMEOUT_S,
+                what="the late server to join",
+            )
             assert client.alive == first + [late]
             client.drop(first[0], "so that the late one answers")
             generation = await client.generate(prompt, SAMPLING)
@@ -94,8 +111,11 @@ def test_a_restarted_server_gets_the_current_weights_before_it_serves(tiny_model
             crashing.kill()  # its entry stays behind, fresh for a while yet
             crashing.wait()
             start()  # the restart, at a port of its own
-            restarted = await wait_until(lambda: joined(reports, "joins with the next weight push"),
-                                         timeout=JOIN_TIMEOUT_S, what="the restarted server to register")
+            restarted = await wait_until(
+                lambda: joined(reports, "joins with the next weight push"),
+                timeout=JOIN_TIMEOUT_S,
+                what="the restarted server to register",
+            )
             assert client.alive == first  # no request reaches it before it has the weights
             await sync.push(after, client, version=2)
             assert client.alive == sync.members == [restarted] != first

@@ -47,8 +47,16 @@ def test_its_policy_gradient_is_minus_the_reverse_kl_gradient_over_a_whole_vocab
     logp = torch.log_softmax(logits, 0)
     advantages = distillation_advantages(teacher, logp.detach(), torch.ones(11, dtype=torch.bool))
     cu_seqlens = torch.arange(12)  # each token its own sequence of one action
-    loss, _ = decoupled_ppo_loss(logp, logp.detach(), logp.detach(), advantages, torch.ones(11, dtype=torch.bool),
-                                 cu_seqlens, logp.detach().exp(), PPOLossConfig(eps_clip=0.2))
+    loss, _ = decoupled_ppo_loss(
+        logp,
+        logp.detach(),
+        logp.detach(),
+        advantages,
+        torch.ones(11, dtype=torch.bool),
+        cu_seqlens,
+        logp.detach().exp(),
+        PPOLossConfig(eps_clip=0.2),
+    )
     (ppo_gradient,) = torch.autograd.grad(loss, logits, retain_graph=True)
     reverse_kl = (logp.exp() * (logp - teacher)).sum()
     (kl_gradient,) = torch.autograd.grad(reverse_kl, logits)
@@ -65,8 +73,10 @@ def test_a_batch_scales_the_reward_and_its_loss_pulls_the_proximal_policy_toward
     """build_batch: the reward's advantages x reward_weight, the teacher's scores in the packed layout;
     the policy loss: kl_weight x (teacher - proximal logprob) added on the targets, against the policy
     of the step's start (not the sampler's, which may be versions behind)."""
-    trajectories = [_trajectory([1, 2, 3], [4, 5], [-0.5, -1.0], "g", 1.0),
-                    _trajectory([1, 2], [6, 7, 8], [-2.0, -0.1, -0.3], "g", 0.0)]
+    trajectories = [
+        _trajectory([1, 2, 3], [4, 5], [-0.5, -1.0], "g", 1.0),
+        _trajectory([1, 2], [6, 7, 8], [-2.0, -0.1, -0.3], "g", 0.0),
+    ]
     teacher = [[np.nan, np.nan, np.nan, -0.2, -3.0], [np.nan, np.nan, -1.0, -0.1, -0.9]]
     batch = build_batch(trajectories, ActorConfig(), 8, 1.0, teacher, reward_weight=2.0)
     grpo = sequence_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), "grpo").tolist()
@@ -74,7 +84,8 @@ def test_a_batch_scales_the_reward_and_its_loss_pulls_the_proximal_policy_toward
         assert values.tolist() == pytest.approx([2 * reward_advantage] * len(values))
     # position t is about token t+1: the first sequence's targets are positions 2 and 3
     assert torch.cat(batch.fields["teacher_logprobs"]).tolist() == pytest.approx(
-        [0, 0, -0.2, -3.0, 0] + [0, -1.0, -0.1, -0.9, 0])
+        [0, 0, -0.2, -3.0, 0] + [0, -1.0, -0.1, -0.9, 0]
+    )
 
     packed, fields = batch.packed()
     fields["weights"] = torch.full((len(packed.target_mask),), 0.1)
@@ -84,10 +95,20 @@ def test_a_batch_scales_the_reward_and_its_loss_pulls_the_proximal_policy_toward
     outputs = {"logprobs": logprobs, "entropy": torch.zeros_like(logprobs)}
     loss, _ = PPOActor(None, ActorConfig(), distill_weight=0.5)._policy_loss(outputs, packed, fields)
     pulled = fields["advantages"] + 0.5 * torch.where(packed.target_mask, fields["teacher_logprobs"] - proximal, 0.0)
-    want, _ = decoupled_ppo_loss(logprobs, proximal, fields["behav_logprobs"], pulled, packed.target_mask,
-                                 packed.cu_seqlens, fields["weights"], loss_config(ActorConfig()))
+    want, _ = decoupled_ppo_loss(
+        logprobs,
+        proximal,
+        fields["behav_logprobs"],
+        pulled,
+        packed.target_mask,
+        packed.cu_seqlens,
+        fields["weights"],
+        loss_config(ActorConfig()),
+    )
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
-    without, _ = PPOActor(None, ActorConfig())._policy_loss(outputs, packed, {**fields, "teacher_logprobs": 0 * proximal})
+    without, _ = PPOActor(None, ActorConfig())._policy_loss(
+        outputs, packed, {**fields, "teacher_logprobs": 0 * proximal}
+    )
     assert abs(without.item() - want.item()) > 1e-3  # the teacher's term matters here
 
 
@@ -110,9 +131,19 @@ def test_a_run_distils_from_a_served_teacher(peaked_model_dir, tmp_path):
     from areal_hpc.train.distill import Teacher
 
     with embedded_server(peaked_model_dir, tmp_path / "teacher") as (_, address):
-        result = run_cli("train", "--config", "configs/quickstart.yaml", f"model.path={peaked_model_dir}",
-                         f"cluster.fileroot={tmp_path}", *SMALL_RUN, "rl.total_train_steps=2", "rl.eval_every_steps=0",
-                         f"distill.teacher_url=http://{address}", "distill.reward_weight=0", timeout=400)
+        result = run_cli(
+            "train",
+            "--config",
+            "configs/quickstart.yaml",
+            f"model.path={peaked_model_dir}",
+            f"cluster.fileroot={tmp_path}",
+            *SMALL_RUN,
+            "rl.total_train_steps=2",
+            "rl.eval_every_steps=0",
+            f"distill.teacher_url=http://{address}",
+            "distill.reward_weight=0",
+            timeout=400,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         run = tmp_path / "quickstart" / "trial0"
         with TrajectoryStore(run / "shards") as store:
@@ -124,7 +155,7 @@ def test_a_run_distils_from_a_served_teacher(peaked_model_dir, tmp_path):
     assert abs(records[0]["distill/reverse_kl"]) < 1e-3, records
     for trajectory, teacher in zip(first_weights, scores):
         segment = trajectory.segments[0]
-        assert np.allclose(teacher[len(segment.input_ids):], segment.output_logprobs, atol=1e-3)
+        assert np.allclose(teacher[len(segment.input_ids) :], segment.output_logprobs, atol=1e-3)
         assert segment.output_logprobs.std() > 0.1  # tokens the student was unsure of: an order would show
 
 
@@ -141,14 +172,23 @@ def test_bad_teachers_are_refused_in_one_line(tiny_model_dir, tmp_path):
     first, second = sorted(vocab, key=vocab.get)[100:102]
     vocab[first], vocab[second] = vocab[second], vocab[first]  # two ids swapped: same size, other tokens
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    base = ["train", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}",
-            *SMALL_RUN]
+    base = [
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.path={tiny_model_dir}",
+        f"cluster.fileroot={tmp_path}",
+        *SMALL_RUN,
+    ]
     with embedded_server(tiny_model_dir, tmp_path / "teacher") as (_, address):
         mismatch = run_cli(*base, f"distill.teacher_url=http://{address}", f"distill.teacher_tokenizer={other}")
         gae = run_cli(*base, f"distill.teacher_url=http://{address}", "actor.adv_estimator=ppo")
     unreachable = run_cli(*base, "distill.teacher_url=http://127.0.0.1:9")
-    for result, message in [(mismatch, "is not the student's: "), (gae, "needs a sequence advantage estimator"),
-                            (unreachable, "the teacher at http://127.0.0.1:9 cannot be reached")]:
+    for result, message in [
+        (mismatch, "is not the student's: "),
+        (gae, "needs a sequence advantage estimator"),
+        (unreachable, "the teacher at http://127.0.0.1:9 cannot be reached"),
+    ]:
         assert result.returncode == 2, result.stderr[-2000:]
         assert message in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
     assert not (tmp_path / "quickstart").exists()  # refused before the run's processes started

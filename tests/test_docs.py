@@ -128,4 +128,4 @@ def test_a_page_missing_from_the_nav_fails_the_build(tmp_path):
     built = _build(copy, tmp_path / "site")
     output = built.stdout + built.stderr
     assert built.returncode != 0, output
-    assert "not included in the \"nav\"" in output and "orphan.md" in output, output
+    assert 'not included in the "nav"' in output and "orphan.md" in output, output

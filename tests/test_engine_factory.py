@@ -51,9 +51,20 @@ def built(folder) -> set[str]:
 @pytest.mark.distributed
 def test_a_users_engine_trains_sft_rl_and_dpo(tiny_model_dir, tmp_path):
     engine = toy_engine(tmp_path)
-    rl = run_cli("train", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}",
-                 f"cluster.fileroot={tmp_path}", *SMALL_RUN, "rl.sft_warmup_steps=2", "rl.total_train_steps=1",
-                 "rl.eval_every_steps=0", "actor.kl_ctl=0.1", engine, timeout=300)
+    rl = run_cli(
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.path={tiny_model_dir}",
+        f"cluster.fileroot={tmp_path}",
+        *SMALL_RUN,
+        "rl.sft_warmup_steps=2",
+        "rl.total_train_steps=1",
+        "rl.eval_every_steps=0",
+        "actor.kl_ctl=0.1",
+        engine,
+        timeout=300,
+    )
     assert rl.returncode == 0, rl.stderr[-3000:]
     assert built(tmp_path) == {"sft ToyEngine", "policy ToyEngine", "reference ToyEngine"}
     pairs = write_pairs(tmp_path / "pairs.jsonl", ARITHMETIC_PAIRS)

@@ -40,16 +40,22 @@ from tests.workflow_helpers import episode_groups
 
 # -- the budget and the log ----------------------------------------------------------------------
 
+
 @settings(max_examples=300, deadline=None)
-@given(outcomes=st.lists(st.booleans(), max_size=120), max_consecutive=st.integers(0, 8),
-       window=st.integers(1, 20), max_rate=st.floats(0.05, 1.0))
+@given(
+    outcomes=st.lists(st.booleans(), max_size=120),
+    max_consecutive=st.integers(0, 8),
+    window=st.integers(1, 20),
+    max_rate=st.floats(0.05, 1.0),
+)
 def test_budget_is_spent_exactly_when_a_limit_is_crossed(outcomes, max_consecutive, window, max_rate):
     budget, in_a_row = FailureBudget(max_consecutive, window, max_rate), 0
     for i, failed in enumerate(outcomes):
         budget.record(failed)
         in_a_row = in_a_row + 1 if failed else 0
-        expected = ((max_consecutive > 0 and in_a_row >= max_consecutive)
-                    or (i + 1 >= window and sum(outcomes[i + 1 - window:i + 1]) > max_rate * window))
+        expected = (max_consecutive > 0 and in_a_row >= max_consecutive) or (
+            i + 1 >= window and sum(outcomes[i + 1 - window : i + 1]) > max_rate * window
+        )
         assert (budget.spent() is not None) == expected
     if max_rate == 1.0 and max_consecutive == 0:
         assert budget.spent() is None  # both limits off: never spent
@@ -67,6 +73,7 @@ def test_failure_log_keeps_counts_and_a_few_one_line_messages():
 
 # -- helpers ---------------------------------------------------------------------------------------
 
+
 def examples(n: int, prompt: str = "{i} + {i} = ?") -> list[Example]:
     return [Example(f"e{i}", prompt.format(i=i), str(2 * i), str(2 * i)) for i in range(n)]
 
@@ -77,9 +84,12 @@ async def until_stopped(controller: RolloutController, timeout: float = 120) -> 
     try:
         with pytest.raises(RolloutError) as raised:
             await asyncio.wait_for(controller.prepare_batch(10_000), timeout)
-        await wait_until(lambda: not (controller.submitting or controller.gate.running), 30,
-                         "the submit loop to end (nothing new starts) and the last episodes to finish",
-                         seen=lambda: f"submitting: {controller.submitting}, running: {controller.gate.running}")
+        await wait_until(
+            lambda: not (controller.submitting or controller.gate.running),
+            30,
+            "the submit loop to end (nothing new starts) and the last episodes to finish",
+            seen=lambda: f"submitting: {controller.submitting}, running: {controller.gate.running}",
+        )
         return raised.value
     finally:
         await controller.stop()
@@ -98,8 +108,9 @@ async def answering_500(health_status: int):
 
     async def generate(request):
         calls["generate"] += 1
-        return web.json_response({"error": {"message": "CUDA error: an illegal memory access", "code": 500}},
-                                 status=500)
+        return web.json_response(
+            {"error": {"message": "CUDA error: an illegal memory access", "code": 500}}, status=500
+        )
 
     async def health(request):
         return web.json_response({}, status=health_status)
@@ -112,13 +123,15 @@ async def answering_500(health_status: int):
 
 # -- the four observed failures ----------------------------------------------------------------------
 
+
 def test_a_server_answering_500_to_generate_spends_the_budget(tiny_model_dir):
     async def run():
         async with answering_500(health_status=200) as (server, calls), RolloutClient([server]) as client:
             with RewardPool(rewards_for_tests.exact_answer) as pool:
                 workflow = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2)
-                controller = RolloutController(client, workflow, StalenessGate(2, 0, 4), examples(8),
-                                               budget=FailureBudget(max_consecutive=5))
+                controller = RolloutController(
+                    client, workflow, StalenessGate(2, 0, 4), examples(8), budget=FailureBudget(max_consecutive=5)
+                )
                 return await until_stopped(controller), controller, calls["generate"]
 
     error, controller, generate_calls = asyncio.run(run())
@@ -126,7 +139,10 @@ def test_a_server_answering_500_to_generate_spends_the_budget(tiny_model_dir):
     message = one_line(error)
     assert message.startswith("rollouts keep failing: 5 episodes in a row failed (server_error ")
     assert "/generate answered 500: CUDA error: an illegal memory access" in message
-    assert controller.failures.counts["server_error"] >= 5 and controller.failures.total == controller.failures.counts["server_error"]
+    assert (
+        controller.failures.counts["server_error"] >= 5
+        and controller.failures.total == controller.failures.counts["server_error"]
+    )
     assert generate_calls <= controller.failures.total * 2  # no retry storm: a live server's 500 is not retried
 
 
@@ -152,17 +168,32 @@ class FullDiskWriter(TrajectoryShardWriter):
 
 
 def test_a_full_disk_in_the_shard_commit_spends_the_budget(tiny_model_dir, tmp_path):
-    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "dataset.train_size=32", "gconfig.n_samples=2",
-                             "gconfig.max_new_tokens=4", "rollout.consumer_batch_size=2",
-                             "rollout.failure_budget.max_consecutive=4"])
+    cfg = load_config(
+        None,
+        [
+            f"cluster.fileroot={tmp_path}",
+            "dataset.train_size=32",
+            "gconfig.n_samples=2",
+            "gconfig.max_new_tokens=4",
+            "rollout.consumer_batch_size=2",
+            "rollout.failure_budget.max_consecutive=4",
+        ],
+    )
     task = build_task(cfg.dataset)
 
     async def run(server):
         async with RolloutClient([server]) as client:
             with RewardPool(task.reward) as pool:
                 groups = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2, task_name=task.name)
-                controller = build_controller(cfg, client, groups, PromptStream(task.train, 0, 0),
-                                              FullDiskWriter(tmp_path / "shards", "rollout"), 0, on_drop=None)
+                controller = build_controller(
+                    cfg,
+                    client,
+                    groups,
+                    PromptStream(task.train, 0, 0),
+                    FullDiskWriter(tmp_path / "shards", "rollout"),
+                    0,
+                    on_drop=None,
+                )
                 return await until_stopped(controller), controller
 
     with embedded_server(tiny_model_dir, tmp_path) as (_, server):
@@ -181,8 +212,13 @@ def test_prompts_longer_than_the_context_spend_the_budget(tiny_model_dir, tmp_pa
         async with RolloutClient([server]) as client:
             with RewardPool(rewards_for_tests.exact_answer) as pool:
                 workflow = episode_groups(tokenizer, pool, Sampling(4), 2)
-                controller = RolloutController(client, workflow, StalenessGate(2, 0, 4), examples(8, long_prompt),
-                                               budget=FailureBudget(max_consecutive=3))
+                controller = RolloutController(
+                    client,
+                    workflow,
+                    StalenessGate(2, 0, 4),
+                    examples(8, long_prompt),
+                    budget=FailureBudget(max_consecutive=3),
+                )
                 return await until_stopped(controller), controller
 
     with embedded_server(tiny_model_dir, tmp_path, "rollout.context_length=48") as (_, server):
@@ -193,20 +229,35 @@ def test_prompts_longer_than_the_context_spend_the_budget(tiny_model_dir, tmp_pa
     assert controller.failures.counts["rejected"] >= 3
 
 
-@pytest.mark.parametrize("reward_fn, kind, other, words", [
-    (rewards_for_tests.raises_always, "reward_exception", "reward_timeout", "reward raised ValueError: reward code"),
-    (rewards_for_tests.hangs_always, "reward_timeout", "reward_exception", "reward timed out after 1s"),
-])
+@pytest.mark.parametrize(
+    "reward_fn, kind, other, words",
+    [
+        (
+            rewards_for_tests.raises_always,
+            "reward_exception",
+            "reward_timeout",
+            "reward raised ValueError: reward code",
+        ),
+        (rewards_for_tests.hangs_always, "reward_timeout", "reward_exception", "reward timed out after 1s"),
+    ],
+)
 def test_a_reward_failing_on_every_input_spends_the_budget(tiny_model_dir, tmp_path, reward_fn, kind, other, words):
     """Today such a run trained on all-zero rewards and never said so. Raising and hanging are
     counted apart (a count per reward call); an episode whose every reward failed is not trained."""
+
     async def run(server):
         async with RolloutClient([server]) as client:
             with RewardPool(reward_fn, timeout_s=1.0) as pool:
                 workflow = episode_groups(load_tokenizer(tiny_model_dir), pool, Sampling(4), 2)
                 accepted = []
-                controller = RolloutController(client, workflow, StalenessGate(2, 0, 2), examples(8),
-                                               on_accept=accepted.extend, budget=FailureBudget(max_consecutive=2))
+                controller = RolloutController(
+                    client,
+                    workflow,
+                    StalenessGate(2, 0, 2),
+                    examples(8),
+                    on_accept=accepted.extend,
+                    budget=FailureBudget(max_consecutive=2),
+                )
                 return await until_stopped(controller, timeout=180), controller, accepted
 
     with embedded_server(tiny_model_dir, tmp_path) as (_, server):
@@ -220,6 +271,7 @@ def test_a_reward_failing_on_every_input_spends_the_budget(tiny_model_dir, tmp_p
 
 # -- partial failures and filtered groups keep the run going --------------------------------------------
 
+
 class ScriptedWorkflow:
     """A workflow (user extension point) returning canned groups: ``failed(uid)`` rewards of each fail."""
 
@@ -228,8 +280,10 @@ class ScriptedWorkflow:
 
     async def run(self, client, example):
         await asyncio.sleep(0)
-        group = [Trajectory([Segment([1], [2], [-0.5], [0])], group_id=example.uid,
-                            rewards=[Reward(float(i % 2), step=0)]) for i in range(4)]
+        group = [
+            Trajectory([Segment([1], [2], [-0.5], [0])], group_id=example.uid, rewards=[Reward(float(i % 2), step=0)])
+            for i in range(4)
+        ]
         n_failed = self.failed(example.uid)
         for trajectory in group[:n_failed]:
             trajectory.rewards = [Reward(0.0, step=0)]
@@ -240,8 +294,13 @@ class ScriptedWorkflow:
 def test_an_episode_with_some_failed_rewards_is_trained_and_its_failures_counted():
     async def run():
         async with RolloutClient(["127.0.0.1:9"]) as client:  # never contacted by this workflow
-            controller = RolloutController(client, ScriptedWorkflow(lambda uid: 3), StalenessGate(2, 0, 4),
-                                           examples(8), budget=FailureBudget(max_consecutive=1))
+            controller = RolloutController(
+                client,
+                ScriptedWorkflow(lambda uid: 3),
+                StalenessGate(2, 0, 4),
+                examples(8),
+                budget=FailureBudget(max_consecutive=1),
+            )
             await controller.start()
             batch = await asyncio.wait_for(controller.prepare_batch(2), timeout=30)
             await controller.stop()
@@ -259,12 +318,22 @@ def test_dapo_rejected_groups_are_counted_not_failed():
 
     async def run():
         async with RolloutClient(["127.0.0.1:9"]) as client:
-            controller = RolloutController(client, ScriptedWorkflow(lambda uid: 0), StalenessGate(4, 0, 8),
-                                           examples(8), accept=informative, budget=FailureBudget(max_consecutive=1))
+            controller = RolloutController(
+                client,
+                ScriptedWorkflow(lambda uid: 0),
+                StalenessGate(4, 0, 8),
+                examples(8),
+                accept=informative,
+                budget=FailureBudget(max_consecutive=1),
+            )
             await controller.start()
             batch = await asyncio.wait_for(controller.prepare_batch(4), timeout=30)
-            await wait_until(lambda: not controller.gate.running, 30, "e0, e2, e4, e6 (started before e7) to end",
-                             seen=lambda: f"{controller.gate.running} episodes running")
+            await wait_until(
+                lambda: not controller.gate.running,
+                30,
+                "e0, e2, e4, e6 (started before e7) to end",
+                seen=lambda: f"{controller.gate.running} episodes running",
+            )
             await controller.stop()
             return batch, controller
 
@@ -277,6 +346,7 @@ def test_dapo_rejected_groups_are_counted_not_failed():
 
 
 # -- the driver's shards -----------------------------------------------------------------------------
+
 
 def open_hdf5_files() -> int:
     return h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE)

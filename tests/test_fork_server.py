@@ -65,8 +65,9 @@ SLEEPER = textwrap.dedent("""
 
 
 def launch(tmp_path, probe: str, mode: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), probe, mode, *extra],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path), probe, mode, *extra], stdout=subprocess.PIPE, text=True
+    )
 
 
 def alive(pid: int) -> bool:

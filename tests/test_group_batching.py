@@ -38,8 +38,12 @@ def test_a_batch_generates_what_its_requests_generate_one_by_one(tiny_model_dir,
     with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=1") as (_, server):
         batched, alone = asyncio.run(run(server))
     for b, a in zip(batched, alone):
-        assert (b.input_ids, b.output_ids, b.logprobs, b.versions) == (a.input_ids, a.output_ids, a.logprobs,
-                                                                       a.versions)
+        assert (b.input_ids, b.output_ids, b.logprobs, b.versions) == (
+            a.input_ids,
+            a.output_ids,
+            a.logprobs,
+            a.versions,
+        )
         assert b.finish_reason == a.finish_reason and b.interruptions == 0
     assert batched[0].output_ids != batched[1].output_ids  # the same prompt, its own seed
 
@@ -53,8 +57,11 @@ def test_a_paused_batch_resumes_each_sample_from_its_own_output(tiny_model_dir, 
             # the batch waits in the paused server's queue (a state that lasts) ...
             await client.post(server, "/pause_generation", {"mode": "abort"})
             batch = asyncio.create_task(client.generate_batch(PROMPTS, samplings))
-            await wait_until(lambda: _waiting(server, 3), what="the batch to wait in the paused server's queue",
-                             seen=lambda: model_info(server))
+            await wait_until(
+                lambda: _waiting(server, 3),
+                what="the batch to wait in the paused server's queue",
+                seen=lambda: model_info(server),
+            )
             # ... until it continues: two slots' samples are admitted and given first tokens before the
             # engine takes the client's pause, which returns those two with their tokens and the third
             await client.post(server, "/continue_generation", {})
@@ -111,8 +118,13 @@ def test_a_group_asks_one_request_and_one_reward_call_and_records_the_same(tiny_
         counting = CountingPool(pool)
 
         def settings(client_):
-            return EngineSettings(client_.generate, tokenizer, Sampling(4), Scorer(counting),
-                                  generate_batch=client_.generate_batch if batched else None)
+            return EngineSettings(
+                client_.generate,
+                tokenizer,
+                Sampling(4),
+                Scorer(counting),
+                generate_batch=client_.generate_batch if batched else None,
+            )
 
         groups = EpisodeGroups(RLVRWorkflow(), settings, 4, "arithmetic", seed=1)
         records = asyncio.run(groups.run(client, Example("e1", "What is 2+3?", answer="5")))
@@ -203,20 +215,28 @@ def test_an_evaluation_batches_its_examples_and_a_prompt_the_server_refuses_fail
         async with RolloutClient([server]) as client:
             counted = CountingClient(client)
             with RewardPool(rewards_for_tests.exact_answer, workers=0) as pool:
-                settings = EngineSettings(counted.generate, tokenizer, Sampling(4), Scorer(pool),
-                                          generate_batch=counted.generate_batch if batched else None)
+                settings = EngineSettings(
+                    counted.generate,
+                    tokenizer,
+                    Sampling(4),
+                    Scorer(pool),
+                    generate_batch=counted.generate_batch if batched else None,
+                )
                 result = await evaluate(settings, RLVRWorkflow(), examples)
             return result, counted.sizes
 
-    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=1", "rollout.context_length=48") \
-            as (_, server):
+    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=1", "rollout.context_length=48") as (
+        _,
+        server,
+    ):
         (batched, sizes), (alone, _) = asyncio.run(run(server, True)), asyncio.run(run(server, False))
     assert sizes == [EVAL_BATCH, 6] + [1] * 6  # the second batch, refused, asked again one by one
     assert batched.episode_failures == alone.episode_failures == 1
     failed = [e for e in batched.episodes if "error" in e]
     assert [e["example"] for e in failed] == ["long"] and "context" in failed[0]["error"]
-    assert [(e["completion"], e["reward"]) for e in batched.episodes] == \
-        [(e["completion"], e["reward"]) for e in alone.episodes]
+    assert [(e["completion"], e["reward"]) for e in batched.episodes] == [
+        (e["completion"], e["reward"]) for e in alone.episodes
+    ]
 
 
 class CountingClient:
@@ -247,9 +267,11 @@ def test_merged_groups_that_start_together_ask_one_request_per_server(tiny_model
         client = BatchingClient(completion)
         client.alive = [f"server{k}" for k in range(servers)]
         with RewardPool(rewards_for_tests.exact_answer) as pool:
+
             def settings(client_):
-                return EngineSettings(client_.generate, tokenizer, Sampling(4), Scorer(pool),
-                                      generate_batch=client_.generate_batch)
+                return EngineSettings(
+                    client_.generate, tokenizer, Sampling(4), Scorer(pool), generate_batch=client_.generate_batch
+                )
 
             groups = EpisodeGroups(RLVRWorkflow(), settings, 4, "arithmetic", seed=1, merge_groups=merged)
 

@@ -103,8 +103,11 @@ def test_a_cancelled_callers_item_is_still_stored():
 
 
 @settings(max_examples=25, deadline=None)
-@given(arrivals=st.lists(st.integers(0, 4), min_size=1, max_size=12),
-       store_ms=st.integers(0, 4), fail_every=st.sampled_from([0, 3, 5]))
+@given(
+    arrivals=st.lists(st.integers(0, 4), min_size=1, max_size=12),
+    store_ms=st.integers(0, 4),
+    fail_every=st.sampled_from([0, 3, 5]),
+)
 def test_every_item_is_stored_once_in_arrival_order(arrivals, store_ms, fail_every):
     """Items arrive with the given gaps (ms); each caller returns or raises according to its own call."""
     failing = {i for i in range(len(arrivals)) if fail_every and i % fail_every == fail_every - 1}

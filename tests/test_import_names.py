@@ -22,8 +22,11 @@ def importable_from_root() -> set[str]:
 def shadowed(root_names: set[str]) -> dict[str, list[str]]:
     """Each root name that is also a top-level module of an installed distribution other than this project."""
     installed = importlib.metadata.packages_distributions()
-    return {name: installed[name] for name in sorted(root_names)
-            if set(installed.get(name, [])) - {"areal-hpc", "areal_hpc"}}
+    return {
+        name: installed[name]
+        for name in sorted(root_names)
+        if set(installed.get(name, [])) - {"areal-hpc", "areal_hpc"}
+    }
 
 
 def test_no_root_name_is_an_installed_distributions_module():
@@ -40,8 +43,7 @@ def test_the_check_sees_a_shadowing_package(tmp_path):
 def run_from_root(code: str) -> subprocess.CompletedProcess:
     """``python -c`` from the checkout's root: the root is first on ``sys.path``, as for a user's command."""
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONSAFEPATH", "PYTHONPATH")}
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.mark.smoke

@@ -1,8 +1,8 @@
 """The folder tells the architecture (docs/architecture.md): no module imports a module that imports it
 back (directly or through others), and every import goes down the floors, never up or sideways:
 
-    errors, _kernels  <  fsio, extras, builtins  <  config  <  algo, data, models, sched, reward  <  runtime  <  parallel
-        <  engines, rollout  <  proxy  <  agents  <  train  <  launch  <  cli  <  __main__
+    errors, _kernels  <  fsio, extras, builtins  <  config  <  algo, data, models, sched, reward  <  runtime
+        <  parallel  <  engines, rollout  <  proxy  <  agents  <  train  <  launch  <  cli  <  __main__
 
 A module imports its own package and packages on lower floors only; so ``launch`` is imported by the
 CLI alone, engines import nothing above them, and rollout and the proxy never import the trainer.
@@ -87,8 +87,11 @@ def floor_violations(edges) -> list[str]:
         a, b = package_of(importer), package_of(imported)
         if a != b and FLOOR[b] >= FLOOR[a]:
             wrong.append(f"{importer} (floor {FLOOR[a]}) imports {imported} (floor {FLOOR[b]})")
-        wrong += [f"{importer} imports {imported}: {x} and {y} stay apart" for x, y in SIBLINGS_APART
-                  if (within(importer, x) and within(imported, y)) or (within(importer, y) and within(imported, x))]
+        wrong += [
+            f"{importer} imports {imported}: {x} and {y} stay apart"
+            for x, y in SIBLINGS_APART
+            if (within(importer, x) and within(imported, y)) or (within(importer, y) and within(imported, x))
+        ]
     return sorted(wrong)
 
 
@@ -101,14 +104,17 @@ def test_imports_only_go_down_the_floors():
     assert not wrong, "imports against the floors:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("areal_hpc.rollout.client", "areal_hpc.train.driver"),  # up
-    ("areal_hpc.train.build", "areal_hpc.launch.local"),  # the launchers, from below the CLI
-    ("areal_hpc.proxy.gateway", "areal_hpc.train.actor"),  # sideways
-    ("areal_hpc.engines.base", "areal_hpc.rollout.client"),  # sideways
-    ("areal_hpc.engines.megatron.engine", "areal_hpc.engines.torch.engine"),  # the two engines
-    ("areal_hpc.runtime.name_resolve", "areal_hpc.parallel.mesh"),  # up
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("areal_hpc.rollout.client", "areal_hpc.train.driver"),  # up
+        ("areal_hpc.train.build", "areal_hpc.launch.local"),  # the launchers, from below the CLI
+        ("areal_hpc.proxy.gateway", "areal_hpc.train.actor"),  # sideways
+        ("areal_hpc.engines.base", "areal_hpc.rollout.client"),  # sideways
+        ("areal_hpc.engines.megatron.engine", "areal_hpc.engines.torch.engine"),  # the two engines
+        ("areal_hpc.runtime.name_resolve", "areal_hpc.parallel.mesh"),  # up
+    ],
+)
 def test_a_forbidden_import_is_caught(importer, imported):
     graph = import_graph().copy()
     assert importer in graph and imported in graph
@@ -131,8 +137,9 @@ def needed_python(node: ast.AST) -> tuple[int, int] | None:
         return BUILTINS_ADDED_IN.get(node.id)
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-        return max((MODULES_ADDED_IN[n.split(".")[0]] for n in names if n.split(".")[0] in MODULES_ADDED_IN),
-                   default=None)
+        return max(
+            (MODULES_ADDED_IN[n.split(".")[0]] for n in names if n.split(".")[0] in MODULES_ADDED_IN), default=None
+        )
     return None
 
 
@@ -142,7 +149,12 @@ def test_requires_python_admits_no_interpreter_the_code_cannot_run_on():
 
     pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
     floor = tuple(int(x) for x in re.fullmatch(r">=\s*(\d+)\.(\d+)", pyproject["project"]["requires-python"]).groups())
-    too_new = sorted({f"{path.relative_to(PACKAGE.parent)}:{node.lineno} needs {'.'.join(map(str, version))}"
-                      for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
-                      if (version := needed_python(node)) and version > floor})
+    too_new = sorted(
+        {
+            f"{path.relative_to(PACKAGE.parent)}:{node.lineno} needs {'.'.join(map(str, version))}"
+            for path in PACKAGE.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if (version := needed_python(node)) and version > floor
+        }
+    )
     assert not too_new, f"requires-python >= {'.'.join(map(str, floor))}, but {too_new}"

@@ -34,8 +34,16 @@ BATCH = SequenceBatch([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]], [[0, 0, 1, 1,
 
 def lora_engine(model_dir, lora: LoRAConfig = LORA, seed: int = 0, compute_dtype: str = "float32") -> TorchTrainEngine:
     torch.manual_seed(seed)  # the adapters' initialisation
-    return TorchTrainEngine(load_model(model_dir), PolicyOutputs(), optimizer=OptimizerConfig(), lr=1e-2,
-                            total_steps=10, tokenizer=load_tokenizer(model_dir), compute_dtype=compute_dtype, lora=lora)
+    return TorchTrainEngine(
+        load_model(model_dir),
+        PolicyOutputs(),
+        optimizer=OptimizerConfig(),
+        lr=1e-2,
+        total_steps=10,
+        tokenizer=load_tokenizer(model_dir),
+        compute_dtype=compute_dtype,
+        lora=lora,
+    )
 
 
 def likelihood(outputs, packed, fields):
@@ -63,9 +71,12 @@ def test_only_the_adapters_are_in_the_optimizer_and_a_step_changes_only_them(tin
     assert changed and changed <= set(adapters)  # B moved from 0 (A gets no gradient while B is 0)
     merged = merged_weights(engine)
     moved = {name for name in base if not torch.equal(merged[name], base[name])}
-    assert moved == {f"model.layers.{i}.{part}.{target}.weight" for i in range(layers)
-                     for part, targets in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
-                     for target in (f"{t}_proj" for t in targets)}
+    assert moved == {
+        f"model.layers.{i}.{part}.{target}.weight"
+        for i in range(layers)
+        for part, targets in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+        for target in (f"{t}_proj" for t in targets)
+    }
 
 
 def test_both_pushes_leave_the_server_serving_the_merged_model(tiny_model_dir, tmp_path):
@@ -101,8 +112,12 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_exactly(tiny_model_dir, tmp
     assert {f.name for f in folder.iterdir()} == {ADAPTER_WEIGHTS, "adapter_config.json", "training_state.pt"}
     # peft's own loader reads it: the base model with the adapters computes what the engine does
     peft_model = PeftModel.from_pretrained(load_model(tiny_model_dir), folder).base_model.model
-    torch.testing.assert_close(TorchTrainEngine(peft_model, PolicyOutputs()).forward(BATCH)["logprobs"][0],
-                               engine.forward(BATCH)["logprobs"][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        TorchTrainEngine(peft_model, PolicyOutputs()).forward(BATCH)["logprobs"][0],
+        engine.forward(BATCH)["logprobs"][0],
+        rtol=0,
+        atol=1e-6,
+    )
 
     resumed = lora_engine(tiny_model_dir, seed=1)  # other initial adapters: the checkpoint's replace them
     assert load_checkpoint(folder.parent, {"actor": resumed}) == {"step": 1, "version": 1}
@@ -118,12 +133,29 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_exactly(tiny_model_dir, tmp
 @pytest.mark.distributed
 def test_fsdp_over_two_ranks_trains_and_resumes_as_one_process(tiny_model_dir, tmp_path):
     lora = ["actor.lora.rank=4", "actor.lora.alpha=8"]
-    one = run_ranks(1, tiny_model_dir, tmp_path / "one.pt", "save", str(tmp_path / "one"), *lora,
-                    module="tests.lora_ranks")
-    two = run_ranks(2, tiny_model_dir, tmp_path / "two.pt", "save", str(tmp_path / "two"), *lora,
-                    "actor.parallel.fsdp=true", module="tests.lora_ranks")
-    resumed = run_ranks(2, tiny_model_dir, tmp_path / "resumed.pt", "resume", str(tmp_path / "two"), *lora,
-                        "actor.parallel.fsdp=true", module="tests.lora_ranks")
+    one = run_ranks(
+        1, tiny_model_dir, tmp_path / "one.pt", "save", str(tmp_path / "one"), *lora, module="tests.lora_ranks"
+    )
+    two = run_ranks(
+        2,
+        tiny_model_dir,
+        tmp_path / "two.pt",
+        "save",
+        str(tmp_path / "two"),
+        *lora,
+        "actor.parallel.fsdp=true",
+        module="tests.lora_ranks",
+    )
+    resumed = run_ranks(
+        2,
+        tiny_model_dir,
+        tmp_path / "resumed.pt",
+        "resume",
+        str(tmp_path / "two"),
+        *lora,
+        "actor.parallel.fsdp=true",
+        module="tests.lora_ranks",
+    )
     start = load_model(tiny_model_dir).state_dict()
     assert any(not torch.equal(start[k], one["weights"][k]) for k in start)  # the steps changed the model
     assert (tmp_path / "two" / "optimizer").is_dir() and not (tmp_path / "two" / "model.safetensors").exists()
@@ -134,21 +166,30 @@ def test_fsdp_over_two_ranks_trains_and_resumes_as_one_process(tiny_model_dir, t
 
 
 def test_bad_target_modules_are_one_line_with_exit_code_2_before_the_run_starts(tmp_path):
-    out = run_cli("train", "--config", "configs/quickstart.yaml", f"cluster.fileroot={tmp_path}", "actor.lora.rank=4",
-                  "actor.lora.target_modules=[q_proj,nope]")
+    out = run_cli(
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        f"cluster.fileroot={tmp_path}",
+        "actor.lora.rank=4",
+        "actor.lora.target_modules=[q_proj,nope]",
+    )
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
     assert "actor.lora.target_modules: nope not among" in out.stderr and "it has q_proj, k_proj" in out.stderr
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["rl.trainer_processes=2", "actor.parallel.tp=2"], "actor.parallel.tp=2 (tensor parallelism); set tp=1"),
-    (["rl.trainer_processes=2", "actor.parallel.cp=2"], "actor.parallel.cp=2 (context parallelism); set cp=1"),
-    (["actor.engine=megatron"], "needs actor.engine=torch, got actor.engine=megatron"),
-    (["actor.tree_training=dta"], "does not train with actor.tree_training=dta"),
-    (["model.preset=tiny-moe", "actor.lora.target_modules=[gate_proj]"], "gate_proj not among"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["rl.trainer_processes=2", "actor.parallel.tp=2"], "actor.parallel.tp=2 (tensor parallelism); set tp=1"),
+        (["rl.trainer_processes=2", "actor.parallel.cp=2"], "actor.parallel.cp=2 (context parallelism); set cp=1"),
+        (["actor.engine=megatron"], "needs actor.engine=torch, got actor.engine=megatron"),
+        (["actor.tree_training=dta"], "does not train with actor.tree_training=dta"),
+        (["model.preset=tiny-moe", "actor.lora.target_modules=[gate_proj]"], "gate_proj not among"),
+    ],
+)
 def test_what_lora_does_not_support_is_refused_in_one_line(overrides, words):
     with pytest.raises(UserError, match=re.escape(words)) as refused:
         check_lora(load_config("configs/quickstart.yaml", ["actor.lora.rank=4", *overrides]))

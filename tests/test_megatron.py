@@ -52,11 +52,25 @@ def reference_folder(tmp_path_factory) -> str:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",)), (2, ("tp=2", "sp=1")),
-                                            (2, ("cp=2", "temperatures=mixed")),
-                                            (2, ("tp=2", "sp=1", "temperatures=mixed"))],
-                         ids=["one_process", "tp2", "cp2", "tp2_sequence_parallel", "cp2_mixed_temperatures",
-                              "tp2_sequence_parallel_mixed_temperatures"])
+@pytest.mark.parametrize(
+    "world, options",
+    [
+        (1, ()),
+        (2, ("tp=2",)),
+        (2, ("cp=2",)),
+        (2, ("tp=2", "sp=1")),
+        (2, ("cp=2", "temperatures=mixed")),
+        (2, ("tp=2", "sp=1", "temperatures=mixed")),
+    ],
+    ids=[
+        "one_process",
+        "tp2",
+        "cp2",
+        "tp2_sequence_parallel",
+        "cp2_mixed_temperatures",
+        "tp2_sequence_parallel_mixed_temperatures",
+    ],
+)
 def test_forward_equals_hf_packed_policy_outputs(world, options, tiny_model_dir, tmp_path):
     """Per-sequence RoPE and attention over THD-packed rows, and the vocabulary-parallel log-softmax at
     T = 0.7 (or at each sequence's own temperature, as records sampled at different ones carry them,
@@ -81,8 +95,10 @@ LAYOUTS = {
     "dp2_uneven_microbatches": (2, ("actor.max_tokens_per_mb=16",)),
     "tp2xpp2": (4, ("actor.parallel.tp=2", "actor.parallel.pp=2")),
     "cp2": (2, ("actor.parallel.cp=2",)),
-    "tp2xcp2_sequence_parallel": (4, ("actor.parallel.tp=2", "actor.parallel.cp=2",
-                                      "actor.parallel.sequence_parallel=true")),
+    "tp2xcp2_sequence_parallel": (
+        4,
+        ("actor.parallel.tp=2", "actor.parallel.cp=2", "actor.parallel.sequence_parallel=true"),
+    ),
     "fsdp2": (2, ("actor.parallel.fsdp=true",)),
 }
 
@@ -93,8 +109,7 @@ def test_ppo_update_equals_the_torch_engine_in_one_process(layout, tiny_model_di
     """The trainer's whole PPO update (proximal logprobs recomputed, two optimizer steps) on Megatron."""
     processes, overrides = LAYOUTS[layout]
     reference = single_process("torch", str(tiny_model_dir), reference_folder)
-    ours = run_trainer_ranks(processes, tiny_model_dir, tmp_path / "out.pt", "actor.engine=megatron", *STEP,
-                             *overrides)
+    ours = run_trainer_ranks(processes, tiny_model_dir, tmp_path / "out.pt", "actor.engine=megatron", *STEP, *overrides)
     assert_same_step(ours, reference)
 
 
@@ -146,17 +161,32 @@ def assert_checkpoint_round_trip(got: dict, folder, model_dir, tmp_path, world: 
 
 def random_model(qwen3: bool, heads: int, kv_heads: int, layers: int, tied: bool, seed: int):
     config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
-    config = config_class(vocab_size=48, hidden_size=8 * heads, intermediate_size=24, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
-                          tie_word_embeddings=tied, max_position_embeddings=64)
+    config = config_class(
+        vocab_size=48,
+        hidden_size=8 * heads,
+        intermediate_size=24,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=8,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     return model_class(config)
 
 
 @settings(max_examples=25, deadline=None)
-@given(qwen3=st.booleans(), kv_heads=st.sampled_from([1, 2, 4]), ratio=st.sampled_from([1, 2, 3]),
-       layers=st.sampled_from([2, 4]), tied=st.booleans(), tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2]),
-       seed=st.integers(0, 100))
+@given(
+    qwen3=st.booleans(),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    ratio=st.sampled_from([1, 2, 3]),
+    layers=st.sampled_from([2, 4]),
+    tied=st.booleans(),
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2]),
+    seed=st.integers(0, 100),
+)
 def test_hf_to_megatron_shards_and_back_is_exact(qwen3, kv_heads, ratio, layers, tied, tp, pp, seed):
     model = random_model(qwen3, kv_heads * ratio, kv_heads, layers, tied, seed)
     shape = ModelShape.from_hf(model.config)
@@ -191,12 +221,15 @@ def test_fused_qkv_interleaves_query_groups():
         assert torch.equal(fused, expected)
 
 
-@pytest.mark.parametrize("sizes, message", [
-    (dict(tp=4), "tp=4 must divide the model's num_key_value_heads=2"),
-    (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
-    (dict(dp=2, tp=2, fsdp=True, sequence_parallel=True), "not with pp=1 ep=1 sequence_parallel=true"),
-    (dict(dp=2, pp=2, fsdp=True), "fsdp=true with dp, tp and cp, not with pp=2"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(tp=4), "tp=4 must divide the model's num_key_value_heads=2"),
+        (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
+        (dict(dp=2, tp=2, fsdp=True, sequence_parallel=True), "not with pp=1 ep=1 sequence_parallel=true"),
+        (dict(dp=2, pp=2, fsdp=True), "fsdp=true with dp, tp and cp, not with pp=2"),
+    ],
+)
 def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
     shape = ModelShape.from_hf(load_model(tiny_model_dir).config)
     with pytest.raises(UserError, match=message) as error:
@@ -205,10 +238,12 @@ def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",)), (2, ("cp=2",)), (2, ("tp=2", "sp=1"))],
-                         ids=["one_process", "tp2", "cp2", "tp2_sequence_parallel"])
-def test_critic_step_equals_the_torch_engine_in_one_process(world, options, tiny_model_dir, critic_reference,
-                                                            tmp_path):
+@pytest.mark.parametrize(
+    "world, options",
+    [(1, ()), (2, ("tp=2",)), (2, ("cp=2",)), (2, ("tp=2", "sp=1"))],
+    ids=["one_process", "tp2", "cp2", "tp2_sequence_parallel"],
+)
+def test_critic_step_equals_the_torch_engine_in_one_process(world, options, tiny_model_dir, critic_reference, tmp_path):
     """The PPO critic (HF's token classifier: the body under a fresh one-output head) on Megatron."""
     got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "critic=1")
     assert_same_engine_step(in_reference_order(got, critic_reference), critic_reference)

@@ -28,10 +28,16 @@ def engine_on(model_dir, compute_dtype: str):
     """``tests.megatron_ranks.engine_on``'s settings (Adam eps raised, clipping at 0.5) over ``STEPS``."""
     from areal_hpc.engines.megatron.engine import MegatronTrainEngine
 
-    return MegatronTrainEngine(str(model_dir), "policy", lr=1e-3, total_steps=STEPS,
-                               optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
-                               max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB,
-                               tokenizer=load_tokenizer(model_dir), compute_dtype=compute_dtype)
+    return MegatronTrainEngine(
+        str(model_dir),
+        "policy",
+        lr=1e-3,
+        total_steps=STEPS,
+        optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
+        max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB,
+        tokenizer=load_tokenizer(model_dir),
+        compute_dtype=compute_dtype,
+    )
 
 
 def dtypes(tensors) -> list[str]:
@@ -48,22 +54,34 @@ def main(model_dir: str, out: str, checkpoint: str) -> None:
         targets = torch.cat(batch.fields["weights"]) > 0
         for dtype, engine in engines.items():
             outputs, stats = native_ranks.step(engine, batch)
-            steps[dtype].append({"loss": stats["loss"], "grad_norm": stats["grad_norm"],
-                                 "logprobs": torch.cat(outputs["logprobs"])[targets]})
+            steps[dtype].append(
+                {
+                    "loss": stats["loss"],
+                    "grad_norm": stats["grad_norm"],
+                    "logprobs": torch.cat(outputs["logprobs"])[targets],
+                }
+            )
     bf16 = engines["bfloat16"]
     params = list(bf16.model.parameters())
     masters = [m for group in bf16.optimizer.param_groups for m in group["params"]]
     pushed = native_ranks.weights_of(bf16)
-    result = {"steps": steps,
-              "dtypes": {"parameters": dtypes(params), "main_grad": dtypes(p.main_grad for p in params),
-                         "master_weights": dtypes(masters), "pushed": dtypes(pushed.values()),
-                         "adam_state": dtypes(v for state in bf16.optimizer.state.values() for v in state.values())},
-              # fp32 masters, not bf16 ones widened: steps smaller than a bf16 spacing are kept
-              "masters_below_bf16_spacing": sum(int((m != m.bfloat16().float()).sum()) for m in masters)}
+    result = {
+        "steps": steps,
+        "dtypes": {
+            "parameters": dtypes(params),
+            "main_grad": dtypes(p.main_grad for p in params),
+            "master_weights": dtypes(masters),
+            "pushed": dtypes(pushed.values()),
+            "adam_state": dtypes(v for state in bf16.optimizer.state.values() for v in state.values()),
+        },
+        # fp32 masters, not bf16 ones widened: steps smaller than a bf16 spacing are kept
+        "masters_below_bf16_spacing": sum(int((m != m.bfloat16().float()).sum()) for m in masters),
+    }
     bf16.save(Path(checkpoint))
     saved = load_model(checkpoint).state_dict()
-    result["saved_differs_from_pushed"] = [name for name, t in pushed.items() if not torch.equal(saved[name],
-                                                                                                 t.float())]
+    result["saved_differs_from_pushed"] = [
+        name for name, t in pushed.items() if not torch.equal(saved[name], t.float())
+    ]
     restored = engine_on(model_dir, "bfloat16")
     restored.load(Path(checkpoint))
     for twin in (bf16, restored):  # the next step: the same fp32 masters, Adam moments and schedule?
@@ -80,8 +98,9 @@ def main(model_dir: str, out: str, checkpoint: str) -> None:
 @pytest.fixture(scope="module")
 def bf16_run(tiny_model_dir, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("bf16")
-    return run_ranks(1, tiny_model_dir, folder / "out.pt", str(folder / "checkpoint"), timeout=120,
-                     module="tests.test_megatron_bf16")
+    return run_ranks(
+        1, tiny_model_dir, folder / "out.pt", str(folder / "checkpoint"), timeout=120, module="tests.test_megatron_bf16"
+    )
 
 
 @pytest.mark.distributed
@@ -109,8 +128,13 @@ def test_bf16_steps_follow_float32(bf16_run):
 
 @pytest.mark.distributed
 def test_bf16_parameters_with_fp32_main_grads_masters_and_adam_state(bf16_run):
-    assert bf16_run["dtypes"] == {"parameters": ["bfloat16"], "main_grad": ["float32"], "master_weights": ["float32"],
-                                  "adam_state": ["float32"], "pushed": ["bfloat16"]}
+    assert bf16_run["dtypes"] == {
+        "parameters": ["bfloat16"],
+        "main_grad": ["float32"],
+        "master_weights": ["float32"],
+        "adam_state": ["float32"],
+        "pushed": ["bfloat16"],
+    }
     assert bf16_run["masters_below_bf16_spacing"] > 0
 
 

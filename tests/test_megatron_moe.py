@@ -36,11 +36,12 @@ def moe_reference(tiny_moe_dir) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("dp=2", "ep=2")), (4, ("dp=4", "ep=2")),
-                                            (2, ("dp=2", "fsdp=1")), (2, ("cp=2", "ep=2"))],
-                         ids=["one_process", "ep2", "ep2_edp2", "fsdp2", "cp2_ep2"])
-def test_moe_step_equals_the_torch_engine_in_one_process(world, options, tiny_moe_dir, moe_reference,
-                                                         tmp_path):
+@pytest.mark.parametrize(
+    "world, options",
+    [(1, ()), (2, ("dp=2", "ep=2")), (4, ("dp=4", "ep=2")), (2, ("dp=2", "fsdp=1")), (2, ("cp=2", "ep=2"))],
+    ids=["one_process", "ep2", "ep2_edp2", "fsdp2", "cp2_ep2"],
+)
+def test_moe_step_equals_the_torch_engine_in_one_process(world, options, tiny_moe_dir, moe_reference, tmp_path):
     """Router (softmax, top 2, renormalised), experts and the tokens' exchange between expert-parallel
     ranks: logprobs, loss, gradient norm (each expert counted once) and updated weights; with dp=4
     each expert has two replicas, whose gradients DDP sums over the expert-data-parallel ranks; with
@@ -52,8 +53,9 @@ def test_moe_step_equals_the_torch_engine_in_one_process(world, options, tiny_mo
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ep2_with_an_empty_share_restores_its_checkpoint_and_loads_into_one_process(tiny_moe_dir,
-                                                                                    moe_reference, tmp_path):
+def test_ep2_with_an_empty_share_restores_its_checkpoint_and_loads_into_one_process(
+    tiny_moe_dir, moe_reference, tmp_path
+):
     """dp rank 1 trains on nothing (it runs idle passes for its expert-parallel peer); the checkpoint
     restores weights, Adam moments and schedule, holds every expert of both ranks in one HF folder,
     and its weights load into one process."""
@@ -64,18 +66,36 @@ def test_ep2_with_an_empty_share_restores_its_checkpoint_and_loads_into_one_proc
 
 
 def random_moe_model(experts: int, layers: int, tied: bool, renormalise: bool, seed: int) -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts,
-                            num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=renormalise,
-                            tie_word_embeddings=tied, max_position_embeddings=64)
+    config = Qwen3MoeConfig(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=renormalise,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config)
 
 
 @settings(max_examples=20, deadline=None)
-@given(experts=st.sampled_from([2, 4, 8]), layers=st.sampled_from([2, 4]), tied=st.booleans(),
-       renormalise=st.booleans(), tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4]),
-       seed=st.integers(0, 100))
+@given(
+    experts=st.sampled_from([2, 4, 8]),
+    layers=st.sampled_from([2, 4]),
+    tied=st.booleans(),
+    renormalise=st.booleans(),
+    tp=st.sampled_from([1, 2]),
+    pp=st.sampled_from([1, 2]),
+    ep=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 100),
+)
 def test_moe_hf_to_megatron_shards_and_back_is_exact(experts, layers, tied, renormalise, tp, pp, ep, seed):
     """Every (EP rank, TP rank) pair's shards of each stage; the experts come back fused as HF holds them."""
     model = random_moe_model(experts, layers, tied, renormalise, seed)
@@ -88,12 +108,19 @@ def test_moe_hf_to_megatron_shards_and_back_is_exact(experts, layers, tied, reno
     hf = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     back = []
     for stage in range(pp):
-        shards = [[hf_to_megatron(hf, shape, tp_rank, tp, stage, pp, ep_rank=ep_rank, ep=ep) for tp_rank in range(tp)]
-                  for ep_rank in range(ep)]
+        shards = [
+            [hf_to_megatron(hf, shape, tp_rank, tp, stage, pp, ep_rank=ep_rank, ep=ep) for tp_rank in range(tp)]
+            for ep_rank in range(ep)
+        ]
         assert all(list(s) == stage_names(shape, stage, pp, ep) for row in shards for s in row)
         holders = {False: shards[:1], True: shards}  # an expert's tensors differ over EP ranks, the rest do not
-        back += stage_to_hf(((name, [s[name] for row in holders[is_expert(name)] for s in row])
-                             for name in shards[0][0]), shape, stage, pp, ep)
+        back += stage_to_hf(
+            ((name, [s[name] for row in holders[is_expert(name)] for s in row]) for name in shards[0][0]),
+            shape,
+            stage,
+            pp,
+            ep,
+        )
     assert sorted(name for name, _ in back) == sorted(hf)  # every tensor once (a tied one under both names)
     back = dict(back)
     for name, tensor in hf.items():
@@ -113,11 +140,14 @@ def test_router_matches_hf_top_k_rule():
         assert config.moe_aux_loss_coeff == 0.0 and config.moe_expert_capacity_factor is None
 
 
-@pytest.mark.parametrize("sizes, message", [
-    (dict(dp=2, tp=2, ep=2), "Mixture-of-Experts model with tp=2"),
-    (dict(dp=4, ep=4), None),
-    (dict(dp=8, ep=8), "ep=8 must divide the model's num_experts=4"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(dp=2, tp=2, ep=2), "Mixture-of-Experts model with tp=2"),
+        (dict(dp=4, ep=4), None),
+        (dict(dp=8, ep=8), "ep=8 must divide the model's num_experts=4"),
+    ],
+)
 def test_moe_layouts(sizes, message, tiny_moe_dir):
     shape = ModelShape.from_hf(load_model(tiny_moe_dir).config)
     if message is None:
@@ -142,8 +172,12 @@ def test_ep2_pp2_step_where_no_token_chooses_one_ranks_experts(tiny_moe_dir, tmp
     stages (one MoE layer each)."""
     folder = shutil.copytree(tiny_moe_dir, tmp_path / "tied_router")
     stored = load_file(folder / "model.safetensors")
-    save_file({name: tensor.zero_() if name.endswith("mlp.gate.weight") else tensor for name, tensor in stored.items()},
-              folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {name: tensor.zero_() if name.endswith("mlp.gate.weight") else tensor for name, tensor in stored.items()},
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     reference = reference_run(folder)
-    assert_same_step(in_reference_order(run_ranks(4, folder, tmp_path / "out.pt", "dp=2", "ep=2", "pp=2"), reference),
-                     reference)
+    assert_same_step(
+        in_reference_order(run_ranks(4, folder, tmp_path / "out.pt", "dp=2", "ep=2", "pp=2"), reference), reference
+    )

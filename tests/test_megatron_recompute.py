@@ -26,9 +26,15 @@ def engine_on(model_dir, recompute: str):
     """``tests.megatron_ranks.engine_on``'s settings (Adam eps raised, clipping at 0.5)."""
     from areal_hpc.engines.megatron.engine import MegatronTrainEngine
 
-    return MegatronTrainEngine(str(model_dir), "policy", lr=1e-3, total_steps=STEPS,
-                               optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
-                               max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB, recompute=recompute)
+    return MegatronTrainEngine(
+        str(model_dir),
+        "policy",
+        lr=1e-3,
+        total_steps=STEPS,
+        optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
+        max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB,
+        recompute=recompute,
+    )
 
 
 def forward_calls(engine, batch) -> dict[str, int]:
@@ -38,9 +44,13 @@ def forward_calls(engine, batch) -> dict[str, int]:
 
     def count(part: str):
         return lambda *args: counts.__setitem__(part, counts[part] + 1)
+
     layers = [layer for chunk in engine.stage.chunks for layer in chunk.decoder.layers]
-    hooks = [getattr(module, part).register_forward_hook(count(part)) for layer in layers
-             for module, part in ((layer.self_attention, "core_attention"), (layer, "mlp"))]
+    hooks = [
+        getattr(module, part).register_forward_hook(count(part))
+        for layer in layers
+        for module, part in ((layer.self_attention, "core_attention"), (layer, "mlp"))
+    ]
     stats = engine.train_step(batch, native_ranks.ppo_like_loss)
     for hook in hooks:
         hook.remove()
@@ -74,8 +84,10 @@ def test_recompute_takes_the_same_steps(tiny_model_dir, tmp_path):
             for part in ("core_attention", "mlp"):  # the recomputation ran: once more in the backward
                 assert have[part] == want[part] * (2 if part in doubled else 1), (recompute, part)
         for name, tensor in plain["weights"].items():
-            torch.testing.assert_close(got[recompute]["weights"][name], tensor, rtol=0, atol=1e-6,
-                                       msg=f"{recompute}: {name}")
+            torch.testing.assert_close(
+                got[recompute]["weights"][name], tensor, rtol=0, atol=1e-6, msg=f"{recompute}: {name}"
+            )
+
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])

@@ -43,17 +43,28 @@ def test_pp2_vpp2_step_equals_the_torch_engine_in_one_process(tiny_model_dir, tm
     and saved folder, and the checkpoint's next step (6 micro-batches). Measured: logprobs within 4.8e-7,
     loss and gradient norm within 5e-7 relative, weights within 6e-8 of the torch engine's."""
     folder = tmp_path / "checkpoint"
-    got = run_ranks(2, tiny_model_dir, tmp_path / "out.pt", "pp=2", "vpp=2", f"save={folder}", timeout=120,
-                    module="tests.test_megatron_vpp")
+    got = run_ranks(
+        2,
+        tiny_model_dir,
+        tmp_path / "out.pt",
+        "pp=2",
+        "vpp=2",
+        f"save={folder}",
+        timeout=120,
+        module="tests.test_megatron_vpp",
+    )
     reference = reference_run(tiny_model_dir)
     assert_same_step(in_reference_order(got, reference), reference)
     assert got["ranks"][0]["restored_step_diff"] == 0.0
 
 
-@pytest.mark.parametrize("sizes, message", [
-    (dict(pp=2, vpp=3), "pp=2 x vpp=3 = 6 virtual stages must divide the model's num_hidden_layers=4"),
-    (dict(pp=4, vpp=2), "pp=4 x vpp=2 = 8 virtual stages must divide the model's num_hidden_layers=4"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(pp=2, vpp=3), "pp=2 x vpp=3 = 6 virtual stages must divide the model's num_hidden_layers=4"),
+        (dict(pp=4, vpp=2), "pp=4 x vpp=2 = 8 virtual stages must divide the model's num_hidden_layers=4"),
+    ],
+)
 def test_virtual_stages_not_dividing_the_layers_are_one_user_error(sizes, message, tiny_model_dir):
     shape = ModelShape.from_hf(AutoConfig.from_pretrained(tiny_model_dir))
     with pytest.raises(UserError, match=message) as error:

@@ -36,10 +36,17 @@ def engine_on(model_dir, mesh, compute_dtype: str = "float32"):
     """``tests.megatron_ranks.engine_on``'s settings (Adam eps raised, clipping at 0.5)."""
     from areal_hpc.engines.megatron.engine import MegatronTrainEngine
 
-    return MegatronTrainEngine(str(model_dir), "policy", mesh=mesh, lr=1e-3, total_steps=STEPS + 1,
-                               optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
-                               max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB, tokenizer=load_tokenizer(model_dir),
-                               compute_dtype=compute_dtype)
+    return MegatronTrainEngine(
+        str(model_dir),
+        "policy",
+        mesh=mesh,
+        lr=1e-3,
+        total_steps=STEPS + 1,
+        optimizer=OptimizerConfig(gradient_clipping=0.5, eps=1e-4),
+        max_tokens_per_mb=native_ranks.MAX_TOKENS_PER_MB,
+        tokenizer=load_tokenizer(model_dir),
+        compute_dtype=compute_dtype,
+    )
 
 
 def step(engine, seed: int, mesh) -> dict[str, float]:
@@ -57,8 +64,10 @@ def adam_elements(engine) -> int:
 
 def meshes(world: int) -> dict:
     """dp=``world`` with the distributed optimizer (key True) and without."""
-    return {zero1: build_mesh(ParallelDims(dp=world, distributed_optimizer=zero1), torch.device("cpu"))
-            for zero1 in (True, False)}
+    return {
+        zero1: build_mesh(ParallelDims(dp=world, distributed_optimizer=zero1), torch.device("cpu"))
+        for zero1 in (True, False)
+    }
 
 
 def train(model_dir: str, folder: Path) -> dict:
@@ -67,7 +76,7 @@ def train(model_dir: str, folder: Path) -> dict:
     world = dist.get_world_size()
     mesh = meshes(world)
     # ZeRO-1 first: the first engine readies Megatron, and only a ZeRO-1 one has it make the gloo groups
-    kinds = [(True, "float32"), (True, "bfloat16"), (False, "float32"), (False, "bfloat16")][:4 if world > 1 else 1]
+    kinds = [(True, "float32"), (True, "bfloat16"), (False, "float32"), (False, "bfloat16")][: 4 if world > 1 else 1]
     engines = {(zero1, dtype): engine_on(model_dir, mesh[zero1], dtype) for zero1, dtype in kinds}
     result = {"steps": {key: [] for key in engines}}
     for seed in range(STEPS):
@@ -108,15 +117,24 @@ def main(model_dir: str, out: str, folder: str, phase: str) -> None:
 
 
 def launch(world: int, model_dir, folder: Path, phase: str) -> dict:
-    return run_ranks(world, model_dir, folder / f"{phase}{world}.pt", str(folder), phase, timeout=120,
-                     module="tests.test_megatron_zero1")
+    return run_ranks(
+        world,
+        model_dir,
+        folder / f"{phase}{world}.pt",
+        str(folder),
+        phase,
+        timeout=120,
+        module="tests.test_megatron_zero1",
+    )
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("zero1")
-    return {(phase, world): launch(world, tiny_model_dir, folder, phase)
-            for phase, world in (("train", 1), ("train", 2), ("resume", 1), ("resume", 2))}
+    return {
+        (phase, world): launch(world, tiny_model_dir, folder, phase)
+        for phase, world in (("train", 1), ("train", 2), ("resume", 1), ("resume", 2))
+    }
 
 
 @pytest.mark.distributed
@@ -150,11 +168,17 @@ def test_zero1_checkpoint_resumes_in_another_data_parallel_size(runs, saved, res
     assert "'distributed_optimizer': 1" in error and "\n" not in error
 
 
-
-@pytest.mark.parametrize("model, sizes, message", [
-    ("tiny_model_dir", dict(dp=2, fsdp=True), "distributed_optimizer=true shards the optimizer state that fsdp=true"),
-    ("tiny_moe_dir", dict(dp=2), "does not build distributed_optimizer=true for a Mixture-of-Experts model"),
-])
+@pytest.mark.parametrize(
+    "model, sizes, message",
+    [
+        (
+            "tiny_model_dir",
+            dict(dp=2, fsdp=True),
+            "distributed_optimizer=true shards the optimizer state that fsdp=true",
+        ),
+        ("tiny_moe_dir", dict(dp=2), "does not build distributed_optimizer=true for a Mixture-of-Experts model"),
+    ],
+)
 def test_zero1_layouts_not_built_are_one_user_error(model, sizes, message, request):
     shape = ModelShape.from_hf(AutoConfig.from_pretrained(request.getfixturevalue(model)))
     with pytest.raises(UserError, match=message) as error:

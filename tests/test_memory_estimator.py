@@ -114,8 +114,15 @@ def measured_peak(folder, compute_dtype: str, tokens: int, mesh=None) -> int:
     from areal_hpc.engines.torch.engine import TorchTrainEngine
     from areal_hpc.engines.torch.outputs import packed_policy_outputs
 
-    engine = TorchTrainEngine(small_qwen2(folder), packed_policy_outputs, mesh=mesh, optimizer=OptimizerConfig(),
-                              lr=1e-4, max_tokens_per_mb=tokens, compute_dtype=compute_dtype)
+    engine = TorchTrainEngine(
+        small_qwen2(folder),
+        packed_policy_outputs,
+        mesh=mesh,
+        optimizer=OptimizerConfig(),
+        lr=1e-4,
+        max_tokens_per_mb=tokens,
+        compute_dtype=compute_dtype,
+    )
     generator = torch.Generator().manual_seed(0)
     length, count = tokens // 4, 4  # four sequences filling one micro-batch
     sequences = [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for _ in range(count)]
@@ -134,8 +141,14 @@ def measured_peak(folder, compute_dtype: str, tokens: int, mesh=None) -> int:
 def fsdp_rank(rank: int, port: int, folder: str, out: str) -> None:
     from areal_hpc.parallel.mesh import build_mesh, close_distributed, init_distributed
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     init_distributed(torch.device("cpu"))
     mesh = build_mesh(ParallelDims(dp=2, fsdp=True), torch.device("cpu"))
@@ -156,11 +169,18 @@ def test_estimate_is_within_20_percent_of_the_measured_peak(name, tmp_path):
     else:
         mp.spawn(fsdp_rank, args=(free_port("127.0.0.1"), str(tmp_path), str(tmp_path / "peak")), nprocs=dp)
         peak = max(json.loads((tmp_path / f"peak.{rank}").read_text()) for rank in range(dp))
-    layout = TrainLayout(ParallelDims(dp=dp, fsdp=dp > 1), Precision("float32", compute_dtype, "float32"), tokens,
-                         logit_tokens=LOGITS_CHUNK_ROWS, vocab_parallel=False)
+    layout = TrainLayout(
+        ParallelDims(dp=dp, fsdp=dp > 1),
+        Precision("float32", compute_dtype, "float32"),
+        tokens,
+        logit_tokens=LOGITS_CHUNK_ROWS,
+        vocab_parallel=False,
+    )
     estimate = train_estimate(load_model_spec(str(tmp_path)), layout)
-    print(f"{name}: estimated {estimate.total / 2**20:.1f} MiB, measured {peak / 2**20:.1f} MiB "
-          f"({estimate.total / peak:.2f}x); {estimate.describe()}")
+    print(
+        f"{name}: estimated {estimate.total / 2**20:.1f} MiB, measured {peak / 2**20:.1f} MiB "
+        f"({estimate.total / peak:.2f}x); {estimate.describe()}"
+    )
     assert estimate.activations > estimate.total / 2  # the activation formula carries the bound
     assert estimate.total == pytest.approx(peak, rel=0.20)
 
@@ -175,8 +195,13 @@ def test_qwen_1_5b_by_hand():
     params = layers * per_layer + 2 * vocab * h + h
     assert QWEN_1_5B.params == params == 1_777_088_000
     # Megatron's mixed precision, dp 4 x tp 2, distributed optimizer, 8192 tokens, full recomputation
-    layout = TrainLayout(ParallelDims(dp=4, tp=2), Precision("bfloat16", "bfloat16", "float32"), 8192,
-                         recompute="full", shard_optimizer=True)
+    layout = TrainLayout(
+        ParallelDims(dp=4, tp=2),
+        Precision("bfloat16", "bfloat16", "float32"),
+        8192,
+        recompute="full",
+        shard_optimizer=True,
+    )
     estimate = train_estimate(QWEN_1_5B, layout)
     rank_params = layers * per_layer / 2 + 2 * vocab * h / 2 + h
     assert estimate.params == pytest.approx(2 * rank_params)
@@ -187,8 +212,9 @@ def test_qwen_1_5b_by_hand():
     logits = 8192 * vocab / 2 * (4 + 2)
     assert estimate.activations == pytest.approx(inputs + one_layer + logits)
     # torch engine, one process: float32 weights, bfloat16 autocast (a bfloat16 copy of every weight)
-    torch_layout = TrainLayout(ParallelDims(), Precision("float32", "bfloat16", "float32"), 4096,
-                               logit_tokens=4096, vocab_parallel=False)
+    torch_layout = TrainLayout(
+        ParallelDims(), Precision("float32", "bfloat16", "float32"), 4096, logit_tokens=4096, vocab_parallel=False
+    )
     eager = train_estimate(QWEN_1_5B, torch_layout)
     assert (eager.params, eager.grads, eager.optimizer) == pytest.approx((4 * params, 4 * params, 8 * params))
     wide = 4 * h + 4 * q + 3 * kv
@@ -211,8 +237,10 @@ def test_largest_micro_batch_is_the_edge_of_the_fit():
     layout = TrainLayout(ParallelDims(), Precision("float32", "bfloat16", "float32"), 4096, vocab_parallel=False)
     edge = largest_micro_tokens(QWEN_1_5B, layout, 80 * GB)
     assert 0 < edge < 1 << 24
-    fits = [train_estimate(QWEN_1_5B, TrainLayout(layout.dims, layout.precision, n, vocab_parallel=False)).fits(80 * GB)
-            for n in (edge, edge + 1)]
+    fits = [
+        train_estimate(QWEN_1_5B, TrainLayout(layout.dims, layout.precision, n, vocab_parallel=False)).fits(80 * GB)
+        for n in (edge, edge + 1)
+    ]
     assert fits == [True, False]
 
 
@@ -222,19 +250,41 @@ def check_memory_on_l40s(tmp_path, *extra: str):
     anything is queued)."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-        "intermediate_size": 8960, "vocab_size": 151936, "max_position_embeddings": 4096}))
-    return run_cli("submit", "--check-memory", "L40S", "--dry-run", "--config", "configs/quickstart.yaml",
-                   f"model.path={model}", f"cluster.fileroot={tmp_path}", *extra)
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 1536,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 12,
+                "num_key_value_heads": 2,
+                "intermediate_size": 8960,
+                "vocab_size": 151936,
+                "max_position_embeddings": 4096,
+            }
+        )
+    )
+    return run_cli(
+        "submit",
+        "--check-memory",
+        "L40S",
+        "--dry-run",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.path={model}",
+        f"cluster.fileroot={tmp_path}",
+        *extra,
+    )
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("extra, message", [
-    (["actor.max_tokens_per_mb=65536"], "actor.max_tokens_per_mb<="),
-    (["actor.max_tokens_per_mb=8192"], "actor.max_tokens_per_mb<="),  # 65 GB without recomputation
-    (["actor.max_tokens_per_mb=1024", "rollout.max_running_requests=512"], "rollout.max_running_requests<="),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["actor.max_tokens_per_mb=65536"], "actor.max_tokens_per_mb<="),
+        (["actor.max_tokens_per_mb=8192"], "actor.max_tokens_per_mb<="),  # 65 GB without recomputation
+        (["actor.max_tokens_per_mb=1024", "rollout.max_running_requests=512"], "rollout.max_running_requests<="),
+    ],
+)
 def test_submit_check_memory_refuses_a_layout_that_cannot_fit(extra, message, tmp_path):
     done = check_memory_on_l40s(tmp_path, *extra)
     assert done.returncode == 2, done.stderr
@@ -246,7 +296,8 @@ def test_submit_check_memory_refuses_a_layout_that_cannot_fit(extra, message, tm
 @pytest.mark.slurm
 def test_submit_check_memory_counts_activation_recomputation(tmp_path):
     """The same 8192-token micro-batches fit with every layer recomputed (34.8 GB of 43.2 usable)."""
-    done = check_memory_on_l40s(tmp_path, "actor.max_tokens_per_mb=8192", "actor.recompute=full",
-                                "rollout.max_running_requests=16")
+    done = check_memory_on_l40s(
+        tmp_path, "actor.max_tokens_per_mb=8192", "actor.recompute=full", "rollout.max_running_requests=16"
+    )
     assert done.returncode == 0, done.stderr
     assert "memory check on L40S: trainer: 34.77 GB" in done.stderr and "fits in 43.2" in done.stderr

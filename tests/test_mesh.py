@@ -42,8 +42,9 @@ def test_groups_equal_megatron_rank_generator_for_every_layout_up_to_32_ranks():
         dense = RankGenerator(tp=dims.tp, ep=1, dp=dims.dp, pp=dims.pp, cp=dims.cp, order="tp-cp-ep-dp-pp")
         for name in DENSE_GROUPS:
             assert as_sets(dims.groups(name)) == as_sets(dense.get_ranks(name)), (dims, name)
-        expert = RankGenerator(tp=dims.tp, ep=dims.ep, dp=dims.dp * dims.cp // dims.ep, pp=dims.pp, cp=1,
-                               order="tp-ep-dp-pp")
+        expert = RankGenerator(
+            tp=dims.tp, ep=dims.ep, dp=dims.dp * dims.cp // dims.ep, pp=dims.pp, cp=1, order="tp-ep-dp-pp"
+        )
         for ours, theirs in EXPERT_GROUPS.items():
             assert as_sets(dims.groups(ours)) == as_sets(expert.get_ranks(theirs)), (dims, ours)
         checked += 1
@@ -62,13 +63,16 @@ def test_sizes_from_config_fill_dp_and_accept_the_planners_allocation():
     assert ParallelDims.from_config(ParallelConfig(cp=2, ep=4), 8).dp == 4
 
 
-@pytest.mark.parametrize("parallel, world, message", [
-    (ParallelConfig(tp=3), 8, "tp=3 x pp=1 x cp=1 needs rl.trainer_processes to be a multiple of 3, got 8"),
-    (ParallelConfig(dp=2, tp=2), 8, "need 4 processes, but 8 were started"),
-    (ParallelConfig(ep=3), 4, "actor.parallel.ep=3 must divide dp x cp = 4"),
-    (ParallelConfig(sequence_parallel=True), 2, "sequence_parallel=true needs tp > 1"),
-    (ParallelConfig(allocation="megatron:8x1x1"), 8, "expected megatron:d<dp>p<pp>t<tp>"),
-])
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        (ParallelConfig(tp=3), 8, "tp=3 x pp=1 x cp=1 needs rl.trainer_processes to be a multiple of 3, got 8"),
+        (ParallelConfig(dp=2, tp=2), 8, "need 4 processes, but 8 were started"),
+        (ParallelConfig(ep=3), 4, "actor.parallel.ep=3 must divide dp x cp = 4"),
+        (ParallelConfig(sequence_parallel=True), 2, "sequence_parallel=true needs tp > 1"),
+        (ParallelConfig(allocation="megatron:8x1x1"), 8, "expected megatron:d<dp>p<pp>t<tp>"),
+    ],
+)
 def test_bad_sizes_are_one_clear_line(parallel, world, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("+", r"\+")):
         ParallelDims.from_config(parallel, world)
@@ -77,10 +81,21 @@ def test_bad_sizes_are_one_clear_line(parallel, world, message):
 def run_mesh_ranks(tmp_path, **sizes) -> list[dict]:
     world = sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
     port, out = str(free_port("127.0.0.1")), tmp_path / "mesh"
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.mesh_ranks", str(out), *(f"{k}={v}" for k, v in sizes.items())],
-                              cwd=REPO, env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-             for r in range(world)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.mesh_ranks", str(out), *(f"{k}={v}" for k, v in sizes.items())],
+            cwd=REPO,
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for r in range(world)
+    ]
     try:
         assert [p.wait(timeout=120) for p in ranks] == [0] * world
     finally:

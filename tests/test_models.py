@@ -24,8 +24,13 @@ def test_plain_transformers_loads_the_folder_offline(tiny_model_dir):
         f"t = AutoTokenizer.from_pretrained({str(tiny_model_dir)!r});"
         "print(json.dumps([m.config.model_type, sum(p.numel() for p in m.parameters()), t('1+2')['input_ids']]))"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     model_type, n_params, ids = json.loads(out.stdout.strip().splitlines()[-1])
     assert model_type == "qwen2"
     assert 0.5e6 < n_params < 5e6
@@ -67,7 +72,6 @@ def test_encode_decode_round_trip_preserves_any_text(tiny_model_dir, text):
     import unicodedata
 
     assert tokenizer.decode(ids) == unicodedata.normalize("NFC", text)
-
 
 
 @functools.lru_cache

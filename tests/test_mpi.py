@@ -23,8 +23,11 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 def _clean_environ() -> dict:
     """This shell's environment without any launcher's placement (a test may run inside one)."""
-    return {k: v for k, v in os.environ.items()
-            if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "OMPI_", "PMI"))}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "OMPI_", "PMI"))
+    }
 
 
 def _reports(folder: Path) -> list[dict]:
@@ -33,17 +36,36 @@ def _reports(folder: Path) -> list[dict]:
 
 
 def test_mpirun_world_is_one_torch_world(tmp_path):
-    done = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-m",
-                           "tests.rank_allreduce", "1", "--mpi", "--reports", str(tmp_path / "reports")],
-                          cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**_clean_environ(), RENDEZVOUS: str(tmp_path / "rendezvous"), "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "2",
+            sys.executable,
+            "-m",
+            "tests.rank_allreduce",
+            "1",
+            "--mpi",
+            "--reports",
+            str(tmp_path / "reports"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**_clean_environ(), RENDEZVOUS: str(tmp_path / "rendezvous"), "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     reports = _reports(tmp_path / "reports")
     assert [(r["rank"], r["world"], r["source"]) for r in reports] == [(0, 2, "mpi"), (1, 2, "mpi")]
     assert [(r["mpi_sum"], r["torch_rank"], r["torch_sum"]) for r in reports] == [(3, 0, 3.0), (3, 1, 3.0)]
     # with only PMIX_RANK left, Placement asks mpi4py and finds the same place
-    assert all(r["via_mpi4py"] == {**{k: r[k] for k in ("rank", "world", "local_rank", "node")}, "source": "mpi"}
-               for r in reports)
+    assert all(
+        r["via_mpi4py"] == {**{k: r[k] for k in ("rank", "world", "local_rank", "node")}, "source": "mpi"}
+        for r in reports
+    )
 
 
 @pytest.mark.slurm
@@ -61,8 +83,9 @@ export {RENDEZVOUS}={tmp_path}/name_resolve/trainer/$SLURM_JOB_ID.${{SLURM_RESTA
 {sys.executable} -m areal_hpc.launch.srun_guard --poll-s 1 --grace-s 5 \\
   srun --mpi=pmix --het-group=0,1 {sys.executable} -m tests.rank_allreduce 2 --mpi --reports {tmp_path}/reports
 """)
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30,
-                               env=_clean_environ())
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30, env=_clean_environ()
+    )
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     ended = wait_for_end(job, 90, components=2)  # ~5 s alone; the suite may load both nodes
@@ -71,13 +94,19 @@ export {RENDEZVOUS}={tmp_path}/name_resolve/trainer/$SLURM_JOB_ID.${{SLURM_RESTA
     assert states == ["COMPLETED", "COMPLETED"], output
     reports = _reports(tmp_path / "reports")
     placed = [(r["rank"], r["world"], r["local_rank"], r["node"], r["source"], r["role"], r["index"]) for r in reports]
-    assert placed == [(0, 3, 0, "train1", "slurm", "trainer", 0), (1, 3, 1, "train1", "slurm", "trainer", 1),
-                      (2, 3, 0, "rollout1", "slurm", "rollout", 0)], output
+    assert placed == [
+        (0, 3, 0, "train1", "slurm", "trainer", 0),
+        (1, 3, 1, "train1", "slurm", "trainer", 1),
+        (2, 3, 0, "rollout1", "slurm", "rollout", 0),
+    ], output
     assert [(r["mpi_sum"], r["torch_rank"], r["torch_sum"]) for r in reports] == [(6, i, 6.0) for i in range(3)]
     assert [r["trainer_sum"] for r in reports] == [3.0, 3.0, 3.0]  # trainers: 1 + 2; the rollout rank's own 3
     assert [r["devices"] for r in reports] == [["0"], ["1"], ["0"]]  # GRES: gpu:2 on train1, gpu:1 on rollout1
     assert [r["threads"] for r in reports] == [None, None, 1]  # -c 1 on the rollout component only
-    assert all({k: r["via_mpi4py"][k] for k in ("rank", "world", "local_rank")} ==
-               {k: r[k] for k in ("rank", "world", "local_rank")} for r in reports)
+    assert all(
+        {k: r["via_mpi4py"][k] for k in ("rank", "world", "local_rank")}
+        == {k: r[k] for k in ("rank", "world", "local_rank")}
+        for r in reports
+    )
     store = next((tmp_path / "name_resolve" / "trainer").glob(f"{job}.*/store")).read_text()
     assert store.rsplit(":", 1)[0] == node_address(environ={"SLURMD_NODENAME": "train1"})  # rank 0 published it

@@ -27,8 +27,13 @@ with registered_server(sys.argv[1], sys.argv[2], interval_s=float(sys.argv[3])):
 
 def start_writer(run_dir, address: str, interval_s: float, incarnation: str = "") -> subprocess.Popen:
     """A process that registers ``address`` and keeps its heartbeat, until killed."""
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run_dir), address, str(interval_s)], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, INCARNATION: incarnation})
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(run_dir), address, str(interval_s)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, INCARNATION: incarnation},
+    )
     assert writer.stdout.readline() == "registered\n"
     return writer
 
@@ -49,8 +54,11 @@ def test_a_live_writer_stays_listed_and_a_killed_ones_entry_is_ignored_once_stal
 
     async def listed_for(seconds: float) -> float:  # listed at every look, for longer than the stale limit
         started = time.monotonic()
-        await wait_until(lambda: names.values(ROLLOUT_SERVERS) != ["node1:30000"] or
-                         time.monotonic() - started > seconds, timeout=30, what="two stale limits to pass")
+        await wait_until(
+            lambda: names.values(ROLLOUT_SERVERS) != ["node1:30000"] or time.monotonic() - started > seconds,
+            timeout=30,
+            what="two stale limits to pass",
+        )
         return time.monotonic() - started
 
     assert asyncio.run(listed_for(4.0)) > 4.0 and names.values(ROLLOUT_SERVERS) == ["node1:30000"]

@@ -29,8 +29,11 @@ def reference(tiny_model_dir) -> dict:
     return reference_run(tiny_model_dir)
 
 
-@pytest.mark.parametrize("world, options", [(2, ["dp=2", "ep=2"]), (4, ["dp=2", "cp=2", "ep=2"]),
-                                            (4, ["dp=2", "ep=2", "pp=2"])], ids=["ep2", "cp2_ep2_edp2", "ep2_pp2"])
+@pytest.mark.parametrize(
+    "world, options",
+    [(2, ["dp=2", "ep=2"]), (4, ["dp=2", "cp=2", "ep=2"]), (4, ["dp=2", "ep=2", "pp=2"])],
+    ids=["ep2", "cp2_ep2_edp2", "ep2_pp2"],
+)
 def test_moe_step_with_expert_parallelism_equals_one_process(world, options, tiny_moe_dir, tmp_path):
     assert_same_step(run_ranks(world, tiny_moe_dir, tmp_path / "out.pt", *options), reference_run(tiny_moe_dir))
 
@@ -167,12 +170,15 @@ def test_pp2_checkpoint_restores_the_step(tiny_model_dir, reference, tmp_path):
     assert all(torch.equal(loaded[name], initial[name]) for name in initial)
 
 
-@pytest.mark.parametrize("sizes, message", [
-    (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
-    (dict(tp=3), "tp=3 must divide the model's num_attention_heads=4"),
-    (dict(dp=2, distributed_optimizer=True), "does not build actor.parallel.distributed_optimizer=true"),
-    (dict(pp=2, vpp=2), "does not build actor.parallel.vpp=2"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
+        (dict(tp=3), "tp=3 must divide the model's num_attention_heads=4"),
+        (dict(dp=2, distributed_optimizer=True), "does not build actor.parallel.distributed_optimizer=true"),
+        (dict(pp=2, vpp=2), "does not build actor.parallel.vpp=2"),
+    ],
+)
 def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
     config = load_model(tiny_model_dir).config
     with pytest.raises(UserError, match=message):

@@ -87,7 +87,7 @@ def test_length_groups_cover_every_sequence_within_the_padding_tolerance(lengths
     for g in groups:
         longest = max(lengths[i] for i in g)
         assert lengths[g[0]] == longest  # the group's block length is its first member's
-        assert len(g) == 1 or len(g) * longest ** 2 <= PAD_TOLERANCE * sum(lengths[i] ** 2 for i in g)
+        assert len(g) == 1 or len(g) * longest**2 <= PAD_TOLERANCE * sum(lengths[i] ** 2 for i in g)
 
 
 @settings(max_examples=30, deadline=None)
@@ -112,8 +112,12 @@ def test_chunked_logprobs_equal_full_log_softmax(rows, vocab, temperature, chunk
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(2, 4), st.sampled_from([0, 1, 2]),
-       st.integers(0, 2**16))
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    st.integers(2, 4),
+    st.sampled_from([0, 1, 2]),
+    st.integers(0, 2**16),
+)
 def test_context_shares_cover_each_token_once_in_zigzag_chunks(lengths, cp, pad, seed):
     """Megatron's contract for packed sequences under cp (written from its rotary embedding: each
     rank holds chunks r and 2cp-1-r of 2cp equal chunks of every padded sequence) when padded to a
@@ -154,8 +158,8 @@ def test_a_filler_sequence_keeps_each_positions_temperature(lengths, multiple):
     temperatures = torch.arange(sum(lengths), dtype=torch.float32) + 0.5
     filled = with_filler(pack(sequences, sequences, temperatures), multiple)
     assert filled.input_ids.shape[1] % multiple == 0
-    assert torch.equal(filled.temperatures[:sum(lengths)], temperatures)
-    assert bool((filled.temperatures[sum(lengths):] == 1).all())
+    assert torch.equal(filled.temperatures[: sum(lengths)], temperatures)
+    assert bool((filled.temperatures[sum(lengths) :] == 1).all())
     targets = filled.target_mask.nonzero()[:, 0]
     assert torch.equal(filled.target_temperatures(targets, 7.0)[:, 0], temperatures[targets])
     assert bool((pack(sequences, sequences).target_temperatures(targets, 7.0) == 7.0).all())

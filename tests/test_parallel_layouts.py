@@ -46,8 +46,9 @@ STEP = ("actor.ppo_n_minibatches=2", "optimizer.eps=1e-4")
 
 @functools.cache
 def single_process(engine: str, model_dir: str, folder: str, extra: tuple[str, ...] = ()) -> dict:
-    return run_ranks(1, model_dir, f"{folder}/{engine}-single{'-'.join(extra)}.pt", f"actor.engine={engine}",
-                     *STEP, *extra)
+    return run_ranks(
+        1, model_dir, f"{folder}/{engine}-single{'-'.join(extra)}.pt", f"actor.engine={engine}", *STEP, *extra
+    )
 
 
 def assert_same_step(ours: dict, reference: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -80,8 +81,9 @@ def test_ppo_critic_trains_the_same_under_tensor_parallelism(engine, tiny_model_
     """Actor and critic through the trainer with tp2, against the torch engine in one process."""
     ppo = ("actor.adv_estimator=ppo",)
     reference = single_process("torch", str(tiny_model_dir), reference_folder, ppo)
-    ours = run_ranks(2, tiny_model_dir, tmp_path / "out.pt", f"actor.engine={engine}", *STEP, *ppo,
-                     "actor.parallel.tp=2")
+    ours = run_ranks(
+        2, tiny_model_dir, tmp_path / "out.pt", f"actor.engine={engine}", *STEP, *ppo, "actor.parallel.tp=2"
+    )
     assert set(ours["weights"]) == {"actor", "critic"}
     assert_same_step(ours, reference)
 
@@ -106,12 +108,13 @@ def test_tensor_parallel_step_under_srun_across_two_nodes(engine, tiny_model_dir
 #SBATCH --job-name=areal-hpc-test-tp2 -p all -N 2 -n 2 --ntasks-per-node=1 --mem-per-cpu=1500M
 #SBATCH --output={log} --chdir={REPO}
 export {RENDEZVOUS}={tmp_path}/rendezvous/$SLURM_JOB_ID OMP_NUM_THREADS=1
-srun {sys.executable} -m tests.trainer_processes {tiny_model_dir} {out} actor.engine={engine} {' '.join(STEP)} \\
+srun {sys.executable} -m tests.trainer_processes {tiny_model_dir} {out} actor.engine={engine} {" ".join(STEP)} \\
     actor.parallel.tp=2
 """)
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30,
-                               env=environ)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30, env=environ
+    )
     assert submitted.returncode == 0, submitted.stderr
     states = wait_for_end(submitted.stdout.strip(), 240)
     assert [state for state, _, _ in states.values()] == ["COMPLETED"], log.read_text() if log.exists() else states

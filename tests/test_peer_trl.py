@@ -48,8 +48,14 @@ def test_the_trl_process_imports_nothing_of_the_project():
     """What the child imports to train (torch, transformers, datasets, trl's GRPOTrainer) pulls in no areal_hpc
     module; the child also asserts it at the end of every run, and the parent reads its report."""
     pytest.importorskip("trl")
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "peer_trl_child.py"), "--imports"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "peer_trl_child.py"), "--imports"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"areal_hpc_modules": []}
 
 
@@ -85,9 +91,17 @@ def rows(differences: list[float]) -> list[dict]:
     out = []
     for seed, difference in enumerate(differences, 1):
         for trainer, accuracy, cpu in (("ours", 0.65 + difference, 0.2), ("trl", 0.65, 0.5)):
-            out.append({"trainer": trainer, "seed": seed, "final_accuracy": accuracy, "cpu_s_per_step": cpu,
-                        "s_per_step": cpu / 1.5, "peak_mib": 800.0 if trainer == "ours" else 1000.0,
-                        "steady_mib": 700.0 if trainer == "ours" else 900.0})
+            out.append(
+                {
+                    "trainer": trainer,
+                    "seed": seed,
+                    "final_accuracy": accuracy,
+                    "cpu_s_per_step": cpu,
+                    "s_per_step": cpu / 1.5,
+                    "peak_mib": 800.0 if trainer == "ours" else 1000.0,
+                    "steady_mib": 700.0 if trainer == "ours" else 900.0,
+                }
+            )
     return out
 
 
@@ -172,8 +186,12 @@ def write_peer_run(root: Path, side: str, seed: int, rewards: list[float], evals
     """A finished run as peer_trl.py leaves it: metrics.jsonl with no eval/accuracy (TRL's), evals.json beside."""
     run = root / f"{side}-seed{seed}"
     (run / peer_trl.RUN_FILE).parent.mkdir(parents=True)
-    (run / peer_trl.RUN_FILE).write_text("".join(json.dumps({"step": s + 1, "time": 1.0 + s, "time/step": 1.0,
-                                                             "rollout/reward": r}) + "\n" for s, r in enumerate(rewards)))
+    (run / peer_trl.RUN_FILE).write_text(
+        "".join(
+            json.dumps({"step": s + 1, "time": 1.0 + s, "time/step": 1.0, "rollout/reward": r}) + "\n"
+            for s, r in enumerate(rewards)
+        )
+    )
     (run / "evals.json").write_text(json.dumps([{"step": step, "accuracy": a, "n": 500} for step, a in evals]))
 
 
@@ -182,14 +200,32 @@ def test_reward_by_version_reads_the_accuracies_of_peer_trl_runs_from_their_eval
 
     for seed, gap in ((1, 0.02), (2, 0.04)):
         write_peer_run(tmp_path, "trl", seed, [0.4] * 20, [(0, 0.45), (160, 0.6), (180, 0.62), (200, 0.64)])
-        write_peer_run(tmp_path, "ours", seed, [0.4 + gap] * 20, [(0, 0.45), (160, 0.6 + gap), (180, 0.62 + gap),
-                                                                  (200, 0.64 + gap)])
+        write_peer_run(
+            tmp_path,
+            "ours",
+            seed,
+            [0.4 + gap] * 20,
+            [(0, 0.45), (160, 0.6 + gap), (180, 0.62 + gap), (200, 0.64 + gap)],
+        )
     run = reward_by_version.run_summary(tmp_path / "trl-seed1" / peer_trl.RUN_FILE)
     assert run["final"] == pytest.approx(0.62) and run["staleness"] == 0.0
-    done = subprocess.run([sys.executable, "bench/reward_by_version.py",
-                           "--baseline", f"trl={tmp_path}/trl-seed{{seed}}/{peer_trl.RUN_FILE}",
-                           "--runs", f"ours={tmp_path}/ours-seed{{seed}}/{peer_trl.RUN_FILE}", "--seeds", "1", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/reward_by_version.py",
+            "--baseline",
+            f"trl={tmp_path}/trl-seed{{seed}}/{peer_trl.RUN_FILE}",
+            "--runs",
+            f"ours={tmp_path}/ours-seed{{seed}}/{peer_trl.RUN_FILE}",
+            "--seeds",
+            "1",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| ours | 2 | 0.00 | +3.00 ± 1.00 | +3.00 ± 1.00 |" in done.stdout
     (tmp_path / "trl-seed1" / "evals.json").unlink()  # neither evals.json nor eval/accuracy: refused, not NaN

@@ -44,8 +44,9 @@ def test_users_own_policy_loss_from_a_file_is_the_objective(user_loss):
     logp = (prox + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=-0.01)
     ref = (prox + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=-0.01)
     adv, weights = torch.randn(n, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
-    cfg = PPOLossConfig(policy_loss=f"{user_loss}:LOG_RATIO", behav_correction="cap", behav_imp_weight_cap=1.5,
-                        kl_coef=0.1)
+    cfg = PPOLossConfig(
+        policy_loss=f"{user_loss}:LOG_RATIO", behav_correction="cap", behav_imp_weight_cap=1.5, kl_coef=0.1
+    )
     logp = logp.requires_grad_()
     loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, cu, weights, cfg, reference_logprobs=ref)
 
@@ -68,13 +69,20 @@ def test_users_own_trust_region_loss_needs_the_decoupled_loss_and_trust_keep(use
         PPOLossConfig(policy_loss=f"{user_loss}:STALE_LOG_RATIO", decoupled=False)
     ones, cu = torch.ones(3, dtype=torch.float64), torch.tensor([0, 3])
     with pytest.raises(ValueError, match="STALE_LOG_RATIO.* needs trust_keep"):
-        decoupled_ppo_loss(-ones, -ones, -ones, ones, ones.bool(), cu, ones,
-                           PPOLossConfig(policy_loss=f"{user_loss}:STALE_LOG_RATIO"))
+        decoupled_ppo_loss(
+            -ones, -ones, -ones, ones, ones.bool(), cu, ones, PPOLossConfig(policy_loss=f"{user_loss}:STALE_LOG_RATIO")
+        )
 
 
-@pytest.mark.parametrize(("spec", "says"), [("grpo", "is not a built-in"), ("{dir}/missing.py:LOSS", "no file"),
-                                            ("{dir}/my_loss.py:NOPE", "has no 'NOPE'"),
-                                            ("areal_hpc.algo.policy_losses", "is not a built-in")])
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("grpo", "is not a built-in"),
+        ("{dir}/missing.py:LOSS", "no file"),
+        ("{dir}/my_loss.py:NOPE", "has no 'NOPE'"),
+        ("areal_hpc.algo.policy_losses", "is not a built-in"),
+    ],
+)
 def test_a_policy_loss_that_names_none_is_one_line_naming_the_key(user_loss, tmp_path, spec, says):
     with pytest.raises(UserError, match=f"config key 'actor.policy_loss': .*{says}") as err:
         PPOLossConfig(policy_loss=spec.format(dir=tmp_path))
@@ -82,9 +90,11 @@ def test_a_policy_loss_that_names_none_is_one_line_naming_the_key(user_loss, tmp
 
 
 def test_the_built_in_policy_losses_load_without_torch():
-    code = ("import sys\nfrom areal_hpc import builtins\n"
-            "names = builtins.POINTS['policy_loss'].builtins\n"
-            "flags = [builtins.load('policy_loss', name).trust_region for name in names]\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\nprint(sum(flags))")
+    code = (
+        "import sys\nfrom areal_hpc import builtins\n"
+        "names = builtins.POINTS['policy_loss'].builtins\n"
+        "flags = [builtins.load('policy_loss', name).trust_region for name in names]\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\nprint(sum(flags))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "1"  # M2PO's alone

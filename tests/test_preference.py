@@ -48,8 +48,12 @@ def reference_loss(h: float, cfg: PairLossConfig) -> float:
 
 
 @FAST
-@given(st.lists(st.floats(-60, 60, allow_nan=False), min_size=1, max_size=12), st.sampled_from(LOSSES),
-       st.floats(0.01, 2.0), st.sampled_from([0.0, 0.1, 0.3]))
+@given(
+    st.lists(st.floats(-60, 60, allow_nan=False), min_size=1, max_size=12),
+    st.sampled_from(LOSSES),
+    st.floats(0.01, 2.0),
+    st.sampled_from([0.0, 0.1, 0.3]),
+)
 def test_pair_losses_and_their_margin_gradients_match_float64_loops(margins, loss, beta, smoothing):
     cfg = PairLossConfig(loss=loss, beta=beta, label_smoothing=smoothing)
     mean, gradient = margin_gradients(torch.tensor(margins, dtype=torch.float64), cfg)
@@ -62,9 +66,15 @@ def test_pair_losses_and_their_margin_gradients_match_float64_loops(margins, los
 
 
 @FAST
-@given(st.lists(st.tuples(st.floats(-30, 30), st.floats(-30, 30), st.floats(-30, -0.01), st.integers(1, 9)),
-                min_size=1, max_size=8),
-       st.sampled_from([0.0, 0.5, 2.0]), st.sampled_from(["sigmoid", "bradley_terry"]))
+@given(
+    st.lists(
+        st.tuples(st.floats(-30, 30), st.floats(-30, 30), st.floats(-30, -0.01), st.integers(1, 9)),
+        min_size=1,
+        max_size=8,
+    ),
+    st.sampled_from([0.0, 0.5, 2.0]),
+    st.sampled_from(["sigmoid", "bradley_terry"]),
+)
 def test_regularised_objective_and_sequence_derivatives_match_a_float64_loop(pairs, nll_weight, loss_name):
     """The pair loss of the scores plus α·(chosen mean token NLL) of the log-likelihoods: the objective and its
     derivatives by each sequence's score and by each sequence's log-likelihood, separately (a reward model's
@@ -73,8 +83,9 @@ def test_regularised_objective_and_sequence_derivatives_match_a_float64_loop(pai
     scores = torch.tensor([v for c, r, _, _ in pairs for v in (c, r)], dtype=torch.float64)
     chosen_likelihood = torch.tensor([ll for _, _, ll, _ in pairs], dtype=torch.float64)
     tokens = torch.tensor([n for _, _, _, n in pairs])
-    loss, by_score, by_likelihood, _ = sequence_coefficients(scores[0::2], scores[1::2], cfg, nll_weight,
-                                                             chosen_likelihood, tokens)
+    loss, by_score, by_likelihood, _ = sequence_coefficients(
+        scores[0::2], scores[1::2], cfg, nll_weight, chosen_likelihood, tokens
+    )
 
     def objective(values: list[float], likelihoods: list[float]) -> float:
         n = len(pairs)
@@ -111,13 +122,16 @@ def test_bad_loss_settings_are_one_line():
 
 # --------------------------------------------------------------- the engine's weights are the objective's gradient
 
+
 def write_pairs(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
 
-ARITHMETIC_PAIRS = [{"prompt": f"What is {a}+{b}?", "chosen": str(a + b), "rejected": str(a + b + d)}
-                    for a, b, d in [(3, 4, 1), (12, 9, -2), (40, 2, 10), (7, 7, 3), (25, 11, -1), (8, 30, 2)]]
+ARITHMETIC_PAIRS = [
+    {"prompt": f"What is {a}+{b}?", "chosen": str(a + b), "rejected": str(a + b + d)}
+    for a, b, d in [(3, 4, 1), (12, 9, -2), (40, 2, 10), (7, 7, 3), (25, 11, -1), (8, 30, 2)]
+]
 
 
 @pytest.mark.parametrize("objective, nll_weight", [("dpo", 0.0), ("dpo", 1.5), ("rm", 0.0), ("rm", 1.5)])
@@ -127,9 +141,16 @@ def test_weighted_outputs_give_the_objectives_gradient(tiny_model_dir, tmp_path,
     NLL term, a reward model with its language-model regulariser (the NLL read through the language head)."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(tiny_model_dir)
-    pairs, _ = load_pairs(PreferenceConfig(path=write_pairs(tmp_path / "p.jsonl", ARITHMETIC_PAIRS), eval_size=1),
-                          0, tokenizer, 4096, say=lambda line: None)
-    cfg = load_config("configs/preference_arithmetic.yaml", ["preference.beta=0.5", f"preference.nll_weight={nll_weight}"])
+    pairs, _ = load_pairs(
+        PreferenceConfig(path=write_pairs(tmp_path / "p.jsonl", ARITHMETIC_PAIRS), eval_size=1),
+        0,
+        tokenizer,
+        4096,
+        say=lambda line: None,
+    )
+    cfg = load_config(
+        "configs/preference_arithmetic.yaml", ["preference.beta=0.5", f"preference.nll_weight={nll_weight}"]
+    )
     if objective == "dpo":
         model, outputs, loss_cfg = load_model(tiny_model_dir), packed_policy_outputs, PairLossConfig(beta=0.5)
     else:
@@ -194,48 +215,70 @@ def test_a_reward_models_language_head_is_the_causal_lms_output_layer(tiny_model
     save_model(broken, load_tokenizer(untied_dir), tmp_path / "no_head")  # a critic's checkpoint: no lm_head
     config = json.loads((tmp_path / "no_head" / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
-    with pytest.raises(CheckpointError, match=r"no_head: the checkpoint has no tensor 'lm_head.weight' \(its config "
-                                              r"does not tie the output layer to the embeddings\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no_head: the checkpoint has no tensor 'lm_head.weight' \(its config "
+        r"does not tie the output layer to the embeddings\)",
+    ):
         attach_language_head(load_critic(tmp_path / "no_head"), tmp_path / "no_head")
     pairs = write_pairs(tmp_path / "pairs.jsonl", ARITHMETIC_PAIRS)
     refused = run_cli(*pair_run_args("rm", tmp_path / "no_head", tmp_path, pairs, "preference.nll_weight=1"))
     assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines()[-1].endswith(
-        "no_head: the checkpoint has no tensor 'lm_head.weight' (its config does not tie the output layer to the "
-        "embeddings); the reward model's language-model regulariser reads that output layer "
-        "(preference.nll_weight=0 trains without it)")
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "no_head: the checkpoint has no tensor 'lm_head.weight' (its config does not tie the output layer to the "
+            "embeddings); the reward model's language-model regulariser reads that output layer "
+            "(preference.nll_weight=0 trains without it)"
+        )
+    )
     assert not (tmp_path / "rm" / "trial0" / "model").exists()
 
 
 # ------------------------------------------------------------------------------------------ the pair loader
 
+
 def test_conversation_pairs_split_at_the_last_assistant_turn():
-    shared = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-              {"role": "user", "content": "2+2?"}]
-    row = {"chosen": shared + [{"role": "assistant", "content": "4"}],
-           "rejected": shared + [{"role": "assistant", "content": "5"}]}
+    shared = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    row = {
+        "chosen": shared + [{"role": "assistant", "content": "4"}],
+        "rejected": shared + [{"role": "assistant", "content": "5"}],
+    }
     split = split_conversations(row, "chosen", "rejected", "prompt")
     assert (split["prompt"], split["chosen"], split["rejected"]) == (shared, "4", "5")
     diverging = {**row, "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "5"}]}
     assert split_conversations(diverging, "chosen", "rejected", "prompt")["chosen"] is None  # dropped later
-    assert split_conversations({"prompt": "p", "chosen": "a", "rejected": "b"}, "chosen", "rejected", "prompt") == \
-        {"prompt": "p", "chosen": "a", "rejected": "b"}
+    assert split_conversations({"prompt": "p", "chosen": "a", "rejected": "b"}, "chosen", "rejected", "prompt") == {
+        "prompt": "p",
+        "chosen": "a",
+        "rejected": "b",
+    }
 
 
 def test_bad_pairs_are_dropped_and_counted_in_one_line(tiny_model_dir, tmp_path):
     tokenizer = load_tokenizer(tiny_model_dir)
-    rows = ARITHMETIC_PAIRS + [{"prompt": "What is 1+1?", "chosen": "2", "rejected": None},
-                               {"prompt": "What is 2+2?", "chosen": "4", "rejected": "4"},
-                               {"prompt": "What is 3+3?", "chosen": "6" * 300, "rejected": "7"}]
+    rows = ARITHMETIC_PAIRS + [
+        {"prompt": "What is 1+1?", "chosen": "2", "rejected": None},
+        {"prompt": "What is 2+2?", "chosen": "4", "rejected": "4"},
+        {"prompt": "What is 3+3?", "chosen": "6" * 300, "rejected": "7"},
+    ]
     said = []
-    cfg = PreferenceConfig(path=write_pairs(tmp_path / "p.jsonl", rows), eval_path=write_pairs(tmp_path / "e.jsonl",
-                                                                                               ARITHMETIC_PAIRS[:2]))
+    cfg = PreferenceConfig(
+        path=write_pairs(tmp_path / "p.jsonl", rows), eval_path=write_pairs(tmp_path / "e.jsonl", ARITHMETIC_PAIRS[:2])
+    )
     train, held_out = load_pairs(cfg, 0, tokenizer, 64, say=said.append)
     assert (len(train), len(held_out)) == (6, 2)
-    assert said == ["dropped 3 training pairs: 1 with a missing side (first: p.jsonl/6); 1 with identical sides "
-                    "(first: p.jsonl/7); 1 longer than 64 tokens (first: p.jsonl/8)",
-                    "2 of 2 held-out pairs ask a prompt that training pairs ask too: their accuracy partly measures "
-                    "memory; hold out other prompts with preference.eval_path (areal-hpc pairs --split eval)"]
+    assert said == [
+        "dropped 3 training pairs: 1 with a missing side (first: p.jsonl/6); 1 with identical sides "
+        "(first: p.jsonl/7); 1 longer than 64 tokens (first: p.jsonl/8)",
+        "2 of 2 held-out pairs ask a prompt that training pairs ask too: their accuracy partly measures "
+        "memory; hold out other prompts with preference.eval_path (areal-hpc pairs --split eval)",
+    ]
     sequence, mask = train[0].sequences()[0]
     assert tokenizer.decode([t for t, m in zip(sequence, mask) if m]) == "7" + tokenizer.eos_token
 
@@ -246,27 +289,49 @@ def test_held_out_pairs_of_training_prompts_are_counted_and_others_are_not(tiny_
     tokenizer = load_tokenizer(tiny_model_dir)
     repeated = [dict(row, rejected=str(int(row["chosen"]) + 10 * k)) for row in ARITHMETIC_PAIRS for k in (1, 2, 3)]
     said = []
-    train, held_out = load_pairs(PreferenceConfig(path=write_pairs(tmp_path / "r.jsonl", repeated), eval_size=6),
-                                 0, tokenizer, 64, say=said.append)
+    train, held_out = load_pairs(
+        PreferenceConfig(path=write_pairs(tmp_path / "r.jsonl", repeated), eval_size=6),
+        0,
+        tokenizer,
+        64,
+        say=said.append,
+    )
     asked = {tuple(p.prompt_ids) for p in train}
     shared = sum(tuple(p.prompt_ids) in asked for p in held_out)
-    assert shared > 0 and said == [f"{shared} of 6 held-out pairs ask a prompt that training pairs ask too: their "
-                                   "accuracy partly measures memory; hold out other prompts with "
-                                   "preference.eval_path (areal-hpc pairs --split eval)"]
+    assert shared > 0 and said == [
+        f"{shared} of 6 held-out pairs ask a prompt that training pairs ask too: their "
+        "accuracy partly measures memory; hold out other prompts with "
+        "preference.eval_path (areal-hpc pairs --split eval)"
+    ]
     said.clear()
     others = [dict(row, prompt=row["prompt"].replace("+", " plus ")) for row in ARITHMETIC_PAIRS]
-    load_pairs(PreferenceConfig(path=write_pairs(tmp_path / "r.jsonl", repeated),
-                                eval_path=write_pairs(tmp_path / "o.jsonl", others)), 0, tokenizer, 64, say=said.append)
+    load_pairs(
+        PreferenceConfig(
+            path=write_pairs(tmp_path / "r.jsonl", repeated), eval_path=write_pairs(tmp_path / "o.jsonl", others)
+        ),
+        0,
+        tokenizer,
+        64,
+        say=said.append,
+    )
     assert said == []
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([{"prompt": "p", "good": "a", "rejected": "b"}],
-     "config key 'preference.chosen_field': .* has no column 'chosen'; its columns are prompt, good, rejected"),
-    ([{"question": "p", "chosen": "a", "rejected": "b"}],
-     "config key 'preference.prompt_field': .* has no column 'prompt'; its columns are question, chosen, rejected"),
-    ([{"prompt": "p", "chosen": "a", "rejected": "a"}], "no usable training pair"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (
+            [{"prompt": "p", "good": "a", "rejected": "b"}],
+            "config key 'preference.chosen_field': .* has no column 'chosen'; its columns are prompt, good, rejected",
+        ),
+        (
+            [{"question": "p", "chosen": "a", "rejected": "b"}],
+            "config key 'preference.prompt_field': .* has no column 'prompt'; "
+            "its columns are question, chosen, rejected",
+        ),
+        ([{"prompt": "p", "chosen": "a", "rejected": "a"}], "no usable training pair"),
+    ],
+)
 def test_unusable_pair_files_are_one_clear_error(tiny_model_dir, tmp_path, rows, message):
     cfg = PreferenceConfig(path=write_pairs(tmp_path / "p.jsonl", rows * 4), eval_size=1)
     with pytest.raises(UserError, match=message):
@@ -274,16 +339,20 @@ def test_unusable_pair_files_are_one_clear_error(tiny_model_dir, tmp_path, rows,
 
 
 def test_pairs_from_episodes_take_best_against_worst_where_rewards_differ():
-    episodes = [{"prompt": "a", "completion": c, "reward": r, "answer": "1"}
-                for c, r in [("1", 1.0), ("2", 0.0), ("1 ", 1.0)]]
+    episodes = [
+        {"prompt": "a", "completion": c, "reward": r, "answer": "1"} for c, r in [("1", 1.0), ("2", 0.0), ("1 ", 1.0)]
+    ]
     episodes += [{"prompt": "b", "completion": c, "reward": 0.0, "answer": "9"} for c in ("3", "4", "5")]
-    assert pairs_from_episodes(episodes, 3) == [{"prompt": "a", "chosen": "1", "rejected": "2", "answer": "1",
-                                                 "chosen_reward": 1.0, "rejected_reward": 0.0}]
+    assert pairs_from_episodes(episodes, 3) == [
+        {"prompt": "a", "chosen": "1", "rejected": "2", "answer": "1", "chosen_reward": 1.0, "rejected_reward": 0.0}
+    ]
 
 
 @FAST
-@given(st.lists(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6), min_size=1, max_size=5),
-       st.dictionaries(st.sampled_from("abcdef"), st.sampled_from([0.0, 0.5, 1.0]), min_size=6))
+@given(
+    st.lists(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6), min_size=1, max_size=5),
+    st.dictionaries(st.sampled_from("abcdef"), st.sampled_from([0.0, 0.5, 1.0]), min_size=6),
+)
 def test_all_pairing_is_every_distinct_completion_against_every_one_rewarded_lower(groups, reward_of):
     """Against an enumeration: per prompt, the set of (chosen, rejected) texts of ``--pairing all`` is every
     ordered pair of distinct sampled texts whose rewards differ, the higher chosen; each once."""
@@ -294,8 +363,13 @@ def test_all_pairing_is_every_distinct_completion_against_every_one_rewarded_low
         episodes += [{"prompt": f"p{g}", "completion": t, "reward": reward_of[t], "answer": ""} for t in padded]
     rows = pairs_from_episodes(episodes, n, "all")
     got = [(r["prompt"], r["chosen"], r["rejected"]) for r in rows]
-    want = {(f"p{g}", a, b) for g, texts in enumerate(groups) for a in set(texts) for b in set(texts)
-            if reward_of[a] > reward_of[b]}
+    want = {
+        (f"p{g}", a, b)
+        for g, texts in enumerate(groups)
+        for a in set(texts)
+        for b in set(texts)
+        if reward_of[a] > reward_of[b]
+    }
     assert len(got) == len(set(got)) and set(got) == want
     assert all(r["chosen_reward"] > r["rejected_reward"] for r in rows)
     best_worst = pairs_from_episodes(episodes, n)
@@ -305,11 +379,23 @@ def test_all_pairing_is_every_distinct_completion_against_every_one_rewarded_low
 
 # --------------------------------------------------------------------------------------- the commands, end to end
 
+
 def pair_run_args(command: str, model, fileroot, pairs: str, *extra: str) -> list[str]:
-    return [command, "--config", "configs/quickstart.yaml", f"model.path={model}", f"cluster.fileroot={fileroot}",
-            f"experiment.name={command}", f"preference.path={pairs}", "preference.eval_size=4",
-            "preference.total_train_steps=3", "preference.eval_every_steps=2", "preference.batch_size=4",
-            "stats.tensorboard=false", *extra]
+    return [
+        command,
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.path={model}",
+        f"cluster.fileroot={fileroot}",
+        f"experiment.name={command}",
+        f"preference.path={pairs}",
+        "preference.eval_size=4",
+        "preference.total_train_steps=3",
+        "preference.eval_every_steps=2",
+        "preference.batch_size=4",
+        "stats.tensorboard=false",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -348,11 +434,24 @@ def test_a_trained_reward_model_scores_the_rl_rollouts(tiny_model_dir, tmp_path)
     assert all(r["train/loss"] > r["train/chosen_nll"] for r in steps)  # the objective: Bradley-Terry + 1 x NLL
     reward_model = tmp_path / "rm" / "trial0" / "model"
     assert not any(name.startswith("language_head") for name in read_checkpoint(reward_model))  # the critic alone
-    result = run_cli("train", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}",
-                     f"cluster.fileroot={tmp_path}", f"reward.model={reward_model}", "rl.total_train_steps=2",
-                     "rl.eval_every_steps=2", "dataset.train_size=32", "dataset.eval_size=8", "rl.sft_warmup_steps=0",
-                     "rollout.consumer_batch_size=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=4",
-                     "stats.tensorboard=false", timeout=400)
+    result = run_cli(
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        f"model.path={tiny_model_dir}",
+        f"cluster.fileroot={tmp_path}",
+        f"reward.model={reward_model}",
+        "rl.total_train_steps=2",
+        "rl.eval_every_steps=2",
+        "dataset.train_size=32",
+        "dataset.eval_size=8",
+        "rl.sft_warmup_steps=0",
+        "rollout.consumer_batch_size=2",
+        "gconfig.n_samples=2",
+        "gconfig.max_new_tokens=4",
+        "stats.tensorboard=false",
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "quickstart" / "trial0"
     score = RewardModelScore(str(reward_model))
@@ -379,8 +478,11 @@ def critic_score(tiny_model_dir, tmp_path_factory):
 
 
 @settings(deadline=None, max_examples=25)
-@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=12), budget=st.sampled_from([1, 64, 16384]),
-       seed=st.integers(0, 2 ** 16))
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=1, max_size=12),
+    budget=st.sampled_from([1, 64, 16384]),
+    seed=st.integers(0, 2**16),
+)
 def test_reward_model_scores_a_padded_batch_as_each_sequence_alone(critic_score, lengths, budget, seed):
     """Right-padded rows, longest first, in forwards of at most TOKENS_PER_FORWARD tokens (1: one row each;
     64: several rows; 16384: all): each score is the value after that sequence's last token, scored alone."""
@@ -399,16 +501,27 @@ def test_reward_model_scores_a_padded_batch_as_each_sequence_alone(critic_score,
 
 
 def test_bad_reward_models_and_pair_requests_are_one_line(tiny_model_dir, tmp_path):
-    not_a_reward_model = run_cli("train", "--config", "configs/quickstart.yaml", f"cluster.fileroot={tmp_path}",
-                                 f"reward.model={tiny_model_dir}")
+    not_a_reward_model = run_cli(
+        "train", "--config", "configs/quickstart.yaml", f"cluster.fileroot={tmp_path}", f"reward.model={tiny_model_dir}"
+    )
     assert not_a_reward_model.returncode == 2
-    assert not_a_reward_model.stderr.strip().splitlines()[-1].endswith(
-        "without a value head; train a reward model with `areal-hpc rm` and give its <run>/model")
-    both = run_cli("train", "--config", "configs/quickstart.yaml", f"cluster.fileroot={tmp_path}",
-                   f"reward.model={tiny_model_dir}", "reward.fn=areal_hpc.reward.match:exact_match_reward")
+    assert (
+        not_a_reward_model.stderr.strip()
+        .splitlines()[-1]
+        .endswith("without a value head; train a reward model with `areal-hpc rm` and give its <run>/model")
+    )
+    both = run_cli(
+        "train",
+        "--config",
+        "configs/quickstart.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"reward.model={tiny_model_dir}",
+        "reward.fn=areal_hpc.reward.match:exact_match_reward",
+    )
     assert both.returncode == 2 and "'reward.fn' and 'reward.model' are both set" in both.stderr
     one_sample = run_cli("pairs", "--model", str(tiny_model_dir), "--out", str(tmp_path / "p.jsonl"), "--samples", "1")
     assert one_sample.returncode == 2 and "--samples must be at least 2" in one_sample.stderr
-    no_pairs = run_cli("dpo", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}",
-                       f"cluster.fileroot={tmp_path}")
+    no_pairs = run_cli(
+        "dpo", "--config", "configs/quickstart.yaml", f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}"
+    )
     assert no_pairs.returncode == 2 and "config key 'preference.path' is empty" in no_pairs.stderr

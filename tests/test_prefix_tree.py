@@ -20,7 +20,7 @@ def shared_prefix_batches(draw, vocab: int = 4, max_sequences: int = 8) -> list[
     sequences = [draw(st.lists(token, min_size=1, max_size=6))]
     for _ in range(draw(st.integers(0, max_sequences - 1))):
         base = draw(st.sampled_from(sequences))
-        prefix = base[:draw(st.integers(0, len(base)))]
+        prefix = base[: draw(st.integers(0, len(base)))]
         sequences.append(prefix + draw(st.lists(token, min_size=0 if prefix else 1, max_size=5)))
     return sequences
 
@@ -37,7 +37,7 @@ def test_paths_give_back_every_sequence_and_each_position_lies_in_one_node(seque
         assert node.parent < n  # pre-order: parents first
         assert node.start == (tree.nodes[node.parent].stop if node.parent >= 0 else 0)
         for s in node.sequences:  # a field of s sliced [start, stop) is this node's tokens' field
-            assert sequences[s][node.start:node.stop] == node.tokens
+            assert sequences[s][node.start : node.stop] == node.tokens
             covered |= {(s, t) for t in range(node.start, node.stop)}
     assert covered == {(i, t) for i, s in enumerate(sequences) for t in range(len(s))}
     for i, s in enumerate(sequences):
@@ -71,8 +71,9 @@ def exact_trie_tokens(sequences: list[list[int]], depth: int) -> int:
 
 @settings(max_examples=300, deadline=None)
 @given(shared_prefix_batches(), st.integers(0, 12), st.sampled_from([0, 0, 4, 12, 1000]))
-def test_a_node_is_shared_only_where_it_saves_min_saved_tokens_or_fits_a_row(sequences, min_saved_tokens,
-                                                                            shared_within):
+def test_a_node_is_shared_only_where_it_saves_min_saved_tokens_or_fits_a_row(
+    sequences, min_saved_tokens, shared_within
+):
     """Every node with two or more branches (children, and the sequences that end at it) saves its
     length x (branches - 1) >= min_saved_tokens, or its subtree (the exact trie of its sequences from
     its start) holds at most ``shared_within`` tokens and it saves at least what it widens a row (the

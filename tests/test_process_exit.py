@@ -31,8 +31,9 @@ PROGRAM = textwrap.dedent("""
 
 @pytest.mark.parametrize("code", [[], ["7"]], ids=["None is 0", "7"])
 def test_a_process_ends_with_its_code_after_its_threads_atexit_handlers_and_output(tmp_path, code):
-    ended = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path), *code], cwd=REPO, capture_output=True,
-                           text=True, timeout=60)
+    ended = subprocess.run(
+        [sys.executable, "-c", PROGRAM, str(tmp_path), *code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert ended.returncode == int(code[0] if code else 0), ended.stderr
     assert ended.stdout == "buffered, not flushed"
     assert (tmp_path / "thread").read_text() == "joined" and (tmp_path / "atexit").read_text() == "ran"
@@ -43,7 +44,8 @@ def test_the_command_ends_without_tearing_down_modules(tmp_path):
     """A module-level object's ``__del__`` runs when the interpreter tears modules down: not after
     ``areal-hpc`` (that teardown costs a trainer ~1 s), and triton's extension, imported, says nothing."""
     script = tmp_path / "command.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import torch, triton, transformers.models.qwen2.modeling_qwen2
         from areal_hpc.cli import run
         class TornDown:
@@ -51,9 +53,15 @@ def test_the_command_ends_without_tearing_down_modules(tmp_path):
                 open({str(tmp_path / "torn_down")!r}, "w").close()
         marker = TornDown()
         run()
-    """))
-    ended = subprocess.run([sys.executable, str(script), "train", "--config", str(tmp_path / "missing.yaml")], cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    """)
+    )
+    ended = subprocess.run(
+        [sys.executable, str(script), "train", "--config", str(tmp_path / "missing.yaml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ended.returncode == 2 and ended.stderr.count("\n") == 1 and "missing.yaml" in ended.stderr, ended.stderr
     assert not (tmp_path / "torn_down").exists()
     normal = subprocess.run([sys.executable, "-c", script.read_text().replace("run()", "")], cwd=REPO, timeout=120)

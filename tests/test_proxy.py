@@ -37,16 +37,28 @@ def server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.yaml"
-    write_keys(path, {"alice": {"keys": [ALICE]}, "bob": {"keys": [BOB]},
-                      "limited": {"keys": [LIMITED], "requests_per_minute": 2},
-                      "load": {"keys": [LOAD], "requests_per_minute": 0, "tokens_per_minute": 0}})
+    write_keys(
+        path,
+        {
+            "alice": {"keys": [ALICE]},
+            "bob": {"keys": [BOB]},
+            "limited": {"keys": [LIMITED], "requests_per_minute": 2},
+            "load": {"keys": [LOAD], "requests_per_minute": 0, "tokens_per_minute": 0},
+        },
+    )
     return path
 
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir, server, keys_file, tmp_path_factory):
-    cfg = proxy_config(tiny_model_dir, tmp_path_factory.mktemp("proxy"), [server], keys_file,
-                       "proxy.discount=0.5", "proxy.max_request_bytes=65536")
+    cfg = proxy_config(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("proxy"),
+        [server],
+        keys_file,
+        "proxy.discount=0.5",
+        "proxy.max_request_bytes=65536",
+    )
     with running_proxy(cfg) as (base, state, run):
         yield base, state, run
 
@@ -65,25 +77,38 @@ def test_openai_client_sync_async_and_streaming_get_the_servers_tokens(proxy, ti
     whole = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=6, temperature=0, logprobs=True)
     turn = state.by_key[hash_key(key)].turns[-1]
     tokenizer = load_tokenizer(tiny_model_dir)  # transformers' own template rendering is the reference
-    assert turn.prompt_ids == tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
-                                                            return_dict=False)
+    assert turn.prompt_ids == tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert whole.id == turn.interaction_id and whole.choices[0].message.content == tokenizer.decode(
-        turn.output_ids, skip_special_tokens=True)
+        turn.output_ids, skip_special_tokens=True
+    )
     assert [t.logprob for t in whole.choices[0].logprobs.content] == pytest.approx(turn.logprobs)
     assert whole.usage.prompt_tokens == len(turn.prompt_ids) and whole.usage.completion_tokens == len(turn.output_ids)
 
-    streamed = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=6, temperature=0,
-                                              stream=True, stream_options={"include_usage": True})
+    streamed = client.chat.completions.create(
+        model="tiny",
+        messages=QUESTION,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
     async def async_calls():
         aclient = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
-        replies = await asyncio.gather(*(aclient.chat.completions.create(
-            model="tiny", messages=QUESTION, max_tokens=6, temperature=0) for _ in range(4)))
+        replies = await asyncio.gather(
+            *(
+                aclient.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=6, temperature=0)
+                for _ in range(4)
+            )
+        )
         await aclient.close()
         return replies
+
     assert {r.choices[0].message.content for r in asyncio.run(async_calls())} == {whole.choices[0].message.content}
 
     text = client.completions.create(model="tiny", prompt="2+3=", max_tokens=4, temperature=0, logprobs=0)
@@ -99,8 +124,10 @@ def test_multi_turn_session_with_late_reward_is_one_exact_record(proxy, server):
     for turn_no in range(3):
         reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
         ids.append(reply.id)
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                     {"role": "user", "content": f"and then {turn_no}?"}]
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": f"and then {turn_no}?"},
+        ]
     assert call(base, "/rl/set_reward", {"reward": 0.25, "interaction_id": ids[0]}, key)[0] == 200
     status, ended, _ = call(base, "/rl/end_session", {}, key)
     assert status == 200 and ended["records"][0]["interaction_ids"] == ids
@@ -113,14 +140,22 @@ def test_multi_turn_session_with_late_reward_is_one_exact_record(proxy, server):
     assert record.metadata["interaction_ids"] == ids and record.metadata["discount"] == 0.5
     full = np.concatenate([np.concatenate([s.input_ids, s.output_ids]) for s in record.segments]).tolist()
     for n, segment in enumerate(record.segments):  # each turn is what the rollout server gives for its prompt
-        prompt = np.concatenate([np.concatenate([s.input_ids, s.output_ids]) for s in record.segments[:n]]
-                                + [segment.input_ids]).tolist()
-        status, direct, _ = call(f"http://{server}", "/generate", {
-            "input_ids": prompt, "return_logprob": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0,
-                                                                              "stop_token_ids": [2]}})
+        prompt = np.concatenate(
+            [np.concatenate([s.input_ids, s.output_ids]) for s in record.segments[:n]] + [segment.input_ids]
+        ).tolist()
+        status, direct, _ = call(
+            f"http://{server}",
+            "/generate",
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0, "stop_token_ids": [2]},
+            },
+        )
         assert segment.output_ids.tolist() == direct["output_ids"]
-        assert segment.output_logprobs == pytest.approx([e[0] for e in direct["meta_info"]["output_token_logprobs"]],
-                                                        abs=1e-4)
+        assert segment.output_logprobs == pytest.approx(
+            [e[0] for e in direct["meta_info"]["output_token_logprobs"]], abs=1e-4
+        )
         assert segment.output_versions.tolist() == [0] * len(direct["output_ids"])
     assert len(full) == record.n_tokens and all(len(s.input_ids) for s in record.segments)
     assert sorted((r.step, r.value) for r in record.rewards) == [(0, 0.25), (2, 1.0)]
@@ -133,10 +168,13 @@ def test_tenants_cannot_read_end_or_reward_each_others_sessions(proxy):
     other_alice_id, _ = start_session(base, ALICE)
     bob_id, bob_key = start_session(base, BOB)
     openai.OpenAI(base_url=f"{base}/v1", api_key=alice_key, max_retries=0).chat.completions.create(
-        model="tiny", messages=QUESTION, max_tokens=2)
+        model="tiny", messages=QUESTION, max_tokens=2
+    )
     for key in (bob_key, BOB):  # another tenant: the session does not exist for them
-        for route, body in [("/rl/set_reward", {"reward": 1, "session_id": alice_id}),
-                            ("/rl/end_session", {"session_id": alice_id})]:
+        for route, body in [
+            ("/rl/set_reward", {"reward": 1, "session_id": alice_id}),
+            ("/rl/end_session", {"session_id": alice_id}),
+        ]:
             status, reply, _ = call(base, route, body, key)
             assert status == 404 and reply["error"]["code"] == "session_not_found"
         assert call(base, f"/rl/sessions/{alice_id}", key=key)[0] == 404
@@ -155,8 +193,11 @@ def test_bad_input_gets_openai_json_errors_and_the_proxy_keeps_serving(proxy, ke
         (call(base, "/v1/chat/completions", {"model": "tiny"}, key), 400, "invalid_value"),
         (call(base, "/v1/chat/completions", {**chat, "max_tokens": -1}, key), 400, "invalid_value"),
         (call(base, "/v1/chat/completions", {**chat, "model": "gpt-4"}, key), 404, "model_not_found"),
-        (call(base, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * 70000}]}, key),
-         413, "request_too_large"),
+        (
+            call(base, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * 70000}]}, key),
+            413,
+            "request_too_large",
+        ),
         (call(base, "/v1/chat/completions", chat), 401, "missing_api_key"),
         (call(base, "/v1/chat/completions", chat, "sk-not-a-key"), 401, "invalid_api_key"),
         (call(base, "/v1/chat/completions", chat, ALICE), 403, "session_required"),
@@ -185,11 +226,13 @@ def test_bad_input_gets_openai_json_errors_and_the_proxy_keeps_serving(proxy, ke
     assert call(base, "/v1/chat/completions", chat, key)[0] == 200  # still serving
 
 
-def test_sessions_wait_with_429_while_the_trainer_has_no_room_for_their_records(tiny_model_dir, server, keys_file,
-                                                                             tmp_path):
+def test_sessions_wait_with_429_while_the_trainer_has_no_room_for_their_records(
+    tiny_model_dir, server, keys_file, tmp_path
+):
     """One proxy record per trainer step, staleness 0: one session per weight version."""
-    cfg = proxy_config(tiny_model_dir, tmp_path, [server], keys_file, "rl.proxy_records_per_step=1",
-                       "rollout.max_head_offpolicyness=0")
+    cfg = proxy_config(
+        tiny_model_dir, tmp_path, [server], keys_file, "rl.proxy_records_per_step=1", "rollout.max_head_offpolicyness=0"
+    )
     with running_proxy(cfg) as (base, state, run):
         _, key = start_session(base, ALICE)
         status, reply, headers = call(base, "/rl/start_session", {}, ALICE)
@@ -197,13 +240,25 @@ def test_sessions_wait_with_429_while_the_trainer_has_no_room_for_their_records(
         assert call(base, "/rl/end_session", {}, key)[0] == 200
         assert call(base, "/rl/start_session", {}, ALICE)[0] == 429  # its record is not trained yet
         try:  # the trainer's next version reaches the server: room for one more session
-            assert call(f"http://{server}", "/update_weights_from_disk",
-                        {"model_path": str(tiny_model_dir), "weight_version": 1})[0] == 200
+            assert (
+                call(
+                    f"http://{server}",
+                    "/update_weights_from_disk",
+                    {"model_path": str(tiny_model_dir), "weight_version": 1},
+                )[0]
+                == 200
+            )
             run(state.router.refresh())
             assert state.router.version == 1 and call(base, "/rl/start_session", {}, ALICE)[0] == 200
         finally:  # the module's server is shared: leave it at version 0
-            assert call(f"http://{server}", "/update_weights_from_disk",
-                        {"model_path": str(tiny_model_dir), "weight_version": 0})[0] == 200
+            assert (
+                call(
+                    f"http://{server}",
+                    "/update_weights_from_disk",
+                    {"model_path": str(tiny_model_dir), "weight_version": 0},
+                )[0]
+                == 200
+            )
 
 
 @pytest.mark.slow
@@ -214,8 +269,9 @@ def test_a_turn_paused_by_a_weight_update_resumes_and_is_one_turn(proxy, server)
     before = state.router.interrupted
     # greedy: the tiny model's reply to QUESTION has no end-of-turn token in 150, so the turn ends by length
     with paused(server):  # the turn waits in the server's queue until it continues, then decodes ...
-        asker, result = in_background(client.chat.completions.create, model="tiny", messages=QUESTION,
-                                      max_tokens=150, temperature=0.0)
+        asker, result = in_background(
+            client.chat.completions.create, model="tiny", messages=QUESTION, max_tokens=150, temperature=0.0
+        )
         wait_queued(server, 1, "the turn to wait in the paused server's queue")
     with paused(server):  # ... when this pause (a weight update's) is taken: it returns with its first tokens
         wait_queued(server, 1, "the turn to be sent again and wait")
@@ -235,8 +291,9 @@ def test_a_backend_that_dies_mid_turn_is_replaced_and_nothing_is_lost(tiny_model
             client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
             # paused, the victim holds the turn in its queue until the kill (decoding, it could end first)
             assert call(f"http://{victim_address}", "/pause_generation", {"mode": "abort"})[0] == 200
-            asker, result = in_background(client.chat.completions.create, model="tiny", messages=QUESTION,
-                                          max_tokens=150, temperature=1.0)
+            asker, result = in_background(
+                client.chat.completions.create, model="tiny", messages=QUESTION, max_tokens=150, temperature=1.0
+            )
             wait_queued(victim_address, 1, "the turn to wait in the victim's queue")
             victim.send_signal(signal.SIGKILL)
             asker.join(timeout=120)
@@ -253,6 +310,7 @@ def test_a_backend_that_dies_mid_turn_is_replaced_and_nothing_is_lost(tiny_model
 def test_200_concurrent_sessions_become_200_records_none_duplicated(tiny_model_dir, server, keys_file, tmp_path):
     cfg = proxy_config(tiny_model_dir, tmp_path, [server], keys_file)
     with running_proxy(cfg) as (base, state, _):
+
         async def one(http: aiohttp.ClientSession, client: openai.AsyncOpenAI) -> str:
             async with http.post(f"{base}/rl/start_session", json={}, headers={"Authorization": f"Bearer {LOAD}"}) as r:
                 opened = await r.json()
@@ -323,9 +381,15 @@ asyncio.run(main())
 
 
 def test_the_proxy_runs_without_importing_torch_stays_small_and_writes_open_sessions_at_shutdown(
-        tiny_model_dir, server, keys_file, tmp_path):
-    cfg = [f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}", f"proxy.keys_file={keys_file}",
-           f"proxy.backends={server}", "proxy.model_name=tiny"]
+    tiny_model_dir, server, keys_file, tmp_path
+):
+    cfg = [
+        f"model.path={tiny_model_dir}",
+        f"cluster.fileroot={tmp_path}",
+        f"proxy.keys_file={keys_file}",
+        f"proxy.backends={server}",
+        "proxy.model_name=tiny",
+    ]
     done = subprocess.run([sys.executable, "-c", PROBE, *cfg], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.strip().splitlines()[-1])
@@ -336,15 +400,21 @@ def test_the_proxy_runs_without_importing_torch_stays_small_and_writes_open_sess
 
 
 def test_proxy_cli_refuses_a_config_without_keys_in_one_line(tiny_model_dir, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "areal_hpc", "proxy", f"model.path={tiny_model_dir}",
-                           f"cluster.fileroot={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "areal_hpc", "proxy", f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "proxy.keys_file" in done.stderr
 
 
 @pytest.mark.slow
-def test_servers_beyond_loopback_need_the_run_token_which_the_proxy_finds_with_them(tiny_model_dir, keys_file,
-                                                                                     tmp_path):
+def test_servers_beyond_loopback_need_the_run_token_which_the_proxy_finds_with_them(
+    tiny_model_dir, keys_file, tmp_path
+):
     with embedded_server(tiny_model_dir, tmp_path, "host=0.0.0.0") as (_, address):
         (run_dir,) = (tmp_path / "quickstart").iterdir()
         token = (run_dir / "rollout_token").read_text()
@@ -359,5 +429,6 @@ def test_servers_beyond_loopback_need_the_run_token_which_the_proxy_finds_with_t
             assert state.router.healthy == [address]
             _, key = start_session(base, ALICE)
             reply = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0).chat.completions.create(
-                model="tiny", messages=QUESTION, max_tokens=3)
+                model="tiny", messages=QUESTION, max_tokens=3
+            )
             assert reply.usage.completion_tokens >= 1

@@ -33,11 +33,12 @@ def test_turns_linked_by_prefix_make_records_that_are_exactly_each_conversation(
         base = session.turns[pick % len(session.turns)].full_ids if extend and session.turns else []
         prompt = base + new
         parent = session.parent_by_ids(prompt)
-        assert parent is None or prompt[:len(parent.full_ids)] == parent.full_ids
+        assert parent is None or prompt[: len(parent.full_ids)] == parent.full_ids
         if base:  # the longest prefix is found: at least as long as the turn extended
             assert len(parent.full_ids) >= len(base)
-        session.turns.append(Turn(f"i{n}", prompt, output, [-1.0] * len(output), [n] * len(output), "stop", 1.0,
-                                  parent))
+        session.turns.append(
+            Turn(f"i{n}", prompt, output, [-1.0] * len(output), [n] * len(output), "stop", 1.0, parent)
+        )
     records = session.trajectories(discount=1.0)
     leaves = session.leaves()
     assert len(records) == len(leaves)
@@ -64,11 +65,16 @@ TOOL_TEMPLATE = (
     "<|im_end|>\n{%- endif %}"
     "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "{%- for call in message.get('tool_calls') or [] %}<tool_call>\n"
-    "{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments }}}\n</tool_call>"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}\n</tool_call>'
     "{%- endfor %}<|im_end|>\n"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-    "a": {"type": "number"}}}}}]
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}},
+    }
+]
 
 
 @pytest.fixture
@@ -86,8 +92,9 @@ def test_a_megabyte_of_tools_is_rendered_and_tokenised_off_the_event_loop(tool_m
     from areal_hpc.agents.chat import ChatGateway
     from areal_hpc.rollout.client import Generation
 
-    tools = [{"type": "function", "function": {"name": f"add{i}", "description": "What is 2+3? " * 40}}
-             for i in range(2000)]
+    tools = [
+        {"type": "function", "function": {"name": f"add{i}", "description": "What is 2+3? " * 40}} for i in range(2000)
+    ]
     assert len(json.dumps(tools)) > 1_000_000
 
     async def generate(input_ids, params):
@@ -102,11 +109,13 @@ def test_a_megabyte_of_tools_is_rendered_and_tokenised_off_the_event_loop(tool_m
                 await asyncio.sleep(0.005)
                 gaps.append(time.monotonic() - last)
                 last = time.monotonic()
+
         async with ChatGateway(generate, tool_model) as chat:
             ticking = asyncio.create_task(ticker())
             started = time.monotonic()
             await chat.client({}).chat.completions.create(
-                model=chat.model_name, messages=[{"role": "user", "content": "What is 2+3?"}], tools=tools)
+                model=chat.model_name, messages=[{"role": "user", "content": "What is 2+3?"}], tools=tools
+            )
             took = time.monotonic() - started
             done.set()
             await ticking
@@ -120,8 +129,12 @@ def test_a_megabyte_of_tools_is_rendered_and_tokenised_off_the_event_loop(tool_m
 def test_chat_template_renders_and_tokenises_as_transformers_does_tools_included(tool_model):
     ours, theirs = ChatTokenizer(tool_model), load_tokenizer(tool_model)
     tools = TOOLS
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3? ünï"},
-                {"role": "assistant", "content": "5"}, {"role": "user", "content": "and 4+4?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+3? ünï"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "and 4+4?"},
+    ]
     for kwargs in [dict(tools=tools), dict(tools=None)]:
         text = ours.render(messages, **kwargs)
         assert text == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
@@ -132,8 +145,7 @@ def test_chat_template_renders_and_tokenises_as_transformers_does_tools_included
     assert "".join(ours.pieces(ids)) == ours.decode(ids) and ours.eos_token_ids == [theirs.eos_token_id]
 
 
-def test_a_tool_call_comes_back_as_tool_calls_and_the_next_turn_extends_it_though_the_template_rewrites_it(
-        tool_model):
+def test_a_tool_call_comes_back_as_tool_calls_and_the_next_turn_extends_it_though_the_template_rewrites_it(tool_model):
     """The model writes its call with the keys in another order than the template does: the next request's
     text does not start with the sampled tokens, yet it extends the turn through the template's writing."""
     tok = ChatTokenizer(tool_model)
@@ -141,8 +153,16 @@ def test_a_tool_call_comes_back_as_tool_calls_and_the_next_turn_extends_it_thoug
     prompt = tok.encode(tok.render(messages, TOOLS))
     sampled = 'Adding.<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call>'
     output = tok.encode(sampled) + tok.eos_token_ids
-    turn = Turn("i0", prompt, output, [-1.0] * len(output), [0] * len(output), "stop", 1.0,
-                text=tok.decode(prompt + output, skip_special_tokens=False))
+    turn = Turn(
+        "i0",
+        prompt,
+        output,
+        [-1.0] * len(output),
+        [0] * len(output),
+        "stop",
+        1.0,
+        text=tok.decode(prompt + output, skip_special_tokens=False),
+    )
     keep_reply(turn, tok, messages, TOOLS)
     (call,) = turn.reply["tool_calls"]
     assert turn.reply["content"] == "Adding." and call["function"]["name"] == "add"
@@ -154,8 +174,9 @@ def test_a_tool_call_comes_back_as_tool_calls_and_the_next_turn_extends_it_thoug
     parent, bridge, start = session.extension(text)
     rest = bridge + text[start:]
     assert parent is turn and turn.bridge == ""  # this template closes a message with <|im_end|>: the model's own
-    assert rest.startswith("<|im_start|>tool\n3") and text.endswith(tok.decode(tok.encode(rest),
-                                                                                skip_special_tokens=False))
+    assert rest.startswith("<|im_start|>tool\n3") and text.endswith(
+        tok.decode(tok.encode(rest), skip_special_tokens=False)
+    )
     assert reply_message("no call here", True) == {"role": "assistant", "content": "no call here"}
     assert reply_message('<tool_call>{"name": "add"}</tool_call>', False)["content"].startswith("<tool_call>")
 
@@ -170,10 +191,12 @@ def test_keys_file_hashes_revocation_and_refusals(tmp_path, capsys):
     keys.write_text(keys.read_text() + f"revoked: ['{hash_key(key)}']\n")
     book.reload()
     assert book.tenant(hash_key(key)) is None
-    for text, words in [("tenants: {alice: {keys: [plain-key]}}", "never keys"),
-                        ("tenants: {'a b': {keys: []}}", "tenant name"),
-                        ("tenants: {a: {keys: [], tokens_per_minute: -1}}", "tokens_per_minute"),
-                        ("users: {}", "mapping with 'tenants'")]:
+    for text, words in [
+        ("tenants: {alice: {keys: [plain-key]}}", "never keys"),
+        ("tenants: {'a b': {keys: []}}", "tenant name"),
+        ("tenants: {a: {keys: [], tokens_per_minute: -1}}", "tokens_per_minute"),
+        ("users: {}", "mapping with 'tenants'"),
+    ]:
         keys.write_text(text)
         with pytest.raises(UserError, match=words):
             TenantKeys(keys, Quota(0, 0))
@@ -200,8 +223,12 @@ def test_proxy_records_for_training_are_rewarded_of_the_proxies_writers_and_too_
     from areal_hpc.train.build import open_proxy_records, take_proxy_records
 
     def record(name: str, version: int, rewarded: bool = True) -> Trajectory:
-        return Trajectory([Segment([1, 2], [3], [-0.5], [version])], id=name, tenant="alice",
-                          rewards=[Reward(1.0)] if rewarded else [])
+        return Trajectory(
+            [Segment([1, 2], [3], [-0.5], [version])],
+            id=name,
+            tenant="alice",
+            rewards=[Reward(1.0)] if rewarded else [],
+        )
 
     cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "rl.proxy_records_per_step=8"])
     with TrajectoryShardWriter(cfg.run_dir / "shards", "proxy-host-7", fsync=False) as proxy:
@@ -226,8 +253,14 @@ def test_the_run_token_is_made_once_0600_shared_and_given_to_sglang_too(tmp_path
     assert len(token) >= 32 and (tmp_path / "rollout_token").stat().st_mode & 0o777 == 0o600
     assert rollout_token(tmp_path, create=True) == rollout_token(tmp_path) == token  # the second server reads it
     assert [p.name for p in tmp_path.iterdir()] == ["rollout_token"]  # no staging file left behind
-    assert [needs_token(h) for h in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "10.1.2.3", "node7")] == \
-        [False, False, False, True, True, True]
+    assert [needs_token(h) for h in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "10.1.2.3", "node7")] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
     assert server_token(tmp_path, "127.0.0.1") is None and server_token(tmp_path, "0.0.0.0") == token
     (tmp_path / "rollout_token").write_text("")
     with pytest.raises(UserError, match="is empty"):  # never serve the network without a token
@@ -242,7 +275,7 @@ def test_a_streamed_reply_that_calls_tools_sends_its_text_then_the_calls():
     reply = reply_message('Adding.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', True)
     events = list(chat_chunks("id", "tiny", [reply["content"]], "stop", None, reply["tool_calls"]))
     assert events[-1] == b"data: [DONE]\n\n"
-    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[1] == {"content": "Adding."} and deltas[2]["tool_calls"][0]["function"]["name"] == "add"
     assert deltas[2]["tool_calls"][0]["index"] == 0 and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -46,8 +46,9 @@ def pool():
 
 def scripted_episode(tokenizer, pool, turns: list[str], **workflow_args):
     model = ScriptedModel(tokenizer, turns)
-    engine = AgentEngine(EngineSettings(generate=model, tokenizer=tokenizer, sampling=Sampling(32),
-                                        scorer=Scorer(pool)))
+    engine = AgentEngine(
+        EngineSettings(generate=model, tokenizer=tokenizer, sampling=Sampling(32), scorer=Scorer(pool))
+    )
     [record] = asyncio.run(run_episode(PythonToolWorkflow(**workflow_args), engine, EXAMPLE))
     return model, engine, record
 
@@ -154,15 +155,21 @@ class FirstTurnScripted:
         return generation
 
 
-def test_an_episode_on_the_tiny_model_through_a_real_server_is_recorded_exactly(tiny_model_dir, tokenizer, pool,
-                                                                                 tmp_path):
+def test_an_episode_on_the_tiny_model_through_a_real_server_is_recorded_exactly(
+    tiny_model_dir, tokenizer, pool, tmp_path
+):
     prompt = prompt_ids(tokenizer, EXAMPLE.prompt)
 
     async def run(address):
         async with RolloutClient([address]) as client:
             model = FirstTurnScripted(client, prompt, completion_ids(tokenizer, code("print(6*7)")))
-            groups = episode_groups(tokenizer, pool, Sampling(max_new_tokens=24), 2,
-                                    PythonToolWorkflow(max_turns=2, timeout_s=1.0, max_context_tokens=1024))
+            groups = episode_groups(
+                tokenizer,
+                pool,
+                Sampling(max_new_tokens=24),
+                2,
+                PythonToolWorkflow(max_turns=2, timeout_s=1.0, max_context_tokens=1024),
+            )
             return model.generations, await groups.run(model, EXAMPLE)
 
     with embedded_server(tiny_model_dir, tmp_path) as (_, address):

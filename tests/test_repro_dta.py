@@ -31,8 +31,9 @@ def test_the_tree_mask_baseline_takes_the_flat_gradient():
     batch = training_batch(multi_turn(episodes=3, prompt=20, reply=4, environment=4, turns=(2, 4)))
     gradients = []
     for mask in (False, True):
-        engine = TorchTrainEngine(copy.deepcopy(model), PolicyOutputs(1.0), lr=0.0,
-                                  optimizer=OptimizerConfig(gradient_clipping=0.0))
+        engine = TorchTrainEngine(
+            copy.deepcopy(model), PolicyOutputs(1.0), lr=0.0, optimizer=OptimizerConfig(gradient_clipping=0.0)
+        )
         loss = PPOActor(engine, ActorConfig())._policy_loss
         if mask:
             tree_mask_step(engine, batch, loss)
@@ -48,7 +49,7 @@ def test_multi_turn_turns_extend_each_other_and_train_only_their_reply():
     tree = build_prefix_tree(sequences)
     assert len(tree.roots) == 2  # one per task: its episodes share the prompt
     for previous, (turn, mask) in zip(sequences, zip(sequences[1:], masks[1:])):
-        if turn[:len(previous)] == previous:  # the next turn of the same episode
+        if turn[: len(previous)] == previous:  # the next turn of the same episode
             assert sum(mask) == len(turn) - mask.index(1) and mask.index(1) > len(previous)
     fixed = grpo(16, prompt=56, reply=14, groups=1, spread=0.0)
     assert {len(s) for s in fixed.sequences()[0]} == {70}
@@ -69,8 +70,11 @@ def test_tree_cost_fits_a_runs_metrics(tmp_path):
         for step in range(12):
             sequences = [rng.integers(0, 3, int(rng.integers(2, 40))).tolist() for _ in range(int(rng.integers(4, 30)))]
             features = features_of(sequences)
-            record = {"step": step, **{f"actor/tree_{k}": float(v) for k, v in zip(TREE_FEATURES, features)},
-                      "actor/tree_seconds": float(features @ truth)}
+            record = {
+                "step": step,
+                **{f"actor/tree_{k}": float(v) for k, v in zip(TREE_FEATURES, features)},
+                "actor/tree_seconds": float(features @ truth),
+            }
             f.write(json.dumps(record) + "\n")
         f.write(json.dumps({"step": 12, "eval/accuracy": 0.5}) + "\n")  # other records are left alone
     done = run_cli("tree-cost", str(tmp_path))
@@ -80,10 +84,13 @@ def test_tree_cost_fits_a_runs_metrics(tmp_path):
     np.testing.assert_allclose(fitted, truth, rtol=1e-3, atol=1e-9)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["tree-cost", "/nonexistent/run"], "has no metrics.jsonl"),
-    (["repro", "dta", "--steps", "0"], "--steps must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["tree-cost", "/nonexistent/run"], "has no metrics.jsonl"),
+        (["repro", "dta", "--steps", "0"], "--steps must be at least 1"),
+    ],
+)
 def test_bad_input_is_one_line(arguments, message):
     done = run_cli(*arguments)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -27,15 +27,18 @@ def request(completion: str, **fields) -> RewardRequest:
     return RewardRequest("What is 2+2?", completion, [1, 2], [3], {"answer": "4", **fields})
 
 
-@pytest.mark.parametrize("reward_fn, poison, error, kind", [
-    (bad.hangs, "hang", "timed out", "timeout"),
-    (bad.raises, "boom", "ValueError: bad reward code", "exception"),
-    (bad.exits, "die", "timed out", "timeout"),
-    (bad.not_a_number, "nan", "returned nan", "invalid"),
-    (bad.not_a_number, "text", "returned '1.0' (str)", "invalid"),
-    (bad.not_a_number, "none", "returned None", "invalid"),
-    (bad.not_a_number, "dict", "without 'reward'", "invalid"),
-])
+@pytest.mark.parametrize(
+    "reward_fn, poison, error, kind",
+    [
+        (bad.hangs, "hang", "timed out", "timeout"),
+        (bad.raises, "boom", "ValueError: bad reward code", "exception"),
+        (bad.exits, "die", "timed out", "timeout"),
+        (bad.not_a_number, "nan", "returned nan", "invalid"),
+        (bad.not_a_number, "text", "returned '1.0' (str)", "invalid"),
+        (bad.not_a_number, "none", "returned None", "invalid"),
+        (bad.not_a_number, "dict", "without 'reward'", "invalid"),
+    ],
+)
 def test_failures_are_recorded_and_other_items_still_score(reward_fn, poison, error, kind):
     requests = [request("ok"), request(poison), request("ok"), request("ok")]
     started = time.monotonic()
@@ -54,14 +57,14 @@ def test_worker_start_up_is_not_charged_to_the_reward_timeout():
     assert [(o.value, o.error) for o in outcomes] == [(1.0, None)] * 3
 
 
-USER_REWARD = '''
+USER_REWARD = """
 import asyncio
 
 async def graded(prompt, completion, prompt_ids, completion_ids, answer, weight=1.0, **fields):
     await asyncio.sleep(0)
     right = completion.strip() == answer
     return {"reward": weight * right, "length": len(completion_ids), "saw_prompt": float(prompt.startswith("What"))}
-'''
+"""
 
 
 def test_a_reward_by_file_path_runs_async_in_the_workers_and_returns_metrics(tmp_path):
@@ -73,13 +76,16 @@ def test_a_reward_by_file_path_runs_async_in_the_workers_and_returns_metrics(tmp
     assert (wrong.value, wrong.error) == (0.0, None)
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("no_colon", ["'reward.fn'", "'no_colon'", "package.module:name"]),
-    ("areal_hpc.no_such_module:f", ["cannot import", "areal_hpc.no_such_module"]),
-    ("areal_hpc.data.rewards:no_such_function", ["has no 'no_such_function'", "RewardPool"]),
-    ("areal_hpc.data.rewards:MAX_SCORED_CHARS", ["is a int, not a function"]),
-    ("missing/file.py:f", ["no file", "missing/file.py"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("no_colon", ["'reward.fn'", "'no_colon'", "package.module:name"]),
+        ("areal_hpc.no_such_module:f", ["cannot import", "areal_hpc.no_such_module"]),
+        ("areal_hpc.data.rewards:no_such_function", ["has no 'no_such_function'", "RewardPool"]),
+        ("areal_hpc.data.rewards:MAX_SCORED_CHARS", ["is a int, not a function"]),
+        ("missing/file.py:f", ["no file", "missing/file.py"]),
+    ],
+)
 def test_a_bad_reward_spec_is_one_line_naming_it(spec, words):
     with pytest.raises(UserError) as err:
         RewardFunction(spec).load()
@@ -97,8 +103,10 @@ def test_a_reward_with_score_batch_gets_a_share_per_worker_and_its_failures_stay
         outcomes = pool.score([request("a" * n) for n in range(1, 6)])
         assert [(o.value, o.metrics) for o in outcomes] == [(n, {"batch": 3.0 if n % 2 else 2.0}) for n in range(1, 6)]
         # shares are requests 0, 2, 4 and 1, 3: a failure in one leaves the other share scored
-        for poison, error, kind in (("boom", "ValueError: bad batch code", "exception"),
-                                    ("short", "score_batch returned 1 results for 2 requests", "invalid")):
+        for poison, error, kind in (
+            ("boom", "ValueError: bad batch code", "exception"),
+            ("short", "score_batch returned 1 results for 2 requests", "invalid"),
+        ):
             outcomes = pool.score([request("a"), request(poison), request("abc"), request("ab")])
             assert [o.value for o in outcomes] == [1.0, 0.0, 3.0, 0.0]
             assert all(error in outcomes[i].error and outcomes[i].error_kind == kind for i in (1, 3))
@@ -106,19 +114,29 @@ def test_a_reward_with_score_batch_gets_a_share_per_worker_and_its_failures_stay
         assert [o.value for o in nan] == [1.0, 0.0, 3.0] and nan[1].error_kind == "invalid" and nan[2].error is None
 
 
-@pytest.mark.parametrize("reward_fn, poison", [
-    (bad.raises, "boom"), (bad.not_a_number, "nan"), (bad.not_a_number, "text"), (bad.not_a_number, "none"),
-    (bad.not_a_number, "dict"), (bad.scores_in_batches, "boom"), (bad.scores_in_batches, "short"),
-    (bad.scores_in_batches, "nan"), (bad.exact_answer, "4"),
-])
+@pytest.mark.parametrize(
+    "reward_fn, poison",
+    [
+        (bad.raises, "boom"),
+        (bad.not_a_number, "nan"),
+        (bad.not_a_number, "text"),
+        (bad.not_a_number, "none"),
+        (bad.not_a_number, "dict"),
+        (bad.scores_in_batches, "boom"),
+        (bad.scores_in_batches, "short"),
+        (bad.scores_in_batches, "nan"),
+        (bad.exact_answer, "4"),
+    ],
+)
 def test_scoring_in_the_calling_thread_records_what_the_workers_would(reward_fn, poison):
     requests = [request("4"), request(poison), request("ab"), request("5")]
     with RewardPool(reward_fn, workers=1, timeout_s=5.0) as pool:
         in_worker = pool.score(requests)
     with RewardPool(reward_fn, workers=0) as pool:
         here = pool.score(requests)
-    assert [(o.value, o.error, o.error_kind, o.metrics) for o in here] == \
-        [(o.value, o.error, o.error_kind, o.metrics) for o in in_worker]
+    assert [(o.value, o.error, o.error_kind, o.metrics) for o in here] == [
+        (o.value, o.error, o.error_kind, o.metrics) for o in in_worker
+    ]
     assert any(o.error for o in here) == (poison != "4")
 
 

@@ -26,8 +26,14 @@ from tests.workflow_helpers import episode_groups
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=st.integers(1, 6), eta=st.integers(0, 3), concurrent=st.integers(1, 40), steps=st.integers(1, 6),
-       seed=st.integers(0, 10**6), durations=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=50))
+@given(
+    batch=st.integers(1, 6),
+    eta=st.integers(0, 3),
+    concurrent=st.integers(1, 40),
+    steps=st.integers(1, 6),
+    seed=st.integers(0, 10**6),
+    durations=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=50),
+)
 def test_no_trained_episode_lags_more_than_eta_versions(batch, eta, concurrent, steps, seed, durations):
     """Event simulation of the controller's bookkeeping: episodes finish in random order after random
     times; the trainer fills each batch from the ready queue (oldest first, too-stale ones dropped),
@@ -80,8 +86,10 @@ def test_requests_survive_a_server_killed_mid_run(tiny_model_dir, tmp_path):
             victim_address = addresses[0]
             # paused, the victim holds its share in its queue until the kill (decoding, they could end first)
             await client.post(victim_address, "/pause_generation", {"mode": "abort"})
-            jobs = [asyncio.create_task(client.generate([3, 4, 5, i], {"max_new_tokens": 1000, "ignore_eos": True}))
-                    for i in range(8)]
+            jobs = [
+                asyncio.create_task(client.generate([3, 4, 5, i], {"max_new_tokens": 1000, "ignore_eos": True}))
+                for i in range(8)
+            ]
 
             async def all_there() -> bool:
                 return 0 < client.outstanding[victim_address] == await waiting_requests(victim_address)
@@ -122,7 +130,7 @@ def perturbed_weights(model_dir: Path, out: Path, versions: int) -> list[Path]:
 def teacher_forced(folder: Path, input_ids: list[int], output_ids: list[int]) -> list[float]:
     """Logprobs of ``output_ids`` after ``input_ids`` under the weights in ``folder`` (temperature 1)."""
     model = load_model(folder).eval()
-    logits = model(torch.tensor([input_ids + output_ids])).logits[0, len(input_ids) - 1:-1]
+    logits = model(torch.tensor([input_ids + output_ids])).logits[0, len(input_ids) - 1 : -1]
     return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(output_ids)[:, None])[:, 0].tolist()
 
 
@@ -147,8 +155,11 @@ def test_weight_updates_interrupt_generation_and_later_tokens_come_from_the_new_
                     consumed += [(version, e) for e in episodes]
                     if version == 0:  # the episodes started since wait in the paused server's queue ...
                         await client.post(address, "/pause_generation", {"mode": "abort"})
-                        await wait_until(lambda: waiting_requests(address), what="generation in flight",
-                                         seen=lambda: model_info(address))
+                        await wait_until(
+                            lambda: waiting_requests(address),
+                            what="generation in flight",
+                            seen=lambda: model_info(address),
+                        )
                         # ... until it continues: they are admitted and given first tokens (of version 0)
                         # before the engine takes the pause below, which interrupts them
                         await client.post(address, "/continue_generation", {})
@@ -192,8 +203,9 @@ def test_multi_turn_episode_is_token_in_token_out_with_turn_rewards(tiny_model_d
     async def run(address):
         async with RolloutClient([address]) as client:
             with RewardPool(rewards_for_tests.exact_answer) as pool:
-                groups = episode_groups(tokenizer, pool, Sampling(max_new_tokens=6, temperature=0.0), 1,
-                                        MultiTurnMathWorkflow(max_turns=3))
+                groups = episode_groups(
+                    tokenizer, pool, Sampling(max_new_tokens=6, temperature=0.0), 1, MultiTurnMathWorkflow(max_turns=3)
+                )
                 return await groups.run(client, examples(2)[1])
 
     with embedded_server(tiny_model_dir, tmp_path) as (_, address):

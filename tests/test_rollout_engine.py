@@ -28,8 +28,13 @@ def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(t
         return forward(tokens, positions, first_row)
 
     engine.decoder._forward = faulty
-    prompts = {"fine-1": PROMPT, "fine-2": PROMPT[:3], "fine-3": PROMPT * 2,
-               "prefill-culprit": PROMPT + [400], "decode-culprit": PROMPT * 5}  # reaches position 30 decoding
+    prompts = {
+        "fine-1": PROMPT,
+        "fine-2": PROMPT[:3],
+        "fine-3": PROMPT * 2,
+        "prefill-culprit": PROMPT + [400],
+        "decode-culprit": PROMPT * 5,
+    }  # reaches position 30 decoding
     results, all_done = {}, threading.Event()
 
     def on_done(result):
@@ -54,11 +59,20 @@ def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(t
 
 
 def small_qwen3(moe: bool = False) -> torch.nn.Module:
-    shape = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    shape = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
-    config = config_class(**shape, **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-                                      if moe else {}))
+    config = config_class(
+        **shape, **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if moe else {})
+    )
     torch.manual_seed(0)
     return model_class(config).eval()
 
@@ -66,7 +80,7 @@ def small_qwen3(moe: bool = False) -> torch.nn.Module:
 def teacher_forced(model: torch.nn.Module, prompt: list[int], output_ids: list[int]) -> torch.Tensor:
     """log p(output token) at each position, from one forward of the whole sequence."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output_ids])).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + output_ids])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output_ids)[:, None])[:, 0]
 
 
@@ -96,8 +110,9 @@ def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.lists(st.sampled_from([(3, 1, 4, 1, 5), (9, 2), (6, 5, 3, 5, 8, 9, 7, 9), (3,), (3, 1)]),
-                min_size=1, max_size=8))
+@given(
+    st.lists(st.sampled_from([(3, 1, 4, 1, 5), (9, 2), (6, 5, 3, 5, 8, 9, 7, 9), (3,), (3, 1)]), min_size=1, max_size=8)
+)
 def test_a_prompt_that_comes_several_times_is_prefilled_once_and_each_row_samples_its_own(prompts):
     """A GRPO group's samples share their prompt: one prefill forward runs each distinct prompt once
     (its rows copy the keys and values), and every row then samples its own tokens, each token's
@@ -119,8 +134,10 @@ def test_a_prompt_that_comes_several_times_is_prefilled_once_and_each_row_sample
         if len(results) == len(prompts):
             all_done.set()
 
-    requests = [Request(str(i), list(p), SamplingParams(max_new_tokens=6, sampling_seed=i), on_done)
-                for i, p in enumerate(prompts)]
+    requests = [
+        Request(str(i), list(p), SamplingParams(max_new_tokens=6, sampling_seed=i), on_done)
+        for i, p in enumerate(prompts)
+    ]
     try:
         engine.call(lambda: [engine.submit(r) for r in requests]).result(timeout=60)  # admitted in one prefill
         assert all_done.wait(timeout=60)
@@ -142,8 +159,12 @@ def test_the_kv_cache_grows_under_running_sequences_without_changing_what_they_d
     context length 256 here), checked against a teacher-forced pass of the Hugging Face model."""
     engine = EmbeddedEngine(load_model(tiny_model_dir), slots=4, context_length=256, eos_token_ids=[])
     assert engine.decoder.capacity == FIRST_CAPACITY < 256
-    requests = {"short": (PROMPT, 10), "past-64": (PROMPT * 2, 70), "past-128": (PROMPT, 150),
-                "to-the-end": (PROMPT * 3, 256 - len(PROMPT) * 3)}
+    requests = {
+        "short": (PROMPT, 10),
+        "past-64": (PROMPT * 2, 70),
+        "past-128": (PROMPT, 150),
+        "to-the-end": (PROMPT * 3, 256 - len(PROMPT) * 3),
+    }
     results, all_done = {}, threading.Event()
 
     def on_done(result):
@@ -178,9 +199,14 @@ _MOVES_MODEL = small_qwen3()
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(1, 8).flatmap(lambda n: st.tuples(st.lists(st.lists(st.integers(1, 96), min_size=1, max_size=9),
-                                                              min_size=n, max_size=n),
-                                                     st.sets(st.integers(0, n - 1), max_size=n - 1))))
+@given(
+    st.integers(1, 8).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.lists(st.integers(1, 96), min_size=1, max_size=9), min_size=n, max_size=n),
+            st.sets(st.integers(0, n - 1), max_size=n - 1),
+        )
+    )
+)
 def test_rows_moved_by_a_retirement_decode_as_they_did_in_their_old_rows(case):
     """Sequences of different lengths in rows 0..n-1, some finished: after ``move_rows`` each kept
     sequence's next-token logits in its new row equal those in its old row (its cache, length and last
@@ -193,4 +219,3 @@ def test_rows_moved_by_a_retirement_decode_as_they_did_in_their_old_rows(case):
     kept = compacted(len(prompts), finished)
     decoder.move_rows(*row_moves(kept))
     assert torch.allclose(decoder.decode(0, len(kept)), before[kept], atol=1e-5)
-

@@ -68,7 +68,7 @@ def perturbed(model_dir, seed: int):
 
 def greedy(model, n: int = 6) -> list[int]:
     with torch.no_grad():
-        return model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False)[0, len(PROMPT):].tolist()
+        return model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False)[0, len(PROMPT) :].tolist()
 
 
 def refused(address: str, route: str, body: dict) -> str:
@@ -85,9 +85,18 @@ def trainer_group(address: str, group_name: str = "sync"):
     the trainer's side goes away, as when its process ends."""
     store = host_store("127.0.0.1", 2, timeout_s=60)
     joining, joined = in_background(join_update_group, "gloo", "127.0.0.1", store.port, 0, 2, group_name, 60, store)
-    status, reply = post(address, "/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
-        "group_name": group_name, "backend": "gloo"})
+    status, reply = post(
+        address,
+        "/init_weights_update_group",
+        {
+            "master_address": "127.0.0.1",
+            "master_port": store.port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": group_name,
+            "backend": "gloo",
+        },
+    )
     joining.join(timeout=60)
     assert status == 200, reply
     group = joined.pop("result")
@@ -100,8 +109,13 @@ def trainer_group(address: str, group_name: str = "sync"):
 def push(address: str, group, tensors: dict[str, torch.Tensor], version: int, **declared) -> tuple[int, dict]:
     """One bucket as weight_push sends it: the request, and rank 0 broadcasting every tensor. The
     broadcasts must complete whatever the server answers (or the trainer would hang)."""
-    body = {"names": list(tensors), "dtypes": [DTYPE_NAMES[t.dtype] for t in tensors.values()],
-            "shapes": [list(t.shape) for t in tensors.values()], "weight_version": version, **declared}
+    body = {
+        "names": list(tensors),
+        "dtypes": [DTYPE_NAMES[t.dtype] for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "weight_version": version,
+        **declared,
+    }
     request, reply = in_background(post, address, "/update_weights_from_distributed", body)
     for tensor in tensors.values():
         broadcast_tensor(group, tensor.contiguous())
@@ -115,14 +129,19 @@ def save(model, tiny_model_dir, folder):
 
 # -- refused updates (shared server, nothing may change) ---------------------------------------
 
+
 def test_a_checkpoint_with_another_vocabulary_is_refused_and_changes_nothing(server, tiny_model_dir, tmp_path):
     before = served(server)
     model = perturbed(tiny_model_dir, seed=3)
     vocab = model.config.vocab_size
     model.resize_token_embeddings(vocab + 16)
-    message = refused(server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m"))})
-    assert message == (f"weights not loaded (version 0 kept): model.embed_tokens.weight has shape [{vocab + 16}, 128]; "
-                       f"the served model's is [{vocab}, 128]")
+    message = refused(
+        server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m"))}
+    )
+    assert message == (
+        f"weights not loaded (version 0 kept): model.embed_tokens.weight has shape [{vocab + 16}, 128]; "
+        f"the served model's is [{vocab}, 128]"
+    )
     assert served(server) == before
 
 
@@ -131,10 +150,15 @@ def test_a_checkpoint_with_fewer_layers_is_refused_and_changes_nothing(server, t
     model = perturbed(tiny_model_dir, seed=4)
     model.model.layers = model.model.layers[:2]
     model.config.num_hidden_layers, model.config.layer_types = 2, model.config.layer_types[:2]
-    message = refused(server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m")),
-                                                            "weight_version": 3})
-    assert message == ("weights not loaded (version 0 kept): model.layers.2.self_attn.q_proj.weight is missing "
-                       "(given 26 of the served model's 50 tensors) (and 23 more mismatches)")
+    message = refused(
+        server,
+        "/update_weights_from_disk",
+        {"model_path": str(save(model, tiny_model_dir, tmp_path / "m")), "weight_version": 3},
+    )
+    assert message == (
+        "weights not loaded (version 0 kept): model.layers.2.self_attn.q_proj.weight is missing "
+        "(given 26 of the served model's 50 tensors) (and 23 more mismatches)"
+    )
     assert served(server) == before
 
 
@@ -144,31 +168,43 @@ def test_a_checkpoint_with_an_untied_head_is_refused_and_changes_nothing(server,
     model.config.tie_word_embeddings = False
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight + 1)
-    message = refused(server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m"))})
-    assert message.endswith("model.embed_tokens.weight and lm_head.weight are one tied tensor in the served model "
-                            "but differ here"), message
+    message = refused(
+        server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m"))}
+    )
+    assert message.endswith(
+        "model.embed_tokens.weight and lm_head.weight are one tied tensor in the served model but differ here"
+    ), message
     assert served(server) == before
 
 
 def test_unreadable_checkpoints_are_refused_with_the_whole_reason(server, tmp_path):
     before = served(server)
     assert refused(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "nowhere")}).endswith(
-        "is not a folder")
+        "is not a folder"
+    )
     assert refused(server, "/update_weights_from_disk", {"model_path": str(tmp_path)}).endswith(
-        "has no model.safetensors or model.safetensors.index.json (the embedded engine loads safetensors checkpoints)")
+        "has no model.safetensors or model.safetensors.index.json (the embedded engine loads safetensors checkpoints)"
+    )
     (tmp_path / "model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{not a header")
     message = refused(server, "/update_weights_from_disk", {"model_path": str(tmp_path)})
     assert message.startswith(f"could not read the checkpoint in {tmp_path}: SafetensorError: "), message
     assert served(server) == before
 
 
-@pytest.mark.parametrize("mismatch, message", [
-    ("model.layers.0.mlp.up.weight", "model.layers.0.mlp.up.weight is not a tensor of the served model "
-                                     "(nearest: model.layers.0.mlp.up_proj.weight)"),
-    ("model.norm.weight", "model.norm.weight has shape [129]; the served model's is [128]"),
-])
+@pytest.mark.parametrize(
+    "mismatch, message",
+    [
+        (
+            "model.layers.0.mlp.up.weight",
+            "model.layers.0.mlp.up.weight is not a tensor of the served model "
+            "(nearest: model.layers.0.mlp.up_proj.weight)",
+        ),
+        ("model.norm.weight", "model.norm.weight has shape [129]; the served model's is [128]"),
+    ],
+)
 def test_a_bucket_that_does_not_fit_is_received_then_refused_and_changes_nothing(
-        server, tiny_model_dir, mismatch, message):
+    server, tiny_model_dir, mismatch, message
+):
     before = served(server)
     state = perturbed(tiny_model_dir, seed=6).state_dict()
     bucket = {name: state[name] for name in list(state)[:12]}  # these would change the output ...
@@ -193,19 +229,24 @@ def test_a_bucket_that_cannot_be_received_closes_the_group_so_the_trainer_fails_
         message = refused(server, "/update_weights_from_distributed", body)
         sending.join(timeout=30)  # the group's timeout is 60 s: only a closed connection ends it sooner
         assert not sending.is_alive() and peer_closed(str(sent["result"].value))
-    assert message == ("model.norm.weight: dtype 'float8' is not one of ['bfloat16', 'float16', 'float32']; "
-                       "the update group is closed (call /init_weights_update_group again)")
+    assert message == (
+        "model.norm.weight: dtype 'float8' is not one of ['bfloat16', 'float16', 'float32']; "
+        "the update group is closed (call /init_weights_update_group again)"
+    )
     assert refused(server, "/update_weights_from_distributed", body) == "call /init_weights_update_group first"
     assert served(server) == before
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"master_port": "29500"}, "master_port = '29500'; it must be an integer in [1, 65535]"),
-    ({"rank_offset": 0}, "rank_offset = 0; it must be an integer in [1, world_size)"),
-    ({"rank_offset": 2}, "rank_offset = 2; it must be an integer in [1, world_size)"),
-    ({"world_size": True}, "world_size = True; it must be an integer >= 2"),
-    ({"backend": "mpi"}, "backend = 'mpi'; it must be 'gloo' or 'nccl'"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"master_port": "29500"}, "master_port = '29500'; it must be an integer in [1, 65535]"),
+        ({"rank_offset": 0}, "rank_offset = 0; it must be an integer in [1, world_size)"),
+        ({"rank_offset": 2}, "rank_offset = 2; it must be an integer in [1, world_size)"),
+        ({"world_size": True}, "world_size = True; it must be an integer >= 2"),
+        ({"backend": "mpi"}, "backend = 'mpi'; it must be 'gloo' or 'nccl'"),
+    ],
+)
 def test_bad_update_group_requests_are_refused_before_joining(server, body, message):
     good = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
     assert refused(server, "/init_weights_update_group", {**good, **body}) == message
@@ -213,14 +254,18 @@ def test_bad_update_group_requests_are_refused_before_joining(server, body, mess
 
 # -- updates that apply (a server each) ---------------------------------------------------------
 
+
 def test_weight_update_from_disk_changes_outputs_and_version_tags(own_server, tiny_model_dir, tmp_path):
     _, address = own_server
     source = perturbed(tiny_model_dir, seed=1)
-    status, reply = post(address, "/update_weights_from_disk", {"model_path": str(save(source, tiny_model_dir, tmp_path / "m")),
-                                                               "weight_version": "5"})
+    status, reply = post(
+        address,
+        "/update_weights_from_disk",
+        {"model_path": str(save(source, tiny_model_dir, tmp_path / "m")), "weight_version": "5"},
+    )
     assert status == 200 and reply["weight_version"] == "5", reply
     after = generate(address, temperature=0, max_new_tokens=6)
-    assert after["output_ids"] == greedy(source)[:len(after["output_ids"])]
+    assert after["output_ids"] == greedy(source)[: len(after["output_ids"])]
     assert after["meta_info"]["output_token_versions"] == [5] * len(after["output_ids"])
 
 
@@ -238,7 +283,7 @@ def test_weight_update_from_distributed_in_buckets_with_half_precision_cast(own_
         status, reply = push(address, group, {n: state[n].half() for n in names[25:]}, version=7)
     assert status == 200 and reply["weight_version"] == "7", reply
     out = generate(address, temperature=0, max_new_tokens=6)
-    assert out["output_ids"] == greedy(source)[:len(out["output_ids"])]
+    assert out["output_ids"] == greedy(source)[: len(out["output_ids"])]
     assert set(out["meta_info"]["output_token_versions"]) == {7}
 
 
@@ -253,13 +298,20 @@ def test_a_restarted_trainer_joins_again_while_the_old_one_hangs_and_nothing_lea
         """The server's open files and threads, less the connections of HTTP requests: the server closes
         its end of a finished request's connection in its own time (after the reply the test reads)."""
         http = http_connections(process.pid, http_port)
-        fds = [fd for fd in os.listdir(f"/proc/{process.pid}/fd")
-               if (link := _link(f"/proc/{process.pid}/fd/{fd}")) and link not in http]
+        fds = [
+            fd
+            for fd in os.listdir(f"/proc/{process.pid}/fd")
+            if (link := _link(f"/proc/{process.pid}/fd/{fd}")) and link not in http
+        ]
         return len(fds), len(os.listdir(f"/proc/{process.pid}/task"))
 
     with trainer_group(address):  # the old trainer: it declares a bucket and sends nothing
-        hung, hung_reply = in_background(post, address, "/update_weights_from_distributed", {
-            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]], "weight_version": 1})
+        hung, hung_reply = in_background(
+            post,
+            address,
+            "/update_weights_from_distributed",
+            {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]], "weight_version": 1},
+        )
         answer, reply = in_background(generate, address, max_new_tokens=4)
         answer.join(timeout=30)
         assert len(reply["result"]["output_ids"]) == 4  # generation does not wait for the hung update
@@ -277,8 +329,11 @@ def test_a_restarted_trainer_joins_again_while_the_old_one_hangs_and_nothing_lea
     status, update = hung_reply["result"]
     assert status == 500 and peer_closed(update["error"]["message"]), update
     assert model_info(address)["weight_version"] == "12"
-    assert wait_for(lambda: resources() < held[0], "the hung update's group to be freed",
-                    seen=lambda: f"(files, threads) {resources()}, with both groups {held[0]}")
+    assert wait_for(
+        lambda: resources() < held[0],
+        "the hung update's group to be freed",
+        seen=lambda: f"(files, threads) {resources()}, with both groups {held[0]}",
+    )
 
 
 def http_connections(pid: int, port: int) -> set[str]:
@@ -342,9 +397,18 @@ async def sglang_server_with_two_tp_ranks():
         invite = await request.json()
         seen["invites"].append(invite)
         for tp_rank in range(2):
-            ranks.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-c", SGLANG_TP_RANK, json.dumps(invite), str(tp_rank), cwd=REPO,
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))
+            ranks.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-c",
+                    SGLANG_TP_RANK,
+                    json.dumps(invite),
+                    str(tp_rank),
+                    cwd=REPO,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                )
+            )
         assert [await rank.stdout.readline() for rank in ranks] == [b"joined\n"] * 2
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
@@ -364,9 +428,14 @@ async def sglang_server_with_two_tp_ranks():
         return web.json_response({"tp_size": 2, "dp_size": 1})
 
     app = web.Application()
-    app.add_routes([web.get("/health", health), web.get("/get_server_info", server_info),
-                    web.post("/init_weights_update_group", init_weights_update_group),
-                    web.post("/update_weights_from_distributed", update_weights_from_distributed)])
+    app.add_routes(
+        [
+            web.get("/health", health),
+            web.get("/get_server_info", server_info),
+            web.post("/init_weights_update_group", init_weights_update_group),
+            web.post("/update_weights_from_distributed", update_weights_from_distributed),
+        ]
+    )
     async with serve_on_loopback(app) as address:
         try:
             yield address, seen
@@ -396,8 +465,14 @@ def test_the_update_group_is_set_up_as_sglang_sets_it_up_one_rank_per_tp_rank(ow
 
     seen, generation = asyncio.run(run())
     invite = seen["invites"][0]
-    assert invite == {"master_address": "127.0.0.1", "master_port": invite["master_port"], "rank_offset": 2,
-                      "world_size": 4, "backend": "gloo", "group_name": invite["group_name"]}
+    assert invite == {
+        "master_address": "127.0.0.1",
+        "master_port": invite["master_port"],
+        "rank_offset": 2,
+        "world_size": 4,
+        "backend": "gloo",
+        "group_name": invite["group_name"],
+    }
     fields = {"names", "dtypes", "shapes", "group_name", "weight_version"}  # SGLang's, its own defaults aside
     assert all(bucket.keys() == fields for bucket in seen["buckets"])
     assert {(b["group_name"], b["weight_version"]) for b in seen["buckets"]} == {(invite["group_name"], "5")}
@@ -423,8 +498,11 @@ def test_a_push_after_a_server_was_killed_completes_and_reaches_the_survivor(tin
             sync.destroy_group()
             return took, members, alive, generation
 
-    with (embedded_server(tiny_model_dir, tmp_path / "a") as (_, survivor),
-          embedded_server(tiny_model_dir, tmp_path / "b") as (victim_process, victim)):
+    with (
+        embedded_server(tiny_model_dir, tmp_path / "a") as (_, survivor),
+        embedded_server(tiny_model_dir, tmp_path / "b") as (victim_process, victim),
+    ):
+
         def kill():
             victim_process.kill()
             victim_process.wait()
@@ -438,9 +516,18 @@ def test_a_push_after_a_server_was_killed_completes_and_reaches_the_survivor(tin
 def test_a_mixture_of_experts_checkpoint_reads_as_the_model_holds_it(tmp_path):
     """save_pretrained stores each expert's projections apart; servers and trainers read them stacked
     as the model holds them, and a checkpoint missing one expert tensor is refused by name."""
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
-                            num_experts_per_tok=2, moe_intermediate_size=16)
+    config = Qwen3MoeConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
     model = Qwen3MoeForCausalLM(config)
     model.save_pretrained(tmp_path / "moe")
     state, live = read_checkpoint(tmp_path / "moe"), model.state_dict()

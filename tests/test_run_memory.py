@@ -41,8 +41,9 @@ while time.monotonic() < deadline:
 
 
 def _start(code: str, run: str, *args: str) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, RUN_MARKER: run})
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env={**os.environ, RUN_MARKER: run}
+    )
     assert process.stdout.readline().strip() == "ready"
     return process
 

@@ -28,9 +28,15 @@ def kept_by_reference(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Te
 
 
 # rows of unnormalised weights from a small set of values, so ties and zeros are common
-rows = st.integers(1, 12).flatmap(lambda vocab: st.lists(st.lists(
-    st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.2, 1 / 3, 0.5, 1.0, 2.0]), min_size=vocab, max_size=vocab).filter(any),
-    min_size=1, max_size=6))
+rows = st.integers(1, 12).flatmap(
+    lambda vocab: st.lists(
+        st.lists(
+            st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.2, 1 / 3, 0.5, 1.0, 2.0]), min_size=vocab, max_size=vocab
+        ).filter(any),
+        min_size=1,
+        max_size=6,
+    )
+)
 
 
 @settings(deadline=None, max_examples=300)
@@ -110,13 +116,20 @@ def splitmix64_uniform(seed: int, position: int) -> float:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     z ^= z >> 31
-    return ((z >> 11) + 1) / 2.0 ** 53
+    return ((z >> 11) + 1) / 2.0**53
 
 
 @settings(deadline=None, max_examples=300)
-@given(pairs=st.lists(st.tuples(st.one_of(st.integers(0, MAX_SEED), st.sampled_from([0, 1, MAX_SEED])),
-                                st.one_of(st.integers(0, 1 << 40), st.sampled_from([0, 1, (1 << 62)]))),
-                      min_size=1, max_size=16))
+@given(
+    pairs=st.lists(
+        st.tuples(
+            st.one_of(st.integers(0, MAX_SEED), st.sampled_from([0, 1, MAX_SEED])),
+            st.one_of(st.integers(0, 1 << 40), st.sampled_from([0, 1, (1 << 62)])),
+        ),
+        min_size=1,
+        max_size=16,
+    )
+)
 def test_seeded_uniforms_are_splitmix64_at_any_seed_and_position(pairs):
     seeds, positions = torch.tensor([s for s, _ in pairs]), torch.tensor([p for _, p in pairs])
     got = seeded_uniform(seeds, positions).tolist()
@@ -142,7 +155,7 @@ def test_a_seeded_requests_tokens_do_not_depend_on_its_row_or_its_neighbours(dat
     params = (1.0, data.draw(st.sampled_from([-1, 5])), data.draw(st.sampled_from([1.0, 0.9])))
     alone = SlotSampler(1, torch.device("cpu"))
     alone.set(0, *params, seed, start)
-    expected = [int(alone.sample(logits[i:i + 1], 0)[0]) for i in range(steps)]
+    expected = [int(alone.sample(logits[i : i + 1], 0)[0]) for i in range(steps)]
     others = data.draw(st.integers(0, 5))
     row = data.draw(st.integers(0, others))
     crowd = SlotSampler(others + 1, torch.device("cpu"), seed=data.draw(st.integers(0, 9)))
@@ -161,4 +174,4 @@ def test_a_seeded_requests_tokens_do_not_depend_on_its_row_or_its_neighbours(dat
     cut = data.draw(st.integers(0, steps - 1))  # resumed after ``cut`` tokens: a new request, a longer prompt
     resumed = SlotSampler(1, torch.device("cpu"))
     resumed.set(0, *params, seed, start + cut)
-    assert [int(resumed.sample(logits[i:i + 1], 0)[0]) for i in range(cut, steps)] == expected[cut:]
+    assert [int(resumed.sample(logits[i : i + 1], 0)[0]) for i in range(cut, steps)] == expected[cut:]

@@ -24,13 +24,52 @@ from tests.test_rollout_server import PROMPT, model_info, post, wait_for
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 ABOVE_FLOAT32_MAX = math.nextafter(FLOAT32_MAX, math.inf)  # rounds to float32's max, but does not fit it
-INT64_MAX = 2 ** 63 - 1
+INT64_MAX = 2**63 - 1
 ROOM = 4  # the edge request's prompt leaves this many tokens of context: max_new_tokens 4 fits, 5 does not
-INTS = [0, 1, -1, -2, 2 ** 31 - 1, 2 ** 31, 2 ** 32, 2 ** 53 + 1, INT64_MAX, 2 ** 63, 2 ** 64, -2 ** 63,
-        -2 ** 63 - 1, -2 ** 64, 10 ** 30, 10 ** 400]
-FLOATS = [0.0, -0.0, 5e-324, 1e-310, 1.401298464324817e-45, 1e-40, 1.1754943508222875e-38, 9.99999e-07, 1e-06,
-          0.5, 0.9999999999999999, 1.0, 1.0000000000000002, 2.0, 1e30, FLOAT32_MAX, ABOVE_FLOAT32_MAX, 3.5e38,
-          1.7976931348623157e308, math.inf, -math.inf, math.nan, -1.0, -FLOAT32_MAX]
+INTS = [
+    0,
+    1,
+    -1,
+    -2,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    INT64_MAX,
+    2**63,
+    2**64,
+    -(2**63),
+    -(2**63) - 1,
+    -(2**64),
+    10**30,
+    10**400,
+]
+FLOATS = [
+    0.0,
+    -0.0,
+    5e-324,
+    1e-310,
+    1.401298464324817e-45,
+    1e-40,
+    1.1754943508222875e-38,
+    9.99999e-07,
+    1e-06,
+    0.5,
+    0.9999999999999999,
+    1.0,
+    1.0000000000000002,
+    2.0,
+    1e30,
+    FLOAT32_MAX,
+    ABOVE_FLOAT32_MAX,
+    3.5e38,
+    1.7976931348623157e308,
+    math.inf,
+    -math.inf,
+    math.nan,
+    -1.0,
+    -FLOAT32_MAX,
+]
 BYSTANDERS = [dict(temperature=1.0, top_k=5), dict(temperature=0.7, top_p=0.9), dict(temperature=0)]
 BYSTANDER_TOKENS = 24
 
@@ -79,35 +118,62 @@ def edges(extra_ints: tuple[int, ...] = ()) -> st.SearchStrategy:
 
 def sampling_params(vocab: int) -> st.SearchStrategy:
     """One sampling field at an edge, or any subset of them (max_new_tokens is 2 when not drawn)."""
-    fields = {"max_new_tokens": edges((ROOM, ROOM + 1)), "temperature": edges(), "top_p": edges(),
-              "top_k": edges((vocab - 1, vocab, vocab + 1)),
-              "stop_token_ids": st.lists(st.sampled_from(INTS + [vocab - 1, vocab]) | st.integers(), max_size=3)
-              | edges(),
-              "ignore_eos": edges(), "sampling_seed": edges() | st.none()}
+    fields = {
+        "max_new_tokens": edges((ROOM, ROOM + 1)),
+        "temperature": edges(),
+        "top_p": edges(),
+        "top_k": edges((vocab - 1, vocab, vocab + 1)),
+        "stop_token_ids": st.lists(st.sampled_from(INTS + [vocab - 1, vocab]) | st.integers(), max_size=3) | edges(),
+        "ignore_eos": edges(),
+        "sampling_seed": edges() | st.none(),
+    }
     one = st.sampled_from(sorted(fields)).flatmap(lambda name: st.fixed_dictionaries({name: fields[name]}))
     return one | st.fixed_dictionaries({}, optional=fields)
 
 
 # always tried: the values the defect was found with, and the largest valid ones
-HEADLINE = [{"top_k": 2 ** 63}, {"top_k": 2 ** 64}, {"top_k": INT64_MAX, "top_p": 0.5}, {"top_k": -2 ** 63},
-            {"temperature": ABOVE_FLOAT32_MAX}, {"temperature": FLOAT32_MAX}, {"temperature": 1e308},
-            {"temperature": 2 ** 128}, {"top_p": 5e-324}, {"top_p": math.nan}, {"max_new_tokens": ROOM},
-            {"max_new_tokens": ROOM + 1}, {"max_new_tokens": 2 ** 64}, {"stop_token_ids": [2 ** 64]},
-            {"stop_token_ids": [-1]}, {"ignore_eos": 1}, {"temperature": 1e-6, "ignore_eos": True},
-            {"max_new_tokens": ROOM, "temperature": FLOAT32_MAX, "top_p": 5e-324, "top_k": INT64_MAX}]
+HEADLINE = [
+    {"top_k": 2**63},
+    {"top_k": 2**64},
+    {"top_k": INT64_MAX, "top_p": 0.5},
+    {"top_k": -(2**63)},
+    {"temperature": ABOVE_FLOAT32_MAX},
+    {"temperature": FLOAT32_MAX},
+    {"temperature": 1e308},
+    {"temperature": 2**128},
+    {"top_p": 5e-324},
+    {"top_p": math.nan},
+    {"max_new_tokens": ROOM},
+    {"max_new_tokens": ROOM + 1},
+    {"max_new_tokens": 2**64},
+    {"stop_token_ids": [2**64]},
+    {"stop_token_ids": [-1]},
+    {"ignore_eos": 1},
+    {"temperature": 1e-6, "ignore_eos": True},
+    {"max_new_tokens": ROOM, "temperature": FLOAT32_MAX, "top_p": 5e-324, "top_k": INT64_MAX},
+]
 
 
 def test_sampling_values_at_numeric_edges_get_200_or_a_400_naming_the_field_and_bystanders_finish(
-        server, tiny_model_dir):
+    server, tiny_model_dir
+):
     vocab = vocab_size(tiny_model_dir)
     context = model_info(server)["context_length"]
-    prompt = (PROMPT * context)[:context - ROOM]
+    prompt = (PROMPT * context)[: context - ROOM]
     bystanders, done = [], threading.Event()
 
     def keep_requests_running(sampling):
         while not done.is_set():
-            bystanders.append(post(server, "/generate", {"input_ids": PROMPT, "sampling_params": {
-                "max_new_tokens": BYSTANDER_TOKENS, "ignore_eos": True, **sampling}}))
+            bystanders.append(
+                post(
+                    server,
+                    "/generate",
+                    {
+                        "input_ids": PROMPT,
+                        "sampling_params": {"max_new_tokens": BYSTANDER_TOKENS, "ignore_eos": True, **sampling},
+                    },
+                )
+            )
 
     threads = [threading.Thread(target=keep_requests_running, args=(s,)) for s in BYSTANDERS]
     for thread in threads:
@@ -127,8 +193,12 @@ def test_sampling_values_at_numeric_edges_get_200_or_a_400_naming_the_field_and_
         assert status == 400, (sampling, reply)
         message = reply["error"]["message"]
         assert "\n" not in message and len(message) < 300, message
-        named = [f for f in invalid if f"sampling_params.{f} = {reprlib.repr(sampling[f])};" in message
-                 or (f == "max_new_tokens" and f"+ {reprlib.repr(sampling[f])} max_new_tokens >" in message)]
+        named = [
+            f
+            for f in invalid
+            if f"sampling_params.{f} = {reprlib.repr(sampling[f])};" in message
+            or (f == "max_new_tokens" and f"+ {reprlib.repr(sampling[f])} max_new_tokens >" in message)
+        ]
         assert named, (sampling, message)  # the field and its value
 
     for sampling in HEADLINE + [{"top_k": vocab + 1}, {"stop_token_ids": [vocab - 1]}, {"stop_token_ids": [vocab]}]:
@@ -160,8 +230,12 @@ def test_a_request_the_sampler_cannot_take_fails_alone_in_the_engine(tiny_model_
     def request(rid, **sampling):
         return Request(rid, PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True, **sampling), on_done)
 
-    batch = [request("huge-top-k", top_k=2 ** 63), request("beside", temperature=0.8),
-             request("huge-temperature", temperature=1e39), request("last", top_p=0.9)]
+    batch = [
+        request("huge-top-k", top_k=2**63),
+        request("beside", temperature=0.8),
+        request("huge-temperature", temperature=1e39),
+        request("last", top_p=0.9),
+    ]
     running_at_batch = concurrent.futures.Future()
 
     def submit_batch():  # on the engine thread, the step after the two were prefilled: they are decoding

@@ -28,8 +28,11 @@ def processes_with(marker: str) -> list[int]:
     """Live processes whose command line or working directory contains ``marker`` (zombies have neither)."""
     found = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid() and (marker in _read(f"/proc/{name}/cmdline")
-                                                            or marker in _cwd(name)):
+        if (
+            name.isdigit()
+            and int(name) != os.getpid()
+            and (marker in _read(f"/proc/{name}/cmdline") or marker in _cwd(name))
+        ):
             found.append(int(name))
     return found
 
@@ -94,7 +97,10 @@ def test_a_file_size_bomb_is_stopped_at_the_file_size_limit():
 
 def test_a_fork_bomb_is_stopped_and_nothing_survives():
     marker = uuid.uuid4().hex
-    bomb = f"import os\nprint(os.getcwd(), flush=True)\nfor _ in range(10):\n    os.fork()\nimport time\ntime.sleep(1000)  # {marker}"
+    bomb = (
+        "import os\nprint(os.getcwd(), flush=True)\nfor _ in range(10):\n    os.fork()\n"
+        f"import time\ntime.sleep(1000)  # {marker}"
+    )
     result = run_python(bomb, max_processes=1, timeout_s=10)
     # root: the process-count watchdog kills the tree; a user: RLIMIT_NPROC makes fork() fail.
     assert result.killed_by == "processes" and result.duration_s < 5
@@ -148,9 +154,17 @@ os.read(r, 1)
 
 def test_nothing_survives_the_caller_being_killed():
     token = f"1000.{uuid.uuid4().int % 10**9}"  # on the sandboxed program's command line: it runs sleep
-    caller = subprocess.Popen([sys.executable, "-c", (
-        "from areal_hpc.reward.sandbox import run_python\n"
-        f"run_python(\"import os\\nos.execv('/bin/sleep', ['sleep', '{token}'])\", timeout_s=100)")], cwd=REPO)
+    caller = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "from areal_hpc.reward.sandbox import run_python\n"
+                f"run_python(\"import os\\nos.execv('/bin/sleep', ['sleep', '{token}'])\", timeout_s=100)"
+            ),
+        ],
+        cwd=REPO,
+    )
 
     def program() -> list[int]:  # the caller's own command line holds the token too
         return [pid for pid in processes_with(token) if pid != caller.pid]
@@ -165,8 +179,9 @@ def test_nothing_survives_the_caller_being_killed():
         caller.wait()
         deadline = time.monotonic() + 60
         while survivors := program():
-            assert time.monotonic() < deadline, \
+            assert time.monotonic() < deadline, (
                 f"still alive 60 s after the caller's death: {[_read(f'/proc/{pid}/cmdline') for pid in survivors]}"
+            )
             time.sleep(0.05)
     finally:
         caller.kill()
@@ -185,8 +200,10 @@ print(json.dumps([os.geteuid(), fork.killed_by, fork.returncode, escape.returnco
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.access("/usr/bin/python3", os.X_OK),
-                    reason="needs root (to become nobody), setpriv and a system /usr/bin/python3")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not os.access("/usr/bin/python3", os.X_OK),
+    reason="needs root (to become nobody), setpriv and a system /usr/bin/python3",
+)
 def test_as_an_unprivileged_user():
     """RLIMIT_NPROC refuses a fork, and without namespaces the launcher still kills a setsid() escapee.
     The sandbox is stdlib only: the system Python runs a copy of it as nobody (this venv may be unreadable)."""
@@ -198,8 +215,13 @@ def test_as_an_unprivileged_user():
         shutil.copy(sandbox.__file__, folder / "sandbox.py")
         token = f"1000.{uuid.uuid4().int % 10**9}"
         (folder / "check.py").write_text(NOBODY_CHECK % token)
-        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-                               "check.py"], cwd=folder, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "check.py"],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         shutil.rmtree(folder)
     assert done.returncode == 0, done.stderr
@@ -213,7 +235,9 @@ def test_no_network():
         server.listen()
         server.setblocking(False)
         port = server.getsockname()[1]
-        result = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+        result = run_python(
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+        )
         if not result.network_isolated:
             assert result.returncode == 0 and result.stdout == "connected\n"
             pytest.skip("no network namespace here (it needs root or CAP_SYS_ADMIN): the program could connect")
@@ -251,8 +275,9 @@ def test_a_directory_tree_too_deep_for_a_recursive_walk_is_removed():
 
 
 def test_the_directory_is_removed_after_a_kill():
-    result = run_python("import os, time\nprint(os.getcwd(), flush=True)\nos.chmod('.', 0)\ntime.sleep(100)",
-                        timeout_s=0.5)
+    result = run_python(
+        "import os, time\nprint(os.getcwd(), flush=True)\nos.chmod('.', 0)\ntime.sleep(100)", timeout_s=0.5
+    )
     assert result.timed_out and not os.path.exists(result.stdout.strip())
 
 
@@ -289,14 +314,18 @@ SOLUTIONS = {
 }
 
 
-@pytest.mark.parametrize("solution, expected", [
-    ("correct", {"reward": 1.0, "pass_rate": 1.0, "timeouts": 0, "killed": 0}),
-    ("wrong", {"reward": 0.0, "pass_rate": 0.0, "timeouts": 0, "killed": 0}),
-    ("looping", {"reward": 0.0, "pass_rate": 0.0, "timeouts": 1, "killed": 0}),
-])
+@pytest.mark.parametrize(
+    "solution, expected",
+    [
+        ("correct", {"reward": 1.0, "pass_rate": 1.0, "timeouts": 0, "killed": 0}),
+        ("wrong", {"reward": 0.0, "pass_rate": 0.0, "timeouts": 0, "killed": 0}),
+        ("looping", {"reward": 0.0, "pass_rate": 0.0, "timeouts": 1, "killed": 0}),
+    ],
+)
 def test_code_reward_on_asserts(solution, expected):
-    assert code_reward("p", SOLUTIONS[solution], [], [], tests="assert add(1, 2) == 3\nassert add(0, 0) == 0") \
-        == expected
+    assert (
+        code_reward("p", SOLUTIONS[solution], [], [], tests="assert add(1, 2) == 3\nassert add(0, 0) == 0") == expected
+    )
 
 
 def test_code_reward_on_a_list_of_asserts_and_on_io_cases():

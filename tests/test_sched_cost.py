@@ -17,15 +17,27 @@ def pool(device: str, per_node: int = 8, nodes: int = 4) -> NodePool:
     return NodePool(device, CATALOGUE[device], nodes, per_node)
 
 
-@pytest.mark.parametrize("name, billions", [("r1-distill-qwen-1.5b", 1.777), ("r1-distill-qwen-7b", 7.616),
-                                            ("r1-distill-qwen-14b", 14.770), ("r1-distill-qwen-32b", 32.764)])
+@pytest.mark.parametrize(
+    "name, billions",
+    [
+        ("r1-distill-qwen-1.5b", 1.777),
+        ("r1-distill-qwen-7b", 7.616),
+        ("r1-distill-qwen-14b", 14.770),
+        ("r1-distill-qwen-32b", 32.764),
+    ],
+)
 def test_parameter_counts_match_the_published_models(name, billions):
     assert load_model_spec(name).params / 1e9 == pytest.approx(billions, abs=0.001)
 
 
 @settings(max_examples=40, deadline=None)
-@given(model=st.sampled_from(MODELS), device=st.sampled_from(sorted(CATALOGUE)),
-       slow=st.floats(0.5, 50), factor=st.floats(1, 20), devices=st.sampled_from([2, 4, 8, 16]))
+@given(
+    model=st.sampled_from(MODELS),
+    device=st.sampled_from(sorted(CATALOGUE)),
+    slow=st.floats(0.5, 50),
+    factor=st.floats(1, 20),
+    devices=st.sampled_from([2, 4, 8, 16]),
+)
 def test_more_bandwidth_is_never_slower(model, device, slow, factor, devices):
     cost, p = COSTS[model], pool(device, per_node=4)
     fast = slow * factor
@@ -81,9 +93,12 @@ def test_a_device_factor_scales_that_device_only(factor):
     cost = COSTS["r1-distill-qwen-1.5b"]
     scaled = CostModel(cost.model, cost.workload, Efficiency().replace(**{"H20.train": factor, "H20.decode": factor}))
     h20, h800 = pool("H20"), pool("H800")
-    assert scaled.train_group(h20, 1, 5).tokens_per_s == pytest.approx(factor * cost.train_group(h20, 1, 5).tokens_per_s)
-    assert scaled.rollout_replica(h20, 1, 1, 5).step_full_s == pytest.approx(cost.rollout_replica(h20, 1, 1, 5).step_full_s
-                                                                              / factor)
+    assert scaled.train_group(h20, 1, 5).tokens_per_s == pytest.approx(
+        factor * cost.train_group(h20, 1, 5).tokens_per_s
+    )
+    assert scaled.rollout_replica(h20, 1, 1, 5).step_full_s == pytest.approx(
+        cost.rollout_replica(h20, 1, 1, 5).step_full_s / factor
+    )
     assert scaled.train_group(h800, 8, 5) == cost.train_group(h800, 8, 5)
     assert scaled.rollout_replica(h800, 2, 1, 5) == cost.rollout_replica(h800, 2, 1, 5)
 
@@ -105,6 +120,7 @@ def test_decode_turns_compute_bound_on_h20_at_large_batches_and_stays_hbm_bound_
     """With the paper's calibrated global factors, H20 (148 TFLOP/s, 4.0 TB/s) is compute-bound at a full
     batch and an H800 (989 TFLOP/s, 3.35 TB/s) HBM-bound: fewer decode FLOP/s slow H20's full batch only."""
     from areal_hpc.sched.repro_hex import CALIBRATED
+
     cost = CostModel(load_model_spec("r1-distill-qwen-7b"), Workload(prompt_len=1024, gen_mean=8192), CALIBRATED)
     fewer_flops = CostModel(cost.model, cost.workload, CALIBRATED.replace(decode_mfu=CALIBRATED.decode_mfu / 2))
     h20, h800 = cost.rollout_replica(pool("H20"), 2, 1, 5), cost.rollout_replica(pool("H800"), 2, 1, 5)
@@ -127,6 +143,8 @@ def test_tensor_parallel_collective_latency_is_paid_per_micro_batch_not_per_toke
     """A tp=2 trainer on NVLink loses little to its all-reduces (a 10 us latency per token would cost it 10x)."""
     cost = COSTS["r1-distill-qwen-14b"]
     no_links = CostModel(cost.model, cost.workload, Efficiency(latency_s=0.0, link=1e6))
-    group, ideal = (next(g for g in c.train_layouts(pool("H800"), 8, 5) if (g.dp, g.tp, g.pp) == (4, 2, 1))
-                    for c in (cost, no_links))
+    group, ideal = (
+        next(g for g in c.train_layouts(pool("H800"), 8, 5) if (g.dp, g.tp, g.pp) == (4, 2, 1))
+        for c in (cost, no_links)
+    )
     assert 0.85 * ideal.tokens_per_s < group.tokens_per_s < ideal.tokens_per_s

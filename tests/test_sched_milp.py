@@ -45,8 +45,13 @@ def brute_force_rollout(replicas, available, max_price=float("inf")):
         r = replicas[i]
         y = 0
         while y * r.devices <= free[r.pool] and price + y * r.price_per_hour <= max_price + 1e-9:
-            visit(i + 1, {**free, r.pool: free[r.pool] - y * r.devices}, price + y * r.price_per_hour,
-                  rate + y * r.tokens_per_s, counts + [y])
+            visit(
+                i + 1,
+                {**free, r.pool: free[r.pool] - y * r.devices},
+                price + y * r.price_per_hour,
+                rate + y * r.tokens_per_s,
+                counts + [y],
+            )
             y += 1
 
     visit(0, dict(available), 0.0, 0.0, [])
@@ -81,8 +86,10 @@ def enumerated_train(cluster, cost, counts):
     if not used or not all(layouts):
         return None
     cross = min(cluster.bandwidth(a, b) for a in used for b in used)
-    return (min(cost.train_step_s(list(choice), cross) for choice in itertools.product(*layouts)),
-            sum(counts[n] * pools[n].device.price_per_hour for n in used))
+    return (
+        min(cost.train_step_s(list(choice), cross) for choice in itertools.product(*layouts)),
+        sum(counts[n] * pools[n].device.price_per_hour for n in used),
+    )
 
 
 def scored(cluster, cost, staleness, counts, train, rate, rollout_price, generating):
@@ -106,14 +113,29 @@ def every_plan(cluster, cost, staleness):
         train = enumerated_train(cluster, cost, counts)
         if train is None:
             continue
-        options = [[(n, rate, price) for rate, price in
-                    pool_rollouts(cost, p, p.devices - counts[n], cluster.bandwidth(n, n)).values()]
-                   for n, p in pools.items() if p.devices > counts[n]]
+        options = [
+            [
+                (n, rate, price)
+                for rate, price in pool_rollouts(cost, p, p.devices - counts[n], cluster.bandwidth(n, n)).values()
+            ]
+            for n, p in pools.items()
+            if p.devices > counts[n]
+        ]
         for combo in itertools.product(*options):
             generating = [n for n, rate, _ in combo if rate > 0]
             if generating:
-                found.append(scored(cluster, cost, staleness, counts, train, sum(rate for _, rate, _ in combo),
-                                    sum(price for _, _, price in combo), generating))
+                found.append(
+                    scored(
+                        cluster,
+                        cost,
+                        staleness,
+                        counts,
+                        train,
+                        sum(rate for _, rate, _ in combo),
+                        sum(price for _, _, price in combo),
+                        generating,
+                    )
+                )
     return found
 
 
@@ -135,7 +157,9 @@ def best_plan(plans, objective="max-throughput", budget=float("inf"), target=Non
 def test_rollout_milp_equals_enumeration(cluster, model, price_cap):
     cost = COSTS[model]
     available = {p.name: p.devices for p in cluster.pools}
-    replicas = [r for p in cluster.pools for r in cost.rollout_replicas(p, p.devices, cluster.bandwidth(p.name, p.name))]
+    replicas = [
+        r for p in cluster.pools for r in cost.rollout_replicas(p, p.devices, cluster.bandwidth(p.name, p.name))
+    ]
     plan = RolloutMILP(replicas, available).solve(max_price=price_cap)
     assert plan.tokens_per_s == pytest.approx(brute_force_rollout(replicas, available, price_cap)[0], rel=1e-9)
     assert plan.price_per_hour <= price_cap + 1e-9
@@ -161,8 +185,13 @@ def planner_matches_enumeration(cluster, model, staleness, objective, share, exh
     assert (plan.tokens_per_s, plan.price_per_hour) == pytest.approx(best_plan(plans, **options), rel=1e-6)
 
 
-CASES = dict(cluster=small_clusters(), model=st.sampled_from(sorted(COSTS)), staleness=st.sampled_from([0, 4]),
-             objective=st.sampled_from(["max-throughput", "budget", "min-cost"]), share=st.floats(0.05, 1.0))
+CASES = dict(
+    cluster=small_clusters(),
+    model=st.sampled_from(sorted(COSTS)),
+    staleness=st.sampled_from([0, 4]),
+    objective=st.sampled_from(["max-throughput", "budget", "min-cost"]),
+    share=st.floats(0.05, 1.0),
+)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -75,8 +75,9 @@ def test_large_cluster_search_beats_every_whole_machine_split():
     from areal_hpc.sched.hardware import make_cluster
 
     workload = replace(repro_hex.WORKLOAD, prompts=8 * repro_hex.WORKLOAD.prompts)
-    big = make_cluster("big", [("H800", "H800", 8, 8), ("H20", "H20", 24, 8)],
-                       {"H800-H800": 5, "H20-H20": 5, "H800-H20": 1.5})
+    big = make_cluster(
+        "big", [("H800", "H800", 8, 8), ("H20", "H20", 24, 8)], {"H800-H800": 5, "H20-H20": 5, "H800-H20": 1.5}
+    )
     search = HeteroPlanner(big, CostModel(load_model_spec("r1-distill-qwen-7b"), workload, repro_hex.CALIBRATED))
     plan = search.plan()
     assert len(search.evaluated) < 200
@@ -88,13 +89,16 @@ def test_a_pool_behind_a_slow_link_idles_when_its_weight_sync_costs_more_than_it
     """The issue's case: one machine of 4 H100 and two Ascend 910B machines behind 1 GB/s, 1.5B, 256
     sequences. Generating on the Ascends too costs a 22 s weight sync; the plan of every objective is
     the enumerated best, and the fastest leaves the Ascends idle."""
-    cluster = make_cluster("h100-ascend", [("h100", "H100", 1, 4), ("ascend", "Ascend910B", 2, 1)],
-                           {"h100-ascend": 1})
+    cluster = make_cluster("h100-ascend", [("h100", "H100", 1, 4), ("ascend", "Ascend910B", 2, 1)], {"h100-ascend": 1})
     cost = CostModel(load_model_spec("r1-distill-qwen-1.5b"), Workload(prompts=256, answers=1))
     plans = every_plan(cluster, cost, 4)
     fastest = max(rate for rate, _ in plans)
-    for options in ({}, {"budget": 20}, {"budget": 30}, *({"objective": "min-cost", "target": share * fastest}
-                                                            for share in (0.3, 0.5, 0.7, 0.9))):
+    for options in (
+        {},
+        {"budget": 20},
+        {"budget": 30},
+        *({"objective": "min-cost", "target": share * fastest} for share in (0.3, 0.5, 0.7, 0.9)),
+    ):
         plan = HeteroPlanner(cluster, cost, 4, **options).plan()
         assert (plan.tokens_per_s, plan.price_per_hour) == pytest.approx(best_plan(plans, **options), rel=1e-6), options
     plan = HeteroPlanner(cluster, cost, 4).plan()
@@ -108,20 +112,40 @@ def test_example_site_beats_training_on_h100_and_a100_with_the_l40s_idle():
     cluster = load_cluster("example-site")
     cost = CostModel(load_model_spec("r1-distill-qwen-1.5b"), Workload(prompts=1024, answers=1))
     counts = {"h100": 16, "a100": 5, "l40s": 0}
-    replica = cost.rollout_replica(next(p for p in cluster.pools if p.name == "a100"), 1, 1, cluster.bandwidth("a100", "a100"))
-    rate, price = scored(cluster, cost, 4, counts, enumerated_train(cluster, cost, counts), 27 * replica.tokens_per_s,
-                         27 * replica.price_per_hour, ["a100"])
+    replica = cost.rollout_replica(
+        next(p for p in cluster.pools if p.name == "a100"), 1, 1, cluster.bandwidth("a100", "a100")
+    )
+    rate, price = scored(
+        cluster,
+        cost,
+        4,
+        counts,
+        enumerated_train(cluster, cost, counts),
+        27 * replica.tokens_per_s,
+        27 * replica.price_per_hour,
+        ["a100"],
+    )
     assert HeteroPlanner(cluster, cost).plan().tokens_per_s >= rate * (1 - 1e-9)
     assert HeteroPlanner(cluster, cost, objective="min-cost", target=rate).plan().price_per_hour <= price + 1e-9
 
 
 @settings(max_examples=60, deadline=None)
-@given(pools=st.lists(st.tuples(st.sampled_from(sorted(CATALOGUE)), st.integers(1, 2), st.sampled_from([1, 2, 4])),
-                      min_size=2, max_size=3),
-       links=st.lists(st.floats(1, 50), min_size=6, max_size=6), model=st.sampled_from(sorted(COSTS)),
-       shares=st.lists(st.floats(0, 1), min_size=3, max_size=3))
-@example(pools=[("Ascend910B", 2, 4), ("H100", 2, 1)], links=[4.0, 29.1, 42.0, 1, 1, 1], model="r1-distill-qwen-1.5b",
-         shares=[0.875, 1.0, 0])  # 7 Ascends alone train fastest at dp7; beside 2 H100, at pp7 (no 4 GB/s all-reduce)
+@given(
+    pools=st.lists(
+        st.tuples(st.sampled_from(sorted(CATALOGUE)), st.integers(1, 2), st.sampled_from([1, 2, 4])),
+        min_size=2,
+        max_size=3,
+    ),
+    links=st.lists(st.floats(1, 50), min_size=6, max_size=6),
+    model=st.sampled_from(sorted(COSTS)),
+    shares=st.lists(st.floats(0, 1), min_size=3, max_size=3),
+)
+@example(
+    pools=[("Ascend910B", 2, 4), ("H100", 2, 1)],
+    links=[4.0, 29.1, 42.0, 1, 1, 1],
+    model="r1-distill-qwen-1.5b",
+    shares=[0.875, 1.0, 0],
+)  # 7 Ascends alone train fastest at dp7; beside 2 H100, at pp7 (no 4 GB/s all-reduce)
 def test_training_layouts_minimise_the_combined_step(pools, links, model, shares):
     """Each pool's training layout is chosen for the step of all training groups together (the enumerated
     best over every combination of layouts), not for its own step alone."""

@@ -44,8 +44,12 @@ WORLD_SHA256 = "2b5f456eba0a9ca59f869bdf98f9d47909a44aad0d7c102e3f8e9a07d3b7e352
 
 
 def world_digest(world) -> str:
-    text = json.dumps([[[p.id, p.title, p.text] for p in world.pages],
-                       [[q.question, q.answer, q.hops, list(q.path)] for q in world.questions]])
+    text = json.dumps(
+        [
+            [[p.id, p.title, p.text] for p in world.pages],
+            [[q.question, q.answer, q.hops, list(q.path)] for q in world.questions],
+        ]
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -61,11 +65,16 @@ def tokenizer(tiny_model_dir):
 
 
 def example_of(question, uid: str = "q0") -> Example:
-    return Example(uid, prompt_of(question.question), answer=question.answer,
-                   fields={"question": question.question, "hops": question.hops, "path": list(question.path)})
+    return Example(
+        uid,
+        prompt_of(question.question),
+        answer=question.answer,
+        fields={"question": question.question, "hops": question.hops, "path": list(question.path)},
+    )
 
 
 # --- corpus and questions --------------------------------------------------------------------------------
+
 
 def test_the_world_of_a_seed_is_always_the_same_and_made_in_well_under_a_second():
     build_world.cache_clear()
@@ -80,10 +89,13 @@ def test_the_world_of_a_seed_is_always_the_same_and_made_in_well_under_a_second(
     assert {k: kinds.count(k) for k in set(kinds)} == {"country": 10, "city": 40, "person": 150, "company": 60}
     assert len({p.id for p in world.pages}) == len({p.title for p in world.pages}) == len(world.pages) == 260
     # every made-up word names one thing, is no stop word (BM25 drops those) and no word of the page texts
-    name_words = [w.lower() for p in world.pages for w in p.title.split()[:1 if p.id.startswith("company") else 2]]
+    name_words = [w.lower() for p in world.pages for w in p.title.split()[: 1 if p.id.startswith("company") else 2]]
     assert len(set(name_words)) == len(name_words)
-    template_words = {w.lower() for p in world.pages for w in re.findall(r"\w+", p.text)} - set(name_words) - {
-        w.lower() for p in world.pages for w in p.title.split()}
+    template_words = (
+        {w.lower() for p in world.pages for w in re.findall(r"\w+", p.text)}
+        - set(name_words)
+        - {w.lower() for p in world.pages for w in p.title.split()}
+    )
     assert not set(name_words) & (set(STOPWORDS_EN) | template_words)
     hops = [q.hops for q in world.questions]
     assert len(world.questions) == 330 and set(hops) == {2, 3} and hops.count(3) == 60
@@ -112,18 +124,21 @@ def test_every_answer_is_reached_by_searching_and_opening_the_pages_of_its_hops(
 def test_the_written_files_are_a_custom_task_scored_by_exact_match(tmp_path):
     train_path, test_path = write_dataset(tmp_path / "data")
     assert [r["question"] for r in read_json_lines(train_path)] == [r["question"] for r in rows(0)[0]]
-    task = build_task(DatasetConfig(task="custom", path=str(train_path), eval_path=str(test_path)),
-                      RewardConfig(fn=REWARD_FN))
+    task = build_task(
+        DatasetConfig(task="custom", path=str(train_path), eval_path=str(test_path)), RewardConfig(fn=REWARD_FN)
+    )
     assert (len(task.train), len(task.eval)) == (264, 66)
     example = task.eval[0]
     assert example.prompt.startswith("Answer the question with tools") and example.fields["hops"] in (2, 3)
     assert example.fields["path"][-1].startswith(("city-", "country-"))
-    request = RewardRequest(example.prompt, f"<answer> {example.answer.upper()}. </answer>", [], [],
-                            example.reward_fields())
+    request = RewardRequest(
+        example.prompt, f"<answer> {example.answer.upper()}. </answer>", [], [], example.reward_fields()
+    )
     assert task.reward(request) == (1.0, {"f1": 1.0})
 
 
 # --- the index -------------------------------------------------------------------------------------------
+
 
 def test_search_returns_bounded_snippets_of_the_best_pages_and_open_page_bounded_text():
     world, index = build_world(0), get_index(0)
@@ -135,8 +150,10 @@ def test_search_returns_bounded_snippets_of_the_best_pages_and_open_page_bounded
     assert index.search("zzqxv wwkq", k=3) == [] and index.search("", k=3) == [] and index.search("the of", 3) == []
     assert index.search(city.title, k=0) == []
     assert index.search(city.title, k=1, snippet_chars=20)[0][2].endswith("...")
-    assert index.open_page(" [CITY-07] ").startswith(city.title) and index.open_page("city-07") == \
-        f"{city.title}\n{city.text}"
+    assert (
+        index.open_page(" [CITY-07] ").startswith(city.title)
+        and index.open_page("city-07") == f"{city.title}\n{city.text}"
+    )
     assert len(index.open_page("country-00", max_chars=40)) <= 40 and len(index.open_page("country-00")) <= PAGE_CHARS
     with pytest.raises(KeyError):
         index.open_page("city-99")
@@ -151,11 +168,14 @@ def test_any_query_is_answered_without_raising(query, k):
 
 # --- the reward ------------------------------------------------------------------------------------------
 
+
 def test_the_reward_normalises_like_squad_and_reads_the_answer_tag():
     assert normalize_answer("  The  Dosebond-Republic, an   island! ") == "dosebondrepublic island"
     assert exact_match_f1("", "<answer>the Barur.</answer>", [], [], answer="Barur") == {"reward": 1.0, "f1": 1.0}
-    assert exact_match_f1("", "I think <answer>Barur Kingdom</answer>", [], [], answer="Barur") == \
-        {"reward": 0.0, "f1": pytest.approx(2 / 3)}
+    assert exact_match_f1("", "I think <answer>Barur Kingdom</answer>", [], [], answer="Barur") == {
+        "reward": 0.0,
+        "f1": pytest.approx(2 / 3),
+    }
     assert exact_match_f1("", "<answer>x</answer> <answer>Barur</answer>", [], [], answer="Barur")["reward"] == 0.0
     assert exact_match_f1("", "Barur", [], [], answer="barur")["reward"] == 1.0  # no tag: the whole completion
     assert extract_answer("<answer>Barur") == "<answer>Barur" and extract_answer(None) == ""
@@ -167,8 +187,13 @@ words = st.text(alphabet=st.characters(codec="ascii", categories=("L", "N")), mi
 
 
 @settings(max_examples=300, deadline=None)
-@given(answer=st.lists(words, min_size=1, max_size=4).map(" ".join), article=st.sampled_from(["", "the ", "A ", "an "]),
-       punctuation=st.text(alphabet=".,!?;:'\"", max_size=3), upper=st.booleans(), pad=st.integers(0, 3))
+@given(
+    answer=st.lists(words, min_size=1, max_size=4).map(" ".join),
+    article=st.sampled_from(["", "the ", "A ", "an "]),
+    punctuation=st.text(alphabet=".,!?;:'\"", max_size=3),
+    upper=st.booleans(),
+    pad=st.integers(0, 3),
+)
 def test_case_punctuation_articles_and_spacing_never_change_the_score(answer, article, punctuation, upper, pad):
     written = " " * pad + article + (answer.upper() if upper else answer) + punctuation + " " * pad
     score = exact_match_f1("", f"<answer>{written}</answer>", [], [], answer=answer)
@@ -188,8 +213,25 @@ def test_exact_match_is_0_or_1_and_implies_f1_1_and_f1_is_symmetric(prediction, 
 
 # --- the tool-call parser and the environment's replies --------------------------------------------------
 
-PIECES = ["<search>", "</search>", "<open>", "</open>", "<answer>", "</answer>", "<", ">", "/", "search", "x",
-          " ", "\n", "<|im_end|>", "<|im_start|>", "city-07", "é"]
+PIECES = [
+    "<search>",
+    "</search>",
+    "<open>",
+    "</open>",
+    "<answer>",
+    "</answer>",
+    "<",
+    ">",
+    "/",
+    "search",
+    "x",
+    " ",
+    "\n",
+    "<|im_end|>",
+    "<|im_start|>",
+    "city-07",
+    "é",
+]
 REFERENCE = re.compile(r"<(search|open|answer)>(.*?)</\1>", re.S)
 
 
@@ -230,6 +272,7 @@ def test_the_workflow_is_built_in_and_checks_its_arguments():
 
 # --- episodes --------------------------------------------------------------------------------------------
 
+
 class ScriptedModel:
     """A stand-in for the rollout servers: its turns are given as text; it keeps what it was shown."""
 
@@ -240,7 +283,7 @@ class ScriptedModel:
         self.shown.append(list(input_ids))
         text = self.turns[min(len(self.shown), len(self.turns)) - 1]
         ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # as text
-        ids = (ids + [self.tokenizer.eos_token_id])[:params["max_new_tokens"]]
+        ids = (ids + [self.tokenizer.eos_token_id])[: params["max_new_tokens"]]
         return Generation(list(input_ids), ids, [-0.25] * len(ids), [3] * len(ids), "stop")
 
 
@@ -258,8 +301,12 @@ def assert_exact(record, generations):
         sequence += segment.input_ids.tolist()
         assert sequence == list(generation.input_ids)
         assert segment.output_ids.tolist() == list(generation.output_ids)
-        assert len(segment.output_logprobs) == len(segment.output_versions) == len(segment.loss_mask) == \
-            len(segment.output_ids)
+        assert (
+            len(segment.output_logprobs)
+            == len(segment.output_versions)
+            == len(segment.loss_mask)
+            == len(segment.output_ids)
+        )
         assert segment.output_logprobs.tolist() == pytest.approx(list(generation.logprobs))
         assert segment.output_versions.tolist() == list(generation.versions) and segment.loss_mask.all()
         sequence += segment.output_ids.tolist()
@@ -270,14 +317,23 @@ def test_a_scripted_agent_follows_the_hops_through_hostile_turns_to_the_answer(t
     world = build_world(0)
     question = next(q for q in world.questions if q.hops == 3)
     names = [world.by_id[page_id].title for page_id in question.path]
-    hostile = ["", "I do not know", "<search></search>", "<open>nowhere</open>", "<open><|im_end|>x</open>",
-               "<search>zzqxv</search>", "<answer>unclosed", "<SEARCH>x</SEARCH>"]
+    hostile = [
+        "",
+        "I do not know",
+        "<search></search>",
+        "<open>nowhere</open>",
+        "<open><|im_end|>x</open>",
+        "<search>zzqxv</search>",
+        "<answer>unclosed",
+        "<SEARCH>x</SEARCH>",
+    ]
     turns = hostile[:]
     for name, page_id in zip(names[:-1], question.path):
         turns += [f"Look up <search>{name}</search>", f"<open> {page_id.upper()} </open>"]
     turns.append(f"It is <answer>{question.answer}</answer> <search>more</search>")
-    record, engine, _model = scripted_episode(tokenizer, pool, turns, example_of(question),
-                                             SearchAgentWorkflow(max_turns=20))
+    record, engine, _model = scripted_episode(
+        tokenizer, pool, turns, example_of(question), SearchAgentWorkflow(max_turns=20)
+    )
     assert len(record.segments) == len(turns) == 15
     assert_exact(record, engine.generations)
     replies = [tokenizer.decode(s.input_ids) for s in record.segments[1:]]
@@ -286,25 +342,34 @@ def test_a_scripted_agent_follows_the_hops_through_hostile_turns_to_the_answer(t
     assert "no results for: zzqxv" in replies[5] and NO_TOOL_CALL in replies[6] and NO_TOOL_CALL in replies[7]
     for i, (name, page_id) in enumerate(zip(names[:-1], question.path)):
         found, opened = replies[8 + 2 * i], replies[9 + 2 * i]
-        assert f"[{page_id}] {name}:" in found and names[i + 1] in opened and opened.startswith(
-            f"\n<|im_start|>user\n<information>\n[{page_id}] {name}\n")
+        assert (
+            f"[{page_id}] {name}:" in found
+            and names[i + 1] in opened
+            and opened.startswith(f"\n<|im_start|>user\n<information>\n[{page_id}] {name}\n")
+        )
     assert [(r.value, r.step) for r in record.rewards] == [(1.0, 14)]
     assert engine.outcomes[0].metrics == {"f1": 1.0} and record.metadata["reward_metrics"] == {"f1": 1.0}
-    assert {k: record.metadata[k] for k in ("search_calls", "open_calls", "invalid_calls", "answered")} == \
-        {"search_calls": 5, "open_calls": 5, "invalid_calls": 4, "answered": True}
+    assert {k: record.metadata[k] for k in ("search_calls", "open_calls", "invalid_calls", "answered")} == {
+        "search_calls": 5,
+        "open_calls": 5,
+        "invalid_calls": 4,
+        "answered": True,
+    }
 
 
 def test_an_episode_that_never_answers_or_runs_out_of_context_is_scored_0(tokenizer, pool):
     question = build_world(0).questions[5]
-    record, engine, _ = scripted_episode(tokenizer, pool, ["Barur"], example_of(question),
-                                         SearchAgentWorkflow(max_turns=4))
+    record, engine, _ = scripted_episode(
+        tokenizer, pool, ["Barur"], example_of(question), SearchAgentWorkflow(max_turns=4)
+    )
     assert len(record.segments) == 4 and [(r.value, r.step) for r in record.rewards] == [(0.0, 3)]
     assert record.metadata["answered"] is False and record.metadata["invalid_calls"] == 4
     assert_exact(record, engine.generations)
     # the context budget ends the episode before a turn that could overflow it
     limit = len(engine.generations[2].input_ids) + 64
-    record, engine, _ = scripted_episode(tokenizer, pool, ["Barur"], example_of(question),
-                                         SearchAgentWorkflow(max_turns=10, max_context_tokens=limit))
+    record, engine, _ = scripted_episode(
+        tokenizer, pool, ["Barur"], example_of(question), SearchAgentWorkflow(max_turns=10, max_context_tokens=limit)
+    )
     assert len(record.segments) == 3 and record.metadata["ended_by_context"] is True
     assert all(len(g.input_ids) + 64 <= limit for g in engine.generations)
     assert_exact(record, engine.generations)
@@ -318,8 +383,9 @@ def teacher_forced(model_dir: Path, ids: list[int]) -> list[float]:
     return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
-def test_the_tiny_model_runs_12_turns_on_a_real_server_and_its_record_is_exact(tiny_model_dir, tokenizer, pool,
-                                                                            tmp_path):
+def test_the_tiny_model_runs_12_turns_on_a_real_server_and_its_record_is_exact(
+    tiny_model_dir, tokenizer, pool, tmp_path
+):
     """An untrained model never calls a tool: every turn gets the format message and the episode runs
     to max_turns. Concatenating the segments gives exactly the last generation's context and output;
     the environment's tokens are all in input_ids, the model's in output_ids with one logprob (the
@@ -348,7 +414,7 @@ def test_the_tiny_model_runs_12_turns_on_a_real_server_and_its_record_is_exact(t
     for segment in record.segments:
         position += len(segment.input_ids)
         got += segment.output_logprobs.tolist()
-        want += expected[position - 1:position - 1 + len(segment.output_ids)]
+        want += expected[position - 1 : position - 1 + len(segment.output_ids)]
         position += len(segment.output_ids)
     assert got == pytest.approx(want, abs=2e-3)
     assert [(r.value, r.step) for r in record.rewards] == [(0.0, 11)] and engine.outcomes[0].metrics == {"f1": 0.0}
@@ -357,11 +423,25 @@ def test_the_tiny_model_runs_12_turns_on_a_real_server_and_its_record_is_exact(t
 @pytest.mark.slow
 def test_a_short_training_run_of_the_search_agent_runs_more_than_10_turns_an_episode(tiny_model_dir, tmp_path):
     train_path, test_path = write_dataset(tmp_path / "data")
-    result = run_cli("train", "--config", "configs/agent_search.yaml", f"model.path={tiny_model_dir}",
-                     f"cluster.fileroot={tmp_path}", f"dataset.path={train_path}", f"dataset.eval_path={test_path}",
-                     "rl.total_train_steps=2", "rl.eval_every_steps=0", "dataset.eval_size=1", "gconfig.n_samples=2",
-                     "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2", "gconfig.max_new_tokens=4",
-                     "stats.tensorboard=false", "stats.plot=false", timeout=300)
+    result = run_cli(
+        "train",
+        "--config",
+        "configs/agent_search.yaml",
+        f"model.path={tiny_model_dir}",
+        f"cluster.fileroot={tmp_path}",
+        f"dataset.path={train_path}",
+        f"dataset.eval_path={test_path}",
+        "rl.total_train_steps=2",
+        "rl.eval_every_steps=0",
+        "dataset.eval_size=1",
+        "gconfig.n_samples=2",
+        "rollout.consumer_batch_size=2",
+        "rollout.max_concurrent_rollouts=2",
+        "gconfig.max_new_tokens=4",
+        "stats.tensorboard=false",
+        "stats.plot=false",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_json_lines(tmp_path / "agent_search" / "trial0" / "metrics.jsonl")
     steps = [r for r in records if "rollout/turns" in r]

@@ -24,8 +24,15 @@ from areal_hpc.config import LoRAConfig
 from areal_hpc.engines.torch.lora import add_adapters
 from areal_hpc.models.segment_forward import segment_forward, supports_segment_forward
 
-SHAPE = dict(vocab_size=50, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-             intermediate_size=64, max_position_embeddings=128)
+SHAPE = dict(
+    vocab_size=50,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=128,
+)
 
 
 def model_of(kind: str) -> torch.nn.Module:
@@ -46,8 +53,9 @@ def reference(model, tokens, positions, prefix, valid):
         for layer, (keys, values) in enumerate(prefix):
             cache.update(keys, values, layer)
         mask = torch.cat([valid, torch.ones_like(tokens, dtype=torch.bool)], 1).long()
-    hidden = model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
-                              use_cache=True).last_hidden_state
+    hidden = model.base_model(
+        input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
+    ).last_hidden_state
     return hidden, [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -55,14 +63,21 @@ def prefix_of(model, rows: int, length: int, generator) -> list[tuple[torch.Tens
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = (rows, config.num_key_value_heads, length, head_dim)
-    return [tuple(torch.randn(shape, generator=generator, dtype=torch.float64).requires_grad_() for _ in range(2))
-            for _ in range(config.num_hidden_layers)]
+    return [
+        tuple(torch.randn(shape, generator=generator, dtype=torch.float64).requires_grad_() for _ in range(2))
+        for _ in range(config.num_hidden_layers)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 @settings(max_examples=12, deadline=None)
-@given(rows=st.integers(1, 4), length=st.integers(1, 6), prefix_length=st.integers(0, 5),
-       padded=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    rows=st.integers(1, 4),
+    length=st.integers(1, 6),
+    prefix_length=st.integers(0, 5),
+    padded=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_equals_the_models_own_forward_and_gradients(kind, rows, length, prefix_length, padded, seed):
     model = model_of(kind)
     generator = torch.Generator().manual_seed(seed)
@@ -70,8 +85,11 @@ def test_equals_the_models_own_forward_and_gradients(kind, rows, length, prefix_
     prefix = valid = None
     if prefix_length:
         prefix = prefix_of(model, rows, prefix_length, generator)
-        owned = torch.randint(1, prefix_length + 1, (rows,), generator=generator) if padded else \
-            torch.full((rows,), prefix_length)
+        owned = (
+            torch.randint(1, prefix_length + 1, (rows,), generator=generator)
+            if padded
+            else torch.full((rows,), prefix_length)
+        )
         valid = torch.arange(prefix_length) < owned[:, None]
     else:
         owned = torch.zeros(rows, dtype=torch.long)
@@ -85,13 +103,20 @@ def test_equals_the_models_own_forward_and_gradients(kind, rows, length, prefix_
         for t in leaves:
             t.grad = None
         hidden, states = forward(model, tokens, positions, prefix, valid)
-        key_weights = [torch.randn(k.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
-                       for i, (k, _) in enumerate(states)]
+        key_weights = [
+            torch.randn(k.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+            for i, (k, _) in enumerate(states)
+        ]
         loss = (hidden * weights).sum() + sum((k * w).sum() + (v * w).sum() for (k, v), w in zip(states, key_weights))
         loss.backward()
-        results.append((hidden.detach(), [(k.detach(), v.detach()) for k, v in states],
-                        {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None},
-                        [t.grad.clone() for t in leaves]))
+        results.append(
+            (
+                hidden.detach(),
+                [(k.detach(), v.detach()) for k, v in states],
+                {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None},
+                [t.grad.clone() for t in leaves],
+            )
+        )
     (h0, s0, g0, l0), (h1, s1, g1, l1) = results
     torch.testing.assert_close(h1, h0, rtol=1e-10, atol=1e-10)
     for (k0, v0), (k1, v1) in zip(s0, s1):

@@ -18,15 +18,29 @@ from tests.conftest import embedded_server, run_cli
 
 
 def test_sglang_command_carries_the_config():
-    cfg = load_config(None, ["model.path=/models/qwen", "model.dtype=bfloat16", "rollout.tp_size=2",
-                             "rollout.dp_size=4", "rollout.mem_fraction_static=0.7", "rollout.host=0.0.0.0",
-                             "rollout.max_running_requests=128", "experiment.seed=3"])
+    cfg = load_config(
+        None,
+        [
+            "model.path=/models/qwen",
+            "model.dtype=bfloat16",
+            "rollout.tp_size=2",
+            "rollout.dp_size=4",
+            "rollout.mem_fraction_static=0.7",
+            "rollout.host=0.0.0.0",
+            "rollout.max_running_requests=128",
+            "experiment.seed=3",
+        ],
+    )
     command = sglang_command(cfg, 30001, python="python")
     assert command[:3] == ["python", "-m", "sglang.launch_server"]
     pairs = dict(zip(command[3::2], command[4::2]))
     assert pairs["--model-path"] == "/models/qwen" and pairs["--port"] == "30001" and pairs["--host"] == "0.0.0.0"
     assert (pairs["--tp-size"], pairs["--dp-size"], pairs["--dtype"]) == ("2", "4", "bfloat16")
-    assert (pairs["--mem-fraction-static"], pairs["--max-running-requests"], pairs["--random-seed"]) == ("0.7", "128", "3")
+    assert (pairs["--mem-fraction-static"], pairs["--max-running-requests"], pairs["--random-seed"]) == (
+        "0.7",
+        "128",
+        "3",
+    )
     assert command[-1] == "--skip-tokenizer-init" and "--context-length" not in command
     with_context = sglang_command(load_config(None, ["model.path=/m", "rollout.context_length=4096"]), 1)
     assert with_context[-2:] == ["--context-length", "4096"]
@@ -40,8 +54,16 @@ def test_serve_with_sglang_missing_says_which_extra_to_install(tiny_model_dir):
 
 def test_supervised_server_becomes_healthy_and_serves_the_same_client(tiny_model_dir, tmp_path):
     port = free_port("127.0.0.1")
-    command = [sys.executable, "-m", "areal_hpc", "serve", "backend=embedded", f"model.path={tiny_model_dir}",
-               f"port={port}", f"cluster.fileroot={tmp_path}"]
+    command = [
+        sys.executable,
+        "-m",
+        "areal_hpc",
+        "serve",
+        "backend=embedded",
+        f"model.path={tiny_model_dir}",
+        f"port={port}",
+        f"cluster.fileroot={tmp_path}",
+    ]
     server = SupervisedProcess("embedded server", command, tmp_path / "server.log").start()
     try:
         server.wait_healthy(f"127.0.0.1:{port}", timeout_s=120)
@@ -84,8 +106,9 @@ def test_serve_on_a_taken_port_is_one_line(tiny_model_dir, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = run_cli("serve", "backend=embedded", f"model.path={tiny_model_dir}", f"port={port}",
-                         f"cluster.fileroot={tmp_path}")
+        result = run_cli(
+            "serve", "backend=embedded", f"model.path={tiny_model_dir}", f"port={port}", f"cluster.fileroot={tmp_path}"
+        )
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
 

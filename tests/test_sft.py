@@ -31,9 +31,17 @@ MIN_ACCURACY_AFTER = 0.35
 
 @pytest.mark.slow
 def test_sft_raises_eval_accuracy_and_writes_every_output(tmp_path):
-    out = run_cli("sft", "--config", "configs/sft_tiny.yaml", f"cluster.fileroot={tmp_path}",
-                  "sft.total_train_steps=700", "sft.eval_every_steps=350", "saver.freq_steps=350", "sft.lr=2e-3",
-                  "optimizer.lr_scheduler_type=constant")
+    out = run_cli(
+        "sft",
+        "--config",
+        "configs/sft_tiny.yaml",
+        f"cluster.fileroot={tmp_path}",
+        "sft.total_train_steps=700",
+        "sft.eval_every_steps=350",
+        "saver.freq_steps=350",
+        "sft.lr=2e-3",
+        "optimizer.lr_scheduler_type=constant",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     run_dir = tmp_path / "sft_tiny" / "trial0"
 
@@ -55,14 +63,22 @@ def test_sft_raises_eval_accuracy_and_writes_every_output(tmp_path):
     cfg = load_config("configs/sft_tiny.yaml", [])
     task, tokenizer = build_task(cfg.dataset), load_tokenizer(run_dir / "model")
     with RewardPool(task.reward) as rewards:
-        at_350 = evaluate_model(load_model(run_dir / "checkpoints" / "step350"), tokenizer, task.eval, rewards,
-                                Sampling.from_config(cfg.gconfig))
+        at_350 = evaluate_model(
+            load_model(run_dir / "checkpoints" / "step350"),
+            tokenizer,
+            task.eval,
+            rewards,
+            Sampling.from_config(cfg.gconfig),
+        )
         with embedded_server(run_dir / "model", tmp_path) as (_, address):
+
             async def served():
                 async with RolloutClient([address]) as client:
-                    settings = EngineSettings(client.generate, tokenizer, Sampling.from_config(cfg.gconfig),
-                                              Scorer(rewards))
+                    settings = EngineSettings(
+                        client.generate, tokenizer, Sampling.from_config(cfg.gconfig), Scorer(rewards)
+                    )
                     return await evaluate(settings, RLVRWorkflow(), task.eval)
+
             behind_server = asyncio.run(served())
     assert at_350.accuracy == pytest.approx(accuracy[350])
     # the server batches requests as they arrive: float sums may differ in the last bits, so a near-tie
@@ -80,18 +96,35 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_stop_at_accuracy(tmp_pat
     """Four problems to memorise (train and held out alike): accuracy climbs from 0 to 100% within the
     step cap, and SFT ends at the first evaluation at or above the target, not at the cap."""
     data = tmp_path / "four.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a} plus {a}?", "answer": str(2 * a), "target": str(2 * a)}) + "\n"
-                            for a in (3, 14, 25, 36)))
-    common = ["--config", "configs/sft_tiny.yaml", f"model.path={tiny_model_dir}", "dataset.task=custom",
-              f"dataset.path={data}", f"dataset.eval_path={data}",
-              f"reward.fn={Path(__file__).parent / 'rewards_for_tests.py'}:exact_answer", "sft.total_train_steps=400",
-              "sft.batch_size=8", "optimizer.lr_scheduler_type=constant", "stats.plot=false", "saver.freq_steps=0"]
-    refused = run_cli("sft", *common, f"cluster.fileroot={tmp_path / 'refused'}", "sft.stop_at_accuracy=0.5",
-                      "sft.eval_every_steps=0")
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a} plus {a}?", "answer": str(2 * a), "target": str(2 * a)}) + "\n"
+            for a in (3, 14, 25, 36)
+        )
+    )
+    common = [
+        "--config",
+        "configs/sft_tiny.yaml",
+        f"model.path={tiny_model_dir}",
+        "dataset.task=custom",
+        f"dataset.path={data}",
+        f"dataset.eval_path={data}",
+        f"reward.fn={Path(__file__).parent / 'rewards_for_tests.py'}:exact_answer",
+        "sft.total_train_steps=400",
+        "sft.batch_size=8",
+        "optimizer.lr_scheduler_type=constant",
+        "stats.plot=false",
+        "saver.freq_steps=0",
+    ]
+    refused = run_cli(
+        "sft", *common, f"cluster.fileroot={tmp_path / 'refused'}", "sft.stop_at_accuracy=0.5", "sft.eval_every_steps=0"
+    )
     assert refused.returncode == 2 and "sft.stop_at_accuracy" in refused.stderr and "eval_every_steps" in refused.stderr
     out = run_cli("sft", *common, f"cluster.fileroot={tmp_path}", "sft.stop_at_accuracy=0.75", "sft.eval_every_steps=5")
     assert out.returncode == 0, out.stderr[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "sft_tiny" / "trial0" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "sft_tiny" / "trial0" / "metrics.jsonl").read_text().splitlines()
+    ]
     accuracy = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
     steps = [r["step"] for r in records if "train/loss" in r]
     assert accuracy[-1][1] >= 0.75 and all(a < 0.75 for _, a in accuracy[:-1])

@@ -26,8 +26,21 @@ SHARD = "w0-000000.live.h5"
 
 def crashed_writer_folder(folder: Path, count: int = 4, seed: int = 21) -> Path:
     """A folder whose writer process ended without finalising: its shard stays ``.live.h5``."""
-    subprocess.run([sys.executable, "-m", "tests.shard_processes", "write", str(folder), str(seed), str(count),
-                    "--exit-without-close"], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.shard_processes",
+            "write",
+            str(folder),
+            str(seed),
+            str(count),
+            "--exit-without-close",
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     return folder / SHARD
 
 
@@ -73,12 +86,15 @@ def field_byte(dtype: np.dtype, row: int, field: str) -> int:
     return row * dtype.itemsize + dtype.fields[field][1]
 
 
-@pytest.mark.parametrize("dataset, dtype, field, byte, mask", [
-    ("index", INDEX_DTYPE, "eligible", 0, 0x01),
-    ("index", INDEX_DTYPE, "version_max", 0, 0x01),
-    ("rewards", REWARD_DTYPE, "value", 7, 0xFF),  # trajectory 1's reward 1.0 becomes -65536.0 (seen in the issue)
-    ("rewards", REWARD_DTYPE, "id", 5, 0x01),  # "s21-t1" becomes "s21-t0": another stored trajectory's id
-])
+@pytest.mark.parametrize(
+    "dataset, dtype, field, byte, mask",
+    [
+        ("index", INDEX_DTYPE, "eligible", 0, 0x01),
+        ("index", INDEX_DTYPE, "version_max", 0, 0x01),
+        ("rewards", REWARD_DTYPE, "value", 7, 0xFF),  # trajectory 1's reward 1.0 becomes -65536.0 (seen in the issue)
+        ("rewards", REWARD_DTYPE, "id", 5, 0x01),  # "s21-t1" becomes "s21-t0": another stored trajectory's id
+    ],
+)
 def test_a_flipped_field_of_a_live_shard_is_damage_never_a_value(tmp_path, dataset, dtype, field, byte, mask):
     shard = crashed_writer_folder(tmp_path)
     flip(shard, dataset, field_byte(dtype, 1, field) + byte, mask)
@@ -120,15 +136,16 @@ def test_checksums_follow_the_format_description(tmp_path):
         assert len(rows) % width == 0 and len(rows) > 0
         for start in range(0, len(rows), width):  # each row ends with the little-endian CRC32 of the rest
             end = start + width
-            assert struct.unpack("<I", rows[end - 4:end])[0] == zlib.crc32(rows[start:end - 4])
+            assert struct.unpack("<I", rows[end - 4 : end])[0] == zlib.crc32(rows[start : end - 4])
     token_layout = struct.Struct("<ifB")  # (id i4, logprob f4, loss_mask u1), packed
     for start in range(0, len(raw["index"]), index_row):
-        row = raw["index"][start:start + index_row]
+        row = raw["index"][start : start + index_row]
         token_start, token_count, header_start, header_count, crc = struct.unpack_from("<qqqqI", row, 128)
         tokens = [token_layout.unpack_from(raw["tokens"], (token_start + i) * 9) for i in range(token_count)]
-        columns = b"".join(struct.pack(f"<{token_count}{code}", *(t[k] for t in tokens))
-                           for k, code in enumerate("ifB"))
-        assert crc == zlib.crc32(raw["headers"][header_start:header_start + header_count], zlib.crc32(columns))
+        columns = b"".join(
+            struct.pack(f"<{token_count}{code}", *(t[k] for t in tokens)) for k, code in enumerate("ifB")
+        )
+        assert crc == zlib.crc32(raw["headers"][header_start : header_start + header_count], zlib.crc32(columns))
 
 
 def test_shards_of_the_first_schema_are_refused_in_one_line(tmp_path):
@@ -139,5 +156,7 @@ def test_shards_of_the_first_schema_are_refused_in_one_line(tmp_path):
     for action in ("inspect", "verify", "export"):
         result = run_cli("shards", action, str(tmp_path))
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-        assert (f"uses trajectory schema version 1; this areal-hpc reads version {SCHEMA_VERSION} (its index and "
-                "reward rows carry no checksum") in result.stderr
+        assert (
+            f"uses trajectory schema version 1; this areal-hpc reads version {SCHEMA_VERSION} (its index and "
+            "reward rows carry no checksum"
+        ) in result.stderr

@@ -20,8 +20,9 @@ KILLS = 30
 
 
 def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.shard_processes", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.shard_processes", *args], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
 
 
 def kill(process: subprocess.Popen) -> None:
@@ -41,7 +42,7 @@ def test_writer_killed_at_random_moments_loses_only_unflushed_records(tmp_path):
         with TrajectoryStore(directory) as store:
             back = list(store.trajectories())
         ids = [t.id for t in back]
-        assert ids[:len(flushed)] == flushed, attempt  # every flushed record survives, in order
+        assert ids[: len(flushed)] == flushed, attempt  # every flushed record survives, in order
         assert all(same_record(t, make_trajectory(seed, i)) for i, t in enumerate(back)), attempt  # no garbage
 
 
@@ -58,8 +59,10 @@ def test_a_commit_torn_by_sigkill_is_a_note_and_never_returned(tmp_path):
     assert "w0-000000.live.h5: an interrupted commit of 1 trajectories and 1 rewards (ignored)" in inspect.stdout
     verify = run_cli("shards", "verify", str(tmp_path))  # expected after a crash: nothing committed is lost
     assert verify.returncode == 0, verify.stdout
-    assert ("note: w0-000000.live.h5: torn tail, an interrupted commit of 1 trajectories and 1 rewards (ignored): "
-            "its writer stopped mid-commit") in verify.stdout
+    assert (
+        "note: w0-000000.live.h5: torn tail, an interrupted commit of 1 trajectories and 1 rewards (ignored): "
+        "its writer stopped mid-commit"
+    ) in verify.stdout
     assert "DAMAGE" not in verify.stdout and "ok, 7 committed records checked" in verify.stdout
 
 

@@ -39,15 +39,23 @@ def trajectory(i: int, output_tokens: int) -> Trajectory:
         traj.id = f"t{i}"
         return traj
     rng = np.random.default_rng(i)
-    return Trajectory([Segment(rng.integers(0, 50_000, 8), rng.integers(0, 50_000, output_tokens),
-                               -rng.exponential(1.0, output_tokens), np.zeros(output_tokens, int),
-                               np.ones(output_tokens, int))], id=f"t{i}")
+    return Trajectory(
+        [
+            Segment(
+                rng.integers(0, 50_000, 8),
+                rng.integers(0, 50_000, output_tokens),
+                -rng.exponential(1.0, output_tokens),
+                np.zeros(output_tokens, int),
+                np.ones(output_tokens, int),
+            )
+        ],
+        id=f"t{i}",
+    )
 
 
 def write_then_hang(directory: str, count: int, output_tokens: int, sleep: float) -> None:
     """The child writer: commit ``count`` records (one line each), then stay open until killed."""
-    writer = TrajectoryShardWriter(directory, "w0", experiment="damage", trial="t0",
-                                   max_shard_trajectories=count + 1)
+    writer = TrajectoryShardWriter(directory, "w0", experiment="damage", trial="t0", max_shard_trajectories=count + 1)
     for i in range(count):
         writer.append(trajectory(i, output_tokens))
         print(f"committed t{i}", flush=True)
@@ -56,8 +64,10 @@ def write_then_hang(directory: str, count: int, output_tokens: int, sleep: float
 
 
 def start_writer(folder: Path, count: int, output_tokens: int = 0, sleep: float = 0.0) -> subprocess.Popen:
-    code = f"from tests.test_shard_damage import write_then_hang; write_then_hang({str(folder)!r}, {count}, " \
-           f"{output_tokens}, {sleep})"
+    code = (
+        f"from tests.test_shard_damage import write_then_hang; write_then_hang({str(folder)!r}, {count}, "
+        f"{output_tokens}, {sleep})"
+    )
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
@@ -153,8 +163,9 @@ def sweep(pristine: str, folder: str, damages: str) -> None:
 
 def run_sweep(pristine: Path, folder: Path, damages: list[tuple[str, int]], deadline: float) -> list:
     folder.mkdir()
-    code = f"from tests.test_shard_damage import sweep; sweep({str(pristine)!r}, {str(folder)!r}, " \
-           f"{json.dumps(damages)!r})"
+    code = (
+        f"from tests.test_shard_damage import sweep; sweep({str(pristine)!r}, {str(folder)!r}, {json.dumps(damages)!r})"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=deadline)
     assert done.returncode == 0, done.stderr[-2000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
@@ -170,8 +181,11 @@ def assert_agree(results: list, committed: list[str]) -> int:
             assert found == dict.fromkeys(found, "damage"), (kind, where, found)
             damaged += 1
         else:
-            assert found == {"verify": "ok", "inspect": "ok", "export": committed, "consumer": committed}, \
-                (kind, where, found)
+            assert found == {"verify": "ok", "inspect": "ok", "export": committed, "consumer": committed}, (
+                kind,
+                where,
+                found,
+            )
     return damaged
 
 
@@ -234,16 +248,19 @@ def cli_and_consumer(folder: Path) -> list[tuple[str, int, str, str, float]]:
     """(what, exit code, stdout, stderr, seconds) of verify, inspect and export through the real CLI,
     and of a consumer taking records in a child process, each with the default metadata wait."""
     out = []
-    consume = ("import sys; from areal_hpc.data.shards import TrajectoryConsumer, TrajectoryStore\n"
-               "try:\n    TrajectoryConsumer(TrajectoryStore(sys.argv[1])).take(100, timeout=1)\n"
-               "except Exception as exc:\n    print(type(exc).__name__, exc, file=sys.stderr); sys.exit(1)")
+    consume = (
+        "import sys; from areal_hpc.data.shards import TrajectoryConsumer, TrajectoryStore\n"
+        "try:\n    TrajectoryConsumer(TrajectoryStore(sys.argv[1])).take(100, timeout=1)\n"
+        "except Exception as exc:\n    print(type(exc).__name__, exc, file=sys.stderr); sys.exit(1)"
+    )
     for action in ("verify", "inspect", "export"):
         start = time.monotonic()
         result = run_cli("shards", action, str(folder), timeout=DEADLINE)
         out.append((action, result.returncode, result.stdout, result.stderr, time.monotonic() - start))
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", consume, str(folder)], cwd=REPO, capture_output=True, text=True,
-                            timeout=DEADLINE)
+    result = subprocess.run(
+        [sys.executable, "-c", consume, str(folder)], cwd=REPO, capture_output=True, text=True, timeout=DEADLINE
+    )
     out.append(("consumer", result.returncode, result.stdout, result.stderr, time.monotonic() - start))
     return out
 
@@ -257,8 +274,9 @@ def assert_damage_reported(folder: Path, damage: str) -> None:
         assert code == 1, (action, stdout, stderr)
         if action == "verify":
             line = next(line for line in stdout.splitlines() if line.startswith("DAMAGE"))
-            assert line.startswith(f"DAMAGE: {path}: ") and stdout.endswith("damage found, 0 committed records "
-                                                                            "checked\n"), stdout
+            assert line.startswith(f"DAMAGE: {path}: ") and stdout.endswith(
+                "damage found, 0 committed records checked\n"
+            ), stdout
         elif action == "consumer":
             line = stderr
             assert line.startswith(f"ShardDamageError {path}: "), stderr
@@ -277,9 +295,13 @@ def object_header(path: Path, name: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["superblock status flags", "root group header", "index dataset header"])
 def test_a_damaged_metadata_byte_of_a_crashed_writers_shard_fails_every_command_in_bounded_time(
-        crashed, tmp_path, where):
-    offset = {"superblock status flags": lambda: 11, "root group header": lambda: object_header(crashed, "") + 8,
-              "index dataset header": lambda: object_header(crashed, "index") + 8}[where]()
+    crashed, tmp_path, where
+):
+    offset = {
+        "superblock status flags": lambda: 11,
+        "root group header": lambda: object_header(crashed, "") + 8,
+        "index dataset header": lambda: object_header(crashed, "index") + 8,
+    }[where]()
     folder = tmp_path / "flipped"
     folder.mkdir()
     shutil.copy(crashed, folder / SHARD)

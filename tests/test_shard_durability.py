@@ -33,6 +33,7 @@ def disk_log(monkeypatch) -> list[tuple]:
         def rename(src, dst, *args, **kwargs):
             events.append(("rename", str(src), str(dst)))
             real[name](src, dst, *args, **kwargs)
+
         return rename
 
     real_write = writer_module._Column.write

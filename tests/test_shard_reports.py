@@ -62,30 +62,38 @@ def test_a_dead_writers_torn_tail_is_a_note_and_damage_to_committed_counts_is_no
     set_state(crashed, 7, +1)
     result = run_cli("shards", "verify", str(crashed.parent))
     assert result.returncode == 0, result.stdout
-    assert ("note: w0-000000.live.h5: torn tail, an interrupted commit of 1 trajectories and 1 rewards (ignored): "
-            "its writer stopped mid-commit (or is committing right now); nothing committed is lost") in result.stdout
+    assert (
+        "note: w0-000000.live.h5: torn tail, an interrupted commit of 1 trajectories and 1 rewards (ignored): "
+        "its writer stopped mid-commit (or is committing right now); nothing committed is lost"
+    ) in result.stdout
 
     finalised = tmp_path / "finalised"
     write(finalised, [make_trajectory(32, i) for i in range(3)])
     set_state(finalised / "w0-000000.h5", 4, +1)  # a finalised shard never holds an unfinished commit
     result = run_cli("shards", "verify", str(finalised))
     assert result.returncode == 1
-    assert ("DAMAGE: w0-000000.h5: finalised, yet it holds an unfinished commit (an interrupted commit of 1 "
-            "trajectories and 0 rewards (ignored))") in result.stdout
+    assert (
+        "DAMAGE: w0-000000.h5: finalised, yet it holds an unfinished commit (an interrupted commit of 1 "
+        "trajectories and 0 rewards (ignored))"
+    ) in result.stdout
 
     impossible = crashed_writer_folder(tmp_path / "impossible", count=3)
     set_state(impossible, 4, -1)  # fewer intended than committed: no commit ever writes that
     result = run_cli("shards", "verify", str(impossible.parent))
     assert result.returncode == 1
-    assert ("DAMAGE: w0-000000.live.h5: commit counts impossible (more index committed than ever intended)"
-            in result.stdout)
+    assert (
+        "DAMAGE: w0-000000.live.h5: commit counts impossible (more index committed than ever intended)" in result.stdout
+    )
 
 
 def peak_rss_of_verify(folder) -> tuple[int, str]:
-    script = ("import resource, sys; from areal_hpc.cli import main; rc = main(['shards', 'verify', sys.argv[1]]); "
-              "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rc)")
-    result = subprocess.run([sys.executable, "-c", script, str(folder)], cwd=REPO, capture_output=True, text=True,
-                            check=True)
+    script = (
+        "import resource, sys; from areal_hpc.cli import main; rc = main(['shards', 'verify', sys.argv[1]]); "
+        "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rc)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(folder)], cwd=REPO, capture_output=True, text=True, check=True
+    )
     _, kilobytes, rc = result.stdout.splitlines()[-1].split()
     return int(kilobytes), rc
 
@@ -103,8 +111,13 @@ def test_verify_memory_does_not_grow_with_the_number_of_shards(tmp_path):
 
 def test_verify_shows_progress_on_a_terminal_and_keeps_stdout_for_the_report(tmp_path):
     write(tmp_path, [make_trajectory(33, i) for i in range(4)], max_shard_trajectories=2)
-    result = subprocess.run([sys.executable, "-m", "areal_hpc", "shards", "verify", str(tmp_path)], cwd=REPO,
-                            capture_output=True, text=True, env={**os.environ, "FORCE_COLOR": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "areal_hpc", "shards", "verify", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FORCE_COLOR": "1"},
+    )
     assert result.returncode == 0
     assert "2/2 shards, 4 records" in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", result.stderr)  # rich's bar, on stderr
     assert result.stdout == f"{tmp_path}: ok, 4 committed records checked\n"

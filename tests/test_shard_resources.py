@@ -92,9 +92,12 @@ def test_a_reward_for_an_unknown_id_reads_only_what_was_committed_since(tmp_path
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ids=st.lists(st.text("abc-_.0123456789", min_size=1, max_size=12), unique=True, max_size=40),
-       probes=st.lists(st.text("abc-_.0123456789", min_size=1, max_size=12), max_size=20),
-       per_shard=st.integers(1, 8), split=st.integers(0, 40))
+@given(
+    ids=st.lists(st.text("abc-_.0123456789", min_size=1, max_size=12), unique=True, max_size=40),
+    probes=st.lists(st.text("abc-_.0123456789", min_size=1, max_size=12), max_size=20),
+    per_shard=st.integers(1, 8),
+    split=st.integers(0, 40),
+)
 def test_late_rewards_are_accepted_exactly_for_stored_ids(tmp_path_factory, ids, probes, per_shard, split):
     folder = tmp_path_factory.mktemp("ids")
     producer = TrajectoryShardWriter(folder, "w0", fsync=False, max_shard_trajectories=per_shard)
@@ -103,7 +106,7 @@ def test_late_rewards_are_accepted_exactly_for_stored_ids(tmp_path_factory, ids,
         producer.append(tiny(trajectory_id))
         if i == split:  # some ids are committed after the rewarder first looked
             for probe in probes:
-                stored = set(ids[:i + 1])
+                stored = set(ids[: i + 1])
                 if probe in stored:
                     rewarder.set_reward(probe, 1.0)
                 else:

@@ -34,8 +34,18 @@ CONFIG = str(REPO / "configs" / "quickstart.yaml")
 
 
 def submit_args(model: Path, fileroot: Path, *extra: str) -> list[str]:
-    return ["submit", "--profile", PROFILE, "--config", CONFIG, f"model.path={model}", f"cluster.fileroot={fileroot}",
-            *SMALL_RUN, "rl.eval_every_steps=0", *extra]
+    return [
+        "submit",
+        "--profile",
+        PROFILE,
+        "--config",
+        CONFIG,
+        f"model.path={model}",
+        f"cluster.fileroot={fileroot}",
+        *SMALL_RUN,
+        "rl.eval_every_steps=0",
+        *extra,
+    ]
 
 
 def run_folder(fileroot: Path) -> Path:
@@ -63,8 +73,11 @@ def processes_of(run: Path, role: str) -> list[int]:
     marker, pids = f"{RUN_MARKER}={run}".encode(), []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0") \
-                    and role.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
+            if (
+                proc.name.isdigit()
+                and marker in (proc / "environ").read_bytes().split(b"\0")
+                and role.encode() in (proc / "cmdline").read_bytes().split(b"\0")
+            ):
                 pids.append(int(proc.name))
         except OSError:
             continue
@@ -94,8 +107,9 @@ def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path
     (The plan of slurm/dev/cluster.yaml, one pool training and one serving, is the same path with one
     task group per component; the component test of the shipped clusters covers it.)"""
     plan = tmp_path / "plan.yaml"
-    made = run_cli("plan", "--cluster", "slurm/dev/cluster-mixed.yaml", "--model", "r1-distill-qwen-1.5b",
-                   "--out", str(plan))
+    made = run_cli(
+        "plan", "--cluster", "slurm/dev/cluster-mixed.yaml", "--model", "r1-distill-qwen-1.5b", "--out", str(plan)
+    )
     assert made.returncode == 0, made.stderr
     groups = yaml.safe_load(plan.read_text())
     trainers = sum(g["devices"] for g in groups["train"])
@@ -104,8 +118,9 @@ def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path
     ended = wait_for_end(job, 300, components=2)
     assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
     logs = {p.name for p in (run_folder(tmp_path) / "logs").glob("*.restart0.log")}
-    assert logs == {f"trainer-{i}.restart0.log" for i in range(trainers)} | \
-        {f"rollout-{i}.restart0.log" for i in range(servers)}
+    assert logs == {f"trainer-{i}.restart0.log" for i in range(trainers)} | {
+        f"rollout-{i}.restart0.log" for i in range(servers)
+    }
     resolved = yaml.safe_load((run_folder(tmp_path) / "job" / "config.yaml").read_text())
     assert (resolved["rl"]["trainer_processes"], resolved["rollout"]["n_servers"]) == (trainers, servers)
     pools = {g["pool"]: groups["pools"][g["pool"]]["partition"] for g in groups["train"] + groups["rollout"]}
@@ -116,24 +131,37 @@ def test_the_planners_split_becomes_the_jobs_components(tiny_model_dir, tmp_path
     assert resolved["actor"]["parallel"]["dp_weights"] == pytest.approx([s / sum(speeds) for s in speeds], rel=1e-3)
 
 
-def test_a_plan_with_servers_of_two_sizes_and_a_pool_that_trains_and_serves_runs_as_planned(tiny_model_dir, tmp_path,
-                                                                                              submit):
+def test_a_plan_with_servers_of_two_sizes_and_a_pool_that_trains_and_serves_runs_as_planned(
+    tiny_model_dir, tmp_path, submit
+):
     """train1 holds the trainer rank and a server of tp 1, rollout1 one server of tp 2 (both fake GPUs):
     each task takes the accelerators and tensor-parallel size the plan gives it, and the run completes."""
     plan = tmp_path / "plan.yaml"
-    pools = {name: {"device": device, "partition": name, "nodes": 1, "per_node": 2}
-             for name, device in (("train", "H100"), ("rollout", "H20"))}
-    plan.write_text(yaml.safe_dump({
-        "pools": pools, "train": [{"pool": "train", "devices": 1, "dp": 1, "tp": 1, "pp": 1}],
-        "rollout": [{"pool": "train", "replicas": 1, "devices": 1, "tp": 1, "pp": 1},
-                    {"pool": "rollout", "replicas": 1, "devices": 2, "tp": 2, "pp": 1}]}))
+    pools = {
+        name: {"device": device, "partition": name, "nodes": 1, "per_node": 2}
+        for name, device in (("train", "H100"), ("rollout", "H20"))
+    }
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "pools": pools,
+                "train": [{"pool": "train", "devices": 1, "dp": 1, "tp": 1, "pp": 1}],
+                "rollout": [
+                    {"pool": "train", "replicas": 1, "devices": 1, "tp": 1, "pp": 1},
+                    {"pool": "rollout", "replicas": 1, "devices": 2, "tp": 2, "pp": 1},
+                ],
+            }
+        )
+    )
     job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=2"), "--plan", str(plan))
     ended = wait_for_end(job, 300, components=2)
     assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
     assert (ended[f"{job}+0"][2], ended[f"{job}+1"][2]) == ("train1", "rollout1")
     logs = run_folder(tmp_path) / "logs"
-    first_lines = {name: (logs / f"{name}.restart0.log").read_text().splitlines()[0]
-                   for name in ("trainer-0", "rollout-0", "rollout-1")}
+    first_lines = {
+        name: (logs / f"{name}.restart0.log").read_text().splitlines()[0]
+        for name in ("trainer-0", "rollout-0", "rollout-1")
+    }
     assert first_lines["trainer-0"].endswith("on train1: accelerators 0")
     assert first_lines["rollout-0"].endswith("on train1: accelerators 1, tensor-parallel size 1")
     assert first_lines["rollout-1"].endswith("on rollout1: accelerators 0,1, tensor-parallel size 2")
@@ -144,12 +172,22 @@ def test_a_plan_with_training_groups_of_different_shapes_runs_as_planned(tiny_mo
     """train1's two fake GPUs train at tp2, rollout1 trains at tp1 beside the server: two meshes in one
     het job, each replica's share of a batch set by its devices' planned speed, and the run completes."""
     plan = tmp_path / "plan.yaml"
-    pools = {name: {"device": device, "partition": name, "nodes": 1, "per_node": 2}
-             for name, device in (("train", "H100"), ("rollout", "A100"))}
-    plan.write_text(yaml.safe_dump({
-        "pools": pools, "rollout": [{"pool": "rollout", "replicas": 1, "devices": 1, "tp": 1, "pp": 1}],
-        "train": [{"pool": "train", "devices": 2, "dp": 1, "tp": 2, "pp": 1, "tokens_per_s": 3000.0},
-                  {"pool": "rollout", "devices": 1, "dp": 1, "tp": 1, "pp": 1, "tokens_per_s": 1000.0}]}))
+    pools = {
+        name: {"device": device, "partition": name, "nodes": 1, "per_node": 2}
+        for name, device in (("train", "H100"), ("rollout", "A100"))
+    }
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "pools": pools,
+                "rollout": [{"pool": "rollout", "replicas": 1, "devices": 1, "tp": 1, "pp": 1}],
+                "train": [
+                    {"pool": "train", "devices": 2, "dp": 1, "tp": 2, "pp": 1, "tokens_per_s": 3000.0},
+                    {"pool": "rollout", "devices": 1, "dp": 1, "tp": 1, "pp": 1, "tokens_per_s": 1000.0},
+                ],
+            }
+        )
+    )
     job = submit(*submit_args(tiny_model_dir, tmp_path, "rl.total_train_steps=2"), "--plan", str(plan))
     ended = wait_for_end(job, 300, components=2)
     assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
@@ -170,9 +208,11 @@ def wait_for_step(run: Path, step: int, job: str, timeout: float = 180) -> None:
         state = components_of(job)
         assert not any(s in ("FAILED", "CANCELLED") for s, _, _ in state.values()), state
         return (run / "logs" / "batches.jsonl").exists() and max(read_audit(run).effective, default=0) >= step
+
     def seen():
         trained = max(read_audit(run).effective, default=0) if (run / "logs" / "batches.jsonl").exists() else 0
         return f"trained up to step {trained}; {states(job)}"
+
     wait_for(reached, timeout, f"step {step}", seen=seen)
 
 
@@ -225,20 +265,27 @@ def test_dry_run_prints_the_script_and_sbatch_test_only_accepts_it(tiny_model_di
     assert not (tmp_path / "quickstart").exists()  # a dry run writes nothing
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["slurm.trainer.partition=gpu-h100"], "trainer partition 'gpu-h100' does not exist"),
-    (["slurm.rollout.gpus_per_server=3"], "3 gpu per node asked of partition 'rollout', whose nodes have 2"),
-    (["slurm.trainer.nodes=2", "rl.trainer_processes=2"], "2 nodes asked of partition 'train' in all, which has 1"),
-    (["rl.trainer_processes=3", "slurm.trainer.nodes=2"], "rl.trainer_processes=3 does not divide over slurm.trainer.nodes=2"),
-    (["rl.trainer_processes=3", "slurm.trainer.gpus_per_node=2"], "one accelerator per rank"),
-    (["slurm.trainer.cpus_per_task=3"], "1 tasks x 3 CPUs per node asked of partition 'train', whose nodes have 2"),
-    (["slurm.time=forever"], "slurm.time: 'forever' is not a Slurm time limit"),
-    (["slurm.partition=train"], "unknown config key 'slurm.partition'"),
-    (["distill.teacher_url=http://127.0.0.1:9", "actor.adv_estimator=ppo"], "needs a sequence advantage estimator"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["slurm.trainer.partition=gpu-h100"], "trainer partition 'gpu-h100' does not exist"),
+        (["slurm.rollout.gpus_per_server=3"], "3 gpu per node asked of partition 'rollout', whose nodes have 2"),
+        (["slurm.trainer.nodes=2", "rl.trainer_processes=2"], "2 nodes asked of partition 'train' in all, which has 1"),
+        (
+            ["rl.trainer_processes=3", "slurm.trainer.nodes=2"],
+            "rl.trainer_processes=3 does not divide over slurm.trainer.nodes=2",
+        ),
+        (["rl.trainer_processes=3", "slurm.trainer.gpus_per_node=2"], "one accelerator per rank"),
+        (["slurm.trainer.cpus_per_task=3"], "1 tasks x 3 CPUs per node asked of partition 'train', whose nodes have 2"),
+        (["slurm.time=forever"], "slurm.time: 'forever' is not a Slurm time limit"),
+        (["slurm.partition=train"], "unknown config key 'slurm.partition'"),
+        (["distill.teacher_url=http://127.0.0.1:9", "actor.adv_estimator=ppo"], "needs a sequence advantage estimator"),
+    ],
+)
 def test_bad_input_is_one_line_and_nothing_is_submitted(tiny_model_dir, tmp_path, extra, message):
-    result = run_cli(*submit_args(tiny_model_dir, tmp_path, *extra, f"experiment.trial={tmp_path.name}"),
-                     cwd=Path("/tmp"))
+    result = run_cli(
+        *submit_args(tiny_model_dir, tmp_path, *extra, f"experiment.trial={tmp_path.name}"), cwd=Path("/tmp")
+    )
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     queued = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout.split()
@@ -246,16 +293,23 @@ def test_bad_input_is_one_line_and_nothing_is_submitted(tiny_model_dir, tmp_path
     assert not (tmp_path / "quickstart").exists()
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda plan: plan["pools"].pop("rollout"), "names no pool of the plan's cluster"),
-    (lambda plan: plan["train"][0].update(dp=3), "dp3 x tp1 x pp1 = 3"),
-    (lambda plan: plan["rollout"][0].update(replicas=5), "pool 'rollout' has 2 devices but the plan uses 5"),
-    (lambda plan: plan["pools"]["train"].update(partition="h100"), "partition 'h100' does not exist"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda plan: plan["pools"].pop("rollout"), "names no pool of the plan's cluster"),
+        (lambda plan: plan["train"][0].update(dp=3), "dp3 x tp1 x pp1 = 3"),
+        (lambda plan: plan["rollout"][0].update(replicas=5), "pool 'rollout' has 2 devices but the plan uses 5"),
+        (lambda plan: plan["pools"]["train"].update(partition="h100"), "partition 'h100' does not exist"),
+    ],
+)
 def test_a_plan_that_does_not_fit_is_one_line(tiny_model_dir, tmp_path, edit, message):
     plan = tmp_path / "plan.yaml"
-    assert run_cli("plan", "--cluster", "slurm/dev/cluster.yaml", "--model", "r1-distill-qwen-1.5b",
-                   "--out", str(plan)).returncode == 0
+    assert (
+        run_cli(
+            "plan", "--cluster", "slurm/dev/cluster.yaml", "--model", "r1-distill-qwen-1.5b", "--out", str(plan)
+        ).returncode
+        == 0
+    )
     content = yaml.safe_load(plan.read_text())
     edit(content)
     plan.write_text(yaml.safe_dump(content))
@@ -268,10 +322,22 @@ def test_a_plan_that_does_not_fit_is_one_line(tiny_model_dir, tmp_path, edit, me
 def test_the_plain_sbatch_scripts_run_a_tiny_run(tiny_model_dir, tmp_path, script):
     """What a user who copies slurm/*.sbatch does: sbatch it with a config and overrides."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    overrides = [f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}", "cluster.device=cpu", *SMALL_RUN,
-                 "rl.eval_every_steps=0", "rl.total_train_steps=3"]
-    queued = subprocess.run(["sbatch", str(REPO / "slurm" / script), CONFIG, *overrides], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, check=True)
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        f"cluster.fileroot={tmp_path}",
+        "cluster.device=cpu",
+        *SMALL_RUN,
+        "rl.eval_every_steps=0",
+        "rl.total_train_steps=3",
+    ]
+    queued = subprocess.run(
+        ["sbatch", str(REPO / "slurm" / script), CONFIG, *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     job = queued.stdout.split()[-1]
     try:
         ended = wait_for_end(job, 240, components=2 if script == "areal-hetjob.sbatch" else 1)
@@ -339,14 +405,17 @@ def test_a_plan_becomes_one_component_per_pool_and_every_task_knows_its_share(tm
     allocation = [o for o in overrides if o.startswith("actor.parallel.allocation=")]
     layout = TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
     if len({(g["tp"], g["pp"]) for g in train}) == 1:
-        assert allocation == [f"actor.parallel.allocation=megatron:d{sum(g['dp'] for g in train)}p{train[0]['pp']}"
-                              f"t{train[0]['tp']}"]
+        assert allocation == [
+            f"actor.parallel.allocation=megatron:d{sum(g['dp'] for g in train)}p{train[0]['pp']}t{train[0]['tp']}"
+        ]
     else:  # each group its own mesh
         assert allocation == [] and sorted(g.shape for g in layout.groups) == sorted(
-            (g["pp"], g["dp"], 1, g["tp"]) for g in train)
+            (g["pp"], g["dp"], 1, g["tp"]) for g in train
+        )
     assert layout.replicas == sum(g["dp"] for g in train)
     script = HetJobExecutor(tmp_path / "submitit", JobSpec("x", "01:00:00"), components, 1)._make_submission_file_text(
-        "true", "test")
+        "true", "test"
+    )
     assert script.count("#SBATCH hetjob") == len(components) - 1
     for c in components:
         assert (f"--ntasks={c.tasks}" in script) == (c.tasks != c.nodes * c.tasks_per_node)
@@ -360,23 +429,36 @@ def test_rollout_groups_of_different_sizes_and_two_pools_that_train_and_serve():
     from areal_hpc.launch.slurm_task import task_groups
     from areal_hpc.launch.submit import components_from_plan
 
-    plan = {"pools": {"a": {"device": "H100", "partition": "pa", "nodes": 2, "per_node": 8},
-                      "b": {"device": "A100", "partition": "pb", "nodes": 3, "per_node": 8},
-                      "c": {"device": "H20", "partition": "pc", "nodes": 2, "per_node": 8}},
-            "train": [{"pool": "a", "devices": 6, "dp": 3, "tp": 2, "pp": 1, "tokens_per_s": 6000.0},
-                      {"pool": "b", "devices": 4, "dp": 2, "tp": 2, "pp": 1, "tokens_per_s": 1000.0}],
-            "rollout": [{"pool": "a", "replicas": 5, "devices": 10, "tp": 2, "pp": 1},
-                        {"pool": "b", "replicas": 4, "devices": 4, "tp": 1, "pp": 1},
-                        {"pool": "b", "replicas": 3, "devices": 12, "tp": 4, "pp": 1},
-                        {"pool": "c", "replicas": 4, "devices": 16, "tp": 4, "pp": 1}]}
+    plan = {
+        "pools": {
+            "a": {"device": "H100", "partition": "pa", "nodes": 2, "per_node": 8},
+            "b": {"device": "A100", "partition": "pb", "nodes": 3, "per_node": 8},
+            "c": {"device": "H20", "partition": "pc", "nodes": 2, "per_node": 8},
+        },
+        "train": [
+            {"pool": "a", "devices": 6, "dp": 3, "tp": 2, "pp": 1, "tokens_per_s": 6000.0},
+            {"pool": "b", "devices": 4, "dp": 2, "tp": 2, "pp": 1, "tokens_per_s": 1000.0},
+        ],
+        "rollout": [
+            {"pool": "a", "replicas": 5, "devices": 10, "tp": 2, "pp": 1},
+            {"pool": "b", "replicas": 4, "devices": 4, "tp": 1, "pp": 1},
+            {"pool": "b", "replicas": 3, "devices": 12, "tp": 4, "pp": 1},
+            {"pool": "c", "replicas": 4, "devices": 16, "tp": 4, "pp": 1},
+        ],
+    }
     components, overrides = components_from_plan(plan, load_config(None))
     # No even spread fits pa or pb: nodes filled in turn. pa: 6 trainers + 1 server, then 4 servers of 2
     # (one component, at most 7 per node); pb: 4 trainers + 4 servers of 1, then servers of 4, two a node.
     assert [(c.role, c.partition, c.nodes, c.tasks_per_node, c.tasks, c.gpus_per_node) for c in components] == [
-        ("trainer+rollout", "pa", 2, 7, 11, 8), ("trainer+rollout", "pb", 1, 8, 8, 8), ("rollout", "pb", 2, 2, 3, 8),
-        ("rollout", "pc", 2, 2, 4, 8)]
-    assert "slurm.task_groups=[[trainer,6,1,1],[rollout,5,2,2],[trainer,4,1,1],[rollout,4,1,1],[rollout,3,4,4]," \
-           "[rollout,4,4,4]]" in overrides
+        ("trainer+rollout", "pa", 2, 7, 11, 8),
+        ("trainer+rollout", "pb", 1, 8, 8, 8),
+        ("rollout", "pb", 2, 2, 3, 8),
+        ("rollout", "pc", 2, 2, 4, 8),
+    ]
+    assert (
+        "slurm.task_groups=[[trainer,6,1,1],[rollout,5,2,2],[trainer,4,1,1],[rollout,4,1,1],[rollout,3,4,4],"
+        "[rollout,4,4,4]]" in overrides
+    )
     assert "actor.parallel.allocation=megatron:d5p1t2" in overrides
     assert "actor.parallel.dp_weights=[0.2857,0.2857,0.2857,0.07143,0.07143]" in overrides  # 1000 vs 250 per device
     placed = placed_tasks(components, task_groups(load_config(None, overrides)))
@@ -394,11 +476,17 @@ def test_training_groups_of_different_shapes_become_groups_sharing_batches_by_re
     from areal_hpc.launch.submit import components_from_plan
     from areal_hpc.parallel.groups import TrainerGroups
 
-    plan = {"pools": {"a": {"device": "H100", "partition": "pa", "nodes": 1, "per_node": 8},
-                      "b": {"device": "A100", "partition": "pb", "nodes": 1, "per_node": 8}},
-            "train": [{"pool": "b", "devices": 2, "dp": 2, "tp": 1, "pp": 1, "tokens_per_s": 1000.0},
-                      {"pool": "a", "devices": 4, "dp": 2, "tp": 2, "pp": 1, "tokens_per_s": 4000.0}],
-            "rollout": [{"pool": "b", "replicas": 2, "devices": 2, "tp": 1, "pp": 1}]}
+    plan = {
+        "pools": {
+            "a": {"device": "H100", "partition": "pa", "nodes": 1, "per_node": 8},
+            "b": {"device": "A100", "partition": "pb", "nodes": 1, "per_node": 8},
+        },
+        "train": [
+            {"pool": "b", "devices": 2, "dp": 2, "tp": 1, "pp": 1, "tokens_per_s": 1000.0},
+            {"pool": "a", "devices": 4, "dp": 2, "tp": 2, "pp": 1, "tokens_per_s": 4000.0},
+        ],
+        "rollout": [{"pool": "b", "replicas": 2, "devices": 2, "tp": 1, "pp": 1}],
+    }
     _, overrides = components_from_plan(plan, load_config(None))
     assert "actor.parallel.groups=[[2,2,1],[2,1,1]]" in overrides  # pool a only trains: its ranks come first
     assert "actor.parallel.dp_weights=[0.4,0.4,0.1,0.1]" in overrides
@@ -412,12 +500,22 @@ def test_groups_that_do_not_fill_their_nodes_are_spread_with_a_per_node_cap(tmp_
     from areal_hpc.launch.hetjob import HetJobExecutor, JobSpec
     from areal_hpc.launch.submit import components_from_plan
 
-    plan = {"pools": {"a": {"device": "H100", "partition": "pa", "nodes": 2, "per_node": 8},
-                      "b": {"device": "H20", "partition": "pb", "nodes": 4, "per_node": 8}},
-            "train": [{"pool": "a", "devices": 11, "dp": 11, "tp": 1, "pp": 1}],
-            "rollout": [{"pool": "b", "replicas": 27, "devices": 27, "tp": 1, "pp": 1}]}
+    plan = {
+        "pools": {
+            "a": {"device": "H100", "partition": "pa", "nodes": 2, "per_node": 8},
+            "b": {"device": "H20", "partition": "pb", "nodes": 4, "per_node": 8},
+        },
+        "train": [{"pool": "a", "devices": 11, "dp": 11, "tp": 1, "pp": 1}],
+        "rollout": [{"pool": "b", "replicas": 27, "devices": 27, "tp": 1, "pp": 1}],
+    }
     components, _ = components_from_plan(plan, load_config(None))
-    assert [(c.partition, c.tasks, c.nodes, c.tasks_per_node) for c in components] == [("pa", 11, 2, 6), ("pb", 27, 4, 7)]
+    assert [(c.partition, c.tasks, c.nodes, c.tasks_per_node) for c in components] == [
+        ("pa", 11, 2, 6),
+        ("pb", 27, 4, 7),
+    ]
     script = HetJobExecutor(tmp_path / "submitit", JobSpec("x", "01:00:00"), components, 1)._make_submission_file_text(
-        "true", "test")
-    assert "#SBATCH --ntasks=11" in script and "#SBATCH --ntasks=27" in script and "#SBATCH --ntasks-per-node=7" in script
+        "true", "test"
+    )
+    assert (
+        "#SBATCH --ntasks=11" in script and "#SBATCH --ntasks=27" in script and "#SBATCH --ntasks-per-node=7" in script
+    )

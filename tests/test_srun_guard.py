@@ -29,8 +29,11 @@ def _run_job(tmp_path, command: str) -> tuple[dict, str, float]:
     out = tmp_path / "job.out"
     script = tmp_path / "guard.sbatch"
     script.write_text(HET_JOB.format(out=out, repo=REPO, guard=GUARD, command=command))
-    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
-                         timeout=60).stdout.strip().split(";")[0]
+    job = (
+        subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, timeout=60)
+        .stdout.strip()
+        .split(";")[0]
+    )
     ended = wait_for_end(job, 300, components=2)  # ~10 s alone; the bound allows for a loaded cluster
     return ended, out.read_text(), elapsed_s(job)
 
@@ -39,7 +42,8 @@ def _run_job(tmp_path, command: str) -> tuple[dict, str, float]:
 def test_an_srun_still_there_after_its_step_ended_is_ended_with_the_step_exit_code(tmp_path):
     # The stand-in runs a real het step (task 0 exits 3 on train1, task 1 exits 4 on rollout1), then stays.
     ended, output, took = _run_job(
-        tmp_path, """bash -c 'srun --het-group=0,1 bash -c "exit \\$((SLURM_PROCID + 3))"; exec sleep 600'""")
+        tmp_path, """bash -c 'srun --het-group=0,1 bash -c "exit \\$((SLURM_PROCID + 3))"; exec sleep 600'"""
+    )
     assert "ended it; the step's exit code is 4" in output, output
     assert [code for _, code, _ in ended.values()] == ["4:0", "4:0"], (ended, output)
     assert took < 60, took  # not the stand-in's 600 s
@@ -72,8 +76,9 @@ def test_a_het_step_has_ended_only_once_sacct_has_every_components_record():
     assert steps_of_sacct(BEFORE_COMPONENTS, SINCE, heterogeneous=True) == {"0": None}
     assert steps_of_sacct(AFTER_COMPONENTS, SINCE, heterogeneous=True) == {"0": 4}
     assert steps_of_sacct(BEFORE_COMPONENTS, SINCE, heterogeneous=False) == {"0": 3}
-    component_still_running = AFTER_COMPONENTS.replace("649+1.0|2026-11-28T01:42:21|FAILED|4:0",
-                                                       "649+1.0|2026-11-28T01:42:21|RUNNING|0:0")
+    component_still_running = AFTER_COMPONENTS.replace(
+        "649+1.0|2026-11-28T01:42:21|FAILED|4:0", "649+1.0|2026-11-28T01:42:21|RUNNING|0:0"
+    )
     assert steps_of_sacct(component_still_running, SINCE, heterogeneous=True) == {"0": None}
     assert steps_of_sacct(AFTER_COMPONENTS, SINCE + 60, heterogeneous=True) == {}  # an earlier incarnation's
 
@@ -82,6 +87,5 @@ def test_outside_a_job_it_runs_the_command_and_refuses_no_command():
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     ran = subprocess.run([*GUARD.split(), "bash", "-c", "exit 6"], env=environ, cwd=REPO, capture_output=True)
     assert ran.returncode == 6
-    refused = subprocess.run([*GUARD.split(), "--grace-s", "2"], env=environ, cwd=REPO, capture_output=True,
-                             text=True)
+    refused = subprocess.run([*GUARD.split(), "--grace-s", "2"], env=environ, cwd=REPO, capture_output=True, text=True)
     assert refused.returncode == 2 and "no command given" in refused.stderr, refused.stderr

@@ -32,14 +32,16 @@ SWEEP_RUN = [*SMALL_RUN, "stats.plot=false", "slurm.time=00:10:00", "slurm.train
 def slurm_jobs_named(name: str) -> list[str]:
     """Jobs of that name Slurm knows of, queued or (sacct) finished."""
     queued = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True, check=True)
-    past = subprocess.run(["sacct", "-n", "-X", "--name", name, "-o", "JobID"], capture_output=True, text=True,
-                          check=True)
+    past = subprocess.run(
+        ["sacct", "-n", "-X", "--name", name, "-o", "JobID"], capture_output=True, text=True, check=True
+    )
     return queued.stdout.split() + past.stdout.split()
 
 
 def test_the_grid_is_the_cartesian_product_with_readable_unique_point_names():
-    common, axes = split_items(["rl.total_train_steps=3", "sweep.actor.lr=[1e-4, 3e-4]",
-                                "sweep.rollout.max_head_offpolicyness=[0,2,4]"])
+    common, axes = split_items(
+        ["rl.total_train_steps=3", "sweep.actor.lr=[1e-4, 3e-4]", "sweep.rollout.max_head_offpolicyness=[0,2,4]"]
+    )
     assert common == ["rl.total_train_steps=3"]
     points = grid(CONFIG, common, axes)
     assert [p.name for p, _ in points] == [f"lr={lr},eta={eta}" for lr in ("0.0001", "0.0003") for eta in (0, 2, 4)]
@@ -47,41 +49,61 @@ def test_the_grid_is_the_cartesian_product_with_readable_unique_point_names():
     assert point.overrides == ["actor.lr=3e-4", "rollout.max_head_offpolicyness=4"]
     assert (cfg.actor.lr, cfg.rollout.max_head_offpolicyness, cfg.rl.total_train_steps) == (3e-4, 4, 3)
     # keys with the same last segment keep their full names; text cannot nest folders
-    names = [p.name for p, _ in grid(CONFIG, *split_items(["sweep.actor.lr=[1e-4]", "sweep.sft.lr=[1e-3]",
-                                                           "sweep.dataset.arithmetic.ops=[*/]"]))]
+    names = [
+        p.name
+        for p, _ in grid(
+            CONFIG, *split_items(["sweep.actor.lr=[1e-4]", "sweep.sft.lr=[1e-3]", "sweep.dataset.arithmetic.ops=[*/]"])
+        )
+    ]
     assert names == ["actor.lr=0.0001,sft.lr=0.001,ops=%2A%2F"]
 
 
-@pytest.mark.parametrize("items, message", [
-    (["sweep.actor.lr=[1e-4,1e-4]"], "sweep.actor.lr: 1e-4 and 1e-4 are the same value"),
-    (["actor.lr=1e-4", "sweep.actor.lr=[1e-4,3e-4]"], "actor.lr is both swept"),
-    (["sweep.slurm.time=[10,20]"], "sweep.slurm.time cannot be swept"),
-    (["experiment.trial=x", "sweep.actor.lr=[1e-4]"], "experiment.trial is set by the sweep"),
-    (["actor.lr=1e-4"], "sweep needs at least one sweep.KEY"),
-])
+@pytest.mark.parametrize(
+    "items, message",
+    [
+        (["sweep.actor.lr=[1e-4,1e-4]"], "sweep.actor.lr: 1e-4 and 1e-4 are the same value"),
+        (["actor.lr=1e-4", "sweep.actor.lr=[1e-4,3e-4]"], "actor.lr is both swept"),
+        (["sweep.slurm.time=[10,20]"], "sweep.slurm.time cannot be swept"),
+        (["experiment.trial=x", "sweep.actor.lr=[1e-4]"], "experiment.trial is set by the sweep"),
+        (["actor.lr=1e-4"], "sweep needs at least one sweep.KEY"),
+    ],
+)
 def test_items_that_make_no_grid_are_refused(items, message):
     with pytest.raises(UserError, match=re.escape(message)):
         grid(CONFIG, *split_items(items))
 
 
 def test_slurm_time_limits_in_minutes():
-    assert [slurm_minutes(t) for t in ("30", "5:30", "04:00:00", "1-2", "2-00:00:00", "1-00:00:01")] == \
-        [30, 6, 240, 1560, 2880, 1441]
+    assert [slurm_minutes(t) for t in ("30", "5:30", "04:00:00", "1-2", "2-00:00:00", "1-00:00:01")] == [
+        30,
+        6,
+        240,
+        1560,
+        2880,
+        1441,
+    ]
     for bad in ("abc", "0:30", "1:2:3:4"):
         with pytest.raises(UserError, match="slurm.time"):
             slurm_minutes(bad)
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("items, message", [
-    (["sweep.actor.lrr=[1e-4,2e-4]"], "sweep point actor.lrr=1e-4: unknown config key 'actor.lrr'"),
-    (["sweep.actor.lr=[1e-4,2e-4]", "sweep.rollout.max_head_offpolicyness=[0,-1]"],  # only the last point is bad
-     "sweep point actor.lr=1e-4,rollout.max_head_offpolicyness=-1: config key 'rollout.max_head_offpolicyness'"),
-    (["sweep.actor.lr=1e-4,2e-4"], "is not of the form sweep.KEY=[v1,v2,...]"),
-    (["sweep.actor.lr=[1e-4,]"], "is not of the form sweep.KEY=[v1,v2,...]"),
-    (["slurm.trainer.partition=nope", "sweep.actor.lr=[1e-4,2e-4]"], "sbatch refused the job array: "
-                                                                      "Batch job submission failed: Invalid partition"),
-])
+@pytest.mark.parametrize(
+    "items, message",
+    [
+        (["sweep.actor.lrr=[1e-4,2e-4]"], "sweep point actor.lrr=1e-4: unknown config key 'actor.lrr'"),
+        (
+            ["sweep.actor.lr=[1e-4,2e-4]", "sweep.rollout.max_head_offpolicyness=[0,-1]"],  # only the last point is bad
+            "sweep point actor.lr=1e-4,rollout.max_head_offpolicyness=-1: config key 'rollout.max_head_offpolicyness'",
+        ),
+        (["sweep.actor.lr=1e-4,2e-4"], "is not of the form sweep.KEY=[v1,v2,...]"),
+        (["sweep.actor.lr=[1e-4,]"], "is not of the form sweep.KEY=[v1,v2,...]"),
+        (
+            ["slurm.trainer.partition=nope", "sweep.actor.lr=[1e-4,2e-4]"],
+            "sbatch refused the job array: Batch job submission failed: Invalid partition",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_nothing_is_submitted(tmp_path, items, message):
     name = f"bad-{uuid.uuid4().hex[:8]}"
     result = run_cli("sweep", "--config", CONFIG, "--name", name, f"cluster.fileroot={tmp_path}", *items)
@@ -106,18 +128,39 @@ def test_a_three_point_sweep_runs_as_one_array_requeues_a_stopped_element_and_re
     name = f"sweep-{uuid.uuid4().hex[:8]}"
     folder = tmp_path / "quickstart" / name
     sweep = subprocess.Popen(
-        [sys.executable, "-m", "areal_hpc", "sweep", "--config", os.path.relpath(REPO / CONFIG, "/tmp"),
-         "--profile", str(REPO / "slurm" / "profiles" / "dev.yaml"),
-         "--name", name, "--parallel", "2", "--wait", f"model.path={tiny_model_dir}",
-         f"cluster.fileroot={os.path.relpath(tmp_path, '/tmp')}",
-         *SWEEP_RUN, "rl.total_train_steps=12", "rl.eval_every_steps=4", "saver.freq_steps=0",
-         "sweep.actor.lr=[1e-4,2e-4,3e-4]"],
-        cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "areal_hpc",
+            "sweep",
+            "--config",
+            os.path.relpath(REPO / CONFIG, "/tmp"),
+            "--profile",
+            str(REPO / "slurm" / "profiles" / "dev.yaml"),
+            "--name",
+            name,
+            "--parallel",
+            "2",
+            "--wait",
+            f"model.path={tiny_model_dir}",
+            f"cluster.fileroot={os.path.relpath(tmp_path, '/tmp')}",
+            *SWEEP_RUN,
+            "rl.total_train_steps=12",
+            "rl.eval_every_steps=4",
+            "saver.freq_steps=0",
+            "sweep.actor.lr=[1e-4,2e-4,3e-4]",
+        ],
+        cwd="/tmp",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     record = None
 
     def submitted():  # sweep.json is written whole (renamed into place) once the array is submitted
-        assert sweep.poll() is None or (folder / "sweep.json").exists(), \
+        assert sweep.poll() is None or (folder / "sweep.json").exists(), (
             f"the sweep exited {sweep.returncode} before writing sweep.json: {sweep.communicate()}"
+        )
         return (folder / "sweep.json").exists() and json.loads((folder / "sweep.json").read_text())
 
     def last_step(run_dir: str) -> int:
@@ -127,8 +170,12 @@ def test_a_three_point_sweep_runs_as_one_array_requeues_a_stopped_element_and_re
         record = wait_for(submitted, 120, "sweep.json")
         first = record["points"][0]
         assert "device: cpu" in (folder / "config.yaml").read_text()  # the site profile, merged for the elements
-        wait_for(lambda: last_step(first["run_dir"]) >= 1, 240, "element 0 to train a step",
-                 seen=lambda: f"element 0 at step {last_step(first['run_dir'])}, {states(first['job_id'])}")
+        wait_for(
+            lambda: last_step(first["run_dir"]) >= 1,
+            240,
+            "element 0 to train a step",
+            seen=lambda: f"element 0 at step {last_step(first['run_dir'])}, {states(first['job_id'])}",
+        )
         # then 11 steps left: seconds to signal it mid-run
         subprocess.run(["scancel", "--signal=USR2", first["job_id"]], check=True)
         try:

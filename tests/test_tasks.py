@@ -43,7 +43,9 @@ def test_another_seed_gives_other_problems_and_eval_ignores_train_size(name):
 @pytest.mark.parametrize("name", TASKS)
 def test_reference_targets_score_one(name):
     task = build_task(small(name))
-    assert all(task.reward(RewardRequest('', ex.target, [], [], ex.reward_fields()))[0] == 1.0 for ex in task.train + task.eval)
+    assert all(
+        task.reward(RewardRequest("", ex.target, [], [], ex.reward_fields()))[0] == 1.0 for ex in task.train + task.eval
+    )
 
 
 def test_arithmetic_respects_digits_and_operators():
@@ -67,13 +69,17 @@ def problem(a: int, b: int) -> Example:
 
 
 @settings(max_examples=300)
-@given(st.integers(0, 10**12), st.integers(0, 10**12), st.text(max_size=30).filter(lambda t: not any(c.isdigit() for c in t) and not t.endswith("-")))
+@given(
+    st.integers(0, 10**12),
+    st.integers(0, 10**12),
+    st.text(max_size=30).filter(lambda t: not any(c.isdigit() for c in t) and not t.endswith("-")),
+)
 def test_arithmetic_correct_answer_always_scores_one(a, b, prefix):
     assert score(arithmetic.reward, f"{prefix}{a + b}", problem(a, b)) == 1.0
 
 
 @settings(max_examples=300)
-@given(st.integers(0, 10**12), st.integers(0, 10**12), st.integers(-10**6, 10**6).filter(lambda d: d != 0))
+@given(st.integers(0, 10**12), st.integers(0, 10**12), st.integers(-(10**6), 10**6).filter(lambda d: d != 0))
 def test_arithmetic_corrupted_answer_never_scores_one(a, b, delta):
     assert score(arithmetic.reward, str(a + b + delta), problem(a, b)) == 0.0
     assert score(arithmetic.reward, f"{a + b}{abs(delta)}", problem(a, b)) == 0.0
@@ -106,35 +112,46 @@ def test_countdown_requires_each_number_exactly_once():
 
 
 @settings(max_examples=300)
-@given(st.integers(-10**9, 10**9), st.sampled_from(["", "The answer is ", "so #### ", "#### $"]))
+@given(st.integers(-(10**9), 10**9), st.sampled_from(["", "The answer is ", "so #### ", "#### $"]))
 def test_gsm8k_final_answer(value, lead):
     ex = Example(uid="t", prompt="", target="", answer=f"{value:,}")
     assert score(gsm8k.reward, f"reasoning 1+2=3\n{lead}{value}", ex) == 1.0
     assert score(gsm8k.reward, f"#### {value + 1}", ex) == 0.0
 
 
-GARBAGE = st.one_of(st.text(max_size=400), st.binary(max_size=200).map(lambda b: b.decode("latin-1")),
-                    st.lists(st.sampled_from(["<answer>", "</answer>", "(", ")", "*", "/", "9", "####", ",", ".", "-"]),
-                             max_size=200).map("".join))
+GARBAGE = st.one_of(
+    st.text(max_size=400),
+    st.binary(max_size=200).map(lambda b: b.decode("latin-1")),
+    st.lists(
+        st.sampled_from(["<answer>", "</answer>", "(", ")", "*", "/", "9", "####", ",", ".", "-"]), max_size=200
+    ).map("".join),
+)
 
 
 @settings(max_examples=500)
 @given(GARBAGE)
 def test_garbage_never_raises(text):
-    examples = {arithmetic.reward: problem(2, 3), countdown.reward: countdown_problem([1, 2, 3], 6),
-                gsm8k.reward: Example(uid="t", prompt="", target="", answer="42")}
+    examples = {
+        arithmetic.reward: problem(2, 3),
+        countdown.reward: countdown_problem([1, 2, 3], 6),
+        gsm8k.reward: Example(uid="t", prompt="", target="", answer="42"),
+    }
     for reward, ex in examples.items():
         assert score(reward, text, ex) in (0.0, 0.1, 1.0)
 
 
-@pytest.mark.parametrize("text", ["(" * 5000 + "1" + ")" * 5000, "9" * 1_000_000, "<answer>" + "9*" * 10**5 + "9</answer>",
-                                  "1," * 500_000])
+@pytest.mark.parametrize(
+    "text", ["(" * 5000 + "1" + ")" * 5000, "9" * 1_000_000, "<answer>" + "9*" * 10**5 + "9</answer>", "1," * 500_000]
+)
 def test_pathological_completions_are_scored_quickly(text):
     import time
 
     started = time.perf_counter()
-    for reward, ex in ((arithmetic.reward, problem(2, 3)), (countdown.reward, countdown_problem([1, 2, 3], 6)),
-                       (gsm8k.reward, Example(uid="t", prompt="", target="", answer="42"))):
+    for reward, ex in (
+        (arithmetic.reward, problem(2, 3)),
+        (countdown.reward, countdown_problem([1, 2, 3], 6)),
+        (gsm8k.reward, Example(uid="t", prompt="", target="", answer="42")),
+    ):
         score(reward, text, ex)
     assert time.perf_counter() - started < 2.0
 
@@ -145,11 +162,14 @@ def test_gsm8k_sample_ships_with_the_package_and_loads():
     assert len(rows) >= 20 and all(score(gsm8k.reward, r.target, r) == 1.0 for r in rows)
 
 
-@pytest.mark.parametrize("line, words", [
-    ("not json", ["bad.jsonl", "cannot read"]),
-    ('{"question": "q"}', ["bad.jsonl row 1", "answer"]),
-    ('{"question": "q", "answer": "no marker"}', ["bad.jsonl row 1", "####"]),
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("not json", ["bad.jsonl", "cannot read"]),
+        ('{"question": "q"}', ["bad.jsonl row 1", "answer"]),
+        ('{"question": "q", "answer": "no marker"}', ["bad.jsonl row 1", "####"]),
+    ],
+)
 def test_gsm8k_bad_rows_name_file_and_row(tmp_path, line, words):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + line + "\n")

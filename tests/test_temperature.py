@@ -67,14 +67,18 @@ def server(peaked_model_dir, tmp_path_factory):
         yield address
 
 
-@pytest.mark.parametrize("gconfig, sampling, other_temperature", [
-    ({"temperature": 0.7}, {"temperature": 0.7}, 1.0),
-    ({"temperature": 1.3, "top_p": 0.8, "top_k": 20}, {"temperature": 1.3, "top_p": 0.8, "top_k": 20}, 1.0),
-    # greedy rollouts are requests at temperature 0, whose logprobs are reported at temperature 1
-    ({"temperature": 0.7, "greedy": True}, {"temperature": 0.0}, 0.7),
-])
-def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(peaked_model_dir, server, gconfig, sampling,
-                                                                        other_temperature):
+@pytest.mark.parametrize(
+    "gconfig, sampling, other_temperature",
+    [
+        ({"temperature": 0.7}, {"temperature": 0.7}, 1.0),
+        ({"temperature": 1.3, "top_p": 0.8, "top_k": 20}, {"temperature": 1.3, "top_p": 0.8, "top_k": 20}, 1.0),
+        # greedy rollouts are requests at temperature 0, whose logprobs are reported at temperature 1
+        ({"temperature": 0.7, "greedy": True}, {"temperature": 0.0}, 0.7),
+    ],
+)
+def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(
+    peaked_model_dir, server, gconfig, sampling, other_temperature
+):
     tokenizer = load_tokenizer(peaked_model_dir)
     sampling = {"max_new_tokens": 24, "ignore_eos": True, **sampling}
 
@@ -83,14 +87,16 @@ def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(peaked_m
             return await asyncio.gather(*(client.generate(prompt_ids(tokenizer, p), sampling) for p in PROMPTS))
 
     generations = asyncio.run(generate())
-    batch = SequenceBatch([g.input_ids + g.output_ids for g in generations],
-                          [[0] * len(g.input_ids) + [1] * len(g.output_ids) for g in generations])
+    batch = SequenceBatch(
+        [g.input_ids + g.output_ids for g in generations],
+        [[0] * len(g.input_ids) + [1] * len(g.output_ids) for g in generations],
+    )
     served = torch.tensor([lp for g in generations for lp in g.logprobs])
 
     def trainer_logprobs(**gconfig_of_trainer) -> torch.Tensor:
         actor, _ = trainer_actor(peaked_model_dir, *(f"gconfig.{k}={v}" for k, v in gconfig_of_trainer.items()))
         out = actor.actor.forward(batch)["logprobs"]  # position t: the logprob of token t + 1
-        return torch.cat([lp[len(g.input_ids) - 1:-1] for lp, g in zip(out, generations)])
+        return torch.cat([lp[len(g.input_ids) - 1 : -1] for lp, g in zip(out, generations)])
 
     torch.testing.assert_close(trainer_logprobs(**gconfig), served, atol=1e-4, rtol=0)
     # the check has teeth: logprobs at another temperature (T = 1 is what the trainer used to compute) are far off
@@ -103,8 +109,9 @@ def reference_ppo_step(model_dir, trajectories, temperature: float, eps_clip: fl
     π = softmax(logits / T), T a segment's recorded temperature or else ``temperature`` (no greedy
     segments), GRPO advantages, and π_prox = π_θ before the step (the on-policy first step)."""
     model = load_model(model_dir).double()
-    advantages = reference_sequence_advantages([t.reward for t in trajectories], [t.group_id for t in trajectories],
-                                               "grpo", 1e-6)
+    advantages = reference_sequence_advantages(
+        [t.reward for t in trajectories], [t.group_id for t in trajectories], "grpo", 1e-6
+    )
     n_tokens = sum(t.n_output_tokens for t in trajectories)
     loss = torch.zeros((), dtype=torch.float64)
     for traj, advantage in zip(trajectories, advantages):
@@ -128,15 +135,20 @@ def reference_ppo_step(model_dir, trajectories, temperature: float, eps_clip: fl
 
 def test_one_ppo_step_at_temperature_equals_the_float64_reference(peaked_model_dir):
     temperature = 1.3
-    actor, cfg = trainer_actor(peaked_model_dir, f"gconfig.temperature={temperature}", "optimizer.gradient_clipping=0",
-                               "actor.max_tokens_per_mb=64")  # several micro-batches
+    actor, cfg = trainer_actor(
+        peaked_model_dir,
+        f"gconfig.temperature={temperature}",
+        "optimizer.gradient_clipping=0",
+        "actor.max_tokens_per_mb=64",
+    )  # several micro-batches
     trajectories = synthetic_batch(len(load_tokenizer(peaked_model_dir)))
     batch = build_batch(trajectories, cfg.actor, cfg.gconfig.max_new_tokens, run_temperature(cfg.gconfig))
     minibatches = split_minibatches(batch, trajectories, cfg.actor, cfg.gconfig.max_new_tokens)
     stats = actor.update(minibatches)
 
-    want_loss, want_grads = reference_ppo_step(peaked_model_dir, trajectories, temperature, cfg.actor.eps_clip,
-                                               cfg.actor.behav_imp_weight_cap)
+    want_loss, want_grads = reference_ppo_step(
+        peaked_model_dir, trajectories, temperature, cfg.actor.eps_clip, cfg.actor.behav_imp_weight_cap
+    )
     assert stats["actor/microbatches"] > 1
     assert stats["actor/loss"] == pytest.approx(want_loss, rel=1e-5)
     got_grads = {name: p.grad for name, p in actor.actor.model.named_parameters()}
@@ -145,8 +157,10 @@ def test_one_ppo_step_at_temperature_equals_the_float64_reference(peaked_model_d
     for name, want in want_grads.items():
         torch.testing.assert_close(got_grads[name].double(), want, rtol=1e-3, atol=1e-5 * norm, msg=name)
     # the same step at T = 1 is a different step: the temperature is not lost anywhere on the way
-    assert abs(reference_ppo_step(peaked_model_dir, trajectories, 1.0, cfg.actor.eps_clip,
-                                  cfg.actor.behav_imp_weight_cap)[0] - want_loss) > 100 * 1e-5 * abs(want_loss)
+    assert abs(
+        reference_ppo_step(peaked_model_dir, trajectories, 1.0, cfg.actor.eps_clip, cfg.actor.behav_imp_weight_cap)[0]
+        - want_loss
+    ) > 100 * 1e-5 * abs(want_loss)
 
 
 def test_proxy_turns_are_trained_at_the_temperature_they_were_sampled_at(peaked_model_dir, server, tmp_path):
@@ -164,11 +178,14 @@ def test_proxy_turns_are_trained_at_the_temperature_they_were_sampled_at(peaked_
             client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
             messages = [{"role": "user", "content": "What is 2+3?"}]
             for temperature in temperatures:
-                reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
-                                                       temperature=temperature, logprobs=True)
+                reply = client.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=8, temperature=temperature, logprobs=True
+                )
                 served.setdefault(session_id, []).append([t.logprob for t in reply.choices[0].logprobs.content])
-                messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                             {"role": "user", "content": "Sure?"}]
+                messages += [
+                    {"role": "assistant", "content": reply.choices[0].message.content},
+                    {"role": "user", "content": "Sure?"},
+                ]
             assert call(base, "/rl/set_reward", {"reward": reward}, key)[0] == 200
             assert call(base, "/rl/end_session", {}, key)[0] == 200
             session_ids.append(session_id)
@@ -194,8 +211,9 @@ def test_proxy_turns_are_trained_at_the_temperature_they_were_sampled_at(peaked_
     assert (trainer_logprobs(at_run_temperature) - behaviour).abs().max() > 0.05
 
     stats = actor.update(split_minibatches(batch, records, run.actor, run.gconfig.max_new_tokens))
-    want_loss, want_grads = reference_ppo_step(peaked_model_dir, records, 1.0, run.actor.eps_clip,
-                                               run.actor.behav_imp_weight_cap)
+    want_loss, want_grads = reference_ppo_step(
+        peaked_model_dir, records, 1.0, run.actor.eps_clip, run.actor.behav_imp_weight_cap
+    )
     assert stats["actor/loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
     norm = math.sqrt(sum(float(g.square().sum()) for g in want_grads.values()))
     assert stats["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
@@ -234,5 +252,8 @@ def test_a_run_samples_at_its_temperature_or_greedily_and_trains_at_the_logprob_
     gconfig = GenerationConfig(temperature=temperature, greedy=greedy)
     assert run_temperature(gconfig) == Sampling.from_config(gconfig).temperature == (0.0 if greedy else temperature)
     cfg = load_config(None, [f"gconfig.temperature={temperature}", f"gconfig.greedy={str(greedy).lower()}"])
-    assert sampler_temperature(cfg) == logprob_temperature(run_temperature(cfg.gconfig)) == (
-        1.0 if greedy else temperature)
+    assert (
+        sampler_temperature(cfg)
+        == logprob_temperature(run_temperature(cfg.gconfig))
+        == (1.0 if greedy else temperature)
+    )

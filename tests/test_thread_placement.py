@@ -39,14 +39,21 @@ def test_the_update_and_the_commits_stay_on_the_trainers_cores_and_the_rest_runs
         "    t = threading.Thread(target=lambda: seen.append(where())); t.start(); t.join()\n"
         "    with mp.get_context('spawn').Pool(1) as pool:\n"
         "        worker = pool.apply(os.sched_getaffinity, (0,)), pool.apply(os.getpriority, (os.PRIO_PROCESS, 0))\n"
-        "    print([training, commits, where(), seen[0], (sorted(worker[0]), worker[1])])\n")
-    done = subprocess.run(["taskset", "-c", str(trainer), sys.executable, "-c", script], capture_output=True, text=True,
-                          env={**os.environ, ROLLOUT_SIDE_CORES: str(server)}, timeout=120)
+        "    print([training, commits, where(), seen[0], (sorted(worker[0]), worker[1])])\n"
+    )
+    done = subprocess.run(
+        ["taskset", "-c", str(trainer), sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, ROLLOUT_SIDE_CORES: str(server)},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     base = os.getpriority(os.PRIO_PROCESS, 0)
     if training_elsewhere:  # the commits with the rest: the servers' cores and the trainer's, niced
         side = ([server, trainer], min(19, base + ROLLOUT_SIDE_NICE))
         assert done.stdout.split("\n")[0] == str([([trainer], side[1]), side, side, side, side])
     else:
-        assert done.stdout.split("\n")[0] == str([([trainer], base), ([trainer], base), ([server], base), ([server], base),
-                                                  ([server], base)])
+        assert done.stdout.split("\n")[0] == str(
+            [([trainer], base), ([trainer], base), ([server], base), ([server], base), ([server], base)]
+        )

@@ -37,12 +37,20 @@ def train(model_dir: str, mesh, compute_dtype: str) -> dict:
     """STEPS optimizer steps on this rank's share of one seeded batch, then the logprobs of the trained
     policy; the dtypes a Linear computed in (input, weight, output), the dtypes of what the optimizer
     holds, and rank 0's pushed weights."""
-    engine = TorchTrainEngine(load_model(model_dir), PolicyOutputs(), mesh=mesh, lr=1e-3, total_steps=STEPS,
-                              optimizer=OptimizerConfig(gradient_clipping=1.0), max_tokens_per_mb=MAX_TOKENS_PER_MB,
-                              compute_dtype=compute_dtype)
+    engine = TorchTrainEngine(
+        load_model(model_dir),
+        PolicyOutputs(),
+        mesh=mesh,
+        lr=1e-3,
+        total_steps=STEPS,
+        optimizer=OptimizerConfig(gradient_clipping=1.0),
+        max_tokens_per_mb=MAX_TOKENS_PER_MB,
+        compute_dtype=compute_dtype,
+    )
     computed = set()
     engine.model.model.layers[0].mlp.down_proj.register_forward_hook(
-        lambda module, inputs, output: computed.add((inputs[0].dtype, module.weight.dtype, output.dtype)))
+        lambda module, inputs, output: computed.add((inputs[0].dtype, module.weight.dtype, output.dtype))
+    )
     batch = seeded_batch()
     share = batch.select(balanced_parts([len(s) for s in batch.sequences], mesh.dims.dp)[mesh.data_rank])
     losses, grad_norms = [], []
@@ -51,12 +59,21 @@ def train(model_dir: str, mesh, compute_dtype: str) -> dict:
         losses.append(stats.get("loss", 0.0))
         grad_norms.append(stats["grad_norm"])
     params = list(engine.model.parameters())
-    held = {"params": {p.dtype for p in params}, "sharded": all(isinstance(p, DTensor) for p in params),
-            "grads": {p.grad.dtype for p in params},
-            "adam": {state["exp_avg"].dtype for state in engine.optimizer.state.values()}}
+    held = {
+        "params": {p.dtype for p in params},
+        "sharded": all(isinstance(p, DTensor) for p in params),
+        "grads": {p.grad.dtype for p in params},
+        "adam": {state["exp_avg"].dtype for state in engine.optimizer.state.values()},
+    }
     pushed = {name: tensor.clone() for bucket in engine.rollout_weights(1 << 20) for name, tensor in bucket}
-    return {"losses": losses, "grad_norms": grad_norms, "logprobs": engine.forward(share)["logprobs"],
-            "computed": computed, "held": held, "pushed": pushed}
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "logprobs": engine.forward(share)["logprobs"],
+        "computed": computed,
+        "held": held,
+        "pushed": pushed,
+    }
 
 
 def main(model_dir: str, out: str) -> None:
@@ -64,16 +81,18 @@ def main(model_dir: str, out: str) -> None:
     mesh = build_mesh(ParallelDims(dp=2, fsdp=True), torch.device("cpu"))
     runs = {dtype: train(model_dir, mesh, dtype) for dtype in ("float32", "bfloat16")}
     every = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object({dtype: {k: v for k, v in run.items() if k != "pushed"} for dtype, run in runs.items()},
-                       every, dst=0)
+    dist.gather_object(
+        {dtype: {k: v for k, v in run.items() if k != "pushed"} for dtype, run in runs.items()}, every, dst=0
+    )
     if rank == 0:
         torch.save({"ranks": every, "pushed": {dtype: run["pushed"] for dtype, run in runs.items()}}, out)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory) -> dict:
-    return run_ranks(2, tiny_model_dir, tmp_path_factory.mktemp("bf16") / "out.pt", timeout=120,
-                     module="tests.test_torch_bf16")
+    return run_ranks(
+        2, tiny_model_dir, tmp_path_factory.mktemp("bf16") / "out.pt", timeout=120, module="tests.test_torch_bf16"
+    )
 
 
 def whole(runs: dict, dtype: str, key: str) -> torch.Tensor:
@@ -95,8 +114,9 @@ def test_bf16_trains_like_float32_within_stated_tolerances(runs):
     loss32, loss16 = whole(runs, "float32", "losses"), whole(runs, "bfloat16", "losses")
     assert loss32[-1] < loss32[0] - 2  # it trains: the completions are being learnt
     torch.testing.assert_close(loss16, loss32, rtol=0, atol=2e-2)
-    torch.testing.assert_close(whole(runs, "bfloat16", "grad_norms"), whole(runs, "float32", "grad_norms"),
-                               rtol=5e-2, atol=0)
+    torch.testing.assert_close(
+        whole(runs, "bfloat16", "grad_norms"), whole(runs, "float32", "grad_norms"), rtol=5e-2, atol=0
+    )
     for rank in runs["ranks"]:
         for lp16, lp32 in zip(rank["bfloat16"]["logprobs"], rank["float32"]["logprobs"], strict=True):
             torch.testing.assert_close(lp16, lp32, rtol=0, atol=7e-2)

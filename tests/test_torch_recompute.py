@@ -28,8 +28,16 @@ STEPS = 3
 
 
 def engine_on(model_dir, recompute: str, mesh=None) -> TorchTrainEngine:
-    return TorchTrainEngine(load_model(model_dir), PolicyOutputs(), mesh=mesh, lr=1e-3, total_steps=STEPS,
-                            optimizer=OptimizerConfig(), max_tokens_per_mb=MAX_TOKENS_PER_MB, recompute=recompute)
+    return TorchTrainEngine(
+        load_model(model_dir),
+        PolicyOutputs(),
+        mesh=mesh,
+        lr=1e-3,
+        total_steps=STEPS,
+        optimizer=OptimizerConfig(),
+        max_tokens_per_mb=MAX_TOKENS_PER_MB,
+        recompute=recompute,
+    )
 
 
 def train(engine: TorchTrainEngine) -> dict:
@@ -39,8 +47,9 @@ def train(engine: TorchTrainEngine) -> dict:
     for seed in range(STEPS):
         batch = seeded_batch(seed)
         if engine.mesh is not None:
-            batch = batch.select(balanced_parts([len(s) for s in batch.sequences], engine.mesh.dims.dp)
-                                 [engine.mesh.data_rank])
+            batch = batch.select(
+                balanced_parts([len(s) for s in batch.sequences], engine.mesh.dims.dp)[engine.mesh.data_rank]
+            )
         stats.append(engine.train_step(batch, ppo_like_loss))
     weights = {name: tensor.clone() for bucket in engine.rollout_weights(1 << 20) for name, tensor in bucket}
     return {"stats": stats, "weights": weights}
@@ -94,8 +103,13 @@ def main(model_dir: str, out: str) -> None:
     every = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object({mode: run["stats"] for mode, run in runs.items()}, every, dst=0)
     if rank == 0:
-        torch.save({mode: {"stats": [step for stats in every for step in stats[mode]], "weights": run["weights"]}
-                    for mode, run in runs.items()}, out)
+        torch.save(
+            {
+                mode: {"stats": [step for stats in every for step in stats[mode]], "weights": run["weights"]}
+                for mode, run in runs.items()
+            },
+            out,
+        )
 
 
 @pytest.mark.distributed

@@ -28,17 +28,25 @@ def is_target(prompt, completion: str, prompt_ids, completion_ids, answer: str, 
 
 
 def engine_on(model_dir, clip: float = 0.0, max_tokens_per_mb: int = 4096) -> TorchTrainEngine:
-    return TorchTrainEngine(load_model(model_dir), packed_policy_outputs, lr=1e-3, total_steps=10,
-                            optimizer=OptimizerConfig(gradient_clipping=clip), max_tokens_per_mb=max_tokens_per_mb,
-                            tokenizer=load_tokenizer(model_dir))
+    return TorchTrainEngine(
+        load_model(model_dir),
+        packed_policy_outputs,
+        lr=1e-3,
+        total_steps=10,
+        optimizer=OptimizerConfig(gradient_clipping=clip),
+        max_tokens_per_mb=max_tokens_per_mb,
+        tokenizer=load_tokenizer(model_dir),
+    )
 
 
 def sft_pairs(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     generator = torch.Generator().manual_seed(seed)
     pairs = []
     for _ in range(n):
-        prompt, completion = (torch.randint(3, 600, (int(k),), generator=generator).tolist()
-                              for k in torch.randint(2, 12, (2,), generator=generator))
+        prompt, completion = (
+            torch.randint(3, 600, (int(k),), generator=generator).tolist()
+            for k in torch.randint(2, 12, (2,), generator=generator)
+        )
         pairs.append((prompt + completion, [0] * len(prompt) + [1] * len(completion)))
     return pairs
 
@@ -85,8 +93,9 @@ def test_save_and_load_restore_weights_and_optimizer(tiny_model_dir, tmp_path):
     sft_step(trained, sft_pairs(seed=1))
     trained.save(tmp_path / "full")
     trained.save(tmp_path / "weights_only", optimizer=False)
-    assert {p.name for p in (tmp_path / "full").iterdir()} - {p.name for p in (tmp_path / "weights_only").iterdir()} \
-        == {"training_state.pt"}
+    assert {p.name for p in (tmp_path / "full").iterdir()} - {
+        p.name for p in (tmp_path / "weights_only").iterdir()
+    } == {"training_state.pt"}
     restored.load(tmp_path / "full")
     # the next step from the restored engine (Adam moments, schedule position) is the trained one's
     sft_step(trained, sft_pairs(seed=2))
@@ -105,13 +114,20 @@ def test_in_process_evaluation_decodes_like_transformers_greedy_generate(tiny_mo
     expected, distinct_tokens = [], []
     for prompt in prompts:  # transformers' own decoder, one prompt at a time, no padding
         ids = torch.tensor([prompt_ids(tokenizer, prompt)])
-        out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-        expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-        distinct_tokens.append(len(set(out[0, ids.shape[1]:].tolist())))
+        out = model.generate(
+            input_ids=ids,
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        expected.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+        distinct_tokens.append(len(set(out[0, ids.shape[1] :].tolist())))
     # the reward says whether the completion is the one transformers decoded
-    examples = [Example(str(i), prompt, answer=target) for i, (prompt, target)
-                in enumerate(zip(prompts, expected[:2] + ["not that"]))]
+    examples = [
+        Example(str(i), prompt, answer=target)
+        for i, (prompt, target) in enumerate(zip(prompts, expected[:2] + ["not that"]))
+    ]
     with RewardPool(is_target) as rewards:
         result = evaluate_model(model, tokenizer, examples, rewards, Sampling(max_new_tokens=8))
     assert len(set(expected)) == 3 and min(distinct_tokens) > 2

@@ -31,10 +31,15 @@ from .trainer_processes import run_ranks
 # to 1e-9; on another host's CPU, the actor's v_proj off by 1.2e-6 after two minibatches, 7e-9 at eps=1e-4).
 # M2PO's trust region is one bound over the whole batch: two ranks must mask the tokens one process does
 # (the synthetic batch's behaviour logprobs are ~4 nats off the random model's: a bound of 16 keeps 35 of 79).
-@pytest.mark.parametrize("overrides", [(), ("actor.ppo_n_minibatches=2", "actor.aggregation=seq-mean-token-mean",
-                                            "optimizer.eps=1e-4"),
-                                       ("actor.adv_estimator=ppo", "optimizer.eps=1e-4"),
-                                       ("actor.policy_loss=m2po", "actor.m2_threshold=16")])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("actor.ppo_n_minibatches=2", "actor.aggregation=seq-mean-token-mean", "optimizer.eps=1e-4"),
+        ("actor.adv_estimator=ppo", "optimizer.eps=1e-4"),
+        ("actor.policy_loss=m2po", "actor.m2_threshold=16"),
+    ],
+)
 def test_two_data_parallel_ranks_take_the_same_step_as_one_process(tiny_model_dir, tmp_path, overrides):
     single = run_ranks(1, tiny_model_dir, tmp_path / "one.pt", *overrides)
     double = run_ranks(2, tiny_model_dir, tmp_path / "two.pt", *overrides)
@@ -63,9 +68,11 @@ def perturbed_engine(model_dir, seed: int = 0) -> TorchTrainEngine:
 def assert_served_by(engine: TorchTrainEngine, generation, version: int) -> None:
     """The server generated with the engine's weights: its logprobs are the engine's on the same tokens."""
     assert generation.versions == [version] * len(generation.output_ids)
-    batch = SequenceBatch([generation.input_ids + generation.output_ids],
-                          [[0] * len(generation.input_ids) + [1] * len(generation.output_ids)])
-    expected = engine.forward(batch)["logprobs"][0][len(generation.input_ids) - 1:-1]
+    batch = SequenceBatch(
+        [generation.input_ids + generation.output_ids],
+        [[0] * len(generation.input_ids) + [1] * len(generation.output_ids)],
+    )
+    expected = engine.forward(batch)["logprobs"][0][len(generation.input_ids) - 1 : -1]
     torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=1e-4, rtol=0)
 
 
@@ -88,14 +95,16 @@ def test_weight_sync_leaves_the_server_with_the_trainers_weights(tiny_model_dir,
         stats, generation = asyncio.run(sync_and_generate(address))
     assert_served_by(engine, generation, 7)
     if mode == "disk":  # what the servers read
-        assert stats["sync/bytes"] == sum(f.stat().st_size for f in (tmp_path / "weights" / "v000007").iterdir()
-                                          if f.suffix == ".safetensors")
+        assert stats["sync/bytes"] == sum(
+            f.stat().st_size for f in (tmp_path / "weights" / "v000007").iterdir() if f.suffix == ".safetensors"
+        )
     else:  # every tensor of the state dict, tied ones under both names
         assert stats["sync/bytes"] == sum(t.numel() * 4 for t in engine.model.state_dict().values())
 
 
-def test_disk_sync_writes_the_weights_before_the_pause_and_never_loads_an_earlier_incarnations(tiny_model_dir,
-                                                                                             tmp_path):
+def test_disk_sync_writes_the_weights_before_the_pause_and_never_loads_an_earlier_incarnations(
+    tiny_model_dir, tmp_path
+):
     engine, stale = perturbed_engine(tiny_model_dir, seed=1), perturbed_engine(tiny_model_dir, seed=2)
     prompt = prompt_ids(engine.tokenizer, "What is 3 + 4?")
     folder = tmp_path / "weights"

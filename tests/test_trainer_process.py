@@ -56,8 +56,14 @@ print("child exit code:", trainer._process.exitcode)
 
 def run_case(model: Path, out: Path, case: str) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(out), case], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(model), str(out), case],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_child_trains_bit_for_bit_as_rank_0s_own_process(tiny_model_dir, tmp_path):
@@ -113,27 +119,51 @@ def _stat(pid: int) -> str:
         return "gone"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.path="], "the trainer needs model.path=DIR"),  # raised by the child, while it builds the engines
-    (["rl.rank0_training=child", "rl.weight_sync=distributed"], "rl.rank0_training=child needs rl.weight_sync=disk"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.path="], "the trainer needs model.path=DIR"),  # raised by the child, while it builds the engines
+        (
+            ["rl.rank0_training=child", "rl.weight_sync=distributed"],
+            "rl.rank0_training=child needs rl.weight_sync=disk",
+        ),
+    ],
+)
 def test_a_users_mistake_is_one_line_and_exit_code_2(tmp_path, overrides, message):
-    done = subprocess.run([sys.executable, "-m", "areal_hpc.train.driver", "--config", "configs/quickstart.yaml",
-                           f"cluster.fileroot={tmp_path}", *overrides], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_hpc.train.driver",
+            "--config",
+            "configs/quickstart.yaml",
+            f"cluster.fileroot={tmp_path}",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("areal-hpc: error: ") and message in lines[0], done.stderr
 
 
-@pytest.mark.parametrize("choice, sync, device, in_child", [
-    ("auto", "disk", "cpu", True),
-    ("auto", "disk", "cuda", False),  # the update waits on the device, not on the interpreter lock
-    ("auto", "distributed", "cpu", False),  # the broadcast reads the training process's own tensors
-    ("thread", "disk", "cpu", False),
-    ("child", "disk", "cuda", True),  # asked for: honoured
-])
+@pytest.mark.parametrize(
+    "choice, sync, device, in_child",
+    [
+        ("auto", "disk", "cpu", True),
+        ("auto", "disk", "cuda", False),  # the update waits on the device, not on the interpreter lock
+        ("auto", "distributed", "cpu", False),  # the broadcast reads the training process's own tensors
+        ("thread", "disk", "cpu", False),
+        ("child", "disk", "cuda", True),  # asked for: honoured
+    ],
+)
 def test_auto_trains_in_a_child_exactly_on_a_cpu_with_the_disk_sync(choice, sync, device, in_child):
-    cfg = load_config(str(REPO / "configs/quickstart.yaml"), [f"rl.rank0_training={choice}", f"rl.weight_sync={sync}",
-                                                              f"cluster.device={device}"])
+    cfg = load_config(
+        str(REPO / "configs/quickstart.yaml"),
+        [f"rl.rank0_training={choice}", f"rl.weight_sync={sync}", f"cluster.device={device}"],
+    )
     assert trains_in_child(cfg) is in_child  # decided without touching an accelerator: it holds on any machine

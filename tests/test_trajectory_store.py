@@ -48,24 +48,36 @@ def trajectories(draw, tenants=("a", "b", "c")):
         n_out = draw(st.integers(0, 40))
         versions = sorted(draw(st.lists(st.integers(0, 6), min_size=n_out, max_size=n_out)))
         floats = st.floats(-30, 0, width=32)
-        segments.append(Segment(draw(st.lists(st.integers(0, 2**31 - 1), max_size=30)),
-                                draw(st.lists(st.integers(0, 2**31 - 1), min_size=n_out, max_size=n_out)),
-                                draw(st.lists(floats, min_size=n_out, max_size=n_out)), versions,
-                                draw(st.lists(st.integers(0, 1), min_size=n_out, max_size=n_out)),
-                                draw(st.none() | st.just(0.0) | st.floats(1e-6, 4.0))))
-    return Trajectory(segments, tenant=draw(st.sampled_from(tenants)), task=draw(st.sampled_from(["", "countdown"])),
-                      group_id=draw(st.text(max_size=8)), session_id=draw(st.text(max_size=8)),
-                      metadata=draw(st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5),
-                                                    max_size=3)),
-                      eligible=draw(st.booleans()),
-                      redactions=draw(st.lists(st.builds(lambda s, e: {"segment": 0, "start": s, "end": s + e},
-                                                         st.integers(0, 5), st.integers(0, 5)), max_size=2)))
+        segments.append(
+            Segment(
+                draw(st.lists(st.integers(0, 2**31 - 1), max_size=30)),
+                draw(st.lists(st.integers(0, 2**31 - 1), min_size=n_out, max_size=n_out)),
+                draw(st.lists(floats, min_size=n_out, max_size=n_out)),
+                versions,
+                draw(st.lists(st.integers(0, 1), min_size=n_out, max_size=n_out)),
+                draw(st.none() | st.just(0.0) | st.floats(1e-6, 4.0)),
+            )
+        )
+    return Trajectory(
+        segments,
+        tenant=draw(st.sampled_from(tenants)),
+        task=draw(st.sampled_from(["", "countdown"])),
+        group_id=draw(st.text(max_size=8)),
+        session_id=draw(st.text(max_size=8)),
+        metadata=draw(st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3)),
+        eligible=draw(st.booleans()),
+        redactions=draw(
+            st.lists(
+                st.builds(lambda s, e: {"segment": 0, "start": s, "end": s + e}, st.integers(0, 5), st.integers(0, 5)),
+                max_size=2,
+            )
+        ),
+    )
 
 
 @pytest.mark.smoke
 @SETTINGS
-@given(records=st.lists(trajectories(), max_size=12), flush_every=st.integers(1, 5),
-       per_shard=st.integers(1, 6))
+@given(records=st.lists(trajectories(), max_size=12), flush_every=st.integers(1, 5), per_shard=st.integers(1, 6))
 def test_round_trip_across_flush_and_rotation_settings(tmp_path_factory, records, flush_every, per_shard):
     directory = tmp_path_factory.mktemp("shards")
     write_all(directory, records, flush_every=flush_every, max_shard_trajectories=per_shard)
@@ -80,14 +92,21 @@ def test_round_trip_across_flush_and_rotation_settings(tmp_path_factory, records
 
 
 @SETTINGS
-@given(records=st.lists(trajectories(), min_size=1, max_size=15), tenant=st.sampled_from(["a", "b", "c", "z"]),
-       low=st.integers(0, 6), high=st.integers(0, 6))
+@given(
+    records=st.lists(trajectories(), min_size=1, max_size=15),
+    tenant=st.sampled_from(["a", "b", "c", "z"]),
+    low=st.integers(0, 6),
+    high=st.integers(0, 6),
+)
 def test_filters_return_exactly_the_matching_records(tmp_path_factory, records, tenant, low, high):
     directory = tmp_path_factory.mktemp("shards")
     write_all(directory, records, max_shard_trajectories=4)
     where = TrajectoryFilter(tenant=tenant, min_version=low, max_version=high, eligible_only=True)
-    expected = [t.id for t in records if t.tenant == tenant and t.eligible
-                and t.version_range[0] >= low and t.version_range[1] <= high]
+    expected = [
+        t.id
+        for t in records
+        if t.tenant == tenant and t.eligible and t.version_range[0] >= low and t.version_range[1] <= high
+    ]
     with TrajectoryStore(directory) as store:
         assert [t.id for t in store.trajectories(where)] == expected
         assert all(t.tenant == tenant for t in store.trajectories(TrajectoryFilter(tenant=tenant)))
@@ -99,9 +118,13 @@ def test_filters_return_exactly_the_matching_records(tmp_path_factory, records, 
 def test_a_segment_without_a_temperature_is_stored_as_before_temperatures_and_reads_as_the_runs(tmp_path):
     """Shards written before temperatures were recorded hold [n_input, n_output, version runs] per segment:
     those read as None (the run's temperature); a recorded temperature is a fourth entry."""
-    write_all(tmp_path, [Trajectory([Segment([1], [2], [-0.1], [0])], id="old"),
-                         Trajectory([Segment([1], [2], [-0.1], [0], temperature=0.5), Segment([3], [4], [-0.2], [0])],
-                                    id="proxy")])
+    write_all(
+        tmp_path,
+        [
+            Trajectory([Segment([1], [2], [-0.1], [0])], id="old"),
+            Trajectory([Segment([1], [2], [-0.1], [0], temperature=0.5), Segment([3], [4], [-0.2], [0])], id="proxy"),
+        ],
+    )
     (shard,) = tmp_path.glob("*.h5")
     with h5py.File(shard) as f:
         headers = f["headers"][:].tobytes()
@@ -172,8 +195,12 @@ def test_rotation_by_size(tmp_path):
 
 
 def test_reader_tails_a_live_writer_in_another_process(tmp_path):
-    writer = subprocess.Popen([sys.executable, "-m", "tests.shard_processes", "write", str(tmp_path), "5", "60",
-                               "--sleep", "0.02"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "tests.shard_processes", "write", str(tmp_path), "5", "60", "--sleep", "0.02"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert writer.stdout.readline().startswith("committed")
         seen, counts = [], []
@@ -269,8 +296,9 @@ def test_inspect_and_export_of_a_test_run(tmp_path):
     assert "reward (12 scored, 0 awaiting a reward)" in inspect.stdout
     assert "torn tails: none" in inspect.stdout
     out = tmp_path / "export.jsonl"
-    result = run_cli("shards", "export", str(tmp_path), "--format", "jsonl", "--tenant", "tenant1",
-                     "--output", str(out))
+    result = run_cli(
+        "shards", "export", str(tmp_path), "--format", "jsonl", "--tenant", "tenant1", "--output", str(out)
+    )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [t.id for t in records if t.tenant == "tenant1"]
@@ -291,12 +319,14 @@ def test_bad_paths_and_files_are_one_line_errors(tmp_path):
         f.attrs["schema_version"] = SCHEMA_VERSION + 1
     empty = tmp_path / "empty"
     empty.mkdir()
-    cases = {str(tmp_path / "missing"): "no such file or directory",
-             str(not_hdf5): "is not an HDF5 file",
-             str(foreign): "not an areal-hpc trajectory shard",
-             str(newer): f"uses trajectory schema version {SCHEMA_VERSION + 1}; this areal-hpc reads version "
-                         f"{SCHEMA_VERSION} (upgrade areal-hpc to read it)",
-             str(empty): "holds no trajectory shards"}
+    cases = {
+        str(tmp_path / "missing"): "no such file or directory",
+        str(not_hdf5): "is not an HDF5 file",
+        str(foreign): "not an areal-hpc trajectory shard",
+        str(newer): f"uses trajectory schema version {SCHEMA_VERSION + 1}; this areal-hpc reads version "
+        f"{SCHEMA_VERSION} (upgrade areal-hpc to read it)",
+        str(empty): "holds no trajectory shards",
+    }
     for path, message in cases.items():
         for action in ("inspect", "verify", "export"):
             result = run_cli("shards", action, path)

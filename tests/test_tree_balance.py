@@ -73,8 +73,10 @@ def test_parts_are_contiguous_cover_every_sequence_once_and_minimise_the_largest
     w = np.array(weights or [1.0] * k)
     run_cost = RangeCost(build_prefix_tree(sequences), order, np.array(cost))
     ours = max(run_cost(*ends) / weight for ends, weight in zip(runs_of(parts), w))
-    best = min(max(run_cost(a, b) / weight for (a, b), weight in zip(zip((0, *cuts), (*cuts, len(order))), w))
-               for cuts in itertools.combinations_with_replacement(range(len(order) + 1), k - 1))
+    best = min(
+        max(run_cost(a, b) / weight for (a, b), weight in zip(zip((0, *cuts), (*cuts, len(order))), w))
+        for cuts in itertools.combinations_with_replacement(range(len(order) + 1), k - 1)
+    )
     assert ours == pytest.approx(best)
 
 
@@ -99,8 +101,12 @@ def test_more_parts_than_sequences_leaves_some_empty():
 def test_the_fit_recovers_the_coefficients_that_made_the_times():
     rng = np.random.default_rng(0)
     truth = np.array([2e-4, 1e-5, 3e-6, 0.0, 5e-4])
-    features = np.stack([features_of([list(rng.integers(0, 3, int(rng.integers(1, 30)))) for _ in range(n)])
-                         for n in rng.integers(2, 40, 60)])
+    features = np.stack(
+        [
+            features_of([list(rng.integers(0, 3, int(rng.integers(1, 30)))) for _ in range(n)])
+            for n in rng.integers(2, 40, 60)
+        ]
+    )
     np.testing.assert_allclose(fit_cost(features, features @ truth), truth, rtol=1e-6, atol=1e-12)
 
 

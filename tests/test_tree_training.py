@@ -50,13 +50,25 @@ def policy(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def engine(model: torch.nn.Module, tree_training: str, forward_fn=None, max_tokens: int = 24,
-           compute_dtype: str = "float32", min_saved_tokens: int = 0) -> TorchTrainEngine:
+def engine(
+    model: torch.nn.Module,
+    tree_training: str,
+    forward_fn=None,
+    max_tokens: int = 24,
+    compute_dtype: str = "float32",
+    min_saved_tokens: int = 0,
+) -> TorchTrainEngine:
     """An engine on a copy of ``model``; the flat one cuts its batches into several micro-batches."""
-    return TorchTrainEngine(copy.deepcopy(model), forward_fn or PolicyOutputs(TEMPERATURE), lr=1e-3,
-                            optimizer=OptimizerConfig(gradient_clipping=0.0), max_tokens_per_mb=max_tokens,
-                            tree_training=tree_training, compute_dtype=compute_dtype,
-                            tree_min_saved_tokens=min_saved_tokens)
+    return TorchTrainEngine(
+        copy.deepcopy(model),
+        forward_fn or PolicyOutputs(TEMPERATURE),
+        lr=1e-3,
+        optimizer=OptimizerConfig(gradient_clipping=0.0),
+        max_tokens_per_mb=max_tokens,
+        tree_training=tree_training,
+        compute_dtype=compute_dtype,
+        tree_min_saved_tokens=min_saved_tokens,
+    )
 
 
 def ppo_batch(sequences: list[list[int]], seed: int, per_position_temperatures: bool) -> SequenceBatch:
@@ -65,25 +77,36 @@ def ppo_batch(sequences: list[list[int]], seed: int, per_position_temperatures: 
     generator = torch.Generator().manual_seed(seed)
     masks = [(torch.rand(len(s), generator=generator) < 0.7).int().tolist() for s in sequences]
     temperatures = [0.5 + torch.rand(len(s), generator=generator) for s in sequences]
-    batch = SequenceBatch(sequences, masks, {
-        "behav_logprobs": [-5.0 + 0.3 * torch.randn(len(s), generator=generator) for s in sequences],
-        "advantages": [torch.randn(len(s), generator=generator) for s in sequences],
-        "where": [1000 * i + torch.arange(len(s)) for i, s in enumerate(sequences)],
-    }, temperatures if per_position_temperatures else None)
+    batch = SequenceBatch(
+        sequences,
+        masks,
+        {
+            "behav_logprobs": [-5.0 + 0.3 * torch.randn(len(s), generator=generator) for s in sequences],
+            "advantages": [torch.randn(len(s), generator=generator) for s in sequences],
+            "where": [1000 * i + torch.arange(len(s)) for i, s in enumerate(sequences)],
+        },
+        temperatures if per_position_temperatures else None,
+    )
     packed, _ = batch.packed()
-    batch.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, "token-mean",
-                                              packed.n_targets, len(sequences), 0))
+    batch.set_packed(
+        "weights",
+        token_weights(packed.target_mask, packed.cu_seqlens, "token-mean", packed.n_targets, len(sequences), 0),
+    )
     return batch
 
 
 def recording(loss_fn, seen: dict):
     """``loss_fn``, noting (logprob, entropy) of every target by its ``where``."""
+
     def loss(outputs, packed, fields):
-        for where, logprob, entropy in zip(fields["where"][packed.target_mask].tolist(),
-                                           outputs["logprobs"][packed.target_mask].tolist(),
-                                           outputs["entropy"][packed.target_mask].tolist()):
+        for where, logprob, entropy in zip(
+            fields["where"][packed.target_mask].tolist(),
+            outputs["logprobs"][packed.target_mask].tolist(),
+            outputs["entropy"][packed.target_mask].tolist(),
+        ):
             seen[where] = (logprob, entropy)
         return loss_fn(outputs, packed, fields)
+
     return loss
 
 
@@ -93,15 +116,24 @@ def each_sequence_alone(model, batch: SequenceBatch, cfg) -> tuple[torch.Tensor,
     loss, seen = torch.zeros(()), {}
     for i, tokens in enumerate(batch.sequences):
         packed = pack([tokens], [batch.loss_masks[i]])
-        temperatures = (batch.temperatures[i] if batch.temperatures is not None
-                        else torch.full((len(tokens),), TEMPERATURE))
+        temperatures = (
+            batch.temperatures[i] if batch.temperatures is not None else torch.full((len(tokens),), TEMPERATURE)
+        )
         logits = model(input_ids=torch.tensor([tokens])).logits[0].float() / temperatures[:, None]
         log_p = logits.log_softmax(-1)
         logprobs = torch.cat([log_p[:-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0], torch.zeros(1)])
         entropy = -(log_p.exp() * log_p).sum(-1)
         f = {name: values[i] for name, values in batch.fields.items()}
-        part, _ = decoupled_ppo_loss(logprobs, logprobs.detach(), f["behav_logprobs"], f["advantages"],
-                                     packed.target_mask, packed.cu_seqlens, f["weights"], cfg)
+        part, _ = decoupled_ppo_loss(
+            logprobs,
+            logprobs.detach(),
+            f["behav_logprobs"],
+            f["advantages"],
+            packed.target_mask,
+            packed.cu_seqlens,
+            f["weights"],
+            cfg,
+        )
         loss = loss + part
         for t in packed.target_mask.nonzero()[:, 0].tolist():
             seen[1000 * i + t] = (logprobs[t].item(), entropy[t].item())
@@ -123,10 +155,16 @@ def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) ->
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(shared_prefix_batches(), st.integers(0, 2**16), st.booleans(), st.sampled_from([0, 0, 3, 8]),
-       st.sampled_from([5, 10, 24]))
-def test_tree_step_equals_the_flat_step_and_each_sequence_alone(policy, sequences, seed, per_position_temperatures,
-                                                                min_saved_tokens, max_tokens):
+@given(
+    shared_prefix_batches(),
+    st.integers(0, 2**16),
+    st.booleans(),
+    st.sampled_from([0, 0, 3, 8]),
+    st.sampled_from([5, 10, 24]),
+)
+def test_tree_step_equals_the_flat_step_and_each_sequence_alone(
+    policy, sequences, seed, per_position_temperatures, min_saved_tokens, max_tokens
+):
     """With every common prefix shared (0), or only those saving 3 or 8 token computations; with rows of
     at most 24 tokens (most trees forwarded whole, each under its tree mask), or of 5 and 10 (the larger
     trees a level at a time)."""
@@ -186,8 +224,10 @@ def grpo_groups(groups: int = 2, samples: int = 4, prompts: tuple[int, ...] = (1
     for g in range(groups):
         prompt = prompts[g % len(prompts)]
         shared = torch.randint(3, 600, (prompt,), generator=generator).tolist()
-        completions = [torch.randint(3, 600, (int(n),), generator=generator).tolist()
-                       for n in torch.randint(1, 10, (samples - 2,), generator=generator)]
+        completions = [
+            torch.randint(3, 600, (int(n),), generator=generator).tolist()
+            for n in torch.randint(1, 10, (samples - 2,), generator=generator)
+        ]
         completions += [completions[0][:1], completions[1]]
         rewards = torch.rand(samples, generator=generator)
         for completion, advantage in zip(completions, (rewards - rewards.mean()) / (rewards.std() + 1e-6)):
@@ -197,17 +237,23 @@ def grpo_groups(groups: int = 2, samples: int = 4, prompts: tuple[int, ...] = (1
     behaviour = [-5.0 + 0.3 * torch.randn(len(s), generator=generator) for s in sequences]
     batch = SequenceBatch(sequences, masks, {"advantages": advantages, "behav_logprobs": behaviour})
     packed, _ = batch.packed()
-    batch.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, "seq-mean-token-mean",
-                                              packed.n_targets, len(sequences), 0))
+    batch.set_packed(
+        "weights",
+        token_weights(
+            packed.target_mask, packed.cu_seqlens, "seq-mean-token-mean", packed.n_targets, len(sequences), 0
+        ),
+    )
     return batch
 
 
-@pytest.mark.parametrize("max_tokens, min_saved_tokens, flat_subtree_tokens",
-                         [(24, 0, 512), (4096, 0, 0), (4096, 16, 0), (4096, 16, 512)],
-                         ids=["chunk_per_group", "groups_in_one_chunk", "short_prefixes_recomputed",
-                              "groups_flattened"])
-def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, monkeypatch, max_tokens, min_saved_tokens,
-                                                     flat_subtree_tokens):
+@pytest.mark.parametrize(
+    "max_tokens, min_saved_tokens, flat_subtree_tokens",
+    [(24, 0, 512), (4096, 0, 0), (4096, 16, 0), (4096, 16, 512)],
+    ids=["chunk_per_group", "groups_in_one_chunk", "short_prefixes_recomputed", "groups_flattened"],
+)
+def test_ppo_actor_update_on_grpo_groups_equals_flat(
+    policy, monkeypatch, max_tokens, min_saved_tokens, flat_subtree_tokens
+):
     """Prompts of 30, 10 and 3 tokens, a level at a time (no subtree flattened): with room, the prompts
     run in two chunks of one wave (the 3-token one would make padding most of the first) and all
     completions in one chunk, each row over its own prompt's K/V, read from either chunk and padded to
@@ -225,7 +271,9 @@ def test_ppo_actor_update_on_grpo_groups_equals_flat(policy, monkeypatch, max_to
     assert tree_stats["actor/grad_norm"] == pytest.approx(flat_stats["actor/grad_norm"], rel=RTOL)
     assert tree_stats["actor/loss_tokens"] == flat_stats["actor/loss_tokens"]
     shared_within = tree_module.flat_subtree_tokens(tree.model, max_tokens)
-    assert tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences, min_saved_tokens, shared_within).n_tokens
+    assert (
+        tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences, min_saved_tokens, shared_within).n_tokens
+    )
     assert_same_gradients(tree.model, flat.model)
 
 
@@ -235,8 +283,11 @@ def test_tree_training_computes_in_bfloat16_like_the_flat_engine(policy):
     engine's by no more than that."""
     batch = grpo_groups(groups=3, prompts=(30, 10, 3))
     steps = {}
-    for name, tree_training, dtype in [("tree16", "dta", "bfloat16"), ("flat16", "off", "bfloat16"),
-                                       ("flat32", "off", "float32")]:
+    for name, tree_training, dtype in [
+        ("tree16", "dta", "bfloat16"),
+        ("flat16", "off", "bfloat16"),
+        ("flat32", "off", "float32"),
+    ]:
         steps[name] = engine(policy, tree_training, max_tokens=4096, compute_dtype=dtype)
         PPOActor(steps[name], ActorConfig()).update([batch])
     grads = {name: torch.cat([p.grad.flatten() for p in e.model.parameters()]) for name, e in steps.items()}
@@ -263,18 +314,22 @@ def test_critic_value_loss_step_equals_flat(tiny_model_dir):
     assert_same_gradients(tree.model, flat.model)
 
 
-@pytest.mark.parametrize("names", [("input_ids", "cache", "use_cache"), ("input_ids", "past_key_values", "use_cache"),
-                                   ("input_ids", "use_cache")])
+@pytest.mark.parametrize(
+    "names",
+    [("input_ids", "cache", "use_cache"), ("input_ids", "past_key_values", "use_cache"), ("input_ids", "use_cache")],
+)
 def test_the_cache_goes_by_the_name_the_model_forward_takes(names, policy):
     """transformers renamed the forward's ``past_key_values`` to ``cache`` within 5.x (5.17 takes the old
     name, 5.24 the new one); a forward given the other files it under ``**kwargs`` and fills no cache (an
     H200 run on 5.17 failed so). The installed version's own Qwen2 names one of the two."""
+
     def forward(**_):
         return None
 
     forward.__signature__ = inspect.Signature(
         [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in names]
-        + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+        + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    )
     model = SimpleNamespace(base_model=SimpleNamespace(forward=forward))
     if len(names) == 2:
         with pytest.raises(UserError, match="takes neither cache nor past_key_values"):
@@ -296,13 +351,16 @@ def test_an_empty_batch_is_one_user_error(policy):
         engine(policy, "dta").train_step(SequenceBatch([], []), lambda outputs, packed, fields: (0.0, {}))
 
 
-@pytest.mark.parametrize("dims, recompute, message", [
-    (ParallelDims(tp=2), "none", "data-parallel replicas only"),
-    (ParallelDims(pp=2, dp=2, fsdp=True), "none", "data-parallel replicas only"),
-    (ParallelDims(cp=2), "none", "data-parallel replicas only"),
-    (ParallelDims(dp=2, ep=2), "none", "data-parallel replicas only"),
-    (None, "full", "actor.recompute=full"),
-])
+@pytest.mark.parametrize(
+    "dims, recompute, message",
+    [
+        (ParallelDims(tp=2), "none", "data-parallel replicas only"),
+        (ParallelDims(pp=2, dp=2, fsdp=True), "none", "data-parallel replicas only"),
+        (ParallelDims(cp=2), "none", "data-parallel replicas only"),
+        (ParallelDims(dp=2, ep=2), "none", "data-parallel replicas only"),
+        (None, "full", "actor.recompute=full"),
+    ],
+)
 def test_unsupported_layouts_are_one_user_error(dims, recompute, message):
     mesh = None if dims is None else SimpleNamespace(dims=dims)
     with pytest.raises(UserError, match=message):
@@ -316,8 +374,12 @@ def test_a_loss_or_engine_tree_training_cannot_sum_per_node_is_one_user_error(ov
         build_actor(cfg, None)
 
 
-AUTO_OPTIONS = {"actor.engine": ("torch", "megatron"), "actor.importance_level": ("token", "sequence"),
-                "actor.lora.rank": (0, 4), "actor.recompute": ("none", "full")}
+AUTO_OPTIONS = {
+    "actor.engine": ("torch", "megatron"),
+    "actor.importance_level": ("token", "sequence"),
+    "actor.lora.rank": (0, 4),
+    "actor.recompute": ("none", "full"),
+}
 
 
 @pytest.mark.parametrize("choice", list(itertools.product(*AUTO_OPTIONS.values())))
@@ -335,24 +397,36 @@ def test_auto_tree_training_is_dta_exactly_where_the_trainer_builds_dta(choice, 
     assert resolved == ("dta" if built else "off")
 
 
-@pytest.mark.parametrize("layout", [(), ("actor.parallel.fsdp=true",), ("actor.parallel.tp=2",), ("actor.parallel.pp=2",),
-                                    ("actor.parallel.cp=2",), ("actor.parallel.ep=2",), ("actor.parallel.dp=3",),
-                                    ("actor.parallel.allocation=megatron:d2p1t1",),
-                                    ("actor.parallel.allocation=megatron:d1p2t1",),
-                                    ("actor.parallel.groups=[[1,1,1],[1,1,1]]",)])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (),
+        ("actor.parallel.fsdp=true",),
+        ("actor.parallel.tp=2",),
+        ("actor.parallel.pp=2",),
+        ("actor.parallel.cp=2",),
+        ("actor.parallel.ep=2",),
+        ("actor.parallel.dp=3",),
+        ("actor.parallel.allocation=megatron:d2p1t1",),
+        ("actor.parallel.allocation=megatron:d1p2t1",),
+        ("actor.parallel.groups=[[1,1,1],[1,1,1]]",),
+    ],
+)
 def test_auto_tree_training_on_two_ranks_is_dta_exactly_where_the_layout_checks_accept_dta(layout):
     """Two trainer processes in each layout: dta where the engine's layout check and the training groups'
     check accept it (an impossible layout trains no tree either way: off, its own error comes later)."""
     cfg = load_config(None, ["rl.trainer_processes=2", *layout, "actor.tree_training=dta"])
     try:
-        check_tree_layout("dta", SimpleNamespace(dims=ParallelDims.from_config(cfg.actor.parallel, 2)), "none",
-                          PolicyOutputs())
+        check_tree_layout(
+            "dta", SimpleNamespace(dims=ParallelDims.from_config(cfg.actor.parallel, 2)), "none", PolicyOutputs()
+        )
         check_group_training(cfg.actor)
         accepted = True
     except UserError:
         accepted = False
-    resolved = resolve_tree_training(load_config(None, ["rl.trainer_processes=2", *layout,
-                                                        "actor.tree_training=auto"])).actor.tree_training
+    resolved = resolve_tree_training(
+        load_config(None, ["rl.trainer_processes=2", *layout, "actor.tree_training=auto"])
+    ).actor.tree_training
     assert resolved == ("dta" if accepted else "off")
     assert accepted == (layout in [(), ("actor.parallel.fsdp=true",), ("actor.parallel.allocation=megatron:d2p1t1",)])
 
@@ -360,24 +434,36 @@ def test_auto_tree_training_on_two_ranks_is_dta_exactly_where_the_layout_checks_
 TREE_LAYOUTS = {"dp2": (), "fsdp2": ("actor.parallel.fsdp=true",)}
 # M2PO: its trust region is one bound over the batch, gathered from the ranks' tree parts (the synthetic
 # batch's behaviour logprobs are ~4 nats off the random model's: a bound of 16 masks part of the tokens)
-ESTIMATORS = {"grpo": (), "ppo_critic": ("actor.adv_estimator=ppo",),
-              "m2po": ("actor.policy_loss=m2po", "actor.m2_threshold=16")}
+ESTIMATORS = {
+    "grpo": (),
+    "ppo_critic": ("actor.adv_estimator=ppo",),
+    "m2po": ("actor.policy_loss=m2po", "actor.m2_threshold=16"),
+}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 @pytest.mark.parametrize("layout", TREE_LAYOUTS)
-def test_tree_training_over_two_replicas_takes_the_flat_step_of_one_process(layout, estimator, tiny_model_dir,
-                                                                            tmp_path_factory):
+def test_tree_training_over_two_replicas_takes_the_flat_step_of_one_process(
+    layout, estimator, tiny_model_dir, tmp_path_factory
+):
     """The trainer's own path on two gloo ranks (``TrainerGroup`` cutting each minibatch's tree into two
     parts, each rank training its part depth first, one reduction): two optimizer steps of the actor (and
     the critic) equal the flat engine's in one process. This batch's prompts are short: the default
     ``actor.tree_min_saved_tokens`` of 64 would recompute them all, so prefixes saving 8 are shared here."""
     folder = tmp_path_factory.mktemp(f"tree-{layout}-{estimator}")
     reference = flat_single_process(str(tiny_model_dir), estimator, str(tmp_path_factory.getbasetemp()))
-    ours = run_ranks(2, tiny_model_dir, folder / "tree.pt", *STEP, *ESTIMATORS[estimator], *TREE_LAYOUTS[layout],
-                     "actor.tree_training=dta", "actor.tree_min_saved_tokens=8")
+    ours = run_ranks(
+        2,
+        tiny_model_dir,
+        folder / "tree.pt",
+        *STEP,
+        *ESTIMATORS[estimator],
+        *TREE_LAYOUTS[layout],
+        "actor.tree_training=dta",
+        "actor.tree_min_saved_tokens=8",
+    )
     assert ours["stats"]["actor/tree_tokens"] < ours["stats"]["train/tokens"]  # the groups' prompts shared
     assert_same_step(ours, reference)
     kept, tokens = ours["stats"]["actor/kept_tokens"], ours["stats"]["actor/loss_tokens"]

@@ -21,8 +21,14 @@ pytestmark = pytest.mark.slow
 def run(*command, cwd: Path) -> subprocess.CompletedProcess:
     """A process without this checkout on its path (no PYTHONPATH), offline."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    return subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**env, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [str(c) for c in command],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def checked(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -39,13 +45,27 @@ def wheel_bin(tmp_path_factory) -> Path:
     shutil.copytree(REPO / "areal_hpc", source / "areal_hpc", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    checked(run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                "--wheel-dir", root, source, cwd=root))
+    checked(
+        run(
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--wheel-dir",
+            root,
+            source,
+            cwd=root,
+        )
+    )
     (wheel,) = root.glob("areal_hpc-*.whl")
     fresh = root / "venv"
     venv.create(fresh, with_pip=False)
-    purelib = checked(run(fresh / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
-                          cwd=root)).stdout.strip()
+    purelib = checked(
+        run(fresh / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=root)
+    ).stdout.strip()
     Path(purelib, "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
     checked(run(fresh / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", wheel, cwd=root))
     return fresh / "bin"
@@ -64,8 +84,19 @@ def test_the_package_comes_from_the_wheel(wheel_bin, elsewhere):
 
 def test_plan_with_catalog_cluster_and_model_then_simulate(wheel_bin, elsewhere):
     plan = elsewhere / "plan.yaml"
-    done = checked(run(wheel_bin / "areal-hpc", "plan", "--cluster", "paper-8h800-24h20",
-                       "--model", "r1-distill-qwen-7b", "--out", plan, cwd=elsewhere))
+    done = checked(
+        run(
+            wheel_bin / "areal-hpc",
+            "plan",
+            "--cluster",
+            "paper-8h800-24h20",
+            "--model",
+            "r1-distill-qwen-7b",
+            "--out",
+            plan,
+            cwd=elsewhere,
+        )
+    )
     assert "allocation:      sglang:" in done.stdout
     record = yaml.safe_load(plan.read_text())
     assert record["allocation"].startswith("sglang:") and record["predicted"]["tokens_per_s"] > 0

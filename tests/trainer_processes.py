@@ -56,8 +56,10 @@ def main(model: str, out: str, overrides: list[str]) -> None:
     if rank == 0:
         group = TrainerGroup(actor, engines, mesh, cfg)
         stats = group.update(synthetic_batch(len(actor.actor.tokenizer)))
-        weights = {name: {k: v.clone() for bucket in engine.rollout_weights(1 << 20) for k, v in bucket}
-                   for name, engine in group.engines.items()}
+        weights = {
+            name: {k: v.clone() for bucket in engine.rollout_weights(1 << 20) for k, v in bucket}
+            for name, engine in group.engines.items()
+        }
         group.stop()
         torch.save({"weights": weights, "stats": stats}, out)
     else:
@@ -91,24 +93,35 @@ def failure(log: Path) -> str:
     """A failed rank's traceback (the extension modules' exit noise after it left out), or its log's end."""
     text = log.read_text()
     start = text.find("Traceback")
-    return text[start:start + 3000] if start >= 0 else text[-3000:]
+    return text[start : start + 3000] if start >= 0 else text[-3000:]
 
 
-def run_ranks(world: int, model, out, *overrides: str, timeout: float = 300,
-              module: str = "tests.trainer_processes") -> dict:
+def run_ranks(
+    world: int, model, out, *overrides: str, timeout: float = 300, module: str = "tests.trainer_processes"
+) -> dict:
     """Start ``world`` ranks of a rank script (this one by default) on loopback; what rank 0 wrote.
     Each rank's output goes to ``OUT.rank<r>.log``; a rank that fails shows its log's end."""
     port = str(free_port("127.0.0.1"))
     logs = [Path(f"{out}.rank{r}.log") for r in range(world)]
     command = [sys.executable, "-m", module, str(model), str(out), *overrides]
-    envs = [{**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-             "OMP_NUM_THREADS": "1"} for r in range(world)]
+    envs = [
+        {
+            **os.environ,
+            "RANK": str(r),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        for r in range(world)
+    ]
     with adopting_ranks() as forks:
         ranks = [forks.spawn(f"rank{r}", command, envs[r], None, logs[r]) for r in range(world)]
     try:
         codes = [p.wait(timeout=timeout) for p in ranks]
-        assert codes == [0] * world, "\n".join(f"rank {r} exited {code}:\n{failure(logs[r])}"
-                                               for r, code in enumerate(codes) if code != 0)
+        assert codes == [0] * world, "\n".join(
+            f"rank {r} exited {code}:\n{failure(logs[r])}" for r, code in enumerate(codes) if code != 0
+        )
     finally:
         for p in ranks:
             p.send_signal(signal.SIGKILL)

@@ -37,11 +37,21 @@ class AskTwice:
 def write_project(folder: Path, rows: int = 48) -> dict[str, str]:
     """The project's files, and the overrides that train on them."""
     folder.mkdir(parents=True, exist_ok=True)
-    table = pa.table({"question": [f"How long is stick {i}?" for i in range(rows)],
-                      "answer": [str(i % 7) for i in range(rows)], "unit": ["cm" if i % 2 else "mm" for i in range(rows)]})
+    table = pa.table(
+        {
+            "question": [f"How long is stick {i}?" for i in range(rows)],
+            "answer": [str(i % 7) for i in range(rows)],
+            "unit": ["cm" if i % 2 else "mm" for i in range(rows)],
+        }
+    )
     pq.write_table(table, folder / "sticks.parquet")
     (folder / "my_reward.py").write_text(REWARD)
     (folder / "my_agent.py").write_text(WORKFLOW)
-    return {"dataset.task": "custom", "dataset.path": str(folder / "sticks.parquet"), "dataset.prompt_field": "question",
-            "dataset.eval_size": "4", "reward.fn": f"{folder / 'my_reward.py'}:reward",
-            "rollout.workflow": f"{folder / 'my_agent.py'}:AskTwice"}
+    return {
+        "dataset.task": "custom",
+        "dataset.path": str(folder / "sticks.parquet"),
+        "dataset.prompt_field": "question",
+        "dataset.eval_size": "4",
+        "reward.fn": f"{folder / 'my_reward.py'}:reward",
+        "rollout.workflow": f"{folder / 'my_agent.py'}:AskTwice",
+    }

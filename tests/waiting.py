@@ -32,8 +32,10 @@ def wait_for(condition, what: str, timeout_s: float = 60.0, seen=None):
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}"
-                                 + (f"; last seen: {seen()}" if seen is not None else ""))
+            raise AssertionError(
+                f"timed out after {timeout_s:g} s waiting for {what}"
+                + (f"; last seen: {seen()}" if seen is not None else "")
+            )
         time.sleep(0.02)
     return value
 

@@ -9,11 +9,21 @@ from areal_hpc.models.chat import completion_ids
 from areal_hpc.rollout.client import Generation
 
 
-def episode_groups(tokenizer, pool, sampling: Sampling, n_samples: int, workflow=None, task_name: str = "arithmetic",
-                   discount: float = 1.0) -> EpisodeGroups:
-    return EpisodeGroups(workflow or RLVRWorkflow(),
-                         lambda client: EngineSettings(client.generate, tokenizer, sampling, Scorer(pool), None, discount),
-                         n_samples, task_name)
+def episode_groups(
+    tokenizer,
+    pool,
+    sampling: Sampling,
+    n_samples: int,
+    workflow=None,
+    task_name: str = "arithmetic",
+    discount: float = 1.0,
+) -> EpisodeGroups:
+    return EpisodeGroups(
+        workflow or RLVRWorkflow(),
+        lambda client: EngineSettings(client.generate, tokenizer, sampling, Scorer(pool), None, discount),
+        n_samples,
+        task_name,
+    )
 
 
 class ScriptedModel:

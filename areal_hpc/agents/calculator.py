@@ -70,10 +70,10 @@ def tool_call(text: str) -> str | None:
     text = text.strip()
     if not text.startswith(CALL_OPEN):
         return None
-    inner = text[len(CALL_OPEN):]
-    if not inner.endswith(CALL_CLOSE) or CALL_CLOSE in inner[:-len(CALL_CLOSE)]:
+    inner = text[len(CALL_OPEN) :]
+    if not inner.endswith(CALL_CLOSE) or CALL_CLOSE in inner[: -len(CALL_CLOSE)]:
         return ""
-    return inner[:-len(CALL_CLOSE)]
+    return inner[: -len(CALL_CLOSE)]
 
 
 def run_tool(call: str) -> str:
@@ -106,8 +106,9 @@ class CalculatorWorkflow:
             text = engine.decode(generation.output_ids)
             call = tool_call(text)
             if call is None:
-                episode.reward(await engine.reward(example, text, generation.output_ids,
-                                                   prompt_ids=generation.input_ids))
+                episode.reward(
+                    await engine.reward(example, text, generation.output_ids, prompt_ids=generation.input_ids)
+                )
                 break
             if turn + 1 == self.max_turns:
                 episode.reward(0.0)  # still calling the tool: no answer

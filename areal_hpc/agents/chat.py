@@ -92,8 +92,7 @@ class InProcessTransport(HTTPX.AsyncBaseTransport):
         self.proxy = proxy
 
     async def handle_async_request(self, request):
-        status, content, headers = await self.respond(request.method, request.url.path, request.headers,
-                                                      request.aread)
+        status, content, headers = await self.respond(request.method, request.url.path, request.headers, request.aread)
         if isinstance(content, bytes):
             return HTTPX.Response(status, headers=SSE_HEADERS, content=content)
         return HTTPX.Response(status, json=content, headers=headers)
@@ -104,8 +103,7 @@ class InProcessTransport(HTTPX.AsyncBaseTransport):
         try:
             route = TURN_ROUTES.get(path) if method == "POST" else None
             if route is None:
-                raise APIError(404, f"Not Found: {method} {path} (an episode's client has "
-                               f"{' and '.join(TURN_ROUTES)})")
+                raise APIError(404, f"Not Found: {method} {path} (an episode's client has {' and '.join(TURN_ROUTES)})")
             session = session_of(self.proxy, headers)
             body = parse_json(await read_body())
             async with route(self.proxy, session, body) as reply:
@@ -145,19 +143,25 @@ class InProcessCreate:
 
     async def create(self, **params):
         client = self._client
-        if (params.get("stream") is True or params.get("extra_query")
-                or RAW_RESPONSE_HEADER in (params.get("extra_headers") or {})):
+        if (
+            params.get("stream") is True
+            or params.get("extra_query")
+            or RAW_RESPONSE_HEADER in (params.get("extra_headers") or {})
+        ):
             return await super().create(**params)
         body = json_body(params)
 
         async def read_body() -> bytes:
             return body
+
         status, content, headers = await client.gateway.transport.respond(
-            "POST", self.PATH, {"Authorization": f"Bearer {client.api_key}"}, read_body)
+            "POST", self.PATH, {"Authorization": f"Bearer {client.api_key}"}, read_body
+        )
         if status != 200:  # the exception the SDK raises for this status and body (its own mapping)
-            request = HTTPX.Request("POST", f"{BASE_URL}{self.PATH[len('/v1'):]}")
-            raise client._make_status_error_from_response(HTTPX.Response(status, json=content, headers=headers,
-                                                                         request=request))
+            request = HTTPX.Request("POST", f"{BASE_URL}{self.PATH[len('/v1') :]}")
+            raise client._make_status_error_from_response(
+                HTTPX.Response(status, json=content, headers=headers, request=request)
+            )
         try:  # equal to what ``construct`` (the SDK's lenient build) makes of a valid reply: 3 us, not 50
             return self.REPLY.model_validate(content)
         except pydantic.ValidationError:
@@ -214,10 +218,20 @@ class RecordingOpenAI(openai.AsyncOpenAI):
 class ChatGateway:
     """``async with ChatGateway(generate, model_folder) as chat``: ``chat.client(metadata)`` per episode."""
 
-    def __init__(self, generate, model_folder: str | Path, discount: float = 1.0, max_tokens_cap: int = 4096,
-                 default_max_tokens: int = 256):
-        settings = ProxySettings(model_name=Path(model_folder).name, default_max_tokens=default_max_tokens,
-                                 max_tokens_cap=max_tokens_cap, discount=discount)
+    def __init__(
+        self,
+        generate,
+        model_folder: str | Path,
+        discount: float = 1.0,
+        max_tokens_cap: int = 4096,
+        default_max_tokens: int = 256,
+    ):
+        settings = ProxySettings(
+            model_name=Path(model_folder).name,
+            default_max_tokens=default_max_tokens,
+            max_tokens_cap=max_tokens_cap,
+            discount=discount,
+        )
         self.keys = EpisodeKeys()
         self.proxy = Proxy(settings, ChatTokenizer(model_folder), self.keys, ClientRouter(generate), sink=None)
         self.model_name, self.discount = settings.model_name, discount
@@ -234,13 +248,15 @@ class ChatGateway:
 
     def client(self, metadata: dict) -> RecordingOpenAI:
         key = new_key("sk")
-        session = Session(tenant=TENANT, tenant_key_hash=self.keys.tenant_key_hash, key_hash=hash_key(key),
-                          metadata=dict(metadata))
+        session = Session(
+            tenant=TENANT, tenant_key_hash=self.keys.tenant_key_hash, key_hash=hash_key(key), metadata=dict(metadata)
+        )
         self.proxy.sessions[session.id] = session
         self.proxy.by_key[session.key_hash] = session
         self.proxy.last_seen[session.id] = time.monotonic()
-        return RecordingOpenAI(gateway=self, session=session, api_key=key, base_url=BASE_URL, http_client=self.http,
-                               max_retries=0)
+        return RecordingOpenAI(
+            gateway=self, session=session, api_key=key, base_url=BASE_URL, http_client=self.http, max_retries=0
+        )
 
     def close_session(self, session: Session) -> list[Trajectory]:
         """The session's records (one per conversation); it takes no more turns."""

@@ -46,8 +46,13 @@ class Sampling:
         return cls(gconfig.max_new_tokens, run_temperature(gconfig), gconfig.top_p, gconfig.top_k)
 
     def params(self, stop_token_ids: list[int]) -> dict:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "stop_token_ids": stop_token_ids}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop_token_ids": stop_token_ids,
+        }
 
     def greedy(self) -> Sampling:
         return replace(self, temperature=0.0)
@@ -60,8 +65,12 @@ class SameTickBatch:
     their first generations (and, answered together, their rewards) meet in one turn. A batch whose
     callers all left (cancelled) is cancelled."""
 
-    def __init__(self, run: Callable[[list], Awaitable[list]], max_items: int | None = None,
-                 parts: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        run: Callable[[list], Awaitable[list]],
+        max_items: int | None = None,
+        parts: Callable[[], int] | None = None,
+    ):
         """``parts``: into how many calls of equal shares to split a turn's batch (e.g. one per server)."""
         self._run, self._max_items, self._parts = run, max_items, parts
         self._waiting: list[tuple[object, asyncio.Future]] = []
@@ -83,7 +92,7 @@ class SameTickBatch:
         if self._parts is not None:
             size = min(size, -(-len(batch) // max(1, self._parts())))
         for start in range(0, len(batch), size):
-            self._start(batch[start:start + size])
+            self._start(batch[start : start + size])
 
     def _start(self, batch: list[tuple[object, asyncio.Future]]) -> None:
         task = asyncio.ensure_future(self._run([item for item, _ in batch]))  # noqa: RUF006 - held in self._running
@@ -96,6 +105,7 @@ class SameTickBatch:
             waiting[0] -= 1
             if not waiting[0]:
                 task.cancel()
+
         for _, future in batch:
             future.add_done_callback(left)
 
@@ -136,7 +146,7 @@ class Scorer:
     async def _score(self, calls: list[list[RewardRequest]]) -> list[list[RewardOutcome]]:
         outcomes = await asyncio.to_thread(self.pool.score, [r for requests in calls for r in requests])
         ends = list(itertools.accumulate(len(requests) for requests in calls))
-        return [outcomes[end - len(requests):end] for requests, end in zip(calls, ends)]
+        return [outcomes[end - len(requests) : end] for requests, end in zip(calls, ends)]
 
 
 def derive_seed(*parts) -> int:
@@ -179,8 +189,9 @@ class EngineSettings:
             except Exception:
                 if len(calls) == 1:
                     raise
-                return await asyncio.gather(*(self.generate(ids, params) for ids, params in calls),
-                                            return_exceptions=True)
+                return await asyncio.gather(
+                    *(self.generate(ids, params) for ids, params in calls), return_exceptions=True
+                )
 
         batch = SameTickBatch(together, max_batch, parts)
         return replace(self, generate=lambda input_ids, params: batch((input_ids, params)))
@@ -210,8 +221,9 @@ class AgentEngine:
         """The ``model`` chat requests name."""
         return getattr(self.settings.chat, "model_name", "")
 
-    async def agenerate(self, input_ids: list[int], sampling: Sampling | None = None,
-                        stop_token_ids: list[int] | None = None):
+    async def agenerate(
+        self, input_ids: list[int], sampling: Sampling | None = None, stop_token_ids: list[int] | None = None
+    ):
         """Generate after ``input_ids`` (a ``rollout.client.Generation``: output ids, logprobs, versions)."""
         params = (sampling or self.sampling).params(stop_token_ids or self.stop_token_ids)
         if self.seed is not None:
@@ -225,8 +237,9 @@ class AgentEngine:
 
     def episode(self, example: Example | None = None, prompt_ids: list[int] | None = None) -> TokenEpisode:
         """A token-level record starting from the example's rendered prompt (or ``prompt_ids``)."""
-        recorder = TokenEpisode(self, self.prompt_ids(example) if prompt_ids is None else prompt_ids,
-                                self.settings.discount)
+        recorder = TokenEpisode(
+            self, self.prompt_ids(example) if prompt_ids is None else prompt_ids, self.settings.discount
+        )
         self.recorders.append(recorder)
         return recorder
 
@@ -239,16 +252,23 @@ class AgentEngine:
         self.recorders.append(client)
         return client
 
-    async def reward(self, example: Example, completion: str, completion_ids: list[int] = (),
-                     prompt_ids: list[int] | None = None, prompt: str | None = None) -> float:
+    async def reward(
+        self,
+        example: Example,
+        completion: str,
+        completion_ids: list[int] = (),
+        prompt_ids: list[int] | None = None,
+        prompt: str | None = None,
+    ) -> float:
         """The run's reward of ``completion`` (0 when it failed; the failure is counted)."""
         if prompt_ids is None:
             prompt_ids, text = self.settings.rendered_prompt(example)
         else:
             text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         text = text if prompt is None else prompt
-        [outcome] = await self.settings.scorer([RewardRequest(text, completion, list(prompt_ids),
-                                                              list(completion_ids), example.reward_fields())])
+        [outcome] = await self.settings.scorer(
+            [RewardRequest(text, completion, list(prompt_ids), list(completion_ids), example.reward_fields())]
+        )
         self.outcomes.append(outcome)
         return outcome.value
 

@@ -30,8 +30,16 @@ class WorkflowResultError(TypeError):
 class EpisodeGroups:
     """``run(client, example)``: the controller's workflow protocol, over a user-shaped workflow."""
 
-    def __init__(self, workflow, settings_for: Callable[[object], EngineSettings], n_samples: int, task_name: str,
-                 seed: int | None = None, first_group: int = 0, merge_groups: bool = False):
+    def __init__(
+        self,
+        workflow,
+        settings_for: Callable[[object], EngineSettings],
+        n_samples: int,
+        task_name: str,
+        seed: int | None = None,
+        first_group: int = 0,
+        merge_groups: bool = False,
+    ):
         """``merge_groups`` (``rollout.merge_group_requests``): the first turns of groups that start together
         go to the servers as one /generate per server, not one per group."""
         self.workflow, self.settings_for = workflow, settings_for
@@ -55,8 +63,9 @@ class EpisodeGroups:
         group_id = f"{example.uid}-{uuid.uuid4().hex[:8]}"
         seeds = [None if self.seed is None else derive_seed(self.seed, number, j) for j in range(self.n_samples)]
         async with asyncio.TaskGroup() as episodes:  # one failure cancels its siblings
-            tasks = [episodes.create_task(run_episode(self.workflow, AgentEngine(settings, seed), example))
-                     for seed in seeds]
+            tasks = [
+                episodes.create_task(run_episode(self.workflow, AgentEngine(settings, seed), example)) for seed in seeds
+            ]
         records = []
         for task in tasks:
             for record in task.result():
@@ -82,14 +91,19 @@ def recorded(engine: AgentEngine) -> list[Trajectory]:
 def as_records(returned, name: str) -> list[Trajectory]:
     records = [returned] if isinstance(returned, Trajectory) else returned
     if not isinstance(records, list) or not all(isinstance(r, Trajectory) for r in records):
-        raise WorkflowResultError(f"{name}.arun_episode returned {type(returned).__name__}; it must return a "
-                                  "Trajectory, a list of them, or None (the conversations its engine recorded)")
+        raise WorkflowResultError(
+            f"{name}.arun_episode returned {type(returned).__name__}; it must return a "
+            "Trajectory, a list of them, or None (the conversations its engine recorded)"
+        )
     return records
 
 
 def episode_metadata(engine: AgentEngine, example: Example) -> dict:
-    meta = {"example": example.uid, "answer": str(example.answer),
-            "interruptions": sum(getattr(g, "interruptions", 0) for g in engine.generations)}
+    meta = {
+        "example": example.uid,
+        "answer": str(example.answer),
+        "interruptions": sum(getattr(g, "interruptions", 0) for g in engine.generations),
+    }
     if engine.generations:  # chat turns' finish reasons are in their records already
         meta["finish_reasons"] = [g.finish_reason for g in engine.generations]
     failed = [o for o in engine.outcomes if o.error]

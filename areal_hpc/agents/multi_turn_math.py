@@ -19,8 +19,12 @@ class MultiTurnMathWorkflow:
         episode = engine.episode(example)
         for _ in range(self.max_turns):
             generation = await episode.generate()
-            value = await engine.reward(example, engine.decode(generation.output_ids), generation.output_ids,
-                                        prompt_ids=episode.context[:-len(generation.output_ids) or None])
+            value = await engine.reward(
+                example,
+                engine.decode(generation.output_ids),
+                generation.output_ids,
+                prompt_ids=episode.context[: -len(generation.output_ids) or None],
+            )
             episode.reward(value)
             if value >= 1.0:
                 break

@@ -43,7 +43,7 @@ def code_blocks(text: str) -> str | None:
     blocks, pos = [], 0
     while (start := _OPEN.search(text, pos)) is not None:
         end = text.find(_CLOSE, start.end())
-        blocks.append(text[start.end():] if end < 0 else text[start.end():end])
+        blocks.append(text[start.end() :] if end < 0 else text[start.end() : end])
         if end < 0:
             break
         pos = end + len(_CLOSE)
@@ -51,11 +51,11 @@ def code_blocks(text: str) -> str | None:
 
 
 def _head(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:max(limit - len(_CUT), 0)] + _CUT[:limit]
+    return text if len(text) <= limit else text[: max(limit - len(_CUT), 0)] + _CUT[:limit]
 
 
 def _tail(text: str, limit: int) -> str:
-    return text if len(text) <= limit else _CUT[:limit] + text[len(text) - max(limit - len(_CUT), 0):]
+    return text if len(text) <= limit else _CUT[:limit] + text[len(text) - max(limit - len(_CUT), 0) :]
 
 
 def observation(result: SandboxResult, max_chars: int) -> str:
@@ -73,24 +73,39 @@ def observation(result: SandboxResult, max_chars: int) -> str:
 
 
 class PythonToolWorkflow:
-    def __init__(self, max_turns: int = 4, timeout_s: float = 2.0, memory_mb: int = 256, max_output_chars: int = 512,
-                 max_context_tokens: int | None = None):
+    def __init__(
+        self,
+        max_turns: int = 4,
+        timeout_s: float = 2.0,
+        memory_mb: int = 256,
+        max_output_chars: int = 512,
+        max_context_tokens: int | None = None,
+    ):
         if max_turns < 1:
             raise ValueError(f"max_turns = {max_turns}; it must be >= 1")
         if timeout_s <= 0 or memory_mb < 1 or max_output_chars < 1:
-            raise ValueError(f"timeout_s = {timeout_s}, memory_mb = {memory_mb}, max_output_chars = "
-                             f"{max_output_chars}: each must be positive")
+            raise ValueError(
+                f"timeout_s = {timeout_s}, memory_mb = {memory_mb}, max_output_chars = "
+                f"{max_output_chars}: each must be positive"
+            )
         self.max_turns, self.timeout_s, self.memory_mb = max_turns, float(timeout_s), int(memory_mb)
         self.max_output_chars, self.max_context_tokens = int(max_output_chars), max_context_tokens
 
     async def run_code(self, code: str) -> SandboxResult:
         """The program run in the sandbox, off the event loop (other episodes keep generating)."""
-        return await asyncio.to_thread(run_python, code, timeout_s=self.timeout_s,
-                                       cpu_s=max(1, math.ceil(self.timeout_s)), memory_mb=self.memory_mb)
+        return await asyncio.to_thread(
+            run_python,
+            code,
+            timeout_s=self.timeout_s,
+            cpu_s=max(1, math.ceil(self.timeout_s)),
+            memory_mb=self.memory_mb,
+        )
 
     def _fits(self, engine, episode) -> bool:
-        return (self.max_context_tokens is None
-                or len(episode.context) + engine.sampling.max_new_tokens <= self.max_context_tokens)
+        return (
+            self.max_context_tokens is None
+            or len(episode.context) + engine.sampling.max_new_tokens <= self.max_context_tokens
+        )
 
     async def arun_episode(self, engine, example: Example):
         episode = engine.episode(example)

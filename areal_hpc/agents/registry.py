@@ -13,9 +13,11 @@ def build_workflow(rollout_cfg):
     try:
         workflow = cls(**rollout_cfg.workflow_args)
     except TypeError as exc:
-        raise UserError(f"config key 'rollout.workflow_args': {dict(rollout_cfg.workflow_args)!r} do not build "
-                        f"{name}: {exc}") from None
+        raise UserError(
+            f"config key 'rollout.workflow_args': {dict(rollout_cfg.workflow_args)!r} do not build {name}: {exc}"
+        ) from None
     if not callable(getattr(workflow, "arun_episode", None)):
-        raise UserError(f"config key 'rollout.workflow': {name!r} has no `async def arun_episode(self, engine, "
-                        "example)`")
+        raise UserError(
+            f"config key 'rollout.workflow': {name!r} has no `async def arun_episode(self, engine, example)`"
+        )
     return workflow

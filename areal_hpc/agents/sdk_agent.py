@@ -31,13 +31,18 @@ class AgentsSDKWorkflow:
         client = engine.openai_client(example=example.uid)
         sampling = engine.sampling
         agent = self.sdk.Agent(
-            name="calculator", instructions=self.instructions, tools=self.tools,
+            name="calculator",
+            instructions=self.instructions,
+            tools=self.tools,
             model=self.sdk.OpenAIChatCompletionsModel(model=engine.model_name, openai_client=client),
-            model_settings=self.sdk.ModelSettings(temperature=sampling.temperature, top_p=sampling.top_p,
-                                                  max_tokens=sampling.max_new_tokens))
+            model_settings=self.sdk.ModelSettings(
+                temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens
+            ),
+        )
         try:
-            result = await self.sdk.Runner.run(agent, example.prompt or list(example.messages),
-                                               max_turns=self.max_turns)
+            result = await self.sdk.Runner.run(
+                agent, example.prompt or list(example.messages), max_turns=self.max_turns
+            )
             answer = str(result.final_output)
         except self.sdk.exceptions.MaxTurnsExceeded:
             answer = ""  # no answer within the turn budget: scored as such

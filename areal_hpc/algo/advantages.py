@@ -38,8 +38,9 @@ def _batch_normalise(x: torch.Tensor, eps: float, centre: bool = True) -> torch.
     return (x - mean) / (x.std(unbiased=False) + eps)
 
 
-def sequence_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str,
-                        eps: float = 1e-6) -> torch.Tensor:
+def sequence_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str, eps: float = 1e-6
+) -> torch.Tensor:
     """One advantage per sequence from its scalar reward; ``group_ids`` equal = answers to one prompt.
 
     ``estimator`` (``actor.adv_estimator``) is a built-in's name or the user's spec (``builtins.load``): a
@@ -83,8 +84,9 @@ def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, eps: f
     return _batch_normalise(_centred(rewards, group_ids), eps)
 
 
-def distillation_advantages(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor,
-                            target_mask: torch.Tensor) -> torch.Tensor:
+def distillation_advantages(
+    teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, target_mask: torch.Tensor
+) -> torch.Tensor:
     """On-policy distillation's per-token advantage [T]: log p_teacher(y) - log p_student(y) of each
     sampled token y on target positions, 0 elsewhere. Its mean under the student is minus the reverse
     KL(student || teacher) of that position, and as the advantage of a policy gradient it gives minus
@@ -114,8 +116,14 @@ def outcome_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor, cu_seq
     return out
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-        gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over each sequence's loss positions, in order.
 
     With k indexing a sequence's loss positions: delta_k = r_k + gamma * V_{k+1} - V_k (V after the last

@@ -45,7 +45,7 @@ class PackedBatch:
     def n_targets(self) -> int:
         return int(self.target_mask.sum())
 
-    def to(self, device) -> "PackedBatch":
+    def to(self, device) -> PackedBatch:
         tensors = {f.name: getattr(self, f.name) for f in fields(self)}
         return replace(self, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
@@ -70,15 +70,18 @@ def with_filler(packed: PackedBatch, multiple: int) -> PackedBatch:
         return packed
     zeros = packed.input_ids.new_zeros(1, extra)
     temperatures = packed.temperatures
-    return PackedBatch(torch.cat([packed.input_ids, zeros], 1),
-                       torch.cat([packed.position_ids, torch.arange(extra, device=zeros.device)[None]], 1),
-                       torch.cat([packed.target_mask, packed.target_mask.new_zeros(extra)]),
-                       torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + extra]),
-                       None if temperatures is None else torch.cat([temperatures, temperatures.new_ones(extra)]))
+    return PackedBatch(
+        torch.cat([packed.input_ids, zeros], 1),
+        torch.cat([packed.position_ids, torch.arange(extra, device=zeros.device)[None]], 1),
+        torch.cat([packed.target_mask, packed.target_mask.new_zeros(extra)]),
+        torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + extra]),
+        None if temperatures is None else torch.cat([temperatures, temperatures.new_ones(extra)]),
+    )
 
 
-def pack(sequences: list[list[int]], loss_masks: list[list[int]],
-         temperatures: torch.Tensor | None = None) -> PackedBatch:
+def pack(
+    sequences: list[list[int]], loss_masks: list[list[int]], temperatures: torch.Tensor | None = None
+) -> PackedBatch:
     """Pack token sequences into one row; ``loss_masks[i][t]`` marks token t of sequence i as a target;
     ``temperatures``: [T] per-position logprob temperatures in the packed layout, or None."""
     lengths = torch.tensor([len(s) for s in sequences])

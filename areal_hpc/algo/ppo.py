@@ -52,8 +52,15 @@ class PPOLossConfig:
         return builtins.load("policy_loss", self.policy_loss)
 
 
-def token_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, aggregation: str, n_tokens: int, n_seqs: int,
-                  max_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def token_weights(
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    aggregation: str,
+    n_tokens: int,
+    n_seqs: int,
+    max_len: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """[T] weight per position so that Σ weights·loss over every micro-batch and rank is the batch aggregate.
 
     ``n_tokens``, ``n_seqs`` are totals over the whole batch (all micro-batches, all ranks), ``max_len`` the
@@ -113,8 +120,18 @@ def second_moment_cut(log_ratio: torch.Tensor, threshold: float) -> float:
     return float(descending[int(within.nonzero()[0])])
 
 
-def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, cu_seqlens, weights,
-                       cfg: PPOLossConfig, reference_logprobs=None, trust_keep=None) -> tuple[torch.Tensor, dict]:
+def decoupled_ppo_loss(
+    logprobs,
+    proximal_logprobs,
+    behaviour_logprobs,
+    advantages,
+    loss_mask,
+    cu_seqlens,
+    weights,
+    cfg: PPOLossConfig,
+    reference_logprobs=None,
+    trust_keep=None,
+) -> tuple[torch.Tensor, dict]:
     """Σ_t weights_t · ℓ_t over this micro-batch, and additive statistics.
 
     ℓ_t = −w_t · min(u_t·A_t, clip(u_t, 1−ε, 1+ε_high)·A_t) + kl_coef · k3_t   [AReaL eq. decoupled PPO]
@@ -160,8 +177,9 @@ def decoupled_ppo_loss(logprobs, proximal_logprobs, behaviour_logprobs, advantag
     raw_w = torch.where(mask, proximal_logprobs - behaviour_logprobs, 0.0).detach().exp()
     if objective.trust_region:
         if trust_keep is None:
-            raise ValueError(f"policy_loss={cfg.policy_loss!r} needs trust_keep, the tokens within the batch's "
-                             "second_moment_cut")
+            raise ValueError(
+                f"policy_loss={cfg.policy_loss!r} needs trust_keep, the tokens within the batch's second_moment_cut"
+            )
         w, keep = raw_w, mask & trust_keep.bool()
     elif not cfg.decoupled:
         w, keep = torch.ones_like(raw_w), mask

@@ -52,10 +52,14 @@ def margin_gradients(margin: torch.Tensor, cfg: PairLossConfig) -> tuple[torch.T
     return loss.detach(), gradient
 
 
-def sequence_coefficients(chosen: torch.Tensor, rejected: torch.Tensor, cfg: PairLossConfig, nll_weight: float = 0.0,
-                          chosen_log_likelihood: torch.Tensor | None = None,
-                          chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                               dict]:
+def sequence_coefficients(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    cfg: PairLossConfig,
+    nll_weight: float = 0.0,
+    chosen_log_likelihood: torch.Tensor | None = None,
+    chosen_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """(the objective, [2n] its derivative by each sequence's score, [2n] its derivative by each sequence's
     log-likelihood, extra statistics), sequences in pair order (chosen, rejected, ...). The objective is
     the mean pair loss of h = chosen − rejected, plus with ``nll_weight`` α α · mean_i(−log π(y_c,i) / |y_c,i|)
@@ -73,9 +77,13 @@ def sequence_coefficients(chosen: torch.Tensor, rejected: torch.Tensor, cfg: Pai
 
 
 def pair_statistics(margin: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, scale: float) -> dict:
-    """Pairwise accuracy (margin > 0; a tie counts one half) and the mean rewards of each side and of their difference: for DPO
-    the implicit rewards β·(log π − log π_ref) (``scale`` β), for a reward model its scores (``scale`` 1)."""
+    """Pairwise accuracy (margin > 0; a tie counts one half) and the mean rewards of each side and of their
+    difference: for DPO the implicit rewards β·(log π − log π_ref) (``scale`` β), for a reward model its scores
+    (``scale`` 1)."""
     ranked = (margin > 0).double() + 0.5 * (margin == 0).double()
-    return {"accuracy": float(ranked.mean()), "reward_chosen": scale * float(chosen.double().mean()),
-            "reward_rejected": scale * float(rejected.double().mean()),
-            "reward_margin": scale * float(margin.double().mean())}
+    return {
+        "accuracy": float(ranked.mean()),
+        "reward_chosen": scale * float(chosen.double().mean()),
+        "reward_rejected": scale * float(rejected.double().mean()),
+        "reward_margin": scale * float(margin.double().mean()),
+    }

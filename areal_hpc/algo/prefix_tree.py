@@ -9,6 +9,7 @@ tokens of each node on its path, so any field of i is sliced the same way (``Seg
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from areal_hpc.errors import UserError
@@ -94,7 +95,7 @@ def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0, sha
         raise UserError(f"tree training got sequence {empty[0]} with no tokens; every sequence needs at least one")
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
     ordered = [sequences[i] for i in order]
-    lcp = [0] + [_common_prefix(a, b) for a, b in zip(ordered, ordered[1:])]  # lcp[k]: with the one before
+    lcp = [0] + [_common_prefix(a, b) for a, b in itertools.pairwise(ordered)]  # lcp[k]: with the one before
     nodes: list[TreeNode] = []
     paths: list[list[int]] = [[] for _ in sequences]
 
@@ -119,14 +120,17 @@ def build_prefix_tree(sequences: list[list[int]], min_saved_tokens: int = 0, sha
     pending = [(a, b, 0, -1) for a, b in reversed(runs(0, len(ordered), 0))]  # a stack: depth-first pre-order
     while pending:
         a, b, start, parent = pending.pop()
-        stop = min([*lcp[a + 1:b], *(len(ordered[k]) for k in range(a, b))])
+        stop = min([*lcp[a + 1 : b], *(len(ordered[k]) for k in range(a, b))])
         ending = a  # sorted: the sequences that end here come first in the run
         while ending < b and len(ordered[ending]) == stop:
             ending += 1
         children = runs(ending, b, stop)
         branches = ([(a, ending)] if ending > a else []) + children  # the sequences ending here: one branch
-        if len(branches) >= 2 and (stop - start) * (len(branches) - 1) < min_saved_tokens and \
-                not free_to_share(branches, start, stop):
+        if (
+            len(branches) >= 2
+            and (stop - start) * (len(branches) - 1) < min_saved_tokens
+            and not free_to_share(branches, start, stop)
+        ):
             pending += [(c, d, start, parent) for c, d in reversed(branches)]
             continue
         index = len(nodes)

@@ -21,6 +21,7 @@ cost counts it on both).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,8 +49,10 @@ def check_cost(cost: Sequence[float]) -> np.ndarray:
     """``actor.tree_cost`` as an array, or one ``UserError``."""
     values = np.asarray(cost, dtype=float) if len(cost) == len(TREE_FEATURES) else None
     if values is None or not np.all(np.isfinite(values)) or values.min() < 0 or values.max() <= 0:
-        raise UserError(f"actor.tree_cost={list(cost)} must hold {len(TREE_FEATURES)} non-negative numbers, not all 0 "
-                        f"(coefficients of {', '.join(TREE_FEATURES)}; 'areal-hpc tree-cost RUN_DIR' fits them)")
+        raise UserError(
+            f"actor.tree_cost={list(cost)} must hold {len(TREE_FEATURES)} non-negative numbers, not all 0 "
+            f"(coefficients of {', '.join(TREE_FEATURES)}; 'areal-hpc tree-cost RUN_DIR' fits them)"
+        )
     return values
 
 
@@ -82,8 +85,9 @@ class RangeCost:
         return self.cumulative[b] - self.cumulative[a] + self.inherited[a]
 
 
-def tree_parts(sequences: list[list[int]], parts: int, cost: Sequence[float] = DEFAULT_COST,
-               weights: list[float] | None = None) -> list[list[int]]:
+def tree_parts(
+    sequences: list[list[int]], parts: int, cost: Sequence[float] = DEFAULT_COST, weights: list[float] | None = None
+) -> list[list[int]]:
     """Sequence indices of ``parts`` contiguous runs of the depth-first order minimising the largest
     cost(run) / weight (``weights``: each replica's relative speed, default equal). Runs may be empty
     (more parts than sequences, or a sequence too costly to share)."""
@@ -113,7 +117,7 @@ def tree_parts(sequences: list[list[int]], parts: int, cost: Sequence[float] = D
         else:
             high = middle
     cuts = boundaries(candidates[low])
-    return [order[a:b] for a, b in zip(cuts, cuts[1:])]
+    return [order[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 def fit_cost(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -123,8 +127,10 @@ def fit_cost(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
 
     features, seconds = np.asarray(features, dtype=float), np.asarray(seconds, dtype=float)
     if features.ndim != 2 or features.shape[1] != len(TREE_FEATURES) or len(features) != len(seconds):
-        raise UserError(f"a cost fit needs one row of {len(TREE_FEATURES)} features per measured step, got "
-                        f"{features.shape} features for {seconds.shape} times")
+        raise UserError(
+            f"a cost fit needs one row of {len(TREE_FEATURES)} features per measured step, got "
+            f"{features.shape} features for {seconds.shape} times"
+        )
     scale = np.linalg.norm(features, axis=0)
     scale[scale == 0] = 1.0
     coefficients, _ = nnls(features / scale, seconds)
@@ -138,8 +144,10 @@ def fit_from_records(records: list[dict], prefix: str = "actor/") -> tuple[np.nd
     names = [f"{prefix}tree_{name}" for name in TREE_FEATURES]
     steps = [r for r in records if all(name in r for name in names) and f"{prefix}tree_seconds" in r]
     if len(steps) < len(TREE_FEATURES):
-        raise UserError(f"the cost fit needs at least {len(TREE_FEATURES)} steps trained with actor.tree_training=dta "
-                        f"(metrics {prefix}tree_*), found {len(steps)}")
+        raise UserError(
+            f"the cost fit needs at least {len(TREE_FEATURES)} steps trained with actor.tree_training=dta "
+            f"(metrics {prefix}tree_*), found {len(steps)}"
+        )
     features = np.array([[r[name] for name in names] for r in steps])
     seconds = np.array([r[f"{prefix}tree_seconds"] for r in steps])
     coefficients = fit_cost(features, seconds)

@@ -38,7 +38,9 @@ def split(cfg: DatasetConfig, name: str) -> tuple[list[Example], list[Example]]:
     if not a.ops or set(a.ops) - set(OPERATORS):
         raise UserError(f"config key 'dataset.arithmetic.ops': {a.ops!r} must use only {' '.join(OPERATORS)}")
     if a.min_digits > a.max_digits:
-        raise UserError(f"config key 'dataset.arithmetic.min_digits': {a.min_digits} is above max_digits={a.max_digits}")
+        raise UserError(
+            f"config key 'dataset.arithmetic.min_digits': {a.min_digits} is above max_digits={a.max_digits}"
+        )
     draw = partial(draw_problem, min_digits=a.min_digits, max_digits=a.max_digits, ops=a.ops)
     return generate_split(draw, cfg, name)
 

@@ -64,8 +64,11 @@ def demonstration(example: Example, kind: str) -> Example:
     if kind == "call":
         return replace(example, target=call)
     if kind == "read":
-        messages = ({"role": "user", "content": example.prompt}, {"role": "assistant", "content": call},
-                    {"role": TOOL_ROLE, "content": result_text(int(example.answer))})
+        messages = (
+            {"role": "user", "content": example.prompt},
+            {"role": "assistant", "content": call},
+            {"role": TOOL_ROLE, "content": result_text(int(example.answer))},
+        )
         return replace(example, messages=messages)
     if kind == "direct":
         return example

@@ -43,10 +43,13 @@ def draw_problem(rng: random.Random, num_count: int, max_number: int) -> Example
         expression, value = _random_expression(rng, numbers)
         if value.denominator == 1 and value > 0:
             break
-    prompt = (f"Using the numbers {numbers}, create an equation that equals {value}. "
-              "Use each number once with + - * /. Answer as <answer>equation</answer>.")
-    return Example(uid="", prompt=prompt, target=f"<answer>{expression}</answer>", answer=str(value),
-                   fields={"numbers": numbers})
+    prompt = (
+        f"Using the numbers {numbers}, create an equation that equals {value}. "
+        "Use each number once with + - * /. Answer as <answer>equation</answer>."
+    )
+    return Example(
+        uid="", prompt=prompt, target=f"<answer>{expression}</answer>", answer=str(value), fields={"numbers": numbers}
+    )
 
 
 def evaluate_expression(text: str) -> tuple[Fraction | None, list[int]] | None:
@@ -72,8 +75,9 @@ def _eval_node(node, used: list[int]) -> Fraction:
     raise ValueError("not a + - * / expression over integers")
 
 
-def reward(prompt: str, completion: str, prompt_ids, completion_ids, answer: str, numbers: list[int],
-           **fields) -> float:
+def reward(
+    prompt: str, completion: str, prompt_ids, completion_ids, answer: str, numbers: list[int], **fields
+) -> float:
     answers = _ANSWER.findall(tail(completion))
     if not answers:
         return 0.0

@@ -28,7 +28,7 @@ def final_answer(text: str):
     """The number after the last '####' marker, or the last number in the text."""
     text = tail(text)
     marker = text.rfind("####")
-    return last_number(text[marker + 4:] if marker >= 0 else text)
+    return last_number(text[marker + 4 :] if marker >= 0 else text)
 
 
 def gsm8k_rows(path: str, key: str, split: str) -> list[dict]:
@@ -38,8 +38,9 @@ def gsm8k_rows(path: str, key: str, split: str) -> list[dict]:
     for i, row in enumerate(read_rows(path, key, split)):
         question, answer = row.get("question"), row.get("answer")
         if not isinstance(question, str) or not isinstance(answer, str):
-            raise UserError(f"{path} row {i}: not a GSM8K row with text 'question' and 'answer' "
-                            f"(its columns: {', '.join(row)})")
+            raise UserError(
+                f"{path} row {i}: not a GSM8K row with text 'question' and 'answer' (its columns: {', '.join(row)})"
+            )
         if "####" not in answer or final_answer(answer) is None:
             raise UserError(f"{path} row {i}: answer must end with '#### <number>', got {answer[-40:]!r}")
         rows.append({"prompt": question, "target": answer.strip(), "answer": answer.rsplit("####", 1)[1].strip()})
@@ -52,7 +53,8 @@ def reward(prompt: str, completion: str, prompt_ids, completion_ids, answer: str
 
 
 def make_task(cfg: DatasetConfig) -> Task:
-    mapping = replace(cfg, path=cfg.path or str(sample_path()), prompt_field="prompt", answer_field="answer",
-                      target_field="target")
+    mapping = replace(
+        cfg, path=cfg.path or str(sample_path()), prompt_field="prompt", answer_field="answer", target_field="target"
+    )
     train, held_out = split_examples(mapping, "gsm8k", gsm8k_rows)
     return Task("gsm8k", train, held_out, RewardFunction(reward))

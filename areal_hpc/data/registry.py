@@ -16,22 +16,30 @@ def build_task(cfg: DatasetConfig, reward: RewardConfig | None = None) -> Task:
     so a bad spec is one line before anything starts). ``reward.model`` is the trainer's to load
     (``train.task_setup``): a custom task with it and no ``reward.fn`` has no reward here."""
     if reward is not None and reward.fn and reward.model:
-        raise UserError("config keys 'reward.fn' and 'reward.model' are both set: RL trains on one reward (the "
-                        "task's own, or reward.fn, still scores evaluations beside reward.model)")
+        raise UserError(
+            "config keys 'reward.fn' and 'reward.model' are both set: RL trains on one reward (the "
+            "task's own, or reward.fn, still scores evaluations beside reward.model)"
+        )
     if builtins.is_custom_task(cfg.task):
         if not cfg.path:
-            raise UserError("config key 'dataset.path': dataset.task=custom trains on your data: give "
-                            "dataset.path (a JSONL, Parquet or Arrow file, a glob or a folder)")
+            raise UserError(
+                "config key 'dataset.path': dataset.task=custom trains on your data: give "
+                "dataset.path (a JSONL, Parquet or Arrow file, a glob or a folder)"
+            )
         if reward is None or not (reward.fn or reward.model):
-            raise UserError("config key 'reward.fn': dataset.task=custom needs your reward: "
-                            "reward.fn='package.module:function' or 'path/to/file.py:function' (or reward.model)")
+            raise UserError(
+                "config key 'reward.fn': dataset.task=custom needs your reward: "
+                "reward.fn='package.module:function' or 'path/to/file.py:function' (or reward.model)"
+            )
         train, held_out = split_examples(cfg, "custom", read_rows)
         task = Task("custom", train, held_out, None)
     else:
         task = builtins.load("task", cfg.task)(cfg)
         if not isinstance(task, Task):
-            raise UserError(f"config key 'dataset.task': {cfg.task!r} returned a {type(task).__name__}, not a Task "
-                            "(areal_hpc.data.tasks.Task: train and held-out examples with their reward)")
+            raise UserError(
+                f"config key 'dataset.task': {cfg.task!r} returned a {type(task).__name__}, not a Task "
+                "(areal_hpc.data.tasks.Task: train and held-out examples with their reward)"
+            )
     if reward is not None and reward.fn:
         builtins.load("reward", reward.fn)
         task.reward = RewardFunction(builtins.spec_of("reward", reward.fn))

@@ -133,14 +133,17 @@ def checked_reward(result) -> tuple[float, dict]:
             if not _is_finite_number(value):
                 raise InvalidReward(f"returned metric {name!r} = {value!r}; metrics must be finite numbers")
     if not _is_finite_number(result):
-        raise InvalidReward(f"returned {result!r} ({type(result).__name__}); a reward must be a finite number "
-                            "or a dict with a finite 'reward'")
+        raise InvalidReward(
+            f"returned {result!r} ({type(result).__name__}); a reward must be a finite number "
+            "or a dict with a finite 'reward'"
+        )
     return float(result), {k: float(v) for k, v in metrics.items()}
 
 
 def _is_finite_number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)) \
-        or (type(value).__module__ == "numpy" and _is_finite_number(value.item()))
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)) or (
+        type(value).__module__ == "numpy" and _is_finite_number(value.item())
+    )
 
 
 def _call(reward_fn: RewardFunction, requests: list[RewardRequest]) -> list:
@@ -233,8 +236,10 @@ class RewardPool:
         pending = list(range(len(requests)))
         while pending:
             pool = self._pool or self._fresh_pool()
-            handles = [(call, pool.apply_async(_call, (self.reward_fn, [requests[i] for i in call])))
-                       for call in self._calls(pending)]
+            handles = [
+                (call, pool.apply_async(_call, (self.reward_fn, [requests[i] for i in call])))
+                for call in self._calls(pending)
+            ]
             pending = []
             for k, (call, handle) in enumerate(handles):
                 timeout_s = self.timeout_s * len(call)
@@ -244,7 +249,7 @@ class RewardPool:
                     # The worker may be stuck for good: replace the pool, re-run what is left.
                     results = [RewardOutcome(0.0, f"reward timed out after {timeout_s:g}s", "timeout")] * len(call)
                     self.close()
-                    pending = [j for later, _ in handles[k + 1:] for j in later]
+                    pending = [j for later, _ in handles[k + 1 :] for j in later]
                 for i, outcome in zip(call, results):
                     outcomes[i] = outcome
                 if pending:

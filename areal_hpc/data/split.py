@@ -11,8 +11,9 @@ from areal_hpc.data.tasks import Example
 from areal_hpc.errors import UserError
 
 
-def generate_split(draw: Callable[[random.Random], Example], cfg: DatasetConfig,
-                   name: str) -> tuple[list[Example], list[Example]]:
+def generate_split(
+    draw: Callable[[random.Random], Example], cfg: DatasetConfig, name: str
+) -> tuple[list[Example], list[Example]]:
     """Draw ``cfg.eval_size`` eval problems first (seed stream 'eval'), then ``cfg.train_size`` train problems
     whose prompt is not in it; a generated task reads no data, so ``cfg.path`` is refused.
 
@@ -20,8 +21,10 @@ def generate_split(draw: Callable[[random.Random], Example], cfg: DatasetConfig,
     Stops early when the problem space is exhausted rather than looping forever.
     """
     if cfg.path:
-        raise UserError(f"config key 'dataset.path': {name} generates its problems; dataset.path is read by "
-                        "dataset.task=custom (your data) and by tasks made from data (gsm8k)")
+        raise UserError(
+            f"config key 'dataset.path': {name} generates its problems; dataset.path is read by "
+            "dataset.task=custom (your data) and by tasks made from data (gsm8k)"
+        )
     seed, train_size, eval_size = cfg.seed, cfg.train_size, cfg.eval_size
     eval_rng, train_rng = random.Random(f"{name}-{seed}-eval"), random.Random(f"{name}-{seed}-train")
     eval_prompts: set[str] = set()

@@ -48,17 +48,23 @@ class Segment:
         self.loss_mask = np.asarray(self.loss_mask, dtype=np.uint8).reshape(-1)
         for name in ("output_logprobs", "output_versions", "loss_mask"):
             if len(getattr(self, name)) != n:
-                raise UserError(f"segment {name} has {len(getattr(self, name))} entries; "
-                                f"it needs one per output token ({n})")
+                raise UserError(
+                    f"segment {name} has {len(getattr(self, name))} entries; it needs one per output token ({n})"
+                )
         if self.temperature is not None:
             self.temperature = float(self.temperature)
             if not 0 <= self.temperature < float("inf"):
                 raise UserError(f"segment temperature {self.temperature!r} must be a finite number >= 0 (0: greedy)")
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Segment) and self.temperature == other.temperature and all(
-            np.array_equal(getattr(self, k), getattr(other, k))
-            for k in ("input_ids", "output_ids", "output_logprobs", "output_versions", "loss_mask"))
+        return (
+            isinstance(other, Segment)
+            and self.temperature == other.temperature
+            and all(
+                np.array_equal(getattr(self, k), getattr(other, k))
+                for k in ("input_ids", "output_ids", "output_logprobs", "output_versions", "loss_mask")
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ def total_reward(events: list[Reward], discount: float = 1.0) -> float | None:
     latest: dict[int, Reward] = {}
     for event in sorted(events, key=lambda r: r.time):
         latest[event.step] = event
-    return sum(r.value * discount ** r.step for r in latest.values()) if latest else None
+    return sum(r.value * discount**r.step for r in latest.values()) if latest else None
 
 
 def check_name(what: str, value: str, max_bytes: int, allow_empty: bool = True) -> None:

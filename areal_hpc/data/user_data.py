@@ -66,8 +66,9 @@ def data_files(path: str, key: str) -> list[str]:
     unknown = [f for f in files if Path(f).suffix not in FORMATS]
     kinds = {FORMATS.get(Path(f).suffix) for f in files}
     if unknown or len(kinds) > 1:
-        raise UserError(f"config key '{key}': {(unknown or files)[0]!r}: give files of one format, one of "
-                        f"{', '.join(FORMATS)}")
+        raise UserError(
+            f"config key '{key}': {(unknown or files)[0]!r}: give files of one format, one of {', '.join(FORMATS)}"
+        )
     return files
 
 
@@ -78,15 +79,20 @@ def examples_from_rows(rows: list[dict], cfg, source: str) -> list[Example]:
     columns = list(rows[0])
     prompt_key = cfg.prompt_field or next((c for c in ("prompt", "messages") if c in columns), None)
     target_key = cfg.target_field or ("target" if "target" in columns else "")
-    for what, column in (("dataset.prompt_field", prompt_key), ("dataset.answer_field", cfg.answer_field),
-                         ("dataset.target_field", target_key)):
+    for what, column in (
+        ("dataset.prompt_field", prompt_key),
+        ("dataset.answer_field", cfg.answer_field),
+        ("dataset.target_field", target_key),
+    ):
         if column is None or (column and column not in columns):
             shown = column or "prompt or messages"
-            raise UserError(f"config key '{what}': {source} has no column {shown!r}; its columns are "
-                            f"{', '.join(columns)}")
+            raise UserError(
+                f"config key '{what}': {source} has no column {shown!r}; its columns are {', '.join(columns)}"
+            )
     mapped = {prompt_key, cfg.answer_field, target_key}
-    return [_example(row, f"{source}/{i}", prompt_key, cfg.answer_field, target_key, mapped)
-            for i, row in enumerate(rows)]
+    return [
+        _example(row, f"{source}/{i}", prompt_key, cfg.answer_field, target_key, mapped) for i, row in enumerate(rows)
+    ]
 
 
 def _example(row: dict, uid: str, prompt_key: str, answer_key: str, target_key: str, mapped: set) -> Example:
@@ -96,13 +102,21 @@ def _example(row: dict, uid: str, prompt_key: str, answer_key: str, target_key: 
     elif isinstance(prompt, str):
         text, messages = prompt, ()
     else:
-        raise UserError(f"{uid}: column {prompt_key!r} is {type(prompt).__name__} {str(prompt)[:80]!r}; a prompt is "
-                        "text or a list of {'role', 'content'} messages")
+        raise UserError(
+            f"{uid}: column {prompt_key!r} is {type(prompt).__name__} {str(prompt)[:80]!r}; a prompt is "
+            "text or a list of {'role', 'content'} messages"
+        )
     fields = {k: v for k, v in row.items() if k not in mapped}
     answer = row[answer_key] if answer_key else ""
     target = row[target_key] if target_key else ""
-    return Example(uid=uid, prompt=text, target="" if target is None else str(target),
-                   answer="" if answer is None else answer, fields=fields, messages=messages)
+    return Example(
+        uid=uid,
+        prompt=text,
+        target="" if target is None else str(target),
+        answer="" if answer is None else answer,
+        fields=fields,
+        messages=messages,
+    )
 
 
 def split_examples(cfg, name: str, rows_of) -> tuple[list[Example], list[Example]]:
@@ -110,11 +124,13 @@ def split_examples(cfg, name: str, rows_of) -> tuple[list[Example], list[Example
     rows = rows_of(cfg.path, "dataset.path", "train")
     train = examples_from_rows(rows, cfg, Path(cfg.path).name or name)
     if cfg.eval_path:
-        held_out = examples_from_rows(rows_of(cfg.eval_path, "dataset.eval_path", cfg.eval_split), cfg,
-                                      Path(cfg.eval_path).name)
+        held_out = examples_from_rows(
+            rows_of(cfg.eval_path, "dataset.eval_path", cfg.eval_split), cfg, Path(cfg.eval_path).name
+        )
     elif (Path(cfg.path) / "dataset_dict.json").is_file():
-        held_out = examples_from_rows(rows_of(cfg.path, "dataset.path", cfg.eval_split), cfg,
-                                      f"{Path(cfg.path).name}/{cfg.eval_split}")
+        held_out = examples_from_rows(
+            rows_of(cfg.path, "dataset.path", cfg.eval_split), cfg, f"{Path(cfg.path).name}/{cfg.eval_split}"
+        )
     else:  # hold out a seeded part of the one data set, at most half of it
         train = random.Random(f"{name}-{cfg.seed}").sample(train, len(train))
         n_eval = min(cfg.eval_size, len(train) // 2)

@@ -77,8 +77,9 @@ def role_training(role: str, cfg) -> RoleTraining:
 
 def unsupported_role(cfg, role: str) -> UserError:
     """The one line an engine class raises for a role its ``build`` does not build."""
-    return UserError(f"actor.engine={cfg.actor.engine} does not train {ROLES[role]} ({role}) yet; "
-                     f"use actor.engine=torch")
+    return UserError(
+        f"actor.engine={cfg.actor.engine} does not train {ROLES[role]} ({role}) yet; use actor.engine=torch"
+    )
 
 
 class TrainEngine(Protocol):

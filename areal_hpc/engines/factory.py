@@ -21,8 +21,10 @@ def engine_class(engine: str) -> type[TrainEngine]:
     """The ``TrainEngine`` class ``actor.engine`` names (its capabilities are class attributes)."""
     cls = builtins.load("train_engine", engine)
     if not isinstance(cls, type) or TrainEngine not in cls.__mro__:
-        raise UserError(f"config key 'actor.engine': {engine!r} is not a subclass of "
-                        f"areal_hpc.engines.base.TrainEngine (e.g. of the torch engine's TorchTrainEngine)")
+        raise UserError(
+            f"config key 'actor.engine': {engine!r} is not a subclass of "
+            f"areal_hpc.engines.base.TrainEngine (e.g. of the torch engine's TorchTrainEngine)"
+        )
     return cls
 
 

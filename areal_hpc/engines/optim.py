@@ -9,7 +9,9 @@ import torch
 from areal_hpc.config import OptimizerConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, lr: float, fused: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimizerConfig, lr: float, fused: bool = True
+) -> torch.optim.Optimizer:
     """Weight decay on matrices only: biases and norm scales are not decayed. An empty group is left out
     (LoRA trains matrices only; torch.distributed.checkpoint cannot load the state of an empty group).
     With ``fused``, torch's fused AdamW (one kernel for all parameters: ~1 ms instead of ~5 for the
@@ -21,8 +23,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, lr: float, fus
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     fused = fused and all(type(p) is torch.nn.Parameter for p in params)
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=fused)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
+    )
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
@@ -31,8 +34,9 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total_steps - warmup)
-    decay = {"constant": 1.0, "linear": 1.0 - progress,
-             "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[cfg.lr_scheduler_type]
+    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[
+        cfg.lr_scheduler_type
+    ]
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 

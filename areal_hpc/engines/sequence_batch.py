@@ -30,16 +30,21 @@ class SequenceBatch:
     def n_tokens(self) -> int:
         return sum(map(len, self.sequences))
 
-    def select(self, indices: list[int]) -> "SequenceBatch":
-        return SequenceBatch([self.sequences[i] for i in indices], [self.loss_masks[i] for i in indices],
-                             {name: [values[i] for i in indices] for name, values in self.fields.items()},
-                             None if self.temperatures is None else [self.temperatures[i] for i in indices])
+    def select(self, indices: list[int]) -> SequenceBatch:
+        return SequenceBatch(
+            [self.sequences[i] for i in indices],
+            [self.loss_masks[i] for i in indices],
+            {name: [values[i] for i in indices] for name, values in self.fields.items()},
+            None if self.temperatures is None else [self.temperatures[i] for i in indices],
+        )
 
     def packed(self) -> tuple[PackedBatch, dict[str, torch.Tensor]]:
         """One row of all sequences and each field concatenated in the same order."""
         temperatures = None if self.temperatures is None else torch.cat(self.temperatures)
-        return (pack(self.sequences, self.loss_masks, temperatures),
-                {name: torch.cat(values) for name, values in self.fields.items()})
+        return (
+            pack(self.sequences, self.loss_masks, temperatures),
+            {name: torch.cat(values) for name, values in self.fields.items()},
+        )
 
     def set_packed(self, name: str, values: torch.Tensor) -> None:
         """Store a packed [T] tensor (e.g. recomputed logprobs) as a per-sequence field."""

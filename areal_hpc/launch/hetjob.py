@@ -43,8 +43,12 @@ class Component:
             object.__setattr__(self, "tasks", self.nodes * self.tasks_per_node)
 
     def sbatch_options(self, gres: str) -> dict[str, str]:
-        options = {"partition": self.partition, "nodes": str(self.nodes),
-                   "ntasks-per-node": str(self.tasks_per_node), "cpus-per-task": str(self.cpus_per_task)}
+        options = {
+            "partition": self.partition,
+            "nodes": str(self.nodes),
+            "ntasks-per-node": str(self.tasks_per_node),
+            "cpus-per-task": str(self.cpus_per_task),
+        }
         if self.tasks != self.nodes * self.tasks_per_node:  # uneven: the total, with the per-node figure as a cap
             options["ntasks"] = str(self.tasks)
         if self.gpus_per_node:
@@ -74,22 +78,35 @@ class HetJobExecutor(SlurmExecutor):
             raise UserError(f"the submitit folder {folder} must not contain %j in a heterogeneous job")
         super().__init__(folder, max_num_timeout=max_requeues)
         self.job, self.components = job, components
-        srun = ["--kill-on-bad-exit=1", f"--het-group=0-{len(components) - 1}" if len(components) > 1 else None,
-                f"--mpi={job.mpi}" if job.mpi else None]
+        srun = [
+            "--kill-on-bad-exit=1",
+            f"--het-group=0-{len(components) - 1}" if len(components) > 1 else None,
+            f"--mpi={job.mpi}" if job.mpi else None,
+        ]
         first = components[0]
-        self.update_parameters(job_name=job.name, time=slurm_minutes(job.time), partition=first.partition,
-                               nodes=first.nodes,
-                               ntasks_per_node=first.tasks_per_node, cpus_per_task=first.cpus_per_task,
-                               signal_delay_s=job.signal_lead_s, srun_args=[a for a in srun if a],
-                               stderr_to_stdout=True, additional_parameters=_job_options(job, first))
+        self.update_parameters(
+            job_name=job.name,
+            time=slurm_minutes(job.time),
+            partition=first.partition,
+            nodes=first.nodes,
+            ntasks_per_node=first.tasks_per_node,
+            cpus_per_task=first.cpus_per_task,
+            signal_delay_s=job.signal_lead_s,
+            srun_args=[a for a in srun if a],
+            stderr_to_stdout=True,
+            additional_parameters=_job_options(job, first),
+        )
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         """submitit's script, with one ``#SBATCH hetjob`` block per component after the first."""
         text = super()._make_submission_file_text(command, uid)
         blocks = []
         for component in self.components[1:]:
-            options = {**component.sbatch_options(self.job.gres), "time": str(slurm_minutes(self.job.time)),
-                       **_account_options(self.job)}
+            options = {
+                **component.sbatch_options(self.job.gres),
+                "time": str(slurm_minutes(self.job.time)),
+                **_account_options(self.job),
+            }
             blocks += ["#SBATCH hetjob", *(f"#SBATCH --{k}={shlex.quote(v)}" for k, v in options.items())]
         cut = min(i for i in (text.find("\n\n# setup"), text.find("\n\n# command")) if i >= 0)
         text = "\n".join([text[:cut], *blocks]) + text[cut:]

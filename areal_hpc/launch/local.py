@@ -67,11 +67,14 @@ def should_resume(cfg: RunConfig, resume: str) -> bool:
     killed before its first checkpoint resumes from step 0 and trains what it had stored."""
     has_run = latest_checkpoint(cfg.run_dir) is not None or any((cfg.run_dir / "shards").glob("*.h5"))
     if resume == "always" and not has_run:
-        raise UserError(f"--resume: nothing to resume in {cfg.run_dir} (no checkpoint, no shards); "
-                        f"run without --resume to start, or with --resume=auto")
+        raise UserError(
+            f"--resume: nothing to resume in {cfg.run_dir} (no checkpoint, no shards); "
+            f"run without --resume to start, or with --resume=auto"
+        )
     if resume == "never" and has_run:
-        raise UserError(f"{cfg.run_dir} already holds a run; pass --resume to continue it, or choose another "
-                        f"experiment.trial=NAME")
+        raise UserError(
+            f"{cfg.run_dir} already holds a run; pass --resume to continue it, or choose another experiment.trial=NAME"
+        )
     return has_run
 
 
@@ -93,22 +96,38 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     incarnation = f"{new_incarnation()}.{os.getpid()}"  # two launches inside one Slurm allocation differ too
     shutil.rmtree(run_dir / "name_resolve" / ROLLOUT_SERVERS, ignore_errors=True)  # addresses of a killed run
     forget_other_incarnations(run_dir, incarnation)
-    env = {RUN_MARKER: str(run_dir.resolve()), LAUNCHED_AT: str(time.time()), INCARNATION: incarnation,
-           RENDEZVOUS: str(incarnation_folder(run_dir, incarnation) / "trainer"), "HF_HUB_OFFLINE": "1",
-           **allocator_env()}
+    env = {
+        RUN_MARKER: str(run_dir.resolve()),
+        LAUNCHED_AT: str(time.time()),
+        INCARNATION: incarnation,
+        RENDEZVOUS: str(incarnation_folder(run_dir, incarnation) / "trainer"),
+        "HF_HUB_OFFLINE": "1",
+        **allocator_env(),
+    }
     args = config_args(config, overrides)
     started: list[SupervisedProcess] = []
     trainer_devices, server_devices = device_shares(cfg)
     trainer_cores, server_cores = core_shares(cfg, sorted(os.sched_getaffinity(0)), cpu_threads())
     if server_cores[0].cores:
-        print("cores: " + ", ".join([f"rollout server {i} on {p.cores}" for i, p in enumerate(server_cores)]
-                                    + [f"trainer rank {i} on {p.cores}" for i, p in enumerate(trainer_cores)]))
+        print(
+            "cores: "
+            + ", ".join(
+                [f"rollout server {i} on {p.cores}" for i, p in enumerate(server_cores)]
+                + [f"trainer rank {i} on {p.cores}" for i, p in enumerate(trainer_cores)]
+            )
+        )
 
     fork_server = ForkServer(env).start() if forks_processes(cfg) else None
 
     def start(name: str, command: list[str], log: Path | None, cores: CoreShare, extra_env: dict) -> SupervisedProcess:
-        process = SupervisedProcess(name, command, log, {**env, "OMP_NUM_THREADS": str(cores.threads), **extra_env},
-                                    cores=cores.cores, fork_server=fork_server)
+        process = SupervisedProcess(
+            name,
+            command,
+            log,
+            {**env, "OMP_NUM_THREADS": str(cores.threads), **extra_env},
+            cores=cores.cores,
+            fork_server=fork_server,
+        )
         started.append(process.start())
         return process
 
@@ -128,23 +147,41 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
         try:
             # the warm-up is trainer rank 0's work: its threads, not every core (on a busy 2-core machine two
             # OpenMP threads spin against the other processes: SFT steps took ~7 s with 2 threads, ~1 s with 1)
-            warm_up_env = {**env, "OMP_NUM_THREADS": str(trainer_cores[0].threads)}  # servers' allocator defaults: its shapes vary
+            warm_up_env = {
+                **env,
+                "OMP_NUM_THREADS": str(trainer_cores[0].threads),
+            }  # servers' allocator defaults: its shapes vary
             start_model = prepare_start_model(cfg, args, warm_up_env, fork_server=fork_server)
             for i in range(cfg.rollout.n_servers):
-                start(f"rollout server {i}", server_command(args, start_model),
-                      run_dir / "logs" / f"rollout-server-{i}.log", server_cores[i], server_devices[i])
+                start(
+                    f"rollout server {i}",
+                    server_command(args, start_model),
+                    run_dir / "logs" / f"rollout-server-{i}.log",
+                    server_cores[i],
+                    server_devices[i],
+                )
             env[TRAINERS_AT] = str(time.time())
             rollout_side = rollout_side_env([share.cores for share in server_cores], trainer_cores[0].cores)
             for rank in range(cfg.rl.trainer_processes):
-                start(f"trainer rank {rank}", trainer_command(args, start_model, resume),
-                      None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log", trainer_cores[rank],
-                      {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(cfg.rl.trainer_processes),
-                       **trainer_devices[rank], **(rollout_side if rank == 0 else {}), **allocator_env(trainer=True)})
+                start(
+                    f"trainer rank {rank}",
+                    trainer_command(args, start_model, resume),
+                    None if rank == 0 else run_dir / "logs" / f"trainer-rank-{rank}.log",
+                    trainer_cores[rank],
+                    {
+                        "RANK": str(rank),
+                        "LOCAL_RANK": str(rank),
+                        "WORLD_SIZE": str(cfg.rl.trainer_processes),
+                        **trainer_devices[rank],
+                        **(rollout_side if rank == 0 else {}),
+                        **allocator_env(trainer=True),
+                    },
+                )
             if fork_server is not None:  # every process is started: its pages no child shares are freed
                 fork_server.close()
-            trainers = started[-cfg.rl.trainer_processes:]
+            trainers = started[-cfg.rl.trainer_processes :]
             stop_warning.set_target(trainers[0].process.pid)
-            code = _supervise(started[:-cfg.rl.trainer_processes], trainers, stop_warning)
+            code = _supervise(started[: -cfg.rl.trainer_processes], trainers, stop_warning)
             print(f"peak memory of the run's processes: {memory.peak / 2**30:.2f} GiB (PSS, sampled every second)")
         finally:
             for proc in reversed(started):
@@ -185,8 +222,9 @@ class RunMemory:
         total = 0
         for proc in Path("/proc").iterdir():
             try:
-                if proc.name.isdigit() and (int(proc.name) == os.getpid()
-                                            or self.marker in (proc / "environ").read_bytes().split(b"\0")):
+                if proc.name.isdigit() and (
+                    int(proc.name) == os.getpid() or self.marker in (proc / "environ").read_bytes().split(b"\0")
+                ):
                     rollup = (proc / "smaps_rollup").read_text().split("\nPss:")[1]
                     total += int(rollup.split()[0]) * 1024
             except (OSError, IndexError):
@@ -200,7 +238,9 @@ class CoreShare:
     cores: list[int] | None = None  # the CPU cores it is pinned to; None: not pinned
 
 
-def core_shares(cfg: RunConfig, cores: list[int], threads: int | None = None) -> tuple[list[CoreShare], list[CoreShare]]:
+def core_shares(
+    cfg: RunConfig, cores: list[int], threads: int | None = None
+) -> tuple[list[CoreShare], list[CoreShare]]:
     """CPU cores of the trainer ranks and of the rollout servers, as on a cluster where their devices are
     disjoint: ``rollout.cores_per_server`` for each server (0: an even split of all processes), the rest
     dealt out to the trainer ranks. Not pinned (threads only, the same even split) with
@@ -213,9 +253,9 @@ def core_shares(cfg: RunConfig, cores: list[int], threads: int | None = None) ->
     left = len(cores) - servers * per_server
     if not cfg.cluster.pin_cores or threads not in (None, len(cores)) or left < trainers:
         return [CoreShare(even)] * trainers, [CoreShare(even)] * servers
-    server_sets = [cores[i * per_server:(i + 1) * per_server] for i in range(servers)]
-    rest = cores[servers * per_server:]
-    trainer_sets = [rest[rank * len(rest) // trainers:(rank + 1) * len(rest) // trainers] for rank in range(trainers)]
+    server_sets = [cores[i * per_server : (i + 1) * per_server] for i in range(servers)]
+    rest = cores[servers * per_server :]
+    trainer_sets = [rest[rank * len(rest) // trainers : (rank + 1) * len(rest) // trainers] for rank in range(trainers)]
     return ([CoreShare(len(c), c) for c in trainer_sets], [CoreShare(len(c), c) for c in server_sets])
 
 
@@ -231,8 +271,8 @@ def device_shares(cfg: RunConfig, environ=os.environ) -> tuple[list[dict], list[
     if name is None or cfg.cluster.device == "cpu" or len(environ[name].split(",")) < trainers + servers * per_server:
         return [{}] * trainers, [{}] * servers
     devices = environ[name].split(",")
-    shares = [devices[i:i + 1] for i in range(trainers)]
-    shares += [devices[trainers + i * per_server: trainers + (i + 1) * per_server] for i in range(servers)]
+    shares = [devices[i : i + 1] for i in range(trainers)]
+    shares += [devices[trainers + i * per_server : trainers + (i + 1) * per_server] for i in range(servers)]
     env = [{v: ",".join(share) for v in DEVICE_VARIABLES} for share in shares]
     return env[:trainers], env[trainers:]
 

@@ -47,8 +47,12 @@ class StopForwarder:
 
     def _on_signal(self, signum, frame) -> None:
         self.requested = True
-        print(f"areal-hpc: {signal.Signals(signum).name} received: the trainer saves a checkpoint, then the job "
-              f"is requeued", file=sys.stderr, flush=True)
+        print(
+            f"areal-hpc: {signal.Signals(signum).name} received: the trainer saves a checkpoint, then the job "
+            f"is requeued",
+            file=sys.stderr,
+            flush=True,
+        )
         self.poke()
 
     def requeue(self) -> bool:
@@ -64,7 +68,11 @@ class StopForwarder:
             return False
         refused = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         if refused.returncode:
-            print(f"areal-hpc: error: scontrol requeue {job} failed: {refused.stderr.strip()} (the checkpoint is "
-                  f"saved: resubmit with --resume)", file=sys.stderr, flush=True)
+            print(
+                f"areal-hpc: error: scontrol requeue {job} failed: {refused.stderr.strip()} (the checkpoint is "
+                f"saved: resubmit with --resume)",
+                file=sys.stderr,
+                flush=True,
+            )
             return False
         return True

@@ -21,8 +21,10 @@ from areal_hpc.runtime.forkserver import ForkServer
 from areal_hpc.runtime.supervisor import SupervisedProcess
 
 # `-c`, not `-m areal_hpc.train.driver`: reward workers (spawned) would re-import a `-m` main module and its torch.
-TRAINER = ("import sys; from areal_hpc.train.driver import main; from areal_hpc.runtime.exit import exit_process; "
-           "exit_process(main(sys.argv[1:]))")
+TRAINER = (
+    "import sys; from areal_hpc.train.driver import main; from areal_hpc.runtime.exit import exit_process; "
+    "exit_process(main(sys.argv[1:]))"
+)
 MODEL_TIMEOUT_S = 3600.0  # how long a rollout server waits for trainer rank 0 to write the initial model
 
 
@@ -60,13 +62,36 @@ def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, fork_server:
     forks of it."""
     model = initial_model(cfg)
     if not cfg.model.path and not (model / "config.json").exists():
-        run_stage("model initialisation", [*areal_cli(), "init-model", "--out", str(model), "--preset",
-                                            cfg.model.preset, "--seed", str(cfg.experiment.seed)], env, fork_server)
+        run_stage(
+            "model initialisation",
+            [
+                *areal_cli(),
+                "init-model",
+                "--out",
+                str(model),
+                "--preset",
+                cfg.model.preset,
+                "--seed",
+                str(cfg.experiment.seed),
+            ],
+            env,
+            fork_server,
+        )
     warm = start_model_path(cfg)
     if warm != model and not warm.exists():
-        run_stage("SFT warm-up", [*areal_cli(), "sft", *args, f"model.path={model}",
-                                   f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
-                                   f"experiment.trial={cfg.experiment.trial}/sft_warmup"], env, fork_server)
+        run_stage(
+            "SFT warm-up",
+            [
+                *areal_cli(),
+                "sft",
+                *args,
+                f"model.path={model}",
+                f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
+                f"experiment.trial={cfg.experiment.trial}/sft_warmup",
+            ],
+            env,
+            fork_server,
+        )
     return warm
 
 

@@ -71,21 +71,33 @@ def task_groups(cfg: RunConfig) -> list[TaskGroup]:
     (one accelerator each when ``slurm.trainer.gpus_per_node``), then the servers. ``UserError`` when
     the groups do not hold exactly the config's trainer ranks and servers."""
     if not cfg.slurm.task_groups:
-        return [TaskGroup("trainer", cfg.rl.trainer_processes, 1 if cfg.slurm.trainer.gpus_per_node else 0),
-                TaskGroup("rollout", cfg.rollout.n_servers, cfg.slurm.rollout.gpus_per_server, cfg.rollout.tp_size)]
+        return [
+            TaskGroup("trainer", cfg.rl.trainer_processes, 1 if cfg.slurm.trainer.gpus_per_node else 0),
+            TaskGroup("rollout", cfg.rollout.n_servers, cfg.slurm.rollout.gpus_per_server, cfg.rollout.tp_size),
+        ]
     groups = []
     for entry in cfg.slurm.task_groups:
         entry = list(entry)
-        if not (len(entry) == 4 and entry[0] in ("trainer", "rollout")
-                and all(type(n) is int and n >= 0 for n in entry[1:]) and entry[3] >= 1):
-            raise UserError(f"slurm.task_groups entry {entry} is not [trainer|rollout, tasks, accelerators per task, "
-                            f"tensor-parallel size >= 1]")
+        if not (
+            len(entry) == 4
+            and entry[0] in ("trainer", "rollout")
+            and all(type(n) is int and n >= 0 for n in entry[1:])
+            and entry[3] >= 1
+        ):
+            raise UserError(
+                f"slurm.task_groups entry {entry} is not [trainer|rollout, tasks, accelerators per task, "
+                f"tensor-parallel size >= 1]"
+            )
         groups.append(TaskGroup(*entry))
-    for role, expected, key in (("trainer", cfg.rl.trainer_processes, "rl.trainer_processes"),
-                                ("rollout", cfg.rollout.n_servers, "rollout.n_servers")):
+    for role, expected, key in (
+        ("trainer", cfg.rl.trainer_processes, "rl.trainer_processes"),
+        ("rollout", cfg.rollout.n_servers, "rollout.n_servers"),
+    ):
         if sum(g.tasks for g in groups if g.role == role) != expected:
-            raise UserError(f"slurm.task_groups hold {sum(g.tasks for g in groups if g.role == role)} {role} tasks "
-                            f"but {key}={expected}")
+            raise UserError(
+                f"slurm.task_groups hold {sum(g.tasks for g in groups if g.role == role)} {role} tasks "
+                f"but {key}={expected}"
+            )
     return groups
 
 
@@ -100,10 +112,16 @@ def run_task(config: str, overrides: list[str]) -> int:
     role, index = task.role, task.index
     run_dir, restart, incarnation = cfg.run_dir, os.environ.get("SLURM_RESTART_COUNT", "0"), new_incarnation()
     marks = incarnation_folder(run_dir, incarnation)
-    env = {RUN_MARKER: str(run_dir.resolve()), INCARNATION: incarnation, INTERFACE: cfg.cluster.interface,
-           "HF_HUB_OFFLINE": "1", **allocator_env(),
-           LAUNCHED_AT: os.environ.get(LAUNCHED_AT, str(time.time())),
-           RENDEZVOUS: str(marks / "trainer"), **_threads_and_devices(task)}
+    env = {
+        RUN_MARKER: str(run_dir.resolve()),
+        INCARNATION: incarnation,
+        INTERFACE: cfg.cluster.interface,
+        "HF_HUB_OFFLINE": "1",
+        **allocator_env(),
+        LAUNCHED_AT: os.environ.get(LAUNCHED_AT, str(time.time())),
+        RENDEZVOUS: str(marks / "trainer"),
+        **_threads_and_devices(task),
+    }
     args = config_args(config, overrides)
     log = run_dir / "logs" / f"{role}-{index}.restart{restart}.log"
     _note_placement(log, task, placement, env)
@@ -112,8 +130,14 @@ def run_task(config: str, overrides: list[str]) -> int:
         command = [*server_command(args, model), "rollout.host=0.0.0.0", f"rollout.tp_size={task.tp}"]
         return _supervise(SupervisedProcess(f"rollout server {index}", command, log, env), cfg, marks)
     resume = should_resume(cfg, "auto")  # the same answer on every rank: nothing is written before they meet
-    env.update({"RANK": str(index), "WORLD_SIZE": str(cfg.rl.trainer_processes),
-                "LOCAL_RANK": str(placement.local_rank), **allocator_env(trainer=True)})
+    env.update(
+        {
+            "RANK": str(index),
+            "WORLD_SIZE": str(cfg.rl.trainer_processes),
+            "LOCAL_RANK": str(placement.local_rank),
+            **allocator_env(trainer=True),
+        }
+    )
     if index > 0:
         start_model = wait_for_model(start_model_path(cfg))
         env[TRAINERS_AT] = str(time.time())
@@ -141,8 +165,10 @@ def _threads_and_devices(task: TaskRole) -> dict[str, str]:
 def _note_placement(log: Path, task: TaskRole, placement: Placement, env: dict[str, str]) -> None:
     """The role's log starts with where the task runs: node, accelerators and a server's TP size."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    line = (f"[slurm-task] {task.role} {task.index} (global rank {placement.rank}) on {placement.node}: "
-            f"accelerators {env.get('CUDA_VISIBLE_DEVICES', 'none')}")
+    line = (
+        f"[slurm-task] {task.role} {task.index} (global rank {placement.rank}) on {placement.node}: "
+        f"accelerators {env.get('CUDA_VISIBLE_DEVICES', 'none')}"
+    )
     with open(log, "a") as out:
         out.write(line + (f", tensor-parallel size {task.tp}\n" if task.role == "rollout" else "\n"))
 

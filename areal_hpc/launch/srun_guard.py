@@ -33,8 +33,9 @@ CLOCK_SKEW_S = 5.0
 def running_steps(job: str) -> set[str] | None:
     """Step numbers of ``job`` that squeue lists now ("958.0" -> "0"); None when squeue did not answer."""
     try:
-        listed = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True,
-                                timeout=30)
+        listed = subprocess.run(
+            ["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=30
+        )
     except subprocess.TimeoutExpired:
         return None
     if listed.returncode != 0:
@@ -46,8 +47,12 @@ def running_steps(job: str) -> set[str] | None:
 def recorded_steps(job: str, since: float, heterogeneous: bool = False) -> dict[str, int | None]:
     """The steps sacct has recorded for ``job`` (see ``steps_of_sacct``); none when sacct did not answer."""
     try:
-        listed = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,Start,State,ExitCode"],
-                                capture_output=True, text=True, timeout=30).stdout
+        listed = subprocess.run(
+            ["sacct", "-n", "-P", "-j", job, "-o", "JobID,Start,State,ExitCode"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except subprocess.TimeoutExpired:
         return {}
     return steps_of_sacct(listed, since, heterogeneous)
@@ -122,13 +127,19 @@ def run_guarded(command: list[str], job: str, poll_s: float = 10.0, grace_s: flo
     srun.kill()
     srun.wait()
     deadline = time.monotonic() + SACCT_WAIT_S
-    while any((codes := recorded_steps(job, started, heterogeneous)).get(step) is None for step in ours) \
-            and time.monotonic() < deadline:
+    while (
+        any((codes := recorded_steps(job, started, heterogeneous)).get(step) is None for step in ours)
+        and time.monotonic() < deadline
+    ):
         time.sleep(1.0)
     code = max((codes[step] for step in ours if codes.get(step) is not None), default=None)
-    print(f"areal-hpc: srun was still running {grace_s:g} s after its step {job}.{','.join(sorted(ours))} ended "
-          "(Slurm before 24.11 with PMIx across het groups, SchedMD ticket 16817): ended it; the step's exit code "
-          f"is {'unknown to sacct' if code is None else code}", file=sys.stderr, flush=True)
+    print(
+        f"areal-hpc: srun was still running {grace_s:g} s after its step {job}.{','.join(sorted(ours))} ended "
+        "(Slurm before 24.11 with PMIx across het groups, SchedMD ticket 16817): ended it; the step's exit code "
+        f"is {'unknown to sacct' if code is None else code}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 1 if code is None else code
 
 

@@ -13,7 +13,8 @@ shapes train as data parallel over all their ranks). Everything is checked befor
 submitted: config keys, the plan's arithmetic, and each component against the live cluster
 (partition exists, enough nodes, accelerators and cores per node). The resolved config is written
 into the run folder with absolute paths, so the job does not depend on the folder it was submitted
-from; submitit's files go to ``<run>/submitit/`` and each role's log to ``<run>/logs/``. ``--dry-run`` prints the job script and has
+from; submitit's files go to ``<run>/submitit/`` and each role's log to ``<run>/logs/``. ``--dry-run`` prints the job
+script and has
 ``sbatch --test-only`` check it, submitting nothing.
 """
 
@@ -55,20 +56,42 @@ class Partition:
 def components_from_config(cfg: RunConfig) -> list[Component]:
     trainer, rollout, servers = cfg.slurm.trainer, cfg.slurm.rollout, cfg.rollout.n_servers
     if cfg.rl.trainer_processes % trainer.nodes:
-        raise UserError(f"rl.trainer_processes={cfg.rl.trainer_processes} does not divide over "
-                        f"slurm.trainer.nodes={trainer.nodes} (ranks are spread evenly over the nodes)")
+        raise UserError(
+            f"rl.trainer_processes={cfg.rl.trainer_processes} does not divide over "
+            f"slurm.trainer.nodes={trainer.nodes} (ranks are spread evenly over the nodes)"
+        )
     per_node = cfg.rl.trainer_processes // trainer.nodes
     if trainer.gpus_per_node and trainer.gpus_per_node != per_node:
-        raise UserError(f"slurm.trainer.gpus_per_node={trainer.gpus_per_node} but {per_node} trainer ranks per node: "
-                        f"one accelerator per rank (set rl.trainer_processes={trainer.gpus_per_node * trainer.nodes})")
+        raise UserError(
+            f"slurm.trainer.gpus_per_node={trainer.gpus_per_node} but {per_node} trainer ranks per node: "
+            f"one accelerator per rank (set rl.trainer_processes={trainer.gpus_per_node * trainer.nodes})"
+        )
     nodes = math.ceil(servers / rollout.servers_per_node)
     if servers % nodes:
-        raise UserError(f"rollout.n_servers={servers} does not fill {nodes} nodes of "
-                        f"slurm.rollout.servers_per_node={rollout.servers_per_node} evenly")
-    return [Component("trainer", trainer.partition, trainer.nodes, per_node, trainer.cpus_per_task,
-                      trainer.gpus_per_node, trainer.mem),
-            Component("rollout", rollout.partition, nodes, servers // nodes, rollout.cpus_per_server,
-                      rollout.gpus_per_server * (servers // nodes), rollout.mem)]
+        raise UserError(
+            f"rollout.n_servers={servers} does not fill {nodes} nodes of "
+            f"slurm.rollout.servers_per_node={rollout.servers_per_node} evenly"
+        )
+    return [
+        Component(
+            "trainer",
+            trainer.partition,
+            trainer.nodes,
+            per_node,
+            trainer.cpus_per_task,
+            trainer.gpus_per_node,
+            trainer.mem,
+        ),
+        Component(
+            "rollout",
+            rollout.partition,
+            nodes,
+            servers // nodes,
+            rollout.cpus_per_server,
+            rollout.gpus_per_server * (servers // nodes),
+            rollout.mem,
+        ),
+    ]
 
 
 def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], list[str]]:
@@ -86,33 +109,45 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
     for role in ("train", "rollout"):
         for group in plan[role]:
             if group["pool"] not in pools:
-                raise UserError(f"plan group on pool '{group['pool']}' names no pool of the plan's cluster "
-                                f"(pools: {', '.join(pools)})")
+                raise UserError(
+                    f"plan group on pool '{group['pool']}' names no pool of the plan's cluster "
+                    f"(pools: {', '.join(pools)})"
+                )
             if role == "train" and group["dp"] * group["tp"] * group["pp"] != group["devices"]:
-                raise UserError(f"plan: training on '{group['pool']}' uses {group['devices']} devices but "
-                                f"dp{group['dp']} x tp{group['tp']} x pp{group['pp']} = "
-                                f"{group['dp'] * group['tp'] * group['pp']}")
-            task = (TaskGroup("trainer", group["devices"], 1) if role == "train" else
-                    TaskGroup("rollout", group["replicas"], group["tp"] * group["pp"], group["tp"]))
+                raise UserError(
+                    f"plan: training on '{group['pool']}' uses {group['devices']} devices but "
+                    f"dp{group['dp']} x tp{group['tp']} x pp{group['pp']} = "
+                    f"{group['dp'] * group['tp'] * group['pp']}"
+                )
+            task = (
+                TaskGroup("trainer", group["devices"], 1)
+                if role == "train"
+                else TaskGroup("rollout", group["replicas"], group["tp"] * group["pp"], group["tp"])
+            )
             groups.setdefault(group["pool"], []).append(task)
             if role == "train":  # each device's planned training speed, for the batch split
                 device_speeds.setdefault(group["pool"], []).extend(
-                    [group.get("tokens_per_s", 1.0) / group["devices"]] * group["devices"])
+                    [group.get("tokens_per_s", 1.0) / group["devices"]] * group["devices"]
+                )
     for name, tasks in groups.items():
         pool, used = pools[name], sum(g.tasks * g.accelerators for g in tasks)
         if used > pool["nodes"] * pool["per_node"]:
-            raise UserError(f"plan: pool '{name}' has {pool['nodes'] * pool['per_node']} devices but the plan uses {used}")
+            raise UserError(
+                f"plan: pool '{name}' has {pool['nodes'] * pool['per_node']} devices but the plan uses {used}"
+            )
 
     def serves_only_then_trains(name: str) -> tuple[bool, bool]:
         roles = {g.role for g in groups[name]}
         return "trainer" not in roles, "rollout" in roles
+
     order = sorted(groups, key=serves_only_then_trains)  # train, both, serve
     components = [c for name in order for c in _pool_components(name, pools[name], groups[name], cfg)]
     in_rank_order = [g for name in order for g in groups[name]]
-    overrides = [f"rl.trainer_processes={sum(g.tasks for g in in_rank_order if g.role == 'trainer')}",
-                 f"rollout.n_servers={sum(g.tasks for g in in_rank_order if g.role == 'rollout')}",
-                 "slurm.task_groups=[" + ",".join(f"[{g.role},{g.tasks},{g.accelerators},{g.tp}]"
-                                                  for g in in_rank_order) + "]"]
+    overrides = [
+        f"rl.trainer_processes={sum(g.tasks for g in in_rank_order if g.role == 'trainer')}",
+        f"rollout.n_servers={sum(g.tasks for g in in_rank_order if g.role == 'rollout')}",
+        "slurm.task_groups=[" + ",".join(f"[{g.role},{g.tasks},{g.accelerators},{g.tp}]" for g in in_rank_order) + "]",
+    ]
     train = [g for name in order for g in plan["train"] if g["pool"] == name]  # in rank order
     if len({(g["tp"], g["pp"]) for g in train}) == 1:  # one trainer mesh holds replicas of one shape
         dims = ParallelDims(dp=sum(g["dp"] for g in train), tp=train[0]["tp"], pp=train[0]["pp"])
@@ -150,9 +185,10 @@ def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunCon
 
     def load(block: list[TaskGroup]) -> int:
         return sum(g.accelerators for g in block)
+
     for nodes in range(1, pool["nodes"] + 1):
         per_node = math.ceil(len(per_rank) / nodes)
-        blocks = [per_rank[i:i + per_node] for i in range(0, len(per_rank), per_node)]
+        blocks = [per_rank[i : i + per_node] for i in range(0, len(per_rank), per_node)]
         if max(map(load, blocks)) <= pool["per_node"]:
             return [_component(pool, blocks, cfg)]
     blocks = [[]]
@@ -162,8 +198,10 @@ def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunCon
         blocks[-1].append(task)
     if len(blocks) > pool["nodes"] or max(map(load, blocks)) > pool["per_node"]:
         asked = ", ".join(f"{g.tasks} {g.role} x {g.accelerators}" for g in groups)
-        raise UserError(f"plan: pool '{name}' cannot place its tasks ({asked} accelerators) on {pool['nodes']} "
-                        f"nodes of {pool['per_node']} accelerators")
+        raise UserError(
+            f"plan: pool '{name}' cannot place its tasks ({asked} accelerators) on {pool['nodes']} "
+            f"nodes of {pool['per_node']} accelerators"
+        )
     runs: list[list[list[TaskGroup]]] = []
     for i, block in enumerate(blocks):  # a node joins the run before it when as full (the last: or less full)
         if runs and (len(block) == len(runs[-1][0]) or (i == len(blocks) - 1 and len(block) < len(runs[-1][0]))):
@@ -179,28 +217,47 @@ def _component(pool: dict, blocks: list[list[TaskGroup]], cfg: RunConfig) -> Com
     trainer, rollout = cfg.slurm.trainer, cfg.slurm.rollout
     role = "trainer+rollout" if len(roles) == 2 else roles.pop()
     cpus = max(trainer.cpus_per_task if "trainer" in role else 0, rollout.cpus_per_server if "rollout" in role else 0)
-    return Component(role, pool["partition"], len(blocks), len(blocks[0]), cpus,
-                     max(sum(task.accelerators for task in block) for block in blocks),
-                     trainer.mem if "trainer" in role else rollout.mem, sum(map(len, blocks)))
+    return Component(
+        role,
+        pool["partition"],
+        len(blocks),
+        len(blocks[0]),
+        cpus,
+        max(sum(task.accelerators for task in block) for block in blocks),
+        trainer.mem if "trainer" in role else rollout.mem,
+        sum(map(len, blocks)),
+    )
 
 
 def read_partitions() -> dict[str, Partition]:
     """Partitions of the live cluster (``sinfo``): node count, and the smallest node's cores and GRES."""
     try:
-        out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N|%R|%c|%G"], capture_output=True,
-                             text=True, check=True, timeout=30).stdout
+        out = subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--format=%N|%R|%c|%G"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
     except FileNotFoundError:
-        raise UserError("sinfo not found: submit from a Slurm login node (or start the dev cluster: "
-                        "bash slurm/dev/up.sh)") from None
+        raise UserError(
+            "sinfo not found: submit from a Slurm login node (or start the dev cluster: bash slurm/dev/up.sh)"
+        ) from None
     except subprocess.CalledProcessError as exc:
         raise UserError(f"sinfo failed: {exc.stderr.strip() or exc.returncode}") from None
     nodes: dict[str, dict[str, tuple[int, dict]]] = {}
     for line in out.splitlines():
         node, partition, cpus, gres = line.split("|")
         nodes.setdefault(partition, {})[node] = (int(cpus), _parse_gres(gres))
-    return {name: Partition(name, len(found), min(c for c, _ in found.values()),
-                            {k: min(g.get(k, 0) for _, g in found.values()) for _, g in found.values() for k in g})
-            for name, found in nodes.items()}
+    return {
+        name: Partition(
+            name,
+            len(found),
+            min(c for c, _ in found.values()),
+            {k: min(g.get(k, 0) for _, g in found.values()) for _, g in found.values() for k in g},
+        )
+        for name, found in nodes.items()
+    }
 
 
 def _parse_gres(text: str) -> dict[str, int]:
@@ -218,19 +275,27 @@ def check_components(components: list[Component], partitions: dict[str, Partitio
     for c in components:
         found = partitions.get(c.partition)
         if found is None:
-            raise UserError(f"{c.role} partition '{c.partition}' does not exist{closest(c.partition, partitions)} "
-                            f"(partitions: {', '.join(sorted(partitions))})")
+            raise UserError(
+                f"{c.role} partition '{c.partition}' does not exist{closest(c.partition, partitions)} "
+                f"(partitions: {', '.join(sorted(partitions))})"
+            )
         nodes_asked[c.partition] = nodes_asked.get(c.partition, 0) + c.nodes
         if nodes_asked[c.partition] > found.nodes:  # Slurm places each component of a het job on its own nodes
-            raise UserError(f"{c.role}: {nodes_asked[c.partition]} nodes asked of partition '{c.partition}' in all, "
-                            f"which has {found.nodes} (each component of a heterogeneous job takes whole nodes "
-                            f"of its own)")
+            raise UserError(
+                f"{c.role}: {nodes_asked[c.partition]} nodes asked of partition '{c.partition}' in all, "
+                f"which has {found.nodes} (each component of a heterogeneous job takes whole nodes "
+                f"of its own)"
+            )
         if c.tasks_per_node * c.cpus_per_task > found.cpus:
-            raise UserError(f"{c.role}: {c.tasks_per_node} tasks x {c.cpus_per_task} CPUs per node asked of partition "
-                            f"'{c.partition}', whose nodes have {found.cpus}")
+            raise UserError(
+                f"{c.role}: {c.tasks_per_node} tasks x {c.cpus_per_task} CPUs per node asked of partition "
+                f"'{c.partition}', whose nodes have {found.cpus}"
+            )
         if c.gpus_per_node > found.gres.get(gres, 0):
-            raise UserError(f"{c.role}: {c.gpus_per_node} {gres} per node asked of partition '{c.partition}', whose "
-                            f"nodes have {found.gres.get(gres, 0)}")
+            raise UserError(
+                f"{c.role}: {c.gpus_per_node} {gres} per node asked of partition '{c.partition}', whose "
+                f"nodes have {found.gres.get(gres, 0)}"
+            )
 
 
 @dataclass
@@ -240,8 +305,9 @@ class Submission:
     cfg: RunConfig
 
 
-def prepare(config: str, overrides: list[str], profile: str | None, plan_file: str | None,
-            resume: str = "never") -> Submission:
+def prepare(
+    config: str, overrides: list[str], profile: str | None, plan_file: str | None, resume: str = "never"
+) -> Submission:
     """Everything a submission needs, checked; nothing written or submitted yet. ``resume`` as for
     ``areal-hpc train`` (the job itself always resumes what its earlier incarnations wrote)."""
     files = [profile, config] if profile else [config]
@@ -269,10 +335,19 @@ def prepare(config: str, overrides: list[str], profile: str | None, plan_file: s
     should_resume(cfg, resume)
     run_dir = cfg.run_dir
     s = cfg.slurm
-    job = JobSpec(name=f"areal-{cfg.experiment.name}-{cfg.experiment.trial}", time=s.time, account=s.account,
-                  qos=s.qos, gres=s.gres, signal_lead_s=s.signal_lead_s, mpi=s.mpi, extra_sbatch=tuple(s.extra_sbatch))
-    return Submission(HetJobExecutor(run_dir / "submitit", job, components, s.max_requeues),
-                      run_dir / "job" / "config.yaml", cfg)
+    job = JobSpec(
+        name=f"areal-{cfg.experiment.name}-{cfg.experiment.trial}",
+        time=s.time,
+        account=s.account,
+        qos=s.qos,
+        gres=s.gres,
+        signal_lead_s=s.signal_lead_s,
+        mpi=s.mpi,
+        extra_sbatch=tuple(s.extra_sbatch),
+    )
+    return Submission(
+        HetJobExecutor(run_dir / "submitit", job, components, s.max_requeues), run_dir / "job" / "config.yaml", cfg
+    )
 
 
 def _read_plan(path: str) -> dict:
@@ -321,13 +396,21 @@ class RunTasks:
 def describe(submission: Submission, job_id: str) -> str:
     """What was submitted and where to look, for the terminal."""
     cfg, executor = submission.cfg, submission.executor
-    rows = [f"  component {i}: {c.role:<8} partition {c.partition}, {c.tasks} task(s) on {c.nodes} node(s), "
-            f"{c.cpus_per_task} CPU(s)/task" + (f", {cfg.slurm.gres}:{c.gpus_per_node}/node" if c.gpus_per_node else "")
-            for i, c in enumerate(executor.components)]
+    rows = [
+        f"  component {i}: {c.role:<8} partition {c.partition}, {c.tasks} task(s) on {c.nodes} node(s), "
+        f"{c.cpus_per_task} CPU(s)/task" + (f", {cfg.slurm.gres}:{c.gpus_per_node}/node" if c.gpus_per_node else "")
+        for i, c in enumerate(executor.components)
+    ]
     logs = cfg.run_dir / "logs"
-    return "\n".join([f"submitted job {job_id}: {cfg.experiment.name}/{cfg.experiment.trial}", *rows,
-                      f"  run folder: {cfg.run_dir}", f"  progress:   tail -f {logs}/trainer-0.restart0.log",
-                      f"  state:      squeue -j {job_id}; sacct -j {job_id}"])
+    return "\n".join(
+        [
+            f"submitted job {job_id}: {cfg.experiment.name}/{cfg.experiment.trial}",
+            *rows,
+            f"  run folder: {cfg.run_dir}",
+            f"  progress:   tail -f {logs}/trainer-0.restart0.log",
+            f"  state:      squeue -j {job_id}; sacct -j {job_id}",
+        ]
+    )
 
 
 def submit(submission: Submission):

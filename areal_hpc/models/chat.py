@@ -28,7 +28,8 @@ def next_turn_ids(tokenizer, role: str, content: str, after_output: list[int]) -
     """The environment's turn after the model's output ``after_output``: the end-of-turn token when the
     output was cut off before it, then ``content`` as a ``role`` message and the assistant header."""
     ended = after_output[-1:] == [tokenizer.eos_token_id]
-    message = tokenizer.apply_chat_template([{"role": role, "content": content}], tokenize=False,
-                                            add_generation_prompt=True)
+    message = tokenizer.apply_chat_template(
+        [{"role": role, "content": content}], tokenize=False, add_generation_prompt=True
+    )
     text = ("" if ended else tokenizer.eos_token) + "\n" + message
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -32,13 +32,16 @@ EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.
 def _check_model_dir(path: str | Path) -> Path:
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise UserError(f"model folder {path} has no config.json (expected a local Hugging Face model folder; "
-                        "make one with: areal-hpc init-model --out DIR)")
+        raise UserError(
+            f"model folder {path} has no config.json (expected a local Hugging Face model folder; "
+            "make one with: areal-hpc init-model --out DIR)"
+        )
     return folder
 
 
-def load_model(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa",
-               device: torch.device | str = "cpu") -> PreTrainedModel:
+def load_model(
+    path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa", device: torch.device | str = "cpu"
+) -> PreTrainedModel:
     folder = _check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=DTYPES[dtype], attn_implementation=attn_impl, local_files_only=True
@@ -46,15 +49,17 @@ def load_model(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa"
     return model.to(device)
 
 
-def load_critic(path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa",
-                device: torch.device | str = "cpu") -> PreTrainedModel:
+def load_critic(
+    path: str | Path, dtype: str = "float32", attn_impl: str = "sdpa", device: torch.device | str = "cpu"
+) -> PreTrainedModel:
     """A value model for PPO: the causal LM's body with a fresh one-output head per position (no dropout:
     values must be deterministic)."""
     folder = _check_model_dir(path)
     config = AutoConfig.from_pretrained(folder, num_labels=1, local_files_only=True)
     config.classifier_dropout = 0.0  # set on the object: transformers drops it as a from_pretrained keyword
-    model = AutoModelForTokenClassification.from_pretrained(folder, config=config, dtype=DTYPES[dtype],
-                                                            attn_implementation=attn_impl, local_files_only=True)
+    model = AutoModelForTokenClassification.from_pretrained(
+        folder, config=config, dtype=DTYPES[dtype], attn_implementation=attn_impl, local_files_only=True
+    )
     return model.to(device)
 
 
@@ -91,8 +96,9 @@ def _read_tensor(folder: Path, name: str) -> torch.Tensor:
         with safe_open(folder / file, framework="pt") as tensors:
             if name in tensors.keys():  # noqa: SIM118 (a safetensors file handle has no __contains__)
                 return tensors.get_tensor(name)
-    raise CheckpointError(f"{folder}: the checkpoint has no tensor {name!r} (its config does not tie the output "
-                          "layer to the embeddings)")
+    raise CheckpointError(
+        f"{folder}: the checkpoint has no tensor {name!r} (its config does not tie the output layer to the embeddings)"
+    )
 
 
 def load_tokenizer(path: str | Path):
@@ -102,8 +108,9 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
-def save_model(model: PreTrainedModel, tokenizer, folder: str | Path,
-               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def save_model(
+    model: PreTrainedModel, tokenizer, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Save in Hugging Face format atomically: written beside the target, then renamed into place.
     ``state_dict`` replaces the model's own (full tensors of a model sharded over ranks)."""
     folder = Path(folder)
@@ -131,12 +138,17 @@ def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             fused[name] = tensor
     for prefix, parts in experts.items():
         count = 1 + max(expert for expert, _ in parts)
-        lacking = [f"{prefix}.{e}.{p}.weight" for e in range(count) for p in ("gate_proj", "up_proj", "down_proj")
-                   if (e, p) not in parts]
+        lacking = [
+            f"{prefix}.{e}.{p}.weight"
+            for e in range(count)
+            for p in ("gate_proj", "up_proj", "down_proj")
+            if (e, p) not in parts
+        ]
         if lacking:
             raise ValueError(f"the checkpoint lacks {lacking[0]} (and {len(lacking) - 1} more expert tensors)")
-        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]])
-                                                       for e in range(count)])
+        fused[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)]
+        )
         fused[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
     return fused
 
@@ -155,11 +167,16 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
     if not index.exists() and not (folder / "model.safetensors").exists():
-        raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json "
-                              "(the embedded engine loads safetensors checkpoints)")
+        raise CheckpointError(
+            f"{folder} has no model.safetensors or model.safetensors.index.json "
+            "(the embedded engine loads safetensors checkpoints)"
+        )
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.exists()
             else ["model.safetensors"]
+        )
         stored = {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
         return fuse_expert_weights(stored)
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:

@@ -7,7 +7,8 @@ tiny model such a forward is bound by dispatch as much as by arithmetic, and the
 rank 0's interpreter with its rollout side, so every Python-level operation counts twice. Here the
 norms are torch's fused ``rms_norm``, q|k|v and gate|up one matmul each (their weights concatenated
 per call, so the gradients reach the model's own parameters; 705 matrix products in 5 quickstart
-updates instead of 1,125), the rotary tables and their application are the model's own (``rotary_emb``, ``apply_rotary_pos_emb``), one boolean mask
+updates instead of 1,125), the rotary tables and their application are the model's own (``rotary_emb``,
+``apply_rotary_pos_emb``), one boolean mask
 serves every layer, and there is no cache object or mask builder. It makes the quickstart's update alone
 ~3% faster than the model's own forward (one thread). Results match the model's forward within float
 rounding (``tests/test_segment_forward.py`` checks outputs and gradients against it in float64).
@@ -32,17 +33,32 @@ DENSE_TYPES = ("qwen2", "qwen3")
 
 def supports_segment_forward(model: torch.nn.Module) -> bool:
     config = model.config
-    if (config.model_type not in DENSE_TYPES or getattr(config, "use_sliding_window", False)
-            or getattr(config, "attention_dropout", 0.0)):
+    if (
+        config.model_type not in DENSE_TYPES
+        or getattr(config, "use_sliding_window", False)
+        or getattr(config, "attention_dropout", 0.0)
+    ):
         return False
     layers = model.base_model.layers
-    projections = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                   layer.self_attn.v_proj, layer.self_attn.o_proj,
-                                                   getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None),
-                                                   getattr(layer.mlp, "down_proj", None))]
+    projections = [
+        m
+        for layer in layers
+        for m in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            getattr(layer.mlp, "gate_proj", None),
+            getattr(layer.mlp, "up_proj", None),
+            getattr(layer.mlp, "down_proj", None),
+        )
+    ]
     hooked = any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())  # e.g. FSDP2, replicate
-    return (not hooked and all(type(m) is torch.nn.Linear for m in projections)
-            and all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters()))
+    return (
+        not hooked
+        and all(type(m) is torch.nn.Linear for m in projections)
+        and all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+    )
 
 
 # Matrix products on a CPU run through oneDNN, which builds a kernel for every new shape (~1 ms each, 5x
@@ -65,13 +81,19 @@ def computed_positions(own: torch.Tensor | None) -> torch.Tensor | None:
     count = padded_rows(len(real))
     if count >= len(own):
         return None
-    return torch.cat([real, (~own).nonzero()[:count - len(real), 0]])
+    return torch.cat([real, (~own).nonzero()[: count - len(real), 0]])
 
 
-def segment_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
-                    prefix: KeyValues | None, prefix_valid: torch.Tensor | None,
-                    attention_dtype: torch.dtype, segment_mask: torch.Tensor | None = None,
-                    own: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyValues]:
+def segment_forward(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    prefix: KeyValues | None,
+    prefix_valid: torch.Tensor | None,
+    attention_dtype: torch.dtype,
+    segment_mask: torch.Tensor | None = None,
+    own: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, KeyValues]:
     """Hidden states [B, T, hidden] of ``tokens`` [B, T] at ``positions`` [B, T], each row continuing
     its ``prefix`` (per layer keys and values [B, kv heads, P, head dim], rotated) of which
     ``prefix_valid`` [B, P] marks the real positions; and per layer the keys and values of prefix and
@@ -98,16 +120,23 @@ def segment_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: tor
     mask = None  # no prefix, no tree: plain causal attention
     if prefix is not None or segment_mask is not None:  # every prefix position a row owns, then its segment
         if segment_mask is None:
-            segment_mask = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril().expand(batch, -1, -1)
-        mask = segment_mask if prefix is None else torch.cat(
-            [prefix_valid[:, None, :].expand(batch, length, -1), segment_mask], dim=-1)
+            segment_mask = (
+                torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril().expand(batch, -1, -1)
+            )
+        mask = (
+            segment_mask
+            if prefix is None
+            else torch.cat([prefix_valid[:, None, :].expand(batch, length, -1), segment_mask], dim=-1)
+        )
         mask = mask[:, None]
     states = []
     for i, layer in enumerate(body.layers):
         attn = layer.self_attn
         qkv = _linear(_norm(layer.input_layernorm, hidden), (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, k, v = (x.view(len(hidden), -1, head_dim) for x in
-                   qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+        q, k, v = (
+            x.view(len(hidden), -1, head_dim)
+            for x in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        )
         if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
@@ -134,14 +163,16 @@ def _linear(x: torch.Tensor, modules: tuple[torch.nn.Linear, ...]) -> torch.Tens
     return F.linear(x, torch.cat([m.weight for m in modules]), bias)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-               dtype: torch.dtype) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
     """Grouped-query attention, the key/value heads repeated for their query heads (as Hugging Face's
     sdpa does on a CPU); causal without a mask. Output in the queries' dtype, [B, heads, T, head dim]."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = (x[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2) for x in (k, v))
     with torch.autocast(q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
-                                             is_causal=mask is None, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask, is_causal=mask is None, scale=scale
+        )
     return out.to(q.dtype)

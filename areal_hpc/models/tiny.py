@@ -18,13 +18,24 @@ from areal_hpc.models.tokenizer import IM_END, PAD, build_tokenizer
 # "tiny-moe" is a Qwen3-MoE of the same shape whose MLPs are 8 experts (2 per token) of a quarter the
 # width: the model for trying expert parallelism (actor.parallel.ep) on a CPU.
 PRESETS = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=512),
-    "small": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=1024),
-    "tiny-moe": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=32, intermediate_size=512, num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=128, norm_topk_prob=True),
+    "tiny": dict(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512
+    ),
+    "small": dict(
+        hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1024
+    ),
+    "tiny-moe": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=512,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+    ),
 }
 
 

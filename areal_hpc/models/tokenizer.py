@@ -28,10 +28,12 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 1024) -> Qwen2Tokenizer
     """Train a byte-level BPE on ``corpus`` and wrap it as a Hugging Face Qwen2Tokenizer."""
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -46,7 +48,11 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 1024) -> Qwen2Tokenizer
     # tensor-parallel ranks split it evenly, whatever text the tokenizer was trained on.
     reserved = [f"<|reserved_{i}|>" for i in range(-len(vocab) % VOCAB_MULTIPLE)]
     tokenizer = Qwen2Tokenizer(
-        vocab=vocab, merges=merges, eos_token=IM_END, pad_token=PAD, unk_token=None,
+        vocab=vocab,
+        merges=merges,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=None,
         additional_special_tokens=[IM_START, IM_END, *reserved],
     )
     tokenizer.chat_template = CHAT_TEMPLATE

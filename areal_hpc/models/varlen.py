@@ -54,7 +54,7 @@ def length_groups(lengths: list[int], tolerance: float = PAD_TOLERANCE) -> list[
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if groups:
             longest = lengths[groups[-1][0]]
-            if (len(groups[-1]) + 1) * longest ** 2 <= tolerance * (exact + lengths[i] ** 2):
+            if (len(groups[-1]) + 1) * longest**2 <= tolerance * (exact + lengths[i] ** 2):
                 groups[-1].append(i)
                 exact += lengths[i] ** 2
                 continue
@@ -76,9 +76,18 @@ def padded_groups(cu_seqlens: torch.Tensor) -> list[PaddedGroup]:
     return plan
 
 
-def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask, *, scaling: float | None = None, dropout: float = 0.0,
-                padded_groups: list[PaddedGroup], **_) -> tuple[torch.Tensor, None]:
+def varlen_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    padded_groups: list[PaddedGroup],
+    **_,
+) -> tuple[torch.Tensor, None]:
     """Hugging Face attention-interface function: q [1, H, T, D], k/v [1, H_kv, T, D] of a packed row
     -> [1, T, H, D], each sequence attending causally to itself only."""
     heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
@@ -91,9 +100,13 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
             block = block.index_copy(1, group.slots, x[0].index_select(1, group.tokens))
             blocks.append(block.view(x.shape[1], group.n, group.length, dim).transpose(0, 1))
         with torch.autocast(query.device.type, enabled=False):
-            attended = F.scaled_dot_product_attention(*(b.to(attention_precision(query)) for b in blocks),
-                                                      is_causal=True, scale=scaling,
-                                                      dropout_p=dropout if module.training else 0.0, enable_gqa=gqa)
+            attended = F.scaled_dot_product_attention(
+                *(b.to(attention_precision(query)) for b in blocks),
+                is_causal=True,
+                scale=scaling,
+                dropout_p=dropout if module.training else 0.0,
+                enable_gqa=gqa,
+            )
         attended = attended.to(query.dtype).transpose(0, 1).reshape(heads, group.n * group.length, dim)
         out = out.index_copy(1, group.tokens, attended.index_select(1, group.slots))
     return out.transpose(0, 1)[None], None
@@ -108,13 +121,15 @@ def attention_precision(query: torch.Tensor) -> torch.dtype:
     return torch.float32 if query.device.type == "cpu" else query.dtype
 
 
-def sdpa_float32(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+def sdpa_float32(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs
+) -> tuple[torch.Tensor, None]:
     """Hugging Face's sdpa (its masks and KV cache, as tree training uses them) in
     ``attention_precision``, the output back in the query's dtype."""
     with torch.autocast(query.device.type, enabled=False):
-        out, _ = sdpa_attention_forward(module, *(x.to(attention_precision(query)) for x in (query, key, value)),
-                                        attention_mask, **kwargs)
+        out, _ = sdpa_attention_forward(
+            module, *(x.to(attention_precision(query)) for x in (query, key, value)), attention_mask, **kwargs
+        )
     return out.to(query.dtype), None
 
 
@@ -133,9 +148,18 @@ def _torch_varlen_attn():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def varlen_flash(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask, *, scaling: float | None = None, cu_seqlens: torch.Tensor, max_length: int,
-                 **_) -> tuple[torch.Tensor, None]:
+def varlen_flash(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    *,
+    scaling: float | None = None,
+    cu_seqlens: torch.Tensor,
+    max_length: int,
+    **_,
+) -> tuple[torch.Tensor, None]:
     """Hugging Face attention-interface function on torch's varlen flash kernel: q [1, H, T, D], k/v
     [1, H_kv, T, D] of a packed row -> [1, T, H, D], each sequence attending causally to itself only.
     Takes bf16/fp16 inputs and no dropout (``packed_attention_inputs`` chooses it only then)."""
@@ -164,8 +188,9 @@ def packed_attention_inputs(model: torch.nn.Module, cu_seqlens: torch.Tensor) ->
     device, dtype = weight.device, weight.dtype
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2", {}
-    half = dtype in (torch.bfloat16, torch.float16) or (torch.is_autocast_enabled(device.type) and
-                                                        torch.get_autocast_dtype(device.type) != torch.float32)
+    half = dtype in (torch.bfloat16, torch.float16) or (
+        torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) != torch.float32
+    )
     no_dropout = not model.training or getattr(model.config, "attention_dropout", 0.0) == 0.0
     if device.type == "cuda" and half and no_dropout and _torch_varlen_attn() is not None:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]

@@ -100,13 +100,17 @@ def pad_sequences(packed: PackedBatch, multiple: int) -> tuple[PackedBatch, torc
     ids = packed.input_ids.new_zeros(1, total).index_copy_(1, on, packed.input_ids)
     positions = torch.cat([torch.arange(n) for n in padded_lengths.tolist()])[None].to(device)
     targets = packed.target_mask.new_zeros(total).index_copy_(0, on, packed.target_mask)
-    temperatures = (None if packed.temperatures is None else
-                    packed.temperatures.new_ones(total).index_copy_(0, on, packed.temperatures))
+    temperatures = (
+        None
+        if packed.temperatures is None
+        else packed.temperatures.new_ones(total).index_copy_(0, on, packed.temperatures)
+    )
     return PackedBatch(ids, positions, targets, cu_seqlens.to(device), temperatures), kept
 
 
-def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | None, *,
-          pad_multiple: int = 1) -> ContextShard:
+def shard(
+    packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | None, *, pad_multiple: int = 1
+) -> ContextShard:
     """This cp rank's ``ContextShard`` of ``packed`` (every rank of the group computes the same plan);
     sequences padded first to a multiple of ``pad_multiple`` tokens (2 x cp: equal chunks)."""
     kept = torch.arange(packed.input_ids.shape[1])
@@ -120,20 +124,30 @@ def shard(packed: PackedBatch, cp: int, rank: int, group: dist.ProcessGroup | No
     next_ids = torch.cat([ids[1:], ids.new_zeros(1)])
     own = [len(part) for part in per_rank[rank]]
     bounds = torch.tensor([0, *own]).cumsum(0)
-    split = ContextSplit(local=local, counts=[sum(len(p) for p in parts) for parts in per_rank],
-                         gathered_order=torch.cat([torch.cat(parts) for parts in per_rank]) if starts else local,
-                         kept=kept, group=group, starts=starts, lengths=lengths,
-                         query_ranges=list(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
+    split = ContextSplit(
+        local=local,
+        counts=[sum(len(p) for p in parts) for parts in per_rank],
+        gathered_order=torch.cat([torch.cat(parts) for parts in per_rank]) if starts else local,
+        kept=kept,
+        group=group,
+        starts=starts,
+        lengths=lengths,
+        query_ranges=list(zip(bounds[:-1].tolist(), bounds[1:].tolist())),
+    )
     device = packed.input_ids.device
     local_on = local.to(device)
-    return ContextShard(input_ids=packed.input_ids[:, local_on], position_ids=packed.position_ids[:, local_on],
-                        target_mask=packed.target_mask[local_on], cu_seqlens=bounds.to(device),
-                        temperatures=None if packed.temperatures is None else packed.temperatures[local_on],
-                        next_ids=next_ids[local_on], split=split)
+    return ContextShard(
+        input_ids=packed.input_ids[:, local_on],
+        position_ids=packed.position_ids[:, local_on],
+        target_mask=packed.target_mask[local_on],
+        cu_seqlens=bounds.to(device),
+        temperatures=None if packed.temperatures is None else packed.temperatures[local_on],
+        next_ids=next_ids[local_on],
+        split=split,
+    )
 
 
-def context_passes(passes: list, cp: int, rank: int, group: dist.ProcessGroup | None, *,
-                   pad_multiple: int = 1) -> list:
+def context_passes(passes: list, cp: int, rank: int, group: dist.ProcessGroup | None, *, pad_multiple: int = 1) -> list:
     """Each (sequence indices, packed micro-batch, per-position fields) pass as this cp rank's share:
     its ``ContextShard`` and its positions of every field."""
     shares = []
@@ -166,9 +180,18 @@ class _GatherTokens(torch.autograd.Function):
         return grad.index_select(2, split.local.to(grad.device)), None
 
 
-def context_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask, *, scaling: float | None = None, dropout: float = 0.0,
-                 context_split: ContextSplit, **_) -> tuple[torch.Tensor, None]:
+def context_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    context_split: ContextSplit,
+    **_,
+) -> tuple[torch.Tensor, None]:
     """Hugging Face attention-interface function: this rank's q [1, H, t, D] against the whole
     micro-batch's k/v (gathered) -> [1, t, H, D], each sequence attending causally to itself only."""
     keys, values = _GatherTokens.apply(key, context_split), _GatherTokens.apply(value, context_split)
@@ -177,13 +200,19 @@ def context_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     out = []
     for start, length, (first, last) in zip(context_split.starts, context_split.lengths, context_split.query_ranges):
         q = query[0, :, first:last]
-        k, v = keys[0, :, start:start + length], values[0, :, start:start + length]
+        k, v = keys[0, :, start : start + length], values[0, :, start : start + length]
         q_positions = local[first:last] - start
         allowed = q_positions[:, None] >= torch.arange(length, device=query.device)[None, :]
         with torch.autocast(query.device.type, enabled=False):
-            attended = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed,
-                                                      scale=scaling, enable_gqa=gqa,
-                                                      dropout_p=dropout if module.training else 0.0)
+            attended = F.scaled_dot_product_attention(
+                q.float(),
+                k.float(),
+                v.float(),
+                attn_mask=allowed,
+                scale=scaling,
+                enable_gqa=gqa,
+                dropout_p=dropout if module.training else 0.0,
+            )
         out.append(attended.to(query.dtype))
     return torch.cat(out, dim=1).transpose(0, 1)[None], None
 

@@ -49,5 +49,7 @@ def check_precision(device: torch.device, **dtypes: str) -> None:
     for key, dtype in dtypes.items():
         if dtype == "bfloat16" and not computes_bfloat16(device):
             name = key.replace("_", ".", 1)
-            raise UserError(f"{name}=bfloat16 but the {device.type} device here has no bfloat16 arithmetic "
-                            f"(NVIDIA GPUs need compute capability 8.0 or later, e.g. A100, H100); set {name}=float32")
+            raise UserError(
+                f"{name}=bfloat16 but the {device.type} device here has no bfloat16 arithmetic "
+                f"(NVIDIA GPUs need compute capability 8.0 or later, e.g. A100, H100); set {name}=float32"
+            )

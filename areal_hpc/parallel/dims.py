@@ -41,18 +41,30 @@ class ParallelDims:
         if parallel.allocation:
             match = ALLOCATION.match(parallel.allocation.strip())
             if not match:
-                raise UserError(f"actor.parallel.allocation={parallel.allocation!r} is not a training allocation; "
-                                "expected megatron:d<dp>p<pp>t<tp>, e.g. megatron:d8p1t1 (see `areal-hpc plan`)")
+                raise UserError(
+                    f"actor.parallel.allocation={parallel.allocation!r} is not a training allocation; "
+                    "expected megatron:d<dp>p<pp>t<tp>, e.g. megatron:d8p1t1 (see `areal-hpc plan`)"
+                )
             dp, pp, tp = (int(v) for v in match.groups())
         if dp == 0:
             model_parallel = tp * pp * parallel.cp
             if world_size % model_parallel:
-                raise UserError(f"actor.parallel tp={tp} x pp={pp} x cp={parallel.cp} needs rl.trainer_processes to be "
-                                f"a multiple of {model_parallel}, got {world_size}")
+                raise UserError(
+                    f"actor.parallel tp={tp} x pp={pp} x cp={parallel.cp} needs rl.trainer_processes to be "
+                    f"a multiple of {model_parallel}, got {world_size}"
+                )
             dp = world_size // model_parallel
-        dims = cls(dp=dp, tp=tp, pp=pp, cp=parallel.cp, ep=parallel.ep,
-                   sequence_parallel=parallel.sequence_parallel, fsdp=parallel.fsdp,
-                   distributed_optimizer=parallel.distributed_optimizer, vpp=parallel.vpp)
+        dims = cls(
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            cp=parallel.cp,
+            ep=parallel.ep,
+            sequence_parallel=parallel.sequence_parallel,
+            fsdp=parallel.fsdp,
+            distributed_optimizer=parallel.distributed_optimizer,
+            vpp=parallel.vpp,
+        )
         dims.check(world_size)
         return dims
 
@@ -68,17 +80,23 @@ class ParallelDims:
         if min(self.dp, self.tp, self.pp, self.cp, self.ep, self.vpp) < 1:
             raise UserError(f"parallel sizes must be at least 1, got {self}")
         if self.world_size != world_size:
-            raise UserError(f"parallel sizes dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} need "
-                            f"{self.world_size} processes, but {world_size} were started (set rl.trainer_processes="
-                            f"{self.world_size}, or actor.parallel.dp=0 to fill the world)")
+            raise UserError(
+                f"parallel sizes dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} need "
+                f"{self.world_size} processes, but {world_size} were started (set rl.trainer_processes="
+                f"{self.world_size}, or actor.parallel.dp=0 to fill the world)"
+            )
         if (self.dp * self.cp) % self.ep:
-            raise UserError(f"actor.parallel.ep={self.ep} must divide dp x cp = {self.dp * self.cp} "
-                            "(experts are split over the data-parallel ranks of a stage)")
+            raise UserError(
+                f"actor.parallel.ep={self.ep} must divide dp x cp = {self.dp * self.cp} "
+                "(experts are split over the data-parallel ranks of a stage)"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise UserError("actor.parallel.sequence_parallel=true needs tp > 1")
         if self.vpp > 1 and self.pp == 1:
-            raise UserError(f"actor.parallel.vpp={self.vpp} needs pp > 1 (virtual stages interleave pipeline ranks); "
-                            "set actor.parallel.vpp=1 or pp >= 2")
+            raise UserError(
+                f"actor.parallel.vpp={self.vpp} needs pp > 1 (virtual stages interleave pipeline ranks); "
+                "set actor.parallel.vpp=1 or pp >= 2"
+            )
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's position on each mesh dim (and its expert-parallel coordinates)."""

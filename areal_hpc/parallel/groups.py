@@ -25,15 +25,17 @@ class TrainerGroups:
     groups: tuple[ParallelDims, ...]
 
     @classmethod
-    def from_config(cls, parallel, world_size: int) -> "TrainerGroups":
+    def from_config(cls, parallel, world_size: int) -> TrainerGroups:
         """The groups of ``actor.parallel.groups`` (each ``[dp, tp, pp]``), or the one mesh of
         ``actor.parallel``; checked against the world, and ``actor.parallel.dp_weights`` against the
         replicas."""
         layout = cls(_shaped_groups(parallel) if parallel.groups else (ParallelDims.from_config(parallel, world_size),))
         if layout.world_size != world_size:  # one mesh: ParallelDims.from_config has said so already
-            raise UserError(f"actor.parallel.groups {[list(s) for s in parallel.groups]} hold {layout.world_size} "
-                            f"trainer ranks, but {world_size} were started (set rl.trainer_processes="
-                            f"{layout.world_size})")
+            raise UserError(
+                f"actor.parallel.groups {[list(s) for s in parallel.groups]} hold {layout.world_size} "
+                f"trainer ranks, but {world_size} were started (set rl.trainer_processes="
+                f"{layout.world_size})"
+            )
         data_parallel_weights(parallel, layout.replicas)
         return layout
 
@@ -75,14 +77,21 @@ class TrainerGroups:
     def stages(self) -> list[list[int]]:
         """The global ranks of each group's pipeline stages (group by group, stage by stage): the ranks
         holding the same parameters in a group, its first replica's first tensor-parallel rank first."""
-        return [[offset + rank for rank in ranks] for offset, group in zip(self.offsets, self.groups)
-                for ranks in group.groups("dp-cp-tp")]
+        return [
+            [offset + rank for rank in ranks]
+            for offset, group in zip(self.offsets, self.groups)
+            for ranks in group.groups("dp-cp-tp")
+        ]
 
     def pipeline_ends(self) -> list[list[int]]:
         """[first stage's rank, last stage's rank] of every replica slot (dp, cp, tp) of every group
         with pipeline stages: where a tied embedding's gradients are summed."""
-        return [[offset + ranks[0], offset + ranks[-1]] for offset, group in zip(self.offsets, self.groups)
-                if group.pp > 1 for ranks in group.groups("pp")]
+        return [
+            [offset + ranks[0], offset + ranks[-1]]
+            for offset, group in zip(self.offsets, self.groups)
+            if group.pp > 1
+            for ranks in group.groups("pp")
+        ]
 
     def leads_replica(self, rank: int) -> bool:
         """First rank of its model replica (tp = cp = pp = 0 in its group)."""
@@ -94,20 +103,26 @@ def _shaped_groups(parallel) -> tuple[ParallelDims, ...]:
     """``actor.parallel.groups`` as meshes, each entry and the settings beside it checked."""
     for name, alone in NOT_WITH_GROUPS:
         if getattr(parallel, name) != alone:
-            raise UserError(f"actor.parallel.{name}={getattr(parallel, name)!r} is not built for training groups "
-                            f"of different shapes (actor.parallel.groups); leave it at {alone!r}")
+            raise UserError(
+                f"actor.parallel.{name}={getattr(parallel, name)!r} is not built for training groups "
+                f"of different shapes (actor.parallel.groups); leave it at {alone!r}"
+            )
     groups = []
     for shape in parallel.groups:
         if not (isinstance(shape, (list, tuple)) and len(shape) == 3 and all(isinstance(n, int) for n in shape)):
-            raise UserError(f"actor.parallel.groups entry {shape!r} is not [dp, tp, pp]; "
-                            "expected e.g. [[2, 1, 1], [1, 2, 1]]")
+            raise UserError(
+                f"actor.parallel.groups entry {shape!r} is not [dp, tp, pp]; expected e.g. [[2, 1, 1], [1, 2, 1]]"
+            )
         if min(shape) < 1:
             raise UserError(f"actor.parallel.groups entry {list(shape)} has a size below 1")
         if parallel.sequence_parallel and shape[1] == 1:
-            raise UserError(f"actor.parallel.sequence_parallel=true needs tp > 1 in every group; "
-                            f"group {list(shape)} has tp=1")
+            raise UserError(
+                f"actor.parallel.sequence_parallel=true needs tp > 1 in every group; group {list(shape)} has tp=1"
+            )
         dp, tp, pp = shape
-        groups.append(ParallelDims(dp=dp, tp=tp, pp=pp, fsdp=parallel.fsdp, sequence_parallel=parallel.sequence_parallel))
+        groups.append(
+            ParallelDims(dp=dp, tp=tp, pp=pp, fsdp=parallel.fsdp, sequence_parallel=parallel.sequence_parallel)
+        )
     return tuple(groups)
 
 
@@ -118,8 +133,9 @@ def data_parallel_weights(cfg, dp: int) -> list[float] | None:
     if not weights:
         return None
     if len(weights) != dp or not all(isinstance(w, (int, float)) and w > 0 for w in weights):
-        raise UserError(f"actor.parallel.dp_weights={weights} must hold {dp} positive numbers, one per "
-                        f"data-parallel replica")
+        raise UserError(
+            f"actor.parallel.dp_weights={weights} must hold {dp} positive numbers, one per data-parallel replica"
+        )
     return [float(w) for w in weights]
 
 
@@ -131,13 +147,21 @@ def check_group_training(actor_cfg) -> None:
     if not actor_cfg.parallel.groups:
         return
     engine, loss = builtins.load("train_engine", actor_cfg.engine), builtins.load("policy_loss", actor_cfg.policy_loss)
-    unbuilt = [("actor.engine", actor_cfg.engine, not engine.supports_training_groups, "torch"),
-               ("actor.adv_estimator", actor_cfg.adv_estimator, builtins.uses_critic(actor_cfg.adv_estimator),
-                "an estimator without a critic, e.g. grpo"),
-               ("actor.policy_loss", actor_cfg.policy_loss, loss.trust_region, "a policy loss without a trust region"),
-               ("actor.lora.rank", actor_cfg.lora.rank, actor_cfg.lora.rank != 0, "0"),
-               ("actor.tree_training", actor_cfg.tree_training, actor_cfg.tree_training == "dta", "off or auto")]
+    unbuilt = [
+        ("actor.engine", actor_cfg.engine, not engine.supports_training_groups, "torch"),
+        (
+            "actor.adv_estimator",
+            actor_cfg.adv_estimator,
+            builtins.uses_critic(actor_cfg.adv_estimator),
+            "an estimator without a critic, e.g. grpo",
+        ),
+        ("actor.policy_loss", actor_cfg.policy_loss, loss.trust_region, "a policy loss without a trust region"),
+        ("actor.lora.rank", actor_cfg.lora.rank, actor_cfg.lora.rank != 0, "0"),
+        ("actor.tree_training", actor_cfg.tree_training, actor_cfg.tree_training == "dta", "off or auto"),
+    ]
     for name, value, refused, instead in unbuilt:
         if refused:
-            raise UserError(f"{name}={value} is not built for training groups of different shapes "
-                            f"(actor.parallel.groups={list(actor_cfg.parallel.groups)}); use {instead}, or one mesh")
+            raise UserError(
+                f"{name}={value} is not built for training groups of different shapes "
+                f"(actor.parallel.groups={list(actor_cfg.parallel.groups)}); use {instead}, or one mesh"
+            )

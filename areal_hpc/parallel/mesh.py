@@ -40,6 +40,7 @@ class StageLinks:
     """The process groups that sum gradients across training groups (``group_gradients``): ``writers``,
     the first rank of every group's every pipeline stage; ``stage``, this rank's stage (None when the
     stage is this rank alone), whose first rank is ``stage_writer``."""
+
     writers: dist.ProcessGroup
     writes: bool
     stage: dist.ProcessGroup | None
@@ -78,8 +79,15 @@ class TrainMesh:
     gradients are reduced), "ep" and "edp" (expert and expert-data parallel). ``layout``: every
     training group of the job (this mesh is group ``index`` of it, its ranks in ``members``)."""
 
-    def __init__(self, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-                 layout: TrainerGroups | None = None, index: int = 0, members: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        dims: ParallelDims,
+        mesh: DeviceMesh,
+        device: torch.device,
+        layout: TrainerGroups | None = None,
+        index: int = 0,
+        members: dist.ProcessGroup | None = None,
+    ):
         self.dims, self.mesh, self.device = dims, mesh, device
         self.layout, self.index = layout or TrainerGroups((dims,)), index
         self.members = members or dist.group.WORLD
@@ -128,7 +136,8 @@ class TrainMesh:
 
     def size(self, name: str) -> int:
         return {"dp_cp": self.dims.dp * self.dims.cp, "edp": self.dims.dp * self.dims.cp // self.dims.ep}.get(
-            name, getattr(self.dims, name, 0)) or self[name].size()
+            name, getattr(self.dims, name, 0)
+        ) or self[name].size()
 
     @property
     def data_rank(self) -> int:
@@ -182,11 +191,14 @@ def init_distributed(device: torch.device, timeout_s: float = 7 * 24 * 3600.0) -
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     elif os.environ.get(RENDEZVOUS):
-        store = rendezvous_store(Path(os.environ[RENDEZVOUS]), rank, world, min(timeout_s, RENDEZVOUS_TIMEOUT_S),
-                                 interface)
+        store = rendezvous_store(
+            Path(os.environ[RENDEZVOUS]), rank, world, min(timeout_s, RENDEZVOUS_TIMEOUT_S), interface
+        )
         store.set_timeout(timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
-        raise UserError(f"{world} ranks (from {placement.source} variables) need a rendezvous: {RENDEZVOUS} "
-                        "(a shared folder; the launchers set it) or MASTER_ADDR and MASTER_PORT (torchrun)")
+        raise UserError(
+            f"{world} ranks (from {placement.source} variables) need a rendezvous: {RENDEZVOUS} "
+            "(a shared folder; the launchers set it) or MASTER_ADDR and MASTER_PORT (torchrun)"
+        )
     return rank, world

@@ -22,8 +22,15 @@ def resolve_tree_training(cfg):
         dims = ParallelDims.from_config(actor.parallel, cfg.rl.trainer_processes)
     except UserError:  # said where the layout is used; it trains no tree either way
         dims = None
-    fits = (dims is not None and dims.world_size == dims.dp and dims.ep == 1 and not actor.parallel.groups
-            and actor.importance_level == "token" and not actor.lora.rank and actor.recompute == "none"
-            and builtins.load("train_engine", actor.engine).supports_tree_training)
+    fits = (
+        dims is not None
+        and dims.world_size == dims.dp
+        and dims.ep == 1
+        and not actor.parallel.groups
+        and actor.importance_level == "token"
+        and not actor.lora.rank
+        and actor.recompute == "none"
+        and builtins.load("train_engine", actor.engine).supports_tree_training
+    )
     actor.tree_training = "dta" if fits else "off"
     return cfg

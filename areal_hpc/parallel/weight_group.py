@@ -52,13 +52,21 @@ class UpdateGroup:
 def host_store(host: str, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> dist.TCPStore:
     """Rank 0's store, listening on a port the system picks (``store.port``); ``host`` is the address
     the other ranks will be told to connect to."""
-    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
-def join_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, timeout_s: float = GROUP_TIMEOUT_S,
-                      store: dist.Store | None = None) -> UpdateGroup:
+def join_update_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = GROUP_TIMEOUT_S,
+    store: dist.Store | None = None,
+) -> UpdateGroup:
     """Join group ``group_name``; blocks until all ``world_size`` ranks have joined. Without ``store``
     the ranks meet as in torch's ``tcp://`` rendezvous: rank 0 hosts the store on ``master_port``, the
     others connect to it; a trainer's rank 0 passes the store it already hosts (``host_store``)."""
@@ -67,8 +75,9 @@ def join_update_group(backend: str, master_address: str, master_port: int, rank:
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(f"{DEVICES[backend]}/", dist.PrefixStore(f"{group_name}/",
-                                                                          dist.PrefixStore(group_name, store)))
+    prefixed = dist.PrefixStore(
+        f"{DEVICES[backend]}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    )
     if backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:

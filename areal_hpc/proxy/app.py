@@ -82,22 +82,31 @@ async def errors_as_openai(request: web.Request, handler):
 def check_model(proxy: Proxy, body: dict) -> None:
     model = body.get("model")
     if model != proxy.settings.model_name:
-        raise APIError(404, f"model {model!r} is not served here; /v1/models lists {proxy.settings.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"model {model!r} is not served here; /v1/models lists {proxy.settings.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def session_of(proxy: Proxy, headers) -> Session:
     _, session = proxy.caller(headers)
     if session is None:
-        raise APIError(403, "completions need a session key: open a session with POST /rl/start_session and "
-                       "use its session_key as the api_key", code="session_required")
+        raise APIError(
+            403,
+            "completions need a session key: open a session with POST /rl/start_session and "
+            "use its session_key as the api_key",
+            code="session_required",
+        )
     return session
 
 
 def params_of(proxy: Proxy, body: dict) -> dict:
     settings = proxy.settings
-    return api.sampling_params(body, settings.default_max_tokens, settings.max_tokens_cap,
-                               proxy.tokenizer.eos_token_ids)
+    return api.sampling_params(
+        body, settings.default_max_tokens, settings.max_tokens_cap, proxy.tokenizer.eos_token_ids
+    )
 
 
 @dataclass
@@ -121,11 +130,20 @@ async def chat_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIterator
         if stream:
             calls = turn.reply.get("tool_calls")
             pieces = proxy.tokenizer.pieces(turn.output_ids) if not calls else [turn.reply["content"] or ""]
-            yield Reply(events=api.chat_chunks(turn.interaction_id, name, pieces, turn.finish_reason,
-                                               usage if api.include_usage(body) else None, calls))
+            yield Reply(
+                events=api.chat_chunks(
+                    turn.interaction_id,
+                    name,
+                    pieces,
+                    turn.finish_reason,
+                    usage if api.include_usage(body) else None,
+                    calls,
+                )
+            )
             return
-        logprobs = (api.logprobs_content(proxy.tokenizer.token_texts(turn.output_ids), turn.logprobs)
-                    if want_logprobs else None)
+        logprobs = (
+            api.logprobs_content(proxy.tokenizer.token_texts(turn.output_ids), turn.logprobs) if want_logprobs else None
+        )
         yield Reply(api.chat_reply(turn.interaction_id, name, turn.reply, turn.finish_reason, usage, logprobs))
 
 
@@ -136,8 +154,10 @@ async def completion_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIt
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if not ((isinstance(prompt, str) and prompt)
-            or (isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt))):
+    if not (
+        (isinstance(prompt, str) and prompt)
+        or (isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt))
+    ):
         raise api.bad("prompt", prompt, "a non-empty string or list of token ids (one prompt per request)")
     want_logprobs = api.number(body, "logprobs", None, 0, 5, integer=True) is not None
     stream = api.flag(body, "stream")
@@ -148,10 +168,17 @@ async def completion_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIt
             pieces = proxy.tokenizer.pieces(turn.output_ids)
             yield Reply(events=api.completion_chunks(turn.interaction_id, name, pieces, turn.finish_reason))
             return
-        yield Reply(api.completion_reply(
-            turn.interaction_id, name, proxy.tokenizer.decode(turn.output_ids), turn.finish_reason,
-            api.usage(len(turn.prompt_ids), len(turn.output_ids)), turn.logprobs if want_logprobs else None,
-            proxy.tokenizer.token_texts(turn.output_ids)))
+        yield Reply(
+            api.completion_reply(
+                turn.interaction_id,
+                name,
+                proxy.tokenizer.decode(turn.output_ids),
+                turn.finish_reason,
+                api.usage(len(turn.prompt_ids), len(turn.output_ids)),
+                turn.logprobs if want_logprobs else None,
+                proxy.tokenizer.token_texts(turn.output_ids),
+            )
+        )
 
 
 TURN_ROUTES = {"/v1/chat/completions": chat_turn, "/v1/completions": completion_turn}
@@ -160,6 +187,7 @@ TURN_ROUTES = {"/v1/chat/completions": chat_turn, "/v1/completions": completion_
 def turn_handler(route):
     """The aiohttp handler of a turn route: the key checked before the body is read, the reply sent
     from inside the turn."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         proxy = request.app[PROXY]
         session = session_of(proxy, request.headers)
@@ -168,6 +196,7 @@ def turn_handler(route):
             if reply.body is not None:
                 return await send(request, web.json_response(reply.body))
             return await send_events(request, reply.events)
+
     return handler
 
 
@@ -196,8 +225,12 @@ async def send_events(request: web.Request, events) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
     proxy.caller(request.headers)
-    return web.json_response({"object": "list", "data": [{"id": proxy.settings.model_name, "object": "model",
-                                                          "created": 0, "owned_by": "areal-hpc"}]})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [{"id": proxy.settings.model_name, "object": "model", "created": 0, "owned_by": "areal-hpc"}],
+        }
+    )
 
 
 async def start_session(request: web.Request) -> web.Response:
@@ -211,8 +244,12 @@ async def start_session(request: web.Request) -> web.Response:
         raise api.bad("metadata", metadata, "a JSON object (stored with the session's records)", "invalid_type")
     size = len(json.dumps(metadata).encode())
     if size > MAX_METADATA_BYTES:
-        raise api.bad("metadata", metadata, f"a JSON object of at most {MAX_METADATA_BYTES} bytes as JSON, not "
-                      f"{size} (stored with each of the session's records)")
+        raise api.bad(
+            "metadata",
+            metadata,
+            f"a JSON object of at most {MAX_METADATA_BYTES} bytes as JSON, not "
+            f"{size} (stored with each of the session's records)",
+        )
     proxy.admit_request(tenant, proxy.keys.quota(tenant))
     proxy.admit_session()
     key = new_key("sk")
@@ -248,11 +285,21 @@ async def set_reward(request: web.Request) -> web.Response:
     if turn is None:
         if interaction is None:
             raise APIError(400, f"session {session.id} has no interaction to reward yet", param="interaction_id")
-        raise APIError(404, f"no interaction {interaction!r} in session {session.id}", param="interaction_id",
-                       code="interaction_not_found")
+        raise APIError(
+            404,
+            f"no interaction {interaction!r} in session {session.id}",
+            param="interaction_id",
+            code="interaction_not_found",
+        )
     await proxy.reward(session, turn, float(value))
-    return web.json_response({"session_id": session.id, "interaction_id": turn.interaction_id,
-                              "reward": float(value), "late": bool(session.trajectory_ids)})
+    return web.json_response(
+        {
+            "session_id": session.id,
+            "interaction_id": turn.interaction_id,
+            "reward": float(value),
+            "late": bool(session.trajectory_ids),
+        }
+    )
 
 
 async def get_session(request: web.Request) -> web.Response:
@@ -263,18 +310,34 @@ async def get_session(request: web.Request) -> web.Response:
 
 def summary(proxy: Proxy, session: Session) -> dict:
     discount = proxy.settings.discount
-    return {"session_id": session.id, "tenant": session.tenant, "ended": session.ended_at is not None,
-            "interactions": [t.interaction_id for t in session.turns],
-            "rewards": dict(session.rewards),
-            "records": [{"id": session.trajectory_ids.get(leaf.interaction_id),
-                         "interaction_ids": [t.interaction_id for t in leaf.chain()],
-                         "returns": session_returns(session, leaf, discount)} for leaf in session.leaves()]}
+    return {
+        "session_id": session.id,
+        "tenant": session.tenant,
+        "ended": session.ended_at is not None,
+        "interactions": [t.interaction_id for t in session.turns],
+        "rewards": dict(session.rewards),
+        "records": [
+            {
+                "id": session.trajectory_ids.get(leaf.interaction_id),
+                "interaction_ids": [t.interaction_id for t in leaf.chain()],
+                "returns": session_returns(session, leaf, discount),
+            }
+            for leaf in session.leaves()
+        ],
+    }
 
 
 async def health(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
-    return web.json_response({"status": "ok", "backends": len(proxy.router.healthy), "sessions": len(proxy.sessions),
-                              "ended": proxy.ended, "records": proxy.sink.written})
+    return web.json_response(
+        {
+            "status": "ok",
+            "backends": len(proxy.router.healthy),
+            "sessions": len(proxy.sessions),
+            "ended": proxy.ended,
+            "records": proxy.sink.written,
+        }
+    )
 
 
 def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
@@ -283,12 +346,17 @@ def build_app(proxy: Proxy, max_request_bytes: int) -> web.Application:
     (Agent workflows answer the turn routes in their own process: ``agents.chat``.)"""
     app = web.Application(middlewares=[errors_as_openai], client_max_size=max_request_bytes)
     app[PROXY] = proxy
-    app.add_routes([
-        *(web.post(path, turn_handler(route)) for path, route in TURN_ROUTES.items()),
-        web.get("/v1/models", models), web.post("/rl/start_session", start_session),
-        web.post("/rl/end_session", end_session), web.post("/rl/set_reward", set_reward),
-        web.get("/rl/sessions/{session_id}", get_session), web.get("/health", health),
-    ])
+    app.add_routes(
+        [
+            *(web.post(path, turn_handler(route)) for path, route in TURN_ROUTES.items()),
+            web.get("/v1/models", models),
+            web.post("/rl/start_session", start_session),
+            web.post("/rl/end_session", end_session),
+            web.post("/rl/set_reward", set_reward),
+            web.get("/rl/sessions/{session_id}", get_session),
+            web.get("/health", health),
+        ]
+    )
 
     async def lifecycle(app: web.Application):
         await proxy.restore_ended()

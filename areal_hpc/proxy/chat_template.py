@@ -47,24 +47,31 @@ class ChatTokenizer:
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
             config = json.loads((folder / "tokenizer_config.json").read_text())
         except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
-            raise UserError(f"cannot load a tokenizer from {folder}: {exc} (a Hugging Face model folder with "
-                            "tokenizer.json and tokenizer_config.json)") from None
+            raise UserError(
+                f"cannot load a tokenizer from {folder}: {exc} (a Hugging Face model folder with "
+                "tokenizer.json and tokenizer_config.json)"
+            ) from None
         jinja = folder / "chat_template.jinja"
         source = jinja.read_text() if jinja.is_file() else config.get("chat_template")
         if not isinstance(source, str):
-            raise UserError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json's "
-                            "chat_template); the proxy renders chats with the model's own template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+            raise UserError(
+                f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                "chat_template); the proxy renders chats with the model's own template"
+            )
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         self.template = env.from_string(source)
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
         eos = self.special["eos_token"]
-        self.eos_token_ids = [self.tokenizer.token_to_id(eos)] if eos and self.tokenizer.token_to_id(eos) is not None \
-            else []
-        specials = sorted((t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special),
-                          key=len, reverse=True)  # longest first: the match tokenizers makes where two start
+        self.eos_token_ids = (
+            [self.tokenizer.token_to_id(eos)] if eos and self.tokenizer.token_to_id(eos) is not None else []
+        )
+        specials = sorted(
+            (t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special), key=len, reverse=True
+        )  # longest first: the match tokenizers makes where two start
         self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._plain = Tokenizer.from_str(self.tokenizer.to_str())  # special tokens read as text
         self._plain.encode_special_tokens = True
@@ -72,8 +79,12 @@ class ChatTokenizer:
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt text the model's template makes of ``messages`` (and ``tools``, for templates that use them)."""
         try:
-            return self.template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        **{k: v for k, v in self.special.items() if v is not None})
+            return self.template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **{k: v for k, v in self.special.items() if v is not None},
+            )
         except TemplateRenderError:
             raise
         except (TemplateError, TypeError, KeyError, AttributeError) as exc:
@@ -96,7 +107,8 @@ class ChatTokenizer:
         if len(neutral) != len(text) or not template <= set(found):
             raise TemplateRenderError(
                 f"the messages hold special-token text ({', '.join(sorted(set(found.values())))}) that this "
-                "chat template does not write out as it is: remove it, or send it some other way")
+                "chat template does not write out as it is: remove it, or send it some other way"
+            )
         return text, sorted(set(found) - template)
 
     def _types_special(self, value) -> bool:
@@ -125,8 +137,9 @@ class ChatTokenizer:
         sentinel = f"\x00{id(reply)}\x00"
         try:
             through = self.render(messages + [reply], tools, add_generation_prompt=False)
-            marked = self.render(messages + [{"role": "assistant", "content": sentinel}], tools,
-                                 add_generation_prompt=False)
+            marked = self.render(
+                messages + [{"role": "assistant", "content": sentinel}], tools, add_generation_prompt=False
+            )
         except TemplateRenderError:
             return "", ""
         closing = marked.partition(sentinel)[2]
@@ -141,7 +154,7 @@ class ChatTokenizer:
         ids, start, typed = [], 0, set(typed)
         for match in self._special.finditer(text):
             if match.span() not in typed:  # the template's: the text before it as text, then its id
-                ids += self._plain_ids(text[start:match.start()]) + [self.tokenizer.token_to_id(match.group())]
+                ids += self._plain_ids(text[start : match.start()]) + [self.tokenizer.token_to_id(match.group())]
                 start = match.end()
         return ids + self._plain_ids(text[start:])
 
@@ -163,7 +176,7 @@ class ChatTokenizer:
             text = self.decode(ids[:end])
             if end < len(ids) and text.endswith("\ufffd"):
                 continue
-            pieces.append(text[len(sent):] if text.startswith(sent) else text)
+            pieces.append(text[len(sent) :] if text.startswith(sent) else text)
             sent = text
         return pieces
 

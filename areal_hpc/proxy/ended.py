@@ -32,11 +32,16 @@ class EndedSessions:
         """Write (or rewrite, after a late reward) what a restarted proxy needs to reward ``session``."""
         index = {id(t): n for n, t in enumerate(session.turns)}
         ended = time.time() - (time.monotonic() - session.ended_at)  # the monotonic end as wall-clock time
-        state = {"id": session.id, "tenant": session.tenant, "tenant_key_hash": session.tenant_key_hash,
-                 "key_hash": session.key_hash, "ended": ended,
-                 "turns": [[t.interaction_id, None if t.parent is None else index[id(t.parent)]]
-                           for t in session.turns],
-                 "rewards": session.rewards, "records": session.trajectory_ids}
+        state = {
+            "id": session.id,
+            "tenant": session.tenant,
+            "tenant_key_hash": session.tenant_key_hash,
+            "key_hash": session.key_hash,
+            "ended": ended,
+            "turns": [[t.interaction_id, None if t.parent is None else index[id(t.parent)]] for t in session.turns],
+            "rewards": session.rewards,
+            "records": session.trajectory_ids,
+        }
         path = self.directory / f"{session.id}.json"
         atomic_write_text(path, json.dumps(state))
         path.chmod(0o600)
@@ -67,10 +72,16 @@ class EndedSessions:
 
 def restored(state: dict) -> tuple[Session, float]:
     """(the session of a saved ``state``, with its turns' ids and links only; when it ended, wall-clock)."""
-    session = Session(tenant=state["tenant"], tenant_key_hash=state["tenant_key_hash"], key_hash=state["key_hash"],
-                      id=state["id"], rewards={str(k): float(v) for k, v in state["rewards"].items()},
-                      trajectory_ids={str(k): str(v) for k, v in state["records"].items()})
+    session = Session(
+        tenant=state["tenant"],
+        tenant_key_hash=state["tenant_key_hash"],
+        key_hash=state["key_hash"],
+        id=state["id"],
+        rewards={str(k): float(v) for k, v in state["rewards"].items()},
+        trajectory_ids={str(k): str(v) for k, v in state["records"].items()},
+    )
     for interaction_id, parent in state["turns"]:
-        session.turns.append(Turn(str(interaction_id), [], [], [], [], "stop", 0.0,
-                                  None if parent is None else session.turns[parent]))
+        session.turns.append(
+            Turn(str(interaction_id), [], [], [], [], "stop", 0.0, None if parent is None else session.turns[parent])
+        )
     return session, float(state["ended"])

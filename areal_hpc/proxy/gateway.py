@@ -65,7 +65,8 @@ class Proxy:
     writing: dict[str, asyncio.Future] = field(default_factory=dict)  # session id -> its records written
     ended_sessions: EndedSessions | None = None  # on disk for the reward grace period (None: memory only)
     long_prompts: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-long-prompts"))
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-long-prompts")
+    )
     ended: int = 0
 
     # -- who is calling ------------------------------------------------------------------------------
@@ -74,8 +75,11 @@ class Proxy:
         header = headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise APIError(401, "no API key: send 'Authorization: Bearer <key>' (the openai client's api_key)",
-                           code="missing_api_key")
+            raise APIError(
+                401,
+                "no API key: send 'Authorization: Bearer <key>' (the openai client's api_key)",
+                code="missing_api_key",
+            )
         self._reload_keys()
         key_hash = hash_key(key.strip())
         session = self.by_key.get(key_hash)
@@ -119,13 +123,21 @@ class Proxy:
         """``take(tenant, quota, tokens)`` from the tenant's buckets, or a 429: one that no wait admits
         (OpenAI's 'Request too large', without a Retry-After), or one saying how long to wait."""
         if quota.tokens_per_minute and tokens > quota.tokens_per_minute:
-            raise APIError(429, f"request too large for tenant {tenant}'s tokens per minute: limit "
-                           f"{quota.tokens_per_minute:g}, requested {tokens} (prompt + max_tokens); shorten the "
-                           "prompt or lower max_tokens", code="rate_limit_exceeded")
+            raise APIError(
+                429,
+                f"request too large for tenant {tenant}'s tokens per minute: limit "
+                f"{quota.tokens_per_minute:g}, requested {tokens} (prompt + max_tokens); shorten the "
+                "prompt or lower max_tokens",
+                code="rate_limit_exceeded",
+            )
         wait = take(tenant, quota, tokens)
         if wait:
-            raise APIError(429, f"tenant {tenant} is over its quota; retry in {wait:.1f} s",
-                           code="rate_limit_exceeded", headers={"Retry-After": retry_after(wait)})
+            raise APIError(
+                429,
+                f"tenant {tenant} is over its quota; retry in {wait:.1f} s",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": retry_after(wait)},
+            )
 
     def admit_session(self) -> None:
         """AReaL's staleness gate for sessions: while the trainer at version v takes ``records_per_version``
@@ -136,14 +148,24 @@ class Proxy:
             return
         opened = self.ended + sum(1 for s in self.sessions.values() if s.ended_at is None)
         if opened >= (self.settings.max_staleness + self.router.version + 1) * per_version:
-            raise APIError(429, f"the trainer (version {self.router.version}) has no room for another session "
-                           "yet; retry after its next step", code="staleness_capacity",
-                           headers={"Retry-After": str(int(HEARTBEAT_INTERVAL_S))})
+            raise APIError(
+                429,
+                f"the trainer (version {self.router.version}) has no room for another session "
+                "yet; retry after its next step",
+                code="staleness_capacity",
+                headers={"Retry-After": str(int(HEARTBEAT_INTERVAL_S))},
+            )
 
     # -- turns ---------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def turn(self, session: Session, params: dict, *, prompt: str | list[int] | None = None,
-                   chat: tuple[list[dict], list[dict] | None] | None = None):
+    async def turn(
+        self,
+        session: Session,
+        params: dict,
+        *,
+        prompt: str | list[int] | None = None,
+        chat: tuple[list[dict], list[dict] | None] | None = None,
+    ):
         """Generate one reply for ``session`` to a prompt (text or token ids) or a chat (messages, tools
         or None) and yield the turn, kept in the session; the block sends the reply. A block that raises
         (the client left before its reply was sent) takes the turn back out: no record holds a reply
@@ -166,8 +188,17 @@ class Proxy:
             out = await self._generate(session, ids, params)
             used = len(ids) + len(out.output_ids)
             text = await self._sized(len(ids), self.tokenizer.decode_all, ids + out.output_ids)
-            turn = Turn(new_id("chatcmpl-" if chat is not None else "cmpl-"), ids, out.output_ids, out.logprobs,
-                        out.versions, api.finish_reason(out.finish_reason), params["temperature"], parent, text)
+            turn = Turn(
+                new_id("chatcmpl-" if chat is not None else "cmpl-"),
+                ids,
+                out.output_ids,
+                out.logprobs,
+                out.versions,
+                api.finish_reason(out.finish_reason),
+                params["temperature"],
+                parent,
+                text,
+            )
             if chat is not None:
                 keep_reply(turn, self.tokenizer, chat[0], tools)
             session.turns.append(turn)  # now: a next request the client sends on seeing the reply extends it
@@ -196,8 +227,9 @@ class Proxy:
         parent, bridge, start = session.extension(prompt) or (None, "", 0)
         shift = len(bridge) - start
         new_text = bridge + prompt[start:]
-        new_ids = await self._sized(len(new_text), self.tokenizer.encode, new_text,
-                                       [(a + shift, b + shift) for a, b in typed if a >= start])
+        new_ids = await self._sized(
+            len(new_text), self.tokenizer.encode, new_text, [(a + shift, b + shift) for a, b in typed if a >= start]
+        )
         return (parent.full_ids if parent is not None else []) + new_ids, parent, tools
 
     async def _sized(self, size: int, function, *args):
@@ -264,8 +296,9 @@ class Proxy:
         try:
             await asyncio.to_thread(self.ended_sessions.save, session)
         except OSError as exc:
-            log.warning("ended session %s not kept on disk (after a restart its late rewards are refused): %s",
-                        session.id, exc)
+            log.warning(
+                "ended session %s not kept on disk (after a restart its late rewards are refused): %s", session.id, exc
+            )
 
     async def restore_ended(self) -> None:
         """Take back the sessions ended within the reward grace period before this proxy started."""
@@ -302,4 +335,3 @@ class Proxy:
             if now - probed >= HEARTBEAT_INTERVAL_S:
                 await self.router.refresh()
                 probed = now
-

@@ -13,22 +13,36 @@ import time
 
 from areal_hpc.algo.temperature import requested_temperature
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class APIError(Exception):
     """An error the client caused (or a server one), answered as OpenAI's ``{"error": {...}}``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad(param: str, value, valid: str, code: str = "invalid_value") -> APIError:
@@ -41,8 +55,12 @@ def number(body: dict, name: str, default, low: float, high: float, integer: boo
         return default
     kind = (int,) if integer else (int, float)
     if not isinstance(value, kind) or isinstance(value, bool) or not low <= value <= high:
-        raise bad(name, value, f"{'an integer' if integer else 'a number'} in [{low}, {high}]",
-                  "invalid_value" if isinstance(value, kind) and not isinstance(value, bool) else "invalid_type")
+        raise bad(
+            name,
+            value,
+            f"{'an integer' if integer else 'a number'} in [{low}, {high}]",
+            "invalid_value" if isinstance(value, kind) and not isinstance(value, bool) else "invalid_type",
+        )
     return value
 
 
@@ -52,13 +70,21 @@ def sampling_params(body: dict, default_max_tokens: int, max_tokens_cap: int, st
     number(body, "n", 1, 1, 1, integer=True)  # one choice per request
     stop = body.get("stop")
     if stop not in (None, [], ""):
-        raise APIError(400, f"stop = {reprlib.repr(stop)}: stop strings are not supported (replies end at the "
-                       "model's end-of-turn token or max_tokens)", param="stop", code="unsupported_parameter")
+        raise APIError(
+            400,
+            f"stop = {reprlib.repr(stop)}: stop strings are not supported (replies end at the "
+            "model's end-of-turn token or max_tokens)",
+            param="stop",
+            code="unsupported_parameter",
+        )
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     temperature = requested_temperature(number(body, "temperature", 1.0, 0.0, 2.0))
-    return {"max_new_tokens": number(body, limit, default_max_tokens, 1, max_tokens_cap, integer=True),
-            "temperature": float(temperature), "top_p": float(number(body, "top_p", 1.0, 1e-9, 1.0)),
-            "stop_token_ids": stop_ids}
+    return {
+        "max_new_tokens": number(body, limit, default_max_tokens, 1, max_tokens_cap, integer=True),
+        "temperature": float(temperature),
+        "top_p": float(number(body, "top_p", 1.0, 1e-9, 1.0)),
+        "stop_token_ids": stop_ids,
+    }
 
 
 def messages_of(body: dict) -> list[dict]:
@@ -70,8 +96,9 @@ def messages_of(body: dict) -> list[dict]:
             raise bad(f"messages[{i}]", message, "an object with a 'role'")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise bad(f"messages[{i}].content", content, "a string or a list of text parts")
             message["content"] = "".join(p["text"] for p in content)
         elif content is None:
@@ -103,8 +130,12 @@ def tools_of(body: dict) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list) or not tools:
-        raise bad("tools", tools, f"a non-empty list of tools {TOOL_SHAPE}",
-                  "invalid_value" if isinstance(tools, list) else "invalid_type")
+        raise bad(
+            "tools",
+            tools,
+            f"a non-empty list of tools {TOOL_SHAPE}",
+            "invalid_value" if isinstance(tools, list) else "invalid_type",
+        )
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -113,18 +144,22 @@ def tools_of(body: dict) -> list[dict] | None:
             raise bad(f"{where}.type", tool.get("type"), "'function' (the only kind of tool served here)")
         function = tool.get("function")
         if not isinstance(function, dict):
-            raise bad(f"{where}.function", function, "an object with a 'name' (and optionally 'description', "
-                      "'parameters')", "invalid_type")
+            raise bad(
+                f"{where}.function",
+                function,
+                "an object with a 'name' (and optionally 'description', 'parameters')",
+                "invalid_type",
+            )
         if function.get("name") is None:
-            raise bad(f"{where}.function.name", None, "given: 1-64 letters, digits, '_' or '-'",
-                      "missing_required_parameter")
+            raise bad(
+                f"{where}.function.name", None, "given: 1-64 letters, digits, '_' or '-'", "missing_required_parameter"
+            )
         if not isinstance(function["name"], str) or not TOOL_NAME.fullmatch(function["name"]):
             raise bad(f"{where}.function.name", function["name"], "1-64 letters, digits, '_' or '-'")
         if not isinstance(function.get("description", ""), str):
             raise bad(f"{where}.function.description", function["description"], "a string", "invalid_type")
         if not isinstance(function.get("parameters", {}), dict):
-            raise bad(f"{where}.function.parameters", function["parameters"], "a JSON Schema object",
-                      "invalid_type")
+            raise bad(f"{where}.function.parameters", function["parameters"], "a JSON Schema object", "invalid_type")
         if function.get("strict") is not None and type(function["strict"]) is not bool:
             raise bad(f"{where}.function.strict", function["strict"], "true or false", "invalid_type")
     return tools
@@ -136,18 +171,27 @@ def tool_choice_of(body: dict, tools: list[dict] | None) -> str:
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
         return choice or "auto"
-    named = (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
-             and isinstance(choice["function"].get("name"), str))
+    named = (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    )
     if choice != "required" and not named:
-        raise bad("tool_choice", choice, "'none', 'auto', 'required' or "
-                  '{"type": "function", "function": {"name": ...}}')
+        raise bad(
+            "tool_choice", choice, '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+        )
     if tools is None:
         raise bad("tool_choice", choice, "given only with tools (it names how the model uses them)")
     if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
         raise bad("tool_choice", choice, "a function among tools")
-    raise APIError(400, f"tool_choice = {reprlib.repr(choice)}: forcing a tool call is not supported (the proxy "
-                   "samples the model as it is); use 'auto' or 'none'", param="tool_choice",
-                   code="unsupported_parameter")
+    raise APIError(
+        400,
+        f"tool_choice = {reprlib.repr(choice)}: forcing a tool call is not supported (the proxy "
+        "samples the model as it is); use 'auto' or 'none'",
+        param="tool_choice",
+        code="unsupported_parameter",
+    )
 
 
 def check_common(body: dict) -> None:
@@ -185,8 +229,13 @@ def reply_message(text: str, tools_offered: bool) -> dict:
             except ValueError:
                 continue
             if isinstance(call, dict) and isinstance(call.get("name"), str):
-                calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {
-                    "name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+                calls.append(
+                    {
+                        "id": f"call_{secrets.token_hex(12)}",
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))},
+                    }
+                )
                 kept = kept.replace(block.group(0), "", 1)
     if not calls:
         return {"role": "assistant", "content": text}
@@ -199,42 +248,83 @@ def finish_reason(server_reason: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def logprobs_content(token_texts: list[str], logprobs: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(token_texts, logprobs)]}
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(token_texts, logprobs)
+        ]
+    }
 
 
-def chat_reply(interaction_id: str, model: str, message: dict, finish: str, usage_: dict,
-               logprobs: dict | None) -> dict:
+def chat_reply(
+    interaction_id: str, model: str, message: dict, finish: str, usage_: dict, logprobs: dict | None
+) -> dict:
     if message.get("tool_calls") and finish == "stop":
         finish = "tool_calls"
-    return {"id": interaction_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-            "usage": usage_}
+    return {
+        "id": interaction_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+        "usage": usage_,
+    }
 
 
-def completion_reply(interaction_id: str, model: str, text: str, finish: str, usage_: dict,
-                     logprobs: list[float] | None, token_texts: list[str]) -> dict:
-    lp = None if logprobs is None else {"tokens": token_texts, "token_logprobs": logprobs,
-                                        "top_logprobs": None, "text_offset": None}
-    return {"id": interaction_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}], "usage": usage_}
+def completion_reply(
+    interaction_id: str,
+    model: str,
+    text: str,
+    finish: str,
+    usage_: dict,
+    logprobs: list[float] | None,
+    token_texts: list[str],
+) -> dict:
+    lp = (
+        None
+        if logprobs is None
+        else {"tokens": token_texts, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+    )
+    return {
+        "id": interaction_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+        "usage": usage_,
+    }
 
 
-def chat_chunks(interaction_id: str, model: str, pieces: list[str], finish: str, usage_: dict | None,
-                tool_calls: list[dict] | None = None):
+def chat_chunks(
+    interaction_id: str,
+    model: str,
+    pieces: list[str],
+    finish: str,
+    usage_: dict | None,
+    tool_calls: list[dict] | None = None,
+):
     """The events of a streamed chat reply: the role, one chunk per piece of text (or, for a reply that
     calls tools, its text then the calls), the finish reason, then (when the client asked for it with
     stream_options.include_usage) the usage."""
     created = int(time.time())
 
     def chunk(delta: dict, reason: str | None = None, **extra) -> bytes:
-        event = {"id": interaction_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}], **extra}
+        event = {
+            "id": interaction_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+            **extra,
+        }
         return sse(event)
 
     yield chunk({"role": "assistant", "content": ""})
@@ -246,8 +336,16 @@ def chat_chunks(interaction_id: str, model: str, pieces: list[str], finish: str,
         finish = "tool_calls" if finish == "stop" else finish
     yield chunk({}, finish)
     if usage_ is not None:
-        yield sse({"id": interaction_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": usage_})
+        yield sse(
+            {
+                "id": interaction_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage_,
+            }
+        )
     yield b"data: [DONE]\n\n"
 
 
@@ -256,9 +354,17 @@ def completion_chunks(interaction_id: str, model: str, pieces: list[str], finish
     for i, piece in enumerate(pieces + [""]):
         last = i == len(pieces)
         if piece or last:
-            yield sse({"id": interaction_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": 0, "text": piece, "logprobs": None,
-                                    "finish_reason": finish if last else None}]})
+            yield sse(
+                {
+                    "id": interaction_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish if last else None}
+                    ],
+                }
+            )
     yield b"data: [DONE]\n\n"
 
 

@@ -26,8 +26,9 @@ class RecordSink:
     def __init__(self, directory: str | Path, *, experiment: str, trial: str, fsync: bool = True):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-shards")
         # one commit per session's records, or per late reward: flushed by hand, never by count
-        self.writer = TrajectoryShardWriter(directory, writer_id(), experiment=experiment, trial=trial, fsync=fsync,
-                                            flush_every=1 << 30)
+        self.writer = TrajectoryShardWriter(
+            directory, writer_id(), experiment=experiment, trial=trial, fsync=fsync, flush_every=1 << 30
+        )
         self.written = 0
 
     async def write(self, records: list[Trajectory]) -> None:
@@ -41,8 +42,7 @@ class RecordSink:
         self.writer.flush()
 
     async def reward(self, record_id: str, value: float, step: int, source: str) -> None:
-        await asyncio.get_running_loop().run_in_executor(
-            self._thread, self._reward, record_id, value, step, source)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._reward, record_id, value, step, source)
 
     def _reward(self, record_id: str, value: float, step: int, source: str) -> None:
         self.writer.set_reward(record_id, value, step=step, source=source)

@@ -14,8 +14,14 @@ from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve
 
 
 class BackendRouter:
-    def __init__(self, static: list[str], names: NameResolve | None, token: str | None = None,
-                 request_timeout_s: float = 600.0, max_requests: int = 1024):
+    def __init__(
+        self,
+        static: list[str],
+        names: NameResolve | None,
+        token: str | None = None,
+        request_timeout_s: float = 600.0,
+        max_requests: int = 1024,
+    ):
         self.static, self.names = list(static), names
         self.client = RolloutClient([], request_timeout_s, max_requests, token)  # refresh() admits servers
         self.interrupted = 0  # turns cut short by a pause or a failed server, then finished

@@ -77,16 +77,20 @@ class Session:
         """(the turn ``text`` extends, the bridge, where in ``text`` the rest starts): the text after that
         turn's ids is the bridge then ``text[start:]``; longest match first (the newest on a tie); None
         when it extends none."""
-        links = [(len(key), t, bridge) for t in reversed(self.turns)
-                 for key, bridge in ((t.text, ""), (t.rendered, t.bridge))
-                 if key and len(text) > len(key) and text.startswith(key)]
+        links = [
+            (len(key), t, bridge)
+            for t in reversed(self.turns)
+            for key, bridge in ((t.text, ""), (t.rendered, t.bridge))
+            if key and len(text) > len(key) and text.startswith(key)
+        ]
         best = max(links, key=lambda link: link[0], default=None)
         return None if best is None else (best[1], best[2], best[0])
 
     def parent_by_ids(self, ids: list[int]) -> Turn | None:
         """The turn whose prompt and output ``ids`` extends, longest first (the newest on a tie)."""
-        extended = (t for t in reversed(self.turns)
-                    if len(ids) > len(t.full_ids) and ids[:len(t.full_ids)] == t.full_ids)
+        extended = (
+            t for t in reversed(self.turns) if len(ids) > len(t.full_ids) and ids[: len(t.full_ids)] == t.full_ids
+        )
         return max(extended, key=lambda t: len(t.full_ids), default=None)
 
     def turn(self, interaction_id: str | None) -> Turn | None:
@@ -108,31 +112,55 @@ class Session:
             segments, rewards = [], []
             for step, turn in enumerate(chain):
                 known = len(turn.parent.full_ids) if turn.parent is not None else 0
-                segments.append(Segment(turn.prompt_ids[known:], turn.output_ids, turn.logprobs, turn.versions,
-                                        temperature=turn.temperature))
+                segments.append(
+                    Segment(
+                        turn.prompt_ids[known:],
+                        turn.output_ids,
+                        turn.logprobs,
+                        turn.versions,
+                        temperature=turn.temperature,
+                    )
+                )
                 if turn.interaction_id in self.rewards:
                     rewards.append(Reward(self.rewards[turn.interaction_id], step=step, source=REWARD_SOURCE))
-            metadata = {**self.metadata, "interaction_ids": [t.interaction_id for t in chain], "discount": discount,
-                        "finish_reasons": [t.finish_reason for t in chain]}
-            records.append(Trajectory(segments, id=f"{self.id}-{n}", session_id=self.id, tenant=self.tenant,
-                                      rewards=rewards, metadata=metadata))
+            metadata = {
+                **self.metadata,
+                "interaction_ids": [t.interaction_id for t in chain],
+                "discount": discount,
+                "finish_reasons": [t.finish_reason for t in chain],
+            }
+            records.append(
+                Trajectory(
+                    segments,
+                    id=f"{self.id}-{n}",
+                    session_id=self.id,
+                    tenant=self.tenant,
+                    rewards=rewards,
+                    metadata=metadata,
+                )
+            )
         return records
 
     def chains_holding(self, turn: Turn) -> list[tuple[str, int]]:
         """(record id, step) of every written record whose conversation holds ``turn``."""
-        return [(record, chain.index(turn)) for leaf, record in self.trajectory_ids.items()
-                for chain in [self.turn(leaf).chain()] if turn in chain]
+        return [
+            (record, chain.index(turn))
+            for leaf, record in self.trajectory_ids.items()
+            for chain in [self.turn(leaf).chain()]
+            if turn in chain
+        ]
 
 
 def keep_reply(turn: Turn, tokenizer: ChatTokenizer, messages: list[dict], tools: list[dict] | None) -> None:
     """A chat turn's reply message (tool calls parsed when tools were offered), and how the template
     writes it once the agent sends it back (content as the proxy reads messages: None is "")."""
     turn.reply = reply_message(tokenizer.decode(turn.output_ids), bool(tools))
-    turn.rendered, closing = tokenizer.reply_rendering(messages, tools, {**turn.reply,
-                                                                         "content": turn.reply["content"] or ""})
+    turn.rendered, closing = tokenizer.reply_rendering(
+        messages, tools, {**turn.reply, "content": turn.reply["content"] or ""}
+    )
     eos = tokenizer.eos_token_ids[:1]
     eos_text = tokenizer.decode(eos, skip_special_tokens=False) if eos and turn.output_ids[-1:] == eos else ""
-    turn.bridge = closing[len(eos_text):] if closing.startswith(eos_text) else closing
+    turn.bridge = closing[len(eos_text) :] if closing.startswith(eos_text) else closing
 
 
 def discounted_returns(rewards: dict[int, float], n_turns: int, discount: float) -> list[float]:
@@ -147,6 +175,7 @@ def discounted_returns(rewards: dict[int, float], n_turns: int, discount: float)
 
 def session_returns(session: Session, leaf: Turn, discount: float) -> list[float]:
     chain = leaf.chain()
-    rewards = {step: session.rewards[t.interaction_id] for step, t in enumerate(chain)
-               if t.interaction_id in session.rewards}
+    rewards = {
+        step: session.rewards[t.interaction_id] for step, t in enumerate(chain) if t.interaction_id in session.rewards
+    }
     return discounted_returns(rewards, len(chain), discount)

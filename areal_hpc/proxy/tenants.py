@@ -81,6 +81,7 @@ class TenantKeys:
 
 def parse_keys(path: Path, default: Quota) -> tuple[dict[str, str], dict[str, Quota], set[str]]:
     """(key hash -> tenant, tenant -> quota, revoked hashes); a malformed file is a UserError naming what."""
+
     def bad(what: str) -> UserError:
         return UserError(f"proxy keys file {path}: {what}")
 
@@ -98,8 +99,10 @@ def parse_keys(path: Path, default: Quota) -> tuple[dict[str, str], dict[str, Qu
             raise bad(f"tenant {name}: give 'keys' and optionally 'requests_per_minute', 'tokens_per_minute'")
         for key_hash in entry.get("keys") or []:
             if not isinstance(key_hash, str) or not HASH.fullmatch(key_hash):
-                raise bad(f"tenant {name}: key {str(key_hash)[:20]!r}... is not 'sha256:' and 64 hex digits "
-                          "(the file holds hashes, never keys)")
+                raise bad(
+                    f"tenant {name}: key {str(key_hash)[:20]!r}... is not 'sha256:' and 64 hex digits "
+                    "(the file holds hashes, never keys)"
+                )
             if tenants.setdefault(key_hash, name) != name:
                 raise bad(f"one key hash is listed for tenants {tenants[key_hash]} and {name}")
         limits = {}

@@ -18,8 +18,15 @@ CASE_CPU_S = 3  # above the wall clock, so a busy loop reads as a timeout too
 _FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)```", re.IGNORECASE | re.DOTALL)
 
 
-def code_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
-                answer: str = "", tests=None, **fields) -> dict:
+def code_reward(
+    prompt: str,
+    completion: str,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    answer: str = "",
+    tests=None,
+    **fields,
+) -> dict:
     """{"reward": 1.0 when every case passes else 0.0, "pass_rate": the fraction passed, "timeouts": cases
     stopped by the wall clock, "killed": cases stopped at another limit}. After a timeout the remaining
     cases are not run (they fail), so a looping program costs one CASE_TIMEOUT_S."""
@@ -32,8 +39,12 @@ def code_reward(prompt: str, completion: str, prompt_ids: list[int], completion_
         passed += result.returncode == 0 and (expected is None or _same_output(result.stdout, expected))
         if result.timed_out:
             break
-    return {"reward": float(passed == len(cases)), "pass_rate": passed / len(cases), "timeouts": timeouts,
-            "killed": killed}
+    return {
+        "reward": float(passed == len(cases)),
+        "pass_rate": passed / len(cases),
+        "timeouts": timeouts,
+        "killed": killed,
+    }
 
 
 def extract_program(completion: str) -> str:
@@ -53,14 +64,20 @@ def _cases(program: str, tests) -> list[tuple[str, str, str | None]]:
         tests = parsed if isinstance(parsed, list) else [tests]
     if isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests):
         return [(f"{program}\n\n{t}", "", None) for t in tests]
-    if isinstance(tests, list) and tests and all(isinstance(t, dict) and {"input", "output"} <= t.keys()
-                                                 for t in tests):
+    if (
+        isinstance(tests, list)
+        and tests
+        and all(isinstance(t, dict) and {"input", "output"} <= t.keys() for t in tests)
+    ):
         return [(program, str(t["input"]), str(t["output"])) for t in tests]
-    raise UserError("code_reward needs a 'tests' field: Python asserts, a list of them, or a list of "
-                    f'{{"input": ..., "output": ...}} cases; got {type(tests).__name__} {str(tests)[:80]!r}')
+    raise UserError(
+        "code_reward needs a 'tests' field: Python asserts, a list of them, or a list of "
+        f'{{"input": ..., "output": ...}} cases; got {type(tests).__name__} {str(tests)[:80]!r}'
+    )
 
 
 def _same_output(got: str, expected: str) -> bool:
     """Equal line by line, ignoring trailing whitespace on each line and blank lines at the end."""
-    return [line.rstrip() for line in got.rstrip().splitlines()] == \
-        [line.rstrip() for line in expected.rstrip().splitlines()]
+    return [line.rstrip() for line in got.rstrip().splitlines()] == [
+        line.rstrip() for line in expected.rstrip().splitlines()
+    ]

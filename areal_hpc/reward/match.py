@@ -25,8 +25,9 @@ def final_answer(completion: str) -> str:
     return lines[-1] if lines else ""
 
 
-def exact_match_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
-                       answer: str = "", **fields) -> float:
+def exact_match_reward(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], answer: str = "", **fields
+) -> float:
     """1.0 when the final answer equals ``answer``, both stripped and case-folded; else 0.0."""
     try:
         return float(final_answer(completion).casefold() == str(answer).strip().casefold())
@@ -34,12 +35,23 @@ def exact_match_reward(prompt: str, completion: str, prompt_ids: list[int], comp
         return 0.0
 
 
-def regex_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
-                 answer: str = "", pattern: str | None = None, **fields) -> float:
+def regex_reward(
+    prompt: str,
+    completion: str,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    answer: str = "",
+    pattern: str | None = None,
+    **fields,
+) -> float:
     """1.0 when the regex (the example's ``pattern`` field, else ``answer`` itself) matches the whole
     final answer; 0.0 otherwise, for a bad regex, or when matching takes over REGEX_TIMEOUT_S."""
     try:
-        return float(regex.fullmatch(str(answer if pattern is None else pattern), final_answer(completion),
-                                     timeout=REGEX_TIMEOUT_S) is not None)
+        return float(
+            regex.fullmatch(
+                str(answer if pattern is None else pattern), final_answer(completion), timeout=REGEX_TIMEOUT_S
+            )
+            is not None
+        )
     except Exception:  # noqa: BLE001 - regex.error, TimeoutError, a completion that is not text
         return 0.0

@@ -16,8 +16,9 @@ MAX_SCORED_CHARS = 4096  # only the completion's tail is parsed: cost stays boun
 VERIFY_TIMEOUT_S = 2
 
 
-def math_verify_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
-                       answer: str = "", **fields) -> float:
+def math_verify_reward(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], answer: str = "", **fields
+) -> float:
     """1.0 when the completion's final answer equals ``answer`` mathematically, else 0.0 (never raises).
     The final answer is the first line after the last "####" of the completion's tail when it has one,
     else what math-verify finds in the tail: the last \\boxed{} first, then "the answer is ..." and the

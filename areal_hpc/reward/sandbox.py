@@ -52,8 +52,16 @@ class SandboxResult:
     network_isolated: bool  # ran in its own network (loopback down, no route) and PID namespaces
 
 
-def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 256,
-               file_size_mb: int = 1, max_processes: int = 1) -> SandboxResult:
+def run_python(
+    code: str,
+    *,
+    stdin: str = "",
+    timeout_s: float = 5.0,
+    cpu_s: int = 5,
+    memory_mb: int = 256,
+    file_size_mb: int = 1,
+    max_processes: int = 1,
+) -> SandboxResult:
     """Run ``code`` as ``main.py`` in a new temporary directory, fed ``stdin``. ``max_processes`` counts
     the program itself: 1 lets it start no process."""
     if timeout_s <= 0 or cpu_s < 1 or memory_mb < 1 or file_size_mb < 0 or max_processes < 1:
@@ -73,10 +81,16 @@ def _supervise(workdir: str, limits: tuple, stdin: bytes, timeout_s: float, max_
     status_r, status_w = os.pipe()
     env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(status_w),
-                                 str(os.getpid()), *map(str, limits)], cwd=workdir, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=(status_w,), start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", os.path.abspath(__file__), str(status_w), str(os.getpid()), *map(str, limits)],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(status_w,),
+            start_new_session=True,
+        )
     finally:
         os.close(status_w)
     out, err, status = bytearray(), bytearray(), bytearray()
@@ -89,8 +103,9 @@ def _supervise(workdir: str, limits: tuple, stdin: bytes, timeout_s: float, max_
             proc.kill()
             _drain(sel, buffers)
             os.close(status_r)
-    return _result(bytes(status).decode().splitlines(), proc.returncode, out, err, reason, limits[0],
-                   time.monotonic() - started)
+    return _result(
+        bytes(status).decode().splitlines(), proc.returncode, out, err, reason, limits[0], time.monotonic() - started
+    )
 
 
 def _watch(proc, sel, buffers: dict, status_r: int, stdin: bytes, deadline: float, max_processes: int):
@@ -130,7 +145,7 @@ def _watch(proc, sel, buffers: dict, status_r: int, stdin: bytes, deadline: floa
 
 def _feed(sel, pipe, pending: memoryview) -> memoryview:
     try:
-        pending = pending[os.write(pipe.fileno(), pending[:65536]):]
+        pending = pending[os.write(pipe.fileno(), pending[:65536]) :]
     except BlockingIOError:
         return pending
     except BrokenPipeError:  # the program stopped reading
@@ -203,21 +218,31 @@ def _kill_descendants(pid: int) -> None:
     raise RuntimeError(f"sandbox: processes {alive} survived SIGKILL")
 
 
-def _result(status: list[str], launcher_rc: int, out: bytearray, err: bytearray, reason: str | None,
-            cpu_limit: int, duration_s: float) -> SandboxResult:
+def _result(
+    status: list[str],
+    launcher_rc: int,
+    out: bytearray,
+    err: bytearray,
+    reason: str | None,
+    cpu_limit: int,
+    duration_s: float,
+) -> SandboxResult:
     stdout = bytes(out[:OUTPUT_LIMIT]).decode(errors="replace")
     stderr = bytes(err[-OUTPUT_LIMIT:]).decode(errors="replace")
     if len(status) == 2:  # the launcher saw its program end: "<wait status> <cpu seconds>"
         wait_status, cpu = status[1].split()
         returncode = os.waitstatus_to_exitcode(int(wait_status))
-        if reason is None and returncode in (-signal.SIGKILL, -signal.SIGXCPU) and float(cpu) >= CPU_KILL_SHARE * cpu_limit:
+        if (
+            reason is None
+            and returncode in (-signal.SIGKILL, -signal.SIGXCPU)
+            and float(cpu) >= CPU_KILL_SHARE * cpu_limit
+        ):
             reason = "cpu"
     else:  # the launcher failed (and said why on stderr), or was killed
         returncode = launcher_rc
     if reason is None and returncode != 0:
         reason = _limit_in_traceback(stderr)
-    return SandboxResult(returncode, stdout, stderr, reason == "wall_clock", reason, duration_s,
-                         status[:1] == ["1"])
+    return SandboxResult(returncode, stdout, stderr, reason == "wall_clock", reason, duration_s, status[:1] == ["1"])
 
 
 def _limit_in_traceback(stderr: str) -> str | None:
@@ -256,8 +281,12 @@ def _launch(status_fd: int, parent: int, cpu_s: int, memory_b: int, file_size_b:
     if pid == 0:
         try:  # in a PID namespace this child is its init: its death ends every process there
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            for limit, value in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory_b),
-                                 (resource.RLIMIT_FSIZE, file_size_b), (resource.RLIMIT_CORE, 0)):
+            for limit, value in (
+                (resource.RLIMIT_CPU, cpu_s),
+                (resource.RLIMIT_AS, memory_b),
+                (resource.RLIMIT_FSIZE, file_size_b),
+                (resource.RLIMIT_CORE, 0),
+            ):
                 resource.setrlimit(limit, (value, value))
             if nproc >= 0 and os.geteuid() != 0:  # root ignores RLIMIT_NPROC
                 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))

@@ -85,8 +85,12 @@ def _batch_body(bodies: list[dict]) -> dict:
     """One /generate body: a single request as it is, several in SGLang's batch form (a list per field)."""
     if len(bodies) == 1:
         return bodies[0]
-    return {"input_ids": [b["input_ids"] for b in bodies], "rid": [b["rid"] for b in bodies], "return_logprob": True,
-            "sampling_params": [b["sampling_params"] for b in bodies]}
+    return {
+        "input_ids": [b["input_ids"] for b in bodies],
+        "rid": [b["rid"] for b in bodies],
+        "return_logprob": True,
+        "sampling_params": [b["sampling_params"] for b in bodies],
+    }
 
 
 def disk_update(model_path: str, version: int) -> dict:
@@ -95,8 +99,9 @@ def disk_update(model_path: str, version: int) -> dict:
 
 
 class RolloutClient:
-    def __init__(self, addresses: list[str], request_timeout_s: float = 600.0, max_requests: int = 100,
-                 token: str | None = None):
+    def __init__(
+        self, addresses: list[str], request_timeout_s: float = 600.0, max_requests: int = 100, token: str | None = None
+    ):
         """``max_requests``: /generate requests the caller may have in flight at once (their pool's size);
         ``token``: the run's rollout token, sent on every request (servers beyond loopback require it)."""
         self.alive = list(addresses)  # the servers /generate goes to
@@ -115,9 +120,11 @@ class RolloutClient:
 
     async def __aenter__(self) -> RolloutClient:
         self._generation = aiohttp.ClientSession(
-            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_requests), headers=self._headers)
+            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_requests), headers=self._headers
+        )
         self._control = aiohttp.ClientSession(  # per host: servers that join later get the same
-            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, limit_per_host=16), headers=self._headers)
+            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, limit_per_host=16), headers=self._headers
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -127,15 +134,17 @@ class RolloutClient:
         await self._generation.close()
         await self._control.close()
 
-    async def generate(self, input_ids: list[int], sampling: dict, rid: str | None = None,
-                       prefer: str | None = None) -> Generation:
+    async def generate(
+        self, input_ids: list[int], sampling: dict, rid: str | None = None, prefer: str | None = None
+    ) -> Generation:
         """Generate to a stop token or ``max_new_tokens``, across pauses and server failures; on
         ``prefer`` while it is alive (a conversation's server, which holds its prefix in cache)."""
         [generation] = await self.generate_batch([input_ids], [sampling], [rid or uuid.uuid4().hex], prefer)
         return generation
 
-    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict], rids: list[str] | None = None,
-                             prefer: str | None = None) -> list[Generation]:
+    async def generate_batch(
+        self, prompts: list[list[int]], samplings: list[dict], rids: list[str] | None = None, prefer: str | None = None
+    ) -> list[Generation]:
         """Several generations as one /generate (SGLang's batch form: lists of ``input_ids``,
         ``sampling_params`` and ``rid``) on one server, each resumed after a pause from its own output
         (those that finished are not sent again). They succeed or fail together, as a GRPO group does:
@@ -151,9 +160,15 @@ class RolloutClient:
         try:
             while pending:
                 server = self._pick(key)
-                bodies = [{"input_ids": outs[i].input_ids + outs[i].output_ids, "rid": rids[i], "return_logprob": True,
-                           "sampling_params": {**samplings[i], "max_new_tokens": budgets[i] - len(outs[i].output_ids)}}
-                          for i in pending]
+                bodies = [
+                    {
+                        "input_ids": outs[i].input_ids + outs[i].output_ids,
+                        "rid": rids[i],
+                        "return_logprob": True,
+                        "sampling_params": {**samplings[i], "max_new_tokens": budgets[i] - len(outs[i].output_ids)},
+                    }
+                    for i in pending
+                ]
                 try:
                     replies = await self.post(server, "/generate", _batch_body(bodies))
                 except ServerReplyError as exc:
@@ -170,8 +185,9 @@ class RolloutClient:
                     elif (failed_attempts := failed_attempts + 1) < CONNECTION_RETRIES:
                         await asyncio.sleep(RETRY_DELAY_S)  # a dropped connection, not a dead server
                     else:
-                        raise ConnectionFailedError(f"{reason} ({failed_attempts} times in a row, though "
-                                                    f"the server answers /health)") from exc
+                        raise ConnectionFailedError(
+                            f"{reason} ({failed_attempts} times in a row, though the server answers /health)"
+                        ) from exc
                     for i in pending:
                         outs[i].interruptions += 1
                     continue
@@ -179,8 +195,9 @@ class RolloutClient:
                 replies = replies if len(bodies) > 1 else [replies]
                 for i, reply in zip(pending, replies):
                     self._take_reply(outs[i], reply, server)
-                pending = [i for i in pending
-                           if outs[i].finish_reason == "abort" and len(outs[i].output_ids) < budgets[i]]
+                pending = [
+                    i for i in pending if outs[i].finish_reason == "abort" and len(outs[i].output_ids) < budgets[i]
+                ]
                 for i in pending:
                     outs[i].interruptions += 1
             return outs
@@ -192,9 +209,9 @@ class RolloutClient:
         meta = reply["meta_info"]
         out.output_ids += reply["output_ids"]
         out.logprobs += [entry[0] for entry in meta["output_token_logprobs"]]
-        out.versions += (meta.get("output_token_versions")
-                         or [token_version(meta.get("weight_version"), self.versions[server])]
-                         * len(reply["output_ids"]))
+        out.versions += meta.get("output_token_versions") or [
+            token_version(meta.get("weight_version"), self.versions[server])
+        ] * len(reply["output_ids"])
         out.finish_reason, out.server = meta["finish_reason"]["type"], server
 
     async def broadcast(self, route: str, body: dict | None = None, servers: list[str] | None = None) -> list[dict]:

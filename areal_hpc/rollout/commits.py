@@ -39,8 +39,9 @@ class GroupCommits(Generic[Item]):
         while self._waiting:
             group, self._waiting = self._waiting, []
             try:
-                await asyncio.get_running_loop().run_in_executor(self.executor, self.store_all,
-                                                                 [item for item, _ in group])
+                await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.store_all, [item for item, _ in group]
+                )
             except Exception as exc:  # noqa: BLE001 - each caller in the group gets it (e.g. a full disk)
                 outcome = exc
             else:

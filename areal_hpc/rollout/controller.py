@@ -106,11 +106,18 @@ class FailureBudget:
 
 
 class RolloutController:
-    def __init__(self, client: RolloutClient, workflow, gate: StalenessGate, examples: Iterable[Example],
-                 on_accept: Callable[[list[Episode]], None] | None = None,
-                 accept: Callable[[list[Trajectory]], bool] = lambda group: True,
-                 on_drop: Callable[[Episode], None] | None = None, budget: FailureBudget | None = None,
-                 accept_executor: concurrent.futures.Executor | None = None):
+    def __init__(
+        self,
+        client: RolloutClient,
+        workflow,
+        gate: StalenessGate,
+        examples: Iterable[Example],
+        on_accept: Callable[[list[Episode]], None] | None = None,
+        accept: Callable[[list[Trajectory]], bool] = lambda group: True,
+        on_drop: Callable[[Episode], None] | None = None,
+        budget: FailureBudget | None = None,
+        accept_executor: concurrent.futures.Executor | None = None,
+    ):
         """``on_accept`` stores accepted episodes, those that finished while the previous call ran in
         one call (``GroupCommits``), on ``accept_executor`` (None: asyncio's default threads)."""
         self.client, self.workflow, self.gate = client, workflow, gate
@@ -142,9 +149,12 @@ class RolloutController:
 
     def counters(self) -> dict[str, float]:
         """Cumulative counts for metrics: failures by kind, filtered and dropped episodes."""
-        return {"rollout/failures_total": float(self.failures.total),
-                **{f"rollout/failures/{kind}": float(self.failures.counts[kind]) for kind in FAILURE_KINDS},
-                "rollout/filtered_total": float(self.filtered), "rollout/dropped_total": float(self.dropped)}
+        return {
+            "rollout/failures_total": float(self.failures.total),
+            **{f"rollout/failures/{kind}": float(self.failures.counts[kind]) for kind in FAILURE_KINDS},
+            "rollout/filtered_total": float(self.filtered),
+            "rollout/dropped_total": float(self.dropped),
+        }
 
     async def prepare_batch(self, size: int, version: int | None = None) -> list[Episode]:
         """Wait for ``size`` finished episodes no more than eta versions behind ``version`` (the one the
@@ -254,8 +264,11 @@ class RolloutController:
 
     def _log_reward_failures(self, example: Example, trajectories: list[Trajectory]) -> list[str]:
         """Count each failed reward of the episode (the workflow records them in the metadata)."""
-        failed = [(kind, error) for t in trajectories
-                  for kind, error in zip(t.metadata.get("reward_error_kind", ()), t.metadata.get("reward_error", ()))]
+        failed = [
+            (kind, error)
+            for t in trajectories
+            for kind, error in zip(t.metadata.get("reward_error_kind", ()), t.metadata.get("reward_error", ()))
+        ]
         for kind, error in failed:
             self.failures.add(f"reward_{kind}", f"{example.uid}: {error}")
         return [error for _, error in failed]
@@ -269,8 +282,12 @@ class RolloutController:
         self.budget.record(failed=True)
         spent = self.budget.spent()
         if spent:
-            self._stop(RolloutFailure(f"rollouts keep failing: {spent} ({self.failures.summary()}); "
-                                      f"last error: {' '.join(last_error.split())[:MAX_MESSAGE_CHARS]}"))
+            self._stop(
+                RolloutFailure(
+                    f"rollouts keep failing: {spent} ({self.failures.summary()}); "
+                    f"last error: {' '.join(last_error.split())[:MAX_MESSAGE_CHARS]}"
+                )
+            )
 
     def _stop(self, error: RolloutError) -> None:
         if not self._fatal.done():

@@ -39,8 +39,9 @@ class SlotDecoder:
     def __init__(self, model: torch.nn.Module, slots: int, context_length: int):
         config = model.config
         if config.model_type not in SUPPORTED:
-            raise UserError(f"the embedded engine decodes {', '.join(SUPPORTED)} models; "
-                            f"{config.model_type!r} needs backend=sglang")
+            raise UserError(
+                f"the embedded engine decodes {', '.join(SUPPORTED)} models; {config.model_type!r} needs backend=sglang"
+            )
         self.model, self.slots, self.context_length = model, slots, context_length
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -73,15 +74,25 @@ class SlotDecoder:
         self._layers = []
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self._layers.append(_Layer(
-                _Norm(layer.input_layernorm), linear([attn.q_proj, attn.k_proj, attn.v_proj]),
-                linear([attn.o_proj]), attn.scaling,
-                _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None,  # Qwen3 normalises q and k per head
-                _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
-                _Norm(layer.post_attention_layernorm),
-                _DenseMLP(linear([mlp.gate_proj, mlp.up_proj]), linear([mlp.down_proj]), mlp.act_fn)
-                if hasattr(mlp, "gate_proj") else mlp))
-        self._embedding, self._norm, self._head = body.embed_tokens.weight, _Norm(body.norm), linear([self.model.lm_head])
+            self._layers.append(
+                _Layer(
+                    _Norm(layer.input_layernorm),
+                    linear([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    linear([attn.o_proj]),
+                    attn.scaling,
+                    _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None,  # Qwen3 normalises q and k per head
+                    _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
+                    _Norm(layer.post_attention_layernorm),
+                    _DenseMLP(linear([mlp.gate_proj, mlp.up_proj]), linear([mlp.down_proj]), mlp.act_fn)
+                    if hasattr(mlp, "gate_proj")
+                    else mlp,
+                )
+            )
+        self._embedding, self._norm, self._head = (
+            body.embed_tokens.weight,
+            _Norm(body.norm),
+            linear([self.model.lm_head]),
+        )
 
     @torch.no_grad()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
@@ -101,9 +112,9 @@ class SlotDecoder:
         if len(distinct) < len(prompts):
             sources = torch.tensor(which, device=self.device) + first_row
             for cache in (*self.keys, *self.values):
-                cache[first_row:first_row + len(prompts), :, :width] = cache[sources, :, :width]
+                cache[first_row : first_row + len(prompts), :, :width] = cache[sources, :, :width]
         ends = torch.tensor([len(p) for p in distinct], device=self.device)
-        self.lengths[first_row:first_row + len(prompts)] = ends[which]
+        self.lengths[first_row : first_row + len(prompts)] = ends[which]
         return self._logits(hidden[torch.arange(len(distinct)), ends - 1])[which]
 
     @torch.no_grad()
@@ -149,17 +160,18 @@ class SlotDecoder:
         group = self.heads // self.kv_heads
         bias = bias[:, None, None].expand(batch, self.kv_heads, group, length, span).reshape(-1, group * length, span)
         # Where each new key/value goes in the cache viewed as [slots * kv heads * context, head dim].
-        row_heads = (torch.arange(first_row, first_row + batch, device=self.device)[:, None, None] * self.kv_heads
-                     + torch.arange(self.kv_heads, device=self.device))  # [B, 1, kv]
+        row_heads = torch.arange(first_row, first_row + batch, device=self.device)[
+            :, None, None
+        ] * self.kv_heads + torch.arange(self.kv_heads, device=self.device)  # [B, 1, kv]
         slots = (row_heads * self.capacity + positions[:, :, None]).flatten()  # [B * T * kv]
         rows, qk_width = slice(first_row, first_row + batch), (self.heads + self.kv_heads) * self.head_dim
         for layer, keys, values in zip(self._layers, self.keys, self.values):
             qkv = layer.qkv(layer.input_norm(hidden))
             qk, v = qkv[..., :qk_width].view(batch, length, -1, self.head_dim), qkv[..., qk_width:]
             if layer.q_norm is not None:
-                qk = torch.cat([layer.q_norm(qk[:, :, :self.heads]), layer.k_norm(qk[:, :, self.heads:])], dim=2)
+                qk = torch.cat([layer.q_norm(qk[:, :, : self.heads]), layer.k_norm(qk[:, :, self.heads :])], dim=2)
             qk = _rotate(qk, cos, sin)  # queries and keys in one pass
-            q, k = qk[:, :, :self.heads], qk[:, :, self.heads:]
+            q, k = qk[:, :, : self.heads], qk[:, :, self.heads :]
             keys.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
             values.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
             out = self._attention(layer, q, keys[rows, :, :span], values[rows, :, :span], bias)
@@ -175,12 +187,13 @@ class SlotDecoder:
         for caches in (self.keys, self.values):
             for i, cache in enumerate(caches):
                 grown = cache.new_zeros(self.slots, self.kv_heads, capacity, self.head_dim)
-                grown[:, :, :self.capacity] = cache
+                grown[:, :, : self.capacity] = cache
                 caches[i] = grown
         self.capacity = capacity
 
-    def _attention(self, layer: _Layer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   bias: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self, layer: _Layer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
         """Grouped-query attention of q [B, T, H, D] over cache views [B, kv, span, D]: the query heads
         sharing a kv head are one matrix (rows = group x T), so keys and values are read in place."""
         batch, length = q.shape[:2]
@@ -212,8 +225,11 @@ class _Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch: int):
         self.weight, self.bias = weight, bias
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, batch) if weight.device.type == "cpu"
-                       and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available() else None)
+        self.packed = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, batch)
+            if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            else None
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -224,6 +240,7 @@ class _Linear:
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's weights, read from its modules once per weight update."""
+
     input_norm: _Norm
     qkv: _Linear
     o_proj: _Linear
@@ -237,6 +254,7 @@ class _Layer:
 @dataclass(frozen=True)
 class _DenseMLP:
     """SwiGLU with gate and up fused into one matmul."""
+
     gate_up: _Linear
     down: _Linear
     act: Callable[[torch.Tensor], torch.Tensor]

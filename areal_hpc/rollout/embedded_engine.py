@@ -70,14 +70,21 @@ def _finite(value) -> float | None:
 
 SAMPLING_CHECKS = [  # field, what is valid, test; in order (a later test may assume an earlier one passed)
     ("max_new_tokens", "an integer >= 0", lambda v: type(v) is int and v >= 0),  # context length: EmbeddedEngine.check
-    ("temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
-     lambda v: (t := _finite(v)) is not None and is_servable(t)),
+    (
+        "temperature",
+        f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
+        lambda v: (t := _finite(v)) is not None and is_servable(t),
+    ),
     ("temperature", f"at most {MAX_TEMPERATURE!r} (float32's largest number)", lambda v: v <= MAX_TEMPERATURE),
     ("top_p", "a number in (0, 1]", lambda v: (p := _finite(v)) is not None and 0 < p <= 1),
     ("top_k", f"-1 or an integer in [1, {MAX_TOP_K}]", lambda v: type(v) is int and (v == -1 or 1 <= v <= MAX_TOP_K)),
     ("stop_token_ids", "a list of integers", lambda v: type(v) is list and all(type(t) is int for t in v)),
     ("ignore_eos", "true or false", lambda v: type(v) is bool),
-    ("sampling_seed", f"null or an integer in [0, {MAX_SEED}]", lambda v: v is None or (type(v) is int and 0 <= v <= MAX_SEED)),
+    (
+        "sampling_seed",
+        f"null or an integer in [0, {MAX_SEED}]",
+        lambda v: v is None or (type(v) is int and 0 <= v <= MAX_SEED),
+    ),
 ]
 
 
@@ -104,7 +111,9 @@ class SamplingParams:
         params = cls(**obj)
         for name, valid, ok in SAMPLING_CHECKS:
             if not ok(getattr(params, name)):
-                raise RequestError(f"sampling_params.{name} = {reprlib.repr(getattr(params, name))}; it must be {valid}")
+                raise RequestError(
+                    f"sampling_params.{name} = {reprlib.repr(getattr(params, name))}; it must be {valid}"
+                )
         params.temperature, params.top_p = float(params.temperature), float(params.top_p)
         return params
 
@@ -137,8 +146,16 @@ class Request:
 class EmbeddedEngine:
     """Serve generation requests from one model with continuous batching; thread-safe entry points."""
 
-    def __init__(self, model: torch.nn.Module, *, slots: int = 32, context_length: int | None = None,
-                 seed: int = 0, eos_token_ids: list[int] | None = None, min_prefill_batch: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        slots: int = 32,
+        context_length: int | None = None,
+        seed: int = 0,
+        eos_token_ids: list[int] | None = None,
+        min_prefill_batch: int | None = None,
+    ):
         """``min_prefill_batch``: while sequences are decoding, admit waiting ones only once this many
         rows are free (default slots // 8), since on CPU a prefill costs as much as a decode step."""
         self.model = model.eval()
@@ -166,14 +183,19 @@ class EmbeddedEngine:
         if not input_ids:
             raise RequestError("input_ids is empty")
         if max(input_ids) >= vocab:
-            raise RequestError(f"input_ids hold token {reprlib.repr(max(input_ids))}; "
-                               f"the vocabulary has {vocab} tokens")
+            raise RequestError(
+                f"input_ids hold token {reprlib.repr(max(input_ids))}; the vocabulary has {vocab} tokens"
+            )
         if not all(0 <= t < vocab for t in params.stop_token_ids):
-            raise RequestError(f"sampling_params.stop_token_ids = {reprlib.repr(params.stop_token_ids)}; "
-                               f"they must be token ids in [0, {vocab})")
+            raise RequestError(
+                f"sampling_params.stop_token_ids = {reprlib.repr(params.stop_token_ids)}; "
+                f"they must be token ids in [0, {vocab})"
+            )
         if len(input_ids) + params.max_new_tokens > self.context_length:
-            raise RequestError(f"too many tokens: {len(input_ids)} prompt + {reprlib.repr(params.max_new_tokens)} "
-                               f"max_new_tokens > context length {self.context_length}")
+            raise RequestError(
+                f"too many tokens: {len(input_ids)} prompt + {reprlib.repr(params.max_new_tokens)} "
+                f"max_new_tokens > context length {self.context_length}"
+            )
 
     def submit(self, request: Request) -> None:
         self.check(request.input_ids, request.params)
@@ -218,22 +240,26 @@ class EmbeddedEngine:
 
     def pause(self) -> concurrent.futures.Future:
         """Abort mode: in-flight and queued requests return now with their partial output."""
+
         def pause():
             self.paused = True
             self._abort(lambda r: True)
+
         return self.call(pause)
 
     def resume(self) -> concurrent.futures.Future:
         def resume():
             self.paused = False
+
         return self.call(resume)
 
     def abort(self, rid: str | None) -> concurrent.futures.Future:
         """Abort one request (or all when ``rid`` is None); it returns with finish reason ``abort``."""
         return self.call(lambda: self._abort(lambda r: rid is None or r.rid == rid))
 
-    def update_weights(self, state: dict[str, torch.Tensor], version: int | None, *,
-                       complete: bool) -> concurrent.futures.Future:
+    def update_weights(
+        self, state: dict[str, torch.Tensor], version: int | None, *, complete: bool
+    ) -> concurrent.futures.Future:
         """Check ``state`` against the live model and copy it in, all or nothing, between two steps;
         ``complete``: it must hold every tensor (a checkpoint), not one bucket of them. The future
         raises RequestError, weights and version unchanged, on the first mismatch."""
@@ -265,8 +291,9 @@ class EmbeddedEngine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._stopped or self._commands or self._running
-                                    or (self._waiting and not self.paused))
+                self._wake.wait_for(
+                    lambda: self._stopped or self._commands or self._running or (self._waiting and not self.paused)
+                )
                 if self._stopped:
                     return
                 commands, self._commands = list(self._commands), deque()
@@ -300,7 +327,7 @@ class EmbeddedEngine:
     @torch.no_grad()
     def _score(self, input_ids: list[int], start: int) -> list[float | None]:
         logits = self.model(input_ids=torch.tensor([input_ids], device=self.decoder.device)).logits[0]
-        targets = torch.tensor(input_ids[start + 1:], device=logits.device)
+        targets = torch.tensor(input_ids[start + 1 :], device=logits.device)
         picked = torch.log_softmax(logits[start:-1].float(), dim=-1).gather(1, targets[:, None])[:, 0]
         return [None, *picked.tolist()]
 
@@ -326,16 +353,18 @@ class EmbeddedEngine:
         sampler cannot take fails in ``_advance`` as one whose prompt the model cannot run does, alone."""
         for row, request in enumerate(requests, start=first):
             params = request.params
-            self.sampler.set(row, params.temperature, params.top_k, params.top_p, params.sampling_seed,
-                             len(request.input_ids))
+            self.sampler.set(
+                row, params.temperature, params.top_k, params.top_p, params.sampling_seed, len(request.input_ids)
+            )
         return self.decoder.prefill(first, [r.input_ids for r in requests])
 
     def _step(self) -> None:
         """Feed every running request its last token (the decoder keeps them): one more token each."""
         self._advance(0, self._running, lambda row, requests: self.decoder.decode(row, len(requests)))
 
-    def _advance(self, first: int, requests: list[Request],
-                 forward: Callable[[int, list[Request]], torch.Tensor]) -> None:
+    def _advance(
+        self, first: int, requests: list[Request], forward: Callable[[int, list[Request]], torch.Tensor]
+    ) -> None:
         """One forward pass over ``requests`` (in rows ``first``..), then sample and record a token each.
         If the pass raises, the rows run one at a time and only those that fail alone are failed:
         one bad row, or a batch too large for memory, never fails the others."""
@@ -343,27 +372,36 @@ class EmbeddedEngine:
             tokens, logprobs, finite = self.sampler.sample(forward(first, requests), first)
             errors = [None if ok else NOT_FINITE for ok in finite.tolist()]
         except Exception as exc:  # noqa: BLE001 - isolate the culprit below
-            log.warning("a step over %d rows failed (%s: %s); running them one at a time",
-                        len(requests), type(exc).__name__, exc)
+            log.warning(
+                "a step over %d rows failed (%s: %s); running them one at a time",
+                len(requests),
+                type(exc).__name__,
+                exc,
+            )
             rows = [self._advance_alone(row, request, forward) for row, request in enumerate(requests, start=first)]
             tokens, logprobs = torch.cat([t for t, _, _ in rows]), torch.cat([lp for _, lp, _ in rows])
             errors = [error for _, _, error in rows]
         self.decoder.push(first, tokens)
         self._record(requests, tokens.tolist(), logprobs.tolist(), errors)
 
-    def _advance_alone(self, row: int, request: Request, forward: Callable[[int, list[Request]], torch.Tensor]
-                       ) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+    def _advance_alone(
+        self, row: int, request: Request, forward: Callable[[int, list[Request]], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, str | None]:
         """``_advance`` for one row: its token, logprob and error (a pass that raises fails this row)."""
         try:
             tokens, logprobs, finite = self.sampler.sample(forward(row, [request]), row)
         except Exception as exc:  # noqa: BLE001 - this row fails by itself: fail its request
             device = self.decoder.device
-            return (torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, device=device),
-                    f"{type(exc).__name__}: {exc}")
+            return (
+                torch.zeros(1, dtype=torch.long, device=device),
+                torch.zeros(1, device=device),
+                f"{type(exc).__name__}: {exc}",
+            )
         return tokens, logprobs, None if bool(finite[0]) else NOT_FINITE
 
-    def _record(self, requests: list[Request], tokens: list[int], logprobs: list[float],
-                errors: list[str | None]) -> None:
+    def _record(
+        self, requests: list[Request], tokens: list[int], logprobs: list[float], errors: list[str | None]
+    ) -> None:
         finished = []
         for request, token, logprob, error in zip(requests, tokens, logprobs, errors):
             if error is not None:
@@ -376,8 +414,10 @@ class EmbeddedEngine:
             params = request.params
             if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
                 finished.append((request, "stop", token))
-            elif (len(request.output_ids) >= params.max_new_tokens
-                  or len(request.input_ids) + len(request.output_ids) >= self.context_length):
+            elif (
+                len(request.output_ids) >= params.max_new_tokens
+                or len(request.input_ids) + len(request.output_ids) >= self.context_length
+            ):
                 finished.append((request, "length", None))
         self._retire(finished)
 
@@ -404,8 +444,19 @@ class EmbeddedEngine:
             self._reply(request, reason, matched)
 
     def _reply(self, request: Request, reason: str, matched: int | None = None) -> None:
-        request.on_done(Result(request.rid, request.output_ids, request.logprobs, request.versions, reason,
-                               matched, len(request.input_ids), self.version, request.error))
+        request.on_done(
+            Result(
+                request.rid,
+                request.output_ids,
+                request.logprobs,
+                request.versions,
+                reason,
+                matched,
+                len(request.input_ids),
+                self.version,
+                request.error,
+            )
+        )
 
 
 def compacted(count: int, finished: set[int]) -> list[int]:

@@ -46,7 +46,7 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     z = (z ^ _shift_right(z, 30)) * MIX1
     z = (z ^ _shift_right(z, 27)) * MIX2
     z = z ^ _shift_right(z, 31)
-    return (_shift_right(z, 11) + 1).double() * 2.0 ** -53
+    return (_shift_right(z, 11) + 1).double() * 2.0**-53
 
 
 class SlotSampler:
@@ -61,8 +61,9 @@ class SlotSampler:
         self.position = torch.zeros(slots, dtype=torch.long, device=device)  # of the row's next token
         self.generator = torch.Generator(device=device).manual_seed(seed)  # seeds of requests that bring none
 
-    def set(self, row: int, temperature: float, top_k: int, top_p: float, seed: int | None = None,
-            position: int = 0) -> None:
+    def set(
+        self, row: int, temperature: float, top_k: int, top_p: float, seed: int | None = None, position: int = 0
+    ) -> None:
         """A new request's parameters in ``row``: temperature 0 is greedy, top_k <= 0 keeps every token;
         ``seed`` (None: one from this sampler's generator) and the position of its first new token.
         A temperature above MAX_TEMPERATURE or a top_k above MAX_TOP_K does not fit its tensor: it raises."""

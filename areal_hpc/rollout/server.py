@@ -70,8 +70,10 @@ async def token_required(request: web.Request, handler):
     # the header's bytes as sent: aiohttp hands bytes that are not UTF-8 over as surrogates
     given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
     if request.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected):
-        return error(401, "this server needs the run's rollout token: 'Authorization: Bearer <token>' "
-                          "(<run folder>/rollout_token)")
+        return error(
+            401,
+            "this server needs the run's rollout token: 'Authorization: Bearer <token>' (<run folder>/rollout_token)",
+        )
     return await handler(request)
 
 
@@ -119,8 +121,9 @@ async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     for prompt, sampling in zip(prompts, params):  # all or nothing: refuse the batch before any prompt is queued
         engine.check(prompt, sampling)
-    runs = [asyncio.ensure_future(engine.generate(rid, ids, sampling))
-            for rid, ids, sampling in zip(rids, prompts, params)]
+    runs = [
+        asyncio.ensure_future(engine.generate(rid, ids, sampling)) for rid, ids, sampling in zip(rids, prompts, params)
+    ]
     try:
         results = await asyncio.gather(*runs)
     finally:  # one prompt failed (or the client left): abort the batch's others, they have no reader
@@ -129,8 +132,10 @@ async def generate(request: web.Request) -> web.Response:
     scores = [None] * len(prompts)
     if return_logprob and start >= 0:
         scores = await asyncio.gather(*(asyncio.wrap_future(engine.score(p, start)) for p in prompts))
-    out = [_sglang_response(r, request.app[STATE]["tokenizer"], return_logprob, prompt, start, score)
-           for r, prompt, score in zip(results, prompts, scores)]
+    out = [
+        _sglang_response(r, request.app[STATE]["tokenizer"], return_logprob, prompt, start, score)
+        for r, prompt, score in zip(results, prompts, scores)
+    ]
     return web.json_response(out if batched else out[0])
 
 
@@ -149,8 +154,10 @@ def _logprob_start(given, prompts: list[list[int]]) -> int:
     """``logprob_start_len``: -1 (output logprobs only) or a position inside every prompt."""
     shortest = min(len(p) for p in prompts)
     if type(given) is not int or not -1 <= given < shortest:
-        raise RequestError(f"logprob_start_len = {reprlib.repr(given)}; it must be -1 (output logprobs only) or a "
-                           f"prompt position in [0, {shortest - 1}]")
+        raise RequestError(
+            f"logprob_start_len = {reprlib.repr(given)}; it must be -1 (output logprobs only) or a "
+            f"prompt position in [0, {shortest - 1}]"
+        )
     return given
 
 
@@ -163,16 +170,23 @@ def _sampling_params(given, n: int, batched: bool) -> list[SamplingParams]:
     return [SamplingParams.from_json(p) for p in given]
 
 
-def _sglang_response(result: Result, tokenizer, return_logprob: bool, prompt: list[int], start: int,
-                     score: list[float | None] | None) -> dict:
+def _sglang_response(
+    result: Result, tokenizer, return_logprob: bool, prompt: list[int], start: int, score: list[float | None] | None
+) -> dict:
     finish = {"type": result.finish_reason}
     if result.finish_reason == "stop":
         finish["matched"] = result.matched_stop
     elif result.finish_reason == "length":
         finish["length"] = len(result.output_ids)
-    meta = {"id": result.rid, "finish_reason": finish, "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": len(result.output_ids), "cached_tokens": 0,
-            "weight_version": str(result.weight_version), "output_token_versions": result.versions}
+    meta = {
+        "id": result.rid,
+        "finish_reason": finish,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "weight_version": str(result.weight_version),
+        "output_token_versions": result.versions,
+    }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids)]
     if score is not None:
@@ -187,24 +201,40 @@ async def health(request: web.Request) -> web.Response:
 
 async def model_info(request: web.Request) -> web.Response:
     engine, state = request.app[ENGINE], request.app[STATE]
-    return web.json_response({"model_path": state["model_path"], "is_generation": True,
-                              "weight_version": str(engine.version), "context_length": engine.context_length,
-                              "max_running_requests": engine.decoder.slots, "paused": engine.paused,
-                              "running_requests": engine.running, "waiting_requests": engine.waiting})
+    return web.json_response(
+        {
+            "model_path": state["model_path"],
+            "is_generation": True,
+            "weight_version": str(engine.version),
+            "context_length": engine.context_length,
+            "max_running_requests": engine.decoder.slots,
+            "paused": engine.paused,
+            "running_requests": engine.running,
+            "waiting_requests": engine.waiting,
+        }
+    )
 
 
 async def server_info(request: web.Request) -> web.Response:
     """SGLang's /get_server_info, the fields a trainer reads: one rank per server in an update group."""
     engine, state = request.app[ENGINE], request.app[STATE]
-    return web.json_response({"model_path": state["model_path"], "tp_size": 1, "dp_size": 1,
-                              "max_running_requests": engine.decoder.slots, "context_length": engine.context_length})
+    return web.json_response(
+        {
+            "model_path": state["model_path"],
+            "tp_size": 1,
+            "dp_size": 1,
+            "max_running_requests": engine.decoder.slots,
+            "context_length": engine.context_length,
+        }
+    )
 
 
 async def pause_generation(request: web.Request) -> web.Response:
     mode = (await read_json(request)).get("mode", "abort")
     if mode != "abort":
-        raise RequestError(f"pause mode {reprlib.repr(mode)} is not supported; the embedded engine pauses "
-                           "with mode 'abort'")
+        raise RequestError(
+            f"pause mode {reprlib.repr(mode)} is not supported; the embedded engine pauses with mode 'abort'"
+        )
     await asyncio.wrap_future(request.app[ENGINE].pause())
     return web.json_response({"success": True})
 
@@ -243,17 +273,27 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     as SGLang's ranks are (parallel/weight_group.py); a group joined before (a trainer since restarted,
     or one re-forming its group without a server that died) is closed first."""
     body = await read_json(request)
-    args = dict(backend=body.get("backend", "gloo"), master_address=body.get("master_address"),
-                master_port=body.get("master_port"), rank=body.get("rank_offset"),
-                world_size=body.get("world_size"), group_name=body.get("group_name", DEFAULT_GROUP))
+    args = dict(
+        backend=body.get("backend", "gloo"),
+        master_address=body.get("master_address"),
+        master_port=body.get("master_port"),
+        rank=body.get("rank_offset"),
+        world_size=body.get("world_size"),
+        group_name=body.get("group_name", DEFAULT_GROUP),
+    )
     world = args["world_size"] if type(args["world_size"]) is int else 0
-    checks = [("master_address", "a host name", isinstance(args["master_address"], str)),
-              ("master_port", "an integer in [1, 65535]", type(args["master_port"]) is int
-               and 0 < args["master_port"] < 65536),
-              ("world_size", "an integer >= 2", world >= 2),
-              ("rank_offset", "an integer in [1, world_size)", type(args["rank"]) is int and 0 < args["rank"] < world),
-              ("backend", "'gloo' or 'nccl'", args["backend"] in ("gloo", "nccl")),
-              ("group_name", "a string", isinstance(args["group_name"], str))]
+    checks = [
+        ("master_address", "a host name", isinstance(args["master_address"], str)),
+        (
+            "master_port",
+            "an integer in [1, 65535]",
+            type(args["master_port"]) is int and 0 < args["master_port"] < 65536,
+        ),
+        ("world_size", "an integer >= 2", world >= 2),
+        ("rank_offset", "an integer in [1, world_size)", type(args["rank"]) is int and 0 < args["rank"] < world),
+        ("backend", "'gloo' or 'nccl'", args["backend"] in ("gloo", "nccl")),
+        ("group_name", "a string", isinstance(args["group_name"], str)),
+    ]
     for name, valid, ok in checks:
         if not ok:
             raise RequestError(f"{name} = {reprlib.repr(body.get(name))}; it must be {valid}")
@@ -308,8 +348,10 @@ def bucket_spec(body: dict, group_name: str) -> tuple[list[str], list[torch.dtyp
         raise RequestError(f"group_name {reprlib.repr(body['group_name'])} is not the joined group {group_name!r}")
     names, dtypes, shapes = (body.get(key) for key in ("names", "dtypes", "shapes"))
     if not all(type(v) is list for v in (names, dtypes, shapes)) or not len(names) == len(dtypes) == len(shapes):
-        raise RequestError(f"names, dtypes and shapes must be lists of one length, got "
-                           f"{reprlib.repr(names)}, {reprlib.repr(dtypes)}, {reprlib.repr(shapes)}")
+        raise RequestError(
+            f"names, dtypes and shapes must be lists of one length, got "
+            f"{reprlib.repr(names)}, {reprlib.repr(dtypes)}, {reprlib.repr(shapes)}"
+        )
     for name, dtype, shape in zip(names, dtypes, shapes):
         if not isinstance(name, str):
             raise RequestError(f"tensor name {reprlib.repr(name)} is not a string")
@@ -320,11 +362,14 @@ def bucket_spec(body: dict, group_name: str) -> tuple[list[str], list[torch.dtyp
     return names, [DTYPES[d] for d in dtypes], shapes
 
 
-def receive_state(group: UpdateGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]],
-                  device: torch.device) -> dict[str, torch.Tensor]:
+def receive_state(
+    group: UpdateGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], device: torch.device
+) -> dict[str, torch.Tensor]:
     """Server side of one bucket: the tensors rank 0 broadcasts, in ``names`` order, as declared."""
-    return {name: broadcast_tensor(group, torch.empty(shape, dtype=dtype, device=device))
-            for name, dtype, shape in zip(names, dtypes, shapes)}
+    return {
+        name: broadcast_tensor(group, torch.empty(shape, dtype=dtype, device=device))
+        for name, dtype, shape in zip(names, dtypes, shapes)
+    }
 
 
 def _version(body: dict) -> int | None:
@@ -343,21 +388,27 @@ def _version(body: dict) -> int | None:
 def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None, token: str | None = None) -> web.Application:
     """``token``: required on every route but the health probes (servers bound beyond loopback); its
     check runs inside the JSON error handler, as the routes do."""
-    app = web.Application(middlewares=[errors_as_json] + ([token_required] if token else []),
-                          client_max_size=64 << 20)
+    app = web.Application(middlewares=[errors_as_json] + ([token_required] if token else []), client_max_size=64 << 20)
     app[ENGINE], app[STATE] = engine, {"model_path": model_path, "tokenizer": tokenizer}
     if token:
         app[TOKEN] = token
-    app.add_routes([
-        web.post("/generate", generate), web.get("/health", health), web.get("/health_generate", health),
-        web.get("/get_model_info", model_info), web.get("/get_server_info", server_info),
-        web.post("/pause_generation", pause_generation),
-        web.post("/continue_generation", continue_generation), web.post("/abort_request", abort_request),
-        web.post("/flush_cache", flush_cache), web.post("/update_weights_from_disk", update_weights_from_disk),
-        web.post("/init_weights_update_group", init_weights_update_group),
-        web.post("/destroy_weights_update_group", destroy_weights_update_group),
-        web.post("/update_weights_from_distributed", update_weights_from_distributed),
-    ])
+    app.add_routes(
+        [
+            web.post("/generate", generate),
+            web.get("/health", health),
+            web.get("/health_generate", health),
+            web.get("/get_model_info", model_info),
+            web.get("/get_server_info", server_info),
+            web.post("/pause_generation", pause_generation),
+            web.post("/continue_generation", continue_generation),
+            web.post("/abort_request", abort_request),
+            web.post("/flush_cache", flush_cache),
+            web.post("/update_weights_from_disk", update_weights_from_disk),
+            web.post("/init_weights_update_group", init_weights_update_group),
+            web.post("/destroy_weights_update_group", destroy_weights_update_group),
+            web.post("/update_weights_from_distributed", update_weights_from_distributed),
+        ]
+    )
     return app
 
 
@@ -371,14 +422,26 @@ def serve_embedded(cfg) -> None:
     sock = bind(cfg.rollout.host, cfg.rollout.port)  # a taken port fails before minutes of model loading
     token = server_token(cfg.run_dir, cfg.rollout.host)
     model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
-    engine = EmbeddedEngine(model, slots=cfg.rollout.max_running_requests,
-                            context_length=cfg.rollout.context_length or None, seed=cfg.experiment.seed)
+    engine = EmbeddedEngine(
+        model,
+        slots=cfg.rollout.max_running_requests,
+        context_length=cfg.rollout.context_length or None,
+        seed=cfg.experiment.seed,
+    )
     address = advertised_address(cfg.rollout.host, sock.getsockname()[1], cfg.cluster.interface)
-    print(f"embedded rollout server for {cfg.model.path} on http://{address} "
-          f"({engine.decoder.slots} slots, context {engine.context_length})", flush=True)
+    print(
+        f"embedded rollout server for {cfg.model.path} on http://{address} "
+        f"({engine.decoder.slots} slots, context {engine.context_length})",
+        flush=True,
+    )
     try:
         with registered_server(cfg.run_dir, address):
-            web.run_app(build_app(engine, str(cfg.model.path), load_tokenizer(cfg.model.path), token), sock=sock,
-                        print=None, handle_signals=True, handler_cancellation=True)  # disconnect -> abort
+            web.run_app(
+                build_app(engine, str(cfg.model.path), load_tokenizer(cfg.model.path), token),
+                sock=sock,
+                print=None,
+                handle_signals=True,
+                handler_cancellation=True,
+            )  # disconnect -> abort
     finally:
         engine.stop()

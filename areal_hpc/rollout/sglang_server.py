@@ -29,13 +29,30 @@ def sglang_command(cfg, port: int, python: str = sys.executable, token: str | No
     which SGLang then requires on every route but /health (``--api-key``; SGLang takes it only as an
     argument, so users of the node can read it in ``ps``)."""
     rollout = cfg.rollout
-    command = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model.path),
-               "--host", rollout.host, "--port", str(port), "--tp-size", str(rollout.tp_size),
-               "--dp-size", str(rollout.dp_size), "--dtype", cfg.model.dtype,
-               "--mem-fraction-static", str(rollout.mem_fraction_static),
-               "--max-running-requests", str(rollout.max_running_requests),
-               "--random-seed", str(cfg.experiment.seed),
-               "--skip-tokenizer-init"]  # the controller sends token ids and reads token ids back
+    command = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(cfg.model.path),
+        "--host",
+        rollout.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(rollout.tp_size),
+        "--dp-size",
+        str(rollout.dp_size),
+        "--dtype",
+        cfg.model.dtype,
+        "--mem-fraction-static",
+        str(rollout.mem_fraction_static),
+        "--max-running-requests",
+        str(rollout.max_running_requests),
+        "--random-seed",
+        str(cfg.experiment.seed),
+        "--skip-tokenizer-init",
+    ]  # the controller sends token ids and reads token ids back
     if rollout.context_length:
         command += ["--context-length", str(rollout.context_length)]
     if token:
@@ -50,13 +67,15 @@ def serve_sglang(cfg) -> None:
     port = cfg.rollout.port or free_port(cfg.rollout.host)
     address = advertised_address(cfg.rollout.host, port, cfg.cluster.interface)
     command = sglang_command(cfg, port, token=server_token(cfg.run_dir, cfg.rollout.host))
-    server = SupervisedProcess(f"SGLang server {address}", command,
-                               cfg.run_dir / "logs" / f"sglang-{address.replace(':', '-')}.log").start()
+    server = SupervisedProcess(
+        f"SGLang server {address}", command, cfg.run_dir / "logs" / f"sglang-{address.replace(':', '-')}.log"
+    ).start()
     try:
         server.wait_healthy(address, cfg.rollout.launch_timeout_s)
         with registered_server(cfg.run_dir, address):
-            print(f"SGLang rollout server for {cfg.model.path} on http://{address} (log: {server.log_path})",
-                  flush=True)
+            print(
+                f"SGLang rollout server for {cfg.model.path} on http://{address} (log: {server.log_path})", flush=True
+            )
             if server.process.wait() != 0:
                 raise server.failure(f"exited with code {server.process.returncode}")
     finally:

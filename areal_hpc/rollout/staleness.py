@@ -32,8 +32,10 @@ class StalenessGate:
 
     def capacity(self) -> int:
         """Episodes that may start now."""
-        return min(self.max_concurrent - self.running,
-                   (self.max_staleness + self.version + 1) * self.batch_size - (self.accepted + self.running))
+        return min(
+            self.max_concurrent - self.running,
+            (self.max_staleness + self.version + 1) * self.batch_size - (self.accepted + self.running),
+        )
 
     def start(self) -> None:
         if self.capacity() <= 0:

@@ -29,8 +29,9 @@ class TeacherClient:
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> TeacherClient:
-        self.session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout,
-                                             connector=aiohttp.TCPConnector(limit=self.max_requests))
+        self.session = aiohttp.ClientSession(
+            headers=self.headers, timeout=self.timeout, connector=aiohttp.TCPConnector(limit=self.max_requests)
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -45,8 +46,9 @@ class TeacherClient:
                     raise UserError(f"the teacher at {self.url}{route} answered {response.status}: {message}")
                 return reply
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UserError(f"the teacher at {self.url} cannot be reached ({type(exc).__name__}: {exc}); "
-                            "check distill.teacher_url") from None
+            raise UserError(
+                f"the teacher at {self.url} cannot be reached ({type(exc).__name__}: {exc}); check distill.teacher_url"
+            ) from None
 
     async def model_path(self) -> str:
         """The model folder the teacher's server reports (SGLang's and ours: /get_model_info)."""
@@ -55,13 +57,21 @@ class TeacherClient:
     async def score(self, sequence: list[int], start: int) -> list[float]:
         """The teacher's logprob of every token of ``sequence``: entry i is log p(token i | tokens < i)
         for i > ``start``, NaN up to ``start`` (not asked for; token 0 has none)."""
-        reply = await self._request("POST", "/generate", {
-            "input_ids": sequence, "return_logprob": True, "logprob_start_len": start,
-            "sampling_params": {"max_new_tokens": 0}})
+        reply = await self._request(
+            "POST",
+            "/generate",
+            {
+                "input_ids": sequence,
+                "return_logprob": True,
+                "logprob_start_len": start,
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        )
         entries = reply["meta_info"]["input_token_logprobs"]
         if [token for _, token, _ in entries] != sequence[start:]:
-            raise UserError(f"the teacher at {self.url} scored other tokens than it was sent: is it an "
-                            "SGLang-compatible /generate?")
+            raise UserError(
+                f"the teacher at {self.url} scored other tokens than it was sent: is it an SGLang-compatible /generate?"
+            )
         return [math.nan] * (start + 1) + [float(lp) for lp, _, _ in entries[1:]]
 
     async def score_all(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
@@ -73,11 +83,15 @@ def check_tokenizer(teacher_dir: str, student_tokenizer, where: str) -> None:
     try:
         teacher = load_tokenizer(teacher_dir)
     except (OSError, ValueError, UserError) as exc:
-        raise UserError(f"cannot read the teacher's tokenizer at {teacher_dir} ({where}): "
-                        f"{str(exc).splitlines()[0]}; set distill.teacher_tokenizer to a local copy") from None
+        raise UserError(
+            f"cannot read the teacher's tokenizer at {teacher_dir} ({where}): "
+            f"{str(exc).splitlines()[0]}; set distill.teacher_tokenizer to a local copy"
+        ) from None
     theirs, ours = teacher.get_vocab(), student_tokenizer.get_vocab()
     if theirs != ours:
         differing = sorted(set(theirs.items()) ^ set(ours.items()))
-        raise UserError(f"the teacher's tokenizer ({teacher_dir}) is not the student's: {len(theirs)} tokens against "
-                        f"{len(ours)}, {len(differing)} (token, id) pairs differ (e.g. {differing[0]!r}); its "
-                        "logprobs would not be of the student's tokens")
+        raise UserError(
+            f"the teacher's tokenizer ({teacher_dir}) is not the student's: {len(theirs)} tokens against "
+            f"{len(ours)}, {len(differing)} (token, id) pairs differ (e.g. {differing[0]!r}); its "
+            "logprobs would not be of the student's tokens"
+        )

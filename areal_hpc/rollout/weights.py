@@ -16,20 +16,26 @@ def weight_mismatches(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor
     for name, tensor in new.items():
         if name not in live:
             nearest = difflib.get_close_matches(name, live, n=1)
-            problems.append(f"{name} is not a tensor of the served model"
-                            + (f" (nearest: {nearest[0]})" if nearest else ""))
+            problems.append(
+                f"{name} is not a tensor of the served model" + (f" (nearest: {nearest[0]})" if nearest else "")
+            )
         elif tensor.shape != live[name].shape:
             problems.append(f"{name} has shape {list(tensor.shape)}; the served model's is {list(live[name].shape)}")
         elif not tensor.dtype.is_floating_point:
-            problems.append(f"{name} has dtype {tensor.dtype}; weights must be floating point "
-                            f"(the served model's is {live[name].dtype})")
+            problems.append(
+                f"{name} has dtype {tensor.dtype}; weights must be floating point "
+                f"(the served model's is {live[name].dtype})"
+            )
     tied: dict[int, list[str]] = {}  # names of one storage (lm_head.weight and the embedding when tied)
     for name, tensor in live.items():
         tied.setdefault(tensor.data_ptr(), []).append(name)
     missing = [names for names in tied.values() if not any(n in new for n in names)]
     if complete:
-        problems += [f"{' / '.join(names)} is missing (given {len(tied) - len(missing)} of the served model's "
-                     f"{len(tied)} tensors)" for names in missing]
+        problems += [
+            f"{' / '.join(names)} is missing (given {len(tied) - len(missing)} of the served model's "
+            f"{len(tied)} tensors)"
+            for names in missing
+        ]
     for names in tied.values():
         given = [new[n] for n in names if n in new]
         if any(t.shape != given[0].shape or not torch.equal(t.to(given[0].dtype), given[0]) for t in given[1:]):

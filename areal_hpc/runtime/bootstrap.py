@@ -64,18 +64,26 @@ class Placement:
         counts nodes); then the Slurm step; nothing set: rank 0 of 1."""
         node = environ.get("SLURMD_NODENAME") or socket.gethostname()
         if "RANK" in environ and "WORLD_SIZE" in environ:
-            found = cls(_int(environ, "RANK"), _int(environ, "WORLD_SIZE"), _int(environ, "LOCAL_RANK", 0),
-                        node, "local")
+            found = cls(
+                _int(environ, "RANK"), _int(environ, "WORLD_SIZE"), _int(environ, "LOCAL_RANK", 0), node, "local"
+            )
         elif "OMPI_COMM_WORLD_RANK" in environ:  # Open MPI's mpirun
-            found = cls(_int(environ, "OMPI_COMM_WORLD_RANK"), _int(environ, "OMPI_COMM_WORLD_SIZE"),
-                        _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0), node, "mpi")
+            found = cls(
+                _int(environ, "OMPI_COMM_WORLD_RANK"),
+                _int(environ, "OMPI_COMM_WORLD_SIZE"),
+                _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+                node,
+                "mpi",
+            )
         elif "PMI_RANK" in environ and "PMI_SIZE" in environ:  # MPICH and Intel MPI (hydra)
-            found = cls(_int(environ, "PMI_RANK"), _int(environ, "PMI_SIZE"), _int(environ, "MPI_LOCALRANKID", 0),
-                        node, "mpi")
+            found = cls(
+                _int(environ, "PMI_RANK"), _int(environ, "PMI_SIZE"), _int(environ, "MPI_LOCALRANKID", 0), node, "mpi"
+            )
         elif "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:  # srun, with --mpi=pmix and het steps
             world = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-            found = cls(_int(environ, "SLURM_PROCID"), _int(environ, world), _int(environ, "SLURM_LOCALID", 0),
-                        node, "slurm")
+            found = cls(
+                _int(environ, "SLURM_PROCID"), _int(environ, world), _int(environ, "SLURM_LOCALID", 0), node, "slurm"
+            )
         elif "PMIX_RANK" in environ:  # a PMIx launcher that names no world size: ask MPI itself
             found = cls._from_mpi(node)
         else:
@@ -89,8 +97,10 @@ class Placement:
         try:
             from mpi4py import MPI
         except ImportError:
-            raise UserError("PMIX_RANK is set but no world size: install mpi4py (pip install 'areal-hpc[mpi]') "
-                            "so the ranks can ask MPI") from None
+            raise UserError(
+                "PMIX_RANK is set but no world size: install mpi4py (pip install 'areal-hpc[mpi]') "
+                "so the ranks can ask MPI"
+            ) from None
         world = MPI.COMM_WORLD
         on_node = world.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank of the world detects
         try:
@@ -132,8 +142,13 @@ def task_role(placement: Placement, groups: list[TaskGroup]) -> TaskRole:
     per_rank = [g for g in groups for _ in range(g.tasks)]
     mine = per_rank[placement.rank]
     node_start = placement.rank - placement.local_rank
-    return TaskRole(mine.role, sum(g.role == mine.role for g in per_rank[:placement.rank]), mine.accelerators,
-                    sum(g.accelerators for g in per_rank[node_start:placement.rank]), mine.tp)
+    return TaskRole(
+        mine.role,
+        sum(g.role == mine.role for g in per_rank[: placement.rank]),
+        mine.accelerators,
+        sum(g.accelerators for g in per_rank[node_start : placement.rank]),
+        mine.tp,
+    )
 
 
 def het_component(environ: Mapping[str, str] = os.environ) -> int | None:
@@ -148,8 +163,11 @@ def het_component(environ: Mapping[str, str] = os.environ) -> int | None:
             if rank < count:
                 return g
             rank -= count
-    own = [g for g in range(len(counts))
-           if environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}") == environ.get("SLURM_JOB_NODELIST")]
+    own = [
+        g
+        for g in range(len(counts))
+        if environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}") == environ.get("SLURM_JOB_NODELIST")
+    ]
     return own[0] if len(own) == 1 else None
 
 
@@ -192,10 +210,12 @@ def assigned_devices(first: int, count: int, environ: Mapping[str, str] = os.env
         first = 0
     if first + count > len(visible):
         node = environ.get("SLURMD_NODENAME") or socket.gethostname()
-        raise UserError(f"this task needs accelerators {first}..{first + count - 1} but node {node} "
-                        f"shows {len(visible)} ({name}={environ[name]!r}); request at least "
-                        f"{first + count} per node (--gres=gpu:N) or start fewer tasks per node")
-    return visible[first:first + count]
+        raise UserError(
+            f"this task needs accelerators {first}..{first + count - 1} but node {node} "
+            f"shows {len(visible)} ({name}={environ[name]!r}); request at least "
+            f"{first + count} per node (--gres=gpu:N) or start fewer tasks per node"
+        )
+    return visible[first : first + count]
 
 
 def node_address(interface: str = "", environ: Mapping[str, str] = os.environ) -> str:
@@ -225,14 +245,18 @@ def interface_address(interface: str) -> str:
     """The IPv4 address of a network interface; a UserError naming the interfaces there are otherwise."""
     names = [name for _, name in socket.if_nameindex()]
     if interface not in names:
-        raise UserError(f"network interface {interface!r} does not exist on {socket.gethostname()} "
-                        f"(cluster.interface; there are: {', '.join(names)})")
+        raise UserError(
+            f"network interface {interface!r} does not exist on {socket.gethostname()} "
+            f"(cluster.interface; there are: {', '.join(names)})"
+        )
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             raw = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
         except OSError:
-            raise UserError(f"network interface {interface!r} has no IPv4 address (cluster.interface; "
-                            f"there are: {', '.join(names)})") from None
+            raise UserError(
+                f"network interface {interface!r} has no IPv4 address (cluster.interface; "
+                f"there are: {', '.join(names)})"
+            ) from None
     return socket.inet_ntoa(raw[20:24])
 
 

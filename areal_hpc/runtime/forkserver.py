@@ -37,8 +37,13 @@ from pathlib import Path
 
 from areal_hpc.runtime.exit import exit_process
 
-PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "areal_hpc.rollout.server", "areal_hpc.train.driver",
-           "areal_hpc.train.sft")
+PRELOAD = (
+    "torch",
+    "transformers.models.qwen2.modeling_qwen2",
+    "areal_hpc.rollout.server",
+    "areal_hpc.train.driver",
+    "areal_hpc.train.sft",
+)
 PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
 ADOPTION_TIMEOUT_S = 10.0
 
@@ -74,20 +79,31 @@ class ForkServer:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of our descendants (the adopted children) come to us
         replies_in, replies_out = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "areal_hpc.runtime.forkserver", str(replies_out), *self.preload], stdin=subprocess.PIPE,
-            env={**os.environ, **self.env, "OMP_NUM_THREADS": "1"}, pass_fds=(replies_out,), start_new_session=True,
-            preexec_fn=lambda: _prctl(PR_SET_PDEATHSIG, signal.SIGKILL))
+            [sys.executable, "-m", "areal_hpc.runtime.forkserver", str(replies_out), *self.preload],
+            stdin=subprocess.PIPE,
+            env={**os.environ, **self.env, "OMP_NUM_THREADS": "1"},
+            pass_fds=(replies_out,),
+            start_new_session=True,
+            preexec_fn=lambda: _prctl(PR_SET_PDEATHSIG, signal.SIGKILL),
+        )
         os.close(replies_out)
         self._replies = os.fdopen(replies_in, "r")
         return self
 
-    def spawn(self, name: str, command: list[str], env: dict[str, str], cores: list[int] | None,
-              log_path: Path | None) -> AdoptedProcess:
+    def spawn(
+        self, name: str, command: list[str], env: dict[str, str], cores: list[int] | None, log_path: Path | None
+    ) -> AdoptedProcess:
         """Start ``command`` (``python -m MODULE ...`` or ``python -c CODE ...``) as a fork of the server."""
         if len(command) < 3 or command[1] not in ("-m", "-c"):
             raise ForkServerError(f"the fork server runs 'python -m' and 'python -c' commands, not {command!r}")
-        request = {"name": name, "command": command, "env": env, "cores": cores, "parent": os.getpid(),
-                   "log": str(log_path) if log_path else None}
+        request = {
+            "name": name,
+            "command": command,
+            "env": env,
+            "cores": cores,
+            "parent": os.getpid(),
+            "log": str(log_path) if log_path else None,
+        }
         try:
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
@@ -187,6 +203,7 @@ def _run_adopted(request: dict) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     import torch  # preloaded; not imported at the top, where the launcher (which imports this module) would
+
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     return _run_command(request["command"])
 

@@ -75,8 +75,9 @@ class NameResolve:
                 entry = Entry(**json.loads(path.read_text()))
             except (OSError, ValueError, TypeError):  # removed meanwhile, or not an entry
                 continue
-            if (entry.incarnation == self.incarnation or not self.incarnation) and \
-                    now - entry.heartbeat <= self.stale_after_s:
+            if (
+                entry.incarnation == self.incarnation or not self.incarnation
+            ) and now - entry.heartbeat <= self.stale_after_s:
                 live.append(entry)
         return live
 
@@ -117,8 +118,7 @@ def registered(names: NameResolve, key: str, value: str, interval_s: float = HEA
 
 def registered_server(run_dir: Path, address: str, interval_s: float = HEARTBEAT_INTERVAL_S):
     """List a rollout server under ``rollout/servers/`` for as long as the block runs."""
-    return registered(NameResolve(Path(run_dir) / "name_resolve"), f"{ROLLOUT_SERVERS}/{address}", address,
-                      interval_s)
+    return registered(NameResolve(Path(run_dir) / "name_resolve"), f"{ROLLOUT_SERVERS}/{address}", address, interval_s)
 
 
 class ServerDirectory:
@@ -153,8 +153,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another port=, or port=0 "
-                        "for a free one)") from None
+        raise UserError(
+            f"cannot listen on {host}:{port}: {exc.strerror} (choose another port=, or port=0 for a free one)"
+        ) from None
     sock.listen(128)
     return sock
 

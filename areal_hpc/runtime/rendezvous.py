@@ -21,8 +21,9 @@ ADDRESS_FILE = "store"  # in the rendezvous folder: "host:port" of rank 0's stor
 RENDEZVOUS_TIMEOUT_S = 900.0  # how long ranks > 0 wait for rank 0 (it may still be loading its model)
 
 
-def rendezvous_store(folder: Path, rank: int, world: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S,
-                     interface: str = "") -> dist.TCPStore:
+def rendezvous_store(
+    folder: Path, rank: int, world: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S, interface: str = ""
+) -> dist.TCPStore:
     """Rank 0: start the store and publish its address; the others: wait for it and connect.
 
     ``interface`` picks the address rank 0 publishes (see ``bootstrap.node_address``); the store itself
@@ -37,20 +38,31 @@ def rendezvous_store(folder: Path, rank: int, world: int, timeout_s: float = REN
             folder.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, f"{host}:{store.port}")
         except OSError as exc:
-            raise UserError(f"cannot publish the rendezvous address in {folder}: {exc.strerror} "
-                            "(the folder must be writable and shared by every node)") from None
+            raise UserError(
+                f"cannot publish the rendezvous address in {folder}: {exc.strerror} "
+                "(the folder must be writable and shared by every node)"
+            ) from None
         return store
     deadline = time.monotonic() + timeout_s
     while not path.is_file():
         if time.monotonic() > deadline:
-            raise UserError(f"rank {rank} of {world} waited {timeout_s:g} s for rank 0's address in {folder}: "
-                            "rank 0 did not start, failed before publishing, or the folder is not shared")
+            raise UserError(
+                f"rank {rank} of {world} waited {timeout_s:g} s for rank 0's address in {folder}: "
+                "rank 0 did not start, failed before publishing, or the folder is not shared"
+            )
         time.sleep(0.05)
     address = path.read_text()
     host, port = address.rsplit(":", 1)
     try:
-        return dist.TCPStore(host, int(port), world, is_master=False,
-                             timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+        return dist.TCPStore(
+            host,
+            int(port),
+            world,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
+        )
     except dist.DistNetworkError:
-        raise UserError(f"rank {rank} of {world} cannot reach rank 0's store at {address} (published in {folder}); "
-                        "set cluster.interface to a network every node shares") from None
+        raise UserError(
+            f"rank {rank} of {world} cannot reach rank 0's store at {address} (published in {folder}); "
+            "set cluster.interface to a network every node shares"
+        ) from None

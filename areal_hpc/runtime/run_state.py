@@ -22,6 +22,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     folder = checkpoint_root(run_dir) / pointer.read_text().strip()
     if not (folder / "driver.json").exists():
-        raise UserError(f"{pointer} names {folder.name}, which is missing or incomplete; "
-                        f"remove {pointer} to start over")
+        raise UserError(
+            f"{pointer} names {folder.name}, which is missing or incomplete; remove {pointer} to start over"
+        )
     return folder

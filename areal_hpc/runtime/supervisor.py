@@ -47,8 +47,15 @@ class SupervisedProcess:
     the child and everything it starts to those CPU cores; with ``fork_server`` the child is a fork of it
     (``python -m`` and ``python -c`` commands only)."""
 
-    def __init__(self, name: str, command: list[str], log_path: Path | None, env: dict | None = None,
-                 cores: list[int] | None = None, fork_server: ForkServer | None = None):
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        log_path: Path | None,
+        env: dict | None = None,
+        cores: list[int] | None = None,
+        fork_server: ForkServer | None = None,
+    ):
         self.name, self.command, self.log_path = name, command, log_path and Path(log_path)
         self.env, self.cores, self.fork_server = env, cores, fork_server
         self.process: subprocess.Popen | AdoptedProcess | None = None

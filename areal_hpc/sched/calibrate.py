@@ -27,8 +27,7 @@ def log_errors(efficiency: Efficiency, measurements: list[Measurement]) -> np.nd
     return np.array([np.log(m.predict(efficiency) / m.measured) for m in measurements])
 
 
-def fit_efficiency(measurements: list[Measurement], names: list[str],
-                   start: Efficiency = Efficiency()) -> Efficiency:
+def fit_efficiency(measurements: list[Measurement], names: list[str], start: Efficiency = Efficiency()) -> Efficiency:
     """The ``start`` factors with ``names`` refitted to ``measurements``: fractions of a roofline stay
     within (0, 1]; a device type's factor (``H20.train``, relative to the others) is only kept positive."""
 
@@ -41,6 +40,10 @@ def fit_efficiency(measurements: list[Measurement], names: list[str],
     x0 = np.log([start.factor(n) for n in names])
     # First steps go down by a factor 0.6: a start at the cap of 1 would otherwise see a flat loss.
     simplex = np.vstack([x0, x0 - 0.5 * np.eye(len(names))])
-    result = minimize(loss, x0, method="Nelder-Mead",
-                      options={"xatol": 1e-3, "fatol": 1e-6, "maxiter": 400, "initial_simplex": simplex})
+    result = minimize(
+        loss,
+        x0,
+        method="Nelder-Mead",
+        options={"xatol": 1e-3, "fatol": 1e-6, "maxiter": 400, "initial_simplex": simplex},
+    )
     return build(result.x)

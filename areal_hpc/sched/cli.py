@@ -18,10 +18,18 @@ from areal_hpc.errors import UserError
 
 def plan_arguments(plan) -> None:
     """Declare ``plan``'s arguments on its parser."""
-    plan.add_argument("--cluster", required=True, metavar="NAME",
-                      help="a cluster of the shipped catalog (e.g. paper-8h800-24h20, example-site) or a cluster YAML")
-    plan.add_argument("--model", required=True, metavar="NAME",
-                      help="a model of the shipped catalog (e.g. r1-distill-qwen-7b) or a folder with a config.json")
+    plan.add_argument(
+        "--cluster",
+        required=True,
+        metavar="NAME",
+        help="a cluster of the shipped catalog (e.g. paper-8h800-24h20, example-site) or a cluster YAML",
+    )
+    plan.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME",
+        help="a model of the shipped catalog (e.g. r1-distill-qwen-7b) or a folder with a config.json",
+    )
     plan.add_argument("--budget-per-hour", type=float, metavar="USD", help="spend at most this much per hour")
     plan.add_argument("--objective", default="max-throughput", choices=["max-throughput", "min-cost"])
     plan.add_argument("--target-throughput", type=float, metavar="TOKENS_PER_S", help="for --objective min-cost")
@@ -49,8 +57,9 @@ def simulate_arguments(sim) -> None:
 def repro_arguments(paper) -> None:
     """Declare the arguments every ``repro PAPER`` takes on its parser."""
     paper.add_argument("--json", action="store_true", help="one JSON object per row")
-    paper.add_argument("--calibrate", action="store_true",
-                       help="refit the efficiency factors to the rows marked 'fit' first (minutes)")
+    paper.add_argument(
+        "--calibrate", action="store_true", help="refit the efficiency factors to the rows marked 'fit' first (minutes)"
+    )
 
 
 def repro_hex_arguments(paper) -> None:
@@ -82,12 +91,18 @@ def run_plan(args) -> int:
     if args.target_throughput and args.objective != "min-cost":
         raise UserError("--target-throughput goes with --objective min-cost (max-throughput has no target)")
     cluster, model = load_cluster(args.cluster), load_model_spec(args.model)
-    workload = Workload(prompts=args.sequences, answers=1, prompt_len=args.prompt_len, gen_mean=args.answer_len,
-                        gen_max=2 * args.answer_len)
+    workload = Workload(
+        prompts=args.sequences,
+        answers=1,
+        prompt_len=args.prompt_len,
+        gen_mean=args.answer_len,
+        gen_max=2 * args.answer_len,
+    )
     efficiency = load_efficiency(args.efficiency) if args.efficiency else Efficiency()
     cost = CostModel(model, workload, efficiency)
-    planner = HeteroPlanner(cluster, cost, args.staleness, args.budget_per_hour or math.inf, args.objective,
-                            args.target_throughput)
+    planner = HeteroPlanner(
+        cluster, cost, args.staleness, args.budget_per_hour or math.inf, args.objective, args.target_throughput
+    )
     plan = planner.plan()
     record = plan_dict(plan, cluster, model.name, workload)
     record["memory"] = plan_memory(plan, cost, cluster)
@@ -108,10 +123,20 @@ def plan_memory(plan, cost, cluster) -> list[dict]:
 
     devices = {p.name: p.device for p in cluster.pools}
     roles = [(f"train dp{g.dp} tp{g.tp} pp{g.pp}", g.pool, cost.train_memory(g.dp, g.tp, g.pp)) for g in plan.train]
-    roles += [(f"rollout tp{r.tp} pp{r.pp} x{r.batch} seqs", r.pool, cost.rollout_memory(r)) for r, _ in plan.rollout.replicas]
-    return [{"role": role, "pool": pool, "device": devices[pool].name, "device_gb": devices[pool].memory_gb,
-             **{kind: round(value / GB, 2) for kind, value in estimate.breakdown().items()},
-             "fits": estimate.fits(devices[pool].memory_gb * GB)} for role, pool, estimate in roles]
+    roles += [
+        (f"rollout tp{r.tp} pp{r.pp} x{r.batch} seqs", r.pool, cost.rollout_memory(r)) for r, _ in plan.rollout.replicas
+    ]
+    return [
+        {
+            "role": role,
+            "pool": pool,
+            "device": devices[pool].name,
+            "device_gb": devices[pool].memory_gb,
+            **{kind: round(value / GB, 2) for kind, value in estimate.breakdown().items()},
+            "fits": estimate.fits(devices[pool].memory_gb * GB),
+        }
+        for role, pool, estimate in roles
+    ]
 
 
 def memory_text(rows: list[dict]) -> str:
@@ -119,11 +144,19 @@ def memory_text(rows: list[dict]) -> str:
     from areal_hpc.sched.report import table
 
     kinds = ["params", "grads", "optimizer", "activations", "kv_cache", "total"]
-    body = [[r["role"], r["device"], *(f"{r.get(k, 0):.1f}" for k in kinds),
-             f"{'yes' if r['fits'] else 'NO'} ({r['device_gb'] * (1 - RESERVE_FRACTION):.0f} of {r['device_gb']:.0f})"]
-            for r in rows]
-    return (f"memory per device, GB (estimated; {RESERVE_FRACTION:.0%} of each device kept for the framework):\n"
-            + table(["role", "device", *kinds, "fits"], body))
+    body = [
+        [
+            r["role"],
+            r["device"],
+            *(f"{r.get(k, 0):.1f}" for k in kinds),
+            f"{'yes' if r['fits'] else 'NO'} ({r['device_gb'] * (1 - RESERVE_FRACTION):.0f} of {r['device_gb']:.0f})",
+        ]
+        for r in rows
+    ]
+    return (
+        f"memory per device, GB (estimated; {RESERVE_FRACTION:.0%} of each device kept for the framework):\n"
+        + table(["role", "device", *kinds, "fits"], body)
+    )
 
 
 def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
@@ -153,40 +186,65 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
         except ValueError:
             device_bytes = 0.0
         if not device_bytes > 0:
-            raise UserError(f"--check-memory {device!r} is neither a device type ({', '.join(CATALOGUE)}) nor a "
-                            f"size in GB (e.g. 24)")
+            raise UserError(
+                f"--check-memory {device!r} is neither a device type ({', '.join(CATALOGUE)}) nor a "
+                f"size in GB (e.g. 24)"
+            )
     if not cfg.model.path:
         raise UserError("--check-memory needs model.path (a folder with the model's config.json)")
     model = load_model_spec(cfg.model.path)
     room = f"{usable_bytes(device_bytes) / GB:.1f} GB usable of {device}'s {device_bytes / GB:.0f} GB"
     megatron = builtins.is_megatron_engine(cfg.actor.engine)
     if megatron:  # bf16 compute: Megatron's mixed precision (bf16 weights, fp32 gradients and master weights)
-        precision = Precision(cfg.model.compute_dtype if cfg.model.compute_dtype == "bfloat16" else cfg.model.dtype,
-                              cfg.model.compute_dtype, "float32", "float32")
+        precision = Precision(
+            cfg.model.compute_dtype if cfg.model.compute_dtype == "bfloat16" else cfg.model.dtype,
+            cfg.model.compute_dtype,
+            "float32",
+            "float32",
+        )
     else:  # the torch engine: gradients and Adam's moments in the weights' dtype, autocast for bf16 compute
         precision = Precision(cfg.model.dtype, cfg.model.compute_dtype, cfg.model.dtype, cfg.model.dtype)
-    layouts = [TrainLayout(dims, precision, cfg.actor.max_tokens_per_mb, recompute=cfg.actor.recompute,
-                           shard_optimizer=dims.distributed_optimizer, vocab_parallel=megatron,
-                           logit_tokens=None if megatron else max(1, logits_chunk_bytes // (4 * model.vocab)))
-               for dims in TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes).groups]
-    trainer, layout = max(((train_estimate(model, layout), layout) for layout in layouts),
-                          key=lambda pair: pair[0].total)  # the training group whose ranks need the most
+    layouts = [
+        TrainLayout(
+            dims,
+            precision,
+            cfg.actor.max_tokens_per_mb,
+            recompute=cfg.actor.recompute,
+            shard_optimizer=dims.distributed_optimizer,
+            vocab_parallel=megatron,
+            logit_tokens=None if megatron else max(1, logits_chunk_bytes // (4 * model.vocab)),
+        )
+        for dims in TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes).groups
+    ]
+    trainer, layout = max(
+        ((train_estimate(model, layout), layout) for layout in layouts), key=lambda pair: pair[0].total
+    )  # the training group whose ranks need the most
     if not trainer.fits(device_bytes):
         tokens = largest_micro_tokens(model, layout, device_bytes)
-        fix = (f"actor.max_tokens_per_mb<={tokens} would fit" if tokens >= 16 else
-               "its weights, gradients and optimizer states alone do not fit: shard them over more ranks "
-               "(actor.parallel.fsdp=true, tp, pp) or use a larger device")
-        raise UserError(f"--check-memory {device}: a trainer rank needs {trainer.describe()[len('trainer: '):]} "
-                        f"but has {room}; {fix}")
+        fix = (
+            f"actor.max_tokens_per_mb<={tokens} would fit"
+            if tokens >= 16
+            else "its weights, gradients and optimizer states alone do not fit: shard them over more ranks "
+            "(actor.parallel.fsdp=true, tp, pp) or use a larger device"
+        )
+        raise UserError(
+            f"--check-memory {device}: a trainer rank needs {trainer.describe()[len('trainer: ') :]} "
+            f"but has {room}; {fix}"
+        )
     tp = cfg.rollout.tp_size if cfg.rollout.backend == "sglang" else 1
     context = cfg.rollout.context_length or model.max_context  # the embedded engine's default
     server = rollout_estimate(model, tp, 1, cfg.rollout.max_running_requests, context, cfg.model.dtype)
     if not server.fits(device_bytes):
         slots = rollout_slots(model, device_bytes, tp, 1, context, cfg.model.dtype)
-        fix = (f"rollout.max_running_requests<={slots} (or a shorter rollout.context_length) would fit" if slots else
-               "its weights alone do not fit: raise rollout.tp_size (sglang) or use a larger device")
-        raise UserError(f"--check-memory {device}: a rollout server of {cfg.rollout.max_running_requests} sequences of "
-                        f"{context} tokens needs {server.describe()[len('rollout: '):]} but has {room}; {fix}")
+        fix = (
+            f"rollout.max_running_requests<={slots} (or a shorter rollout.context_length) would fit"
+            if slots
+            else "its weights alone do not fit: raise rollout.tp_size (sglang) or use a larger device"
+        )
+        raise UserError(
+            f"--check-memory {device}: a rollout server of {cfg.rollout.max_running_requests} sequences of "
+            f"{context} tokens needs {server.describe()[len('rollout: ') :]} but has {room}; {fix}"
+        )
     return f"memory check on {device}: {trainer.describe(device_bytes)}; {server.describe(device_bytes)}"
 
 
@@ -204,23 +262,40 @@ def run_simulate(args) -> int:
     _positive(args.steps, "--steps", "whole number")
     sim = simulator_for_plan(record, args.staleness, not args.not_interruptible)
     w = record["workload"]
-    lengths = sample_lengths(np.random.default_rng(args.seed), (args.steps + 20 + sim.staleness) * sim.batch,
-                             w["gen_mean"], w["gen_max"], args.spread)
+    lengths = sample_lengths(
+        np.random.default_rng(args.seed),
+        (args.steps + 20 + sim.staleness) * sim.batch,
+        w["gen_mean"],
+        w["gen_max"],
+        args.spread,
+    )
     result = sim.run(lengths, args.steps)
-    out = {"plan": args.plan, "staleness": sim.staleness, "interruptible": sim.interruptible,
-           "predicted_tokens_per_s": record["predicted"]["tokens_per_s"],
-           "simulated_tokens_per_s": round(result.tokens_per_s, 1), "step_s": round(result.step_s, 3),
-           "trainer_idle": round(result.trainer_idle, 3), "rollout_idle": round(result.rollout_idle, 3)}
+    out = {
+        "plan": args.plan,
+        "staleness": sim.staleness,
+        "interruptible": sim.interruptible,
+        "predicted_tokens_per_s": record["predicted"]["tokens_per_s"],
+        "simulated_tokens_per_s": round(result.tokens_per_s, 1),
+        "step_s": round(result.step_s, 3),
+        "trainer_idle": round(result.trainer_idle, 3),
+        "rollout_idle": round(result.rollout_idle, 3),
+    }
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"simulated {args.steps} steps of {record['model']} on {record['cluster']} "
-              f"(staleness {sim.staleness}, {'interruptible' if sim.interruptible else 'not interruptible'}, "
-              f"answer-length spread {args.spread:g})")
-        print(f"  tokens/s: {result.tokens_per_s:,.0f} simulated vs {out['predicted_tokens_per_s']:,.0f} planned "
-              f"(the planner assumes every answer has the mean length)")
-        print(f"  step: {result.step_s:,.1f} s; trainer idle {result.trainer_idle:.0%}; rollout: "
-              f"{result.rollout_idle:.0%} of the sequence slots the KV cache holds left unused")
+        print(
+            f"simulated {args.steps} steps of {record['model']} on {record['cluster']} "
+            f"(staleness {sim.staleness}, {'interruptible' if sim.interruptible else 'not interruptible'}, "
+            f"answer-length spread {args.spread:g})"
+        )
+        print(
+            f"  tokens/s: {result.tokens_per_s:,.0f} simulated vs {out['predicted_tokens_per_s']:,.0f} planned "
+            f"(the planner assumes every answer has the mean length)"
+        )
+        print(
+            f"  step: {result.step_s:,.1f} s; trainer idle {result.trainer_idle:.0%}; rollout: "
+            f"{result.rollout_idle:.0%} of the sequence slots the KV cache holds left unused"
+        )
     return 0
 
 
@@ -232,8 +307,12 @@ def _print_rows(rows, notes: list[str], as_json: bool, header: str) -> None:
             print(json.dumps(row.to_dict()))
         return
     print(header + "\n")
-    print(table(["table", "row", "paper", "ours", "ours/paper", "role"],
-                [[r.table, r.row, _fmt(r.paper, r.unit), _fmt(r.ours, r.unit), f"{r.ratio:.2f}", r.role] for r in rows]))
+    print(
+        table(
+            ["table", "row", "paper", "ours", "ours/paper", "role"],
+            [[r.table, r.row, _fmt(r.paper, r.unit), _fmt(r.ours, r.unit), f"{r.ratio:.2f}", r.role] for r in rows],
+        )
+    )
     print()
     for note in notes:
         print(f"- {note}")
@@ -251,11 +330,14 @@ def run_repro_hex(args) -> int:
     from areal_hpc.sched import repro_hex
 
     _positive(args.sequences, "--sequences", "whole number")
-    workload = repro_hex.WORKLOAD if args.sequences is None else replace(repro_hex.WORKLOAD, prompts=args.sequences,
-                                                                         answers=1)
+    workload = (
+        repro_hex.WORKLOAD if args.sequences is None else replace(repro_hex.WORKLOAD, prompts=args.sequences, answers=1)
+    )
     efficiency = repro_hex.calibrate(workload) if args.calibrate else repro_hex.CALIBRATED
-    header = (f"AReaL-Hex (arXiv 2511.00796) vs our planner; {workload.sequences} sequences/step of "
-              f"{workload.prompt_len}+{workload.gen_mean} tokens; efficiency: {repro_hex.describe(efficiency)}")
+    header = (
+        f"AReaL-Hex (arXiv 2511.00796) vs our planner; {workload.sequences} sequences/step of "
+        f"{workload.prompt_len}+{workload.gen_mean} tokens; efficiency: {repro_hex.describe(efficiency)}"
+    )
     _print_rows(repro_hex.hex_rows(efficiency, workload), repro_hex.NOTES, args.json, header)
     return 0
 
@@ -264,8 +346,10 @@ def run_repro_eta(args) -> int:
     from areal_hpc.sched import repro_eta
 
     overall = repro_eta.calibrate() if args.calibrate else repro_eta.OVERALL
-    header = (f"AReaL (arXiv 2505.24298) Table 7 vs our simulator; 1.5B on 8 H800, {repro_eta.WORKLOAD.sequences} "
-              f"sequences/step, answers log-normal (mean {repro_eta.WORKLOAD.gen_mean}, cut at "
-              f"{repro_eta.WORKLOAD.gen_max}); overall efficiency {overall:.3f}")
+    header = (
+        f"AReaL (arXiv 2505.24298) Table 7 vs our simulator; 1.5B on 8 H800, {repro_eta.WORKLOAD.sequences} "
+        f"sequences/step, answers log-normal (mean {repro_eta.WORKLOAD.gen_mean}, cut at "
+        f"{repro_eta.WORKLOAD.gen_max}); overall efficiency {overall:.3f}"
+    )
     _print_rows(repro_eta.eta_rows(overall), repro_eta.NOTES, args.json, header)
     return 0

@@ -45,14 +45,14 @@ MEGATRON_MIXED = Precision("bfloat16", "bfloat16", "float32", "bfloat16")
 class Efficiency:
     """Fractions of the rooflines that real kernels and collectives reach (the calibrated parameters)."""
 
-    train_mfu: float = 0.35      # training matmuls, of peak bf16 FLOP/s
-    prefill_mfu: float = 0.5     # rollout prefill, of peak bf16 FLOP/s
-    decode_mfu: float = 0.5      # decode compute ceiling at large batches
-    decode_hbm: float = 0.6      # decode reads of weights and KV, of HBM bandwidth
-    link: float = 0.7            # collectives and pipeline sends, of link bandwidth
-    sync: float = 0.16           # weight update (gather, send, load), of the slowest train->rollout link
-    latency_s: float = 10e-6     # fixed cost of one collective
-    overall: float = 1.0         # end-to-end share of the above a whole system keeps (scheduling gaps,
+    train_mfu: float = 0.35  # training matmuls, of peak bf16 FLOP/s
+    prefill_mfu: float = 0.5  # rollout prefill, of peak bf16 FLOP/s
+    decode_mfu: float = 0.5  # decode compute ceiling at large batches
+    decode_hbm: float = 0.6  # decode reads of weights and KV, of HBM bandwidth
+    link: float = 0.7  # collectives and pipeline sends, of link bandwidth
+    sync: float = 0.16  # weight update (gather, send, load), of the slowest train->rollout link
+    latency_s: float = 10e-6  # fixed cost of one collective
+    overall: float = 1.0  # end-to-end share of the above a whole system keeps (scheduling gaps,
     #                              stragglers, host overheads); scales every compute and HBM rate
     per_device: tuple[tuple[str, float], ...] = ()  # ("H20.train", 0.6), ("H20.decode", 0.9): one device
     #                              type's training (or decode) speed relative to the factors above; 1 if absent
@@ -66,7 +66,9 @@ class Efficiency:
     def replace(self, **values) -> Efficiency:
         """A copy with factors replaced; names as in ``factor``."""
         devices = dict(self.per_device) | {k: float(v) for k, v in values.items() if "." in k}
-        plain = {f.name: getattr(self, f.name) for f in fields(self)} | {k: v for k, v in values.items() if "." not in k}
+        plain = {f.name: getattr(self, f.name) for f in fields(self)} | {
+            k: v for k, v in values.items() if "." not in k
+        }
         return Efficiency(**{**plain, "per_device": tuple(sorted(devices.items()))})
 
 
@@ -84,16 +86,21 @@ def load_efficiency(path: str | Traversable) -> Efficiency:
     known = [f.name for f in fields(Efficiency)]
     for key in values:
         if key not in known:
-            raise UserError(f"{path}: unknown efficiency factor '{key}'{closest(str(key), known)} "
-                            f"(known: {', '.join(known)})")
+            raise UserError(
+                f"{path}: unknown efficiency factor '{key}'{closest(str(key), known)} (known: {', '.join(known)})"
+            )
     per_device = values.pop("per_device", None) or {}
     flat = {}
     for device, sides in per_device.items() if isinstance(per_device, dict) else [(per_device, None)]:
         if not isinstance(sides, dict) or not set(sides) <= set(DEVICE_SIDES):
-            raise UserError(f"{path}: per_device must map device types to {{train: x, decode: y}}, got {device}: {sides}")
+            raise UserError(
+                f"{path}: per_device must map device types to {{train: x, decode: y}}, got {device}: {sides}"
+            )
         if device not in CATALOGUE:
-            raise UserError(f"{path}: per_device names unknown device type '{device}'{closest(str(device), CATALOGUE)} "
-                            f"(known: {', '.join(CATALOGUE)})")
+            raise UserError(
+                f"{path}: per_device names unknown device type '{device}'{closest(str(device), CATALOGUE)} "
+                f"(known: {', '.join(CATALOGUE)})"
+            )
         flat |= {f"{device}.{side}": v for side, v in sides.items()}
     try:
         return Efficiency().replace(**{k: float(v) for k, v in (values | flat).items()})
@@ -110,8 +117,8 @@ class Workload:
     prompt_len: int = 512
     gen_mean: int = 4096
     gen_max: int = 8192
-    max_running: int = 256       # concurrent sequences per rollout replica (SGLang's max_running_requests)
-    micro_tokens: int = 16384    # training micro-batch, tokens
+    max_running: int = 256  # concurrent sequences per rollout replica (SGLang's max_running_requests)
+    micro_tokens: int = 16384  # training micro-batch, tokens
 
     @property
     def sequences(self) -> int:
@@ -136,8 +143,8 @@ class RolloutReplica:
     batch: int
     tokens_per_s: float
     price_per_hour: float
-    step_1_s: float              # one decode iteration with a single sequence running
-    step_full_s: float           # ... and with ``batch`` running
+    step_1_s: float  # one decode iteration with a single sequence running
+    step_full_s: float  # ... and with ``batch`` running
 
     @property
     def devices(self) -> int:
@@ -187,9 +194,16 @@ class CostModel:
         if batch < 1 or pp > m.layers:
             return None
         seconds = batch * self.prefill_s(pool, tp, pp) + w.gen_mean * self.decode_step_s(pool, tp, pp, batch, inter_gbs)
-        return RolloutReplica(pool.name, tp, pp, batch, batch * w.seq_tokens / seconds, n * dev.price_per_hour,
-                              self.decode_step_s(pool, tp, pp, 1, inter_gbs),
-                              self.decode_step_s(pool, tp, pp, batch, inter_gbs))
+        return RolloutReplica(
+            pool.name,
+            tp,
+            pp,
+            batch,
+            batch * w.seq_tokens / seconds,
+            n * dev.price_per_hour,
+            self.decode_step_s(pool, tp, pp, 1, inter_gbs),
+            self.decode_step_s(pool, tp, pp, batch, inter_gbs),
+        )
 
     def prefill_s(self, pool: NodePool, tp: int, pp: int) -> float:
         """One prompt's prefill on a replica: its FLOPs, or one read of each device's weights if slower
@@ -227,8 +241,13 @@ class CostModel:
 
     def train_memory(self, dp: int, tp: int, pp: int) -> MemoryEstimate:
         """A trainer rank's memory in a dp x tp x pp group, as the planner assumes trainers run (``MEGATRON_MIXED``)."""
-        layout = TrainLayout(ParallelDims(dp=dp, tp=tp, pp=pp), MEGATRON_MIXED, self.workload.micro_tokens,
-                             recompute="full", shard_optimizer=True)
+        layout = TrainLayout(
+            ParallelDims(dp=dp, tp=tp, pp=pp),
+            MEGATRON_MIXED,
+            self.workload.micro_tokens,
+            recompute="full",
+            shard_optimizer=True,
+        )
         return train_estimate(self.model, layout)
 
     def rollout_memory(self, replica: RolloutReplica) -> MemoryEstimate:
@@ -250,13 +269,26 @@ class CostModel:
                 flops = dev.tflops * 1e12 * e.train_mfu * e.overall * e.factor(f"{dev.name}.train")
                 compute = 8 * m.params / (tp * pp * flops) * bubble
                 # per token: 4 all-reduces a layer (2 forward, 2 backward), each run once per micro-batch
-                tp_comm = 4 * m.layers / pp * self._collective_s(w.micro_tokens * m.hidden * 2, tp,
-                                                                 dev.link_gbs) / w.micro_tokens
+                tp_comm = (
+                    4
+                    * m.layers
+                    / pp
+                    * self._collective_s(w.micro_tokens * m.hidden * 2, tp, dev.link_gbs)
+                    / w.micro_tokens
+                )
                 pp_gbs = dev.link_gbs if tp * pp <= pool.per_node else inter_gbs
                 pp_comm = (pp > 1) * 2 * m.hidden * 2 / (pp_gbs * GB * e.link)
                 dp_gbs = dev.link_gbs if devices <= pool.per_node else inter_gbs
-                found.append(TrainGroup(pool.name, dp, tp, pp, dp / (compute + tp_comm + pp_comm),
-                                        self._collective_s(m.weight_bytes / (tp * pp), dp, dp_gbs)))
+                found.append(
+                    TrainGroup(
+                        pool.name,
+                        dp,
+                        tp,
+                        pp,
+                        dp / (compute + tp_comm + pp_comm),
+                        self._collective_s(m.weight_bytes / (tp * pp), dp, dp_gbs),
+                    )
+                )
         return tuple(found)
 
     def _train_group(self, pool: NodePool, devices: int, inter_gbs: float) -> TrainGroup | None:
@@ -266,7 +298,9 @@ class CostModel:
     def _group_step_s(self, group: TrainGroup) -> float:
         return self.workload.step_tokens / group.tokens_per_s + group.allreduce_s
 
-    def fastest_train(self, layouts: list[tuple[TrainGroup, ...]], cross_gbs: float) -> tuple[tuple[TrainGroup, ...], float]:
+    def fastest_train(
+        self, layouts: list[tuple[TrainGroup, ...]], cross_gbs: float
+    ) -> tuple[tuple[TrainGroup, ...], float]:
         """One layout per pool (from ``layouts``, one tuple per pool) whose combined ``train_step_s`` is
         shortest, and that step.
 
@@ -275,9 +309,11 @@ class CostModel:
         minimises that ratio exactly: at ratio λ every pool takes the layout minimising r·(a − λ) on its
         own; the chosen layouts' ratio is the next λ, until it stops falling.
         """
+
         def ratio(groups) -> float:
-            return ((self.workload.step_tokens + sum(g.allreduce_s * g.tokens_per_s for g in groups))
-                    / sum(g.tokens_per_s for g in groups))
+            return (self.workload.step_tokens + sum(g.allreduce_s * g.tokens_per_s for g in groups)) / sum(
+                g.tokens_per_s for g in groups
+            )
 
         chosen = [min(options, key=self._group_step_s) for options in layouts]
         while True:

@@ -32,15 +32,18 @@ class Accelerator:
 
 # Vendor datasheet figures (dense bf16, no sparsity). H800 and H20 prices and link speeds are the
 # AReaL-Hex paper's; the other prices are typical 2025 cloud list prices, to be overridden per site.
-CATALOGUE = {a.name: a for a in [
-    Accelerator("H100", 989.0, 3350.0, 80.0, 450.0, 6.00),
-    Accelerator("H200", 989.0, 4800.0, 141.0, 450.0, 7.00),
-    Accelerator("H800", 989.0, 3350.0, 80.0, 200.0, 5.28),
-    Accelerator("H20", 148.0, 4000.0, 96.0, 450.0, 1.85),
-    Accelerator("A100", 312.0, 2039.0, 80.0, 300.0, 2.50),
-    Accelerator("L40S", 362.0, 864.0, 48.0, 32.0, 1.20),
-    Accelerator("Ascend910B", 320.0, 1600.0, 64.0, 56.0, 2.20),
-]}
+CATALOGUE = {
+    a.name: a
+    for a in [
+        Accelerator("H100", 989.0, 3350.0, 80.0, 450.0, 6.00),
+        Accelerator("H200", 989.0, 4800.0, 141.0, 450.0, 7.00),
+        Accelerator("H800", 989.0, 3350.0, 80.0, 200.0, 5.28),
+        Accelerator("H20", 148.0, 4000.0, 96.0, 450.0, 1.85),
+        Accelerator("A100", 312.0, 2039.0, 80.0, 300.0, 2.50),
+        Accelerator("L40S", 362.0, 864.0, 48.0, 32.0, 1.20),
+        Accelerator("Ascend910B", 320.0, 1600.0, 64.0, 56.0, 2.20),
+    ]
+}
 
 
 @dataclass(frozen=True)
@@ -82,15 +85,15 @@ class Cluster:
 def accelerator(name: str, prices: dict | None = None) -> Accelerator:
     """The catalogue entry for ``name`` (a price override from the cluster file applied)."""
     if name not in CATALOGUE:
-        raise UserError(f"unknown device type '{name}'{closest(name, CATALOGUE)} "
-                        f"(known: {', '.join(CATALOGUE)})")
+        raise UserError(f"unknown device type '{name}'{closest(name, CATALOGUE)} (known: {', '.join(CATALOGUE)})")
     found = CATALOGUE[name]
     price = (prices or {}).get(name)
     return found if price is None else replace(found, price_per_hour=float(price))
 
 
-def make_cluster(name: str, pools: list[tuple[str, str, int, int]], inter_node_gbs: dict,
-                 prices: dict | None = None) -> Cluster:
+def make_cluster(
+    name: str, pools: list[tuple[str, str, int, int]], inter_node_gbs: dict, prices: dict | None = None
+) -> Cluster:
     """Build a cluster from (pool name, device type, nodes, devices per node) rows and a bandwidth table.
 
     ``inter_node_gbs`` maps "a-b" (pool names, either order) to GB/s; a pair left out gets the slowest
@@ -100,8 +103,9 @@ def make_cluster(name: str, pools: list[tuple[str, str, int, int]], inter_node_g
         pools = [(pool, kind, int(nodes), int(per_node)) for pool, kind, nodes, per_node in pools]
     except (TypeError, ValueError):
         raise UserError(f"cluster '{name}': nodes and per_node must be whole numbers, got {pools}") from None
-    built = tuple(NodePool(pool, accelerator(kind, prices), nodes, per_node)
-                  for pool, kind, nodes, per_node in pools if nodes > 0)
+    built = tuple(
+        NodePool(pool, accelerator(kind, prices), nodes, per_node) for pool, kind, nodes, per_node in pools if nodes > 0
+    )
     if not built:
         raise UserError(f"cluster '{name}' has no devices (every pool has 0 nodes); list at least one node pool")
     for pool in built:
@@ -112,12 +116,16 @@ def make_cluster(name: str, pools: list[tuple[str, str, int, int]], inter_node_g
         a, _, b = str(pair).partition("-")
         for end in (a, b):
             if end not in {p.name for p in built}:
-                raise UserError(f"link '{pair}' names pool '{end}'{closest(end, [p.name for p in built])} "
-                                f"which the cluster does not have")
+                raise UserError(
+                    f"link '{pair}' names pool '{end}'{closest(end, [p.name for p in built])} "
+                    f"which the cluster does not have"
+                )
         links[frozenset((a, b))] = float(gbs)
     if not links and (len(built) > 1 or built[0].nodes > 1):
-        raise UserError(f"cluster '{name}' spans several machines but gives no inter_node_gbs "
-                        f"(e.g. inter_node_gbs: {{{built[0].name}-{built[0].name}: 5}})")
+        raise UserError(
+            f"cluster '{name}' spans several machines but gives no inter_node_gbs "
+            f"(e.g. inter_node_gbs: {{{built[0].name}-{built[0].name}: 5}})"
+        )
     slowest = min(links.values(), default=0.0)
     for pool in built:  # a pool of one machine: its training and rollout devices meet inside it
         if pool.nodes == 1:
@@ -146,8 +154,10 @@ def cluster_file(cluster: str | Path) -> Traversable:
         return path
     known = cluster_names()
     if path.name not in known:
-        raise UserError(f"unknown cluster '{cluster}'{closest(path.name, known)} "
-                        f"(known: {', '.join(known)}; or give a cluster YAML file)")
+        raise UserError(
+            f"unknown cluster '{cluster}'{closest(path.name, known)} "
+            f"(known: {', '.join(known)}; or give a cluster YAML file)"
+        )
     return CLUSTERS / f"{path.name}.yaml"
 
 
@@ -161,11 +171,16 @@ def load_cluster(cluster: str | Path) -> Cluster:
     for i, pool in enumerate(spec.get("pools") or []):
         missing = {"device", "nodes"} - set(pool if isinstance(pool, dict) else ())
         if missing:
-            raise UserError(f"{path}: pool {i} lacks {', '.join(sorted(missing))} "
-                            f"(each pool needs device, nodes and optionally name, per_node)")
-        rows.append((str(pool.get("name", pool["device"])), str(pool["device"]), pool["nodes"],
-                     pool.get("per_node", 8)))
+            raise UserError(
+                f"{path}: pool {i} lacks {', '.join(sorted(missing))} "
+                f"(each pool needs device, nodes and optionally name, per_node)"
+            )
+        rows.append(
+            (str(pool.get("name", pool["device"])), str(pool["device"]), pool["nodes"], pool.get("per_node", 8))
+        )
     cluster = make_cluster(spec.get("name", Path(path.name).stem), rows, spec.get("inter_node_gbs"), spec.get("prices"))
-    partitions = {str(pool.get("name", pool["device"])): str(pool.get("partition", pool.get("name", pool["device"])))
-                  for pool in spec["pools"]}
+    partitions = {
+        str(pool.get("name", pool["device"])): str(pool.get("partition", pool.get("name", pool["device"])))
+        for pool in spec["pools"]
+    }
     return replace(cluster, pools=tuple(replace(p, partition=partitions[p.name]) for p in cluster.pools))

@@ -43,8 +43,10 @@ class Precision:
     def __post_init__(self):
         for field in fields(self):
             if getattr(self, field.name) not in DTYPE_BYTES:
-                raise UserError(f"{field.name}={getattr(self, field.name)!r} is not a dtype the estimator knows "
-                                f"({', '.join(DTYPE_BYTES)})")
+                raise UserError(
+                    f"{field.name}={getattr(self, field.name)!r} is not a dtype the estimator knows "
+                    f"({', '.join(DTYPE_BYTES)})"
+                )
 
     @property
     def autocast(self) -> bool:
@@ -114,7 +116,9 @@ def usable_bytes(device_bytes: float) -> float:
 
 def layer_params(model: ModelSpec) -> float:
     """Parameters of one decoder layer (ModelSpec's count: q/k/v with bias, o without, SwiGLU, two norms)."""
-    return (model.params - model.hidden - model.vocab * model.hidden * (1 if model.tied_embeddings else 2)) / model.layers
+    return (
+        model.params - model.hidden - model.vocab * model.hidden * (1 if model.tied_embeddings else 2)
+    ) / model.layers
 
 
 def stage_params(model: ModelSpec, layout: TrainLayout) -> float:
@@ -182,9 +186,13 @@ def train_estimate(model: ModelSpec, layout: TrainLayout) -> MemoryEstimate:
     if dims.fsdp and dims.dp > 1:  # the layer being gathered and the one prefetched, whole
         weights += 2 * layer_params(model) / dims.tp * DTYPE_BYTES[p.param_dtype]
     master_copy = master if master > DTYPE_BYTES[p.param_dtype] else 0
-    return MemoryEstimate("trainer", params=weights, grads=params / weights_shards * DTYPE_BYTES[p.grad_dtype],
-                          optimizer=params / states_shards * (ADAM_STATES * master + master_copy),
-                          activations=activation_bytes(model, layout))
+    return MemoryEstimate(
+        "trainer",
+        params=weights,
+        grads=params / weights_shards * DTYPE_BYTES[p.grad_dtype],
+        optimizer=params / states_shards * (ADAM_STATES * master + master_copy),
+        activations=activation_bytes(model, layout),
+    )
 
 
 def kv_shards(model: ModelSpec, tp: int, pp: int) -> int:
@@ -199,17 +207,23 @@ def kv_bytes_per_slot(model: ModelSpec, tp: int, pp: int, context: int, dtype: s
     return context * model.kv_bytes_per_token * scale / kv_shards(model, tp, pp)
 
 
-def rollout_estimate(model: ModelSpec, tp: int, pp: int, slots: int, context: int,
-                     dtype: str = "bfloat16") -> MemoryEstimate:
+def rollout_estimate(
+    model: ModelSpec, tp: int, pp: int, slots: int, context: int, dtype: str = "bfloat16"
+) -> MemoryEstimate:
     """Peak memory of one device of a rollout server: its share of the weights, ``slots`` sequences of
     ``context`` tokens of KV cache, and ``ROLLOUT_WORKSPACE_BYTES``."""
     weights = model.params * DTYPE_BYTES[dtype] / (tp * pp)
-    return MemoryEstimate("rollout", params=weights, activations=ROLLOUT_WORKSPACE_BYTES,
-                          kv_cache=slots * kv_bytes_per_slot(model, tp, pp, context, dtype))
+    return MemoryEstimate(
+        "rollout",
+        params=weights,
+        activations=ROLLOUT_WORKSPACE_BYTES,
+        kv_cache=slots * kv_bytes_per_slot(model, tp, pp, context, dtype),
+    )
 
 
-def rollout_slots(model: ModelSpec, device_bytes: float, tp: int, pp: int, context: int,
-                  dtype: str = "bfloat16") -> int:
+def rollout_slots(
+    model: ModelSpec, device_bytes: float, tp: int, pp: int, context: int, dtype: str = "bfloat16"
+) -> int:
     """The most sequence slots of ``context`` tokens whose KV cache fits beside the weights (0: none)."""
     free = usable_bytes(device_bytes) - rollout_estimate(model, tp, pp, 0, context, dtype).total
     return max(0, int(free / kv_bytes_per_slot(model, tp, pp, context, dtype)))
@@ -217,6 +231,7 @@ def rollout_slots(model: ModelSpec, device_bytes: float, tp: int, pp: int, conte
 
 def largest_micro_tokens(model: ModelSpec, layout: TrainLayout, device_bytes: float) -> int:
     """The most tokens per micro-batch that fit (0: not even one); the estimate grows with them."""
+
     def fits(tokens: int) -> bool:
         return train_estimate(model, replace(layout, micro_tokens=tokens)).fits(device_bytes)
 

@@ -52,14 +52,25 @@ def load_model_spec(name: str) -> ModelSpec:
         path = path / "config.json"
     model, config = (path.parent.name, path) if path.is_file() else (name, MODELS / name / "config.json")
     if not config.is_file():
-        raise UserError(f"unknown model '{name}'{closest(name, model_names())} "
-                        f"(known: {', '.join(model_names())}; or give a folder with a config.json)")
+        raise UserError(
+            f"unknown model '{name}'{closest(name, model_names())} "
+            f"(known: {', '.join(model_names())}; or give a folder with a config.json)"
+        )
     cfg = json.loads(config.read_text())
     try:
-        return ModelSpec(model, cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-                         cfg.get("num_key_value_heads", cfg["num_attention_heads"]), cfg["intermediate_size"],
-                         cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)),
-                         int(cfg.get("max_position_embeddings", 32768)))
+        return ModelSpec(
+            model,
+            cfg["hidden_size"],
+            cfg["num_hidden_layers"],
+            cfg["num_attention_heads"],
+            cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            cfg["intermediate_size"],
+            cfg["vocab_size"],
+            bool(cfg.get("tie_word_embeddings", False)),
+            int(cfg.get("max_position_embeddings", 32768)),
+        )
     except KeyError as exc:
-        raise UserError(f"{config} lacks {exc.args[0]} (a decoder config.json needs hidden_size, num_hidden_layers, "
-                        f"num_attention_heads, intermediate_size, vocab_size)") from None
+        raise UserError(
+            f"{config} lacks {exc.args[0]} (a decoder config.json needs hidden_size, num_hidden_layers, "
+            f"num_attention_heads, intermediate_size, vocab_size)"
+        ) from None

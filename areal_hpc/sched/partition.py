@@ -26,8 +26,9 @@ def metis_split(cluster: Cluster, share: float) -> dict[str, int]:
                 eweights.append(max(1, round(10 * cluster.bandwidth(a.name, b.name))))
         xadj.append(len(adjncy))
     vweights = [max(1, round(p.per_node * p.device.tflops)) for p in machines]
-    _, parts = pymetis.part_graph(2, pymetis.CSRAdjacency(xadj, adjncy), vweights=vweights, eweights=eweights,
-                                  tpwgts=[share, 1 - share])
+    _, parts = pymetis.part_graph(
+        2, pymetis.CSRAdjacency(xadj, adjncy), vweights=vweights, eweights=eweights, tpwgts=[share, 1 - share]
+    )
     counts = {pool.name: 0 for pool in cluster.pools}
     for machine, part in zip(machines, parts):
         if part == 0:

@@ -67,8 +67,15 @@ class HeteroPlanner:
     or ``min-cost`` (the cheapest plan reaching ``target`` tokens/s).
     """
 
-    def __init__(self, cluster: Cluster, cost: CostModel, staleness: int = 4, budget: float = math.inf,
-                 objective: str = "max-throughput", target: float | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        cost: CostModel,
+        staleness: int = 4,
+        budget: float = math.inf,
+        objective: str = "max-throughput",
+        target: float | None = None,
+    ):
         if objective == "min-cost" and not target:
             raise UserError("--objective min-cost needs --target-throughput TOKENS_PER_S (a positive number)")
         self.cluster, self.cost, self.staleness = cluster, cost, staleness
@@ -103,14 +110,16 @@ class HeteroPlanner:
                 best = plan
         return best
 
-    def _with_rollout(self, groups, train_s: float, train_price: float, free: dict[str, int],
-                      sync_s: float) -> Plan | None:
+    def _with_rollout(
+        self, groups, train_s: float, train_price: float, free: dict[str, int], sync_s: float
+    ) -> Plan | None:
         """The best plan training on ``groups`` and generating on ``free`` devices per pool, the weight
         sync taking at most ``sync_s``: the MILP finds the best rate (or price), then, at that score, the
         cheapest (or fastest) replicas."""
         cl, cost, w = self.cluster, self.cost, self.cost.workload
-        replicas = [r for name, n in free.items() for r in cost.rollout_replicas(self.pools[name], n,
-                                                                                  cl.bandwidth(name, name))]
+        replicas = [
+            r for name, n in free.items() for r in cost.rollout_replicas(self.pools[name], n, cl.bandwidth(name, name))
+        ]
         milp = RolloutMILP(replicas, free)
         if self.objective == "max-throughput":
             cap = self.budget - train_price
@@ -130,8 +139,16 @@ class HeteroPlanner:
                 return None
             rollout = milp.solve(max_price=cheapest.price_per_hour * (1 + 1e-9)) or cheapest
         sync_gbs = min(cl.bandwidth(g.pool, r.pool) for g in groups for r, _ in rollout.replicas)
-        return Plan(groups, rollout, train_s, w.step_tokens / rollout.tokens_per_s, cost.weight_sync_s(sync_gbs),
-                    self.staleness, w.step_tokens, train_price)
+        return Plan(
+            groups,
+            rollout,
+            train_s,
+            w.step_tokens / rollout.tokens_per_s,
+            cost.weight_sync_s(sync_gbs),
+            self.staleness,
+            w.step_tokens,
+            train_price,
+        )
 
     def score(self, plan: Plan) -> tuple:
         """Larger is better under the objective: first the objective, then the other key as a tie-break."""
@@ -185,8 +202,9 @@ class HeteroPlanner:
         if self.objective == "min-cost":
             starts.append(HeteroPlanner(self.cluster, self.cost, self.staleness)._search())
         elif self.budget < math.inf:
-            starts.append(HeteroPlanner(self.cluster, self.cost, self.staleness, objective="min-cost",
-                                        target=CHEAPEST)._search())
+            starts.append(
+                HeteroPlanner(self.cluster, self.cost, self.staleness, objective="min-cost", target=CHEAPEST)._search()
+            )
         return self._best_plan(self._refine(start and self.evaluate(self._counts(start))) for start in starts)
 
     def _search_share(self) -> None:
@@ -205,8 +223,10 @@ class HeteroPlanner:
         size (the rest generating), and whole pools together."""
         self._best({name: n} for name, p in self.pools.items() for k in move_sizes(p) for n in {k, p.devices - k} if n)
         for size in range(2, len(self.pools) + 1):
-            self._best({name: self.pools[name].devices for name in chosen}
-                       for chosen in itertools.combinations(self.pools, size))
+            self._best(
+                {name: self.pools[name].devices for name in chosen}
+                for chosen in itertools.combinations(self.pools, size)
+            )
 
     def _needs_more_training(self, seeds, plans) -> bool:
         feasible = [p for p in plans if p is not None]
@@ -220,8 +240,11 @@ class HeteroPlanner:
         return plan.generation_s <= plan.train_s * (1 + 1e-6)
 
     def _train_infeasible(self, counts) -> bool:
-        return any(self.cost.train_group(self.pools[n], c, self.cluster.bandwidth(n, n)) is None
-                   for n, c in counts.items() if c > 0) or not any(counts.values())
+        return any(
+            self.cost.train_group(self.pools[n], c, self.cluster.bandwidth(n, n)) is None
+            for n, c in counts.items()
+            if c > 0
+        ) or not any(counts.values())
 
     def _refine(self, best: Plan | None) -> Plan | None:
         """Hill-climb over moves of 1, 2, 4, .. devices per pool (and between two pools)."""
@@ -230,12 +253,14 @@ class HeteroPlanner:
         while True:
             counts = self._counts(best)
             moves = [{name: d} for name, p in self.pools.items() for k in move_sizes(p) for d in (k, -k)]
-            moves += [{a: k, b: -k} for a in self.pools for b in self.pools if a != b
-                      for k in move_sizes(self.pools[a])]
+            moves += [
+                {a: k, b: -k} for a in self.pools for b in self.pools if a != b for k in move_sizes(self.pools[a])
+            ]
             # a pool leaves training, or joins it with all but a move size of its devices (the rest
             # generating): drops (or adds) a cross-pool all-reduce at once
             moves += [{name: -counts[name]} for name in self.pools] + [
-                {name: p.devices - k - counts[name]} for name, p in self.pools.items() for k in {0} | move_sizes(p)]
+                {name: p.devices - k - counts[name]} for name, p in self.pools.items() for k in {0} | move_sizes(p)
+            ]
             candidates = []
             for move in moves:
                 moved = {name: counts[name] + move.get(name, 0) for name in self.pools}
@@ -254,19 +279,30 @@ class HeteroPlanner:
 
     def _why_infeasible(self) -> str:
         m = self.cost.model
-        fits = [p.name for p in self.cluster.pools if any(
-            self.cost.train_group(p, n, self.cluster.bandwidth(p.name, p.name)) for n in range(1, p.devices + 1))]
+        fits = [
+            p.name
+            for p in self.cluster.pools
+            if any(self.cost.train_group(p, n, self.cluster.bandwidth(p.name, p.name)) for n in range(1, p.devices + 1))
+        ]
         if not fits:
-            return (f"model {m.name} ({m.params / 1e9:.1f}B parameters) fits on no training group of cluster "
-                    f"{self.cluster.name} ({self.cluster.summary()}); add devices or pick a smaller model")
+            return (
+                f"model {m.name} ({m.params / 1e9:.1f}B parameters) fits on no training group of cluster "
+                f"{self.cluster.name} ({self.cluster.summary()}); add devices or pick a smaller model"
+            )
         if self.objective == "min-cost":
-            return (f"no plan on {self.cluster.name} reaches --target-throughput {self.target:,.0f} tokens/s; "
-                    f"lower the target or add devices")
+            return (
+                f"no plan on {self.cluster.name} reaches --target-throughput {self.target:,.0f} tokens/s; "
+                f"lower the target or add devices"
+            )
         if self.budget < math.inf:
-            return (f"--budget-per-hour {self.budget:g} is below the cheapest feasible plan on {self.cluster.name} "
-                    f"(one training group plus one rollout replica); raise the budget")
-        return (f"model {m.name} leaves no devices for rollout on {self.cluster.name} ({self.cluster.summary()}); "
-                f"add devices or pick a smaller model")
+            return (
+                f"--budget-per-hour {self.budget:g} is below the cheapest feasible plan on {self.cluster.name} "
+                f"(one training group plus one rollout replica); raise the budget"
+            )
+        return (
+            f"model {m.name} leaves no devices for rollout on {self.cluster.name} ({self.cluster.summary()}); "
+            f"add devices or pick a smaller model"
+        )
 
 
 def move_sizes(pool) -> set[int]:

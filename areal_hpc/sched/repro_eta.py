@@ -32,25 +32,31 @@ def eight_h800():
     return make_cluster("areal-8h800", [("H800", "H800", 1, 8)], {})
 
 
-def simulate(eta: int, efficiency: Efficiency, model: str = "r1-distill-qwen-1.5b", interruptible: bool = True) -> float:
+def simulate(
+    eta: int, efficiency: Efficiency, model: str = "r1-distill-qwen-1.5b", interruptible: bool = True
+) -> float:
     cost = CostModel(load_model_spec(model), WORKLOAD, efficiency)
     cluster = eight_h800()
     plan = plan_dict(HeteroPlanner(cluster, cost, staleness=4).plan(), cluster, model, WORKLOAD)
-    lengths = sample_lengths(np.random.default_rng(0), WORKLOAD.sequences * (STEPS + 20 + eta),
-                             WORKLOAD.gen_mean, WORKLOAD.gen_max, SPREAD)
+    lengths = sample_lengths(
+        np.random.default_rng(0), WORKLOAD.sequences * (STEPS + 20 + eta), WORKLOAD.gen_mean, WORKLOAD.gen_max, SPREAD
+    )
     return simulator_for_plan(plan, eta, interruptible).run(lengths, STEPS).tokens_per_s
 
 
 def calibrate() -> float:
-    fitted = fit_efficiency([Measurement("eta 0", PAPER[0], lambda e: simulate(0, e))], ["overall"],
-                            Efficiency(overall=OVERALL))
+    fitted = fit_efficiency(
+        [Measurement("eta 0", PAPER[0], lambda e: simulate(0, e))], ["overall"], Efficiency(overall=OVERALL)
+    )
     return fitted.overall
 
 
 def eta_rows(overall: float = OVERALL) -> list[Row]:
     e = Efficiency(overall=overall)
-    rows = [Row("7", f"eta {eta}", "tok/s", paper, simulate(eta, e), "fit" if eta == 0 else "prediction")
-            for eta, paper in PAPER.items()]
+    rows = [
+        Row("7", f"eta {eta}", "tok/s", paper, simulate(eta, e), "fit" if eta == 0 else "prediction")
+        for eta, paper in PAPER.items()
+    ]
     for size, (model, gain) in INTERRUPTIBLE_GAIN.items():
         ours = simulate(8, e, model) / simulate(8, e, model, interruptible=False)
         rows.append(Row("text", f"{size} interruptible / not, eta 8", "x", gain, ours, "prediction"))

@@ -53,12 +53,20 @@ class Row:
         return self.ours / self.paper
 
     def to_dict(self) -> dict:
-        return {"table": self.table, "row": self.row, "unit": self.unit, "paper": self.paper,
-                "ours": round(self.ours, 4 if self.unit == "x" else 1), "ratio": round(self.ratio, 3), "role": self.role}
+        return {
+            "table": self.table,
+            "row": self.row,
+            "unit": self.unit,
+            "paper": self.paper,
+            "ours": round(self.ours, 4 if self.unit == "x" else 1),
+            "ratio": round(self.ratio, 3),
+            "role": self.role,
+        }
 
 
-def planner(cluster: str, size: str, efficiency: Efficiency, workload: Workload = WORKLOAD,
-            budget: float = float("inf")) -> HeteroPlanner:
+def planner(
+    cluster: str, size: str, efficiency: Efficiency, workload: Workload = WORKLOAD, budget: float = float("inf")
+) -> HeteroPlanner:
     cost = CostModel(load_model_spec(MODELS[size]), workload, efficiency)
     return HeteroPlanner(load_cluster(cluster), cost, budget=budget)
 
@@ -84,15 +92,22 @@ def cost_per_token_ratio(e: Efficiency, side: str, workload: Workload = WORKLOAD
 def measurements(w: Workload = WORKLOAD) -> list[Measurement]:
     """The rows the factors are fitted to: homogeneous H800 throughput and weight-sync times, and
     Table 1's cost ratios (the only published numbers on H20 alone: its decode and training speeds)."""
-    rows = [Measurement(f"{side} cost ratio", ratio, lambda e, side=side: cost_per_token_ratio(e, side, w))
-            for side, ratio in TABLE1.items()]
+    rows = [
+        Measurement(f"{side} cost ratio", ratio, lambda e, side=side: cost_per_token_ratio(e, side, w))
+        for side, ratio in TABLE1.items()
+    ]
     for size, (uniform, optimised, _, sync_h800, *_) in PAPER.items():
-        rows += [Measurement(f"{size} uniform", uniform,
-                             lambda e, s=size: uniform_split(planner("paper-24h800", s, e, w)).tokens_per_s),
-                 Measurement(f"{size} optimised", optimised,
-                             lambda e, s=size: planner("paper-24h800", s, e, w).plan().tokens_per_s),
-                 Measurement(f"{size} sync", sync_h800,
-                             lambda e, s=size: planner("paper-24h800", s, e, w).plan().sync_s)]
+        rows += [
+            Measurement(
+                f"{size} uniform",
+                uniform,
+                lambda e, s=size: uniform_split(planner("paper-24h800", s, e, w)).tokens_per_s,
+            ),
+            Measurement(
+                f"{size} optimised", optimised, lambda e, s=size: planner("paper-24h800", s, e, w).plan().tokens_per_s
+            ),
+            Measurement(f"{size} sync", sync_h800, lambda e, s=size: planner("paper-24h800", s, e, w).plan().sync_s),
+        ]
     return rows
 
 
@@ -105,32 +120,78 @@ def describe(e: Efficiency) -> str:
 
 
 def hex_rows(e: Efficiency = CALIBRATED, w: Workload = WORKLOAD) -> list[Row]:
-    rows = [Row("1", "7B generation $/token, H800 / H20", "x", TABLE1["inference"],
-                cost_per_token_ratio(e, "inference", w), "fit"),
-            Row("1", "7B training $/token, H20 / H800", "x", TABLE1["training"],
-                cost_per_token_ratio(e, "training", w), "fit")]
+    rows = [
+        Row(
+            "1",
+            "7B generation $/token, H800 / H20",
+            "x",
+            TABLE1["inference"],
+            cost_per_token_ratio(e, "inference", w),
+            "fit",
+        ),
+        Row(
+            "1",
+            "7B training $/token, H20 / H800",
+            "x",
+            TABLE1["training"],
+            cost_per_token_ratio(e, "training", w),
+            "fit",
+        ),
+    ]
     for size, (uniform, optimised, hex_paper, sync_h800, sync_hex, vs_h800, vs_h20) in PAPER.items():
         h800, hexp = planner("paper-24h800", size, e, w).plan(), planner("paper-8h800-24h20", size, e, w).plan()
         h800_budget = planner("paper-24h800", size, e, w, BUDGET).plan()
         h20_budget = planner("paper-48h20", size, e, w, BUDGET).plan()
         per_token = (h800.price_per_hour / h800.tokens_per_s) / (hexp.price_per_hour / hexp.tokens_per_s)
         rows += [
-            Row("3", f"{size} uniform, 24 H800", "tok/s", uniform,
-                uniform_split(planner("paper-24h800", size, e, w)).tokens_per_s, "fit"),
+            Row(
+                "3",
+                f"{size} uniform, 24 H800",
+                "tok/s",
+                uniform,
+                uniform_split(planner("paper-24h800", size, e, w)).tokens_per_s,
+                "fit",
+            ),
             Row("3", f"{size} optimised, 24 H800", "tok/s", optimised, h800.tokens_per_s, "fit"),
             Row("2", f"{size} weight sync, 24 H800", "s", sync_h800, h800.sync_s, "fit"),
             Row("2", f"{size} weight sync, 8 H800 + 24 H20", "s", sync_hex, hexp.sync_s, "prediction"),
             Row("4", f"{size} 8 H800 + 24 H20", "tok/s", hex_paper, hexp.tokens_per_s, "prediction"),
-            Row("4", f"{size} cost per token, 24 H800 / hex", "x", 126.72 / 86.64 * hex_paper / optimised,
-                per_token, "prediction"),
-            Row("Fig3", f"{size} same budget, hex / all-H800", "x", vs_h800,
-                hexp.tokens_per_s / h800_budget.tokens_per_s, "prediction"),
-            Row("Fig3", f"{size} same budget, hex / all-H20", "x", vs_h20,
-                hexp.tokens_per_s / h20_budget.tokens_per_s, "prediction"),
+            Row(
+                "4",
+                f"{size} cost per token, 24 H800 / hex",
+                "x",
+                126.72 / 86.64 * hex_paper / optimised,
+                per_token,
+                "prediction",
+            ),
+            Row(
+                "Fig3",
+                f"{size} same budget, hex / all-H800",
+                "x",
+                vs_h800,
+                hexp.tokens_per_s / h800_budget.tokens_per_s,
+                "prediction",
+            ),
+            Row(
+                "Fig3",
+                f"{size} same budget, hex / all-H20",
+                "x",
+                vs_h20,
+                hexp.tokens_per_s / h20_budget.tokens_per_s,
+                "prediction",
+            ),
         ]
     cost_rows = [r for r in rows if "cost per token" in r.row]
-    rows.append(Row("4", "mean cost per token, 24 H800 / hex", "x", 1.46,
-                    sum(r.ours for r in cost_rows) / len(cost_rows), "prediction"))
+    rows.append(
+        Row(
+            "4",
+            "mean cost per token, 24 H800 / hex",
+            "x",
+            1.46,
+            sum(r.ours for r in cost_rows) / len(cost_rows),
+            "prediction",
+        )
+    )
     return rows
 
 
@@ -162,9 +223,9 @@ MISSES = {
     "layout (the 1.5B and 14B uniform rows are within 13%)",
     "7B cost per token, 24 H800 / hex": "compounds two rows within 15%: 7B on 8 H800 + 24 H20 (0.86) and optimised on "
     "24 H800 (1.03)",
-    "1.5B same budget, hex / all-H20": f"the paper's own numbers cap this ratio at {all_h20_bound():.2f}x: Table 1 puts "
-    "an H20 at 0.112 of an H800's training speed and 0.953 of its generation speed, so 46 H20 ($85.1/h) train like "
-    "5.2 H800s and generate like 43.8, hex's 8 H800 + 24 H20 like 10.7 and 30.9; with tokens/s that add up over "
+    "1.5B same budget, hex / all-H20": f"the paper's own numbers cap this ratio at {all_h20_bound():.2f}x: Table 1 "
+    "puts an H20 at 0.112 of an H800's training speed and 0.953 of its generation speed, so 46 H20 ($85.1/h) train "
+    "like 5.2 H800s and generate like 43.8, hex's 8 H800 + 24 H20 like 10.7 and 30.9; with tokens/s that add up over "
     "devices no split makes hex more than 10.7 / 5.2 faster, and its weight sync over 1.5 GB/s (Table 2: 58 s for "
     "7B, against 15 s over 5 GB/s) only lowers that. Ours is 1.5-1.8x with a free sync, 1.0-1.1x with it. Even "
     "that cap reaches the paper's 2.3-2.8x only with an H20 training at 0.076-0.098 of an H800 (Table 1: 0.112); "

@@ -21,9 +21,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class ReplicaSpeed:
-    slots: int               # sequences it can run at once
-    step_1_s: float          # decode iteration with one sequence running
-    step_full_s: float       # ... with ``slots`` running
+    slots: int  # sequences it can run at once
+    step_1_s: float  # decode iteration with one sequence running
+    step_full_s: float  # ... with ``slots`` running
 
     def step_s(self, running: int) -> float:
         if self.slots == 1:
@@ -33,10 +33,10 @@ class ReplicaSpeed:
 
 @dataclass(frozen=True)
 class SimResult:
-    tokens_per_s: float      # trained tokens (prompt + answer) per second, steady state
+    tokens_per_s: float  # trained tokens (prompt + answer) per second, steady state
     step_s: float
-    trainer_idle: float      # fraction of time the trainer waits for data or a sync
-    rollout_idle: float      # fraction of slot-time with no sequence decoding
+    trainer_idle: float  # fraction of time the trainer waits for data or a sync
+    rollout_idle: float  # fraction of slot-time with no sequence decoding
     steps: int
 
 
@@ -44,7 +44,7 @@ def sample_lengths(rng, n: int, mean: float, maximum: int, spread: float) -> np.
     """Answer lengths: log-normal with this mean and log-spread, cut at ``maximum`` (spread 0: all equal)."""
     if spread == 0:
         return np.full(n, float(min(mean, maximum)))
-    return np.clip(np.rint(rng.lognormal(np.log(mean) - spread ** 2 / 2, spread, n)), 1, maximum)
+    return np.clip(np.rint(rng.lognormal(np.log(mean) - spread**2 / 2, spread, n)), 1, maximum)
 
 
 class _Replica:
@@ -53,7 +53,7 @@ class _Replica:
     def __init__(self, speed: ReplicaSpeed):
         self.speed, self.progress, self.since, self.stamp = speed, 0.0, 0.0, 0
         self.finishing: list[tuple[float, float]] = []  # heap of (progress at finish, sequence tokens)
-        self.busy = 0.0                                  # sequence-seconds decoded
+        self.busy = 0.0  # sequence-seconds decoded
 
     def advance(self, t: float) -> None:
         if t > self.since:  # ``since`` lies ahead during a weight sync: no progress until then
@@ -71,8 +71,17 @@ class AsyncRLSimulator:
     """Replicas' speeds, the batch B, the trainer (seconds per token plus fixed seconds per step),
     the weight-sync time, staleness η, and whether a weight update interrupts generation."""
 
-    def __init__(self, replicas: list[ReplicaSpeed], batch: int, prompt_len: int, train_s_per_token: float,
-                 train_fixed_s: float, sync_s: float, staleness: int, interruptible: bool = True):
+    def __init__(
+        self,
+        replicas: list[ReplicaSpeed],
+        batch: int,
+        prompt_len: int,
+        train_s_per_token: float,
+        train_fixed_s: float,
+        sync_s: float,
+        staleness: int,
+        interruptible: bool = True,
+    ):
         self.speeds, self.batch, self.prompt_len = replicas, batch, prompt_len
         self.train_s_per_token, self.train_fixed_s, self.sync_s = train_s_per_token, train_fixed_s, sync_s
         self.staleness, self.interruptible = staleness, interruptible
@@ -145,17 +154,32 @@ class AsyncRLSimulator:
         (t0, _, b0), (t1, _, b1) = marks[warmup], marks[-1]
         span = t1 - t0
         slot_time = sum(s.slots for s in self.speeds) * t
-        return SimResult(sum(n for _, n, _ in marks[warmup + 1:]) / span, span / steps, 1 - (b1 - b0) / span,
-                         max(0.0, 1 - sum(r.busy for r in replicas) / slot_time), steps)
+        return SimResult(
+            sum(n for _, n, _ in marks[warmup + 1 :]) / span,
+            span / steps,
+            1 - (b1 - b0) / span,
+            max(0.0, 1 - sum(r.busy for r in replicas) / slot_time),
+            steps,
+        )
 
 
 def simulator_for_plan(plan: dict, staleness: int | None = None, interruptible: bool = True) -> AsyncRLSimulator:
     """A simulator for a plan as ``report.plan_dict`` writes it (the YAML ``areal-hpc plan --out`` saves)."""
     w, p = plan["workload"], plan["predicted"]
-    speeds = [ReplicaSpeed(r["batch"], r["decode_step_s"][0], r["decode_step_s"][1])
-              for r in plan["rollout"] for _ in range(r["replicas"])]
+    speeds = [
+        ReplicaSpeed(r["batch"], r["decode_step_s"][0], r["decode_step_s"][1])
+        for r in plan["rollout"]
+        for _ in range(r["replicas"])
+    ]
     per_token = 1 / sum(g["tokens_per_s"] for g in plan["train"])
     step_tokens = w["prompts"] * w["answers"] * (w["prompt_len"] + w["gen_mean"])
-    return AsyncRLSimulator(speeds, w["prompts"] * w["answers"], w["prompt_len"], per_token,
-                            p["train_s"] - step_tokens * per_token, p["weight_sync_s"],
-                            plan["staleness"] if staleness is None else staleness, interruptible)
+    return AsyncRLSimulator(
+        speeds,
+        w["prompts"] * w["answers"],
+        w["prompt_len"],
+        per_token,
+        p["train_s"] - step_tokens * per_token,
+        p["weight_sync_s"],
+        plan["staleness"] if staleness is None else staleness,
+        interruptible,
+    )

@@ -22,18 +22,32 @@ from areal_hpc.engines.sequence_batch import SequenceBatch
 
 
 def loss_config(cfg: ActorConfig) -> PPOLossConfig:
-    return PPOLossConfig(eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high or None,
-                         behav_correction=cfg.behav_correction, behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-                         kpop_threshold=cfg.kpop_threshold, importance_level=cfg.importance_level,
-                         decoupled=cfg.decoupled_loss,
-                         kl_coef=cfg.kl_ctl, policy_loss=cfg.policy_loss, sapo_tau_pos=cfg.sapo_tau_pos,
-                         sapo_tau_neg=cfg.sapo_tau_neg, m2_threshold=cfg.m2_threshold)
+    return PPOLossConfig(
+        eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_high or None,
+        behav_correction=cfg.behav_correction,
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+        kpop_threshold=cfg.kpop_threshold,
+        importance_level=cfg.importance_level,
+        decoupled=cfg.decoupled_loss,
+        kl_coef=cfg.kl_ctl,
+        policy_loss=cfg.policy_loss,
+        sapo_tau_pos=cfg.sapo_tau_pos,
+        sapo_tau_neg=cfg.sapo_tau_neg,
+        m2_threshold=cfg.m2_threshold,
+    )
 
 
 class PPOActor:
-    def __init__(self, actor: TrainEngine, cfg: ActorConfig, reference: TrainEngine | None = None,
-                 critic: TrainEngine | None = None, dp_group: dist.ProcessGroup | None = None,
-                 distill_weight: float = 0.0):
+    def __init__(
+        self,
+        actor: TrainEngine,
+        cfg: ActorConfig,
+        reference: TrainEngine | None = None,
+        critic: TrainEngine | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+        distill_weight: float = 0.0,
+    ):
         """``distill_weight``: ``distill.kl_weight``, the weight of the teacher's pull on batches that
         carry a ``teacher_logprobs`` field (on-policy distillation)."""
         self.actor, self.reference, self.critic, self.cfg = actor, reference, critic, cfg
@@ -61,8 +75,11 @@ class PPOActor:
             steps.append({f"actor/{k}": v for k, v in self.actor.train_step(mb, self._policy_loss).items()})
             if self.critic is not None:
                 steps.append({f"critic/{k}": v for k, v in self.critic.train_step(mb, self._value_loss).items()})
-        return {**merge_stats(steps), "time/logprob": recomputed - started,
-                "time/update": time.perf_counter() - recomputed}
+        return {
+            **merge_stats(steps),
+            "time/logprob": recomputed - started,
+            "time/update": time.perf_counter() - recomputed,
+        }
 
     def _policy_loss(self, outputs, packed, f):
         logprobs = outputs["logprobs"]
@@ -70,15 +87,26 @@ class PPOActor:
         advantages = f["advantages"]
         if "teacher_logprobs" in f:  # distillation pulls the policy of this step's start, not the sampler
             advantages = advantages + self.distill_weight * distillation_advantages(
-                f["teacher_logprobs"], proximal, packed.target_mask)
-        loss, stats = decoupled_ppo_loss(logprobs, proximal, f["behav_logprobs"], advantages,
-                                         packed.target_mask, packed.cu_seqlens, f["weights"], self.loss_cfg,
-                                         f.get("ref_logprobs"), f.get("trust_keep"))
+                f["teacher_logprobs"], proximal, packed.target_mask
+            )
+        loss, stats = decoupled_ppo_loss(
+            logprobs,
+            proximal,
+            f["behav_logprobs"],
+            advantages,
+            packed.target_mask,
+            packed.cu_seqlens,
+            f["weights"],
+            self.loss_cfg,
+            f.get("ref_logprobs"),
+            f.get("trust_keep"),
+        )
         return loss, {**stats, "entropy_sum": float(outputs["entropy"].sum())}
 
     def _value_loss(self, outputs, packed, f):
-        loss = value_loss(outputs["values"], f["old_values"], f["returns"], packed.target_mask, f["weights"],
-                          self.cfg.value_clip)
+        loss = value_loss(
+            outputs["values"], f["old_values"], f["returns"], packed.target_mask, f["weights"], self.cfg.value_clip
+        )
         return loss, {}
 
     def _second_moment_trust_region(self, minibatches: list[SequenceBatch]) -> None:
@@ -97,8 +125,10 @@ class PPOActor:
         cut = second_moment_cut(local, self.loss_cfg.m2_threshold)
         for mb in minibatches:
             if len(mb):
-                mb.fields["trust_keep"] = [((p - b).double() ** 2 < cut).float()
-                                           for p, b in zip(mb.fields["prox_logprobs"], mb.fields["behav_logprobs"])]
+                mb.fields["trust_keep"] = [
+                    ((p - b).double() ** 2 < cut).float()
+                    for p, b in zip(mb.fields["prox_logprobs"], mb.fields["behav_logprobs"])
+                ]
 
     def _estimate_advantages(self, minibatches: list[SequenceBatch]) -> None:
         """PPO: GAE from the critic's values with the outcome reward on the last output token, then
@@ -111,18 +141,19 @@ class PPOActor:
             packed, f = mb.packed()
             rewards = f["rewards"][packed.cu_seqlens[:-1]]
             token_rewards = outcome_token_rewards(rewards, packed.target_mask, packed.cu_seqlens)
-            advantages, returns = gae(token_rewards, f["old_values"], packed.target_mask, packed.cu_seqlens,
-                                      self.cfg.gamma, self.cfg.lam)
+            advantages, returns = gae(
+                token_rewards, f["old_values"], packed.target_mask, packed.cu_seqlens, self.cfg.gamma, self.cfg.lam
+            )
             mb.set_packed("advantages", advantages)
             mb.set_packed("returns", returns)
             trained = advantages[packed.target_mask].double()
             count = torch.tensor(float(trained.numel()), dtype=torch.float64, device=trained.device)
-            moments += torch.stack([trained.sum(), (trained ** 2).sum(), count]).to(moments.device)
+            moments += torch.stack([trained.sum(), (trained**2).sum(), count]).to(moments.device)
         if self.dp_group is not None:
             dist.all_reduce(moments, group=self.dp_group)
         total, squares, count = moments.tolist()
         mean = total / max(count, 1.0)
-        std = max(squares / max(count, 1.0) - mean ** 2, 0.0) ** 0.5
+        std = max(squares / max(count, 1.0) - mean**2, 0.0) ** 0.5
         for mb in minibatches:
             if len(mb):
                 mb.fields["advantages"] = [(a - mean) / (std + 1e-6) for a in mb.fields["advantages"]]

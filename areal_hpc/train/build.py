@@ -59,8 +59,11 @@ def start_trainer(cfg: RunConfig) -> tuple[int, TrainMesh]:
     mesh = build_group_meshes(layout, device)
     if mesh.mixed:
         dims = mesh.dims
-        print(f"[trainer] rank {rank}: training group {mesh.index} of {len(layout.groups)} (dp{dims.dp} tp{dims.tp} "
-              f"pp{dims.pp}), batch share {mesh.data_rank} of {layout.replicas}", flush=True)
+        print(
+            f"[trainer] rank {rank}: training group {mesh.index} of {len(layout.groups)} (dp{dims.dp} tp{dims.tp} "
+            f"pp{dims.pp}), batch share {mesh.data_rank} of {layout.replicas}",
+            flush=True,
+        )
     return rank, mesh
 
 
@@ -81,13 +84,17 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
     path, model, actor_cfg = cfg.model.path, cfg.model, resolve_tree_training(cfg).actor
     if actor_cfg.importance_level == "sequence" and mesh is not None and mesh.dims.cp > 1:
-        raise UserError(f"actor.importance_level=sequence (GSPO) takes each sequence's ratio over all its tokens, "
-                        f"but actor.parallel.cp={mesh.dims.cp} deals them over several ranks; use cp=1 with GSPO")
+        raise UserError(
+            f"actor.importance_level=sequence (GSPO) takes each sequence's ratio over all its tokens, "
+            f"but actor.parallel.cp={mesh.dims.cp} deals them over several ranks; use cp=1 with GSPO"
+        )
     trains_trees = engine_class(actor_cfg.engine).supports_tree_training
     if actor_cfg.tree_training == "dta" and (not trains_trees or actor_cfg.importance_level != "token"):
-        raise UserError(f"actor.tree_training=dta needs actor.engine=torch and actor.importance_level=token (a loss "
-                        f"summed per token), got engine={actor_cfg.engine}, importance_level="
-                        f"{actor_cfg.importance_level}; set actor.tree_training=off")
+        raise UserError(
+            f"actor.tree_training=dta needs actor.engine=torch and actor.importance_level=token (a loss "
+            f"summed per token), got engine={actor_cfg.engine}, importance_level="
+            f"{actor_cfg.importance_level}; set actor.tree_training=off"
+        )
     if actor_cfg.tree_training == "dta":
         check_cost(actor_cfg.tree_cost)
     check_group_training(actor_cfg)
@@ -108,8 +115,14 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
         engines["critic"] = engine("critic")
     # The frozen starting weights for the KL penalty; not checkpointed (they never change).
     reference = engine("reference") if actor_cfg.kl_ctl > 0 else None
-    return PPOActor(engines["actor"], actor_cfg, reference, engines.get("critic"),
-                    mesh.group("dp") if mesh is not None else None, cfg.distill.kl_weight), engines
+    return PPOActor(
+        engines["actor"],
+        actor_cfg,
+        reference,
+        engines.get("critic"),
+        mesh.group("dp") if mesh is not None else None,
+        cfg.distill.kl_weight,
+    ), engines
 
 
 async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> tuple[list[str], ServerDirectory]:
@@ -120,8 +133,10 @@ async def wait_for_servers(cfg: RunConfig, timeout_s: float) -> tuple[list[str],
     deadline = time.monotonic() + timeout_s
     while len(addresses := await asyncio.to_thread(directory.current)) < cfg.rollout.n_servers:
         if time.monotonic() > deadline:
-            raise UserError(f"{len(addresses)} of {cfg.rollout.n_servers} rollout servers registered in "
-                            f"{directory.names.root} within {timeout_s:g} s (see {cfg.run_dir / 'logs'})")
+            raise UserError(
+                f"{len(addresses)} of {cfg.rollout.n_servers} rollout servers registered in "
+                f"{directory.names.root} within {timeout_s:g} s (see {cfg.run_dir / 'logs'})"
+            )
         await asyncio.sleep(0.2)
     return addresses, directory
 
@@ -138,17 +153,35 @@ def build_weight_sync(cfg: RunConfig, device_type: str, executor: concurrent.fut
 def engine_settings(cfg: RunConfig, client: RolloutClient, tokenizer, rewards: RewardPool, chat=None) -> EngineSettings:
     """What every episode's engine shares: the rollout client's ``generate`` (and its batch form, for a
     group's samples), the run's sampling and reward."""
-    return EngineSettings(client.generate, tokenizer, Sampling.from_config(cfg.gconfig), Scorer(rewards), chat,
-                          cfg.rollout.turn_discount, generate_batch=client.generate_batch)
+    return EngineSettings(
+        client.generate,
+        tokenizer,
+        Sampling.from_config(cfg.gconfig),
+        Scorer(rewards),
+        chat,
+        cfg.rollout.turn_discount,
+        generate_batch=client.generate_batch,
+    )
 
 
-def build_controller(cfg: RunConfig, client, workflow: EpisodeGroups, prompts: PromptStream,
-                     writer: TrajectoryShardWriter, version: int, on_drop,
-                     commit_executor: concurrent.futures.Executor | None = None) -> RolloutController:
+def build_controller(
+    cfg: RunConfig,
+    client,
+    workflow: EpisodeGroups,
+    prompts: PromptStream,
+    writer: TrajectoryShardWriter,
+    version: int,
+    on_drop,
+    commit_executor: concurrent.futures.Executor | None = None,
+) -> RolloutController:
     """The run's rollout controller; accepted groups are committed to the shards on ``commit_executor`` (those
     that finished during the previous commit together)."""
-    gate = StalenessGate.resumed(cfg.rollout.consumer_batch_size, cfg.rollout.max_head_offpolicyness,
-                                 cfg.rollout.max_concurrent_rollouts, version)
+    gate = StalenessGate.resumed(
+        cfg.rollout.consumer_batch_size,
+        cfg.rollout.max_head_offpolicyness,
+        cfg.rollout.max_concurrent_rollouts,
+        version,
+    )
 
     def store(episodes: list[Episode]) -> None:  # one commit of whole groups: a crash never leaves half a group
         for episode in episodes:
@@ -156,21 +189,36 @@ def build_controller(cfg: RunConfig, client, workflow: EpisodeGroups, prompts: P
                 writer.append(trajectory)
         writer.flush()
 
-    accept = ((lambda group: is_informative_group([t.reward or 0.0 for t in group]))
-              if cfg.actor.dynamic_sampling else (lambda group: True))
-    return RolloutController(client, workflow, gate, prompts, on_accept=store, accept=accept, on_drop=on_drop,
-                             budget=FailureBudget.from_config(cfg.rollout.failure_budget),
-                             accept_executor=commit_executor)
+    accept = (
+        (lambda group: is_informative_group([t.reward or 0.0 for t in group]))
+        if cfg.actor.dynamic_sampling
+        else (lambda group: True)
+    )
+    return RolloutController(
+        client,
+        workflow,
+        gate,
+        prompts,
+        on_accept=store,
+        accept=accept,
+        on_drop=on_drop,
+        budget=FailureBudget.from_config(cfg.rollout.failure_budget),
+        accept_executor=commit_executor,
+    )
 
 
 def open_shards(cfg: RunConfig, cursor_state: dict) -> tuple[TrajectoryShardWriter, TrajectoryConsumer]:
     folder = cfg.run_dir / "shards"
-    writer = TrajectoryShardWriter(folder, SHARD_WRITER, experiment=cfg.experiment.name,
-                                   trial=cfg.experiment.trial, flush_every=1 << 30)  # flushed per group
+    writer = TrajectoryShardWriter(
+        folder, SHARD_WRITER, experiment=cfg.experiment.name, trial=cfg.experiment.trial, flush_every=1 << 30
+    )  # flushed per group
     # Only this run's own rollouts: records other writers store beside them (a proxy's tenants) are
     # never swept into its training or its recovery after a resume.
-    return writer, TrajectoryConsumer(TrajectoryStore(folder), ConsumerCursor.from_state_dict(cursor_state),
-                                      where=TrajectoryFilter(writer=SHARD_WRITER))
+    return writer, TrajectoryConsumer(
+        TrajectoryStore(folder),
+        ConsumerCursor.from_state_dict(cursor_state),
+        where=TrajectoryFilter(writer=SHARD_WRITER),
+    )
 
 
 def open_proxy_records(cfg: RunConfig, cursor_state: dict | None) -> TrajectoryConsumer | None:
@@ -180,12 +228,17 @@ def open_proxy_records(cfg: RunConfig, cursor_state: dict | None) -> TrajectoryC
     if not cfg.rl.proxy_records_per_step:
         return None
     where = TrajectoryFilter(writer=f"{PROXY_WRITER_PREFIX}*", tenant=cfg.rl.proxy_tenant or None, eligible_only=True)
-    return TrajectoryConsumer(TrajectoryStore(cfg.run_dir / "shards"), ConsumerCursor.from_state_dict(cursor_state),
-                              where=where, require_reward=True)
+    return TrajectoryConsumer(
+        TrajectoryStore(cfg.run_dir / "shards"),
+        ConsumerCursor.from_state_dict(cursor_state),
+        where=where,
+        require_reward=True,
+    )
 
 
-def take_proxy_records(consumer: TrajectoryConsumer, n: int, version: int, eta: int) -> tuple[list[Trajectory],
-                                                                                                 list[Trajectory]]:
+def take_proxy_records(
+    consumer: TrajectoryConsumer, n: int, version: int, eta: int
+) -> tuple[list[Trajectory], list[Trajectory]]:
     """Up to ``n`` rewarded proxy records, oldest first, as (trainable, too stale): a record whose oldest
     output token is more than ``eta`` versions behind ``version`` is consumed without training, as a
     rollout that stale would be."""

@@ -37,8 +37,10 @@ def save_checkpoint(run_dir: Path, step: int, engines: dict, driver: dict) -> Pa
     staging.mkdir(parents=True)
     for name, engine in engines.items():
         engine.save(staging / name)
-    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-               staging / "rng.pt")
+    torch.save(
+        {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        staging / "rng.pt",
+    )
     atomic_write_json(staging / "driver.json", {"step": step, **driver})
     fsync_tree(staging)  # the engines' files are on disk before any name points at them
     shutil.rmtree(final, ignore_errors=True)

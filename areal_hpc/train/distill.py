@@ -30,13 +30,15 @@ class Teacher:
     def __init__(self, client: TeacherClient):
         self.client = client
 
-    async def score(self, trajectories: list[Trajectory], run_temperature: float
-                    ) -> tuple[list[list[float]], dict[str, float]]:
+    async def score(
+        self, trajectories: list[Trajectory], run_temperature: float
+    ) -> tuple[list[list[float]], dict[str, float]]:
         """Per trajectory, the teacher's logprob of each token (entry i: token i; NaN where not asked
         for), and the batch's ``distill/reverse_kl``."""
         sequences = [trajectory_sequence(t, run_temperature) for t in trajectories]
-        starts = [max(0, next((i for i, m in enumerate(mask) if m), len(tokens) - 1) - 1)
-                  for tokens, mask, _, _ in sequences]
+        starts = [
+            max(0, next((i for i, m in enumerate(mask) if m), len(tokens) - 1) - 1) for tokens, mask, _, _ in sequences
+        ]
         scores = await self.client.score_all([tokens for tokens, _, _, _ in sequences], starts)
         kl_sum, n = 0.0, 0
         for (_, mask, behaviour, _), teacher in zip(sequences, scores):
@@ -68,14 +70,17 @@ def check_teacher(cfg: RunConfig, reach: bool = True) -> None:
     async def connect() -> None:
         async with _checked_client(cfg, student):
             pass
+
     asyncio.run(connect())
 
 
 def _checked_token(cfg: RunConfig) -> str | None:
     """The token the teacher's server asks for (None: none), once the run's settings allow a teacher."""
     if builtins.uses_critic(cfg.actor.adv_estimator):
-        raise UserError("distill.teacher_url needs a sequence advantage estimator (one without a critic); "
-                        f"actor.adv_estimator={cfg.actor.adv_estimator} learns a critic of the reward alone")
+        raise UserError(
+            "distill.teacher_url needs a sequence advantage estimator (one without a critic); "
+            f"actor.adv_estimator={cfg.actor.adv_estimator} learns a critic of the reward alone"
+        )
     if not cfg.distill.teacher_token_file:
         return None
     try:
@@ -91,7 +96,11 @@ async def _checked_client(cfg: RunConfig, student_tokenizer) -> AsyncIterator[Te
     async with TeacherClient(settings.teacher_url, _checked_token(cfg), settings.timeout_s) as client:
         reported = await client.model_path()  # it answers
         if student_tokenizer is not None:
-            check_tokenizer(settings.teacher_tokenizer or reported, student_tokenizer,
-                            "distill.teacher_tokenizer" if settings.teacher_tokenizer
-                            else f"the model_path {settings.teacher_url} reports")
+            check_tokenizer(
+                settings.teacher_tokenizer or reported,
+                student_tokenizer,
+                "distill.teacher_tokenizer"
+                if settings.teacher_tokenizer
+                else f"the model_path {settings.teacher_url} reports",
+            )
         yield client

@@ -36,8 +36,9 @@ from areal_hpc.train.trainer_group import TrainerGroup, follow
 from areal_hpc.train.trainer_process import TrainerProcess, trains_in_child
 
 
-async def drive(cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dict,
-                early: EarlyStopSignal | None = None) -> None:
+async def drive(
+    cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dict, early: EarlyStopSignal | None = None
+) -> None:
     """Trainer rank 0's loop from ``state["step"]``: gate -> generate -> reward -> commit -> update ->
     push -> evaluate and checkpoint. A stop signal saves the last trained step (``StopRequested``)."""
     stop = StopGuard(early)
@@ -46,8 +47,10 @@ async def drive(cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dic
             started = time.perf_counter()
             # The staleness gate admits episodes all along; servers generate them, the reward pool scores them.
             # trained at version ``step``, which the servers may still be loading (the push runs beside this)
-            episodes = await stop.unless_stopped(run.controller.prepare_batch(cfg.rollout.consumer_batch_size, step),
-                                                 on_stop=lambda: run.save_and_stop(step))  # noqa: B023 - called within this iteration
+            episodes = await stop.unless_stopped(
+                run.controller.prepare_batch(cfg.rollout.consumer_batch_size, step),
+                on_stop=lambda: run.save_and_stop(step),  # noqa: B023 - called before this step ends
+            )
             waited = time.perf_counter() - started
             batch = run.take_batch(episodes, step)  # consumed through the HDF5 shards, with agents' proxy records
             stats = await run.update(batch)  # proximal logprobs + decoupled-PPO steps, on the training thread
@@ -55,6 +58,7 @@ async def drive(cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dic
             def trained_then_stop() -> None:  # the step is trained; its weight push is not needed
                 run.trained(step + 1, batch, stats, waited, started)  # noqa: B023 - called within this iteration
                 run.save_and_stop(step + 1)  # noqa: B023 - called within this iteration
+
             stop.check(trained_then_stop)  # saved without a weight push: servers may be stopping too
             async with stop.excusing_errors(trained_then_stop):
                 stats |= await run.push_weights(step + 1)  # stage; interrupt generation, new weights, continue

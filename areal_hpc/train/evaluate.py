@@ -59,17 +59,28 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-async def evaluate(settings: EngineSettings, workflow, examples: list[Example], n_samples: int = 1,
-                   greedy: bool = True, samples_kept: int = 3, seed: int | None = None) -> EvalResult:
+async def evaluate(
+    settings: EngineSettings,
+    workflow,
+    examples: list[Example],
+    n_samples: int = 1,
+    greedy: bool = True,
+    samples_kept: int = 3,
+    seed: int | None = None,
+) -> EvalResult:
     """Run ``workflow`` ``n_samples`` times on each example (greedy: at temperature 0); sampled episodes
     with a ``seed`` draw the same samples every time (sample j of example i: seed (seed, i, j))."""
     if greedy:
         settings = replace(settings, sampling=settings.sampling.greedy())
     settings = settings.for_group(EVAL_BATCH)  # the examples' first turns: a few batched requests, not one each
-    engines = [[AgentEngine(settings, None if seed is None else derive_seed(seed, i, j)) for j in range(n_samples)]
-               for i in range(len(examples))]
-    outcomes = await asyncio.gather(*(run_episode(workflow, engine, ex) for ex, row in zip(examples, engines)
-                                      for engine in row), return_exceptions=True)
+    engines = [
+        [AgentEngine(settings, None if seed is None else derive_seed(seed, i, j)) for j in range(n_samples)]
+        for i in range(len(examples))
+    ]
+    outcomes = await asyncio.gather(
+        *(run_episode(workflow, engine, ex) for ex, row in zip(examples, engines) for engine in row),
+        return_exceptions=True,
+    )
     episodes, failures = [], 0
     for i, (example, row) in enumerate(zip(examples, engines)):
         for j, engine in enumerate(row):
@@ -77,39 +88,67 @@ async def evaluate(settings: EngineSettings, workflow, examples: list[Example], 
             failures += isinstance(outcome, BaseException)
             episodes.append(_episode_row(example, engine, outcome))
     values = [e["reward"] for e in episodes]
-    correct = [sum(e["reward"] == 1.0 for e in episodes[i * n_samples:(i + 1) * n_samples]) for i in range(len(examples))]
+    correct = [
+        sum(e["reward"] == 1.0 for e in episodes[i * n_samples : (i + 1) * n_samples]) for i in range(len(examples))
+    ]
     ks = sorted({1, n_samples} | {k for k in (2, 4, 8, 16, 32, 64) if k < n_samples})
     return EvalResult(
-        n=len(examples), correct=sum(e["reward"] == 1.0 for e in episodes[::n_samples]),
+        n=len(examples),
+        correct=sum(e["reward"] == 1.0 for e in episodes[::n_samples]),
         mean_reward=sum(values) / max(1, len(values)),
         reward_failures=sum(sum(o.error is not None for o in engine.outcomes) for row in engines for engine in row),
         samples=[(e["prompt"], e["completion"], e["reward"]) for e in episodes[::n_samples][:samples_kept]],
         pass_at={k: sum(pass_at_k(n_samples, c, k) for c in correct) / max(1, len(examples)) for k in ks},
-        episodes=episodes, episode_failures=failures)
+        episodes=episodes,
+        episode_failures=failures,
+    )
 
 
 def _episode_row(example: Example, engine: AgentEngine, outcome) -> dict:
     if isinstance(outcome, BaseException):
-        return {"example": example.uid, "prompt": example.prompt, "completion": "", "reward": 0.0, "turns": 0,
-                "error": f"{type(outcome).__name__}: {outcome}"}
+        return {
+            "example": example.uid,
+            "prompt": example.prompt,
+            "completion": "",
+            "reward": 0.0,
+            "turns": 0,
+            "error": f"{type(outcome).__name__}: {outcome}",
+        }
     reward = outcome[0].reward or 0.0 if outcome else 0.0
     last = outcome[0].segments[-1].output_ids if outcome else []
-    return {"example": example.uid, "prompt": example.prompt or str(list(example.messages)),
-            "completion": engine.decode(last), "reward": reward, "turns": len(outcome[0].segments) if outcome else 0,
-            "answer": str(example.answer)}
+    return {
+        "example": example.uid,
+        "prompt": example.prompt or str(list(example.messages)),
+        "completion": engine.decode(last),
+        "reward": reward,
+        "turns": len(outcome[0].segments) if outcome else 0,
+        "answer": str(example.answer),
+    }
 
 
-def evaluate_model(model: torch.nn.Module, tokenizer, examples: list[Example], rewards: RewardPool,
-                   sampling: Sampling, workflow=None, model_folder=None, n_samples: int = 1, greedy: bool = True,
-                   discount: float = 1.0, seed: int | None = None) -> EvalResult:
+def evaluate_model(
+    model: torch.nn.Module,
+    tokenizer,
+    examples: list[Example],
+    rewards: RewardPool,
+    sampling: Sampling,
+    workflow=None,
+    model_folder=None,
+    n_samples: int = 1,
+    greedy: bool = True,
+    discount: float = 1.0,
+    seed: int | None = None,
+) -> EvalResult:
     """Evaluate a model in this process, decoded by an embedded engine on it (which puts the model in
     evaluation mode; a training step puts it back). ``model_folder``: where its tokenizer and chat
     template are, for workflows that chat."""
     longest = max((len(example_prompt_ids(tokenizer, ex)) for ex in examples), default=1)
-    engine = EmbeddedEngine(model, slots=min(EVAL_SLOTS, max(1, len(examples) * n_samples)),
-                            context_length=min(model.config.max_position_embeddings,
-                                               CHAT_HEADROOM * (longest + sampling.max_new_tokens)),
-                            eos_token_ids=[tokenizer.eos_token_id])
+    engine = EmbeddedEngine(
+        model,
+        slots=min(EVAL_SLOTS, max(1, len(examples) * n_samples)),
+        context_length=min(model.config.max_position_embeddings, CHAT_HEADROOM * (longest + sampling.max_new_tokens)),
+        eos_token_ids=[tokenizer.eos_token_id],
+    )
 
     async def generate(input_ids: list[int], params: dict) -> Generation:
         result = await engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(params))

@@ -32,8 +32,9 @@ class MetricsLogger:
 
             if resume_step is None:
                 shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"),
-                                     purge_step=None if resume_step is None else resume_step + 1)
+            self._tb = SummaryWriter(
+                str(run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1
+            )
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **scalars}
@@ -52,4 +53,3 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
-

@@ -5,7 +5,8 @@ controller's event loop, the rollout client, reward scoring, evaluation) on the 
 On 2 cores the local launcher pins the server to core 0 and the trainer to core 1. The update is the
 step's critical path; rank 0's rollout side (about as much CPU a quickstart step as the server's generation)
 allowed on core 1 as well preempts it there. Core 0 beside generation, which finishes well within a step
-since a group's prompt is prefilled once, has room for it (bench/results/rl_step-primitives-rollout-side-*.md). The launcher
+since a group's prompt is prefilled once, has room for it (bench/results/rl_step-primitives-rollout-side-*.md). The
+launcher
 names the cores in ``ROLLOUT_SIDE_CORES``; without them (Slurm, pinning off) nothing moves, and the update
 runs on a thread of its own all the same.
 
@@ -46,7 +47,8 @@ class ThreadPlacement:
         self.training_elsewhere = training_elsewhere
         self.training = concurrent.futures.ThreadPoolExecutor(1, "training", initializer=self._pin_training)
         self.shard_commits = concurrent.futures.ThreadPoolExecutor(
-            1, "shard-commits", initializer=None if training_elsewhere else self._pin_training)
+            1, "shard-commits", initializer=None if training_elsewhere else self._pin_training
+        )
 
     def _pin_training(self) -> None:
         os.sched_setaffinity(0, self.training_cores)  # Linux: the calling thread only

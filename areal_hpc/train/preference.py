@@ -81,8 +81,11 @@ class PairScorer:
         """{output: [n] float64} of each output the engine computes that a sequence can be read by."""
         packed, _ = batch.packed()
         outputs = engine.forward(batch)
-        return {name: self.reduce(packed, torch.cat(outputs[name]).double(), name)
-                for name in ("logprobs", "values") if name in outputs}
+        return {
+            name: self.reduce(packed, torch.cat(outputs[name]).double(), name)
+            for name in ("logprobs", "values")
+            if name in outputs
+        }
 
     def weights(self, packed: PackedBatch, coefficients: torch.Tensor, output: str | None = None) -> torch.Tensor:
         """Packed [T] weights w with Σ_t w_t·output_t = Σ_i coefficient_i·(sequence i's number)."""
@@ -91,8 +94,7 @@ class PairScorer:
     def reduce(self, packed: PackedBatch, per_position: torch.Tensor, output: str | None = None) -> torch.Tensor:
         """[n] each sequence's number from the packed per-position outputs."""
         selected = torch.where(self._positions(packed, output or self.output), per_position, 0.0)
-        return selected.new_zeros(len(packed.cu_seqlens) - 1).index_add_(0, sequence_ids(packed.cu_seqlens),
-                                                                         selected)
+        return selected.new_zeros(len(packed.cu_seqlens) - 1).index_add_(0, sequence_ids(packed.cu_seqlens), selected)
 
     @staticmethod
     def _positions(packed: PackedBatch, output: str) -> torch.Tensor:
@@ -105,20 +107,24 @@ class PairScorer:
 
 def weighted_outputs_loss(outputs: list[str]):
     """Σ over ``outputs`` of Σ_t weights_t·output_t, the weights in the batch's field ``weights/<output>``."""
+
     def loss(values: dict[str, torch.Tensor], packed, fields: dict[str, torch.Tensor]):
         return sum((fields[f"weights/{name}"] * values[name]).sum() for name in outputs), {}
+
     return loss
 
 
 class PreferenceTrainer:
     """One objective's steps and evaluations on an engine."""
 
-    def __init__(self, engine: TrainEngine, objective: str, cfg: RunConfig,
-                 reference: dict[str, torch.Tensor] | None):
+    def __init__(self, engine: TrainEngine, objective: str, cfg: RunConfig, reference: dict[str, torch.Tensor] | None):
         pcfg = cfg.preference
         self.engine, self.scorer = engine, PairScorer(objective)
-        self.loss_cfg = PairLossConfig(loss=pcfg.loss if objective == "dpo" else "bradley_terry", beta=pcfg.beta,
-                                       label_smoothing=pcfg.label_smoothing if objective == "dpo" else 0.0)
+        self.loss_cfg = PairLossConfig(
+            loss=pcfg.loss if objective == "dpo" else "bradley_terry",
+            beta=pcfg.beta,
+            label_smoothing=pcfg.label_smoothing if objective == "dpo" else 0.0,
+        )
         self.scale = pcfg.beta if objective == "dpo" else 1.0  # DPO's implicit reward is β·(log π − log π_ref)
         self.nll_weight = pcfg.nll_weight
         self.reference = reference
@@ -135,16 +141,22 @@ class PreferenceTrainer:
         stats = self.engine.train_step(batch, weighted_outputs_loss(outputs)) | stats  # its "loss" is the surrogate's
         return {f"train/{key}": value for key, value in stats.items()} | {"train/tokens": float(batch.n_tokens)}
 
-    def weigh(self, batch: SequenceBatch, pairs: list[PreferencePair],
-              indices: list[int]) -> tuple[dict[str, float], list[str]]:
+    def weigh(
+        self, batch: SequenceBatch, pairs: list[PreferencePair], indices: list[int]
+    ) -> tuple[dict[str, float], list[str]]:
         """Set the batch's per-position weights (``weights/<output>``) whose weighted sum of the engine's
         outputs has the objective's gradient; (the objective's value and the pairs' statistics, the
         outputs weighted)."""
         numbers = self.scorer.per_sequence(self.engine, batch)
         chosen, rejected = self._sides(numbers[self.scorer.output], "train", indices)
         loss, by_score, by_likelihood, extra = sequence_coefficients(
-            chosen, rejected, self.loss_cfg, self.nll_weight, numbers.get("logprobs", torch.zeros(0))[0::2],
-            torch.tensor([len(pair.chosen_ids) for pair in pairs]))
+            chosen,
+            rejected,
+            self.loss_cfg,
+            self.nll_weight,
+            numbers.get("logprobs", torch.zeros(0))[0::2],
+            torch.tensor([len(pair.chosen_ids) for pair in pairs]),
+        )
         packed = batch.packed()[0]
         weights = {self.scorer.output: self.scorer.weights(packed, by_score)}
         if self.nll_weight:
@@ -170,8 +182,9 @@ class PreferenceTrainer:
         return {f"eval/pair_{key}": value for key, value in stats.items()}
 
 
-def reference_scores(engine: TrainEngine, splits: dict[str, list[PreferencePair]], folder: Path,
-                     model_dir: Path, batch_size: int, say) -> dict[str, torch.Tensor]:
+def reference_scores(
+    engine: TrainEngine, splits: dict[str, list[PreferencePair]], folder: Path, model_dir: Path, batch_size: int, say
+) -> dict[str, torch.Tensor]:
     """{split: [n, 2] float64 (chosen, rejected) log-likelihoods} of the starting model, read from the run
     folder's cache when it holds those of the same model and pairs."""
     digest = hashlib.sha256(str(model_dir.resolve()).encode())
@@ -186,7 +199,7 @@ def reference_scores(engine: TrainEngine, splits: dict[str, list[PreferencePair]
             return saved["scores"]
     scorer, scores = PairScorer("dpo"), {}
     for name, pairs in splits.items():
-        parts = [scorer.scores(engine, pair_batch(pairs[i:i + batch_size])) for i in range(0, len(pairs), batch_size)]
+        parts = [scorer.scores(engine, pair_batch(pairs[i : i + batch_size])) for i in range(0, len(pairs), batch_size)]
         scores[name] = torch.cat(parts).reshape(-1, 2) if parts else torch.zeros(0, 2, dtype=torch.float64)
     torch.save({"key": digest.hexdigest(), "scores": scores}, cache)
     return scores
@@ -197,8 +210,10 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
         raise ValueError(f"objective={objective!r}; valid: {', '.join(OBJECTIVES)}")
     console, started, pcfg = console or Console(), time.time(), cfg.preference
     if not cfg.model.path:
-        raise UserError(f"config key 'model.path' is empty: {objective} starts from a trained model (e.g. the SFT "
-                        "checkpoint <run>/model)")
+        raise UserError(
+            f"config key 'model.path' is empty: {objective} starts from a trained model (e.g. the SFT "
+            "checkpoint <run>/model)"
+        )
     torch.manual_seed(cfg.experiment.seed)  # the reward model's fresh head depends on the seed only
     device = resolve_device(cfg.cluster.device)
     check_precision(device, model_dtype=cfg.model.dtype, model_compute_dtype=cfg.model.compute_dtype)
@@ -210,12 +225,16 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
     train, held_out = load_pairs(pcfg, cfg.experiment.seed, tokenizer, context, console.print)
     task = _TaskEvaluation(cfg, tokenizer, model_dir, console) if objective == "dpo" and pcfg.eval_task else None
     save_resolved(cfg)  # only once every input has been checked
-    console.print(f"[bold]{objective.upper()}[/] on {len(train)} pairs ({len(held_out)} held out) from "
-                  f"{pcfg.path}, starting from {model_dir}; run folder {cfg.run_dir}", soft_wrap=True)
+    console.print(
+        f"[bold]{objective.upper()}[/] on {len(train)} pairs ({len(held_out)} held out) from "
+        f"{pcfg.path}, starting from {model_dir}; run folder {cfg.run_dir}",
+        soft_wrap=True,
+    )
     reference = None
     if objective == "dpo":
-        reference = reference_scores(engine, {"train": train, "eval": held_out}, cfg.run_dir, model_dir,
-                                     pcfg.batch_size, console.print)
+        reference = reference_scores(
+            engine, {"train": train, "eval": held_out}, cfg.run_dir, model_dir, pcfg.batch_size, console.print
+        )
     trainer = PreferenceTrainer(engine, objective, cfg, reference)
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
     order = index_stream(len(train), cfg.experiment.seed)
@@ -230,8 +249,13 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
     try:
         before = after = run_eval(0)
         console.print(f"held out before {objective}: {_summary(before)}", soft_wrap=True)
-        columns = [TextColumn(f"[bold]{objective}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("loss {task.fields[loss]:.3f}  pair acc {task.fields[acc]:.3f}")]
+        columns = [
+            TextColumn(f"[bold]{objective}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("loss {task.fields[loss]:.3f}  pair acc {task.fields[acc]:.3f}"),
+        ]
         with Progress(*columns, console=console) as progress:
             bar = progress.add_task(objective, total=pcfg.total_train_steps, loss=float("nan"), acc=float("nan"))
             for step in range(1, pcfg.total_train_steps + 1):
@@ -280,10 +304,17 @@ class _TaskEvaluation:
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         from areal_hpc.train.evaluate import evaluate_model
 
-        result = evaluate_model(model, self.tokenizer, self.task.eval, self.rewards, self.sampling, self.workflow,
-                                self.cfg.tokenizer.path or self.model_dir, discount=self.cfg.rollout.turn_discount)
+        result = evaluate_model(
+            model,
+            self.tokenizer,
+            self.task.eval,
+            self.rewards,
+            self.sampling,
+            self.workflow,
+            self.cfg.tokenizer.path or self.model_dir,
+            discount=self.cfg.rollout.turn_discount,
+        )
         return result.scalars()
 
     def close(self) -> None:
         self.rewards.close()
-

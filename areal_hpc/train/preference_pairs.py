@@ -44,8 +44,11 @@ class PreferencePair:
 
 
 def _is_chat(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                          for m in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
 
 
 def split_conversations(row: dict, chosen: str, rejected: str, prompt: str) -> dict:
@@ -57,16 +60,23 @@ def split_conversations(row: dict, chosen: str, rejected: str, prompt: str) -> d
     shared, last = sides[0][:-1], [side[-1] for side in sides]
     if sides[1][:-1] != shared or any(m["role"] != "assistant" for m in last):
         return {**row, chosen: None, rejected: None}  # not a pair of answers to one conversation: dropped
-    return {**row, prompt: [{"role": m["role"], "content": m["content"]} for m in shared],
-            chosen: last[0]["content"], rejected: last[1]["content"]}
+    return {
+        **row,
+        prompt: [{"role": m["role"], "content": m["content"]} for m in shared],
+        chosen: last[0]["content"],
+        rejected: last[1]["content"],
+    }
 
 
-def load_pairs(cfg: PreferenceConfig, seed: int, tokenizer, max_tokens: int,
-               say=print) -> tuple[list[PreferencePair], list[PreferencePair]]:
+def load_pairs(
+    cfg: PreferenceConfig, seed: int, tokenizer, max_tokens: int, say=print
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
     """(train, held-out) pairs of ``cfg`` that fit in ``max_tokens`` (prompt + the longer side)."""
     if not cfg.path:
-        raise UserError("config key 'preference.path' is empty: give your pairs (a JSONL, Parquet or Arrow file "
-                        "with prompt, chosen and rejected columns, or chosen/rejected conversations)")
+        raise UserError(
+            "config key 'preference.path' is empty: give your pairs (a JSONL, Parquet or Arrow file "
+            "with prompt, chosen and rejected columns, or chosen/rejected conversations)"
+        )
     prompt_key = cfg.prompt_field or "prompt"
 
     def rows_of(path: str, key: str, split: str) -> list[dict]:
@@ -74,12 +84,22 @@ def load_pairs(cfg: PreferenceConfig, seed: int, tokenizer, max_tokens: int,
         rows = [split_conversations(row, cfg.chosen_field, cfg.rejected_field, prompt_key) for row in rows]
         for key, column in (("chosen_field", cfg.chosen_field), ("rejected_field", cfg.rejected_field)):
             if rows and column not in rows[0]:
-                raise UserError(f"config key 'preference.{key}': {path} has no column {column!r}; its columns are "
-                                f"{', '.join(rows[0])}")
+                raise UserError(
+                    f"config key 'preference.{key}': {path} has no column {column!r}; its columns are "
+                    f"{', '.join(rows[0])}"
+                )
         return rows
 
-    data = DatasetConfig(path=cfg.path, eval_path=cfg.eval_path, prompt_field=prompt_key, answer_field="",
-                         target_field="", seed=seed, train_size=cfg.train_size, eval_size=cfg.eval_size)
+    data = DatasetConfig(
+        path=cfg.path,
+        eval_path=cfg.eval_path,
+        prompt_field=prompt_key,
+        answer_field="",
+        target_field="",
+        seed=seed,
+        train_size=cfg.train_size,
+        eval_size=cfg.eval_size,
+    )
     try:
         train, held_out = split_examples(data, "pairs", rows_of)
     except UserError as exc:
@@ -88,21 +108,26 @@ def load_pairs(cfg: PreferenceConfig, seed: int, tokenizer, max_tokens: int,
     for name, examples in (("training", train), ("held-out", held_out)):
         kept, dropped = _tokenized(examples, cfg, tokenizer, max_tokens)
         if dropped:
-            say(f"dropped {sum(map(len, dropped.values()))} {name} pairs: " + "; ".join(
-                f"{len(uids)} {reason} (first: {uids[0]})" for reason, uids in dropped.items()))
+            say(
+                f"dropped {sum(map(len, dropped.values()))} {name} pairs: "
+                + "; ".join(f"{len(uids)} {reason} (first: {uids[0]})" for reason, uids in dropped.items())
+            )
         pairs.append(kept)
     if not pairs[0]:
         raise UserError(f"preference.path {cfg.path}: no usable training pair (see the line above)")
     asked = {tuple(pair.prompt_ids) for pair in pairs[0]}
     seen = sum(tuple(pair.prompt_ids) in asked for pair in pairs[1])
     if seen:
-        say(f"{seen} of {len(pairs[1])} held-out pairs ask a prompt that training pairs ask too: their accuracy "
-            "partly measures memory; hold out other prompts with preference.eval_path (areal-hpc pairs --split eval)")
+        say(
+            f"{seen} of {len(pairs[1])} held-out pairs ask a prompt that training pairs ask too: their accuracy "
+            "partly measures memory; hold out other prompts with preference.eval_path (areal-hpc pairs --split eval)"
+        )
     return pairs[0], pairs[1]
 
 
-def _tokenized(examples: list[Example], cfg: PreferenceConfig, tokenizer,
-               max_tokens: int) -> tuple[list[PreferencePair], dict[str, list[str]]]:
+def _tokenized(
+    examples: list[Example], cfg: PreferenceConfig, tokenizer, max_tokens: int
+) -> tuple[list[PreferencePair], dict[str, list[str]]]:
     kept, dropped = [], {}
     for ex in examples:
         chosen, rejected = ex.fields.get(cfg.chosen_field), ex.fields.get(cfg.rejected_field)
@@ -133,7 +158,7 @@ def pairs_from_episodes(episodes: list[dict], n_samples: int, pairing: str = "be
         raise ValueError(f"pairing={pairing!r}; valid: {', '.join(PAIRINGS)}")
     rows = []
     for start in range(0, len(episodes) - n_samples + 1, n_samples):
-        group = [e for e in episodes[start:start + n_samples] if "error" not in e]
+        group = [e for e in episodes[start : start + n_samples] if "error" not in e]
         if not group:
             continue
         if pairing == "all":
@@ -144,7 +169,16 @@ def pairs_from_episodes(episodes: list[dict], n_samples: int, pairing: str = "be
         else:
             best, worst = max(group, key=lambda e: e["reward"]), min(group, key=lambda e: e["reward"])
             ordered = [(best, worst)] if best["reward"] > worst["reward"] else []
-        rows += [{"prompt": best["prompt"], "chosen": best["completion"], "rejected": worst["completion"],
-                  "answer": best.get("answer", ""), "chosen_reward": best["reward"], "rejected_reward": worst["reward"]}
-                 for best, worst in ordered if best["completion"] != worst["completion"]]
+        rows += [
+            {
+                "prompt": best["prompt"],
+                "chosen": best["completion"],
+                "rejected": worst["completion"],
+                "answer": best.get("answer", ""),
+                "chosen_reward": best["reward"],
+                "rejected_reward": worst["reward"],
+            }
+            for best, worst in ordered
+            if best["completion"] != worst["completion"]
+        ]
     return rows

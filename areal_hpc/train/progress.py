@@ -23,8 +23,10 @@ from areal_hpc.train.evaluate import EvalResult
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
 
-LINE = ("reward {task.fields[reward]:.3f}  eval {task.fields[acc]}  staleness {task.fields[stale]:.2f}  "
-        "{task.fields[tps]:.0f} tok/s  failures {task.fields[failures]}")
+LINE = (
+    "reward {task.fields[reward]:.3f}  eval {task.fields[acc]}  staleness {task.fields[stale]:.2f}  "
+    "{task.fields[tps]:.0f} tok/s  failures {task.fields[failures]}"
+)
 
 
 class RLProgress:
@@ -36,10 +38,24 @@ class RLProgress:
         self._audit = (cfg.run_dir / "logs" / "batches.jsonl").open("a", buffering=1)
         if start_step:  # entries after this marker replace those of the same steps before it
             self._audit.write(json.dumps({"resumed_from": start_step}) + "\n")
-        self._progress = Progress(TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                  TextColumn(LINE), console=self.console)
-        self._bar = self._progress.add_task("rl", total=cfg.rl.total_train_steps, completed=start_step,
-                                            reward=float("nan"), acc="-", stale=0.0, tps=0.0, failures=0)
+        self._progress = Progress(
+            TextColumn("[bold]rl"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn(LINE),
+            console=self.console,
+        )
+        self._bar = self._progress.add_task(
+            "rl",
+            total=cfg.rl.total_train_steps,
+            completed=start_step,
+            reward=float("nan"),
+            acc="-",
+            stale=0.0,
+            tps=0.0,
+            failures=0,
+        )
         self._started, self._trained_tokens = time.perf_counter(), 0
         self._step, self._counts = start_step, None  # last step trained, rollout counts last logged
 
@@ -54,8 +70,10 @@ class RLProgress:
 
     def rollouts_started(self) -> None:
         """When launched by ``areal-hpc train``: seconds since the launch and since the trainers started."""
-        marks = [(os.environ.get(LAUNCHED_AT), "after launch"),
-                 (os.environ.get(TRAINERS_AT), "after the trainers started")]
+        marks = [
+            (os.environ.get(LAUNCHED_AT), "after launch"),
+            (os.environ.get(TRAINERS_AT), "after the trainers started"),
+        ]
         since = ", ".join(f"{time.time() - float(at):.1f} s {what}" for at, what in marks if at)
         self.console.print(f"rollouts started{f' {since}' if since else ''}", soft_wrap=True)
 
@@ -70,28 +88,40 @@ class RLProgress:
         """The weight push of ``step``'s weights, logged when it ends (it may run beside the next step)."""
         self.metrics.log(step, stats)
 
-    def trained(self, step: int, batch: list[Trajectory], stats: dict[str, float], waited: float, seconds: float,
-                controller) -> None:
+    def trained(
+        self, step: int, batch: list[Trajectory], stats: dict[str, float], waited: float, seconds: float, controller
+    ) -> None:
         staleness = [max(0, step - 1 - t.version_range[0]) for t in batch]  # trained at version step - 1 (0: recovered)
         rewards = [t.reward or 0.0 for t in batch]
         self._trained_tokens += int(stats["train/trained_tokens"])
         self._step, self._counts = step, controller.counters()
-        scalars = {**stats, "rollout/reward": float(np.mean(rewards)),
-                   "rollout/output_tokens": float(np.mean([t.n_output_tokens for t in batch])),
-                   "rollout/interruptions": float(sum(t.metadata.get("interruptions", 0) for t in batch)),
-                   "rollout/turns": float(np.mean([len(t.segments) for t in batch])),
-                   **reward_metrics(batch), **self._counts,
-                   "staleness/mean": float(np.mean(staleness)), "staleness/max": float(max(staleness)),
-                   "time/generate_wait": waited, "time/step": seconds,
-                   "perf/trained_tokens_per_s": stats["train/trained_tokens"] / seconds,
-                   "perf/tokens_per_s": stats["train/tokens"] / seconds,
-                   "perf/trained_tokens_per_s_run": self._trained_tokens / (time.perf_counter() - self._started)}
+        scalars = {
+            **stats,
+            "rollout/reward": float(np.mean(rewards)),
+            "rollout/output_tokens": float(np.mean([t.n_output_tokens for t in batch])),
+            "rollout/interruptions": float(sum(t.metadata.get("interruptions", 0) for t in batch)),
+            "rollout/turns": float(np.mean([len(t.segments) for t in batch])),
+            **reward_metrics(batch),
+            **self._counts,
+            "staleness/mean": float(np.mean(staleness)),
+            "staleness/max": float(max(staleness)),
+            "time/generate_wait": waited,
+            "time/step": seconds,
+            "perf/trained_tokens_per_s": stats["train/trained_tokens"] / seconds,
+            "perf/tokens_per_s": stats["train/tokens"] / seconds,
+            "perf/trained_tokens_per_s_run": self._trained_tokens / (time.perf_counter() - self._started),
+        }
         self.metrics.log(step, scalars)
         self.metrics.histogram(step, "staleness", staleness)
         self._audit.write(json.dumps({"step": step, "trained": [t.id for t in batch]}) + "\n")
-        self._progress.update(self._bar, completed=step, reward=scalars["rollout/reward"],
-                              stale=scalars["staleness/mean"], tps=scalars["perf/trained_tokens_per_s"],
-                              failures=int(scalars["rollout/failures_total"]))
+        self._progress.update(
+            self._bar,
+            completed=step,
+            reward=scalars["rollout/reward"],
+            stale=scalars["staleness/mean"],
+            tps=scalars["perf/trained_tokens_per_s"],
+            failures=int(scalars["rollout/failures_total"]),
+        )
 
     def rollout_counts(self, controller) -> None:
         """Log the controller's counts (failures by kind, filtered, dropped) at the last trained step,
@@ -109,8 +139,11 @@ class RLProgress:
             await asyncio.sleep(every_s)
 
     def stopped(self, step: int) -> None:
-        self.console.print(f"stop signal: checkpoint of step {step} saved in {self.cfg.run_dir / 'checkpoints'}; "
-                           f"exiting (a requeued job resumes from it)", soft_wrap=True)
+        self.console.print(
+            f"stop signal: checkpoint of step {step} saved in {self.cfg.run_dir / 'checkpoints'}; "
+            f"exiting (a requeued job resumes from it)",
+            soft_wrap=True,
+        )
 
     def dropped(self, ids: list[str]) -> None:
         self._audit.write(json.dumps({"dropped": ids}) + "\n")
@@ -122,8 +155,10 @@ class RLProgress:
         title = f"asynchronous RL on {self.cfg.dataset.task}"
         if gain is not None:
             start, last3 = gain
-            line = f"held-out accuracy {start:.1%} at the start, {last3:.1%} over the last 3 evaluations " \
-                   f"({100 * (last3 - start):+.1f} points)"
+            line = (
+                f"held-out accuracy {start:.1%} at the start, {last3:.1%} over the last 3 evaluations "
+                f"({100 * (last3 - start):+.1f} points)"
+            )
             self.console.print(line, soft_wrap=True)
             title += f": {line}"
         if self.cfg.stats.plot:

@@ -70,8 +70,15 @@ def grpo(samples: int, prompt: int, reply: float, groups: int = 2, spread: float
     return Workload("grpo", groups, samples, prompt, reply, spread=spread, seed=seed)
 
 
-def multi_turn(episodes: int, prompt: int, reply: float, environment: float, groups: int = 1,
-               turns: tuple[int, int] = (5, 30), seed: int = 0) -> Workload:
+def multi_turn(
+    episodes: int,
+    prompt: int,
+    reply: float,
+    environment: float,
+    groups: int = 1,
+    turns: tuple[int, int] = (5, 30),
+    seed: int = 0,
+) -> Workload:
     return Workload("multi-turn", groups, episodes, prompt, reply, environment, turns, seed=seed)
 
 
@@ -90,12 +97,19 @@ def training_batch(workload: Workload):
 
     sequences, masks = workload.sequences()
     generator = torch.Generator().manual_seed(workload.seed)
-    batch = SequenceBatch(sequences, masks, {
-        "advantages": [torch.randn(1, generator=generator).expand(len(s)).clone() for s in sequences],
-        "behav_logprobs": [-6.0 + 0.1 * torch.randn(len(s), generator=generator) for s in sequences]})
+    batch = SequenceBatch(
+        sequences,
+        masks,
+        {
+            "advantages": [torch.randn(1, generator=generator).expand(len(s)).clone() for s in sequences],
+            "behav_logprobs": [-6.0 + 0.1 * torch.randn(len(s), generator=generator) for s in sequences],
+        },
+    )
     packed, _ = batch.packed()
-    batch.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, "token-mean",
-                                              packed.n_targets, len(sequences), 0))
+    batch.set_packed(
+        "weights",
+        token_weights(packed.target_mask, packed.cu_seqlens, "token-mean", packed.n_targets, len(sequences), 0),
+    )
     return batch
 
 
@@ -141,14 +155,24 @@ def _measure(mode: str, workload: Workload, preset: str, steps: int, max_tokens:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, max_position_embeddings=8192, tie_word_embeddings=True,
-                                         **PRESETS[preset]))
-    engine = TorchTrainEngine(model, PolicyOutputs(1.0), lr=1e-5, optimizer=OptimizerConfig(),
-                              max_tokens_per_mb=max_tokens, tree_training="dta" if mode == "dta" else "off")
+    model = Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=VOCAB, max_position_embeddings=8192, tie_word_embeddings=True, **PRESETS[preset])
+    )
+    engine = TorchTrainEngine(
+        model,
+        PolicyOutputs(1.0),
+        lr=1e-5,
+        optimizer=OptimizerConfig(),
+        max_tokens_per_mb=max_tokens,
+        tree_training="dta" if mode == "dta" else "off",
+    )
     loss = PPOActor(engine, ActorConfig())._policy_loss
     batch = training_batch(workload)
-    step = (lambda: tree_mask_step(engine, batch, loss)) if mode == "tree-mask" else (
-        lambda: engine.train_step(batch, loss))
+    step = (
+        (lambda: tree_mask_step(engine, batch, loss))
+        if mode == "tree-mask"
+        else (lambda: engine.train_step(batch, loss))
+    )
     times = []
     with PeakResidentSet() as memory:
         before = PeakResidentSet.now()
@@ -157,8 +181,11 @@ def _measure(mode: str, workload: Workload, preset: str, steps: int, max_tokens:
             started = time.perf_counter()
             step()
             times.append(time.perf_counter() - started)
-    return {"seconds": statistics.median(times), "peak_bytes": memory.peak - before,
-            "sequence_tokens": sum(map(len, batch.sequences))}
+    return {
+        "seconds": statistics.median(times),
+        "peak_bytes": memory.peak - before,
+        "sequence_tokens": sum(map(len, batch.sequences)),
+    }
 
 
 def tree_mask_step(engine, batch, loss_fn) -> None:
@@ -178,7 +205,7 @@ def tree_mask_step(engine, batch, loss_fn) -> None:
         visible[rows, rows] = torch.ones(len(node.tokens), len(node.tokens), dtype=torch.bool).tril()
         ancestor = node.parent
         while ancestor >= 0:
-            visible[rows, offsets[ancestor]:offsets[ancestor + 1]] = True
+            visible[rows, offsets[ancestor] : offsets[ancestor + 1]] = True
             ancestor = tree.nodes[ancestor].parent
     mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[None, None]
     model, head = engine.model, engine.root.forward_fn.head
@@ -189,14 +216,18 @@ def tree_mask_step(engine, batch, loss_fn) -> None:
         pieces = chunk_pieces(tree, [[n]], batch, len(node.tokens), whole)
         if pieces is not None:
             rows, packed, fields = pieces
-            padded = torch.cat([hidden[offsets[n]:offsets[n + 1]], hidden.new_zeros(1, hidden.shape[1])])
+            padded = torch.cat([hidden[offsets[n] : offsets[n + 1]], hidden.new_zeros(1, hidden.shape[1])])
             total = total + loss_fn(head(model, padded[torch.tensor(rows)], packed), packed, fields)[0]
     total.backward()
     engine.optimizer.step()
 
 
-MEASURE_PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "areal_hpc.engines.torch.engine",
-                   "areal_hpc.train.actor")
+MEASURE_PRELOAD = (
+    "torch",
+    "transformers.models.qwen2.modeling_qwen2",
+    "areal_hpc.engines.torch.engine",
+    "areal_hpc.train.actor",
+)
 
 
 def measure(mode: str, workload: Workload, preset: str = "small", steps: int = 3, max_tokens: int = 4096) -> dict:
@@ -229,17 +260,20 @@ class DtaRow:
 # τ²-bench-like at the paper's scale (assumed: a 1,500-token system prompt and task, 8 episodes per task,
 # 60-token user/tool messages, 80-token replies), for the compression alone; and scaled to a CPU for training.
 TAU2_LIKE = multi_turn(episodes=8, prompt=1500, reply=80, environment=60, groups=4)
-TIMED = {"multi-turn": multi_turn(episodes=4, prompt=192, reply=16, environment=16),
-         "GRPO n=8": grpo(8, prompt=128, reply=32), "GRPO n=16": grpo(16, prompt=128, reply=32)}
-QUICK = {"multi-turn": multi_turn(episodes=2, prompt=32, reply=8, environment=8, turns=(3, 5)),
-         "GRPO n=8": grpo(8, prompt=32, reply=8)}  # a check that it runs, in seconds
+TIMED = {
+    "multi-turn": multi_turn(episodes=4, prompt=192, reply=16, environment=16),
+    "GRPO n=8": grpo(8, prompt=128, reply=32),
+    "GRPO n=16": grpo(16, prompt=128, reply=32),
+}
+QUICK = {
+    "multi-turn": multi_turn(episodes=2, prompt=32, reply=8, environment=8, turns=(3, 5)),
+    "GRPO n=8": grpo(8, prompt=32, reply=8),
+}  # a check that it runs, in seconds
 
 
-def dta_rows(preset: str = "small", steps: int = 3, timed: dict[str, Workload] = TIMED,
-             progress=print) -> list[DtaRow]:
+def dta_rows(preset: str = "small", steps: int = 3, timed: dict[str, Workload] = TIMED, progress=print) -> list[DtaRow]:
     """The table: compression, tree vs flat and tree vs tree mask, beside the paper."""
-    rows = [DtaRow("token compression, τ²-bench", PAPER["compression"], compression(TAU2_LIKE),
-                   describe(TAU2_LIKE))]
+    rows = [DtaRow("token compression, τ²-bench", PAPER["compression"], compression(TAU2_LIKE), describe(TAU2_LIKE))]
     runs = [(name, mode) for name in timed for mode in (MODES if name == "multi-turn" else MODES[:2])]
     seconds: dict[tuple[str, str], float] = {}
     for k, (name, mode) in enumerate(runs):
@@ -247,19 +281,33 @@ def dta_rows(preset: str = "small", steps: int = 3, timed: dict[str, Workload] =
         seconds[name, mode] = measure(mode, timed[name], preset, steps)["seconds"]
     for name, workload in timed.items():
         label = f"{describe(workload)}, compression {compression(workload):.2f}"
-        rows.append(DtaRow(f"training speed-up vs flat, {name}", PAPER["vs_dense"] if name == "multi-turn" else None,
-                           seconds[name, "flat"] / seconds[name, "dta"], label))
+        rows.append(
+            DtaRow(
+                f"training speed-up vs flat, {name}",
+                PAPER["vs_dense"] if name == "multi-turn" else None,
+                seconds[name, "flat"] / seconds[name, "dta"],
+                label,
+            )
+        )
         if (name, "tree-mask") in seconds:
-            rows.append(DtaRow(f"training speed-up vs tree mask, {name}", sum(PAPER["vs_tree_mask"]) / 2,
-                               seconds[name, "tree-mask"] / seconds[name, "dta"], label))
+            rows.append(
+                DtaRow(
+                    f"training speed-up vs tree mask, {name}",
+                    sum(PAPER["vs_tree_mask"]) / 2,
+                    seconds[name, "tree-mask"] / seconds[name, "dta"],
+                    label,
+                )
+            )
     return rows
 
 
 def describe(workload: Workload) -> str:
     if workload.kind == "grpo":
         return f"{workload.groups} prompts x {workload.samples}, prompt {workload.prompt}, replies ~{workload.reply:g}"
-    return (f"{workload.groups} tasks x {workload.samples} episodes of {workload.turns[0]}-{workload.turns[1]} turns, "
-            f"prompt {workload.prompt}, replies ~{workload.reply:g}, messages ~{workload.environment:g}")
+    return (
+        f"{workload.groups} tasks x {workload.samples} episodes of {workload.turns[0]}-{workload.turns[1]} turns, "
+        f"prompt {workload.prompt}, replies ~{workload.reply:g}, messages ~{workload.environment:g}"
+    )
 
 
 NOTES = [

@@ -21,12 +21,16 @@ def check_reward_model(folder: str) -> None:
     """One line unless ``folder`` holds a model with a one-output value head (what ``areal-hpc rm`` saves)."""
     config = Path(folder) / "config.json"
     if not config.is_file():
-        raise UserError(f"config key 'reward.model': {folder!r} has no config.json (give the model folder "
-                        "`areal-hpc rm` saved: <run>/model)")
+        raise UserError(
+            f"config key 'reward.model': {folder!r} has no config.json (give the model folder "
+            "`areal-hpc rm` saved: <run>/model)"
+        )
     architectures = json.loads(config.read_text()).get("architectures") or []
     if not any(name.endswith("ForTokenClassification") for name in architectures):
-        raise UserError(f"config key 'reward.model': {folder} is a {', '.join(architectures) or 'model'} without a "
-                        "value head; train a reward model with `areal-hpc rm` and give its <run>/model")
+        raise UserError(
+            f"config key 'reward.model': {folder} is a {', '.join(architectures) or 'model'} without a "
+            "value head; train a reward model with `areal-hpc rm` and give its <run>/model"
+        )
 
 
 class RewardModelScore:
@@ -53,8 +57,9 @@ class RewardModelScore:
             self._model = load_critic(self.folder).eval()
         return self._model
 
-    def __call__(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
-                 **fields) -> float:
+    def __call__(
+        self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **fields
+    ) -> float:
         return self.scores([list(prompt_ids) + list(completion_ids)])[0]
 
     def score_batch(self, requests) -> list[float]:
@@ -73,12 +78,12 @@ class RewardModelScore:
         start = 0
         while start < len(order):
             width = len(sequences[order[start]])
-            rows = order[start:start + max(1, TOKENS_PER_FORWARD // max(width, 1))]
+            rows = order[start : start + max(1, TOKENS_PER_FORWARD // max(width, 1))]
             ids = torch.zeros(len(rows), width, dtype=torch.long)
             mask = torch.zeros(len(rows), width, dtype=torch.long)
             for row, i in enumerate(rows):
-                ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
-                mask[row, :len(sequences[i])] = 1
+                ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+                mask[row, : len(sequences[i])] = 1
             with torch.no_grad():
                 values = model(input_ids=ids, attention_mask=mask).logits[..., 0]
             last = mask.sum(1) - 1

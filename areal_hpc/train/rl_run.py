@@ -53,10 +53,23 @@ from areal_hpc.train.weight_push import admit_servers
 class RLRun:
     """One run's open resources on trainer rank 0 (``open``), from its starting ``version``."""
 
-    def __init__(self, cfg: RunConfig, group: TrainerGroup, state: dict, task, workflow, settings: EngineSettings,
-                 eval_settings: EngineSettings, progress: RLProgress, writer: TrajectoryShardWriter,
-                 consumer: TrajectoryConsumer, proxy_records, client: RolloutClient, placement: ThreadPlacement,
-                 teacher: Teacher | None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        group: TrainerGroup,
+        state: dict,
+        task,
+        workflow,
+        settings: EngineSettings,
+        eval_settings: EngineSettings,
+        progress: RLProgress,
+        writer: TrajectoryShardWriter,
+        consumer: TrajectoryConsumer,
+        proxy_records,
+        client: RolloutClient,
+        placement: ThreadPlacement,
+        teacher: Teacher | None,
+    ):
         self.cfg, self.group, self.task, self.workflow, self.progress = cfg, group, task, workflow, progress
         self.placement, self.teacher = placement, teacher
         self.settings, self.consumer, self.proxy_records, self.client = settings, consumer, proxy_records, client
@@ -66,11 +79,25 @@ class RLRun:
         self.evaluated = state.get("evaluated", self.version)  # the last step evaluated
         self.prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
         self.sync = build_weight_sync(cfg, self.actor.device.type, placement.training)
-        groups = EpisodeGroups(workflow, lambda _client: settings, cfg.gconfig.n_samples, task.name,
-                               seed=cfg.experiment.seed, first_group=self.prompts.drawn,
-                               merge_groups=cfg.rollout.merge_group_requests)
-        self.controller = build_controller(cfg, client, groups, self.prompts, writer, self.version,
-                                           on_drop=self._drop, commit_executor=placement.shard_commits)
+        groups = EpisodeGroups(
+            workflow,
+            lambda _client: settings,
+            cfg.gconfig.n_samples,
+            task.name,
+            seed=cfg.experiment.seed,
+            first_group=self.prompts.drawn,
+            merge_groups=cfg.rollout.merge_group_requests,
+        )
+        self.controller = build_controller(
+            cfg,
+            client,
+            groups,
+            self.prompts,
+            writer,
+            self.version,
+            on_drop=self._drop,
+            commit_executor=placement.shard_commits,
+        )
         self.controller.restore(recovered_episodes(consumer, self.version))
         self.controller.dropped = state.get("dropped", 0)
         # An evaluation of version v runs beside the training of step v + 1 and ends before the weights of
@@ -89,20 +116,39 @@ class RLRun:
             workflow = build_workflow(cfg.rollout)
             addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
             in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # requests at most
-            with (reward_pool(cfg, task, training=True) as rewards,
-                  (reward_pool(cfg, task) if cfg.reward.model else contextlib.nullcontext())
-                  as eval_rewards, RLProgress(cfg, state["step"]) as progress,
-                  shards(cfg, state.get("cursor", {})) as (writer, consumer),
-                  open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records):
-                async with (open_teacher(cfg, tokenizer) as teacher,
-                            RolloutClient(addresses, cfg.rollout.request_timeout_s, in_flight,
-                                          rollout_token(cfg.run_dir)) as client,
-                            optional_chat(client.generate, model_dir, cfg.rollout.turn_discount) as chat):
+            with (
+                reward_pool(cfg, task, training=True) as rewards,
+                reward_pool(cfg, task) if cfg.reward.model else contextlib.nullcontext() as eval_rewards,
+                RLProgress(cfg, state["step"]) as progress,
+                shards(cfg, state.get("cursor", {})) as (writer, consumer),
+                open_proxy_records(cfg, state.get("proxy_cursor")) or contextlib.nullcontext() as proxy_records,
+            ):
+                async with (
+                    open_teacher(cfg, tokenizer) as teacher,
+                    RolloutClient(
+                        addresses, cfg.rollout.request_timeout_s, in_flight, rollout_token(cfg.run_dir)
+                    ) as client,
+                    optional_chat(client.generate, model_dir, cfg.rollout.turn_discount) as chat,
+                ):
                     settings = engine_settings(cfg, client, tokenizer, rewards, chat)
                     # accuracy is the task's, whatever the rollouts are scored by
                     eval_settings = settings if eval_rewards is None else replace(settings, scorer=Scorer(eval_rewards))
-                    run = cls(cfg, group, state, task, workflow, settings, eval_settings, progress, writer, consumer,
-                              proxy_records, client, placement, teacher)
+                    run = cls(
+                        cfg,
+                        group,
+                        state,
+                        task,
+                        workflow,
+                        settings,
+                        eval_settings,
+                        progress,
+                        writer,
+                        consumer,
+                        proxy_records,
+                        client,
+                        placement,
+                        teacher,
+                    )
                     await run._start(servers)
                     try:
                         yield run
@@ -116,9 +162,17 @@ class RLRun:
             await self._evaluate(self.version)  # (a stop skipped it)
         await self.controller.start()
         self.progress.rollouts_started()
-        self.background = [asyncio.create_task(self.progress.watch(self.controller)),  # failures show meanwhile
-                           asyncio.create_task(admit_servers(servers, self.client, self.sync,  # new servers
-                                                             self.progress.console.print))]
+        self.background = [
+            asyncio.create_task(self.progress.watch(self.controller)),  # failures show meanwhile
+            asyncio.create_task(
+                admit_servers(
+                    servers,
+                    self.client,
+                    self.sync,  # new servers
+                    self.progress.console.print,
+                )
+            ),
+        ]
 
     async def _stop(self) -> None:
         for task in [self.evaluation, self.pushing, *self.background]:
@@ -140,8 +194,9 @@ class RLRun:
         self.consumer.mark_ids([i for e in episodes for i in e.ids])
         batch = [t for e in episodes for t in e.trajectories]
         if self.proxy_records is not None:
-            fresh, stale = take_proxy_records(self.proxy_records, self.cfg.rl.proxy_records_per_step, step,
-                                              self.cfg.rollout.max_head_offpolicyness)
+            fresh, stale = take_proxy_records(
+                self.proxy_records, self.cfg.rl.proxy_records_per_step, step, self.cfg.rollout.max_head_offpolicyness
+            )
             batch += fresh
             if stale:
                 self.progress.dropped([t.id for t in stale])
@@ -153,8 +208,9 @@ class RLRun:
         teacher_logprobs, scored = None, {}
         if self.teacher is not None:
             teacher_logprobs, scored = await self.teacher.score(batch, run_temperature(self.cfg.gconfig))
-        stats = await asyncio.get_running_loop().run_in_executor(self.placement.training, self.group.update, batch,
-                                                                 teacher_logprobs)
+        stats = await asyncio.get_running_loop().run_in_executor(
+            self.placement.training, self.group.update, batch, teacher_logprobs
+        )
         return {**stats, **scored}
 
     async def push_weights(self, version: int) -> dict[str, float]:
@@ -191,8 +247,9 @@ class RLRun:
         pushing, self.pushing = self.pushing, None
         return 0.0 if pushing is None else await pushing
 
-    def trained(self, version: int, batch: list[Trajectory], stats: dict[str, float], waited: float,
-                started: float) -> None:
+    def trained(
+        self, version: int, batch: list[Trajectory], stats: dict[str, float], waited: float, started: float
+    ) -> None:
         self.progress.trained(version, batch, stats, waited, time.perf_counter() - started, self.controller)
 
     async def evaluate_and_save(self, version: int) -> None:
@@ -213,9 +270,17 @@ class RLRun:
 
     def checkpoint(self, version: int) -> None:
         proxy_cursor = self.proxy_records.cursor.state_dict() if self.proxy_records is not None else None
-        self.group.save_checkpoint(self.cfg.run_dir, version, {
-            "prompts_drawn": self.prompts.drawn, "dropped": self.controller.dropped,
-            "cursor": self.consumer.cursor.state_dict(), "proxy_cursor": proxy_cursor, "evaluated": self.evaluated})
+        self.group.save_checkpoint(
+            self.cfg.run_dir,
+            version,
+            {
+                "prompts_drawn": self.prompts.drawn,
+                "dropped": self.controller.dropped,
+                "cursor": self.consumer.cursor.state_dict(),
+                "proxy_cursor": proxy_cursor,
+                "evaluated": self.evaluated,
+            },
+        )
 
     def finish(self) -> None:
         """After the last step: the model for ``areal-hpc eval --model`` and the run's plots."""

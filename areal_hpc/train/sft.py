@@ -86,8 +86,12 @@ def sft_batch(pairs: list[tuple[list[int], list[int]]]) -> SequenceBatch:
     completion target, so the summed loss over micro-batches is the batch's mean token NLL."""
     batch = SequenceBatch([s for s, _ in pairs], [m for _, m in pairs])
     packed, _ = batch.packed()
-    batch.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, "token-mean",
-                                              n_tokens=packed.n_targets, n_seqs=len(batch), max_len=1))
+    batch.set_packed(
+        "weights",
+        token_weights(
+            packed.target_mask, packed.cu_seqlens, "token-mean", n_tokens=packed.n_targets, n_seqs=len(batch), max_len=1
+        ),
+    )
     return batch
 
 
@@ -107,8 +111,12 @@ def prepare_model_dir(cfg: RunConfig) -> Path:
     """The model to start from: ``model.path``, or a fresh ``model.preset`` written into the run folder."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    return init_model(cfg.run_dir / "init_model", corpus_for_tokenizer(cfg.experiment.seed), preset=cfg.model.preset,
-                      seed=cfg.experiment.seed)
+    return init_model(
+        cfg.run_dir / "init_model",
+        corpus_for_tokenizer(cfg.experiment.seed),
+        preset=cfg.model.preset,
+        seed=cfg.experiment.seed,
+    )
 
 
 def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
@@ -123,36 +131,56 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     model = engine.model  # the Hugging Face model held-out evaluation generates with
     task = open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print)
     if cfg.sft.stop_at_accuracy and not cfg.sft.eval_every_steps:
-        raise UserError(f"config key 'sft.stop_at_accuracy' = {cfg.sft.stop_at_accuracy:g} needs evaluations to "
-                        "check it: set sft.eval_every_steps (e.g. 25)")
+        raise UserError(
+            f"config key 'sft.stop_at_accuracy' = {cfg.sft.stop_at_accuracy:g} needs evaluations to "
+            "check it: set sft.eval_every_steps (e.g. 25)"
+        )
     if not all(ex.target for ex in task.train):
-        raise UserError(f"config key 'dataset.target_field': SFT trains on reference completions; "
-                        f"{task.train[0].uid} has none (name the column that holds them)")
+        raise UserError(
+            f"config key 'dataset.target_field': SFT trains on reference completions; "
+            f"{task.train[0].uid} has none (name the column that holds them)"
+        )
     train = LazySequences(tokenizer, task.train)
     workflow = build_workflow(cfg.rollout)
     save_resolved(cfg)  # only once every input has been checked: a bad one leaves the folder as it was
-    console.print(f"[bold]SFT[/] {task.name}: {len(task.train)} train / {len(task.eval)} eval problems, "
-                  f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}",
-                  soft_wrap=True)
+    console.print(
+        f"[bold]SFT[/] {task.name}: {len(task.train)} train / {len(task.eval)} eval problems, "
+        f"model {count_parameters(model) / 1e6:.2f}M params on {device}, run folder {cfg.run_dir}",
+        soft_wrap=True,
+    )
 
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
     rewards = reward_pool(cfg, task)
     order = index_stream(len(train), cfg.experiment.seed)
 
     def run_eval(step: int) -> EvalResult:
-        result = evaluate_model(model, tokenizer, task.eval, rewards, Sampling.from_config(cfg.gconfig), workflow,
-                                cfg.tokenizer.path or model_dir, discount=cfg.rollout.turn_discount)
+        result = evaluate_model(
+            model,
+            tokenizer,
+            task.eval,
+            rewards,
+            Sampling.from_config(cfg.gconfig),
+            workflow,
+            cfg.tokenizer.path or model_dir,
+            discount=cfg.rollout.turn_discount,
+        )
         metrics.log(step, result.scalars())
         return result
 
     try:
         before = after = run_eval(0)
         console.print(f"eval accuracy before SFT: [bold]{before.summary()}[/]", soft_wrap=True)
-        columns = [TextColumn("[bold]sft"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("loss {task.fields[loss]:.3f}  acc {task.fields[acc]}  {task.fields[tps]:.0f} tok/s")]
+        columns = [
+            TextColumn("[bold]sft"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("loss {task.fields[loss]:.3f}  acc {task.fields[acc]}  {task.fields[tps]:.0f} tok/s"),
+        ]
         with Progress(*columns, console=console) as progress:
-            bar = progress.add_task("sft", total=cfg.sft.total_train_steps, loss=float("nan"),
-                                    acc=before.summary(), tps=0.0)
+            bar = progress.add_task(
+                "sft", total=cfg.sft.total_train_steps, loss=float("nan"), acc=before.summary(), tps=0.0
+            )
             for step in range(1, cfg.sft.total_train_steps + 1):
                 tick = time.time()
                 stats = sft_step(engine, [train[next(order)] for _ in range(cfg.sft.batch_size)])
@@ -166,11 +194,14 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
                 reached = evaluated and bool(cfg.sft.stop_at_accuracy) and after.accuracy >= cfg.sft.stop_at_accuracy
                 if cfg.saver.freq_steps and step % cfg.saver.freq_steps == 0 and not (last or reached):
                     engine.save(cfg.run_dir / "checkpoints" / f"step{step}", optimizer=False)
-                progress.update(bar, advance=1, loss=stats["train/loss"], acc=after.summary(),
-                                tps=stats["train/tokens_per_s"])
+                progress.update(
+                    bar, advance=1, loss=stats["train/loss"], acc=after.summary(), tps=stats["train/tokens_per_s"]
+                )
                 if reached:
-                    progress.console.print(f"step {step}: reached sft.stop_at_accuracy "
-                                           f"{cfg.sft.stop_at_accuracy:.0%}: SFT stops here", soft_wrap=True)
+                    progress.console.print(
+                        f"step {step}: reached sft.stop_at_accuracy {cfg.sft.stop_at_accuracy:.0%}: SFT stops here",
+                        soft_wrap=True,
+                    )
                     break
     finally:
         rewards.close()
@@ -179,6 +210,10 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     out = cfg.run_dir / "model"
     engine.save(out, optimizer=False)
     if cfg.stats.plot:
-        plot_curves(metrics.records, {"train loss": "train/loss", "eval accuracy": "eval/accuracy"},
-                    cfg.run_dir / "sft_curves.png", f"SFT on {task.name}")
+        plot_curves(
+            metrics.records,
+            {"train loss": "train/loss", "eval accuracy": "eval/accuracy"},
+            cfg.run_dir / "sft_curves.png",
+            f"SFT on {task.name}",
+        )
     return SFTResult(before, after, out, time.time() - started)

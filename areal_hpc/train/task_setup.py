@@ -45,16 +45,20 @@ def open_task(cfg: RunConfig, tokenizer, model_dir: str | Path, say=print) -> Ta
         check_reward_model(cfg.reward.model)
         task.reward = task.reward or model_reward(cfg)  # your data scored by the reward model alone
     if cfg.reward.workers == 0 and (cfg.reward.fn or cfg.reward.model):
-        say("reward.workers=0: your reward runs in the trainer's process, where reward.timeout_s cannot stop it; "
-            "reward.workers=1 isolates it")
+        say(
+            "reward.workers=0: your reward runs in the trainer's process, where reward.timeout_s cannot stop it; "
+            "reward.workers=1 isolates it"
+        )
     limit = prompt_token_limit(cfg, model_dir)
     task.train, dropped_train = fit_prompts(task.train, tokenizer, limit)
     task.eval, dropped_eval = fit_prompts(task.eval, tokenizer, limit)
     if dropped_train or dropped_eval:
         say(f"dropped {dropped_train} training and {dropped_eval} held-out prompts longer than {limit} tokens")
     if not task.train:
-        raise UserError(f"no training prompt of {cfg.dataset.task} fits in {limit} tokens (set "
-                        "dataset.max_prompt_tokens, rollout.context_length or gconfig.max_new_tokens)")
+        raise UserError(
+            f"no training prompt of {cfg.dataset.task} fits in {limit} tokens (set "
+            "dataset.max_prompt_tokens, rollout.context_length or gconfig.max_new_tokens)"
+        )
     return task
 
 

@@ -44,14 +44,21 @@ class TrainerGroup:
         self.tree_cost = list(cfg.actor.tree_cost) if cfg.actor.tree_training == "dta" else None
         self.engines = {name: LeaderEngine(name, engine, self._announce) for name, engine in engines.items()}
 
-    def update(self, trajectories: list[Trajectory], teacher_logprobs: list[list[float]] | None = None
-               ) -> dict[str, float]:
+    def update(
+        self, trajectories: list[Trajectory], teacher_logprobs: list[list[float]] | None = None
+    ) -> dict[str, float]:
         """Recompute logprobs and take the PPO steps of one batch on every rank; summed statistics.
         ``teacher_logprobs``: the distillation teacher's scores of the batch (``train.distill``)."""
         started = time.perf_counter()
         actor_cfg, max_new = self.cfg.actor, self.cfg.gconfig.max_new_tokens
-        batch = build_batch(trajectories, actor_cfg, max_new, run_temperature(self.cfg.gconfig), teacher_logprobs,
-                            self.cfg.distill.reward_weight)
+        batch = build_batch(
+            trajectories,
+            actor_cfg,
+            max_new,
+            run_temperature(self.cfg.gconfig),
+            teacher_logprobs,
+            self.cfg.distill.reward_weight,
+        )
         minibatches = split_minibatches(batch, trajectories, actor_cfg, max_new)
         parts = data_parallel_parts(minibatches, self.replicas, self.dp_weights, self.tree_cost)
         own = _scatter([(UPDATE, parts[d]) for d in self.data_ranks])[1]
@@ -114,13 +121,15 @@ def ppo_fractions(stats: dict[str, float]) -> dict[str, float]:
     tokens = stats.get("actor/loss_tokens", 0.0)
     if not tokens:
         return {}
-    return {"actor/clip_fraction": stats["actor/clipped_tokens"] / tokens,
-            "actor/behav_masked_fraction": 1.0 - stats["actor/kept_tokens"] / tokens,
-            "actor/behav_capped_fraction": stats["actor/capped_tokens"] / tokens,
-            "actor/behav_weight_mean": stats["actor/behav_weight_sum"] / tokens,
-            "actor/behav_weight_dev": stats["actor/behav_weight_dev_sum"] / tokens,
-            "actor/approx_kl": stats["actor/approx_kl_sum"] / tokens,
-            "actor/entropy": stats["actor/entropy_sum"] / tokens}
+    return {
+        "actor/clip_fraction": stats["actor/clipped_tokens"] / tokens,
+        "actor/behav_masked_fraction": 1.0 - stats["actor/kept_tokens"] / tokens,
+        "actor/behav_capped_fraction": stats["actor/capped_tokens"] / tokens,
+        "actor/behav_weight_mean": stats["actor/behav_weight_sum"] / tokens,
+        "actor/behav_weight_dev": stats["actor/behav_weight_dev_sum"] / tokens,
+        "actor/approx_kl": stats["actor/approx_kl_sum"] / tokens,
+        "actor/entropy": stats["actor/entropy_sum"] / tokens,
+    }
 
 
 def follow(actor: PPOActor, engines: dict[str, TrainEngine], mesh: TrainMesh) -> None:

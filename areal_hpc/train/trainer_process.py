@@ -50,8 +50,10 @@ def trains_in_child(cfg: RunConfig) -> bool:
     the training runs on the CPU)."""
     choice, sync = cfg.rl.rank0_training, cfg.rl.weight_sync
     if choice == "child" and sync != "disk":
-        raise UserError(f"rl.rank0_training=child needs rl.weight_sync=disk (the servers read the folder the "
-                        f"training process writes), got rl.weight_sync={sync}; use rl.rank0_training=auto or thread")
+        raise UserError(
+            f"rl.rank0_training=child needs rl.weight_sync=disk (the servers read the folder the "
+            f"training process writes), got rl.weight_sync={sync}; use rl.rank0_training=auto or thread"
+        )
     return choice == "child" or (choice == "auto" and sync == "disk" and cpu_only(cfg.cluster.device))
 
 
@@ -120,8 +122,9 @@ class TrainerProcess:
             outcome, payload = self._connection.recv()
         except (EOFError, OSError):
             self._process.join(JOIN_TIMEOUT_S)
-            raise TrainerProcessError(f"trainer rank 0's training process ended unasked (exit code "
-                                      f"{self._process.exitcode})") from None
+            raise TrainerProcessError(
+                f"trainer rank 0's training process ended unasked (exit code {self._process.exitcode})"
+            ) from None
         if outcome == "ok":
             return payload
         user_error, message = payload
@@ -168,10 +171,14 @@ def _serve(connection, parents_end, cfg: RunConfig, resume: bool) -> None:
         try:
             actor, engines, state = build_engines(cfg, mesh, resume)
             group = TrainerGroup(actor, engines, mesh, cfg)
-            connection.send(("ok", {"state": state, "engines": {name: str(engine.device)
-                                                                for name, engine in engines.items()}}))
-            calls = {"update": group.update, "checkpoint": group.save_checkpoint,
-                     "save": lambda name, folder, optimizer: group.engines[name].save(folder, optimizer=optimizer)}
+            connection.send(
+                ("ok", {"state": state, "engines": {name: str(engine.device) for name, engine in engines.items()}})
+            )
+            calls = {
+                "update": group.update,
+                "checkpoint": group.save_checkpoint,
+                "save": lambda name, folder, optimizer: group.engines[name].save(folder, optimizer=optimizer),
+            }
             while True:
                 try:
                     command, args = connection.recv()

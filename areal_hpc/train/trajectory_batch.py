@@ -25,11 +25,12 @@ from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 def next_token_values(values: list[float], last: float = 0.0) -> torch.Tensor:
     """Per-token values (entry i about token i) in the packed layout: position t holds token t+1's, the
     last position ``last``."""
-    return torch.tensor([*values[1:], last][:len(values)], dtype=torch.float32)
+    return torch.tensor([*values[1:], last][: len(values)], dtype=torch.float32)
 
 
-def trajectory_sequence(traj: Trajectory, run_temperature: float
-                        ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+def trajectory_sequence(
+    traj: Trajectory, run_temperature: float
+) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
     """All segments back to back: tokens, per-token loss mask, and at position t-1 the behaviour logprob
     of token t and the temperature to recompute it at: the ``logprob_temperature`` of the one its segment
     was sampled at (recorded, else the run's ``run_temperature``)."""
@@ -47,13 +48,20 @@ def shaped_reward(traj: Trajectory, cfg: ActorConfig, max_new_tokens: int) -> fl
     """The recorded reward (a missing or failed one counts 0) plus DAPO's overlong penalty when enabled."""
     reward = traj.reward or 0.0
     if cfg.overlong_cache_tokens:
-        reward += overlong_penalty(traj.n_output_tokens, max_new_tokens, cfg.overlong_cache_tokens,
-                                   cfg.overlong_penalty)
+        reward += overlong_penalty(
+            traj.n_output_tokens, max_new_tokens, cfg.overlong_cache_tokens, cfg.overlong_penalty
+        )
     return reward
 
 
-def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens: int, run_temperature: float,
-                teacher_logprobs: list[list[float]] | None = None, reward_weight: float = 1.0) -> SequenceBatch:
+def build_batch(
+    trajectories: list[Trajectory],
+    cfg: ActorConfig,
+    max_new_tokens: int,
+    run_temperature: float,
+    teacher_logprobs: list[list[float]] | None = None,
+    reward_weight: float = 1.0,
+) -> SequenceBatch:
     """Sequences with their logprob temperatures, ``behav_logprobs``, ``rewards`` and (sequence
     estimators) ``advantages`` fields. ``run_temperature``: the run's sampling temperature
     (``algo.temperature.run_temperature``), that of records that recorded none. With
@@ -76,8 +84,9 @@ def build_batch(trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens
     return batch
 
 
-def split_minibatches(batch: SequenceBatch, trajectories: list[Trajectory], cfg: ActorConfig,
-                      max_new_tokens: int) -> list[SequenceBatch]:
+def split_minibatches(
+    batch: SequenceBatch, trajectories: list[Trajectory], cfg: ActorConfig, max_new_tokens: int
+) -> list[SequenceBatch]:
     """PPO minibatches of whole groups, each with its own ``weights`` field (the loss normaliser of
     that minibatch: each one is a separate optimizer step)."""
     groups: dict[str, list[int]] = {}
@@ -89,14 +98,27 @@ def split_minibatches(batch: SequenceBatch, trajectories: list[Trajectory], cfg:
     for k in range(n):
         mb = batch.select([i for group in members[k::n] for i in group])
         packed, _ = mb.packed()
-        mb.set_packed("weights", token_weights(packed.target_mask, packed.cu_seqlens, cfg.aggregation,
-                                               n_tokens=packed.n_targets, n_seqs=len(mb), max_len=max_new_tokens))
+        mb.set_packed(
+            "weights",
+            token_weights(
+                packed.target_mask,
+                packed.cu_seqlens,
+                cfg.aggregation,
+                n_tokens=packed.n_targets,
+                n_seqs=len(mb),
+                max_len=max_new_tokens,
+            ),
+        )
         minibatches.append(mb)
     return minibatches
 
 
-def data_parallel_parts(minibatches: list[SequenceBatch], world_size: int, weights: list[float] | None = None,
-                        tree_cost: list[float] | None = None) -> list[list[SequenceBatch]]:
+def data_parallel_parts(
+    minibatches: list[SequenceBatch],
+    world_size: int,
+    weights: list[float] | None = None,
+    tree_cost: list[float] | None = None,
+) -> list[list[SequenceBatch]]:
     """Rank r's share of every minibatch, in proportion to ``weights``: ``parts[r][k]``. By tokens, or
     with ``tree_cost`` (tree training) contiguous runs of the minibatch's prefix tree balanced by that
     cost model (``algo.tree_balance``)."""

@@ -85,7 +85,8 @@ class DiskWeightSync:
         """Write version ``version``'s folder (before generation pauses for the load)."""
         started = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(
-            self.executor, functools.partial(engine.save, self._path(version), optimizer=False))
+            self.executor, functools.partial(engine.save, self._path(version), optimizer=False)
+        )
         self._staged = version
         return {"sync/stage_seconds": time.perf_counter() - started}
 
@@ -205,8 +206,14 @@ class DistributedWeightSync:
         """A new group of rank 0 and every TP rank of ``servers``; the old one is destroyed on both sides."""
         self.destroy_group()  # first here: a server still blocked on the old group fails at once
         if self.members:  # SGLang keeps a group until told to destroy it (NCCL memory): a dead one cannot be
-            await asyncio.gather(*(client.post(s, "/destroy_weights_update_group", {"group_name": self._name})
-                                   for s in self.members if s in servers), return_exceptions=True)
+            await asyncio.gather(
+                *(
+                    client.post(s, "/destroy_weights_update_group", {"group_name": self._name})
+                    for s in self.members
+                    if s in servers
+                ),
+                return_exceptions=True,
+            )
         self.members = []
         infos = await asyncio.gather(*(client.server_info(s) for s in servers), return_exceptions=True)
         for server, info in zip(servers, infos):
@@ -218,14 +225,30 @@ class DistributedWeightSync:
         # died never destroyed).
         name = f"{GROUP_NAME}-{uuid.uuid4().hex[:8]}"
         store = await asyncio.to_thread(host_store, self.host, world)
-        joining = asyncio.ensure_future(asyncio.to_thread(
-            join_update_group, self.backend, self.host, store.port, 0, world, name, GROUP_TIMEOUT_S, store))
+        joining = asyncio.ensure_future(
+            asyncio.to_thread(
+                join_update_group, self.backend, self.host, store.port, 0, world, name, GROUP_TIMEOUT_S, store
+            )
+        )
         offsets = itertools.accumulate([1] + tp_sizes[:-1])
-        invites = await asyncio.gather(*(client.post(
-            s, "/init_weights_update_group", {"master_address": self.host, "master_port": store.port,
-                                               "rank_offset": offset, "world_size": world,
-                                               "backend": self.backend, "group_name": name})
-            for s, offset in zip(servers, offsets)), return_exceptions=True)
+        invites = await asyncio.gather(
+            *(
+                client.post(
+                    s,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": self.host,
+                        "master_port": store.port,
+                        "rank_offset": offset,
+                        "world_size": world,
+                        "backend": self.backend,
+                        "group_name": name,
+                    },
+                )
+                for s, offset in zip(servers, offsets)
+            ),
+            return_exceptions=True,
+        )
         failed = [(s, r) for s, r in zip(servers, invites) if isinstance(r, BaseException)]
         if failed:  # rank 0 waits for ranks that will not come: left to time out in its thread
             joining.add_done_callback(consume)
@@ -237,9 +260,13 @@ class DistributedWeightSync:
         """Every bucket to every member; the bytes sent. A member failing mid-transfer: GroupBroken."""
         sent = 0
         for bucket in engine.rollout_weights(self.bucket_bytes):
-            body = {"names": [name for name, _ in bucket], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self._name,
-                    "weight_version": str(version)}
+            body = {
+                "names": [name for name, _ in bucket],
+                "dtypes": [DTYPE_NAMES[t.dtype] for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": self._name,
+                "weight_version": str(version),
+            }
             sending = asyncio.ensure_future(asyncio.to_thread(broadcast_all, self.group, [t for _, t in bucket]))  # noqa: RUF006 - held and awaited below
             answers = asyncio.ensure_future(client.broadcast("/update_weights_from_distributed", body, self.members))
             for task in (sending, answers):
@@ -271,8 +298,7 @@ def broadcast_all(group: UpdateGroup, tensors: list) -> str:
     return ""
 
 
-def transfer_failure(done: set, sending: asyncio.Future, answers: asyncio.Future,
-                     members: int) -> GroupBroken | None:
+def transfer_failure(done: set, sending: asyncio.Future, answers: asyncio.Future, members: int) -> GroupBroken | None:
     """Why a bucket's transfer failed, from the parts of it ``done``; None while none did. A server's
     4xx is none (it received the bucket but its model does not take it: the caller raises it, since
     pushing again would not help), unless rank 0's broadcast failed too."""

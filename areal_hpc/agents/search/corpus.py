@@ -30,19 +30,66 @@ from pathlib import Path
 
 N_COUNTRIES, CITIES_PER_COUNTRY, N_PEOPLE, N_COMPANIES = 10, 4, 150, 60
 
-INSTRUCTIONS = ("Answer the question with tools, one per turn: <search>words</search>, <open>page id</open>, "
-                "then <answer>answer</answer>.")
+INSTRUCTIONS = (
+    "Answer the question with tools, one per turn: <search>words</search>, <open>page id</open>, "
+    "then <answer>answer</answer>."
+)
 
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr", "st",
-           "gl", "pl", "sk", "th", "sh"]
+_ONSETS = [
+    "b",
+    "d",
+    "f",
+    "g",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "br",
+    "dr",
+    "kr",
+    "tr",
+    "st",
+    "gl",
+    "pl",
+    "sk",
+    "th",
+    "sh",
+]
 _VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ei", "ou"]
 _CODAS = ["", "", "", "n", "r", "l", "s", "m", "k", "th", "x", "nd", "rt"]
 _REGIONS = ["northern", "southern", "eastern", "western", "central"]
-_PROFESSIONS = ["painter", "engineer", "chemist", "novelist", "architect", "economist", "composer", "surgeon",
-                "botanist", "sculptor", "lawyer", "astronomer"]
-_INDUSTRIES = [("software", "Systems"), ("robotics", "Robotics"), ("food", "Foods"), ("textile", "Textiles"),
-               ("shipping", "Shipping"), ("energy", "Energy"), ("publishing", "Press"), ("aircraft", "Aeronautics"),
-               ("chemicals", "Chemicals"), ("banking", "Bank")]
+_PROFESSIONS = [
+    "painter",
+    "engineer",
+    "chemist",
+    "novelist",
+    "architect",
+    "economist",
+    "composer",
+    "surgeon",
+    "botanist",
+    "sculptor",
+    "lawyer",
+    "astronomer",
+]
+_INDUSTRIES = [
+    ("software", "Systems"),
+    ("robotics", "Robotics"),
+    ("food", "Foods"),
+    ("textile", "Textiles"),
+    ("shipping", "Shipping"),
+    ("energy", "Energy"),
+    ("publishing", "Press"),
+    ("aircraft", "Aeronautics"),
+    ("chemicals", "Chemicals"),
+    ("banking", "Bank"),
+]
 _SETTINGS = ["on a river", "on the coast", "in the mountains", "on a wide plain", "beside a lake", "in a valley"]
 
 
@@ -72,10 +119,22 @@ class World:
 
 
 # Words of the pages and questions themselves (and English stop words): never a name.
-_RESERVED = set(" ".join([INSTRUCTIONS, *_REGIONS, *_PROFESSIONS, *(w for pair in _INDUSTRIES for w in pair),
-                          *_SETTINGS, "country part continent capital other cities million inhabitants city lies "
-                          "has about born was company founded headquarters are which founder headquartered "
-                          "question there their these those where while about after before other"]).lower().split())
+_RESERVED = set(
+    " ".join(
+        [
+            INSTRUCTIONS,
+            *_REGIONS,
+            *_PROFESSIONS,
+            *(w for pair in _INDUSTRIES for w in pair),
+            *_SETTINGS,
+            "country part continent capital other cities million inhabitants city lies "
+            "has about born was company founded headquarters are which founder headquartered "
+            "question there their these those where while about after before other",
+        ]
+    )
+    .lower()
+    .split()
+)
 
 
 class _Names:
@@ -118,39 +177,76 @@ def build_world(seed: int = 0) -> World:
             cities.append((f"city-{len(cities):02d}", names.word(), c))
     for c, (cid, country) in enumerate(countries):
         own = [name for _, name, country_of in cities if country_of == c]
-        pages.append(Page(cid, country, f"{country} is a country in the {rng.choice(_REGIONS)} part of the continent. "
-                                        f"Its capital is {own[0]}; its other cities are {_join(own[1:])}. "
-                                        f"{country} has about {rng.randint(2, 90)} million inhabitants."))
+        pages.append(
+            Page(
+                cid,
+                country,
+                f"{country} is a country in the {rng.choice(_REGIONS)} part of the continent. "
+                f"Its capital is {own[0]}; its other cities are {_join(own[1:])}. "
+                f"{country} has about {rng.randint(2, 90)} million inhabitants.",
+            )
+        )
     for cid, city, c in cities:
-        pages.append(Page(cid, city, f"{city} is a city in {countries[c][1]}. {city} lies {rng.choice(_SETTINGS)} and "
-                                     f"has about {rng.randint(20, 900) * 1000} inhabitants."))
+        pages.append(
+            Page(
+                cid,
+                city,
+                f"{city} is a city in {countries[c][1]}. {city} lies {rng.choice(_SETTINGS)} and "
+                f"has about {rng.randint(20, 900) * 1000} inhabitants.",
+            )
+        )
 
     people = []  # (id, name, city index)
     for i in range(N_PEOPLE):
         name, city = f"{names.word()} {names.word()}", rng.randrange(len(cities))
         people.append((f"person-{i:03d}", name, city))
         profession = rng.choice(_PROFESSIONS)
-        pages.append(Page(people[-1][0], name, f"{name} (born {rng.randint(1900, 1990)}) is {_a(profession)} "
-                                               f"{profession}. {name} was born in {cities[city][1]}."))
+        pages.append(
+            Page(
+                people[-1][0],
+                name,
+                f"{name} (born {rng.randint(1900, 1990)}) is {_a(profession)} "
+                f"{profession}. {name} was born in {cities[city][1]}.",
+            )
+        )
 
     for i in range(N_COMPANIES):
         industry, suffix = rng.choice(_INDUSTRIES)
         name, founder, hq = f"{names.word()} {suffix}", rng.randrange(N_PEOPLE), rng.randrange(len(cities))
         pid = f"company-{i:02d}"
-        pages.append(Page(pid, name, f"{name} is {_a(industry)} {industry} company founded in {rng.randint(1920, 2020)} by "
-                                     f"{people[founder][1]}. Its headquarters are in {cities[hq][1]}."))
+        pages.append(
+            Page(
+                pid,
+                name,
+                f"{name} is {_a(industry)} {industry} company founded in {rng.randint(1920, 2020)} by "
+                f"{people[founder][1]}. Its headquarters are in {cities[hq][1]}.",
+            )
+        )
         fid, _, born = people[founder]
         questions += [
-            Question(f"In which country was the founder of {name} born?", countries[cities[born][2]][1], 3,
-                     (pid, fid, cities[born][0], countries[cities[born][2]][0])),
-            Question(f"In which city was the founder of {name} born?", cities[born][1], 2,
-                     (pid, fid, cities[born][0])),
-            Question(f"In which country is {name} headquartered?", countries[cities[hq][2]][1], 2,
-                     (pid, cities[hq][0], countries[cities[hq][2]][0])),
+            Question(
+                f"In which country was the founder of {name} born?",
+                countries[cities[born][2]][1],
+                3,
+                (pid, fid, cities[born][0], countries[cities[born][2]][0]),
+            ),
+            Question(f"In which city was the founder of {name} born?", cities[born][1], 2, (pid, fid, cities[born][0])),
+            Question(
+                f"In which country is {name} headquartered?",
+                countries[cities[hq][2]][1],
+                2,
+                (pid, cities[hq][0], countries[cities[hq][2]][0]),
+            ),
         ]
     for pid, name, born in people:
-        questions.append(Question(f"In which country was {name} born?", countries[cities[born][2]][1], 2,
-                                  (pid, cities[born][0], countries[cities[born][2]][0])))
+        questions.append(
+            Question(
+                f"In which country was {name} born?",
+                countries[cities[born][2]][1],
+                2,
+                (pid, cities[born][0], countries[cities[born][2]][0]),
+            )
+        )
     return World(tuple(pages), tuple(questions))
 
 
@@ -170,8 +266,16 @@ def rows(seed: int = 0, test_fraction: float = 0.2) -> tuple[list[dict], list[di
     """(train rows, test rows): every question once, split by a seeded shuffle."""
     order = list(questions(seed))
     random.Random(f"areal-hpc-search-split-{seed}").shuffle(order)
-    table = [{"prompt": prompt_of(q.question), "answer": q.answer, "question": q.question, "hops": q.hops,
-              "path": list(q.path)} for q in order]
+    table = [
+        {
+            "prompt": prompt_of(q.question),
+            "answer": q.answer,
+            "question": q.question,
+            "hops": q.hops,
+            "path": list(q.path),
+        }
+        for q in order
+    ]
     n_test = max(1, round(len(table) * test_fraction))
     return table[n_test:], table[:n_test]
 

@@ -34,8 +34,9 @@ class SearchIndex:
         self.pages = tuple(pages)
         self.by_id = {page.id: page for page in self.pages}
         self._tokenizer = Tokenizer(stopwords="en")
-        ids = self._tokenizer.tokenize([f"{p.title}\n{p.text}" for p in self.pages], update_vocab=True,
-                                       return_as="ids", show_progress=False)
+        ids = self._tokenizer.tokenize(
+            [f"{p.title}\n{p.text}" for p in self.pages], update_vocab=True, return_as="ids", show_progress=False
+        )
         self._bm25 = bm25s.BM25()
         self._bm25.index(ids, show_progress=False)
         self._lock = threading.Lock()  # bm25s objects are not documented as thread-safe
@@ -46,13 +47,17 @@ class SearchIndex:
         if k == 0 or not isinstance(query, str):
             return []
         with self._lock:
-            tokens = self._tokenizer.tokenize([query[:MAX_QUERY_CHARS]], update_vocab=False, return_as="ids",
-                                              show_progress=False)
+            tokens = self._tokenizer.tokenize(
+                [query[:MAX_QUERY_CHARS]], update_vocab=False, return_as="ids", show_progress=False
+            )
             if not any(tokens[0]):  # only words the corpus does not have (id 0: the empty token)
                 return []
             docs, scores = self._bm25.retrieve(tokens, k=k, show_progress=False, n_threads=1)
-        return [(self.pages[d].id, self.pages[d].title, clip(self.pages[d].text, snippet_chars))
-                for d, score in zip(docs[0].tolist(), scores[0].tolist()) if score > 0]
+        return [
+            (self.pages[d].id, self.pages[d].title, clip(self.pages[d].text, snippet_chars))
+            for d, score in zip(docs[0].tolist(), scores[0].tolist())
+            if score > 0
+        ]
 
     def open_page(self, page_id: str, max_chars: int = PAGE_CHARS) -> str:
         """The page's title and text (at most ``max_chars``); ``KeyError`` when no page has ``page_id``."""

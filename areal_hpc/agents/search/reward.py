@@ -29,7 +29,7 @@ def first_tag(text: str, tags: tuple[str, ...]) -> tuple[str, str] | None:
             continue
         end = text.find(closing, start + len(opening))
         if end >= 0:  # else no later opening of this tag is closed either
-            best = (start, tag, text[start + len(opening):end])
+            best = (start, tag, text[start + len(opening) : end])
     return None if best is None else (best[1], best[2])
 
 
@@ -73,5 +73,4 @@ def exact_match_f1(prompt, completion, prompt_ids, completion_ids, answer="", **
     """{"reward": exact match (0 or 1), "f1": token F1} of the completion's answer against ``answer``."""
     predicted = extract_answer(completion)
     truths = _truths(answer)
-    return {"reward": max(exact_match(predicted, t) for t in truths),
-            "f1": max(token_f1(predicted, t) for t in truths)}
+    return {"reward": max(exact_match(predicted, t) for t in truths), "f1": max(token_f1(predicted, t) for t in truths)}

@@ -44,14 +44,27 @@ def parse_action(text: str) -> tuple[str, str] | None:
 def echo(text: str) -> str:
     """What the model wrote, safe to repeat in the environment's message: short, one line, no tags."""
     text = _UNSAFE.sub(" ", text).strip()
-    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS - 3] + "..."
+    return text if len(text) <= ECHO_CHARS else text[: ECHO_CHARS - 3] + "..."
 
 
 class SearchAgentWorkflow:
-    def __init__(self, max_turns: int = 16, top_k: int = 3, corpus_seed: int = 0, snippet_chars: int = SNIPPET_CHARS,
-                 page_chars: int = PAGE_CHARS, max_context_tokens: int = 0, observation_role: str = "user"):
-        for name, value, least in (("max_turns", max_turns, 1), ("top_k", top_k, 1), ("snippet_chars", snippet_chars, 16),
-                                   ("page_chars", page_chars, 16), ("max_context_tokens", max_context_tokens, 0)):
+    def __init__(
+        self,
+        max_turns: int = 16,
+        top_k: int = 3,
+        corpus_seed: int = 0,
+        snippet_chars: int = SNIPPET_CHARS,
+        page_chars: int = PAGE_CHARS,
+        max_context_tokens: int = 0,
+        observation_role: str = "user",
+    ):
+        for name, value, least in (
+            ("max_turns", max_turns, 1),
+            ("top_k", top_k, 1),
+            ("snippet_chars", snippet_chars, 16),
+            ("page_chars", page_chars, 16),
+            ("max_context_tokens", max_context_tokens, 0),
+        ):
             if not isinstance(value, int) or value < least:
                 raise UserError(f"search workflow: {name} = {value!r}; it must be an integer >= {least}")
         self.max_turns, self.top_k, self.corpus_seed = max_turns, top_k, corpus_seed
@@ -92,18 +105,28 @@ class SearchAgentWorkflow:
             if episode.turns >= self.max_turns:
                 break
             reply = next_turn_ids(engine.tokenizer, self.observation_role, self.respond(action), generation.output_ids)
-            if self.max_context_tokens and (len(episode.context) + len(reply) + engine.sampling.max_new_tokens
-                                            > self.max_context_tokens):
+            if self.max_context_tokens and (
+                len(episode.context) + len(reply) + engine.sampling.max_new_tokens > self.max_context_tokens
+            ):
                 ended_by_context = True
                 break
             episode.observe(reply)
         completion = engine.decode(answered.output_ids) if answered is not None else ""
         last = episode.generations[-1]
-        prompt_ids = episode.context[:len(episode.context) - len(last.output_ids)]
-        episode.reward(await engine.reward(example, completion, list(answered.output_ids) if answered else [],
-                                           prompt_ids=prompt_ids))
+        prompt_ids = episode.context[: len(episode.context) - len(last.output_ids)]
+        episode.reward(
+            await engine.reward(
+                example, completion, list(answered.output_ids) if answered else [], prompt_ids=prompt_ids
+            )
+        )
         record = episode.trajectory()
-        record.metadata.update({"search_calls": counts["search"], "open_calls": counts["open"],
-                                "invalid_calls": counts["invalid"], "answered": answered is not None,
-                                "ended_by_context": ended_by_context})
+        record.metadata.update(
+            {
+                "search_calls": counts["search"],
+                "open_calls": counts["open"],
+                "invalid_calls": counts["invalid"],
+                "answered": answered is not None,
+                "ended_by_context": ended_by_context,
+            }
+        )
         return [record]

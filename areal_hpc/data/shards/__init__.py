@@ -5,5 +5,12 @@ from areal_hpc.data.shards.format import ShardDamageError
 from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import TrajectoryShardWriter, UnknownTrajectoryError
 
-__all__ = ["ConsumerCursor", "ShardDamageError", "TrajectoryConsumer", "TrajectoryFilter", "TrajectoryShardWriter",
-           "TrajectoryStore", "UnknownTrajectoryError"]
+__all__ = [
+    "ConsumerCursor",
+    "ShardDamageError",
+    "TrajectoryConsumer",
+    "TrajectoryFilter",
+    "TrajectoryShardWriter",
+    "TrajectoryStore",
+    "UnknownTrajectoryError",
+]

@@ -54,9 +54,13 @@ class ConsumerCursor:
         return sum(self._next.values()) + sum(len(e) for e in self._extra.values())
 
     def state_dict(self) -> dict:
-        return {"version": CURSOR_VERSION,
-                "shards": {stem: {"next": self._next.get(stem, 0), "extra": sorted(self._extra.get(stem, ()))}
-                           for stem in sorted(self._next.keys() | self._extra.keys())}}
+        return {
+            "version": CURSOR_VERSION,
+            "shards": {
+                stem: {"next": self._next.get(stem, 0), "extra": sorted(self._extra.get(stem, ()))}
+                for stem in sorted(self._next.keys() | self._extra.keys())
+            },
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict | None) -> ConsumerCursor:
@@ -89,8 +93,13 @@ class TrajectoryConsumer:
     closes its store.
     """
 
-    def __init__(self, store: TrajectoryStore, cursor: ConsumerCursor | None = None,
-                 where: TrajectoryFilter | None = None, require_reward: bool = False):
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        cursor: ConsumerCursor | None = None,
+        where: TrajectoryFilter | None = None,
+        require_reward: bool = False,
+    ):
         self.store, self.cursor = store, cursor or ConsumerCursor()
         self.where, self.require_reward = where or TrajectoryFilter(), require_reward
 

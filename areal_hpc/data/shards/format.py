@@ -66,14 +66,33 @@ FINAL_SUFFIX = ".h5"
 METADATA_WAIT = 1.0  # seconds a live shard's reader re-reads metadata failing its checksum before calling it damage
 
 TOKEN_DTYPE = np.dtype([("id", "<i4"), ("logprob", "<f4"), ("loss_mask", "u1")])
-INDEX_DTYPE = np.dtype([
-    ("id", f"S{MAX_ID_BYTES}"), ("tenant", f"S{MAX_ID_BYTES}"),
-    ("token_start", "<i8"), ("token_count", "<i8"), ("header_start", "<i8"), ("header_count", "<i8"),
-    ("crc32", "<u4"), ("created", "<f8"), ("version_min", "<i4"), ("version_max", "<i4"),
-    ("n_output", "<i8"), ("eligible", "u1"), ("row_crc32", "<u4"),
-])
-REWARD_DTYPE = np.dtype([("id", f"S{MAX_ID_BYTES}"), ("step", "<i4"), ("value", "<f8"),
-                         ("source", f"S{MAX_SOURCE_BYTES}"), ("time", "<f8"), ("crc32", "<u4")])
+INDEX_DTYPE = np.dtype(
+    [
+        ("id", f"S{MAX_ID_BYTES}"),
+        ("tenant", f"S{MAX_ID_BYTES}"),
+        ("token_start", "<i8"),
+        ("token_count", "<i8"),
+        ("header_start", "<i8"),
+        ("header_count", "<i8"),
+        ("crc32", "<u4"),
+        ("created", "<f8"),
+        ("version_min", "<i4"),
+        ("version_max", "<i4"),
+        ("n_output", "<i8"),
+        ("eligible", "u1"),
+        ("row_crc32", "<u4"),
+    ]
+)
+REWARD_DTYPE = np.dtype(
+    [
+        ("id", f"S{MAX_ID_BYTES}"),
+        ("step", "<i4"),
+        ("value", "<f8"),
+        ("source", f"S{MAX_SOURCE_BYTES}"),
+        ("time", "<f8"),
+        ("crc32", "<u4"),
+    ]
+)
 COUNTED = ("index", "tokens", "headers", "rewards")  # order of the counts in the state dataset
 
 
@@ -122,12 +141,22 @@ def create_shard(path: Path, experiment: str, trial: str, writer: str, durable: 
     """
     staging = path.with_name(f".{path.name}.tmp")
     f = h5py.File(h5py.h5f.create(str(staging).encode(), h5py.h5f.ACC_TRUNC, fapl=_unbuffered_access()))
-    f.attrs.update(format=fixed_text(FORMAT), schema_version=SCHEMA_VERSION, experiment=fixed_text(experiment),
-                   trial=fixed_text(trial), writer=fixed_text(writer))
+    f.attrs.update(
+        format=fixed_text(FORMAT),
+        schema_version=SCHEMA_VERSION,
+        experiment=fixed_text(experiment),
+        trial=fixed_text(trial),
+        writer=fixed_text(writer),
+    )
     for name, column in COLUMNS.items():
         scale = column.dtype.itemsize if column.as_bytes else 1
-        dataset = f.create_dataset(name, shape=(0,), maxshape=(None,), chunks=(column.chunk * scale,),
-                                   dtype="u1" if column.as_bytes else column.dtype)
+        dataset = f.create_dataset(
+            name,
+            shape=(0,),
+            maxshape=(None,),
+            chunks=(column.chunk * scale,),
+            dtype="u1" if column.as_bytes else column.dtype,
+        )
         if column.as_bytes:
             dataset.attrs["row_dtype"] = fixed_text(json.dumps(column.dtype.descr))
     f.create_dataset("state", data=np.zeros(2 * len(COUNTED), dtype="<i8"))
@@ -138,8 +167,10 @@ def create_shard(path: Path, experiment: str, trial: str, writer: str, durable: 
         os.link(staging, path)  # unlike a rename, never replaces a shard someone else is writing
     except FileExistsError:
         f.close()
-        raise UserError(f"{path} already exists: is another writer using id {writer!r} in this folder? "
-                        "Give each process its own writer id") from None
+        raise UserError(
+            f"{path} already exists: is another writer using id {writer!r} in this folder? "
+            "Give each process its own writer id"
+        ) from None
     finally:
         staging.unlink()
     if durable:
@@ -253,11 +284,15 @@ def _check_schema(path: Path, f: h5py.File) -> None:
         raise UserError(f"{path} is an HDF5 file but not an areal-hpc trajectory shard")
     version = int(f.attrs["schema_version"])
     if version != SCHEMA_VERSION:
-        remedy = ("upgrade areal-hpc to read it" if version > SCHEMA_VERSION else
-                  "its index and reward rows carry no checksum; export it with an areal-hpc from before schema 2, "
-                  "e.g. git commit ffe43b9")
-        raise UserError(f"{path} uses trajectory schema version {version}; this areal-hpc reads version "
-                        f"{SCHEMA_VERSION} ({remedy})")
+        remedy = (
+            "upgrade areal-hpc to read it"
+            if version > SCHEMA_VERSION
+            else "its index and reward rows carry no checksum; export it with an areal-hpc from before schema 2, "
+            "e.g. git commit ffe43b9"
+        )
+        raise UserError(
+            f"{path} uses trajectory schema version {version}; this areal-hpc reads version {SCHEMA_VERSION} ({remedy})"
+        )
 
 
 def encode(traj: Trajectory) -> tuple[dict[str, list[np.ndarray]], np.ndarray, np.ndarray]:
@@ -273,17 +308,48 @@ def encode(traj: Trajectory) -> tuple[dict[str, list[np.ndarray]], np.ndarray, n
         parts["logprob"] += [np.zeros(n_in, np.float32), seg.output_logprobs]
         parts["loss_mask"] += [np.zeros(n_in, np.uint8), seg.loss_mask]
         runs.append(version_runs(seg.output_versions))
-    header = np.frombuffer(json.dumps({
-        "id": traj.id, "tenant": traj.tenant, "task": traj.task, "group_id": traj.group_id,
-        "session_id": traj.session_id, "created": traj.created,
-        "segments": [[len(s.input_ids), len(s.output_ids), r] + ([] if s.temperature is None else [s.temperature])
-                     for s, r in zip(traj.segments, runs)],
-        "metadata": traj.metadata, "redactions": traj.redactions,
-    }, separators=(",", ":")).encode(), dtype=np.uint8)
+    header = np.frombuffer(
+        json.dumps(
+            {
+                "id": traj.id,
+                "tenant": traj.tenant,
+                "task": traj.task,
+                "group_id": traj.group_id,
+                "session_id": traj.session_id,
+                "created": traj.created,
+                "segments": [
+                    [len(s.input_ids), len(s.output_ids), r] + ([] if s.temperature is None else [s.temperature])
+                    for s, r in zip(traj.segments, runs)
+                ],
+                "metadata": traj.metadata,
+                "redactions": traj.redactions,
+            },
+            separators=(",", ":"),
+        ).encode(),
+        dtype=np.uint8,
+    )
     versions = [v for segment_runs in runs for _, v in segment_runs] or [-1]
     crc = checksum([piece for name in TOKEN_DTYPE.names for piece in parts[name]] + [header])
-    row = np.array([(traj.id.encode(), traj.tenant.encode(), 0, traj.n_tokens, 0, len(header), crc, traj.created,
-                     min(versions), max(versions), traj.n_output_tokens, traj.eligible, 0)], dtype=INDEX_DTYPE)
+    row = np.array(
+        [
+            (
+                traj.id.encode(),
+                traj.tenant.encode(),
+                0,
+                traj.n_tokens,
+                0,
+                len(header),
+                crc,
+                traj.created,
+                min(versions),
+                max(versions),
+                traj.n_output_tokens,
+                traj.eligible,
+                0,
+            )
+        ],
+        dtype=INDEX_DTYPE,
+    )
     return parts, header, row  # sealed by the writer once the offsets are known
 
 
@@ -294,27 +360,44 @@ def pack_tokens(parts: list[dict[str, list[np.ndarray]]], n_tokens: int) -> np.n
         position = 0
         for record in parts:
             for piece in record[name]:
-                tokens[name][position:position + len(piece)] = piece
+                tokens[name][position : position + len(piece)] = piece
                 position += len(piece)
     return tokens
 
 
-def decode(row: np.void, tokens: np.ndarray, meta: dict, experiment: str, trial: str,
-           rewards: list[Reward]) -> Trajectory:
+def decode(
+    row: np.void, tokens: np.ndarray, meta: dict, experiment: str, trial: str, rewards: list[Reward]
+) -> Trajectory:
     """Rebuild a record from its index row, token rows and parsed header (all checked)."""
     segments, position = [], 0
     for n_in, n_out, runs, *temperature in meta["segments"]:
-        out = tokens[position + n_in: position + n_in + n_out]
-        segments.append(Segment(input_ids=tokens["id"][position:position + n_in], output_ids=out["id"],
-                                output_logprobs=out["logprob"], loss_mask=out["loss_mask"],
-                                output_versions=expand_version_runs(runs, n_out),
-                                temperature=temperature[0] if temperature else None))
+        out = tokens[position + n_in : position + n_in + n_out]
+        segments.append(
+            Segment(
+                input_ids=tokens["id"][position : position + n_in],
+                output_ids=out["id"],
+                output_logprobs=out["logprob"],
+                loss_mask=out["loss_mask"],
+                output_versions=expand_version_runs(runs, n_out),
+                temperature=temperature[0] if temperature else None,
+            )
+        )
         position += n_in + n_out
-    return Trajectory(segments=segments, id=meta["id"], task=meta["task"], group_id=meta["group_id"],
-                      session_id=meta["session_id"], tenant=meta["tenant"], rewards=rewards,
-                      metadata=meta["metadata"], eligible=bool(row["eligible"]),
-                      redactions=meta["redactions"], experiment=experiment, trial=trial,
-                      created=meta["created"])
+    return Trajectory(
+        segments=segments,
+        id=meta["id"],
+        task=meta["task"],
+        group_id=meta["group_id"],
+        session_id=meta["session_id"],
+        tenant=meta["tenant"],
+        rewards=rewards,
+        metadata=meta["metadata"],
+        eligible=bool(row["eligible"]),
+        redactions=meta["redactions"],
+        experiment=experiment,
+        trial=trial,
+        created=meta["created"],
+    )
 
 
 def record_checksum(tokens: np.ndarray, header: np.ndarray) -> int:
@@ -343,9 +426,10 @@ def intact(rows: np.ndarray) -> np.ndarray:
 
 def _row_checksums(rows: np.ndarray) -> np.ndarray:
     covered = rows.dtype.fields[rows.dtype.names[-1]][1]  # every byte before the checksum field
-    raw = memoryview(np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), rows.dtype.itemsize)[:, :covered]
-                     .tobytes())
-    return np.array([zlib.crc32(raw[i * covered:(i + 1) * covered]) for i in range(len(rows))], dtype="<u4")
+    raw = memoryview(
+        np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), rows.dtype.itemsize)[:, :covered].tobytes()
+    )
+    return np.array([zlib.crc32(raw[i * covered : (i + 1) * covered]) for i in range(len(rows))], dtype="<u4")
 
 
 def reward_row(trajectory_id: str, reward: Reward) -> np.ndarray:
@@ -355,5 +439,4 @@ def reward_row(trajectory_id: str, reward: Reward) -> np.ndarray:
 
 
 def reward_from_row(row: np.void) -> Reward:
-    return Reward(value=float(row["value"]), step=int(row["step"]), source=text(row["source"]),
-                  time=float(row["time"]))
+    return Reward(value=float(row["value"]), step=int(row["step"]), source=text(row["source"]), time=float(row["time"]))

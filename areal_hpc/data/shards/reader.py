@@ -128,8 +128,9 @@ class ShardFile:
         """What an interrupted commit left behind (ignored by every read), or "" when nothing."""
         if all(self.intended[n] <= self.committed[n] for n in COUNTED):
             return ""
-        return (f"an interrupted commit of {self.torn_trajectories} trajectories and {self.torn_rewards} "
-                f"rewards (ignored)")
+        return (
+            f"an interrupted commit of {self.torn_trajectories} trajectories and {self.torn_rewards} rewards (ignored)"
+        )
 
     @property
     def n_tokens(self) -> int:
@@ -144,8 +145,8 @@ class ShardFile:
             state_ds.refresh()
             state = state_ds[:].tolist()
             counts_end = state_ds.id.get_offset() + state_ds.id.get_storage_size()
-        self.committed = dict(zip(COUNTED, state[:len(COUNTED)]))
-        self.intended = dict(zip(COUNTED, state[len(COUNTED):]))
+        self.committed = dict(zip(COUNTED, state[: len(COUNTED)]))
+        self.intended = dict(zip(COUNTED, state[len(COUNTED) :]))
         if self.live:
             self._check_within_file(counts_end)
         before = len(self.rewards)
@@ -167,8 +168,14 @@ class ShardFile:
         out: dict[int, Trajectory] = {}
         for r, token_rows, header in self._records(rows):
             row = self.index[r]
-            out[r] = decode(row, token_rows, self._checked_header(r, token_rows, header), self.experiment,
-                            self.trial, rewards_for(text(row["id"])))
+            out[r] = decode(
+                row,
+                token_rows,
+                self._checked_header(r, token_rows, header),
+                self.experiment,
+                self.trial,
+                rewards_for(text(row["id"])),
+            )
         return [out[int(r)] for r in rows]
 
     def damaged_rows(self, batch: int = 256) -> Iterator[tuple[int, str]]:
@@ -225,7 +232,7 @@ class ShardFile:
                         yield r, np.empty(0, TOKEN_DTYPE), np.empty(0, np.uint8)
                         continue
                     t0, h0 = row["token_start"] - token_base, row["header_start"] - header_base
-                    yield r, tokens[t0:t0 + row["token_count"]], headers[h0:h0 + row["header_count"]]
+                    yield r, tokens[t0 : t0 + row["token_count"]], headers[h0 : h0 + row["header_count"]]
 
     @contextlib.contextmanager
     def _opened(self) -> Iterator[h5py.File]:
@@ -245,8 +252,9 @@ class ShardFile:
         looked up once (an unfiltered chunk never moves): tailing a live shard stays cheap."""
         size = os.fstat(self._file.id.get_vfd_handle()).st_size
         if counts_end > size:
-            raise ShardDamageError(f"{self.path}: truncated: the commit counts lie past the end of the file "
-                                   f"({size:,} bytes)")
+            raise ShardDamageError(
+                f"{self.path}: truncated: the commit counts lie past the end of the file ({size:,} bytes)"
+            )
         for name, column in COLUMNS.items():
             committed = self.committed[column.counter]
             checked, end = self._checked_bytes[name], committed * column.dtype.itemsize
@@ -255,8 +263,9 @@ class ShardFile:
             width, offsets = self._chunks_up_to(name, committed, end)
             for chunk in range(checked // width, -(-end // width)):
                 if offsets[chunk] is None or offsets[chunk] + min(width, end - chunk * width) > size:
-                    raise ShardDamageError(f"{self.path}: truncated: committed {name} data lies past the end of "
-                                           f"the file ({size:,} bytes)")
+                    raise ShardDamageError(
+                        f"{self.path}: truncated: committed {name} data lies past the end of the file ({size:,} bytes)"
+                    )
             self._checked_bytes[name] = end
 
     def _chunks_up_to(self, name: str, committed: int, end: int) -> tuple[int, list[int | None]]:
@@ -267,8 +276,10 @@ class ShardFile:
             with hdf5_damage(self.path):
                 dataset = self._column(self._file, name, committed)
                 width = dataset.chunks[0]  # every column is stored as bytes (u1)
-                offsets += [dataset.id.get_chunk_info_by_coord((start,)).byte_offset
-                            for start in range(len(offsets) * width, end, width)]
+                offsets += [
+                    dataset.id.get_chunk_info_by_coord((start,)).byte_offset
+                    for start in range(len(offsets) * width, end, width)
+                ]
             self._chunk_offsets[name] = (width, offsets)
         return width, offsets
 
@@ -285,7 +296,7 @@ class ShardFile:
         column = COLUMNS[name]
         scale = column.dtype.itemsize if column.as_bytes else 1
         with hdf5_damage(self.path):
-            values = self._column(f, name, end)[int(start) * scale:int(end) * scale]
+            values = self._column(f, name, end)[int(start) * scale : int(end) * scale]
         return values.view(column.dtype) if column.as_bytes else values
 
     def _column(self, f: h5py.File, name: str, end: int) -> h5py.Dataset:
@@ -294,8 +305,10 @@ class ShardFile:
         scale = column.dtype.itemsize if column.as_bytes else 1
         dataset.refresh()
         if end * scale > dataset.shape[0]:
-            raise ShardDamageError(f"{self.path}: committed {name} entries end at {end} but the dataset "
-                                   f"holds {dataset.shape[0] // scale} (truncated file?)")
+            raise ShardDamageError(
+                f"{self.path}: committed {name} entries end at {end} but the dataset "
+                f"holds {dataset.shape[0] // scale} (truncated file?)"
+            )
         return dataset
 
 
@@ -338,8 +351,9 @@ class TrajectoryStore:
             for row in new_rewards:
                 self._rewards[text(row["id"])].append(reward_from_row(row))
         self.shards = dict(sorted(self.shards.items()))
-        self._damaged_rewards = [f"{s.path} reward row {r}" for s in self.shards.values()
-                                 for r in np.flatnonzero(~s.rewards_intact)]
+        self._damaged_rewards = [
+            f"{s.path} reward row {r}" for s in self.shards.values() for r in np.flatnonzero(~s.rewards_intact)
+        ]
 
     def problems(self) -> list[str]:
         """What is known to be unreadable or damaged without reading any record: files HDF5 cannot
@@ -370,7 +384,7 @@ class TrajectoryStore:
         for shard in self.shards.values():
             rows = np.flatnonzero(shard.matches(where or TrajectoryFilter()))
             for start in range(0, len(rows), batch):
-                yield from shard.read(rows[start:start + batch], self.rewards_for)
+                yield from shard.read(rows[start : start + batch], self.rewards_for)
 
     def sample(self, n: int, rng: np.random.Generator, where: TrajectoryFilter | None = None) -> list[Trajectory]:
         """``n`` distinct records drawn uniformly from those matching ``where`` (fewer if fewer exist)."""
@@ -391,9 +405,11 @@ class TrajectoryStore:
 
     def _check_rewards(self) -> None:
         if self._damaged_rewards:
-            raise ShardDamageError(f"{self._damaged_rewards[0]} fails its checksum: it may belong to any "
-                                   f"trajectory, so no reward in {self.path} can be trusted; "
-                                   f"run 'areal-hpc shards verify {self.path}'")
+            raise ShardDamageError(
+                f"{self._damaged_rewards[0]} fails its checksum: it may belong to any "
+                f"trajectory, so no reward in {self.path} can be trusted; "
+                f"run 'areal-hpc shards verify {self.path}'"
+            )
 
     def _open(self, path: Path) -> ShardFile | None:
         """``open_listed``, but with ``skip_unreadable`` a shard HDF5 cannot open is listed, not raised."""

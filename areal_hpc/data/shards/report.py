@@ -39,8 +39,10 @@ def problems_line(store: TrajectoryStore, shown: int = 3) -> str:
     """``store.problems()`` as one line: the first few, how many more, what to run."""
     found = store.problems()
     more = f"; and {len(found) - shown} more" if len(found) > shown else ""
-    return (f"{store.path}: {len(found)} unreadable or damaged: {'; '.join(found[:shown])}{more} "
-            f"(run 'areal-hpc shards verify {store.path}')")
+    return (
+        f"{store.path}: {len(found)} unreadable or damaged: {'; '.join(found[:shown])}{more} "
+        f"(run 'areal-hpc shards verify {store.path}')"
+    )
 
 
 def inspect(store: TrajectoryStore) -> str:
@@ -58,22 +60,30 @@ def inspect(store: TrajectoryStore) -> str:
     n_live = sum(s.live for s in shards)
     runs = sorted({f"{s.experiment}/{s.trial}" for s in shards})
     damaged = sum(len(s.index) for s in shards) - len(index)
-    lines = [f"{store.path}: {len(shards)} shards ({len(shards) - n_live} finalised, {n_live} live), "
-             f"{len(index):,} trajectories{f' (+{damaged:,} with a damaged index row)' if damaged else ''}, "
-             f"{int(index['token_count'].sum()):,} tokens "
-             f"({int(index['n_output'].sum()):,} output), {_bytes(size)}; runs: {', '.join(runs)}", ""]
-    lines.append(f"{'shard':<28} {'state':<10} {'trajectories':>12} {'tokens':>12} {'rewards':>8} {'size':>10} "
-                 f"{'torn':>5}")
+    lines = [
+        f"{store.path}: {len(shards)} shards ({len(shards) - n_live} finalised, {n_live} live), "
+        f"{len(index):,} trajectories{f' (+{damaged:,} with a damaged index row)' if damaged else ''}, "
+        f"{int(index['token_count'].sum()):,} tokens "
+        f"({int(index['n_output'].sum()):,} output), {_bytes(size)}; runs: {', '.join(runs)}",
+        "",
+    ]
+    lines.append(
+        f"{'shard':<28} {'state':<10} {'trajectories':>12} {'tokens':>12} {'rewards':>8} {'size':>10} {'torn':>5}"
+    )
     for s in shards:
-        lines.append(f"{s.path.name:<28} {'live' if s.live else 'finalised':<10} {len(s.index):>12,} "
-                     f"{s.n_tokens:>12,} {len(s.rewards):>8,} {_bytes(sizes[s.stem]):>10} "
-                     f"{s.torn_trajectories:>5}")
+        lines.append(
+            f"{s.path.name:<28} {'live' if s.live else 'finalised':<10} {len(s.index):>12,} "
+            f"{s.n_tokens:>12,} {len(s.rewards):>8,} {_bytes(sizes[s.stem]):>10} "
+            f"{s.torn_trajectories:>5}"
+        )
     tenants, counts = np.unique(index["tenant"], return_counts=True)
     lines += ["", "tenants: " + ", ".join(f"{text(t)} {c:,}" for t, c in zip(tenants, counts))]
     if len(index):
         lengths = index["n_output"]
-        lines.append(f"output tokens per trajectory: min {lengths.min():,}, median {int(np.median(lengths)):,}, "
-                     f"max {lengths.max():,}")
+        lines.append(
+            f"output tokens per trajectory: min {lengths.min():,}, median {int(np.median(lengths)):,}, "
+            f"max {lengths.max():,}"
+        )
     if rewards or not len(index):
         lines += ["", f"reward ({len(scored):,} scored, {len(index) - len(scored):,} awaiting a reward):"]
         lines += _histogram(scored)
@@ -101,11 +111,18 @@ def verify(path: Path, metadata_wait: float = METADATA_WAIT) -> tuple[list[str],
         except ValueError as exc:
             damage.append(f"{manifest_path.name}: {exc}")
             continue
-        listed |= {entry["name"]: (manifest_path.name, entry) for entry in entries
-                   if path.is_dir() or entry["name"] == path.name}
+        listed |= {
+            entry["name"]: (manifest_path.name, entry)
+            for entry in entries
+            if path.is_dir() or entry["name"] == path.name
+        }
     seen, records = set(), 0
-    columns = [TextColumn("verify"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("shards, {task.fields[records]:,} records")]
+    columns = [
+        TextColumn("verify"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("shards, {task.fields[records]:,} records"),
+    ]
     console = Console(stderr=True)  # stdout stays the report; a bar only on a terminal
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         bar = progress.add_task("verify", total=len(paths), records=0)
@@ -124,8 +141,9 @@ def verify(path: Path, metadata_wait: float = METADATA_WAIT) -> tuple[list[str],
                 damage.append(str(exc))
                 seen.add(name)
             progress.update(bar, advance=1, records=records)
-    damage += [f"{name}: listed in {manifest} but missing" for name, (manifest, _) in listed.items()
-               if name not in seen]
+    damage += [
+        f"{name}: listed in {manifest} but missing" for name, (manifest, _) in listed.items() if name not in seen
+    ]
     return damage, notes, records
 
 
@@ -151,8 +169,10 @@ def _shard_notes(shard: ShardFile, listed_somewhere: bool) -> list[str]:
     if shard.live:
         notes.append(f"{name}: live (its writer is still writing, or stopped without finalising)")
         if shard.torn:
-            notes.append(f"{name}: torn tail, {shard.torn}: its writer stopped mid-commit (or is committing "
-                         "right now); nothing committed is lost")
+            notes.append(
+                f"{name}: torn tail, {shard.torn}: its writer stopped mid-commit (or is committing "
+                "right now); nothing committed is lost"
+            )
     elif not listed_somewhere:
         notes.append(f"{name}: finalised but in no manifest (writer stopped before recording it)")
     return notes
@@ -168,23 +188,47 @@ def export_jsonl(store: TrajectoryStore, out: TextIO, where: TrajectoryFilter) -
 
 def trajectory_to_json(traj: Trajectory) -> dict:
     return {
-        "id": traj.id, "experiment": traj.experiment, "trial": traj.trial, "task": traj.task,
-        "group_id": traj.group_id, "session_id": traj.session_id, "tenant": traj.tenant,
-        "eligible": traj.eligible, "created": traj.created, "reward": traj.reward,
+        "id": traj.id,
+        "experiment": traj.experiment,
+        "trial": traj.trial,
+        "task": traj.task,
+        "group_id": traj.group_id,
+        "session_id": traj.session_id,
+        "tenant": traj.tenant,
+        "eligible": traj.eligible,
+        "created": traj.created,
+        "reward": traj.reward,
         "rewards": [{"step": r.step, "value": r.value, "source": r.source, "time": r.time} for r in traj.rewards],
-        "segments": [{"input_ids": s.input_ids.tolist(), "output_ids": s.output_ids.tolist(),
-                      "output_logprobs": s.output_logprobs.tolist(), "output_versions": s.output_versions.tolist(),
-                      "loss_mask": s.loss_mask.tolist(), "temperature": s.temperature} for s in traj.segments],
-        "metadata": traj.metadata, "redactions": traj.redactions,
+        "segments": [
+            {
+                "input_ids": s.input_ids.tolist(),
+                "output_ids": s.output_ids.tolist(),
+                "output_logprobs": s.output_logprobs.tolist(),
+                "output_versions": s.output_versions.tolist(),
+                "loss_mask": s.loss_mask.tolist(),
+                "temperature": s.temperature,
+            }
+            for s in traj.segments
+        ],
+        "metadata": traj.metadata,
+        "redactions": traj.redactions,
     }
 
 
 def _check_manifest_entry(shard: ShardFile, manifest_name: str, entry: dict) -> list[str]:
-    found = {"trajectories": len(shard.index), "tokens": shard.n_tokens, "rewards": len(shard.rewards),
-             "bytes": shard.path.stat().st_size, "index_crc32": zlib.crc32(shard.index),
-             "rewards_crc32": zlib.crc32(shard.rewards)}
-    return [f"{shard.path.name}: {key} is {value}, {manifest_name} recorded {entry[key]} (changed after finalising)"
-            for key, value in found.items() if value != entry[key]]
+    found = {
+        "trajectories": len(shard.index),
+        "tokens": shard.n_tokens,
+        "rewards": len(shard.rewards),
+        "bytes": shard.path.stat().st_size,
+        "index_crc32": zlib.crc32(shard.index),
+        "rewards_crc32": zlib.crc32(shard.rewards),
+    }
+    return [
+        f"{shard.path.name}: {key} is {value}, {manifest_name} recorded {entry[key]} (changed after finalising)"
+        for key, value in found.items()
+        if value != entry[key]
+    ]
 
 
 def _manifest_entries(path: Path) -> list[dict]:
@@ -217,8 +261,10 @@ def _histogram(values: np.ndarray, label=lambda v: f"{v:g}", bins: int = 10) -> 
         labels = [f"[{lo:.3g}, {hi:.3g})" for lo, hi in itertools.pairwise(edges)]
     width = max(len(text) for text in labels)
     top = max(counts)
-    return [f"  {text:>{width}} {'#' * max(1, round(BAR_WIDTH * c / top)) if c else '':<{BAR_WIDTH}} {c:,}"
-            for text, c in zip(labels, counts)]
+    return [
+        f"  {text:>{width}} {'#' * max(1, round(BAR_WIDTH * c / top)) if c else '':<{BAR_WIDTH}} {c:,}"
+        for text, c in zip(labels, counts)
+    ]
 
 
 def _bytes(n: float) -> str:

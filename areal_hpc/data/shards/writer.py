@@ -58,14 +58,25 @@ class TrajectoryShardWriter:
     not a crashed node (see ``bench/trajectory_store.py`` for what they cost).
     """
 
-    def __init__(self, directory: str | Path, writer_id: str, *, experiment: str = "", trial: str = "",
-                 flush_every: int = 1, max_shard_bytes: int = 1 << 30, max_shard_trajectories: int = 100_000,
-                 fsync: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        writer_id: str,
+        *,
+        experiment: str = "",
+        trial: str = "",
+        flush_every: int = 1,
+        max_shard_bytes: int = 1 << 30,
+        max_shard_trajectories: int = 100_000,
+        fsync: bool = True,
+    ):
         if not WRITER_ID.fullmatch(writer_id):
             raise UserError(f"writer id {writer_id!r} must be letters, digits, '_', '.' or inner '-'")
         if flush_every < 1 or max_shard_bytes < 1 or max_shard_trajectories < 1:
-            raise UserError("flush_every, max_shard_bytes and max_shard_trajectories must be >= 1, got "
-                            f"{flush_every}, {max_shard_bytes}, {max_shard_trajectories}")
+            raise UserError(
+                "flush_every, max_shard_bytes and max_shard_trajectories must be >= 1, got "
+                f"{flush_every}, {max_shard_bytes}, {max_shard_trajectories}"
+            )
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.writer_id, self.experiment, self.trial = writer_id, experiment, trial
@@ -93,8 +104,9 @@ class TrajectoryShardWriter:
         self._pending_ids.add(traj.id)
         self._maybe_flush()
 
-    def set_reward(self, trajectory_id: str, value: float, *, step: int = 0, source: str = "",
-                   at: float | None = None) -> None:
+    def set_reward(
+        self, trajectory_id: str, value: float, *, step: int = 0, source: str = "", at: float | None = None
+    ) -> None:
         """Bind a (late) reward to a stored trajectory; an unknown id raises and writes nothing."""
         check_name("trajectory id", trajectory_id, MAX_ID_BYTES, allow_empty=False)
         check_name("reward source", source, MAX_SOURCE_BYTES)
@@ -120,8 +132,7 @@ class TrajectoryShardWriter:
         except BaseException:
             self._pending_records, self._pending_rewards, self._pending_ids = [], [], set()
             raise
-        if (self._bytes_written() >= self.max_shard_bytes
-                or self._counts["index"] >= self.max_shard_trajectories):
+        if self._bytes_written() >= self.max_shard_bytes or self._counts["index"] >= self.max_shard_trajectories:
             self._finalize()
 
     def close(self) -> None:
@@ -151,8 +162,11 @@ class TrajectoryShardWriter:
     def _next_sequence(self) -> int:
         """Continue after the highest shard number this writer id left (a restart never overwrites)."""
         pattern = re.compile(re.escape(self.writer_id) + r"-(\d+)$")
-        taken = [int(m.group(1)) for p in self.directory.glob(f"{self.writer_id}-*.h5")
-                 if (m := pattern.fullmatch(shard_stem(p)))]
+        taken = [
+            int(m.group(1))
+            for p in self.directory.glob(f"{self.writer_id}-*.h5")
+            if (m := pattern.fullmatch(shard_stem(p)))
+        ]
         return max(taken, default=-1) + 1
 
     def _open_next_shard(self) -> None:
@@ -173,11 +187,18 @@ class TrajectoryShardWriter:
         rows["token_start"] = _starts(start["tokens"], token_counts)
         rows["header_start"] = _starts(start["headers"], header_counts)
         seal(rows)
-        new = {"tokens": pack_tokens([parts for parts, _, _ in records], sum(token_counts)),
-               "headers": _concat([header for _, header, _ in records], np.dtype("u1")), "index": rows,
-               "rewards": _concat(self._pending_rewards, REWARD_DTYPE)}
-        end = {"index": start["index"] + len(rows), "tokens": start["tokens"] + sum(token_counts),
-               "headers": start["headers"] + sum(header_counts), "rewards": start["rewards"] + len(new["rewards"])}
+        new = {
+            "tokens": pack_tokens([parts for parts, _, _ in records], sum(token_counts)),
+            "headers": _concat([header for _, header, _ in records], np.dtype("u1")),
+            "index": rows,
+            "rewards": _concat(self._pending_rewards, REWARD_DTYPE),
+        }
+        end = {
+            "index": start["index"] + len(rows),
+            "tokens": start["tokens"] + sum(token_counts),
+            "headers": start["headers"] + sum(header_counts),
+            "rewards": start["rewards"] + len(new["rewards"]),
+        }
         self._write_state(start, end)
         for name, values in new.items():
             if len(values):
@@ -211,12 +232,23 @@ class TrajectoryShardWriter:
         if self.fsync:
             fsync_path(self._path)  # what closing wrote, before the name says "finalised"
         os.replace(self._path, final)  # made durable with the manifest's folder fsync below
-        manifest = (json.loads(self.manifest_path.read_text()) if self.manifest_path.exists()
-                    else {"writer": self.writer_id, "shards": []})
-        manifest["shards"].append({"name": final.name, "trajectories": counts["index"],
-                                   "tokens": counts["tokens"], "rewards": counts["rewards"],
-                                   "bytes": final.stat().st_size, "index_crc32": self._index_crc,
-                                   "rewards_crc32": self._rewards_crc, "finalized": time.time()})
+        manifest = (
+            json.loads(self.manifest_path.read_text())
+            if self.manifest_path.exists()
+            else {"writer": self.writer_id, "shards": []}
+        )
+        manifest["shards"].append(
+            {
+                "name": final.name,
+                "trajectories": counts["index"],
+                "tokens": counts["tokens"],
+                "rewards": counts["rewards"],
+                "bytes": final.stat().st_size,
+                "index_crc32": self._index_crc,
+                "rewards_crc32": self._rewards_crc,
+                "finalized": time.time(),
+            }
+        )
         atomic_write_json(self.manifest_path, manifest)
         self._file = self._path = self._columns = None
 

@@ -32,7 +32,7 @@ class PackedSequences(PackedSeqParams):
     context_split: ContextSplit | None = None
 
     @classmethod
-    def of(cls, packed: PackedBatch) -> "PackedSequences":
+    def of(cls, packed: PackedBatch) -> PackedSequences:
         """The parameters of a packed micro-batch; for a ``ContextShard``, those of the whole padded
         micro-batch (Megatron's rotary embedding cuts each sequence's share out of them)."""
         if isinstance(packed, ContextShard):
@@ -42,35 +42,54 @@ class PackedSequences(PackedSeqParams):
         return cls._thd(packed.cu_seqlens, groups=padded_groups(packed.cu_seqlens))
 
     @classmethod
-    def _thd(cls, cu_seqlens: torch.Tensor, **plan) -> "PackedSequences":
+    def _thd(cls, cu_seqlens: torch.Tensor, **plan) -> PackedSequences:
         cu = cu_seqlens.to(torch.int32)
         longest = int(cu_seqlens.diff().max())
-        return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-                   **plan)
+        return cls(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest, **plan
+        )
 
 
 class PackedCoreAttention(MegatronModule):
     """Causal attention within each packed sequence; the constructor is ``DotProductAttention``'s."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params: PackedSequences | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params: PackedSequences | None = None,
+    ) -> torch.Tensor:
         """q [t, heads, d], k/v [t, groups, d] -> [t, heads * d]."""
         if packed_seq_params is None or attention_bias is not None:
             raise ValueError("PackedCoreAttention takes packed (THD) sequences and no attention bias")
         q, k, v = (x.permute(1, 0, 2)[None] for x in (query, key, value))  # [1, heads, t, d]
         split = packed_seq_params.context_split
         if split is not None:
-            out, _ = context_sdpa(self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout,
-                                  context_split=split)
+            out, _ = context_sdpa(
+                self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout, context_split=split
+            )
         else:
             groups = packed_seq_params.groups or padded_groups(packed_seq_params.cu_seqlens_q.long())
-            out, _ = varlen_sdpa(self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout,
-                                 padded_groups=groups)
+            out, _ = varlen_sdpa(
+                self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout, padded_groups=groups
+            )
         return out[0].reshape(out.shape[1], -1)

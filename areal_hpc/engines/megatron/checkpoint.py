@@ -49,8 +49,9 @@ def state_names(model) -> list[str]:
 
 
 @torch.no_grad()
-def load_hf_weights(stage: PipelineStage, folder: Path, hf_config, shape: ModelShape, mesh: TrainMesh, *,
-                    critic: bool) -> None:
+def load_hf_weights(
+    stage: PipelineStage, folder: Path, hf_config, shape: ModelShape, mesh: TrainMesh, *, critic: bool
+) -> None:
     """This rank's shards of the Hugging Face weights in ``folder`` into each chunk of pipeline stage
     ``stage`` (the layers of its virtual stage); a critic's head the folder lacks is drawn afresh."""
     hf_state = read_checkpoint(folder)
@@ -59,18 +60,24 @@ def load_hf_weights(stage: PipelineStage, folder: Path, hf_config, shape: ModelS
     dims, coords = mesh.dims, mesh.coords
     for model, virtual in zip(stage.chunks, stage.virtual_stages(), strict=True):
         try:
-            state = hf_to_megatron(hf_state, shape, coords["tp"], dims.tp, virtual, dims.pp * dims.vpp,
-                                   ep_rank=coords["ep"], ep=dims.ep)
+            state = hf_to_megatron(
+                hf_state, shape, coords["tp"], dims.tp, virtual, dims.pp * dims.vpp, ep_rank=coords["ep"], ep=dims.ep
+            )
         except KeyError as missing:
             raise RuntimeError(f"checkpoint {folder} lacks {missing}") from None
         names = state_names(model)
         if sorted(state) != sorted(names):
-            raise RuntimeError(f"Megatron virtual stage {virtual} has {sorted(set(names) ^ set(state))[:5]} beyond the "
-                               "converter's names")
+            raise RuntimeError(
+                f"Megatron virtual stage {virtual} has {sorted(set(names) ^ set(state))[:5]} beyond the "
+                "converter's names"
+            )
         for name, tensor in model.state_dict().items():
             if isinstance(tensor, DTensor):  # FSDP's shard: every rank cuts its own from the full tensor
-                tensor.copy_(distribute_tensor(state[name].to(tensor.device), tensor.device_mesh, tensor.placements,
-                                               src_data_rank=None))
+                tensor.copy_(
+                    distribute_tensor(
+                        state[name].to(tensor.device), tensor.device_mesh, tensor.placements, src_data_rank=None
+                    )
+                )
             elif name in state:
                 tensor.copy_(state[name])
 
@@ -99,6 +106,7 @@ def stage_hf_tensors(stage: PipelineStage, shape: ModelShape, mesh: TrainMesh) -
             shards = [torch.empty_like(local) for _ in range(dist.get_world_size(groups[expert]))]
             dist.all_gather(shards, local, group=groups[expert])  # EP rank major, then TP rank
             yield name, shards
+
     for model, virtual in zip(stage.chunks, stage.virtual_stages(), strict=True):
         if first_replica and coords["tp"] == 0:
             yield from stage_to_hf(gathered(model), shape, virtual, mesh.dims.pp * mesh.dims.vpp, mesh.dims.ep)
@@ -107,8 +115,9 @@ def stage_hf_tensors(stage: PipelineStage, shape: ModelShape, mesh: TrainMesh) -
                 pass
 
 
-def buckets_on_rank0(stage_tensors: Iterator[tuple[str, torch.Tensor]], mesh: TrainMesh, pp_group,
-                     bucket_bytes: int) -> Iterator[WeightBucket]:
+def buckets_on_rank0(
+    stage_tensors: Iterator[tuple[str, torch.Tensor]], mesh: TrainMesh, pp_group, bucket_bytes: int
+) -> Iterator[WeightBucket]:
     """Buckets of the whole model on global rank 0: its own stage's ``stage_tensors``, then each later
     stage's leader sends its buckets (``None`` ends a stage). Collective: every rank iterates to the
     end; the others' buckets are empty."""
@@ -154,8 +163,9 @@ def save_optimizer_state(folder: Path, optimizer, scheduler, dims: ParallelDims)
         gathered = optimizer.get_parameter_state_dp_zero()  # collective over dp x cp; None but on its rank 0
         if gathered is not None:
             torch.save(gathered, folder / OPTIMIZER_SHARDS / _model_parallel_file())
-        training["optimizer_groups"] = [{k: v for k, v in group.items() if k != "params"}
-                                        for group in optimizer.param_groups]
+        training["optimizer_groups"] = [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+        ]
         training["optimizer_step"] = _adam_step(optimizer)
     else:
         state = optimizer.state_dict()
@@ -172,15 +182,16 @@ def load_optimizer_state(folder: Path, optimizer, scheduler, dims: ParallelDims,
     if saved:  # checkpoints from before cp, fsdp, bf16, the distributed optimizer
         saved = {"cp": 1, "fsdp": 0, "bf16": 0, "distributed_optimizer": 0, **saved}
     if not _resumable(saved, megatron_layout(dims, optimizer)):
-        raise UserError(f"checkpoint {folder} holds optimizer state of layout {saved}, not this run's "
-                        f"{megatron_layout(dims, optimizer)} (actor.engine=megatron resumes in the layout it saved; "
-                        "with actor.parallel.distributed_optimizer=true, in any dp)")
+        raise UserError(
+            f"checkpoint {folder} holds optimizer state of layout {saved}, not this run's "
+            f"{megatron_layout(dims, optimizer)} (actor.engine=megatron resumes in the layout it saved; "
+            "with actor.parallel.distributed_optimizer=true, in any dp)"
+        )
     scheduler.load_state_dict(training["scheduler"])
     if is_distributed(optimizer):
         _load_distributed_state(optimizer, folder, training)
         return
-    shard = torch.load(folder / OPTIMIZER_SHARDS / f"rank{dist.get_rank()}.pt", map_location=device,
-                       weights_only=True)
+    shard = torch.load(folder / OPTIMIZER_SHARDS / f"rank{dist.get_rank()}.pt", map_location=device, weights_only=True)
     if has_master_weights(optimizer):
         _load_mixed_precision_state(optimizer, shard)
     else:
@@ -205,8 +216,16 @@ def is_distributed(optimizer) -> bool:
 
 def megatron_layout(dims: ParallelDims, optimizer) -> dict[str, int]:
     """The layout an optimizer checkpoint records, and must match to resume (bf16: fp32 master weights)."""
-    return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep, "fsdp": int(dims.fsdp),
-            "bf16": int(has_master_weights(optimizer)), "distributed_optimizer": int(is_distributed(optimizer))}
+    return {
+        "dp": dims.dp,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "cp": dims.cp,
+        "ep": dims.ep,
+        "fsdp": int(dims.fsdp),
+        "bf16": int(has_master_weights(optimizer)),
+        "distributed_optimizer": int(is_distributed(optimizer)),
+    }
 
 
 def _resumable(saved: dict | None, current: dict) -> bool:
@@ -221,8 +240,9 @@ def _model_parallel_file() -> str:
     """The distributed optimizer's file of this rank's tp x pp coordinates (shared by its dp x cp ranks)."""
     from megatron.core import parallel_state
 
-    return (f"tp{parallel_state.get_tensor_model_parallel_rank()}_"
-            f"pp{parallel_state.get_pipeline_model_parallel_rank()}.pt")
+    return (
+        f"tp{parallel_state.get_tensor_model_parallel_rank()}_pp{parallel_state.get_pipeline_model_parallel_rank()}.pt"
+    )
 
 
 def _with_adam_state(optimizer) -> None:
@@ -232,8 +252,11 @@ def _with_adam_state(optimizer) -> None:
     for group in inner.param_groups:
         for shard in group["params"]:
             if not inner.state[shard]:
-                inner.state[shard] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(shard),
-                                      "exp_avg_sq": torch.zeros_like(shard)}
+                inner.state[shard] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(shard),
+                    "exp_avg_sq": torch.zeros_like(shard),
+                }
 
 
 def _adam_step(optimizer) -> float:
@@ -250,8 +273,11 @@ def _load_distributed_state(optimizer, folder: Path, training: dict) -> None:
     for state in optimizer.state.values():  # Megatron's scatter fills every tensor of an entry: the step is not one
         del state["step"]
     first = optimizer.data_parallel_group_gloo.rank() == 0
-    gathered = (torch.load(folder / OPTIMIZER_SHARDS / _model_parallel_file(), map_location="cpu", weights_only=True)
-                if first else None)
+    gathered = (
+        torch.load(folder / OPTIMIZER_SHARDS / _model_parallel_file(), map_location="cpu", weights_only=True)
+        if first
+        else None
+    )
     optimizer.load_parameter_state_from_dp_zero(gathered)
     for state in optimizer.state.values():
         state["step"] = torch.tensor(training["optimizer_step"])
@@ -272,8 +298,10 @@ def _load_mixed_precision_state(optimizer, state: dict) -> None:
 
 def _local_shards(state: dict) -> dict:
     """An optimizer state dict with FSDP's DTensors as this rank's local shards (what its file holds)."""
-    local = {key: {name: value.to_local() if isinstance(value, DTensor) else value for name, value in entry.items()}
-             for key, entry in state["state"].items()}
+    local = {
+        key: {name: value.to_local() if isinstance(value, DTensor) else value for name, value in entry.items()}
+        for key, entry in state["state"].items()
+    }
     return {**state, "state": local}
 
 
@@ -287,8 +315,14 @@ def _placed_like_parameters(optimizer: torch.optim.Optimizer) -> None:
             entry = optimizer.state[param]
             for name, value in entry.items():
                 if torch.is_tensor(value) and not isinstance(value, DTensor) and name != "step":
-                    entry[name] = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
-                                                     stride=param.stride(), run_check=False)
+                    entry[name] = DTensor.from_local(
+                        value,
+                        param.device_mesh,
+                        param.placements,
+                        shape=param.shape,
+                        stride=param.stride(),
+                        run_check=False,
+                    )
 
 
 def _receive(source: int):

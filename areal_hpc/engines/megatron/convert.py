@@ -38,10 +38,14 @@ LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # with
 # Megatron name within a layer -> (HF names within "model.layers.N.", how TP splits it)
 LAYER_RULES = {
     "input_layernorm.weight": (("input_layernorm.weight",), REPLICATED),
-    "self_attention.linear_qkv.weight": (("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                          "self_attn.v_proj.weight"), QKV),
-    "self_attention.linear_qkv.bias": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-                                       QKV),
+    "self_attention.linear_qkv.weight": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        QKV,
+    ),
+    "self_attention.linear_qkv.bias": (
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        QKV,
+    ),
     "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), REPLICATED),
     "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), REPLICATED),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), ROW),
@@ -52,12 +56,20 @@ LAYER_RULES = {
 }
 DENSE_MLP, ROUTER = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"), "mlp.router.weight"
 # Megatron name within an expert -> (HF names within "model.layers.N.mlp.experts.E.", how TP splits it)
-EXPERT_RULES = {"linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), FC1),
-                "linear_fc2.weight": (("down_proj.weight",), ROW)}
-EMBEDDING, FINAL_NORM, OUTPUT = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
-                                 "output_layer.weight")
-GLOBAL_RULES = {EMBEDDING: (("model.embed_tokens.weight",), COLUMN), FINAL_NORM: (("model.norm.weight",), REPLICATED),
-                OUTPUT: (("lm_head.weight",), COLUMN)}
+EXPERT_RULES = {
+    "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), FC1),
+    "linear_fc2.weight": (("down_proj.weight",), ROW),
+}
+EMBEDDING, FINAL_NORM, OUTPUT = (
+    "embedding.word_embeddings.weight",
+    "decoder.final_layernorm.weight",
+    "output_layer.weight",
+)
+GLOBAL_RULES = {
+    EMBEDDING: (("model.embed_tokens.weight",), COLUMN),
+    FINAL_NORM: (("model.norm.weight",), REPLICATED),
+    OUTPUT: (("lm_head.weight",), COLUMN),
+}
 VALUE_HEAD = {OUTPUT: (("score.weight",), REPLICATED), "output_layer.bias": (("score.bias",), REPLICATED)}
 
 
@@ -85,10 +97,11 @@ class ModelShape:
     value_head: bool = False  # a critic: HF's token classifier (``score``) in place of the LM head, untied
 
     @classmethod
-    def from_hf(cls, config) -> "ModelShape":
+    def from_hf(cls, config) -> ModelShape:
         if config.model_type not in ("qwen2", "qwen3", "qwen3_moe"):
-            raise UserError(f"actor.engine=megatron converts Qwen2, Qwen3 and Qwen3-MoE models, not "
-                            f"{config.model_type!r}")
+            raise UserError(
+                f"actor.engine=megatron converts Qwen2, Qwen3 and Qwen3-MoE models, not {config.model_type!r}"
+            )
         rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta, "rope_type": "default"}
         if rope.get("rope_type", "default") != "default":
             raise UserError(f"actor.engine=megatron does not build RoPE scaling ({rope['rope_type']!r})")
@@ -96,27 +109,50 @@ class ModelShape:
         if qwen3 and config.attention_bias:
             raise UserError("actor.engine=megatron does not build Qwen3 with attention_bias=true")
         if moe and (config.decoder_sparse_step != 1 or config.mlp_only_layers):
-            raise UserError("actor.engine=megatron builds Qwen3-MoE with experts in every layer, not "
-                            f"decoder_sparse_step={config.decoder_sparse_step} mlp_only_layers={config.mlp_only_layers}")
-        experts = dict(experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
-                       expert_ffn=config.moe_intermediate_size, renormalise_top_k=config.norm_topk_prob) if moe else {}
-        return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
-                   kv_heads=config.num_key_value_heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                   ffn=config.intermediate_size, vocab=config.vocab_size,
-                   max_positions=config.max_position_embeddings, rope_base=float(rope["rope_theta"]),
-                   eps=config.rms_norm_eps, tied=bool(config.tie_word_embeddings), qkv_bias=not qwen3,
-                   qk_norm=qwen3, **experts)
+            raise UserError(
+                "actor.engine=megatron builds Qwen3-MoE with experts in every layer, not "
+                f"decoder_sparse_step={config.decoder_sparse_step} mlp_only_layers={config.mlp_only_layers}"
+            )
+        experts = (
+            dict(
+                experts=config.num_experts,
+                experts_per_token=config.num_experts_per_tok,
+                expert_ffn=config.moe_intermediate_size,
+                renormalise_top_k=config.norm_topk_prob,
+            )
+            if moe
+            else {}
+        )
+        return cls(
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            ffn=config.intermediate_size,
+            vocab=config.vocab_size,
+            max_positions=config.max_position_embeddings,
+            rope_base=float(rope["rope_theta"]),
+            eps=config.rms_norm_eps,
+            tied=bool(config.tie_word_embeddings),
+            qkv_bias=not qwen3,
+            qk_norm=qwen3,
+            **experts,
+        )
 
-    def critic(self) -> "ModelShape":
+    def critic(self) -> ModelShape:
         """The shape of this model's PPO critic (its body under a value head)."""
         return replace(self, tied=False, value_head=True)
 
     def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
         """Raise ``UserError`` when the model cannot be split ``tp`` x ``pp`` x ``ep`` ways."""
         mlp = ("moe_intermediate_size", self.expert_ffn) if self.experts else ("intermediate_size", self.ffn)
-        for name, size in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads), mlp,
-                           ("vocab_size", self.vocab)):
+        for name, size in (
+            ("num_key_value_heads", self.kv_heads),
+            ("num_attention_heads", self.heads),
+            mlp,
+            ("vocab_size", self.vocab),
+        ):
             if size % tp:
                 raise UserError(f"actor.parallel.tp={tp} must divide the model's {name}={size}")
         if self.layers % pp:
@@ -130,8 +166,7 @@ class ModelShape:
         return stage * self.layers // pp
 
 
-def transformer_config(shape: ModelShape, tp: int, pp: int, ep: int = 1, dtype: torch.dtype = torch.float32,
-                       **runtime):
+def transformer_config(shape: ModelShape, tp: int, pp: int, ep: int = 1, dtype: torch.dtype = torch.float32, **runtime):
     """Megatron's ``TransformerConfig`` of the model (RMSNorm, SwiGLU, no linear biases but q/k/v's for
     Qwen2, q/k RMSNorm for Qwen3, no dropout); ``runtime`` adds the engine's own settings.
 
@@ -143,33 +178,68 @@ def transformer_config(shape: ModelShape, tp: int, pp: int, ep: int = 1, dtype: 
     factor, nothing dropped), as in HF."""
     from megatron.core.transformer import TransformerConfig
 
-    experts = dict(num_moe_experts=shape.experts, moe_router_topk=shape.experts_per_token,
-                   moe_ffn_hidden_size=shape.expert_ffn, moe_router_score_function="softmax",
-                   moe_router_pre_softmax=not shape.renormalise_top_k, moe_router_load_balancing_type="none",
-                   moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep) if shape.experts else {}
+    experts = (
+        dict(
+            num_moe_experts=shape.experts,
+            moe_router_topk=shape.experts_per_token,
+            moe_ffn_hidden_size=shape.expert_ffn,
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not shape.renormalise_top_k,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            expert_model_parallel_size=ep,
+        )
+        if shape.experts
+        else {}
+    )
     return TransformerConfig(
-        num_layers=shape.layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
-        num_attention_heads=shape.heads, num_query_groups=shape.kv_heads, kv_channels=shape.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=shape.eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        params_dtype=dtype, pipeline_dtype=dtype, **experts, **runtime)
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        **experts,
+        **runtime,
+    )
 
 
 def gpt_model_args(shape: ModelShape) -> dict:
     """GPTModel's keyword arguments besides the config, layer spec and pre/post process."""
-    return dict(vocab_size=shape.vocab, max_sequence_length=shape.max_positions, position_embedding_type="rope",
-                rotary_base=shape.rope_base, rotary_percent=1.0,
-                share_embeddings_and_output_weights=shape.tied, parallel_output=True)
+    return dict(
+        vocab_size=shape.vocab,
+        max_sequence_length=shape.max_positions,
+        position_embedding_type="rope",
+        rotary_base=shape.rope_base,
+        rotary_percent=1.0,
+        share_embeddings_and_output_weights=shape.tied,
+        parallel_output=True,
+    )
 
 
 def stage_names(shape: ModelShape, stage: int, pp: int, ep: int = 1) -> list[str]:
     """The Megatron state-dict names of pipeline stage ``stage`` (its layers, and an expert-parallel
     rank's experts, numbered from 0)."""
-    per_layer = [name for name in LAYER_RULES
-                 if (shape.qkv_bias or not name.endswith("linear_qkv.bias"))
-                 and (shape.qk_norm or "k_layernorm" not in name and "q_layernorm" not in name)
-                 and name not in ((ROUTER,) if not shape.experts else DENSE_MLP)]
+    per_layer = [
+        name
+        for name in LAYER_RULES
+        if (shape.qkv_bias or not name.endswith("linear_qkv.bias"))
+        and (shape.qk_norm or ("k_layernorm" not in name and "q_layernorm" not in name))
+        and name not in ((ROUTER,) if not shape.experts else DENSE_MLP)
+    ]
     per_layer += [f"mlp.experts.local_experts.{i}.{name}" for i in range(shape.experts // ep) for name in EXPERT_RULES]
     names = [EMBEDDING] if stage == 0 else []
     names += [f"decoder.layers.{i}.{name}" for i in range(shape.layers // pp) for name in per_layer]
@@ -257,8 +327,17 @@ def unshard(kind: str, shards: list[torch.Tensor], shape: ModelShape) -> list[to
     return [t.reshape(-1, *t.shape[2:]).contiguous() for t in (q, k, v)]
 
 
-def hf_to_megatron(hf_state: dict[str, torch.Tensor], shape: ModelShape, tp_rank: int, tp: int, stage: int,
-                   pp: int, *, ep_rank: int = 0, ep: int = 1) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf_state: dict[str, torch.Tensor],
+    shape: ModelShape,
+    tp_rank: int,
+    tp: int,
+    stage: int,
+    pp: int,
+    *,
+    ep_rank: int = 0,
+    ep: int = 1,
+) -> dict[str, torch.Tensor]:
     """The state dict of TP rank ``tp_rank`` and EP rank ``ep_rank`` on pipeline stage ``stage`` from a
     HF model's state dict (experts fused as the model holds them; ``lm_head.weight`` may be missing
     when the embeddings are tied)."""
@@ -272,8 +351,9 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], shape: ModelShape, tp_rank
     return state
 
 
-def stage_to_hf(stage_shards: Iterator[tuple[str, list[torch.Tensor]]], shape: ModelShape, stage: int,
-                pp: int, ep: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+def stage_to_hf(
+    stage_shards: Iterator[tuple[str, list[torch.Tensor]]], shape: ModelShape, stage: int, pp: int, ep: int = 1
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) pairs of pipeline stage ``stage`` from its (Megatron name, shards) pairs:
     the TP shards in rank order, and for an expert's tensor those of every EP rank, EP rank major
     (what an all-gather over Megatron's expert tensor-and-model-parallel group returns). A layer's
@@ -287,7 +367,7 @@ def stage_to_hf(stage_shards: Iterator[tuple[str, list[torch.Tensor]]], shape: M
             tp = len(shards) // ep
             for rank in range(ep):
                 names, kind = hf_names(global_name(name, offset, rank * local_experts), shape)
-                experts.update(zip(names, unshard(kind, shards[rank * tp:(rank + 1) * tp], shape)))
+                experts.update(zip(names, unshard(kind, shards[rank * tp : (rank + 1) * tp], shape)))
             if len(experts) == 3 * shape.experts:  # gate, up and down of every expert of the layer
                 yield from fuse_expert_weights(experts).items()
                 experts = {}

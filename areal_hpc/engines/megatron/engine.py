@@ -87,15 +87,35 @@ class MegatronTrainEngine(TrainEngine):
             raise unsupported_role(cfg, role)
         training = role_training(role, cfg)
         require("megatron.core")  # the extra `megatron`: one line naming it when it is missing
-        return cls(str(path), "critic" if training.critic else "policy", temperature=training.temperature, mesh=mesh,
-                   optimizer=cfg.optimizer if training.lr else None, lr=training.lr or 0.0,
-                   total_steps=training.total_steps, max_tokens_per_mb=training.max_tokens_per_mb, tokenizer=tokenizer,
-                   compute_dtype=cfg.model.compute_dtype, recompute=cfg.actor.recompute)
+        return cls(
+            str(path),
+            "critic" if training.critic else "policy",
+            temperature=training.temperature,
+            mesh=mesh,
+            optimizer=cfg.optimizer if training.lr else None,
+            lr=training.lr or 0.0,
+            total_steps=training.total_steps,
+            max_tokens_per_mb=training.max_tokens_per_mb,
+            tokenizer=tokenizer,
+            compute_dtype=cfg.model.compute_dtype,
+            recompute=cfg.actor.recompute,
+        )
 
-    def __init__(self, path: str, kind: str, *, temperature: float = 1.0, mesh: TrainMesh | None = None,
-                 optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
-                 max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32",
-                 recompute: str = "none"):
+    def __init__(
+        self,
+        path: str,
+        kind: str,
+        *,
+        temperature: float = 1.0,
+        mesh: TrainMesh | None = None,
+        optimizer: OptimizerConfig | None = None,
+        lr: float = 0.0,
+        total_steps: int = 1,
+        max_tokens_per_mb: int = 4096,
+        tokenizer=None,
+        compute_dtype: str = "float32",
+        recompute: str = "none",
+    ):
         from transformers import AutoConfig
 
         if mesh is None:  # one process: a group of one
@@ -106,16 +126,18 @@ class MegatronTrainEngine(TrainEngine):
         self.mesh, self.device, self.tokenizer = mesh, mesh.device, tokenizer
         self.temperature, self.max_tokens_per_mb = temperature, max_tokens_per_mb
         self.critic = kind == "critic"
-        self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **({"num_labels": 1} if self.critic
-                                                                                   else {}))
+        self.hf_config = AutoConfig.from_pretrained(
+            path, local_files_only=True, **({"num_labels": 1} if self.critic else {})
+        )
         shape = ModelShape.from_hf(self.hf_config)
         self.shape = shape.critic() if self.critic else shape
         self.bf16 = DTYPES[compute_dtype] == torch.bfloat16
         check_layout(mesh.dims, self.shape, bf16=self.bf16)
         initialize_megatron(mesh.dims, self.device)
         with torch.random.fork_rng(devices=[]):  # the throwaway initialisation draws from the default generator
-            self.stage = build_stage(self.shape, mesh.dims, self.device, critic=self.critic,
-                                     dtype=DTYPES[compute_dtype], recompute=recompute)
+            self.stage = build_stage(
+                self.shape, mesh.dims, self.device, critic=self.critic, dtype=DTYPES[compute_dtype], recompute=recompute
+            )
         self.config, self.tp_group, self.pp_group = self.stage.config, self.stage.tp_group, self.stage.pp_group
         self.model = torch.nn.ModuleList(self.stage.chunks)  # every chunk's parameters
         self._load_hf(Path(path))
@@ -126,14 +148,17 @@ class MegatronTrainEngine(TrainEngine):
         self.zero1 = self.trainable and mesh.dims.distributed_optimizer
         self.roots = [in_compute_dtype(chunk, self.config) for chunk in self.stage.chunks]  # what the schedule runs
         if self.trainable:
-            self.roots = [wrap_data_parallel(root, self.config, mesh, sharded=self.sharded,
-                                             distributed_optimizer=self.zero1) for root in self.roots]
+            self.roots = [
+                wrap_data_parallel(root, self.config, mesh, sharded=self.sharded, distributed_optimizer=self.zero1)
+                for root in self.roots
+            ]
         # FSDP's shards, if any; the per-tensor loop: with the fused kernel inside Megatron's ZeRO-1 wrapper its
         # sharded steps no longer matched the replicated ones bit for bit (tests/test_megatron_zero1.py)
         torch_optimizer = build_optimizer(self.model, optimizer, lr, fused=False) if optimizer else None
         if self.zero1:  # its shards of the parameters replace the torch optimizer's groups' parameters
-            self.optimizer = with_distributed_optimizer(torch_optimizer, self.roots, self.clip or float("inf"),
-                                                        bf16=self.bf16)
+            self.optimizer = with_distributed_optimizer(
+                torch_optimizer, self.roots, self.clip or float("inf"), bf16=self.bf16
+            )
         elif self.bf16 and torch_optimizer:
             self.optimizer = with_fp32_master_weights(torch_optimizer)
         else:
@@ -144,8 +169,9 @@ class MegatronTrainEngine(TrainEngine):
         load_hf_weights(self.stage, folder, self.hf_config, self.shape, self.mesh, critic=self.critic)
 
     def _outputs(self, logits: torch.Tensor, packed: PackedBatch) -> Outputs:
-        return per_position_outputs(logits, packed, critic=self.critic, temperature=self.temperature,
-                                    tp_group=self.tp_group)
+        return per_position_outputs(
+            logits, packed, critic=self.critic, temperature=self.temperature, tp_group=self.tp_group
+        )
 
     def _passes(self, batch: SequenceBatch) -> list[Pass]:
         return microbatches(batch, self.mesh, self.max_tokens_per_mb, sharded=self.sharded)
@@ -164,10 +190,11 @@ class MegatronTrainEngine(TrainEngine):
             lengths = [len(batch.sequences[i]) for i in indices]
             for name, values in outputs.items():
                 per_sequence = out.setdefault(name, [None] * len(batch))
-                whole = packed.split.gather(values) if self.mesh.dims.cp > 1 else values[:sum(lengths)]
+                whole = packed.split.gather(values) if self.mesh.dims.cp > 1 else values[: sum(lengths)]
                 for i, part in zip(indices, whole.float().cpu().split(lengths)):
                     per_sequence[i] = part
             return torch.zeros(())
+
         run_schedule(self.roots, passes, self._outputs, keep, forward_only=True)
         return from_last_stage(out, self.mesh, self.pp_group)
 
@@ -182,6 +209,7 @@ class MegatronTrainEngine(TrainEngine):
             value, mb_stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": value.item(), "microbatches": 1.0, **mb_stats})
             return value
+
         run_schedule(self.roots, self._passes(batch), self._outputs, loss, forward_only=False)
         stats = from_last_stage(merge_over_context(merge_stats(parts), self.mesh), self.mesh, self.pp_group)
         stats["grad_norm"], stats["lr"] = self._optimizer_step(), self.scheduler.get_last_lr()[0]
@@ -206,8 +234,9 @@ class MegatronTrainEngine(TrainEngine):
             if not self.bf16:  # the bf16 optimizer hands the main gradients to its fp32 masters itself
                 for p in params:
                     p.grad = p.main_grad
-        grad_norm = clip_grad_norm(params, grads, self.clip if self.clip > 0 else float("inf"), self.mesh,
-                                   sharded=self.sharded)
+        grad_norm = clip_grad_norm(
+            params, grads, self.clip if self.clip > 0 else float("inf"), self.mesh, sharded=self.sharded
+        )
         self.optimizer.step()
         for p in params:
             p.grad = None

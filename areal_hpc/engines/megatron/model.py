@@ -42,32 +42,46 @@ from areal_hpc.parallel.mesh import TrainMesh
 DAY_MINUTES = 24 * 60
 # ``actor.recompute`` as Megatron's settings: "selective" recomputes each layer's core attention (its
 # default ``recompute_modules``), "full" each layer's whole forward from its input, one layer at a time.
-RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
-             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
 
 
 def check_layout(dims: ParallelDims, shape: ModelShape, *, bf16: bool = False) -> None:
     """Raise ``UserError`` for a layout this engine does not build (``bf16``: in bf16 mixed precision) or
     the model cannot be split into."""
     if bf16 and dims.fsdp:
-        raise UserError("actor.engine=megatron builds model.compute_dtype=bfloat16 with fsdp=false only yet; "
-                        "set actor.parallel.fsdp=false or model.compute_dtype=float32")
+        raise UserError(
+            "actor.engine=megatron builds model.compute_dtype=bfloat16 with fsdp=false only yet; "
+            "set actor.parallel.fsdp=false or model.compute_dtype=float32"
+        )
     if dims.fsdp and (dims.pp > 1 or dims.ep > 1 or dims.sequence_parallel):
-        raise UserError(f"actor.engine=megatron builds fsdp=true with dp, tp and cp, not with pp={dims.pp} "
-                        f"ep={dims.ep} sequence_parallel={str(dims.sequence_parallel).lower()} yet")
+        raise UserError(
+            f"actor.engine=megatron builds fsdp=true with dp, tp and cp, not with pp={dims.pp} "
+            f"ep={dims.ep} sequence_parallel={str(dims.sequence_parallel).lower()} yet"
+        )
     if dims.distributed_optimizer and dims.fsdp:
-        raise UserError("actor.parallel.distributed_optimizer=true shards the optimizer state that fsdp=true already "
-                        "shards; set one of them")
+        raise UserError(
+            "actor.parallel.distributed_optimizer=true shards the optimizer state that fsdp=true already "
+            "shards; set one of them"
+        )
     if dims.distributed_optimizer and shape.experts:
-        raise UserError("actor.engine=megatron does not build distributed_optimizer=true for a Mixture-of-Experts "
-                        "model yet; set actor.parallel.distributed_optimizer=false")
+        raise UserError(
+            "actor.engine=megatron does not build distributed_optimizer=true for a Mixture-of-Experts "
+            "model yet; set actor.parallel.distributed_optimizer=false"
+        )
     if shape.experts and dims.tp > 1:
-        raise UserError(f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet; "
-                        "use dp, pp and ep")
+        raise UserError(
+            f"actor.engine=megatron does not build a Mixture-of-Experts model with tp={dims.tp} yet; use dp, pp and ep"
+        )
     shape.check_layout(dims.tp, dims.pp, dims.ep)
     if shape.layers % (dims.pp * dims.vpp):
-        raise UserError(f"actor.parallel.pp={dims.pp} x vpp={dims.vpp} = {dims.pp * dims.vpp} virtual stages must "
-                        f"divide the model's num_hidden_layers={shape.layers}")
+        raise UserError(
+            f"actor.parallel.pp={dims.pp} x vpp={dims.vpp} = {dims.pp * dims.vpp} virtual stages must "
+            f"divide the model's num_hidden_layers={shape.layers}"
+        )
 
 
 def initialize_megatron(dims: ParallelDims, device: torch.device) -> None:
@@ -84,21 +98,29 @@ def initialize_megatron(dims: ParallelDims, device: torch.device) -> None:
     if dims.vpp > 1:
         megatron_shim.interleaving_shapes_by_direction()
     if parallel_state.model_parallel_is_initialized():
-        sizes = (parallel_state.get_tensor_model_parallel_world_size(),
-                 parallel_state.get_pipeline_model_parallel_world_size(),
-                 parallel_state.get_context_parallel_world_size(),
-                 parallel_state.get_expert_model_parallel_world_size(),
-                 parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+        sizes = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+        )
         if sizes != (dims.tp, dims.pp, dims.cp, dims.ep, dims.vpp):
-            raise RuntimeError(f"Megatron is initialised for tp, pp, cp, ep, vpp = {sizes}, "
-                               f"not {(dims.tp, dims.pp, dims.cp, dims.ep, dims.vpp)}")
+            raise RuntimeError(
+                f"Megatron is initialised for tp, pp, cp, ep, vpp = {sizes}, "
+                f"not {(dims.tp, dims.pp, dims.cp, dims.ep, dims.vpp)}"
+            )
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
-                                             context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep,
-                                             virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
-                                             order="tp-cp-ep-dp-pp",
-                                             distributed_timeout_minutes=7 * DAY_MINUTES,
-                                             create_gloo_process_groups=dims.distributed_optimizer)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        order="tp-cp-ep-dp-pp",
+        distributed_timeout_minutes=7 * DAY_MINUTES,
+        create_gloo_process_groups=dims.distributed_optimizer,
+    )
     with torch.random.fork_rng(devices=[]):  # it reseeds the default generator; the caller's stream stays
         tensor_parallel.model_parallel_cuda_manual_seed(0)
 
@@ -124,6 +146,7 @@ class PipelineStage(NamedTuple):
     """This rank's pipeline stage: its GPTModel chunks (one per virtual stage: ``vpp`` of them, the
     layers of virtual stages ``index``, ``index + pp``, ...), the model's ``TransformerConfig``, the
     stage's index, and the tensor- and pipeline-parallel groups it runs over."""
+
     chunks: list[torch.nn.Module]
     config: Any
     index: int
@@ -136,8 +159,15 @@ class PipelineStage(NamedTuple):
         return [chunk * pp + self.index for chunk in range(len(self.chunks))]
 
 
-def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, critic: bool,
-                dtype: torch.dtype = torch.float32, recompute: str = "none") -> PipelineStage:
+def build_stage(
+    shape: ModelShape,
+    dims: ParallelDims,
+    device: torch.device,
+    *,
+    critic: bool,
+    dtype: torch.dtype = torch.float32,
+    recompute: str = "none",
+) -> PipelineStage:
     """This rank's pipeline stage of the GPTModel on ``device`` with ``dtype`` parameters (bf16: Megatron's
     bf16 mode), randomly initialised (the caller loads the real weights); a critic's last stage ends in
     a ``ValueHead``. ``recompute`` ("none", "selective", "full") picks Megatron's activation
@@ -155,14 +185,23 @@ def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, 
 
     # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
     # which the gradient norm reads; the loaded weights then replace the random ones.
-    config = transformer_config(shape, dims.tp, dims.pp, dims.ep, dtype, bf16=dtype == torch.bfloat16,
-                                use_cpu_initialization=True, perform_initialization=True, calculate_per_token_loss=True,
-                                sequence_parallel=dims.sequence_parallel,
-                                variable_seq_lengths=True,  # micro-batches of any length across stages
-                                moe_token_dispatcher_type="alltoall",  # "allgather" refuses the above
-                                virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
-                                batch_p2p_comm=dims.vpp == 1,  # interleaved: each direction on its own group
-                                **RECOMPUTE[recompute])
+    config = transformer_config(
+        shape,
+        dims.tp,
+        dims.pp,
+        dims.ep,
+        dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        calculate_per_token_loss=True,
+        sequence_parallel=dims.sequence_parallel,
+        variable_seq_lengths=True,  # micro-batches of any length across stages
+        moe_token_dispatcher_type="alltoall",  # "allgather" refuses the above
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        batch_p2p_comm=dims.vpp == 1,  # interleaved: each direction on its own group
+        **RECOMPUTE[recompute],
+    )
     experts = dict(num_experts=shape.experts or None, moe_grouped_gemm=False)  # one MLP per expert
     if device.type == "cuda" and has_transformer_engine():
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm, **experts)
@@ -173,21 +212,31 @@ def build_stage(shape: ModelShape, dims: ParallelDims, device: torch.device, *, 
         layer.input_layernorm = layer.pre_mlp_layernorm = MarkedRMSNorm
         if shape.qk_norm:
             attention.q_layernorm = attention.k_layernorm = MarkedRMSNorm
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * (shape.layers // (dims.pp * dims.vpp)),
-                                          layer_norm=MarkedRMSNorm)
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * (shape.layers // (dims.pp * dims.vpp)), layer_norm=MarkedRMSNorm
+        )
     chunks = []
     for virtual in range(dims.vpp):
         vp_stage = virtual if dims.vpp > 1 else None
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        model = GPTModel(config, spec, post_process=last, vp_stage=vp_stage,
-                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                         **gpt_model_args(shape))
+        model = GPTModel(
+            config,
+            spec,
+            post_process=last,
+            vp_stage=vp_stage,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            **gpt_model_args(shape),
+        )
         if critic and last:
             model.output_layer = ValueHead(shape.hidden, 1, sequence_parallel=dims.sequence_parallel)
         chunks.append(model.to(device))
-    return PipelineStage(chunks, config, parallel_state.get_pipeline_model_parallel_rank(),
-                         parallel_state.get_tensor_model_parallel_group(),
-                         parallel_state.get_pipeline_model_parallel_group())
+    return PipelineStage(
+        chunks,
+        config,
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_pipeline_model_parallel_group(),
+    )
 
 
 def in_compute_dtype(model, config):
@@ -206,8 +255,9 @@ def with_fp32_master_weights(optimizer: torch.optim.Optimizer):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    return Float16OptimizerWithFloat16Params(optimizer, OptimizerConfig(bf16=True, clip_grad=0.0), grad_scaler=None,
-                                             init_state_fn=None)
+    return Float16OptimizerWithFloat16Params(
+        optimizer, OptimizerConfig(bf16=True, clip_grad=0.0), grad_scaler=None, init_state_fn=None
+    )
 
 
 def with_distributed_optimizer(optimizer: torch.optim.Optimizer, roots: list, max_norm: float, *, bf16: bool):
@@ -223,11 +273,17 @@ def with_distributed_optimizer(optimizer: torch.optim.Optimizer, roots: list, ma
 
     config = OptimizerConfig(bf16=bf16, clip_grad=max_norm, use_distributed_optimizer=True)
     sharded = DistributedOptimizer(
-        optimizer, config, grad_scaler=None, init_state_fn=None, model_chunks=roots,
+        optimizer,
+        config,
+        grad_scaler=None,
+        init_state_fn=None,
+        model_chunks=roots,
         per_model_buffers={i: root.buffers for i, root in enumerate(roots)},
         data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
         data_parallel_group_gloo=parallel_state.get_data_parallel_group_gloo(with_context_parallel=True),
-        data_parallel_group_idx=parallel_state.get_model_parallel_group().rank(), distributed_optimizer_instance_id=0)
+        data_parallel_group_idx=parallel_state.get_model_parallel_group().rank(),
+        distributed_optimizer_instance_id=0,
+    )
     sharded.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
     return sharded
 
@@ -248,11 +304,17 @@ def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool, distrib
     from torch.distributed.fsdp import FSDPModule
 
     if not sharded:
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=distributed_optimizer)
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+        )
         return DistributedDataParallel(config, ddp, model)
-    root = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model,
-                                         sub_modules_to_wrap={TransformerLayer}, process_group=mesh.group("dp_cp"))
+    root = TorchFullyShardedDataParallel(
+        config,
+        TorchFullyShardedDataParallelConfig(),
+        model,
+        sub_modules_to_wrap={TransformerLayer},
+        process_group=mesh.group("dp_cp"),
+    )
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the minibatch
@@ -260,8 +322,9 @@ def wrap_data_parallel(model, config, mesh: TrainMesh, *, sharded: bool, distrib
     return root
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor], max_norm: float, mesh: TrainMesh, *,
-                   sharded: bool) -> float:
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], grads: list[torch.Tensor], max_norm: float, mesh: TrainMesh, *, sharded: bool
+) -> float:
     """The norm of the whole model's gradient (``grads``, one per parameter of ``params``), each parameter
     counted once, and the gradients scaled in place to at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s
     rule). Experts (Megatron marks them ``allreduce=False``) are summed over the expert-parallel ranks that
@@ -272,19 +335,24 @@ def clip_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor], 
     from megatron.core.transformer.module import param_is_not_shared
 
     total = 0.0
-    for expert, group in ((False, parallel_state.get_model_parallel_group()),
-                          (True, parallel_state.get_expert_tensor_model_pipeline_parallel_group())):
+    for expert, group in (
+        (False, parallel_state.get_model_parallel_group()),
+        (True, parallel_state.get_expert_tensor_model_pipeline_parallel_group()),
+    ):
         square = torch.zeros((), dtype=torch.float32, device=mesh.device)
         for p, grad in zip(params, grads):
-            if (param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
-                    and expert != getattr(p, "allreduce", True)):
+            if (
+                param_is_not_shared(p)
+                and param_is_not_tensor_parallel_duplicate(p)
+                and expert != getattr(p, "allreduce", True)
+            ):
                 grad = grad.to_local() if isinstance(grad, DTensor) else grad
                 square += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
         dist.all_reduce(square, group=group)
         if sharded:
             dist.all_reduce(square, group=mesh.group("dp_cp"))
         total += float(square)
-    norm = total ** 0.5
+    norm = total**0.5
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:
         for grad in grads:

@@ -12,8 +12,9 @@ from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.engines.base import Outputs
 
 
-def vocab_parallel_outputs(logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor,
-                           group) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_outputs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor, group
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p_T(token), entropy of p_T) per row of this TP rank's vocabulary slice ``logits`` [N, V/tp],
     T the row's of ``temperatures`` [N, 1]: the logsumexp and the target's logit are all-reduced over
     ``group`` (backward: identity)."""
@@ -35,15 +36,19 @@ def vocab_parallel_outputs(logits: torch.Tensor, tokens: torch.Tensor, temperatu
     return logprobs, entropy
 
 
-def per_position_outputs(logits: torch.Tensor, packed: PackedBatch, *, critic: bool, temperature: float,
-                         tp_group) -> Outputs:
+def per_position_outputs(
+    logits: torch.Tensor, packed: PackedBatch, *, critic: bool, temperature: float, tp_group
+) -> Outputs:
     """Per-position "logprobs" and "entropy" (0 off target positions) from [1, T, V/tp] logits at the
     batch's per-position temperatures, else ``temperature``; a critic's "values" from its head's [1, T, 1]."""
     if critic:
         return {"values": logits[0, :, 0].float()}
     targets, tokens = packed.target_tokens()
-    logprobs, entropy = vocab_parallel_outputs(logits[0, targets], tokens,
-                                               packed.target_temperatures(targets, temperature), tp_group)
+    logprobs, entropy = vocab_parallel_outputs(
+        logits[0, targets], tokens, packed.target_temperatures(targets, temperature), tp_group
+    )
     total = packed.input_ids.shape[1]
-    return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
-            "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
+    return {
+        "logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
+        "entropy": entropy.new_zeros(total).index_put((targets,), entropy),
+    }

@@ -44,9 +44,11 @@ def microbatches(batch: SequenceBatch, mesh: TrainMesh, max_tokens_per_mb: int, 
     for indices in dynamic_microbatches([len(s) for s in batch.sequences], max_tokens_per_mb):
         packed, fields = batch.select(indices).packed()
         passes.append((indices, packed.to(mesh.device), {k: v.to(mesh.device) for k, v in fields.items()}))
+
     def idle() -> Pass:
         """The pass of a rank out of micro-batches."""
         return [], pack([[0, 0]], [[0, 1]]).to(mesh.device), {}
+
     if mesh.dims.ep > 1 or sharded:
         count = torch.tensor(len(passes), device=mesh.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh.group("dp"))
@@ -56,18 +58,25 @@ def microbatches(batch: SequenceBatch, mesh: TrainMesh, max_tokens_per_mb: int, 
     dims = mesh.dims
     tp_split = dims.tp if dims.sequence_parallel else 1
     if dims.cp > 1:
-        passes = context_passes(passes, dims.cp, mesh.coords["cp"], mesh.group("cp"),
-                                pad_multiple=2 * dims.cp * tp_split)
+        passes = context_passes(
+            passes, dims.cp, mesh.coords["cp"], mesh.group("cp"), pad_multiple=2 * dims.cp * tp_split
+        )
     elif tp_split > 1:
-        passes = [(indices, with_filler(packed, tp_split),
-                   {k: F.pad(v, (0, -len(v) % tp_split)) for k, v in fields.items()})
-                  for indices, packed, fields in passes]
+        passes = [
+            (indices, with_filler(packed, tp_split), {k: F.pad(v, (0, -len(v) % tp_split)) for k, v in fields.items()})
+            for indices, packed, fields in passes
+        ]
     return passes
 
 
-def run_schedule(roots: list, passes: list[Pass], outputs_of: Callable[[torch.Tensor, PackedBatch], Outputs],
-                 on_outputs: Callable[[list[int], Outputs, PackedBatch, dict[str, torch.Tensor]], torch.Tensor],
-                 *, forward_only: bool) -> None:
+def run_schedule(
+    roots: list,
+    passes: list[Pass],
+    outputs_of: Callable[[torch.Tensor, PackedBatch], Outputs],
+    on_outputs: Callable[[list[int], Outputs, PackedBatch, dict[str, torch.Tensor]], torch.Tensor],
+    *,
+    forward_only: bool,
+) -> None:
     """Megatron's schedule of the (wrapped) model chunks ``roots`` over ``passes`` (interleaved 1F1B with
     several chunks: each reads every pass, for its positions and sequence boundaries); the last stage
     turns each pass's logits into ``outputs_of(logits, packed)`` and calls ``on_outputs(indices, outputs,
@@ -86,15 +95,20 @@ def run_schedule(roots: list, passes: list[Pass], outputs_of: Callable[[torch.Te
             if not indices:  # an idle pass: its backward still runs the experts' exchanges, adding 0
                 return sum(values.sum() for values in outputs.values()) * 0.0, torch.tensor(1), {}
             return on_outputs(indices, outputs, packed, fields), torch.tensor(1), {}
+
         return logits, loss
 
     if not passes:
         return
     get_forward_backward_func()(
-        forward_step_func=step, data_iterator=[iter(passes) for _ in roots], model=roots,
+        forward_step_func=step,
+        data_iterator=[iter(passes) for _ in roots],
+        model=roots,
         num_microbatches=len(passes),
-        seq_length=max(p.input_ids.shape[1] for _, p, _ in passes), micro_batch_size=1,
-        forward_only=forward_only)
+        seq_length=max(p.input_ids.shape[1] for _, p, _ in passes),
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
 
 
 def from_last_stage(value, mesh: TrainMesh, pp_group):

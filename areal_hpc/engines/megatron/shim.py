@@ -27,6 +27,7 @@ def _cpu(device):
 def _on_cpu(factory):
     def make(*args, device=None, pin_memory=False, **kwargs):
         return factory(*args, device=_cpu(device), **kwargs)
+
     return make
 
 
@@ -42,7 +43,7 @@ class _NoStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, *args, **kwargs) -> "_NoStream":
+    def record_event(self, *args, **kwargs) -> _NoStream:
         """An event that has already happened (it only needs ``synchronize``)."""
         return self
 
@@ -68,8 +69,9 @@ class _CpuTorch:
     (the schedules' token counter is made with ``device="cuda"``)."""
 
     cuda = _CpuCuda()
-    zeros, ones, empty, tensor, arange = (staticmethod(_on_cpu(f)) for f in
-                                          (torch.zeros, torch.ones, torch.empty, torch.tensor, torch.arange))
+    zeros, ones, empty, tensor, arange = (
+        staticmethod(_on_cpu(f)) for f in (torch.zeros, torch.ones, torch.empty, torch.tensor, torch.arange)
+    )
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -119,6 +121,7 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
 
 def _with_tensor_method(method, name: str, replacement):
     """``method`` with ``torch.Tensor.<name>`` replaced by ``replacement(original)`` while it runs."""
+
     @functools.wraps(method)
     def run(*args, **kwargs):
         original = getattr(torch.Tensor, name)
@@ -127,6 +130,7 @@ def _with_tensor_method(method, name: str, replacement):
             return method(*args, **kwargs)
         finally:
             setattr(torch.Tensor, name, original)
+
     return run
 
 
@@ -137,10 +141,12 @@ def _stays_on_cpu(cuda):
 
 def _typed_as_cuda(type_of):
     """``Tensor.type()`` naming a CPU tensor's type as its CUDA twin's ("torch.cuda.BFloat16Tensor")."""
+
     def named(tensor, *args, **kwargs):
         if args or kwargs or tensor.is_cuda:
             return type_of(tensor, *args, **kwargs)
         return type_of(tensor).replace("torch.", "torch.cuda.", 1)
+
     return named
 
 
@@ -159,17 +165,21 @@ def apply() -> None:
     importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel").DeviceMesh = _CpuDeviceMesh
     language = importlib.import_module("megatron.core.models.common.language_module.language_module").LanguageModule
     # With pp > 1 and tied embeddings the last stage's copy is synchronised after weight.data.cuda().
-    language.setup_embeddings_and_output_layer = _with_tensor_method(language.setup_embeddings_and_output_layer,
-                                                                     "cuda", _stays_on_cpu)
+    language.setup_embeddings_and_output_layer = _with_tensor_method(
+        language.setup_embeddings_and_output_layer, "cuda", _stays_on_cpu
+    )
     # The bf16 and distributed optimizers take a parameter (for fp32 master weights, or a shard of it) only
     # if its type() is a CUDA one.
-    for optimizer in (importlib.import_module("megatron.core.optimizer.optimizer").Float16OptimizerWithFloat16Params,
-                      importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer):
+    for optimizer in (
+        importlib.import_module("megatron.core.optimizer.optimizer").Float16OptimizerWithFloat16Params,
+        importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer,
+    ):
         optimizer.__init__ = _with_tensor_method(optimizer.__init__, "type", _typed_as_cuda)
     # Its clipping asserts that the shards' gradients are "torch.cuda.FloatTensor".
     optimizer_module = importlib.import_module("megatron.core.optimizer.optimizer")
-    optimizer_module.clip_grad_by_total_norm_fp32 = _with_tensor_method(optimizer_module.clip_grad_by_total_norm_fp32,
-                                                                        "type", _typed_as_cuda)
+    optimizer_module.clip_grad_by_total_norm_fp32 = _with_tensor_method(
+        optimizer_module.clip_grad_by_total_norm_fp32, "type", _typed_as_cuda
+    )
     _applied = True
 
 
@@ -186,10 +196,17 @@ def _shapes_by_direction(self, tensor_send_next, tensor_send_prev, recv_prev: bo
 
     def buffer(wanted: bool):
         return torch.empty(3, dtype=torch.int64, device=device) if wanted else None
+
     received = {"prev": buffer(recv_prev), "next": buffer(recv_next)}
-    requests = p2p._p2p_ops(tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=received["prev"],
-                            tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=received["next"],
-                            group=self.pp_group, prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank)
+    requests = p2p._p2p_ops(
+        tensor_send_prev=shape_of(tensor_send_prev),
+        tensor_recv_prev=received["prev"],
+        tensor_send_next=shape_of(tensor_send_next),
+        tensor_recv_next=received["next"],
+        group=self.pp_group,
+        prev_pipeline_rank=self.prev_rank,
+        next_pipeline_rank=self.next_rank,
+    )
     for request in requests.values():
         request.wait()
     return tuple([0, 0, 0] if shape is None else shape.tolist() for shape in received.values())

@@ -117,20 +117,45 @@ class TorchTrainEngine(TrainEngine):
             try:
                 attach_language_head(model, path)
             except CheckpointError as exc:
-                raise UserError(f"config key 'model.path': {exc}; the reward model's language-model regulariser "
-                                "reads that output layer (preference.nll_weight=0 trains without it)") from None
+                raise UserError(
+                    f"config key 'model.path': {exc}; the reward model's language-model regulariser "
+                    "reads that output layer (preference.nll_weight=0 trains without it)"
+                ) from None
             outputs = RegularisedRewardOutputs()
         tree = actor.tree_training if role in RL_ROLES else "off"
-        return cls(model, outputs, mesh=mesh, optimizer=cfg.optimizer if training.lr else None, lr=training.lr or 0.0,
-                   total_steps=training.total_steps, max_tokens_per_mb=training.max_tokens_per_mb, tokenizer=tokenizer,
-                   compute_dtype=model_cfg.compute_dtype, recompute=actor.recompute, tree_training=tree,
-                   tree_min_saved_tokens=actor.tree_min_saved_tokens, lora=actor.lora if role == "policy" else None)
+        return cls(
+            model,
+            outputs,
+            mesh=mesh,
+            optimizer=cfg.optimizer if training.lr else None,
+            lr=training.lr or 0.0,
+            total_steps=training.total_steps,
+            max_tokens_per_mb=training.max_tokens_per_mb,
+            tokenizer=tokenizer,
+            compute_dtype=model_cfg.compute_dtype,
+            recompute=actor.recompute,
+            tree_training=tree,
+            tree_min_saved_tokens=actor.tree_min_saved_tokens,
+            lora=actor.lora if role == "policy" else None,
+        )
 
-    def __init__(self, model: torch.nn.Module, forward_fn: ForwardFn, *, mesh: TrainMesh | None = None,
-                 optimizer: OptimizerConfig | None = None, lr: float = 0.0, total_steps: int = 1,
-                 max_tokens_per_mb: int = 4096, tokenizer=None, compute_dtype: str = "float32",
-                 recompute: str = "none", tree_training: str = "off", tree_min_saved_tokens: int = 0,
-                 lora: LoRAConfig | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        forward_fn: ForwardFn,
+        *,
+        mesh: TrainMesh | None = None,
+        optimizer: OptimizerConfig | None = None,
+        lr: float = 0.0,
+        total_steps: int = 1,
+        max_tokens_per_mb: int = 4096,
+        tokenizer=None,
+        compute_dtype: str = "float32",
+        recompute: str = "none",
+        tree_training: str = "off",
+        tree_min_saved_tokens: int = 0,
+        lora: LoRAConfig | None = None,
+    ):
         check_tree_layout(tree_training, mesh, recompute, forward_fn)
         self.lora = lora if lora is not None and lora.rank > 0 else None
         if self.lora is not None:
@@ -147,8 +172,9 @@ class TorchTrainEngine(TrainEngine):
         self.max_tokens_per_mb = max_tokens_per_mb
         self.rank = dist.get_rank() if mesh is not None else 0
         recompute_activations(model, recompute)
-        self.root = (parallelize(model, forward_fn, mesh, compute) if mesh is not None
-                     else PackedForward(model, forward_fn))
+        self.root = (
+            parallelize(model, forward_fn, mesh, compute) if mesh is not None else PackedForward(model, forward_fn)
+        )
         activations = compute if sharded else weights_dtype
         self.pipeline = Pipeline(model, mesh, activations) if mesh is not None and mesh.dims.pp > 1 else None
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
@@ -288,8 +314,14 @@ class TorchTrainEngine(TrainEngine):
             # "loss" is the chunks' sum: 0 with no trained target, as for flat micro-batches without one;
             # the tree's features and seconds are what 'areal-hpc tree-cost' fits the cost model on
             features = dict(zip(TREE_FEATURES, node_features(tree).sum(0).tolist()))
-            parts.append({"loss": 0.0, "microbatches": 1.0, **{f"tree_{k}": v for k, v in features.items()},
-                          "tree_seconds": time.perf_counter() - started})
+            parts.append(
+                {
+                    "loss": 0.0,
+                    "microbatches": 1.0,
+                    **{f"tree_{k}": v for k, v in features.items()},
+                    "tree_seconds": time.perf_counter() - started,
+                }
+            )
         if self._data_parallel():
             self._hold_parameters(False)
             with self._compute():

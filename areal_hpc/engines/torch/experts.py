@@ -4,7 +4,8 @@ split over ``mesh["ep"]``, each rank holding E / ep of them, and tokens sent to 
 
 Every rank routes its own tokens (the router is an ordinary replicated layer); per MoE layer, the
 (token, expert) assignments go to the ranks that hold those experts and the results come back, by
-two differentiable ``all_to_all_single`` exchanges (functional collectives) with uneven splits (nothing padded, no capacity
+two differentiable ``all_to_all_single`` exchanges (functional collectives) with uneven splits (nothing padded, no
+capacity
 factor, no token dropped): the same sum as the model's own expert loop, in another order.
 
 The expert weights are DTensors sharded on dim 0 over the ep mesh, so the engine's full-state gather,
@@ -28,20 +29,26 @@ EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that hold a layer's experts as 3-D weights."""
-    return [m for m in model.modules()
-            if all(isinstance(getattr(m, w, None), torch.nn.Parameter) and getattr(m, w).dim() == 3
-                   for w in EXPERT_WEIGHTS)]
+    return [
+        m
+        for m in model.modules()
+        if all(isinstance(getattr(m, w, None), torch.nn.Parameter) and getattr(m, w).dim() == 3 for w in EXPERT_WEIGHTS)
+    ]
 
 
 def check_experts(model: torch.nn.Module, ep: int, tp: int) -> None:
     """Raise ``UserError`` when the model's experts cannot be split ``ep`` ways."""
     experts = expert_modules(model)
     if not experts:
-        raise UserError(f"actor.parallel.ep={ep} needs a Mixture-of-Experts model (e.g. Qwen3-MoE); "
-                        f"{type(model).__name__} has no experts")
+        raise UserError(
+            f"actor.parallel.ep={ep} needs a Mixture-of-Experts model (e.g. Qwen3-MoE); "
+            f"{type(model).__name__} has no experts"
+        )
     if tp > 1:
-        raise UserError(f"actor.engine=torch does not split experts by tensor parallelism: with "
-                        f"actor.parallel.ep={ep} set tp=1 (or use actor.engine=megatron)")
+        raise UserError(
+            f"actor.engine=torch does not split experts by tensor parallelism: with "
+            f"actor.parallel.ep={ep} set tp=1 (or use actor.engine=megatron)"
+        )
     count = experts[0].gate_up_proj.shape[0]
     if count % ep:
         raise UserError(f"actor.parallel.ep={ep} must divide the model's num_experts={count}")
@@ -95,8 +102,10 @@ def shard_experts(model: torch.nn.Module, mesh: TrainMesh) -> list[torch.nn.Para
     for module in expert_modules(model):
         for name in EXPERT_WEIGHTS:
             full = getattr(module, name)
-            sharded = torch.nn.Parameter(distribute_tensor(full.data, mesh["ep"], [Shard(0)], src_data_rank=None),
-                                         requires_grad=full.requires_grad)
+            sharded = torch.nn.Parameter(
+                distribute_tensor(full.data, mesh["ep"], [Shard(0)], src_data_rank=None),
+                requires_grad=full.requires_grad,
+            )
             setattr(module, name, sharded)
             params.append(sharded)
         module.forward = ExpertParallelForward(module, mesh)

@@ -47,29 +47,38 @@ UNSUPPORTED = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"
 def check_engine(engine: str) -> None:
     """Raise ``UserError`` unless the ``actor.engine`` class trains LoRA adapters (``supports_lora``)."""
     if not builtins.load("train_engine", engine).supports_lora:
-        raise UserError(f"actor.lora.rank > 0 needs actor.engine=torch, got actor.engine={engine}; "
-                        "set actor.engine=torch or actor.lora.rank=0")
+        raise UserError(
+            f"actor.lora.rank > 0 needs actor.engine=torch, got actor.engine={engine}; "
+            "set actor.engine=torch or actor.lora.rank=0"
+        )
 
 
 def check_layout(dims: ParallelDims | None, tree_training: str) -> None:
     """Raise ``UserError`` for what LoRA is not built with: tree training, or any parallelism but data
     parallelism."""
     if tree_training == "dta":  # auto trains flat with LoRA
-        raise UserError(f"actor.lora.rank > 0 does not train with actor.tree_training={tree_training}; "
-                        "set actor.tree_training=off or actor.lora.rank=0")
+        raise UserError(
+            f"actor.lora.rank > 0 does not train with actor.tree_training={tree_training}; "
+            "set actor.tree_training=off or actor.lora.rank=0"
+        )
     for dim, kind in UNSUPPORTED.items():
         size = getattr(dims, dim) if dims is not None else 1
         if size > 1:
-            raise UserError(f"actor.lora.rank > 0 trains on one process or data-parallel ranks only "
-                            f"(actor.parallel.dp, fsdp), not actor.parallel.{dim}={size} ({kind} parallelism); "
-                            f"set {dim}=1 or actor.lora.rank=0")
+            raise UserError(
+                f"actor.lora.rank > 0 trains on one process or data-parallel ranks only "
+                f"(actor.parallel.dp, fsdp), not actor.parallel.{dim}={size} ({kind} parallelism); "
+                f"set {dim}=1 or actor.lora.rank=0"
+            )
 
 
 def adaptable_layers(model: torch.nn.Module) -> list[str]:
     """Full names of the decoder's linear layers (what LoRA may adapt): the embeddings and the LM head,
     tied to them, are not among them."""
-    return [f"{model.base_model_prefix}.layers.{name}" for name, module in model.base_model.layers.named_modules()
-            if isinstance(module, torch.nn.Linear)]
+    return [
+        f"{model.base_model_prefix}.layers.{name}"
+        for name, module in model.base_model.layers.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
 
 
 def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
@@ -77,13 +86,16 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
     e.g. q_proj, or a dotted tail of it, e.g. self_attn.q_proj, as ``peft`` matches them)."""
     layers = adaptable_layers(model)
     if not targets:
-        raise UserError("actor.lora.target_modules is empty; name the decoder's linear layers to adapt, "
-                        "e.g. [q_proj, v_proj]")
+        raise UserError(
+            "actor.lora.target_modules is empty; name the decoder's linear layers to adapt, e.g. [q_proj, v_proj]"
+        )
     unknown = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in layers)]
     if unknown:
         present = ", ".join(dict.fromkeys(name.rsplit(".", 1)[-1] for name in layers))
-        raise UserError(f"actor.lora.target_modules: {', '.join(map(str, unknown))} not among the model's decoder "
-                        f"linear layers; it has {present}")
+        raise UserError(
+            f"actor.lora.target_modules: {', '.join(map(str, unknown))} not among the model's decoder "
+            f"linear layers; it has {present}"
+        )
 
 
 def check_lora(cfg: RunConfig) -> None:
@@ -109,8 +121,14 @@ def peft_config(lora: LoRAConfig, base: str = ""):
     """``peft``'s ``LoraConfig`` of ``actor.lora`` (``base``: the base model's folder, recorded in the
     saved adapter's config)."""
     peft = require("peft")
-    return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                           target_modules=list(lora.target_modules), bias="none", base_model_name_or_path=base or None)
+    return peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        base_model_name_or_path=base or None,
+    )
 
 
 def add_adapters(model: torch.nn.Module, lora: LoRAConfig) -> None:
@@ -172,8 +190,11 @@ def _split(name: str) -> tuple[str, str | None, str]:
 def adapter_state(root: PackedForward, keep: bool) -> dict[str, torch.Tensor]:
     """The adapters' full tensors under ``peft``'s saved names, on the ranks that ``keep`` them (empty
     on the others). Collective: the whole state is gathered in order, the adapters kept."""
-    return {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): tensor
-            for name, tensor in full_state(root, keep) if keep and is_adapter(name)}
+    return {
+        PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): tensor
+        for name, tensor in full_state(root, keep)
+        if keep and is_adapter(name)
+    }
 
 
 def save_adapters(folder: Path, state: dict[str, torch.Tensor], lora: LoRAConfig, base: str) -> None:
@@ -191,12 +212,18 @@ def load_adapters(root: PackedForward, folder: Path, lora: LoRAConfig) -> list[s
     from safetensors.torch import load_file
 
     if not (folder / ADAPTER_WEIGHTS).exists():
-        raise UserError(f"{folder} holds no LoRA adapters ({ADAPTER_WEIGHTS}): it was saved without actor.lora; "
-                        "resume it with actor.lora.rank=0")
+        raise UserError(
+            f"{folder} holds no LoRA adapters ({ADAPTER_WEIGHTS}): it was saved without actor.lora; "
+            "resume it with actor.lora.rank=0"
+        )
     saved = json.loads((folder / ADAPTER_CONFIG).read_text())
     if saved["r"] != lora.rank or sorted(saved["target_modules"]) != sorted(lora.target_modules):
-        raise UserError(f"{folder} holds adapters of rank {saved['r']} on {sorted(saved['target_modules'])}; this run "
-                        f"has actor.lora.rank={lora.rank}, target_modules={sorted(lora.target_modules)}")
-    state = {name.removeprefix(PEFT_PREFIX).replace(".weight", f".{ADAPTER}.weight"): tensor
-             for name, tensor in load_file(folder / ADAPTER_WEIGHTS).items()}
+        raise UserError(
+            f"{folder} holds adapters of rank {saved['r']} on {sorted(saved['target_modules'])}; this run "
+            f"has actor.lora.rank={lora.rank}, target_modules={sorted(lora.target_modules)}"
+        )
+    state = {
+        name.removeprefix(PEFT_PREFIX).replace(".weight", f".{ADAPTER}.weight"): tensor
+        for name, tensor in load_file(folder / ADAPTER_WEIGHTS).items()
+    }
     return load_full_state(root, state, only=is_adapter)

@@ -41,12 +41,18 @@ def decoder_hidden(model: torch.nn.Module, batch: PackedBatch, hidden: torch.Ten
     else:
         implementation, attention = packed_attention_inputs(model, batch.cu_seqlens)
     with packed_attention(model, implementation):
-        return model.base_model(**inputs, position_ids=batch.position_ids, use_cache=False,
-                                **attention).last_hidden_state[0]
+        return model.base_model(
+            **inputs, position_ids=batch.position_ids, use_cache=False, **attention
+        ).last_hidden_state[0]
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
-                    temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tokens: torch.Tensor,
+    temperatures: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p_T(token), entropy of p_T) for each row of ``hidden``, T its row of ``temperatures`` [N, 1],
     in float32. The product runs on the rows padded to ``padded_rows`` (shapes that repeat)."""
     rows = len(hidden)
@@ -58,9 +64,13 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return logprobs, entropy
 
 
-def target_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, tokens: torch.Tensor,
-                    temperatures: torch.Tensor | float = 1.0,
-                    chunk_bytes: int = LOGITS_CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    tokens: torch.Tensor,
+    temperatures: torch.Tensor | float = 1.0,
+    chunk_bytes: int = LOGITS_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of ``tokens`` [N] under softmax(head(hidden) / T) for ``hidden`` [N, H], and the entropies,
     a chunk of rows at a time (recomputed in the backward pass when gradients are on). T: one for all
     rows, or each row's (``temperatures`` [N, 1])."""
@@ -83,8 +93,9 @@ class StageOutputs:
     ``forward_fn(model, batch)``; a pipeline stage passes the previous stage's ``hidden`` and whether
     it is the ``last`` (the others return their hidden state)."""
 
-    def __call__(self, model: torch.nn.Module, batch: PackedBatch, hidden: torch.Tensor | None = None,
-                 last: bool = True):
+    def __call__(
+        self, model: torch.nn.Module, batch: PackedBatch, hidden: torch.Tensor | None = None, last: bool = True
+    ):
         hidden = decoder_hidden(model, batch, hidden)
         return self.head(model, hidden, batch) if last else hidden
 
@@ -102,16 +113,20 @@ class PolicyOutputs(StageOutputs):
         return next_token_outputs(model.get_output_embeddings(), hidden, batch, self.temperature)
 
 
-def next_token_outputs(output_layer: torch.nn.Linear, hidden: torch.Tensor, batch: PackedBatch,
-                       temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def next_token_outputs(
+    output_layer: torch.nn.Linear, hidden: torch.Tensor, batch: PackedBatch, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
     """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
     softmax(output_layer(hidden) / T), and the entropy of p_T there; 0 where nothing is predicted."""
     targets, tokens = batch.target_tokens()
-    logprobs, entropy = target_logprobs(hidden[targets], output_layer, tokens,
-                                        batch.target_temperatures(targets, temperature))
+    logprobs, entropy = target_logprobs(
+        hidden[targets], output_layer, tokens, batch.target_temperatures(targets, temperature)
+    )
     total = batch.input_ids.shape[1]
-    return {"logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
-            "entropy": entropy.new_zeros(total).index_put((targets,), entropy)}
+    return {
+        "logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
+        "entropy": entropy.new_zeros(total).index_put((targets,), entropy),
+    }
 
 
 class ValueOutputs(StageOutputs):
@@ -130,7 +145,9 @@ class RegularisedRewardOutputs(ValueOutputs):
         return super().head(model, hidden, batch) | next_token_outputs(model.language_head, hidden, batch)
 
 
-def packed_policy_outputs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def packed_policy_outputs(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
     """``PolicyOutputs(temperature)`` of a packed batch: {"logprobs", "entropy"} per position."""
     return PolicyOutputs(temperature)(model, batch)
 

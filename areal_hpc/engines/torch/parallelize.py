@@ -40,9 +40,15 @@ from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh
 
-TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-           "mlp.down_proj": "rowwise"}
+TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
@@ -70,16 +76,25 @@ class PackedForward(torch.nn.Module):
 def check_layout(dims: ParallelDims, config) -> None:
     """Raise ``UserError`` for a layout this engine does not build, or one the model cannot split into."""
     if dims.sequence_parallel:
-        raise UserError("actor.engine=torch does not support actor.parallel.sequence_parallel=true (tp keeps "
-                        "activations replicated); set it to false or use actor.engine=megatron")
+        raise UserError(
+            "actor.engine=torch does not support actor.parallel.sequence_parallel=true (tp keeps "
+            "activations replicated); set it to false or use actor.engine=megatron"
+        )
     if dims.distributed_optimizer:
-        raise UserError("actor.engine=torch does not build actor.parallel.distributed_optimizer=true (Megatron's "
-                        "ZeRO-1); use actor.parallel.fsdp=true to shard its optimizer state, or actor.engine=megatron")
+        raise UserError(
+            "actor.engine=torch does not build actor.parallel.distributed_optimizer=true (Megatron's "
+            "ZeRO-1); use actor.parallel.fsdp=true to shard its optimizer state, or actor.engine=megatron"
+        )
     if dims.vpp > 1:
-        raise UserError(f"actor.engine=torch does not build actor.parallel.vpp={dims.vpp} (virtual pipeline stages); "
-                        "set vpp=1 or use actor.engine=megatron")
-    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-             "intermediate_size": config.intermediate_size}
+        raise UserError(
+            f"actor.engine=torch does not build actor.parallel.vpp={dims.vpp} (virtual pipeline stages); "
+            "set vpp=1 or use actor.engine=megatron"
+        )
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
     for name, size in sizes.items():
         if size % dims.tp:
             raise UserError(f"actor.parallel.tp={dims.tp} must divide the model's {name}={size}")
@@ -93,8 +108,9 @@ def sharded_mixed_precision(dims: ParallelDims, compute_dtype: torch.dtype) -> b
     return compute_dtype != torch.float32 and dims.fsdp and dims.dp * dims.cp > 1 and dims.ep == 1
 
 
-def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh,
-                compute_dtype: torch.dtype = torch.float32) -> PackedForward:
+def parallelize(
+    model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh, compute_dtype: torch.dtype = torch.float32
+) -> PackedForward:
     """The model's packed forward, parallelised in place over ``mesh`` (collective: every rank calls it).
     Every rank starts from global rank 0's weights (a freshly initialised head differs between ranks).
     FSDP2 casts the all-gathered parameters to ``compute_dtype`` where ``sharded_mixed_precision``."""
@@ -118,8 +134,9 @@ def parallelize(model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh,
         wrap = fully_shard if mesh.dims.fsdp else replicate
         options = {}
         if sharded_mixed_precision(mesh.dims, compute_dtype):  # the batch's float temperatures stay float32
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
-                                                        cast_forward_inputs=False)
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
         replicas = mesh["dp"] if mesh.dims.cp == 1 else mesh["dp_cp"]
         for unit in [*layers, root]:  # root last: it holds what no layer does (embeddings, norm, head)
             wrap(unit, mesh=replicas, ignored_params=set(root.expert_params), **options)
@@ -138,8 +155,9 @@ def full_state(root: PackedForward, keep: bool) -> Iterator[tuple[str, torch.Ten
 
 
 @torch.no_grad()
-def load_full_state(root: PackedForward, state: dict[str, torch.Tensor],
-                    only: Callable[[str], bool] | None = None) -> list[str]:
+def load_full_state(
+    root: PackedForward, state: dict[str, torch.Tensor], only: Callable[[str], bool] | None = None
+) -> list[str]:
     """Copy full tensors (by Hugging Face name) into the model, each rank taking its own shard; returns
     the names the state lacks. ``only``: the names to load (LoRA's adapters), the others left as they are."""
     missing = []
@@ -150,16 +168,21 @@ def load_full_state(root: PackedForward, state: dict[str, torch.Tensor],
         if name not in state:
             missing.append(name)
         elif isinstance(tensor, DTensor):
-            shard = distribute_tensor(state[name].to(tensor.dtype), tensor.device_mesh, tensor.placements,
-                                      src_data_rank=None)  # every rank read the same file: no communication
+            shard = distribute_tensor(
+                state[name].to(tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None
+            )  # every rank read the same file: no communication
             tensor.to_local().copy_(shard.to_local())
         else:
             tensor.copy_(state[name])
     return missing
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stages: dist.ProcessGroup | None = None,
-                   uncounted: torch.nn.Parameter | None = None) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    stages: dist.ProcessGroup | None = None,
+    uncounted: torch.nn.Parameter | None = None,
+) -> torch.Tensor:
     """The global gradient norm over plain and sharded gradients (DTensors on different meshes) and,
     given the pipeline's group ``stages``, over every stage's parameters; gradients are scaled to at
     most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_`` does). ``uncounted`` is scaled but left
@@ -174,8 +197,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stages: di
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
         square = torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         squares[key] = square if key not in squares else squares[key] + square
-    total = sum((s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()),
-                torch.zeros((), dtype=torch.float32, device=params[0].device if params else None))
+    total = sum(
+        (s.full_tensor() if isinstance(s, DTensor) else s for s in squares.values()),
+        torch.zeros((), dtype=torch.float32, device=params[0].device if params else None),
+    )
     if stages is not None:
         dist.all_reduce(total, group=stages)
     norm = total.sqrt()

@@ -46,11 +46,12 @@ class StageLayers(torch.nn.ModuleDict):
 def check_stages(config, pp: int) -> None:
     """Raise ``UserError`` for a model that cannot be cut into ``pp`` stages."""
     if config.num_hidden_layers % pp:
-        raise UserError(f"actor.parallel.pp={pp} must divide the model's num_hidden_layers="
-                        f"{config.num_hidden_layers}")
+        raise UserError(f"actor.parallel.pp={pp} must divide the model's num_hidden_layers={config.num_hidden_layers}")
     if len(set(getattr(config, "layer_types", None) or ["full_attention"])) > 1:
-        raise UserError("actor.engine=torch does not cut a model that mixes attention layer types (sliding "
-                        f"windows: {sorted(set(config.layer_types))}) into pipeline stages; use actor.parallel.pp=1")
+        raise UserError(
+            "actor.engine=torch does not cut a model that mixes attention layer types (sliding "
+            f"windows: {sorted(set(config.layer_types))}) into pipeline stages; use actor.parallel.pp=1"
+        )
 
 
 def keep_stage(model: torch.nn.Module, stage: int, pp: int) -> None:
@@ -106,8 +107,9 @@ class Pipeline:
         return torch.empty(tokens, self.hidden_size, dtype=self.dtype, device=self.device)
 
     @staticmethod
-    def _exchange(send: torch.Tensor | None, to: int | None, receive: torch.Tensor | None,
-                  source: int | None) -> torch.Tensor | None:
+    def _exchange(
+        send: torch.Tensor | None, to: int | None, receive: torch.Tensor | None, source: int | None
+    ) -> torch.Tensor | None:
         """Post a send and a receive together and wait for both; either may be absent."""
         works = []
         if send is not None and to is not None:
@@ -135,8 +137,12 @@ class Pipeline:
                 self._exchange(out, self.next, None, None)
         return self.from_last_stage(results)
 
-    def train(self, lengths: list[int], run: Callable[[int, torch.Tensor | None], torch.Tensor],
-              before_backward: Callable[[int], None]) -> None:
+    def train(
+        self,
+        lengths: list[int],
+        run: Callable[[int, torch.Tensor | None], torch.Tensor],
+        before_backward: Callable[[int], None],
+    ) -> None:
         """1F1B: ``run(i, hidden)`` is micro-batch i's forward (its loss on the last stage, its output
         activation elsewhere); each backward follows the forwards in order, ``before_backward(i)`` first."""
         n = len(lengths)
@@ -205,9 +211,11 @@ class Pipeline:
         """The last stage's copy of a tied embedding: the first stage counts it in the gradient norm."""
         return self.tied if self.stage > 0 else None
 
-    def gathered(self, header: list[tuple[str, torch.Size, torch.dtype]],
-                 stage_state: Callable[[bool], Iterator[tuple[str, torch.Tensor | None]]]
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    def gathered(
+        self,
+        header: list[tuple[str, torch.Size, torch.dtype]],
+        stage_state: Callable[[bool], Iterator[tuple[str, torch.Tensor | None]]],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every stage's (name, full tensor) in stage order, on global rank 0 (nothing elsewhere).
         ``header`` names this stage's tensors with their full shapes; ``stage_state(keep)`` is the
         stage's collective iterator. Each stage's lead (dp = cp = tp = 0) sends its header, then its

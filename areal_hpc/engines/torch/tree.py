@@ -63,11 +63,15 @@ def check_tree_layout(tree_training: str, mesh: TrainMesh | None, recompute: str
     if tree_training == "off":
         return
     if mesh is not None and (mesh.dims.world_size != mesh.dims.dp or mesh.dims.ep > 1):
-        raise UserError(f"actor.tree_training=dta runs over data-parallel replicas only (dp, with or without "
-                        f"fsdp), not on the layout {mesh.dims}; set tp=pp=cp=ep=1 or actor.tree_training=off")
+        raise UserError(
+            f"actor.tree_training=dta runs over data-parallel replicas only (dp, with or without "
+            f"fsdp), not on the layout {mesh.dims}; set tp=pp=cp=ep=1 or actor.tree_training=off"
+        )
     if recompute != "none":
-        raise UserError(f"actor.tree_training=dta does not support actor.recompute={recompute} (the rerun would "
-                        f"append to the prefix cache again); set actor.recompute=none")
+        raise UserError(
+            f"actor.tree_training=dta does not support actor.recompute={recompute} (the rerun would "
+            f"append to the prefix cache again); set actor.recompute=none"
+        )
     if not hasattr(forward_fn, "head"):
         raise TypeError("tree training needs a forward_fn with a head (engines.torch.outputs.StageOutputs)")
 
@@ -112,7 +116,7 @@ def run_positions(tree: PrefixTree, segment: list[int], width: int) -> list[int]
 
 
 def is_chain(tree: PrefixTree, segment: list[int]) -> bool:
-    return all(tree.nodes[b].parent == a for a, b in zip(segment, segment[1:]))
+    return all(tree.nodes[b].parent == a for a, b in itertools.pairwise(segment))
 
 
 def tree_mask(tree: PrefixTree, segment: list[int], width: int) -> torch.Tensor:
@@ -160,8 +164,11 @@ def level_chunks(lengths: list[int], prefixes: list[int], max_tokens: int) -> li
         grown = (max(widest[0], prefixes[i]), widest[1])
         count = len(chunks[-1]) + 1 if chunks else 0
         padding, rows = count * widest[1] - real - lengths[i], real + lengths[i]
-        if chunks and count * (PREFIX_WEIGHT * grown[0] + grown[1]) <= max_tokens and \
-                padding <= PADDING_SHARE * rows + PADDING_ROWS:
+        if (
+            chunks
+            and count * (PREFIX_WEIGHT * grown[0] + grown[1]) <= max_tokens
+            and padding <= PADDING_SHARE * rows + PADDING_ROWS
+        ):
             chunks[-1].append(i)
             widest, real = grown, real + lengths[i]
         else:
@@ -195,15 +202,18 @@ class PackedFields:
     temperatures: torch.Tensor | None
 
     @classmethod
-    def of(cls, batch: SequenceBatch) -> "PackedFields":
+    def of(cls, batch: SequenceBatch) -> PackedFields:
         lengths = [len(s) for s in batch.sequences]
-        return cls(list(itertools.accumulate(lengths, initial=0))[:-1],
-                   {name: torch.cat(values) for name, values in batch.fields.items()},
-                   None if batch.temperatures is None else torch.cat(batch.temperatures))
+        return cls(
+            list(itertools.accumulate(lengths, initial=0))[:-1],
+            {name: torch.cat(values) for name, values in batch.fields.items()},
+            None if batch.temperatures is None else torch.cat(batch.temperatures),
+        )
 
 
-def chunk_pieces(tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch, width: int,
-                 whole: PackedFields) -> tuple[list[int], PackedBatch, dict[str, torch.Tensor]] | None:
+def chunk_pieces(
+    tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch, width: int, whole: PackedFields
+) -> tuple[list[int], PackedBatch, dict[str, torch.Tensor]] | None:
     """(rows, packed pieces, packed fields) of a chunk's segments (None where no piece trains
     anything): per node and sequence through it, its positions from the first one whose next token
     it trains to ``stop`` (the next token, where the sequence goes on); a sequence training nothing
@@ -217,7 +227,7 @@ def chunk_pieces(tree: PrefixTree, chunk: list[list[int]], batch: SequenceBatch,
         for node in (tree.nodes[n] for n in segment):
             for s in node.sequences:
                 stop = min(node.stop + 1, len(batch.sequences[s]))
-                trained = batch.loss_masks[s][node.start + 1:stop]  # the targets of positions start .. stop - 2
+                trained = batch.loss_masks[s][node.start + 1 : stop]  # the targets of positions start .. stop - 2
                 if not any(trained):
                     continue
                 first = node.start + next(k for k, m in enumerate(trained) if m)
@@ -265,11 +275,14 @@ def gather_prefixes(items: list[Item]) -> Prefix | None:
         """The groups' rows of ``select(parent)``, padded with zeros (False) to ``longest`` positions
         (the dimension before the ``trailing`` ones)."""
         parts = [select(parent).index_select(0, rows) for (parent, _), rows in zip(groups, indices)]
-        return torch.cat([torch.nn.functional.pad(t, (0, 0) * trailing + (0, longest - t.shape[-1 - trailing]))
-                          for t in parts])
+        return torch.cat(
+            [torch.nn.functional.pad(t, (0, 0) * trailing + (0, longest - t.shape[-1 - trailing])) for t in parts]
+        )
 
-    states = [(stacked(lambda p: p.states[layer][0], 1), stacked(lambda p: p.states[layer][1], 1))
-              for layer in range(len(groups[0][0].states))]
+    states = [
+        (stacked(lambda p: p.states[layer][0], 1), stacked(lambda p: p.states[layer][1], 1))  # noqa: B023 - called here
+        for layer in range(len(groups[0][0].states))
+    ]
     return Prefix(states, stacked(lambda p: p.valid, 0))
 
 
@@ -285,9 +298,19 @@ def segment_forward_of(model: torch.nn.Module, device: torch.device):
     only: its mask builders take no tree). On a CPU attention runs in float32 under a bfloat16 autocast
     (its bfloat16 backward is the slow part)."""
     if writes_out_segments(model, device):
+
         def written_out(model, tokens, positions, prefix: Prefix | None, tree_masks: torch.Tensor | None, own):
-            return segment_forward(model, tokens, positions, None if prefix is None else prefix.states,
-                                   None if prefix is None else prefix.valid, torch.float32, tree_masks, own)
+            return segment_forward(
+                model,
+                tokens,
+                positions,
+                None if prefix is None else prefix.states,
+                None if prefix is None else prefix.valid,
+                torch.float32,
+                tree_masks,
+                own,
+            )
+
         return written_out
     attention = SDPA_FLOAT32 if device.type == "cpu" else model.config._attn_implementation
     keyword = cache_keyword(model)
@@ -300,9 +323,11 @@ def segment_forward_of(model: torch.nn.Module, device: torch.device):
             if not bool(prefix.valid.all()):  # each row reads its own prefix, not the padding after it
                 mask = torch.cat([prefix.valid, torch.ones_like(tokens, dtype=torch.bool)], 1).long()
         with packed_attention(model, attention):
-            hidden = model.base_model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                      use_cache=True, **{keyword: cache}).last_hidden_state
+            hidden = model.base_model(
+                input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{keyword: cache}
+            ).last_hidden_state
         return hidden, [(layer.keys, layer.values) for layer in cache.layers]
+
     return hugging_face
 
 
@@ -314,8 +339,10 @@ def cache_keyword(model: torch.nn.Module) -> str:
     for keyword in ("cache", "past_key_values"):
         if keyword in parameters:
             return keyword
-    raise UserError(f"tree training needs a model whose forward takes a K/V cache; "
-                    f"{type(model.base_model).__name__}.forward takes neither cache nor past_key_values")
+    raise UserError(
+        f"tree training needs a model whose forward takes a K/V cache; "
+        f"{type(model.base_model).__name__}.forward takes neither cache nor past_key_values"
+    )
 
 
 def flat_subtree_tokens(model: torch.nn.Module, max_tokens: int) -> int:
@@ -324,8 +351,9 @@ def flat_subtree_tokens(model: torch.nn.Module, max_tokens: int) -> int:
     return min(FLAT_SUBTREE_TOKENS, max_tokens) if writes_out_segments(model, next(model.parameters()).device) else 0
 
 
-def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatch, loss_fn: LossFn,
-                    max_tokens: int, flatten_within: int) -> list[dict[str, float]]:
+def tree_train_pass(
+    root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatch, loss_fn: LossFn, max_tokens: int, flatten_within: int
+) -> list[dict[str, float]]:
     """Accumulate into the model's gradients those of Σ_nodes ``loss_fn`` over ``batch`` (whose
     sequences ``tree`` was built from), depth first. ``root``: the engine's ``PackedForward`` (every
     forward goes through it, under the data-parallel hooks); its ``forward_fn.head`` gives the
@@ -335,8 +363,10 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
     model, head = root.model, root.forward_fn.head
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and (deepest := max(len(s) for s in batch.sequences)) > context:
-        raise UserError(f"tree training got a sequence of {deepest} tokens, deeper than the model's context "
-                        f"(max_position_embeddings={context}); cap prompt + max_new_tokens at {context}")
+        raise UserError(
+            f"tree training got a sequence of {deepest} tokens, deeper than the model's context "
+            f"(max_position_embeddings={context}); cap prompt + max_new_tokens at {context}"
+        )
     device = next(model.parameters()).device
     decode = segment_forward_of(model, device)
     segments = Segments(tree, flatten_within)
@@ -350,8 +380,11 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         # right-padded: no real position attends to the padding
         tokens = torch.tensor([row + [0] * (width - len(row)) for row in row_tokens], device=device)
         positions = torch.tensor([run_positions(tree, nodes, width) for nodes in runs], device=device)
-        masks = None if all(is_chain(tree, nodes) for nodes in runs) else \
-            torch.stack([tree_mask(tree, nodes, width) for nodes in runs]).to(device)
+        masks = (
+            None
+            if all(is_chain(tree, nodes) for nodes in runs)
+            else torch.stack([tree_mask(tree, nodes, width) for nodes in runs]).to(device)
+        )
         own = torch.arange(width, device=device) < torch.tensor(list(map(len, row_tokens)), device=device)[:, None]
         valid = own if prefix is None else torch.cat([prefix.valid, own], 1)
         pieces = chunk_pieces(tree, runs, batch, width, whole)
@@ -374,8 +407,9 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
             loss, stats = loss_fn(outputs, packed, fields)
             parts.append({"loss": loss.item(), **stats})
         below = Prefix([(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in cached], valid)
-        children = [(segments.of(child), below, b) for b, nodes in enumerate(runs)
-                    for child in tree.nodes[nodes[-1]].children]  # (a whole subtree's last node is a leaf)
+        children = [
+            (segments.of(child), below, b) for b, nodes in enumerate(runs) for child in tree.nodes[nodes[-1]].children
+        ]  # (a whole subtree's last node is a leaf)
         return Forwarded(loss, cached, below, children)
 
     def backward(chunk: Forwarded) -> None:
@@ -399,8 +433,9 @@ def tree_train_pass(root: torch.nn.Module, tree: PrefixTree, batch: SequenceBatc
         chunks = level_chunks(lengths, prefixes, max_tokens)
         widths = [max(lengths[i] for i in chunk) for chunk in chunks]
         for wave in waves(chunks, widths, max_tokens):
-            forwarded = [forward(sorted((level[i] for i in chunk), key=lambda item: order[id(item[1])]))
-                         for chunk in wave]
+            forwarded = [
+                forward(sorted((level[i] for i in chunk), key=lambda item: order[id(item[1])])) for chunk in wave
+            ]
             if children := [item for chunk in forwarded for item in chunk.children]:
                 visit(children)
             for chunk in reversed(forwarded):

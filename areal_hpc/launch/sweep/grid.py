@@ -38,8 +38,11 @@ def split_items(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]
         if key in axes:
             raise UserError(f"sweep.{key} is given twice; list all its values in one sweep.{key}=[...]")
         if key in PLACE_KEYS or key.startswith("slurm."):
-            what = "slurm settings are shared by the whole job array" if key.startswith("slurm.") else \
-                "the sweep sets where its runs live"
+            what = (
+                "slurm settings are shared by the whole job array"
+                if key.startswith("slurm.")
+                else "the sweep sets where its runs live"
+            )
             raise UserError(f"sweep.{key} cannot be swept: {what}")
         axes[key] = texts
     for item in common:
@@ -47,8 +50,9 @@ def split_items(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]
         if key in axes:
             raise UserError(f"{key} is both swept (sweep.{key}=[...]) and fixed ({item}); keep one")
         if key == "experiment.trial":
-            raise UserError("experiment.trial is set by the sweep (<sweep name>/<point name>); name the sweep "
-                            "with --name")
+            raise UserError(
+                "experiment.trial is set by the sweep (<sweep name>/<point name>); name the sweep with --name"
+            )
     if not axes:
         raise UserError("sweep needs at least one sweep.KEY=[v1,v2,...] item (e.g. sweep.actor.lr=[1e-4,3e-4])")
     return common, list(axes.items())

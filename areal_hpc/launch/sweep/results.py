@@ -66,14 +66,25 @@ def point_result(state: PointState) -> dict:
     accuracy = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     reward = [r["rollout/reward"] for r in records if "rollout/reward" in r]
     speed = [r["perf/trained_tokens_per_s_run"] for r in records if "perf/trained_tokens_per_s_run" in r]
-    return {"point": state.name, "state": state.state, "final_eval_accuracy": accuracy[-1] if accuracy else None,
-            "best_eval_accuracy": max(accuracy, default=None), "final_reward": reward[-1] if reward else None,
-            "trained_tokens_per_s": speed[-1] if speed else None,
-            "curve": [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]}
+    return {
+        "point": state.name,
+        "state": state.state,
+        "final_eval_accuracy": accuracy[-1] if accuracy else None,
+        "best_eval_accuracy": max(accuracy, default=None),
+        "final_reward": reward[-1] if reward else None,
+        "trained_tokens_per_s": speed[-1] if speed else None,
+        "curve": [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r],
+    }
 
 
-COLUMNS = {"point": "point", "final_eval_accuracy": "final eval acc", "best_eval_accuracy": "best eval acc",
-           "final_reward": "final reward", "trained_tokens_per_s": "trained tok/s", "state": "state"}
+COLUMNS = {
+    "point": "point",
+    "final_eval_accuracy": "final eval acc",
+    "best_eval_accuracy": "best eval acc",
+    "final_reward": "final reward",
+    "trained_tokens_per_s": "trained tok/s",
+    "state": "state",
+}
 
 
 def _cell(key: str, value) -> str:
@@ -92,12 +103,15 @@ def write_results(folder: Path, name: str, results: list[dict]) -> str:
     writer.writerow(COLUMNS)
     writer.writerows([[r[k] for k in COLUMNS] for r in results])
     (folder / "results.csv").write_text(buffer.getvalue())
-    (folder / "results.md").write_text("\n".join(["| " + " | ".join(row) + " |" for row in
-                                                  [list(COLUMNS.values()), ["---"] * len(COLUMNS), *rows]]) + "\n")
+    (folder / "results.md").write_text(
+        "\n".join(["| " + " | ".join(row) + " |" for row in [list(COLUMNS.values()), ["---"] * len(COLUMNS), *rows]])
+        + "\n"
+    )
     _plot(folder / "results.png", name, results)
     widths = [max(len(row[i]) for row in [list(COLUMNS.values()), *rows]) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-                     for row in [list(COLUMNS.values()), *rows])
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [list(COLUMNS.values()), *rows]
+    )
 
 
 def _plot(out: Path, name: str, results: list[dict]) -> None:
@@ -131,8 +145,9 @@ def report(folder: Path, wait: bool = False) -> int:
     try:
         record = json.loads((folder / SWEEP_FILE).read_text())
     except FileNotFoundError:
-        raise UserError(f"{folder} is not a sweep folder (no {SWEEP_FILE}); it is "
-                        f"<cluster.fileroot>/<experiment.name>/<sweep name>") from None
+        raise UserError(
+            f"{folder} is not a sweep folder (no {SWEEP_FILE}); it is <cluster.fileroot>/<experiment.name>/<sweep name>"
+        ) from None
     states = _wait(record) if wait else point_states(record)
     finished = sum(s.done for s in states)
     print(f"sweep {record['name']}: job array {record['array_job_id']}, {finished}/{len(states)} points finished")
@@ -142,8 +157,11 @@ def report(folder: Path, wait: bool = False) -> int:
         print(f"  {s.name:<{width}}  {s.job_id:<12} {s.state:<12} step {step}/{s.total_steps}")
     if finished < len(states):
         return 0
-    results = sorted((point_result(s) for s in states),
-                     key=lambda r: -1 if r["final_eval_accuracy"] is None else r["final_eval_accuracy"], reverse=True)
+    results = sorted(
+        (point_result(s) for s in states),
+        key=lambda r: -1 if r["final_eval_accuracy"] is None else r["final_eval_accuracy"],
+        reverse=True,
+    )
     table = write_results(folder, record["name"], results)
     print(f"\n{table}\n\nwrote results.csv, results.md, results.png in {folder}")
     return 0 if all(s.state == "COMPLETED" for s in states) else 1
@@ -154,16 +172,25 @@ def _wait(record: dict) -> list[PointState]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn(f"[bold]sweep {record['name']}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TextColumn("{task.fields[line]}"), console=Console(stderr=True))
+    progress = Progress(
+        TextColumn(f"[bold]sweep {record['name']}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[line]}"),
+        console=Console(stderr=True),
+    )
     with progress:
         bar = progress.add_task("points", total=len(record["points"]), line="")
         while True:
             states = point_states(record)
             running = sum(s.state == "RUNNING" for s in states)
             steps = sum(s.step or 0 for s in states)
-            progress.update(bar, completed=sum(s.done for s in states),
-                            line=f"running {running}  steps {steps}/{sum(s.total_steps for s in states)}")
+            progress.update(
+                bar,
+                completed=sum(s.done for s in states),
+                line=f"running {running}  steps {steps}/{sum(s.total_steps for s in states)}",
+            )
             if all(s.done for s in states):
                 return states
             time.sleep(POLL_S)

@@ -46,17 +46,35 @@ def submit(config: str, items: list[str], name: str | None, parallel: int | None
         folder.mkdir(parents=True, exist_ok=True)
         config = str(folder / "config.yaml")
         atomic_write_text(Path(config), to_yaml(load_config(files)))
-    jobs = _submit_array(executor, config, [[*common, *p.overrides, f"experiment.trial={name}/{p.name}"]
-                                            for p, _ in points])
+    jobs = _submit_array(
+        executor, config, [[*common, *p.overrides, f"experiment.trial={name}/{p.name}"] for p, _ in points]
+    )
     array = jobs[0].job_id.partition("_")[0]
-    record = {"name": name, "config": config, "overrides": common, "array_job_id": array,
-              "submitit_folder": str(executor.folder), "submitted": datetime.now().isoformat(timespec="seconds"),
-              "points": [{"name": p.name, "overrides": p.overrides, "job_id": job.job_id, "run_dir": str(cfg.run_dir),
-                          "total_steps": cfg.rl.total_train_steps} for (p, cfg), job in zip(points, jobs)]}
+    record = {
+        "name": name,
+        "config": config,
+        "overrides": common,
+        "array_job_id": array,
+        "submitit_folder": str(executor.folder),
+        "submitted": datetime.now().isoformat(timespec="seconds"),
+        "points": [
+            {
+                "name": p.name,
+                "overrides": p.overrides,
+                "job_id": job.job_id,
+                "run_dir": str(cfg.run_dir),
+                "total_steps": cfg.rl.total_train_steps,
+            }
+            for (p, cfg), job in zip(points, jobs)
+        ],
+    }
     atomic_write_json(folder / SWEEP_FILE, record)
-    print(f"submitted sweep {name}: {len(points)} point{'s' * (len(points) > 1)} as Slurm job array {array} "
-          f"({parallel or len(points)} at a time)\n  sweep folder: {folder}\n"
-          f"  check it:     areal-hpc sweep --status {folder} [--wait]   (or: squeue -j {array})", flush=True)
+    print(
+        f"submitted sweep {name}: {len(points)} point{'s' * (len(points) > 1)} as Slurm job array {array} "
+        f"({parallel or len(points)} at a time)\n  sweep folder: {folder}\n"
+        f"  check it:     areal-hpc sweep --status {folder} [--wait]   (or: squeue -j {array})",
+        flush=True,
+    )
     return folder
 
 
@@ -66,14 +84,24 @@ def _executor(folder: Path, name: str, cfgs: list, parallel: int):
     from submitit import SlurmExecutor
 
     slurm = cfgs[0].slurm
-    cpus = max(c.slurm.trainer.cpus_per_task * c.rl.trainer_processes
-               + c.slurm.rollout.cpus_per_server * c.rollout.n_servers for c in cfgs)
+    cpus = max(
+        c.slurm.trainer.cpus_per_task * c.rl.trainer_processes + c.slurm.rollout.cpus_per_server * c.rollout.n_servers
+        for c in cfgs
+    )
     extra = {"requeue": True, **extra_sbatch_options(slurm.extra_sbatch)}  # requeue: where JobRequeue=0 too
     if slurm.trainer.mem:
         extra["mem"] = slurm.trainer.mem  # submitit's own `mem` wants gigabytes as a number
-    params = {"job_name": name, "partition": slurm.trainer.partition, "nodes": 1, "ntasks_per_node": 1,
-              "cpus_per_task": cpus, "time": slurm_minutes(slurm.time), "signal_delay_s": slurm.signal_lead_s,
-              "array_parallelism": parallel, "additional_parameters": extra}
+    params = {
+        "job_name": name,
+        "partition": slurm.trainer.partition,
+        "nodes": 1,
+        "ntasks_per_node": 1,
+        "cpus_per_task": cpus,
+        "time": slurm_minutes(slurm.time),
+        "signal_delay_s": slurm.signal_lead_s,
+        "array_parallelism": parallel,
+        "additional_parameters": extra,
+    }
     gpus = max(c.slurm.trainer.gpus_per_node + c.slurm.rollout.gpus_per_server * c.rollout.n_servers for c in cfgs)
     if gpus:  # the trainer ranks' and the rollout servers' accelerators, all on the element's node
         params["gres"] = f"{slurm.gres}:{gpus}"

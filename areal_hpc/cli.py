@@ -59,7 +59,7 @@ class Command:
 
 
 @dataclass(frozen=True)
-class Group:
+class NestedCommand:
     """``areal-hpc NAME ACTION``: a subcommand made of subcommands, called ``metavar`` in its usage line."""
 
     name: str
@@ -588,7 +588,7 @@ def _serve_alias(item: str) -> str:
 
 # Every subcommand, in the order `areal-hpc --help` lists them.
 COMMANDS = (
-    Group(
+    NestedCommand(
         "config",
         "inspect experiment configs",
         "ACTION",
@@ -655,7 +655,7 @@ COMMANDS = (
     Command(
         "proxy-key", "make a tenant key for the proxy: prints it, stores its hash", _proxy_key_arguments, _proxy_key
     ),
-    Group(
+    NestedCommand(
         "shards",
         "inspect, verify and export trajectory shards",
         "ACTION",
@@ -687,7 +687,7 @@ COMMANDS = (
         planner_cli.simulate_arguments,
         planner_cli.run_simulate,
     ),
-    Group(
+    NestedCommand(
         "repro",
         "the papers' tables beside our predictions",
         "PAPER",
@@ -729,12 +729,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_commands(parser: argparse.ArgumentParser, metavar: str, commands: tuple[Command | Group, ...]) -> None:
+def _add_commands(parser: argparse.ArgumentParser, metavar: str, commands: tuple[Command | NestedCommand, ...]) -> None:
     """The table's rows as ``parser``'s subcommands; the one given lands in ``args.<metavar, lower case>``."""
     subparsers = parser.add_subparsers(dest=metavar.lower(), metavar=metavar, parser_class=OneLineParser, required=True)
     for command in commands:
         sub = subparsers.add_parser(command.name, help=command.help)
-        if isinstance(command, Group):
+        if isinstance(command, NestedCommand):
             _add_commands(sub, command.metavar, command.commands)
         else:
             command.arguments(sub)

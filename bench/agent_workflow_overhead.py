@@ -15,7 +15,7 @@ variant once (``--groups`` x ``--n-samples`` episodes in flight at once), varian
      message appended), no workflow layer, no reward; its records are made in the conversion step;
 - B  token workflow: a ``MultiTurnMathWorkflow``-shaped workflow (``engine.episode``, ``generate``,
      ``engine.reward`` every turn, ``observe_message``), always ``--turns`` turns, through
-     ``EpisodeGroups`` with ``AgentEngine`` settings and a ``RewardPool`` of the task's reward;
+     ``EpisodeGroups`` with ``EpisodeContext`` settings and a ``RewardPool`` of the task's reward;
 - B0 the same without the reward calls (the layer alone);
 - C  chat workflow: the same turns through ``engine.openai_client()`` (the real ``openai`` client, the
      in-process ``ChatGateway``), a reward every turn;
@@ -253,7 +253,7 @@ async def measure(args, server: str, server_pid: int, model: Path) -> dict:
     from dataclasses import replace
 
     from areal_hpc.agents.chat import ChatGateway
-    from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
+    from areal_hpc.agents.engine import EpisodeSettings, Sampling, Scorer
     from areal_hpc.agents.rlvr import RLVRWorkflow
     from areal_hpc.config import DatasetConfig
     from areal_hpc.data.registry import build_task
@@ -272,7 +272,7 @@ async def measure(args, server: str, server_pid: int, model: Path) -> dict:
             RolloutClient([server], max_requests=4 * args.groups * args.n_samples) as client,
             ChatGateway(client.generate, model, default_max_tokens=args.max_new_tokens) as chat,
         ):
-            settings = EngineSettings(client.generate, tokenizer, sampling, Scorer(pool), chat)
+            settings = EpisodeSettings(client.generate, tokenizer, sampling, Scorer(pool), chat)
             ctx = {
                 "args": args,
                 "client": client,

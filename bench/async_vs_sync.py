@@ -116,13 +116,13 @@ def probe_lengths(model_dir: Path, temperatures: list[float], max_new_tokens: in
     from areal_hpc.data.registry import build_task
     from areal_hpc.models.chat import prompt_ids
     from areal_hpc.models.hf import load_model, load_tokenizer
-    from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
+    from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, SamplingParams
 
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
     prompts = [prompt_ids(tokenizer, ex.prompt) for ex in build_task(load_config(CONFIG).dataset).train[:PROBE_PROMPTS]]
     out = {}
     for temperature in temperatures:
-        engine = EmbeddedEngine(
+        engine = EmbeddedGenerator(
             model,
             slots=64,
             context_length=max(map(len, prompts)) + max_new_tokens,

@@ -68,7 +68,7 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, packed_policy_outputs
 from areal_hpc.models.hf import load_model
 from areal_hpc.models.varlen import VARLEN_SDPA, packed_attention_inputs, padded_groups
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
+from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, SamplingParams
 from areal_hpc.sched.hardware import CATALOGUE
 from areal_hpc.train.build import build_actor
 
@@ -315,7 +315,7 @@ def decode(check: Check) -> dict:
     """Embedded engine vs ``generate()``: decode tokens/s at each batch size, same bf16 model, same work."""
     model = load_model(check.model_dir, "bfloat16", device=check.device)
     s = check.sizes
-    engine = EmbeddedEngine(
+    engine = EmbeddedGenerator(
         model, slots=max(s.decode_batches), context_length=s.prompt_tokens + s.new_tokens, eos_token_ids=[]
     )
     params = SamplingParams(max_new_tokens=s.new_tokens, ignore_eos=True)
@@ -416,7 +416,7 @@ def weight_push(check: Check) -> dict:
     """Trainer weights into a rollout engine: in process, bucket by bucket; and through a folder on disk."""
     cfg = check.config()
     engine = build_actor(cfg, None)[0].actor
-    server = EmbeddedEngine(
+    server = EmbeddedGenerator(
         load_model(check.model_dir, "bfloat16", device=check.device), slots=4, context_length=256, eos_token_ids=[]
     )
     bucket_bytes = cfg.rl.weight_sync_bucket_mb << 20

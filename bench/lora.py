@@ -57,7 +57,7 @@ def _measure(model_dir: str, overrides: list[str], steps: int) -> dict:
         max_new, temperature = cfg.gconfig.max_new_tokens, run_temperature(cfg.gconfig)
 
         def step() -> None:
-            batch = build_batch(trajectories, cfg.actor, max_new, temperature)  # as TrainerGroup does
+            batch = build_batch(trajectories, cfg.actor, max_new, temperature)  # as TrainerRanks does
             actor.update(split_minibatches(batch, trajectories, cfg.actor, max_new))
 
         times = []

@@ -7,7 +7,7 @@ baseline of the same engine, in one run (a correctness-first figure on CPU: see 
 A layout an engine does not build is a "not run" row with its one-line reason.
 
 Each layout starts its ranks as real gloo processes on loopback (as ``tests/trainer_processes.py``
-does) through the trainer's own path: ``build_actor`` on the ``actor.parallel`` mesh, ``TrainerGroup``
+does) through the trainer's own path: ``build_actor`` on the ``actor.parallel`` mesh, ``TrainerRanks``
 scattering shares, one PPO step per batch. The workload: 16 groups x 4 samples, prompts of 32-96 and
 completions of 32-160 random tokens, every batch the same. Rank 0 times each step after a warm-up
 step; tokens/s = tokens forwarded per step / median step time.
@@ -69,13 +69,13 @@ def rank_main(model: str, out: str, steps: int, overrides: list[str]) -> None:
     """One rank: ``steps`` timed PPO steps after a warm-up step; rank 0 writes the times."""
     from areal_hpc.config import load_config
     from areal_hpc.train.build import build_actor, start_trainer
-    from areal_hpc.train.trainer_group import TrainerGroup, follow
+    from areal_hpc.train.trainer_ranks import TrainerRanks, follow
 
     cfg = load_config(None, [f"model.path={model}", f"rl.total_train_steps={steps + 1}", *overrides])
     rank, mesh = start_trainer(cfg)
     actor, engines = build_actor(cfg, mesh)
     if rank == 0:
-        group = TrainerGroup(actor, engines, mesh, cfg)
+        group = TrainerRanks(actor, engines, mesh, cfg)
         batch, times = workload(len(actor.actor.tokenizer)), []
         for _ in range(steps + 1):
             started = time.perf_counter()

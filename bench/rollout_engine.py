@@ -47,7 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.models.hf import load_model
 from areal_hpc.models.tiny import count_parameters, init_model
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams
+from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, Request, SamplingParams
 
 TOP_K = 50  # generate()'s default; the engine is asked for the same
 SWEEP_PROMPT = 16
@@ -60,7 +60,7 @@ def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return [(rng.integers(0, vocab, int(rng.integers(8, 33))).tolist(), int(k)) for k in lengths]
 
 
-def serve(engine: EmbeddedEngine, requests) -> float:
+def serve(engine: EmbeddedGenerator, requests) -> float:
     """Submit every request at once; seconds until the last one is answered."""
     done, lock, finished = threading.Event(), threading.Lock(), []
 
@@ -82,7 +82,7 @@ def serve(engine: EmbeddedEngine, requests) -> float:
 
 
 def run_engine(model, requests, batch: int) -> float:
-    engine = EmbeddedEngine(model, slots=batch, context_length=1024)
+    engine = EmbeddedGenerator(model, slots=batch, context_length=1024)
     try:
         return serve(engine, requests)
     finally:
@@ -116,7 +116,7 @@ def decode_rates(model, batch: int, tokens: int, repeats: int) -> dict:
     prompts = [p + [1] * (SWEEP_PROMPT - len(p)) for p in prompts]
     times = {"engine": [], "generate": []}
     for _ in range(repeats):  # an engine per repeat: none is alive while generate() runs, as in the main comparison
-        engine = EmbeddedEngine(model, slots=batch, context_length=1024)
+        engine = EmbeddedGenerator(model, slots=batch, context_length=1024)
         try:
             times["engine"].append(
                 serve(engine, [(p, tokens) for p in prompts]) - serve(engine, [(p, 1) for p in prompts])
@@ -133,7 +133,7 @@ def decode_rates(model, batch: int, tokens: int, repeats: int) -> dict:
 
 def profile_engine(model, requests, batch: int, top: int = 10) -> dict:
     """Self time of torch ops on the engine's thread over one run (the profiler starts and stops there)."""
-    engine = EmbeddedEngine(model, slots=batch, context_length=1024)
+    engine = EmbeddedGenerator(model, slots=batch, context_length=1024)
     try:  # the profiler is made and started on the engine's thread: it records the thread it starts on
         profiler = engine.call(lambda: profile(activities=[ProfilerActivity.CPU]).__enter__()).result()
         wall = serve(engine, requests)

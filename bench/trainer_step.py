@@ -177,7 +177,7 @@ def quickstart_steps(cfg: RunConfig, steps: int) -> list[dict]:
     for step in range(steps + 1):
         for name, update in variants.items():
             started = time.perf_counter()
-            batch = build_batch(trajectories, cfg.actor, max_new, run_temperature(cfg.gconfig))  # as TrainerGroup does
+            batch = build_batch(trajectories, cfg.actor, max_new, run_temperature(cfg.gconfig))  # as TrainerRanks does
             stats = update(split_minibatches(batch, trajectories, cfg.actor, max_new))
             if step:
                 times[name].append({"step": time.perf_counter() - started, **stats})

@@ -11,7 +11,7 @@ the shard commits 5% (hence ``--duty 0.22``), the update thread 68%; the update 
 and ~0.10 s alone on the same batches. This benchmark isolates the cause: the
 neighbour here is a plain Python loop, busy ``duty`` of every 10 ms on the other core, either a thread
 (sharing the interpreter's lock with the update, as the rollout side does now) or a process of its own
-(as AReaL's rollout workers are). The update: ``TrainerGroup.update`` of the quickstart's config (tree
+(as AReaL's rollout workers are). The update: ``TrainerRanks.update`` of the quickstart's config (tree
 training, bfloat16 autocast) on a freshly initialised model, one torch thread, a batch of 16 prompts x
 8 answers of 2-5 tokens (the quickstart's answers average ~3.2). Each round runs every variant in turn;
 the table gives the median update time per variant and its ratio to the update alone.
@@ -45,7 +45,7 @@ from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.models.tiny import init_model
 from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.train.build import build_actor, start_trainer
-from areal_hpc.train.trainer_group import TrainerGroup
+from areal_hpc.train.trainer_ranks import TrainerRanks
 
 PERIOD_S = 0.01  # the neighbour's cycle: busy for duty x PERIOD_S, then asleep
 OUTPUT_TOKENS = (2, 5)
@@ -102,7 +102,7 @@ def run(args) -> dict:
         _rank, mesh = start_trainer(cfg)
         try:
             actor, engines = build_actor(cfg, mesh)
-            group = TrainerGroup(actor, engines, mesh, cfg)
+            group = TrainerRanks(actor, engines, mesh, cfg)
             batch = quickstart_trajectories(cfg, load_tokenizer(model), np.random.default_rng(0), OUTPUT_TOKENS)
             for _ in range(3):  # allocator and autocast caches warm
                 group.update(batch)
@@ -153,7 +153,7 @@ def report(r: dict) -> str:
         f"# The update beside a busy neighbour: thread vs process ({r['date']})",
         "",
         machine_and_versions(r),
-        f"The quickstart's update (`TrainerGroup.update`, tree training, bfloat16 autocast, one torch thread) "
+        f"The quickstart's update (`TrainerRanks.update`, tree training, bfloat16 autocast, one torch thread) "
         f"on its own core; the neighbour busy {r['duty']:.0%} of every {r['period_s'] * 1e3:.0f} ms with "
         f"pure Python on the other core. {r['rounds']} rounds x {r['updates_per_round']} updates per "
         f"variant, variants in turn.",

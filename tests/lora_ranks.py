@@ -18,7 +18,7 @@ import torch
 
 from areal_hpc.config import load_config
 from areal_hpc.train.build import build_actor, start_trainer
-from areal_hpc.train.trainer_group import TrainerGroup, follow
+from areal_hpc.train.trainer_ranks import TrainerRanks, follow
 
 from .trainer_processes import end_rank, synthetic_batch
 
@@ -32,7 +32,7 @@ def main(model: str, out: str, mode: str, checkpoint: str, overrides: list[str])
     if rank != 0:
         follow(actor, engines, mesh)
         return
-    group = TrainerGroup(actor, engines, mesh, cfg)
+    group = TrainerRanks(actor, engines, mesh, cfg)
     vocab = len(actor.actor.tokenizer)
     if mode == "save":
         group.update(synthetic_batch(vocab, seed=0))

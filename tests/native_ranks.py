@@ -23,12 +23,12 @@ from torch.distributed.tensor import DTensor
 
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
-from areal_hpc.engines.torch import group_gradients
+from areal_hpc.engines.torch import mixed_gradients
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.groups import TrainerGroups
+from areal_hpc.parallel.groups import MixedLayout
 from areal_hpc.parallel.mesh import build_group_meshes, init_distributed
 from tests.trainer_processes import end_rank
 
@@ -122,7 +122,7 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
     sizes = {k: int(v) for k, v in options.items() if k in ("dp", "tp", "pp", "cp", "ep")}
     flags = dict(fsdp=options.get("fsdp") == "1", sequence_parallel=options.get("sp") == "1")
     shapes = [[int(n) for n in group.split(".")] for group in options.get("groups", "").split("/") if group]
-    layout = TrainerGroups(
+    layout = MixedLayout(
         tuple(ParallelDims(dp=dp, tp=tp, pp=pp, **flags) for dp, tp, pp in shapes)
         if shapes
         else (ParallelDims(**sizes, **flags),)
@@ -130,7 +130,7 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
     mesh = build_group_meshes(layout, torch.device("cpu"))
     critic = options.get("critic") == "1"
     if "bucket" in options:  # the gradient sum across groups in buckets of this many elements
-        group_gradients.BUCKET_ELEMENTS = int(options["bucket"])
+        mixed_gradients.BUCKET_ELEMENTS = int(options["bucket"])
     engine = engine_on(model_dir, mesh, critic)
     if "load" in options:
         engine.load(Path(options["load"]))

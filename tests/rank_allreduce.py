@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from areal_hpc.runtime.bootstrap import Placement, TaskGroup, assigned_devices, cpu_threads, task_role
+from areal_hpc.runtime.bootstrap import Placement, RoleTasks, assigned_devices, cpu_threads, task_role
 
 placement = Placement.detect()  # before MPI_Init: from what the launcher set alone
 parser = argparse.ArgumentParser()
@@ -30,7 +30,7 @@ report = {
     "threads": cpu_threads(),
     "devices": assigned_devices(placement.local_rank, 1),
 }
-role = task_role(placement, [TaskGroup("trainer", n_trainers), TaskGroup("rollout", placement.world - n_trainers)])
+role = task_role(placement, [RoleTasks("trainer", n_trainers), RoleTasks("rollout", placement.world - n_trainers)])
 report["role"], report["index"] = role.role, role.index
 if with_mpi:
     from mpi4py import MPI

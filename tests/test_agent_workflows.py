@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.agents.chat import ChatGateway
-from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
+from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.shards.reader import TrajectoryStore
@@ -22,7 +22,7 @@ from areal_hpc.data.tasks import Example
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.rollout.client import Generation
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
+from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, SamplingParams
 
 from . import rewards_for_tests
 from .conftest import REPO, run_cli
@@ -35,7 +35,7 @@ class InProcessModel:
 
     def __init__(self, model_dir):
         tokenizer = load_tokenizer(model_dir)
-        self.engine = EmbeddedEngine(load_model(model_dir), slots=8, eos_token_ids=[tokenizer.eos_token_id])
+        self.engine = EmbeddedGenerator(load_model(model_dir), slots=8, eos_token_ids=[tokenizer.eos_token_id])
 
     async def generate(self, input_ids, params) -> Generation:
         result = await self.engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(params))
@@ -86,8 +86,8 @@ def test_an_openai_agents_record_is_its_conversation_and_the_environment_is_outs
     async def run():
         with RewardPool(rewards_for_tests.exact_answer) as pool:
             async with ChatGateway(in_process.generate, tiny_model_dir) as chat:
-                settings_ = EngineSettings(in_process.generate, tokenizer, Sampling(8), Scorer(pool), chat)
-                return await run_episode(agent, AgentEngine(settings_), Example("q", "What is 2+3?", answer="5"))
+                settings_ = EpisodeSettings(in_process.generate, tokenizer, Sampling(8), Scorer(pool), chat)
+                return await run_episode(agent, EpisodeContext(settings_), Example("q", "What is 2+3?", answer="5"))
 
     [record] = asyncio.run(run())
     assert len(record.segments) == len(replies) + 1 and record.reward == 1.0
@@ -290,9 +290,9 @@ def test_an_agents_sdk_agent_runs_unchanged_and_its_turns_are_recorded(in_proces
     async def run():
         with RewardPool(rewards_for_tests.exact_answer) as pool:
             async with ChatGateway(in_process.generate, tiny_model_dir) as chat:
-                settings_ = EngineSettings(in_process.generate, tokenizer, Sampling(6), Scorer(pool), chat)
+                settings_ = EpisodeSettings(in_process.generate, tokenizer, Sampling(6), Scorer(pool), chat)
                 return await run_episode(
-                    AgentsSDKWorkflow(), AgentEngine(settings_), Example("q", "What is 2+3?", answer="5")
+                    AgentsSDKWorkflow(), EpisodeContext(settings_), Example("q", "What is 2+3?", answer="5")
                 )
 
     [record] = asyncio.run(run())
@@ -498,7 +498,7 @@ def test_a_model_without_a_chat_template_serves_no_client_and_says_why(tiny_mode
 
     async def run():
         async with optional_chat(None, folder, 1.0) as chat:
-            engine = AgentEngine(EngineSettings(None, load_tokenizer(tiny_model_dir), Sampling(4), None, chat))
+            engine = EpisodeContext(EpisodeSettings(None, load_tokenizer(tiny_model_dir), Sampling(4), None, chat))
             with pytest.raises(UserError, match="serves no OpenAI client.*no chat template"):
                 engine.openai_client()
             return engine.model_name
@@ -557,7 +557,7 @@ def test_an_agents_sdk_agent_calls_its_function_tool_and_the_tool_output_is_mask
     torch.manual_seed(0)
 
     def episode(max_new_tokens: int):
-        engine = EmbeddedEngine(model, slots=2, eos_token_ids=[tokenizer.eos_token_id])
+        engine = EmbeddedGenerator(model, slots=2, eos_token_ids=[tokenizer.eos_token_id])
 
         async def generate(input_ids, params):
             result = await engine.generate(uuid.uuid4().hex, input_ids, SamplingParams.from_json(params))
@@ -568,11 +568,13 @@ def test_an_agents_sdk_agent_calls_its_function_tool_and_the_tool_output_is_mask
         async def run():
             with RewardPool(rewards_for_tests.exact_answer) as pool:
                 async with ChatGateway(generate, folder) as chat:
-                    settings_ = EngineSettings(
+                    settings_ = EpisodeSettings(
                         generate, tokenizer, Sampling(max_new_tokens, temperature=0.0), Scorer(pool), chat
                     )
                     return await run_episode(
-                        AgentsSDKWorkflow(max_turns=3), AgentEngine(settings_), Example("q", "What is 2+3?", answer="5")
+                        AgentsSDKWorkflow(max_turns=3),
+                        EpisodeContext(settings_),
+                        Example("q", "What is 2+3?", answer="5"),
                     )
 
         try:

@@ -17,7 +17,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.runtime.bootstrap import (
     RENDEZVOUS,
     Placement,
-    TaskGroup,
+    RoleTasks,
     allocator_env,
     assigned_devices,
     cpu_threads,
@@ -84,7 +84,7 @@ def test_slurm_step():
 def test_het_step_spans_every_component():
     placement = Placement.detect(HET_STEP_RANK_2)
     assert placement == Placement(rank=2, world=3, local_rank=0, node="rollout1", source="slurm")
-    groups = [TaskGroup("trainer", 2), TaskGroup("rollout", 1)]
+    groups = [RoleTasks("trainer", 2), RoleTasks("rollout", 1)]
     assert (task_role(placement, groups).role, task_role(placement, groups).index) == ("rollout", 0)
     assert het_component(HET_STEP_RANK_2) == 1 and cpu_threads(HET_STEP_RANK_2) == 2
     trainer = {**HET_STEP_RANK_2, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURMD_NODENAME": "train1"}
@@ -146,10 +146,10 @@ def test_bad_values_are_one_line_errors():
 
 def test_task_roles_follow_the_groups_in_rank_order():
     groups = [
-        TaskGroup("trainer", 2, 1),
-        TaskGroup("rollout", 1, 1),
-        TaskGroup("trainer", 1, 1),
-        TaskGroup("rollout", 2, 2, tp=2),
+        RoleTasks("trainer", 2, 1),
+        RoleTasks("rollout", 1, 1),
+        RoleTasks("trainer", 1, 1),
+        RoleTasks("rollout", 2, 2, tp=2),
     ]
     roles = [task_role(Placement(r, 6, r % 3, f"n{r // 3}", "slurm"), groups) for r in range(6)]
     assert [(t.role, t.index, t.first_accelerator, t.tp) for t in roles] == [
@@ -179,7 +179,7 @@ def test_cpu_threads():
 def test_device_shares_are_disjoint_and_cover_the_node(sizes, per_node, data):
     """Any task groups, blocks of ``per_node`` consecutive ranks per node: each task gets its own count of
     the node's accelerators, disjoint from its neighbours', and the node's are all used when counts fit."""
-    groups = [TaskGroup(role, tasks, accelerators) for role, tasks, accelerators in sizes]
+    groups = [RoleTasks(role, tasks, accelerators) for role, tasks, accelerators in sizes]
     world = sum(g.tasks for g in groups)
     per_rank = [g for g in groups for _ in range(g.tasks)]
     for start in range(0, world, per_node):

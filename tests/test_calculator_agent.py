@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.agents.calculator import MAX_EXPRESSION_CHARS, CalculatorWorkflow, calculate, run_tool, tool_call
-from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
+from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.builtins import POINTS
 from areal_hpc.config import DatasetConfig, load_config
@@ -133,7 +133,7 @@ EXAMPLE = Example("calculator/eval/0", "What is 482*3712?", "1789184", "1789184"
 
 def scripted_episode(tokenizer, pool, turns: list[str], max_turns: int = 3):
     model = ScriptedModel(tokenizer, turns)
-    engine = AgentEngine(EngineSettings(model, tokenizer, Sampling(max_new_tokens=16), Scorer(pool)))
+    engine = EpisodeContext(EpisodeSettings(model, tokenizer, Sampling(max_new_tokens=16), Scorer(pool)))
     [record] = asyncio.run(run_episode(CalculatorWorkflow(max_turns), engine, EXAMPLE))
     return model, record
 
@@ -200,8 +200,8 @@ def test_served_tool_episode_records_exactly_what_the_server_saw(tool_model_dir,
     async def run(address):
         async with RolloutClient([address]) as client:
             with RewardPool(calculator.reward) as pool:
-                engine = AgentEngine(
-                    EngineSettings(client.generate, tokenizer, Sampling(16, temperature=0.0), Scorer(pool))
+                engine = EpisodeContext(
+                    EpisodeSettings(client.generate, tokenizer, Sampling(16, temperature=0.0), Scorer(pool))
                 )
                 return engine, await run_episode(CalculatorWorkflow(max_turns=3), engine, EXAMPLE)
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from areal_hpc.agents.engine import EngineSettings, SameTickBatch, Sampling, Scorer
+from areal_hpc.agents.engine import EpisodeSettings, SameTickCalls, Sampling, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.data.rewards import RewardPool
@@ -118,7 +118,7 @@ def test_a_group_asks_one_request_and_one_reward_call_and_records_the_same(tiny_
         counting = CountingPool(pool)
 
         def settings(client_):
-            return EngineSettings(
+            return EpisodeSettings(
                 client_.generate,
                 tokenizer,
                 Sampling(4),
@@ -147,7 +147,7 @@ def test_same_tick_batch_runs_one_call_per_turn_and_shares_its_outcome():
         return [item * 2 for item in items]
 
     async def main():
-        batch = SameTickBatch(run)
+        batch = SameTickCalls(run)
         together = await asyncio.gather(batch("a"), batch("b"), batch("c"))
         later = await batch("d")
         failed = await asyncio.gather(batch("x"), batch("bad"), return_exceptions=True)
@@ -172,7 +172,7 @@ def test_same_tick_batch_is_cancelled_when_every_caller_left():
             raise
 
     async def main():
-        batch = SameTickBatch(run)
+        batch = SameTickCalls(run)
         callers = [asyncio.create_task(batch(i)) for i in range(3)]
         await started.wait()
         callers[0].cancel()
@@ -195,7 +195,7 @@ def test_same_tick_batch_cuts_a_turn_into_batches_and_an_exception_returned_fail
         return [ValueError(f"bad {item}") if item == "bad" else item * 2 for item in items]
 
     async def main():
-        batch = SameTickBatch(run, max_items=2)
+        batch = SameTickCalls(run, max_items=2)
         return await asyncio.gather(*(batch(item) for item in ["a", "bad", "c", "d", "e"]), return_exceptions=True)
 
     results = asyncio.run(main())
@@ -215,7 +215,7 @@ def test_an_evaluation_batches_its_examples_and_a_prompt_the_server_refuses_fail
         async with RolloutClient([server]) as client:
             counted = CountingClient(client)
             with RewardPool(rewards_for_tests.exact_answer, workers=0) as pool:
-                settings = EngineSettings(
+                settings = EpisodeSettings(
                     counted.generate,
                     tokenizer,
                     Sampling(4),
@@ -269,7 +269,7 @@ def test_merged_groups_that_start_together_ask_one_request_per_server(tiny_model
         with RewardPool(rewards_for_tests.exact_answer) as pool:
 
             def settings(client_):
-                return EngineSettings(
+                return EpisodeSettings(
                     client_.generate, tokenizer, Sampling(4), Scorer(pool), generate_batch=client_.generate_batch
                 )
 
@@ -299,7 +299,7 @@ def test_a_turn_whose_callers_all_left_runs_nothing_and_raises_nothing():
 
     async def main():
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
-        batch = SameTickBatch(run, parts=lambda: 2)
+        batch = SameTickCalls(run, parts=lambda: 2)
         caller = asyncio.create_task(batch(1))
         await asyncio.sleep(0)  # it is waiting; the flush comes after this turn
         caller.cancel()

@@ -1,4 +1,4 @@
-"""Group commit (``rollout.commits.GroupCommits``): items that arrive while a store runs go together into
+"""Group commit (``rollout.commits.CoalescedCommits``): items that arrive while a store runs go together into
 the next one, in arrival order, each exactly once, one store at a time; a failed store fails exactly
 its own items; a cancelled caller's item is still stored."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.rollout.commits import GroupCommits
+from areal_hpc.rollout.commits import CoalescedCommits
 from tests.waiting import wait_until
 
 
@@ -52,7 +52,7 @@ def test_items_arriving_during_a_store_go_together_into_the_next():
     store = RecordingStore(gated=True)
 
     async def run():
-        commits = GroupCommits(store)
+        commits = CoalescedCommits(store)
         first = asyncio.create_task(commits.store(0))
         await store.running()
         rest = [asyncio.create_task(commits.store(i)) for i in range(1, 10)]
@@ -68,7 +68,7 @@ def test_a_failed_store_fails_its_own_items_only():
     store = RecordingStore(fail_on={1}, gated=True)
 
     async def run():
-        commits = GroupCommits(store)
+        commits = CoalescedCommits(store)
         first = asyncio.create_task(commits.store(0))
         await store.running()
         second = [asyncio.create_task(commits.store(i)) for i in (1, 2)]
@@ -87,7 +87,7 @@ def test_a_cancelled_callers_item_is_still_stored():
     store = RecordingStore(gated=True)
 
     async def run():
-        commits = GroupCommits(store)
+        commits = CoalescedCommits(store)
         first = asyncio.create_task(commits.store(0))
         await store.running()
         waiting = asyncio.create_task(commits.store(1))
@@ -114,7 +114,7 @@ def test_every_item_is_stored_once_in_arrival_order(arrivals, store_ms, fail_eve
     store = RecordingStore(seconds=store_ms / 1000, fail_on=failing)
 
     async def run():
-        commits = GroupCommits(store)
+        commits = CoalescedCommits(store)
         callers = []
         for i, gap in enumerate(arrivals):
             callers.append(asyncio.create_task(commits.store(i)))
@@ -134,7 +134,7 @@ def test_finished_waits_for_the_running_store(cancelled_first):
     store = RecordingStore(gated=True)
 
     async def run():
-        commits = GroupCommits(store)
+        commits = CoalescedCommits(store)
         caller = asyncio.create_task(commits.store(0))
         await store.running()
         if cancelled_first:

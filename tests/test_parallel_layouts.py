@@ -2,7 +2,7 @@
 process, the PPO critic too.
 
 Each case runs the real trainer path in real gloo processes (``tests/trainer_processes.py``:
-``build_actor`` on the mesh of ``actor.parallel``, ``TrainerGroup`` scattering shares by data-parallel
+``build_actor`` on the mesh of ``actor.parallel``, ``TrainerRanks`` scattering shares by data-parallel
 coordinate, the collective ``rollout_weights`` gathering full Hugging Face tensors) and compares the
 updated weights, the loss and the gradient norm with a single-process run of the same engine on the
 same seeded batch; one case runs under ``srun`` across the two nodes of the dev Slurm cluster.
@@ -88,9 +88,9 @@ def test_ppo_critic_trains_the_same_under_tensor_parallelism(engine, tiny_model_
     assert_same_step(ours, reference)
 
 
-def test_moe_expert_parallel_steps_through_the_trainer_group(tiny_moe_dir, tmp_path):
+def test_moe_expert_parallel_steps_through_the_trainer_ranks(tiny_moe_dir, tmp_path):
     """Two optimizer steps of a Qwen3-MoE with its experts split over two ranks, through the actor's
-    PPO loss and the trainer group (tests/test_native_parallel.py covers experts that get no rows)."""
+    PPO loss and the trainer ranks (tests/test_native_parallel.py covers experts that get no rows)."""
     reference = run_ranks(1, tiny_moe_dir, tmp_path / "single.pt", "actor.engine=torch", *STEP)
     ours = run_ranks(2, tiny_moe_dir, tmp_path / "out.pt", "actor.engine=torch", *STEP, "actor.parallel.ep=2")
     assert_same_step(ours, reference)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
+from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.python_tool import PythonToolWorkflow, code_blocks, observation
 from areal_hpc.agents.registry import build_workflow
@@ -46,8 +46,8 @@ def pool():
 
 def scripted_episode(tokenizer, pool, turns: list[str], **workflow_args):
     model = ScriptedModel(tokenizer, turns)
-    engine = AgentEngine(
-        EngineSettings(generate=model, tokenizer=tokenizer, sampling=Sampling(32), scorer=Scorer(pool))
+    engine = EpisodeContext(
+        EpisodeSettings(generate=model, tokenizer=tokenizer, sampling=Sampling(32), scorer=Scorer(pool))
     )
     [record] = asyncio.run(run_episode(PythonToolWorkflow(**workflow_args), engine, EXAMPLE))
     return model, engine, record

@@ -14,12 +14,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from areal_hpc.models.hf import load_model
 from areal_hpc.rollout.decoder import FIRST_CAPACITY, SlotDecoder
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams, compacted, row_moves
+from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, Request, SamplingParams, compacted, row_moves
 from tests.test_rollout_server import PROMPT, teacher_forced_logprobs
 
 
 def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(tiny_model_dir):
-    engine = EmbeddedEngine(load_model(tiny_model_dir), slots=8, context_length=256)
+    engine = EmbeddedGenerator(load_model(tiny_model_dir), slots=8, context_length=256)
     forward = engine.decoder._forward
 
     def faulty(tokens, positions, first_row):
@@ -89,7 +89,7 @@ def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
     """Qwen3 normalises queries and keys per head: the decoder's path for it, prompts of several lengths
     prefilled together and decoding side by side; Qwen3-MoE's layers run their router and experts."""
     model = small_qwen3(moe)
-    engine = EmbeddedEngine(model, slots=4, context_length=128, eos_token_ids=[])
+    engine = EmbeddedGenerator(model, slots=4, context_length=128, eos_token_ids=[])
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [3]]
     results, all_done = [], threading.Event()
 
@@ -118,7 +118,7 @@ def test_a_prompt_that_comes_several_times_is_prefilled_once_and_each_row_sample
     (its rows copy the keys and values), and every row then samples its own tokens, each token's
     logprob that of a teacher-forced pass over its own sequence."""
     model = small_qwen3()
-    engine = EmbeddedEngine(model, slots=8, context_length=128, eos_token_ids=[])
+    engine = EmbeddedGenerator(model, slots=8, context_length=128, eos_token_ids=[])
     forward, prefilled = engine.decoder._forward, []
 
     def counting(tokens, positions, first_row):
@@ -157,7 +157,7 @@ def test_the_kv_cache_grows_under_running_sequences_without_changing_what_they_d
     """The cache starts at FIRST_CAPACITY columns per row and doubles when a sequence needs more:
     sequences already decoding keep their keys and values through each growth (to 128, then to the
     context length 256 here), checked against a teacher-forced pass of the Hugging Face model."""
-    engine = EmbeddedEngine(load_model(tiny_model_dir), slots=4, context_length=256, eos_token_ids=[])
+    engine = EmbeddedGenerator(load_model(tiny_model_dir), slots=4, context_length=256, eos_token_ids=[])
     assert engine.decoder.capacity == FIRST_CAPACITY < 256
     requests = {
         "short": (PROMPT, 10),

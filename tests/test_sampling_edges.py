@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.models.hf import load_model
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, Request, SamplingParams
+from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, Request, SamplingParams
 from tests.conftest import embedded_server
 from tests.test_rollout_server import PROMPT, model_info, post, wait_for
 
@@ -219,7 +219,7 @@ def test_sampling_values_at_numeric_edges_get_200_or_a_400_naming_the_field_and_
 def test_a_request_the_sampler_cannot_take_fails_alone_in_the_engine(tiny_model_dir):
     """Past validation (SamplingParams built directly), a top_k beyond int64 or a temperature beyond
     float32 fails its own request at admission; those prefilled with it and those decoding finish."""
-    engine = EmbeddedEngine(load_model(tiny_model_dir), slots=8, context_length=256)
+    engine = EmbeddedGenerator(load_model(tiny_model_dir), slots=8, context_length=256)
     results, all_done = {}, threading.Event()
 
     def on_done(result):

@@ -18,7 +18,7 @@ from bm25s.stopwords import STOPWORDS_EN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer
+from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.registry import build_workflow
 from areal_hpc.agents.search.corpus import build_world, prompt_of, rows, write_dataset
@@ -289,7 +289,7 @@ class ScriptedModel:
 
 def scripted_episode(tokenizer, pool, turns, example, workflow, max_new_tokens=64):
     model = ScriptedModel(tokenizer, turns)
-    engine = AgentEngine(EngineSettings(model.generate, tokenizer, Sampling(max_new_tokens), Scorer(pool)))
+    engine = EpisodeContext(EpisodeSettings(model.generate, tokenizer, Sampling(max_new_tokens), Scorer(pool)))
     [record] = asyncio.run(run_episode(workflow, engine, example))
     return record, engine, model
 
@@ -395,7 +395,9 @@ def test_the_tiny_model_runs_12_turns_on_a_real_server_and_its_record_is_exact(
 
     async def run(address):
         async with RolloutClient([address]) as client:
-            engine = AgentEngine(EngineSettings(client.generate, tokenizer, Sampling(max_new_tokens=6), Scorer(pool)))
+            engine = EpisodeContext(
+                EpisodeSettings(client.generate, tokenizer, Sampling(max_new_tokens=6), Scorer(pool))
+            )
             [record] = await run_episode(workflow, engine, example_of(question))
             return record, engine
 

@@ -12,7 +12,7 @@ import yaml
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
+from areal_hpc.agents.engine import EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.config import load_config
 from areal_hpc.data.registry import build_task
@@ -74,7 +74,7 @@ def test_sft_raises_eval_accuracy_and_writes_every_output(tmp_path):
 
             async def served():
                 async with RolloutClient([address]) as client:
-                    settings = EngineSettings(
+                    settings = EpisodeSettings(
                         client.generate, tokenizer, Sampling.from_config(cfg.gconfig), Scorer(rewards)
                     )
                     return await evaluate(settings, RLVRWorkflow(), task.eval)

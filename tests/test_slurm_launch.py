@@ -375,7 +375,7 @@ def test_a_plan_becomes_one_component_per_pool_and_every_task_knows_its_share(tm
     from areal_hpc.launch.hetjob import HetJobExecutor, JobSpec
     from areal_hpc.launch.slurm_task import task_groups
     from areal_hpc.launch.submit import components_from_plan
-    from areal_hpc.parallel.groups import TrainerGroups
+    from areal_hpc.parallel.groups import MixedLayout
 
     plan = tmp_path / "plan.yaml"
     made = run_cli("plan", "--cluster", cluster, "--model", "r1-distill-qwen-1.5b", "--out", str(plan))
@@ -403,7 +403,7 @@ def test_a_plan_becomes_one_component_per_pool_and_every_task_knows_its_share(tm
         assert len(set(taken)) == len(taken) and max(taken) < on_node[0][0].gpus_per_node
     train = content["train"]  # the mesh: every replica of the plan's training groups, when they share a shape
     allocation = [o for o in overrides if o.startswith("actor.parallel.allocation=")]
-    layout = TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
+    layout = MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
     if len({(g["tp"], g["pp"]) for g in train}) == 1:
         assert allocation == [
             f"actor.parallel.allocation=megatron:d{sum(g['dp'] for g in train)}p{train[0]['pp']}t{train[0]['tp']}"
@@ -474,7 +474,7 @@ def test_training_groups_of_different_shapes_become_groups_sharing_batches_by_re
     mesh, replicas numbered group by group, a tp2 replica of a worth two of its devices."""
     from areal_hpc.config import load_config
     from areal_hpc.launch.submit import components_from_plan
-    from areal_hpc.parallel.groups import TrainerGroups
+    from areal_hpc.parallel.groups import MixedLayout
 
     plan = {
         "pools": {
@@ -491,7 +491,7 @@ def test_training_groups_of_different_shapes_become_groups_sharing_batches_by_re
     assert "actor.parallel.groups=[[2,2,1],[2,1,1]]" in overrides  # pool a only trains: its ranks come first
     assert "actor.parallel.dp_weights=[0.4,0.4,0.1,0.1]" in overrides
     cfg = load_config(None, overrides)
-    layout = TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
+    layout = MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
     assert [layout.replica(rank) for rank in range(6)] == [0, 0, 1, 1, 2, 3]
 
 

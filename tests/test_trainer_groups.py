@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import load_config
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.groups import TrainerGroups, check_group_training
+from areal_hpc.parallel.groups import MixedLayout, check_group_training
 from tests.conftest import run_cli
 
 shapes = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 2), st.integers(1, 3)), min_size=1, max_size=4)
 
 
-def layout_of(groups: list) -> TrainerGroups:
+def layout_of(groups: list) -> MixedLayout:
     world = sum(dp * tp * pp for dp, tp, pp in groups)
     cfg = load_config(
         None,
@@ -27,7 +27,7 @@ def layout_of(groups: list) -> TrainerGroups:
             "actor.parallel.groups=[" + ",".join(f"[{dp},{tp},{pp}]" for dp, tp, pp in groups) + "]",
         ],
     )
-    return TrainerGroups.from_config(cfg.actor.parallel, world)
+    return MixedLayout.from_config(cfg.actor.parallel, world)
 
 
 @settings(max_examples=200, deadline=None)
@@ -97,7 +97,7 @@ def test_ranks_replicas_and_leaders_match_an_enumeration_in_megatron_order(group
 def test_a_layout_of_groups_that_cannot_run_is_one_line(overrides, message):
     cfg = load_config(None, overrides)
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
+        MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
 
 
 @pytest.mark.parametrize(

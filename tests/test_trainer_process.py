@@ -67,7 +67,7 @@ def run_case(model: Path, out: Path, case: str) -> subprocess.CompletedProcess:
 
 
 def test_the_child_trains_bit_for_bit_as_rank_0s_own_process(tiny_model_dir, tmp_path):
-    reference = run_ranks(1, tiny_model_dir, tmp_path / "in_process.pt")  # TrainerGroup.update in the rank itself
+    reference = run_ranks(1, tiny_model_dir, tmp_path / "in_process.pt")  # TrainerRanks.update in the rank itself
     done = run_case(tiny_model_dir, tmp_path / "child", "train")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "child alive after stop: False" in done.stdout

@@ -448,7 +448,7 @@ ESTIMATORS = {
 def test_tree_training_over_two_replicas_takes_the_flat_step_of_one_process(
     layout, estimator, tiny_model_dir, tmp_path_factory
 ):
-    """The trainer's own path on two gloo ranks (``TrainerGroup`` cutting each minibatch's tree into two
+    """The trainer's own path on two gloo ranks (``TrainerRanks`` cutting each minibatch's tree into two
     parts, each rank training its part depth first, one reduction): two optimizer steps of the actor (and
     the critic) equal the flat engine's in one process. This batch's prompts are short: the default
     ``actor.tree_min_saved_tokens`` of 64 would recompute them all, so prefixes saving 8 are shared here."""

@@ -17,7 +17,9 @@ import atexit
 import contextlib
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -31,7 +33,7 @@ from areal_hpc.runtime.exit import exit_process
 from areal_hpc.runtime.forkserver import PR_SET_CHILD_SUBREAPER, ForkServer, _prctl
 from areal_hpc.runtime.name_resolve import free_port
 from areal_hpc.train.build import build_actor, start_trainer
-from areal_hpc.train.trainer_group import TrainerGroup, follow
+from areal_hpc.train.trainer_ranks import TrainerRanks, follow
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +56,7 @@ def main(model: str, out: str, overrides: list[str]) -> None:
     rank, mesh = start_trainer(cfg)
     actor, engines = build_actor(cfg, mesh)
     if rank == 0:
-        group = TrainerGroup(actor, engines, mesh, cfg)
+        group = TrainerRanks(actor, engines, mesh, cfg)
         stats = group.update(synthetic_batch(len(actor.actor.tokenizer)))
         weights = {
             name: {k: v.clone() for bucket in engine.rollout_weights(1 << 20) for k, v in bucket}
@@ -100,7 +102,8 @@ def run_ranks(
     world: int, model, out, *overrides: str, timeout: float = 300, module: str = "tests.trainer_processes"
 ) -> dict:
     """Start ``world`` ranks of a rank script (this one by default) on loopback; what rank 0 wrote.
-    Each rank's output goes to ``OUT.rank<r>.log``; a rank that fails shows its log's end."""
+    Each rank's output goes to ``OUT.rank<r>.log``; a rank that fails, or ranks still running after
+    ``timeout`` seconds, show their logs' ends."""
     port = str(free_port("127.0.0.1"))
     logs = [Path(f"{out}.rank{r}.log") for r in range(world)]
     command = [sys.executable, "-m", module, str(model), str(out), *overrides]
@@ -117,8 +120,19 @@ def run_ranks(
     ]
     with adopting_ranks() as forks:
         ranks = [forks.spawn(f"rank{r}", command, envs[r], None, logs[r]) for r in range(world)]
+    deadline = time.monotonic() + timeout
     try:
-        codes = [p.wait(timeout=timeout) for p in ranks]
+        try:
+            codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in ranks]
+        except subprocess.TimeoutExpired:
+            running = [r for r, p in enumerate(ranks) if p.poll() is None]
+            raise AssertionError(
+                f"ranks {running} still running after {timeout:g} s:\n"
+                + "\n".join(
+                    f"rank {r} ({'running' if r in running else f'exited {ranks[r].poll()}'}):\n{failure(logs[r])}"
+                    for r in range(world)
+                )
+            ) from None
         assert codes == [0] * world, "\n".join(
             f"rank {r} exited {code}:\n{failure(logs[r])}" for r, code in enumerate(codes) if code != 0
         )

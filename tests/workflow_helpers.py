@@ -2,7 +2,7 @@
 unless given) in the group runner over a test's rollout client, tokenizer and reward pool; and
 ``ScriptedModel``, a stand-in ``generate`` that says given turns, for testing an environment alone."""
 
-from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
+from areal_hpc.agents.engine import EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.models.chat import completion_ids
@@ -20,7 +20,7 @@ def episode_groups(
 ) -> EpisodeGroups:
     return EpisodeGroups(
         workflow or RLVRWorkflow(),
-        lambda client: EngineSettings(client.generate, tokenizer, sampling, Scorer(pool), None, discount),
+        lambda client: EpisodeSettings(client.generate, tokenizer, sampling, Scorer(pool), None, discount),
         n_samples,
         task_name,
     )

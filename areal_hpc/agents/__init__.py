@@ -1,1 +1,1 @@
-"""Episodes: what one prompt turns into. Workflows (built in or yours) run on an ``AgentEngine``."""
+"""Episodes: what one prompt turns into. Workflows (built in or yours) run on an ``EpisodeContext``."""

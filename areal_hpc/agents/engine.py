@@ -1,4 +1,4 @@
-"""What a workflow's ``arun_episode(engine, example)`` works with: the ``AgentEngine`` of one episode.
+"""What a workflow's ``arun_episode(engine, example)`` works with: the ``EpisodeContext`` of one episode.
 
 - ``agenerate(ids, sampling)``: one generation from the rollout servers (interruptible: a weight
   update mid-turn resumes it on the new weights, each token keeping the version that made it);
@@ -58,7 +58,7 @@ class Sampling:
         return replace(self, temperature=0.0)
 
 
-class SameTickBatch:
+class SameTickCalls:
     """Calls made in one turn of the event loop, run as one call of ``run(items) -> results`` (a result
     per item, in order, an exception among them failing its own call; an exception raised fails every
     call of the batch), or as several of at most ``max_items``. A group's episodes start together, so
@@ -138,7 +138,7 @@ class Scorer:
 
     def __init__(self, pool: RewardPool):
         self.pool = pool
-        self._batch = SameTickBatch(self._score)
+        self._batch = SameTickCalls(self._score)
 
     async def __call__(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
         return await self._batch(requests)
@@ -159,7 +159,7 @@ PROMPT_CACHE = 4096  # rendered prompts kept (examples in flight are far fewer)
 
 
 @dataclass
-class EngineSettings:
+class EpisodeSettings:
     """What every episode's engine shares: built once per run (or per evaluation)."""
 
     generate: object  # async (input_ids, sampling params) -> a Generation (RolloutClient.generate)
@@ -173,7 +173,7 @@ class EngineSettings:
     # (RolloutClient.generate_batch); None: each generation is its own request
     generate_batch: object = None
 
-    def for_group(self, max_batch: int | None = None, parts: Callable[[], int] | None = None) -> EngineSettings:
+    def for_group(self, max_batch: int | None = None, parts: Callable[[], int] | None = None) -> EpisodeSettings:
         """These settings for episodes that start together (groups' samples, an evaluation's examples):
         generations they ask for in the same turn of the event loop (every episode's first turn) go to the
         servers as batched /generate requests of at most ``max_batch`` (None: one request), split into
@@ -193,7 +193,7 @@ class EngineSettings:
                     *(self.generate(ids, params) for ids, params in calls), return_exceptions=True
                 )
 
-        batch = SameTickBatch(together, max_batch, parts)
+        batch = SameTickCalls(together, max_batch, parts)
         return replace(self, generate=lambda input_ids, params: batch((input_ids, params)))
 
     def rendered_prompt(self, example: Example) -> tuple[list[int], str]:
@@ -206,8 +206,11 @@ class EngineSettings:
         return self.prompts[example.uid]
 
 
-class AgentEngine:
-    def __init__(self, settings: EngineSettings, seed: int | None = None):
+class EpisodeContext:
+    """One episode's handle: what a workflow's ``arun_episode(engine, example)`` receives as ``engine`` (AReaL's
+    parameter name): ``agenerate``, token episodes, chat clients, the reward; it records all of them."""
+
+    def __init__(self, settings: EpisodeSettings, seed: int | None = None):
         """``seed``: this episode's sampling seed (None: the servers pick)."""
         self.settings, self.seed = settings, seed
         self.tokenizer, self.sampling = settings.tokenizer, settings.sampling

@@ -1,9 +1,9 @@
 """Episodes in groups: the rollout controller's unit of work. For each prompt, ``n_samples`` episodes of
-the workflow run concurrently (each on its own ``AgentEngine``) and their records form one group (GRPO
+the workflow run concurrently (each on its own ``EpisodeContext``) and their records form one group (GRPO
 normalises rewards within it); the staleness gate counts the group once. Groups are numbered in the
 order they start (from ``first_group``, e.g. the prompts a resumed run had drawn); with a run ``seed``
 episode j of group g samples with seed ``derive_seed(seed, g, j)``. The episodes' first generations
-leave together, as one batched request (``EngineSettings.for_group``).
+leave together, as one batched request (``EpisodeSettings.for_group``).
 
 A workflow's ``arun_episode(engine, example)`` returns its records (a ``Trajectory`` or a list), or
 None to take every conversation its engine recorded (token episodes, chat clients). The runner stamps
@@ -18,7 +18,7 @@ import asyncio
 import uuid
 from collections.abc import Callable
 
-from areal_hpc.agents.engine import AgentEngine, EngineSettings, derive_seed
+from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, derive_seed
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
 
@@ -33,7 +33,7 @@ class EpisodeGroups:
     def __init__(
         self,
         workflow,
-        settings_for: Callable[[object], EngineSettings],
+        settings_for: Callable[[object], EpisodeSettings],
         n_samples: int,
         task_name: str,
         seed: int | None = None,
@@ -45,9 +45,9 @@ class EpisodeGroups:
         self.workflow, self.settings_for = workflow, settings_for
         self.n_samples, self.task_name = n_samples, task_name
         self.seed, self.started, self.merge_groups = seed, first_group, merge_groups
-        self._merged: tuple[object, EngineSettings] | None = None  # (client, its settings with one batcher for all)
+        self._merged: tuple[object, EpisodeSettings] | None = None  # (client, its settings with one batcher for all)
 
-    def _settings(self, client) -> EngineSettings:
+    def _settings(self, client) -> EpisodeSettings:
         """A batcher of the group's own samples (one /generate), or one for every group (the staleness gate
         admits a batch's worth at each weight update: the quickstart's 16 requests a step cost both event
         loops about 0.5 ms each)."""
@@ -64,7 +64,8 @@ class EpisodeGroups:
         seeds = [None if self.seed is None else derive_seed(self.seed, number, j) for j in range(self.n_samples)]
         async with asyncio.TaskGroup() as episodes:  # one failure cancels its siblings
             tasks = [
-                episodes.create_task(run_episode(self.workflow, AgentEngine(settings, seed), example)) for seed in seeds
+                episodes.create_task(run_episode(self.workflow, EpisodeContext(settings, seed), example))
+                for seed in seeds
             ]
         records = []
         for task in tasks:
@@ -74,7 +75,7 @@ class EpisodeGroups:
         return records
 
 
-async def run_episode(workflow, engine: AgentEngine, example: Example) -> list[Trajectory]:
+async def run_episode(workflow, engine: EpisodeContext, example: Example) -> list[Trajectory]:
     """One episode's records, with its bookkeeping in their metadata."""
     returned = await workflow.arun_episode(engine, example)
     records = recorded(engine) if returned is None else as_records(returned, type(workflow).__name__)
@@ -84,7 +85,7 @@ async def run_episode(workflow, engine: AgentEngine, example: Example) -> list[T
     return records
 
 
-def recorded(engine: AgentEngine) -> list[Trajectory]:
+def recorded(engine: EpisodeContext) -> list[Trajectory]:
     return [record for recorder in engine.recorders for record in recorder.records()]
 
 
@@ -98,7 +99,7 @@ def as_records(returned, name: str) -> list[Trajectory]:
     return records
 
 
-def episode_metadata(engine: AgentEngine, example: Example) -> dict:
+def episode_metadata(engine: EpisodeContext, example: Example) -> dict:
     meta = {
         "example": example.uid,
         "answer": str(example.answer),

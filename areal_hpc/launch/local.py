@@ -40,7 +40,7 @@ from areal_hpc.launch.roles import (
     server_command,
     trainer_command,
 )
-from areal_hpc.parallel.groups import TrainerGroups, check_group_training
+from areal_hpc.parallel.groups import MixedLayout, check_group_training
 from areal_hpc.parallel.tree_layout import resolve_tree_training
 from areal_hpc.runtime.bootstrap import (
     INCARNATION,
@@ -80,7 +80,7 @@ def should_resume(cfg: RunConfig, resume: str) -> bool:
 
 def launch(config: str, overrides: list[str], resume: str = "never") -> int:
     cfg = resolve_tree_training(load_config(config, overrides))
-    TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
+    MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
     check_group_training(cfg.actor)
     check_task(cfg)  # your data, reward and workflow load
     if cfg.distill.teacher_url:  # the teacher answers, with the student's tokenizer (this imports torch)

@@ -51,7 +51,7 @@ from areal_hpc.runtime.bootstrap import (
     RUN_MARKER,
     TRAINERS_AT,
     Placement,
-    TaskGroup,
+    RoleTasks,
     TaskRole,
     allocator_env,
     assigned_devices,
@@ -66,14 +66,14 @@ POLL_S = 1.0
 COMMENT_CHARS = 200  # of a failure's first line, kept as the job's comment
 
 
-def task_groups(cfg: RunConfig) -> list[TaskGroup]:
+def task_groups(cfg: RunConfig) -> list[RoleTasks]:
     """The job's tasks in global-rank order: ``slurm.task_groups`` (a plan's), else the trainer ranks
     (one accelerator each when ``slurm.trainer.gpus_per_node``), then the servers. ``UserError`` when
     the groups do not hold exactly the config's trainer ranks and servers."""
     if not cfg.slurm.task_groups:
         return [
-            TaskGroup("trainer", cfg.rl.trainer_processes, 1 if cfg.slurm.trainer.gpus_per_node else 0),
-            TaskGroup("rollout", cfg.rollout.n_servers, cfg.slurm.rollout.gpus_per_server, cfg.rollout.tp_size),
+            RoleTasks("trainer", cfg.rl.trainer_processes, 1 if cfg.slurm.trainer.gpus_per_node else 0),
+            RoleTasks("rollout", cfg.rollout.n_servers, cfg.slurm.rollout.gpus_per_server, cfg.rollout.tp_size),
         ]
     groups = []
     for entry in cfg.slurm.task_groups:
@@ -88,7 +88,7 @@ def task_groups(cfg: RunConfig) -> list[TaskGroup]:
                 f"slurm.task_groups entry {entry} is not [trainer|rollout, tasks, accelerators per task, "
                 f"tensor-parallel size >= 1]"
             )
-        groups.append(TaskGroup(*entry))
+        groups.append(RoleTasks(*entry))
     for role, expected, key in (
         ("trainer", cfg.rl.trainer_processes, "rl.trainer_processes"),
         ("rollout", cfg.rollout.n_servers, "rollout.n_servers"),

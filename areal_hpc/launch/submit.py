@@ -38,8 +38,8 @@ from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
 from areal_hpc.launch.local import should_resume
 from areal_hpc.launch.slurm_task import run_task, task_groups
 from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.groups import TrainerGroups, check_group_training
-from areal_hpc.runtime.bootstrap import LAUNCHED_AT, TaskGroup
+from areal_hpc.parallel.groups import MixedLayout, check_group_training
+from areal_hpc.runtime.bootstrap import LAUNCHED_AT, RoleTasks
 from areal_hpc.train.task_setup import check_task
 
 
@@ -104,7 +104,7 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
     pools = plan.get("pools")
     if not isinstance(pools, dict) or not plan.get("train") or not plan.get("rollout"):
         raise UserError("the plan lacks pools, train or rollout groups; write it with `areal-hpc plan --out FILE`")
-    groups: dict[str, list[TaskGroup]] = {}
+    groups: dict[str, list[RoleTasks]] = {}
     device_speeds: dict[str, list[float]] = {}
     for role in ("train", "rollout"):
         for group in plan[role]:
@@ -120,9 +120,9 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
                     f"{group['dp'] * group['tp'] * group['pp']}"
                 )
             task = (
-                TaskGroup("trainer", group["devices"], 1)
+                RoleTasks("trainer", group["devices"], 1)
                 if role == "train"
-                else TaskGroup("rollout", group["replicas"], group["tp"] * group["pp"], group["tp"])
+                else RoleTasks("rollout", group["replicas"], group["tp"] * group["pp"], group["tp"])
             )
             groups.setdefault(group["pool"], []).append(task)
             if role == "train":  # each device's planned training speed, for the batch split
@@ -151,10 +151,10 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
     train = [g for name in order for g in plan["train"] if g["pool"] == name]  # in rank order
     if len({(g["tp"], g["pp"]) for g in train}) == 1:  # one trainer mesh holds replicas of one shape
         dims = ParallelDims(dp=sum(g["dp"] for g in train), tp=train[0]["tp"], pp=train[0]["pp"])
-        layout = TrainerGroups((dims,))
+        layout = MixedLayout((dims,))
         overrides.append(f"actor.parallel.allocation=megatron:d{dims.dp}p{dims.pp}t{dims.tp}")
     else:  # each group its own mesh
-        layout = TrainerGroups(tuple(ParallelDims(dp=g["dp"], tp=g["tp"], pp=g["pp"]) for g in train))
+        layout = MixedLayout(tuple(ParallelDims(dp=g["dp"], tp=g["tp"], pp=g["pp"]) for g in train))
         overrides.append("actor.parallel.groups=[" + ",".join(f"[{g['dp']},{g['tp']},{g['pp']}]" for g in train) + "]")
     weights = replica_weights(layout, [speed for name in order for speed in device_speeds.get(name, [])])
     if len(set(weights)) > 1:
@@ -162,7 +162,7 @@ def components_from_plan(plan: dict, cfg: RunConfig) -> tuple[list[Component], l
     return components, overrides
 
 
-def replica_weights(layout: TrainerGroups, device_speeds: list[float]) -> list[float]:
+def replica_weights(layout: MixedLayout, device_speeds: list[float]) -> list[float]:
     """Each data-parallel replica's share of a batch (over every training group): the planned speed of
     its slowest device (trainer ranks in rank order) times its devices (a tp2 replica of one group
     against a tp1 replica of another), normalised to sum to 1."""
@@ -176,14 +176,14 @@ def replica_weights(layout: TrainerGroups, device_speeds: list[float]) -> list[f
     return [speed / sum(speeds) for speed in speeds]
 
 
-def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunConfig) -> list[Component]:
+def _pool_components(name: str, pool: dict, groups: list[RoleTasks], cfg: RunConfig) -> list[Component]:
     """One pool's tasks (in rank order) on its nodes: one component spread evenly over the fewest nodes
     that hold it (the last node may hold fewer); when no even spread fits (mixed accelerator counts
     that fill the nodes exactly), nodes filled in turn, one component per run of nodes holding as many
     tasks. Slurm places a component's consecutive tasks on a node."""
     per_rank = [g for g in groups for _ in range(g.tasks)]
 
-    def load(block: list[TaskGroup]) -> int:
+    def load(block: list[RoleTasks]) -> int:
         return sum(g.accelerators for g in block)
 
     for nodes in range(1, pool["nodes"] + 1):
@@ -202,7 +202,7 @@ def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunCon
             f"plan: pool '{name}' cannot place its tasks ({asked} accelerators) on {pool['nodes']} "
             f"nodes of {pool['per_node']} accelerators"
         )
-    runs: list[list[list[TaskGroup]]] = []
+    runs: list[list[list[RoleTasks]]] = []
     for i, block in enumerate(blocks):  # a node joins the run before it when as full (the last: or less full)
         if runs and (len(block) == len(runs[-1][0]) or (i == len(blocks) - 1 and len(block) < len(runs[-1][0]))):
             runs[-1].append(block)
@@ -211,7 +211,7 @@ def _pool_components(name: str, pool: dict, groups: list[TaskGroup], cfg: RunCon
     return [_component(pool, run, cfg) for run in runs]
 
 
-def _component(pool: dict, blocks: list[list[TaskGroup]], cfg: RunConfig) -> Component:
+def _component(pool: dict, blocks: list[list[RoleTasks]], cfg: RunConfig) -> Component:
     """The component of consecutive nodes holding ``blocks``, each node's tasks."""
     roles = {task.role for block in blocks for task in block}
     trainer, rollout = cfg.slurm.trainer, cfg.slurm.rollout
@@ -319,7 +319,7 @@ def prepare(
     else:
         components = components_from_config(cfg)
     cfg = load_config(files, [*overrides, *plan_overrides, *absolute_path_overrides(cfg)])  # tasks start elsewhere
-    TrainerGroups.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
+    MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
     check_group_training(cfg.actor)
     task_groups(cfg)  # the tasks' roles add up
     check_task(cfg)  # your data, reward and workflow load

@@ -39,7 +39,7 @@ PAD_TOLERANCE = 1.5  # padded attention work of a group / the work of its sequen
 
 
 @dataclass
-class PaddedGroup:
+class PaddedBlock:
     tokens: torch.Tensor  # [m] packed positions of this group's tokens
     slots: torch.Tensor  # [m] their places in the group's flattened [n, L] block
     n: int
@@ -63,7 +63,7 @@ def length_groups(lengths: list[int], tolerance: float = PAD_TOLERANCE) -> list[
     return groups
 
 
-def padded_groups(cu_seqlens: torch.Tensor) -> list[PaddedGroup]:
+def padded_groups(cu_seqlens: torch.Tensor) -> list[PaddedBlock]:
     """The gather/scatter plan of a packed row with sequence boundaries ``cu_seqlens``."""
     starts, lengths = cu_seqlens[:-1].tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     plan = []
@@ -72,7 +72,7 @@ def padded_groups(cu_seqlens: torch.Tensor) -> list[PaddedGroup]:
         tokens = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in members])
         slots = torch.cat([torch.arange(row * length, row * length + lengths[i]) for row, i in enumerate(members)])
         device = cu_seqlens.device
-        plan.append(PaddedGroup(tokens.to(device), slots.to(device), len(members), length))
+        plan.append(PaddedBlock(tokens.to(device), slots.to(device), len(members), length))
     return plan
 
 
@@ -85,7 +85,7 @@ def varlen_sdpa(
     *,
     scaling: float | None = None,
     dropout: float = 0.0,
-    padded_groups: list[PaddedGroup],
+    padded_groups: list[PaddedBlock],
     **_,
 ) -> tuple[torch.Tensor, None]:
     """Hugging Face attention-interface function: q [1, H, T, D], k/v [1, H_kv, T, D] of a packed row

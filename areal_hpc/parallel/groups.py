@@ -21,11 +21,14 @@ NOT_WITH_GROUPS = (("cp", 1), ("ep", 1), ("vpp", 1), ("distributed_optimizer", F
 
 
 @dataclass(frozen=True)
-class TrainerGroups:
+class MixedLayout:
+    """The trainer ranks' layout: training meshes of different shapes in rank order (one per device pool,
+    ``actor.parallel.groups``), or the one mesh of ``actor.parallel``."""
+
     groups: tuple[ParallelDims, ...]
 
     @classmethod
-    def from_config(cls, parallel, world_size: int) -> TrainerGroups:
+    def from_config(cls, parallel, world_size: int) -> MixedLayout:
         """The groups of ``actor.parallel.groups`` (each ``[dp, tp, pp]``), or the one mesh of
         ``actor.parallel``; checked against the world, and ``actor.parallel.dp_weights`` against the
         replicas."""

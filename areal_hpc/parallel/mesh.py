@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.dims import MESH_DIMS, ParallelDims
-from areal_hpc.parallel.groups import TrainerGroups
+from areal_hpc.parallel.groups import MixedLayout
 from areal_hpc.runtime.bootstrap import INTERFACE, RENDEZVOUS, Placement, assigned_devices
 from areal_hpc.runtime.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_store
 
@@ -37,7 +37,7 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> TrainMesh:
 
 @dataclass
 class StageLinks:
-    """The process groups that sum gradients across training groups (``group_gradients``): ``writers``,
+    """The process groups that sum gradients across training groups (``mixed_gradients``): ``writers``,
     the first rank of every group's every pipeline stage; ``stage``, this rank's stage (None when the
     stage is this rank alone), whose first rank is ``stage_writer``."""
 
@@ -47,7 +47,7 @@ class StageLinks:
     stage_writer: int
 
 
-def build_group_meshes(layout: TrainerGroups, device: torch.device) -> TrainMesh:
+def build_group_meshes(layout: MixedLayout, device: torch.device) -> TrainMesh:
     """This rank's group's mesh. Collective: every rank builds every group's ``DeviceMesh`` (and a
     process group of its ranks) in turn, then the groups that link the stages across them and the
     pipelines' ends, as creating a process group asks of all ranks in one order: a group that only one
@@ -84,12 +84,12 @@ class TrainMesh:
         dims: ParallelDims,
         mesh: DeviceMesh,
         device: torch.device,
-        layout: TrainerGroups | None = None,
+        layout: MixedLayout | None = None,
         index: int = 0,
         members: dist.ProcessGroup | None = None,
     ):
         self.dims, self.mesh, self.device = dims, mesh, device
-        self.layout, self.index = layout or TrainerGroups((dims,)), index
+        self.layout, self.index = layout or MixedLayout((dims,)), index
         self.members = members or dist.group.WORLD
         self.links: StageLinks | None = None  # with several groups (``build_group_meshes``)
         self._pipeline_ends: dist.ProcessGroup | object | None = UNMADE  # made once, by every rank
@@ -98,7 +98,7 @@ class TrainMesh:
         self._extra: dict[str, DeviceMesh] = {}
 
     def make_pipeline_ends(self) -> None:
-        """Create every replica slot's [first stage, last stage] group (``TrainerGroups.pipeline_ends``).
+        """Create every replica slot's [first stage, last stage] group (``MixedLayout.pipeline_ends``).
         Collective over every rank, once: ``build_group_meshes`` makes them before any group's engine
         runs, one mesh's pipeline on first use."""
         if self._pipeline_ends is UNMADE:

@@ -34,8 +34,9 @@ DEVICES = {"gloo": "cpu", "nccl": "cuda"}  # the device torch's group helper nam
 
 
 @dataclass
-class UpdateGroup:
-    """A process group plus the store it lives on (the store must outlive the group)."""
+class WeightChannel:
+    """The weight-update channel (SGLang's "weights update group"): a process group plus the store it lives
+    on (the store must outlive the group)."""
 
     group: dist.ProcessGroup
     store: dist.Store
@@ -66,7 +67,7 @@ def join_update_group(
     group_name: str,
     timeout_s: float = GROUP_TIMEOUT_S,
     store: dist.Store | None = None,
-) -> UpdateGroup:
+) -> WeightChannel:
     """Join group ``group_name``; blocks until all ``world_size`` ranks have joined. Without ``store``
     the ranks meet as in torch's ``tcp://`` rendezvous: rank 0 hosts the store on ``master_port``, the
     others connect to it; a trainer's rank 0 passes the store it already hosts (``host_store``)."""
@@ -85,10 +86,10 @@ def join_update_group(
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     group._set_sequence_number_for_group()  # as torch's group helper does for SGLang's ranks
-    return UpdateGroup(group, store, rank)
+    return WeightChannel(group, store, rank)
 
 
-def broadcast_tensor(group: UpdateGroup, tensor: torch.Tensor) -> torch.Tensor:
+def broadcast_tensor(group: WeightChannel, tensor: torch.Tensor) -> torch.Tensor:
     """Rank 0 sends ``tensor``; every other rank receives into it (same shape and dtype)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0

@@ -1,7 +1,7 @@
 """Group commit: episodes that finish while a store is running are stored together by the next one.
 
 A shard commit costs an HDF5 flush and two fsyncs however many records it holds: a quickstart step's 16
-groups take ~12 CPU-ms committed one by one, ~7 in one commit. ``GroupCommits.store(item)``
+groups take ~12 CPU-ms committed one by one, ~7 in one commit. ``CoalescedCommits.store(item)``
 returns once a call of ``store_all`` that held ``item`` has returned (and raises what that call
 raised): calls run one at a time on ``executor``, each with everything that arrived meanwhile, in
 arrival order, so no latency is added when they do not overlap.
@@ -17,7 +17,9 @@ from typing import Generic, TypeVar
 Item = TypeVar("Item")
 
 
-class GroupCommits(Generic[Item]):
+class CoalescedCommits(Generic[Item]):
+    """Stores that arrive while one runs, coalesced into the next (a database's "group commit")."""
+
     def __init__(self, store_all: Callable[[list[Item]], None], executor: concurrent.futures.Executor | None = None):
         self.store_all, self.executor = store_all, executor
         self._waiting: list[tuple[Item, asyncio.Future]] = []

@@ -30,7 +30,7 @@ import aiohttp
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.rollout.client import ConnectionFailedError, NoServerError, RolloutClient, RolloutError, ServerReplyError
-from areal_hpc.rollout.commits import GroupCommits
+from areal_hpc.rollout.commits import CoalescedCommits
 from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
 
 # What can go wrong with an episode; metrics carry a count of each (rollout/failures/<kind>).
@@ -119,10 +119,10 @@ class RolloutController:
         accept_executor: concurrent.futures.Executor | None = None,
     ):
         """``on_accept`` stores accepted episodes, those that finished while the previous call ran in
-        one call (``GroupCommits``), on ``accept_executor`` (None: asyncio's default threads)."""
+        one call (``CoalescedCommits``), on ``accept_executor`` (None: asyncio's default threads)."""
         self.client, self.workflow, self.gate = client, workflow, gate
         self.accept, self.on_drop = accept, on_drop
-        self._commits = None if on_accept is None else GroupCommits(on_accept, accept_executor)
+        self._commits = None if on_accept is None else CoalescedCommits(on_accept, accept_executor)
         self.budget = budget or FailureBudget()
         # A list is cycled; an iterator (e.g. an endless, resumable prompt stream) is used as it is.
         self._examples = examples if isinstance(examples, Iterator) else itertools.cycle(examples)

@@ -53,8 +53,8 @@ class RequestError(ValueError):
     """A request the engine cannot serve as asked (the server answers 400 with this message)."""
 
 
-class EngineFailure(RuntimeError):
-    """The engine could not finish a request (the server answers 500 with this message)."""
+class GenerationFailure(RuntimeError):
+    """The generator could not finish a request (the server answers 500 with this message)."""
 
 
 def _finite(value) -> float | None:
@@ -69,7 +69,7 @@ def _finite(value) -> float | None:
 
 
 SAMPLING_CHECKS = [  # field, what is valid, test; in order (a later test may assume an earlier one passed)
-    ("max_new_tokens", "an integer >= 0", lambda v: type(v) is int and v >= 0),  # context length: EmbeddedEngine.check
+    ("max_new_tokens", "an integer >= 0", lambda v: type(v) is int and v >= 0),  # vs context: EmbeddedGenerator.check
     (
         "temperature",
         f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}",
@@ -143,7 +143,7 @@ class Request:
     error: str | None = None  # set when the engine fails this request
 
 
-class EmbeddedEngine:
+class EmbeddedGenerator:
     """Serve generation requests from one model with continuous batching; thread-safe entry points."""
 
     def __init__(
@@ -220,7 +220,7 @@ class EmbeddedEngine:
             self.abort(rid)
             raise
         if result.error is not None:
-            raise EngineFailure(f"request {rid} failed in the engine: {result.error}")
+            raise GenerationFailure(f"request {rid} failed in the engine: {result.error}")
         return result
 
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:

@@ -23,11 +23,11 @@ import torch
 from aiohttp import web
 
 from areal_hpc.models.hf import DTYPES
-from areal_hpc.parallel.weight_group import UpdateGroup, broadcast_tensor, join_update_group
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, RequestError, Result, SamplingParams
+from areal_hpc.parallel.weight_group import WeightChannel, broadcast_tensor, join_update_group
+from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, RequestError, Result, SamplingParams
 
 GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid", "stream"}
-ENGINE = web.AppKey("engine", EmbeddedEngine)
+ENGINE = web.AppKey("engine", EmbeddedGenerator)
 STATE = web.AppKey("state", dict)
 TOKEN = web.AppKey("token", str)
 DEFAULT_GROUP = "weight_update_group"  # SGLang's, for requests that name no update group
@@ -363,7 +363,7 @@ def bucket_spec(body: dict, group_name: str) -> tuple[list[str], list[torch.dtyp
 
 
 def receive_state(
-    group: UpdateGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], device: torch.device
+    group: WeightChannel, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], device: torch.device
 ) -> dict[str, torch.Tensor]:
     """Server side of one bucket: the tensors rank 0 broadcasts, in ``names`` order, as declared."""
     return {
@@ -385,7 +385,7 @@ def _version(body: dict) -> int | None:
     raise RequestError(f"weight_version {reprlib.repr(version)} must be an integer")
 
 
-def build_app(engine: EmbeddedEngine, model_path: str, tokenizer=None, token: str | None = None) -> web.Application:
+def build_app(engine: EmbeddedGenerator, model_path: str, tokenizer=None, token: str | None = None) -> web.Application:
     """``token``: required on every route but the health probes (servers bound beyond loopback); its
     check runs inside the JSON error handler, as the routes do."""
     app = web.Application(middlewares=[errors_as_json] + ([token_required] if token else []), client_max_size=64 << 20)
@@ -422,7 +422,7 @@ def serve_embedded(cfg) -> None:
     sock = bind(cfg.rollout.host, cfg.rollout.port)  # a taken port fails before minutes of model loading
     token = server_token(cfg.run_dir, cfg.rollout.host)
     model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.attn_impl, resolve_device(cfg.cluster.device))
-    engine = EmbeddedEngine(
+    engine = EmbeddedGenerator(
         model,
         slots=cfg.rollout.max_running_requests,
         context_length=cfg.rollout.context_length or None,

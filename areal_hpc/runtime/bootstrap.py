@@ -110,7 +110,7 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class TaskGroup:
+class RoleTasks:
     """Consecutive global ranks of one role: ``tasks`` trainer ranks or rollout servers, ``accelerators``
     each; a server group's ``tp`` is each server's tensor-parallel size."""
 
@@ -132,7 +132,7 @@ class TaskRole:
     tp: int
 
 
-def task_role(placement: Placement, groups: list[TaskGroup]) -> TaskRole:
+def task_role(placement: Placement, groups: list[RoleTasks]) -> TaskRole:
     """This task's role from ``groups``, the job's tasks in global-rank order. A node's tasks are
     consecutive ranks (Slurm's block distribution, within each het component), so a task's accelerators
     follow those of the node's tasks before it."""

@@ -152,7 +152,7 @@ class RolloutReplica:
 
 
 @dataclass(frozen=True)
-class TrainGroup:
+class PoolTrainLayout:
     """Training devices of one pool: dp x tp x pp, its token rate and its per-step gradient all-reduce."""
 
     pool: str
@@ -254,7 +254,7 @@ class CostModel:
         """A device's memory in a rollout replica: its ``batch`` sequences of prompt and mean answer."""
         return rollout_estimate(self.model, replica.tp, replica.pp, replica.batch, self.workload.seq_tokens)
 
-    def _train_layouts(self, pool: NodePool, devices: int, inter_gbs: float) -> tuple[TrainGroup, ...]:
+    def _train_layouts(self, pool: NodePool, devices: int, inter_gbs: float) -> tuple[PoolTrainLayout, ...]:
         """Every dp x tp x pp layout of exactly ``devices`` devices of ``pool`` that fits in memory."""
         m, w, e, dev = self.model, self.workload, self.eff, pool.device
         found = []
@@ -280,7 +280,7 @@ class CostModel:
                 pp_comm = (pp > 1) * 2 * m.hidden * 2 / (pp_gbs * GB * e.link)
                 dp_gbs = dev.link_gbs if devices <= pool.per_node else inter_gbs
                 found.append(
-                    TrainGroup(
+                    PoolTrainLayout(
                         pool.name,
                         dp,
                         tp,
@@ -291,16 +291,16 @@ class CostModel:
                 )
         return tuple(found)
 
-    def _train_group(self, pool: NodePool, devices: int, inter_gbs: float) -> TrainGroup | None:
+    def _train_group(self, pool: NodePool, devices: int, inter_gbs: float) -> PoolTrainLayout | None:
         """The layout of ``devices`` devices of ``pool`` with the shortest step alone (None: nothing fits)."""
         return min(self.train_layouts(pool, devices, inter_gbs), key=self._group_step_s, default=None)
 
-    def _group_step_s(self, group: TrainGroup) -> float:
+    def _group_step_s(self, group: PoolTrainLayout) -> float:
         return self.workload.step_tokens / group.tokens_per_s + group.allreduce_s
 
     def fastest_train(
-        self, layouts: list[tuple[TrainGroup, ...]], cross_gbs: float
-    ) -> tuple[tuple[TrainGroup, ...], float]:
+        self, layouts: list[tuple[PoolTrainLayout, ...]], cross_gbs: float
+    ) -> tuple[tuple[PoolTrainLayout, ...], float]:
         """One layout per pool (from ``layouts``, one tuple per pool) whose combined ``train_step_s`` is
         shortest, and that step.
 
@@ -323,7 +323,7 @@ class CostModel:
                 return tuple(chosen), self.train_step_s(chosen, cross_gbs)
             chosen = step
 
-    def train_step_s(self, groups: list[TrainGroup], cross_gbs: float) -> float:
+    def train_step_s(self, groups: list[PoolTrainLayout], cross_gbs: float) -> float:
         """One step over groups of different pools: tokens split so that all finish together, then
         the groups' gradients are averaged over the slowest link between them."""
         rate = sum(g.tokens_per_s for g in groups)

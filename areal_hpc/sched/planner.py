@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from areal_hpc.errors import UserError
-from areal_hpc.sched.cost import CostModel, TrainGroup, powers_of_two
+from areal_hpc.sched.cost import CostModel, PoolTrainLayout, powers_of_two
 from areal_hpc.sched.hardware import Cluster
 from areal_hpc.sched.partition import metis_split, ratio_split
 from areal_hpc.sched.rollout_milp import RolloutMILP, RolloutPlan
@@ -29,7 +29,7 @@ CHEAPEST = 1e-9  # tokens/s: a min-cost target every plan meets, so the cheapest
 class Plan:
     """A placement and its predicted step: step = max(train, generation) + weight sync (η = 0: their sum)."""
 
-    train: tuple[TrainGroup, ...]
+    train: tuple[PoolTrainLayout, ...]
     rollout: RolloutPlan
     train_s: float
     generation_s: float

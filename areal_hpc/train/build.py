@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from areal_hpc.agents.engine import EngineSettings, Sampling, Scorer
+from areal_hpc.agents.engine import EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.algo.filters import is_informative_group
 from areal_hpc.algo.tree_balance import check_cost
@@ -34,7 +34,7 @@ from areal_hpc.engines.torch.lora import check_engine as check_lora_engine
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.parallel.device import check_precision, resolve_device
-from areal_hpc.parallel.groups import TrainerGroups, check_group_training
+from areal_hpc.parallel.groups import MixedLayout, check_group_training
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_group_meshes, init_distributed
 from areal_hpc.parallel.tree_layout import resolve_tree_training
 from areal_hpc.rollout.client import RolloutClient
@@ -55,7 +55,7 @@ def start_trainer(cfg: RunConfig) -> tuple[int, TrainMesh]:
     group's mesh with ``actor.parallel.groups``)."""
     device = resolve_device(cfg.cluster.device)
     rank, world = init_distributed(device)
-    layout = TrainerGroups.from_config(cfg.actor.parallel, world)
+    layout = MixedLayout.from_config(cfg.actor.parallel, world)
     mesh = build_group_meshes(layout, device)
     if mesh.mixed:
         dims = mesh.dims
@@ -150,10 +150,12 @@ def build_weight_sync(cfg: RunConfig, device_type: str, executor: concurrent.fut
     return DistributedWeightSync(backend, cfg.rl.weight_sync_bucket_mb << 20, host=node_address(cfg.cluster.interface))
 
 
-def engine_settings(cfg: RunConfig, client: RolloutClient, tokenizer, rewards: RewardPool, chat=None) -> EngineSettings:
+def engine_settings(
+    cfg: RunConfig, client: RolloutClient, tokenizer, rewards: RewardPool, chat=None
+) -> EpisodeSettings:
     """What every episode's engine shares: the rollout client's ``generate`` (and its batch form, for a
     group's samples), the run's sampling and reward."""
-    return EngineSettings(
+    return EpisodeSettings(
         client.generate,
         tokenizer,
         Sampling.from_config(cfg.gconfig),

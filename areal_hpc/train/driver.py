@@ -32,12 +32,12 @@ from areal_hpc.runtime.run_state import SAVED_AND_STOPPED
 from areal_hpc.train.build import build_engines, start_trainer
 from areal_hpc.train.rl_run import RLRun
 from areal_hpc.train.stopping import STOP_SIGNALS, EarlyStopSignal, StopGuard, StopRequested
-from areal_hpc.train.trainer_group import TrainerGroup, follow
 from areal_hpc.train.trainer_process import TrainerProcess, trains_in_child
+from areal_hpc.train.trainer_ranks import TrainerRanks, follow
 
 
 async def drive(
-    cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dict, early: EarlyStopSignal | None = None
+    cfg: RunConfig, group: TrainerRanks | TrainerProcess, state: dict, early: EarlyStopSignal | None = None
 ) -> None:
     """Trainer rank 0's loop from ``state["step"]``: gate -> generate -> reward -> commit -> update ->
     push -> evaluate and checkpoint. A stop signal saves the last trained step (``StopRequested``)."""
@@ -104,10 +104,10 @@ def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal)
             signal.signal(signum, signal.SIG_IGN)
         follow(actor, engines, mesh)
         return 0
-    return lead(cfg, TrainerGroup(actor, engines, mesh, cfg), state, early)
+    return lead(cfg, TrainerRanks(actor, engines, mesh, cfg), state, early)
 
 
-def lead(cfg: RunConfig, group: TrainerGroup | TrainerProcess, state: dict, early: EarlyStopSignal) -> int:
+def lead(cfg: RunConfig, group: TrainerRanks | TrainerProcess, state: dict, early: EarlyStopSignal) -> int:
     """Rank 0: drive the run through ``group`` (the training in this process, or in its child)."""
     stopped = False
     try:

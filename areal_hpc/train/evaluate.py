@@ -2,7 +2,7 @@
 (greedy by default, or ``n_samples`` sampled episodes for pass@k), scored by the run's reward.
 
 During RL the engine generates on the rollout servers (``RolloutClient.generate``); for a model in
-this process (SFT, ``areal-hpc eval``) on an ``EmbeddedEngine`` running it, the decoder the embedded
+this process (SFT, ``areal-hpc eval``) on an ``EmbeddedGenerator`` running it, the decoder the embedded
 servers run, so a model scores the same in-process and behind a server.
 """
 
@@ -16,14 +16,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from areal_hpc.agents.chat import optional_chat
-from areal_hpc.agents.engine import AgentEngine, EngineSettings, Sampling, Scorer, derive_seed
+from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer, derive_seed
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
 from areal_hpc.models.chat import example_prompt_ids
 from areal_hpc.rollout.client import Generation
-from areal_hpc.rollout.embedded_engine import EmbeddedEngine, SamplingParams
+from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, SamplingParams
 
 EVAL_SLOTS = 64  # sequences an in-process evaluation decodes together
 EVAL_BATCH = 64  # generations per /generate request of an evaluation through the rollout servers
@@ -60,7 +60,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 async def evaluate(
-    settings: EngineSettings,
+    settings: EpisodeSettings,
     workflow,
     examples: list[Example],
     n_samples: int = 1,
@@ -74,7 +74,7 @@ async def evaluate(
         settings = replace(settings, sampling=settings.sampling.greedy())
     settings = settings.for_group(EVAL_BATCH)  # the examples' first turns: a few batched requests, not one each
     engines = [
-        [AgentEngine(settings, None if seed is None else derive_seed(seed, i, j)) for j in range(n_samples)]
+        [EpisodeContext(settings, None if seed is None else derive_seed(seed, i, j)) for j in range(n_samples)]
         for i in range(len(examples))
     ]
     outcomes = await asyncio.gather(
@@ -104,7 +104,7 @@ async def evaluate(
     )
 
 
-def _episode_row(example: Example, engine: AgentEngine, outcome) -> dict:
+def _episode_row(example: Example, engine: EpisodeContext, outcome) -> dict:
     if isinstance(outcome, BaseException):
         return {
             "example": example.uid,
@@ -143,7 +143,7 @@ def evaluate_model(
     evaluation mode; a training step puts it back). ``model_folder``: where its tokenizer and chat
     template are, for workflows that chat."""
     longest = max((len(example_prompt_ids(tokenizer, ex)) for ex in examples), default=1)
-    engine = EmbeddedEngine(
+    engine = EmbeddedGenerator(
         model,
         slots=min(EVAL_SLOTS, max(1, len(examples) * n_samples)),
         context_length=min(model.config.max_position_embeddings, CHAT_HEADROOM * (longest + sampling.max_new_tokens)),
@@ -158,7 +158,7 @@ def evaluate_model(
 
     async def run() -> EvalResult:
         async with optional_chat(generate, model_folder, discount) as chat:
-            settings = EngineSettings(generate, tokenizer, sampling, Scorer(rewards), chat, discount)
+            settings = EpisodeSettings(generate, tokenizer, sampling, Scorer(rewards), chat, discount)
             return await evaluate(settings, workflow or RLVRWorkflow(), examples, n_samples, greedy, seed=seed)
 
     try:

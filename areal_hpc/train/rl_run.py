@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 
 from areal_hpc.agents.chat import optional_chat
-from areal_hpc.agents.engine import EngineSettings, Scorer
+from areal_hpc.agents.engine import EpisodeSettings, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.agents.registry import build_workflow
 from areal_hpc.algo.temperature import run_temperature
@@ -46,7 +46,7 @@ from areal_hpc.train.placement import ThreadPlacement
 from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.stopping import StopRequested
 from areal_hpc.train.task_setup import open_task, reward_pool
-from areal_hpc.train.trainer_group import TrainerGroup
+from areal_hpc.train.trainer_ranks import TrainerRanks
 from areal_hpc.train.weight_push import admit_servers
 
 
@@ -56,12 +56,12 @@ class RLRun:
     def __init__(
         self,
         cfg: RunConfig,
-        group: TrainerGroup,
+        group: TrainerRanks,
         state: dict,
         task,
         workflow,
-        settings: EngineSettings,
-        eval_settings: EngineSettings,
+        settings: EpisodeSettings,
+        eval_settings: EpisodeSettings,
         progress: RLProgress,
         writer: TrajectoryShardWriter,
         consumer: TrajectoryConsumer,
@@ -108,7 +108,7 @@ class RLRun:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: RunConfig, group: TrainerGroup, state: dict) -> AsyncIterator[RLRun]:
+    async def open(cls, cfg: RunConfig, group: TrainerRanks, state: dict) -> AsyncIterator[RLRun]:
         # the update on this process's cores (or a child's there), this thread on the rollout side's
         with ThreadPlacement(training_elsewhere=group.trains_elsewhere) as placement:
             tokenizer, model_dir = group.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path

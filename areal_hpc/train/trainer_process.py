@@ -7,11 +7,11 @@ side uses in a quickstart run) the quickstart's update takes 1.25x its time alon
 as busy 1.02x (``bench/update_interference.py``). So with ``rl.rank0_training=child``, rank 0's process
 forks a child before anything else, and the child is trainer rank 0: it joins the trainer mesh, builds
 the engines, loads the checkpoint and trains; the parent keeps the rollout side and asks the child, over
-a pipe, for what it needs of the training (the ``TrainerGroup`` calls below), one call at a time:
+a pipe, for what it needs of the training (the ``TrainerRanks`` calls below), one call at a time:
 
     with TrainerProcess.start(cfg, resume) as trainer:   # the child built its engines (and resumed)
         trainer.state                                    # the checkpoint's driver state, {"step": 0} fresh
-        trainer.update(trajectories)                     # TrainerGroup.update, in the child
+        trainer.update(trajectories)                     # TrainerRanks.update, in the child
         trainer.engines["actor"].save(folder, optimizer=False)   # the disk weight sync's staging
         trainer.save_checkpoint(run_dir, step, driver)   # engines, the training RNG streams, driver state
         trainer.stop()                                   # the other ranks released, the child gone
@@ -105,7 +105,7 @@ class TrainerProcess:
         return self.call("checkpoint", run_dir, step, driver)
 
     def stop(self) -> None:
-        """Release the other ranks and end the child (``TrainerGroup.stop`` there)."""
+        """Release the other ranks and end the child (``TrainerRanks.stop`` there)."""
         self.call("stop")
         self._process.join()
 
@@ -160,7 +160,7 @@ def _serve(connection, parents_end, cfg: RunConfig, resume: bool) -> None:
     from areal_hpc.runtime.forkserver import PR_SET_PDEATHSIG, _prctl
     from areal_hpc.train.build import build_engines, start_trainer
     from areal_hpc.train.stopping import STOP_SIGNALS
-    from areal_hpc.train.trainer_group import TrainerGroup
+    from areal_hpc.train.trainer_ranks import TrainerRanks
 
     parents_end.close()
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -170,7 +170,7 @@ def _serve(connection, parents_end, cfg: RunConfig, resume: bool) -> None:
         _, mesh = start_trainer(cfg)
         try:
             actor, engines, state = build_engines(cfg, mesh, resume)
-            group = TrainerGroup(actor, engines, mesh, cfg)
+            group = TrainerRanks(actor, engines, mesh, cfg)
             connection.send(
                 ("ok", {"state": state, "engines": {name: str(engine.device) for name, engine in engines.items()}})
             )

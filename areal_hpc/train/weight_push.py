@@ -46,7 +46,7 @@ from areal_hpc.engines.base import TrainEngine, WeightBucket
 from areal_hpc.models.hf import DTYPES
 from areal_hpc.parallel.weight_group import (
     GROUP_TIMEOUT_S,
-    UpdateGroup,
+    WeightChannel,
     broadcast_tensor,
     host_store,
     join_update_group,
@@ -120,7 +120,7 @@ class DiskWeightSync:
             return f"joined with the weights of version {version}"
 
 
-class GroupBroken(RuntimeError):
+class WeightChannelBroken(RuntimeError):
     """The update group failed (a member died, or could not join): it is re-formed. ``server``: the
     one that failed while it answered /health, if known; it is used no more (a restart joins again)."""
 
@@ -135,7 +135,7 @@ class DistributedWeightSync:
     def __init__(self, backend: str, bucket_bytes: int, host: str = "127.0.0.1"):
         """``host``: trainer rank 0's address as the servers' nodes reach it (loopback: all on one machine)."""
         self.backend, self.bucket_bytes, self.host = backend, bucket_bytes, host
-        self.group: UpdateGroup | None = None
+        self.group: WeightChannel | None = None
         self.members: list[str] = []  # the servers in the group, in rank order
         self._name = ""
         self._joining: list[str] = []  # admitted, waiting for the next push
@@ -182,7 +182,7 @@ class DistributedWeightSync:
                 if self.group is None or live != self.members or self._joining:
                     await self._form(client, live)
                 return await work() if work else None
-            except GroupBroken as exc:
+            except WeightChannelBroken as exc:
                 self.destroy_group()
                 if exc.server:
                     client.drop(exc.server, str(exc))
@@ -218,7 +218,7 @@ class DistributedWeightSync:
         infos = await asyncio.gather(*(client.server_info(s) for s in servers), return_exceptions=True)
         for server, info in zip(servers, infos):
             if isinstance(info, (aiohttp.ClientError, asyncio.TimeoutError)):
-                raise GroupBroken(f"{server}/get_server_info: {str(info) or type(info).__name__}", server)
+                raise WeightChannelBroken(f"{server}/get_server_info: {str(info) or type(info).__name__}", server)
         tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
         world = 1 + sum(tp_sizes)
         # A name of its own per group: SGLang refuses to join a name it still holds (one a trainer that
@@ -253,11 +253,13 @@ class DistributedWeightSync:
         if failed:  # rank 0 waits for ranks that will not come: left to time out in its thread
             joining.add_done_callback(consume)
             server, error = failed[0]
-            raise GroupBroken(f"{server} did not join the update group: {str(error) or type(error).__name__}", server)
+            raise WeightChannelBroken(
+                f"{server} did not join the update group: {str(error) or type(error).__name__}", server
+            )
         self.group, self.members, self._name = await joining, servers, name
 
     async def _send(self, engine: TrainEngine, client: RolloutClient, version: int) -> int:
-        """Every bucket to every member; the bytes sent. A member failing mid-transfer: GroupBroken."""
+        """Every bucket to every member; the bytes sent. A member failing mid-transfer: WeightChannelBroken."""
         sent = 0
         for bucket in engine.rollout_weights(self.bucket_bytes):
             body = {
@@ -279,7 +281,7 @@ class DistributedWeightSync:
                 self.destroy_group()  # members still receiving fail now, instead of at the group's timeout
                 await asyncio.wait(pending, timeout=ABANDON_AFTER_S)
                 if answers.done() and isinstance(error := answers.exception(), ServerReplyError) and not failure.server:
-                    failure = GroupBroken(f"{failure}; {error}")  # what the server saw of it
+                    failure = WeightChannelBroken(f"{failure}; {error}")  # what the server saw of it
                 raise failure
             if answers.exception() is not None:  # a 4xx: a bucket that does not fit the server's model
                 raise answers.exception()
@@ -287,7 +289,7 @@ class DistributedWeightSync:
         return sent
 
 
-def broadcast_all(group: UpdateGroup, tensors: list) -> str:
+def broadcast_all(group: WeightChannel, tensors: list) -> str:
     """Rank 0's side of one bucket: '' once sent, else why not. The error is returned as text: the
     exception's traceback would keep the group, and so its connections, alive."""
     try:
@@ -298,18 +300,20 @@ def broadcast_all(group: UpdateGroup, tensors: list) -> str:
     return ""
 
 
-def transfer_failure(done: set, sending: asyncio.Future, answers: asyncio.Future, members: int) -> GroupBroken | None:
+def transfer_failure(
+    done: set, sending: asyncio.Future, answers: asyncio.Future, members: int
+) -> WeightChannelBroken | None:
     """Why a bucket's transfer failed, from the parts of it ``done``; None while none did. A server's
     4xx is none (it received the bucket but its model does not take it: the caller raises it, since
     pushing again would not help), unless rank 0's broadcast failed too."""
     if sending in done and sending.result():
-        return GroupBroken(sending.result())
+        return WeightChannelBroken(sending.result())
     if answers in done:
         error = answers.exception()
         if isinstance(error, ServerReplyError) and error.status >= 500:
-            return GroupBroken(str(error), error.server)
+            return WeightChannelBroken(str(error), error.server)
         if error is None and len(answers.result()) < members:
-            return GroupBroken("a server could not be reached during the transfer")
+            return WeightChannelBroken("a server could not be reached during the transfer")
         if error is not None and not isinstance(error, ServerReplyError):
             raise error  # every server gone (NoServerError), or a bug
     return None

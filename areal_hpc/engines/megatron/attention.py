@@ -19,7 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 from areal_hpc.algo.packing import PackedBatch
-from areal_hpc.models.varlen import PaddedGroup, padded_groups, varlen_sdpa
+from areal_hpc.models.varlen import PaddedBlock, padded_groups, varlen_sdpa
 from areal_hpc.parallel.context import ContextShard, ContextSplit, context_sdpa
 
 
@@ -28,7 +28,7 @@ class PackedSequences(PackedSeqParams):
     """THD ``PackedSeqParams`` with the gather/scatter plan of its sequences (or, for a context-
     parallel rank's share, its ``ContextSplit``), made once per micro-batch."""
 
-    groups: list[PaddedGroup] | None = None
+    groups: list[PaddedBlock] | None = None
     context_split: ContextSplit | None = None
 
     @classmethod

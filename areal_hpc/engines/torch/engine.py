@@ -53,7 +53,7 @@ from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch import lora as lora_adapters
 from areal_hpc.engines.torch.experts import reduce_expert_gradients
-from areal_hpc.engines.torch.group_gradients import GroupGradientSum
+from areal_hpc.engines.torch.mixed_gradients import MixedGradientSum
 from areal_hpc.engines.torch.outputs import PolicyOutputs, RegularisedRewardOutputs, ValueOutputs
 from areal_hpc.engines.torch.parallelize import (
     PackedForward,
@@ -92,7 +92,7 @@ class TorchTrainEngine(TrainEngine):
     of the mesh calls ``forward`` and ``train_step`` with its data-parallel replica's share (tensor-
     parallel peers with the same one) and gets complete results; ``rollout_weights``, ``save`` and
     ``load`` are collective over the whole mesh. With training groups of different shapes
-    (``mesh.mixed``), ``train_step`` also sums the gradients across the groups (``group_gradients``),
+    (``mesh.mixed``), ``train_step`` also sums the gradients across the groups (``mixed_gradients``),
     and ``save`` and ``rollout_weights`` are made by group 0 alone (every group holds the same weights).
     ``compute_dtype``, ``recompute`` and ``tree_training``
     as the module says (``tree_min_saved_tokens``: which shared prefixes the tree shares, see
@@ -178,7 +178,7 @@ class TorchTrainEngine(TrainEngine):
         activations = compute if sharded else weights_dtype
         self.pipeline = Pipeline(model, mesh, activations) if mesh is not None and mesh.dims.pp > 1 else None
         self.clip = optimizer.gradient_clipping if optimizer else 0.0
-        self.across_groups = GroupGradientSum(model, mesh) if mesh is not None and mesh.mixed and optimizer else None
+        self.across_groups = MixedGradientSum(model, mesh) if mesh is not None and mesh.mixed and optimizer else None
         self.optimizer = build_optimizer(model, optimizer, lr) if optimizer else None  # on the sharded parameters
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps) if optimizer else None
         self._idle = pack([[0, 0]], [[0, 1]]).to(self.device)  # the pass of a rank out of micro-batches

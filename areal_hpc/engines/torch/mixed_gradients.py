@@ -22,7 +22,7 @@ from areal_hpc.parallel.mesh import TrainMesh
 BUCKET_ELEMENTS = 64 * 2**20  # 256 MiB of float32 gradients in flight at a time
 
 
-class GroupGradientSum:
+class MixedGradientSum:
     """Collective over the trainer ranks; built once (it learns every group's parameter names)."""
 
     def __init__(self, model: torch.nn.Module, mesh: TrainMesh, bucket_elements: int | None = None):

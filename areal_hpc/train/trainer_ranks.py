@@ -3,7 +3,7 @@ sync) and forms each batch; every rank trains on its data-parallel replica's sha
 collective call, and takes part in every save and weight gathering (which are collective once
 weights are sharded over tensor, pipeline or FSDP ranks); the other ranks just follow:
 
-    rank 0:    group = TrainerGroup(actor, engines, mesh, cfg); stats = group.update(trajectories)
+    rank 0:    group = TrainerRanks(actor, engines, mesh, cfg); stats = group.update(trajectories)
                group.engines["actor"].save(folder)   # announced, then made on every rank
                group.stop()
     rank > 0:  follow(actor, engines, mesh)           # returns when rank 0 calls stop()
@@ -31,7 +31,9 @@ UPDATE, SAVE, WEIGHTS, STOP = "update", "save", "weights", "stop"
 PER_STEP_KEYS = ("grad_norm", "lr")  # equal on every rank after the all-reduce: not summed over ranks
 
 
-class TrainerGroup:
+class TrainerRanks:
+    """Rank 0's handle on every trainer rank: ``update`` trains them all on a batch, ``stop`` releases them."""
+
     trains_elsewhere = False  # rank 0 trains in this process (``trainer_process.TrainerProcess``: in a child)
 
     def __init__(self, actor: PPOActor, engines: dict[str, TrainEngine], mesh: TrainMesh, cfg: RunConfig):

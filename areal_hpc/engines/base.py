@@ -75,6 +75,21 @@ def role_training(role: str, cfg) -> RoleTraining:
     raise ValueError(f"role={role!r}; valid: {', '.join(ROLES)}")
 
 
+def engine_options(training: RoleTraining, cfg, mesh: TrainMesh | None, tokenizer) -> dict:
+    """The keyword arguments every engine's constructor takes for a role: its mesh, optimizer (none when
+    frozen), schedule, micro-batch budget, tokenizer, compute dtype and recomputation."""
+    return dict(
+        mesh=mesh,
+        optimizer=cfg.optimizer if training.lr else None,
+        lr=training.lr or 0.0,
+        total_steps=training.total_steps,
+        max_tokens_per_mb=training.max_tokens_per_mb,
+        tokenizer=tokenizer,
+        compute_dtype=cfg.model.compute_dtype,
+        recompute=cfg.actor.recompute,
+    )
+
+
 def unsupported_role(cfg, role: str) -> UserError:
     """The one line an engine class raises for a role its ``build`` does not build."""
     return UserError(

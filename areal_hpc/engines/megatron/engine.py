@@ -38,6 +38,7 @@ from areal_hpc.engines.base import (
     Outputs,
     TrainEngine,
     WeightBucket,
+    engine_options,
     merge_over_context,
     merge_stats,
     role_training,
@@ -91,14 +92,7 @@ class MegatronTrainEngine(TrainEngine):
             str(path),
             "critic" if training.critic else "policy",
             temperature=training.temperature,
-            mesh=mesh,
-            optimizer=cfg.optimizer if training.lr else None,
-            lr=training.lr or 0.0,
-            total_steps=training.total_steps,
-            max_tokens_per_mb=training.max_tokens_per_mb,
-            tokenizer=tokenizer,
-            compute_dtype=cfg.model.compute_dtype,
-            recompute=cfg.actor.recompute,
+            **engine_options(training, cfg, mesh, tokenizer),
         )
 
     def __init__(

@@ -102,9 +102,21 @@ def test_a_fork_bomb_is_stopped_and_nothing_survives():
         f"import time\ntime.sleep(1000)  # {marker}"
     )
     result = run_python(bomb, max_processes=1, timeout_s=10)
-    # root: the process-count watchdog kills the tree; a user: RLIMIT_NPROC makes fork() fail.
+    # The kernel refuses the first fork (seccomp; RLIMIT_NPROC too for a user): the program raises, unkilled.
+    # A watchdog alone let this bomb's 100-fork variant exhaust the machine's PIDs under two test workers.
     assert result.killed_by == "processes" and result.duration_s < 5
+    assert result.returncode == 1 and "BlockingIOError: [Errno 11]" in result.stderr
     assert processes_with(result.stdout.strip()) == []
+
+
+@pytest.mark.parametrize(
+    "program",
+    ["import subprocess\nsubprocess.run(['true'])", "import threading\nthreading.Thread(target=print).start()"],
+    ids=["subprocess", "thread"],
+)
+def test_no_process_or_thread_starts_under_the_default_limit(program):
+    result = run_python(program)
+    assert (result.returncode, result.killed_by) == (1, "processes"), result.stderr
 
 
 def test_forked_children_that_outlive_the_program_are_killed():

@@ -9,16 +9,19 @@ program. It reports the program's exit status and CPU time on a pipe, then kills
 program left behind. The caller enforces the wall clock and the process count and, at a limit, kills the
 launcher's descendants; so nothing outlives the call.
 
-Root vs non-root (details in docs/rewards.md): RLIMIT_NPROC binds non-root users only; with
-max_processes=1 it makes the kernel refuse every fork. As root, forks are stopped by the process-count
-watchdog (checked every POLL_S) and by the wall clock instead. Either way the program keeps the file
-access of the user running it: this bounds resources and processes; it is not a filesystem jail.
+With max_processes=1 (the default) the kernel refuses every new process or thread: a seccomp filter
+makes fork, vfork, clone and clone3 fail with EAGAIN, for root and other users alike (RLIMIT_NPROC=0
+backs it up for non-root users, on CPUs the filter does not know). With more, the process-count watchdog
+(checked every POLL_S) is the limit, which a fork bomb on a loaded machine can outrun (details in
+docs/rewards.md). Either way the program keeps the file access of the user running it: this bounds
+resources and processes; it is not a filesystem jail.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import resource
 import selectors
 import signal
@@ -37,7 +40,7 @@ CPU_KILL_SHARE = 0.5
 OUTPUT_LIMIT = 64 * 1024  # bytes kept of stdout (its head) and of stderr (its tail: where a traceback ends)
 POLL_S = 0.01  # how often the wall clock and the process count are checked
 GRACE_S = 1.0  # the launcher's time to report and exit once its program is killed
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 36, 38, 22
 CLONE_NEWNET, CLONE_NEWPID = 0x40000000, 0x20000000
 
 
@@ -252,7 +255,9 @@ def _limit_in_traceback(stderr: str) -> str | None:
         return "memory"
     if "[Errno 27]" in last:  # EFBIG: RLIMIT_FSIZE (Python ignores SIGXFSZ, so the write fails)
         return "file_size"
-    if last.startswith("BlockingIOError") and "[Errno 11]" in last:  # EAGAIN from fork: RLIMIT_NPROC
+    if last.startswith("BlockingIOError") and "[Errno 11]" in last:  # EAGAIN from fork: seccomp, RLIMIT_NPROC
+        return "processes"
+    if last == "RuntimeError: can't start new thread":  # the same refusal, to a thread
         return "processes"
     return None
 
@@ -288,6 +293,8 @@ def _launch(status_fd: int, parent: int, cpu_s: int, memory_b: int, file_size_b:
                 (resource.RLIMIT_CORE, 0),
             ):
                 resource.setrlimit(limit, (value, value))
+            if nproc == 0:
+                _refuse_new_processes(libc)
             if nproc >= 0 and os.geteuid() != 0:  # root ignores RLIMIT_NPROC
                 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
             os.execv(sys.executable, [sys.executable, "-I", "-S", "main.py"])
@@ -305,6 +312,46 @@ def _launch(status_fd: int, parent: int, cpu_s: int, memory_b: int, file_size_b:
             os.wait()
         except ChildProcessError:
             return
+
+
+# Per CPU: the audit arch seccomp reports, and the numbers of the system calls that start a process or thread
+# (fork and vfork, where the CPU has them; clone; clone3, which glibc tries first for a thread).
+_PROCESS_SYSCALLS = {
+    "x86_64": (0xC000003E, (57, 58, 56, 435)),
+    "aarch64": (0xC00000B7, (220, 435)),
+    "ppc64le": (0xC0000015, (2, 189, 120, 435)),
+}
+
+
+class _SockFilter(ctypes.Structure):  # struct sock_filter: one classic BPF instruction
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class _SockFprog(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _refuse_new_processes(libc) -> bool:
+    """Install a seccomp filter under which every call that starts a process or thread fails with EAGAIN
+    (as RLIMIT_NPROC=0 does for a non-root user); so does every call of another ABI (x86's 32-bit one).
+    Returns False, changing nothing, on a CPU not in the table or a kernel without seccomp."""
+    arch_syscalls = _PROCESS_SYSCALLS.get(platform.machine())
+    if arch_syscalls is None:
+        return False
+    arch, numbers = arch_syscalls
+    load_word, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JMP|JGE|K, BPF_RET|K
+    refuse, allow = 0x00050000 | 11, 0x7FFF0000  # SECCOMP_RET_ERRNO | EAGAIN, SECCOMP_RET_ALLOW
+    checks = [*numbers, 0x40000000]  # the last: x32's numbers (__X32_SYSCALL_BIT), refused with the rest
+    program = [(load_word, 0, 0, 4), (jump_eq, 1, 0, arch), (ret, 0, 0, refuse), (load_word, 0, 0, 0)]
+    for i, number in enumerate(checks):
+        to_refuse = len(checks) - i  # past the remaining checks and the allow
+        program.append((jump_ge if number == 0x40000000 else jump_eq, to_refuse, 0, number))
+    program += [(ret, 0, 0, allow), (ret, 0, 0, refuse)]
+    instructions = (_SockFilter * len(program))(*(_SockFilter(*row) for row in program))
+    fprog = _SockFprog(len(program), instructions)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return False
+    return libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog)) == 0  # SECCOMP_MODE_FILTER
 
 
 if __name__ == "__main__":

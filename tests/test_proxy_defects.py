@@ -241,6 +241,8 @@ TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "
             "invalid_type",
         ),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "invalid_value"),
+        ({"tools": [TOOL, TOOL]}, "tools[1].function.name", "invalid_value"),  # OpenAI: names are unique
+        ({"messages": [{"role": "user", "content": "2+3=\ud800"}]}, "messages[0].content", "invalid_value"),
         ({"tools": [TOOL], "tool_choice": "garbage"}, "tool_choice", "invalid_value"),
         (
             {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "sub"}}},
@@ -283,7 +285,11 @@ def test_well_formed_tools_and_fields_are_served_and_the_openai_client_sees_the_
     assert refused.value.body["param"] == "tools[0].function.name"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="2+3=", seed="abc")
-    assert len(state.sessions[session_id].turns) == 4
+    # A lone surrogate is not Unicode text: the openai client cannot even encode it; JSON's escape carries it.
+    status, reply, _ = call(base, "/v1/completions", {"model": "tiny", "prompt": ["2+3=", "\udfff"]}, key)
+    assert (status, reply["error"]["param"]) == (400, "prompt[1]")
+    assert client.completions.create(model="tiny", prompt="\U0001f600 2+3=", max_tokens=2).choices  # a pair is fine
+    assert len(state.sessions[session_id].turns) == 5
 
 
 # -- 4. megabyte prompts beside other tenants' requests -------------------------------------------------

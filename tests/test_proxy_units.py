@@ -1,5 +1,6 @@
 """The proxy's parts without servers: turn linking by token prefix and the records it makes (property
-tests), discounting, chat templates rendered as transformers renders them (tools included), keys files.
+tests), discounting, chat templates rendered as transformers renders them (tools included), keys files,
+request bodies whose text is not Unicode.
 """
 
 import asyncio
@@ -15,8 +16,9 @@ from hypothesis import strategies as st
 from areal_hpc.cli import main
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_tokenizer
+from areal_hpc.proxy.app import parse_json
 from areal_hpc.proxy.chat_template import ChatTokenizer
-from areal_hpc.proxy.openai_api import reply_message
+from areal_hpc.proxy.openai_api import APIError, reply_message
 from areal_hpc.proxy.sessions import Session, Turn, discounted_returns, keep_reply
 from areal_hpc.proxy.tenants import Quota, QuotaMeter, TenantKeys, hash_key
 
@@ -279,3 +281,32 @@ def test_a_streamed_reply_that_calls_tools_sends_its_text_then_the_calls():
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[1] == {"content": "Adding."} and deltas[2]["tool_calls"][0]["function"]["name"] == "add"
     assert deltas[2]["tool_calls"][0]["index"] == 0 and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF, exclude_categories=())  # half pairs too
+text_with_surrogates = st.lists(st.characters() | surrogates, max_size=6).map("".join)  # st.text drops them
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | text_with_surrogates,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text_with_surrogates, inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(text_with_surrogates, json_values, max_size=4), st.booleans())
+def test_a_body_is_refused_exactly_when_its_text_is_not_unicode(body, ascii_escapes):
+    """The oracle: Python's own UTF-8 encoder of the body the JSON decodes to (JSON's escapes of a pair decode
+    to one character). Sent as escapes, or as raw UTF-8 where it can be (raw UTF-8 cannot carry a surrogate)."""
+    try:
+        raw = json.dumps(body, ensure_ascii=ascii_escapes).encode()
+    except UnicodeEncodeError:
+        raw = json.dumps(body).encode()
+    received = json.loads(raw)
+    try:
+        json.dumps(received, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        with pytest.raises(APIError) as refused:
+            parse_json(raw)
+        assert refused.value.status == 400 and "lone UTF-16 surrogate" in refused.value.message
+    else:
+        assert parse_json(raw) == received

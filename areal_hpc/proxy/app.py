@@ -22,7 +22,7 @@ from aiohttp import web
 
 from areal_hpc.proxy import openai_api as api
 from areal_hpc.proxy.gateway import Proxy
-from areal_hpc.proxy.openai_api import APIError
+from areal_hpc.proxy.openai_api import APIError, check_unicode
 from areal_hpc.proxy.sessions import Session, session_returns
 from areal_hpc.proxy.tenants import hash_key, new_key
 
@@ -49,6 +49,7 @@ def parse_json(raw: bytes) -> dict:
         raise APIError(400, f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    check_unicode(raw, body)
     return body
 
 

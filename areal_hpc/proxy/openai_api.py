@@ -49,6 +49,36 @@ def bad(param: str, value, valid: str, code: str = "invalid_value") -> APIError:
     return APIError(400, f"{param} = {reprlib.repr(value)}; it must be {valid}", param=param, code=code)
 
 
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # JSON's escape of a UTF-16 surrogate
+
+
+def check_unicode(raw: bytes, body) -> None:
+    """A 400 naming the first field whose text holds a lone UTF-16 surrogate (JSON lets ``"\\ud800"`` through;
+    it is no Unicode character, and would fail later, when the text is tokenised or written)."""
+    if not SURROGATE_ESCAPE.search(raw):  # UTF-8 bytes cannot hold a surrogate: only an escape makes one
+        return
+    todo: list[tuple[str, object]] = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                text = where or "body"
+                raise APIError(
+                    400,
+                    f"{text} holds a lone UTF-16 surrogate ({value[exc.start]!a}); text must be valid Unicode "
+                    "(in JSON, a \\ud800-\\udfff escape only as half of a pair)",
+                    param=text,
+                    code="invalid_value",
+                ) from None
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                todo += [(f"{where}.{key}" if where else key, item), (f"a key of {where or 'body'}", key)]
+        elif isinstance(value, list):
+            todo += [(f"{where}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
+
+
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
     value = body.get(name)
     if value is None:
@@ -136,6 +166,7 @@ def tools_of(body: dict) -> list[dict] | None:
             f"a non-empty list of tools {TOOL_SHAPE}",
             "invalid_value" if isinstance(tools, list) else "invalid_type",
         )
+    named: dict[str, int] = {}  # function name -> the first tool that has it
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -156,6 +187,11 @@ def tools_of(body: dict) -> list[dict] | None:
             )
         if not isinstance(function["name"], str) or not TOOL_NAME.fullmatch(function["name"]):
             raise bad(f"{where}.function.name", function["name"], "1-64 letters, digits, '_' or '-'")
+        if function["name"] in named:
+            raise bad(
+                f"{where}.function.name", function["name"], f"unique: tools[{named[function['name']]}] has that name"
+            )
+        named[function["name"]] = i
         if not isinstance(function.get("description", ""), str):
             raise bad(f"{where}.function.description", function["description"], "a string", "invalid_type")
         if not isinstance(function.get("parameters", {}), dict):

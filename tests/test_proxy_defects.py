@@ -257,6 +257,17 @@ TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_type"),
         ({"stream_options": {"include_usage": "yes"}}, "stream_options", "invalid_type"),
         ({"top_logprobs": 99}, "top_logprobs", "invalid_value"),
+        ({"presence_penalty": 5}, "presence_penalty", "invalid_value"),  # OpenAI: [-2, 2]
+        ({"frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),  # valid, but not applied here
+        ({"frequency_penalty": -1}, "frequency_penalty", "unsupported_parameter"),
+        ({"logit_bias": "x"}, "logit_bias", "invalid_type"),
+        ({"logit_bias": {"twelve": 1}}, "logit_bias", "invalid_type"),
+        ({"logit_bias": {"12": 500}}, "logit_bias", "invalid_value"),
+        ({"logit_bias": {"12": 5}}, "logit_bias", "unsupported_parameter"),
+        ({"response_format": "x"}, "response_format", "invalid_type"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "invalid_value"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
     ],
 )
 def test_malformed_tools_and_fields_are_400_naming_the_field(proxy, backend, fields, param, code):
@@ -278,6 +289,7 @@ def test_well_formed_tools_and_fields_are_served_and_the_openai_client_sees_the_
         {"tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False},
         {"tools": [TOOL], "tool_choice": "none"},
         {"seed": 7, "user": "u1"},
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}},
     ]:
         assert client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2, **extra).choices
     with pytest.raises(openai.BadRequestError) as refused:
@@ -289,7 +301,7 @@ def test_well_formed_tools_and_fields_are_served_and_the_openai_client_sees_the_
     status, reply, _ = call(base, "/v1/completions", {"model": "tiny", "prompt": ["2+3=", "\udfff"]}, key)
     assert (status, reply["error"]["param"]) == (400, "prompt[1]")
     assert client.completions.create(model="tiny", prompt="\U0001f600 2+3=", max_tokens=2).choices  # a pair is fine
-    assert len(state.sessions[session_id].turns) == 5
+    assert len(state.sessions[session_id].turns) == 6
 
 
 # -- 4. megabyte prompts beside other tenants' requests -------------------------------------------------

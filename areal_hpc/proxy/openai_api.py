@@ -107,6 +107,7 @@ def sampling_params(body: dict, default_max_tokens: int, max_tokens_cap: int, st
             param="stop",
             code="unsupported_parameter",
         )
+    check_unapplied(body)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     temperature = requested_temperature(number(body, "temperature", 1.0, 0.0, 2.0))
     return {
@@ -115,6 +116,52 @@ def sampling_params(body: dict, default_max_tokens: int, max_tokens_cap: int, st
         "top_p": float(number(body, "top_p", 1.0, 1e-9, 1.0)),
         "stop_token_ids": stop_ids,
     }
+
+
+def check_unapplied(body: dict) -> None:
+    """OpenAI's fields that would change how tokens are sampled, which the proxy does not apply: each is
+    checked as OpenAI checks it (400, invalid), and taken only at its neutral value (400, unsupported)
+    otherwise, never ignored: a trajectory's logprobs must be those of the distribution that sampled it."""
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if number(body, penalty, 0, -2.0, 2.0):
+            raise unapplied(penalty, body[penalty], "0")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad("logit_bias", bias, "an object mapping token ids to numbers in [-100, 100]", "invalid_type")
+        for token, value in bias.items():
+            if (
+                not (token.isascii() and token.isdigit())
+                or not isinstance(value, int | float)
+                or isinstance(value, bool)
+            ):
+                raise bad("logit_bias", bias, "an object mapping token ids to numbers in [-100, 100]", "invalid_type")
+            if not -100 <= value <= 100:
+                raise bad("logit_bias", bias, "an object mapping token ids to numbers in [-100, 100]")
+        if bias:
+            raise unapplied("logit_bias", bias, "{} or absent")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad(
+                "response_format",
+                response_format,
+                'an object {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", ...}',
+                "invalid_type" if not isinstance(response_format, dict) else "invalid_value",
+            )
+        if kind != "text":
+            raise unapplied("response_format", response_format, '{"type": "text"} or absent')
+
+
+def unapplied(param: str, value, neutral: str) -> APIError:
+    return APIError(
+        400,
+        f"{param} = {reprlib.repr(value)}: not applied here (the proxy samples the model as it is, so that a "
+        f"trajectory's logprobs are those of the distribution that sampled it); use {neutral}",
+        param=param,
+        code="unsupported_parameter",
+    )
 
 
 def messages_of(body: dict) -> list[dict]:

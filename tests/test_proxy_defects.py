@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import aiohttp
 import openai
@@ -131,7 +132,8 @@ def test_a_key_that_is_not_utf8_is_a_json_401_at_the_proxy_and_at_a_rollout_serv
     ]:
         status, reply, _ = call(base, route, body, bad_key)
         assert status == 401 and reply["error"]["code"] == "invalid_api_key", reply
-    with serving(build_app(None, "tiny", token="the-run-token")) as (server, _):  # the token check alone
+    idle_engine = types.SimpleNamespace(failing=None)  # the token check alone: /generate never reaches it
+    with serving(build_app(idle_engine, "tiny", token="the-run-token")) as (server, _):
         for key in (bad_key, "wrong", None):
             status, reply, _ = call(server, "/generate", {"input_ids": [5]}, key)
             assert status == 401 and "rollout token" in reply["error"]["message"]

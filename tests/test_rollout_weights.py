@@ -14,6 +14,8 @@ import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -538,3 +540,56 @@ def test_a_mixture_of_experts_checkpoint_reads_as_the_model_holds_it(tmp_path):
     save_file(stored, tmp_path / "broken" / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"lacks model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight \(and 0 more"):
         read_checkpoint(tmp_path / "broken")
+
+
+def test_a_checkpoint_with_nan_weights_is_refused_and_changes_nothing(server, tiny_model_dir, tmp_path):
+    before = served(server)
+    model = perturbed(tiny_model_dir, seed=7)
+    with torch.no_grad():
+        model.model.norm.weight[:3] = torch.tensor([float("nan"), float("inf"), 1.0])
+    message = refused(
+        server, "/update_weights_from_disk", {"model_path": str(save(model, tiny_model_dir, tmp_path / "m"))}
+    )
+    assert message == (
+        "weights not loaded (version 0 kept): model.norm.weight holds 2 NaN or infinite values; weights must be finite"
+    )
+    assert served(server) == before
+
+
+def test_health_is_503_while_generation_fails_and_200_once_it_generates_again(tiny_model_dir):
+    """Weights that went bad under a running server (injected on the engine thread, as no update can now
+    bring them): /health says so instead of 200, and recovers with the weights."""
+    from areal_hpc.rollout.embedded_engine import EmbeddedGenerator
+    from areal_hpc.rollout.server import build_app
+    from tests.proxy_helpers import serving
+
+    engine = EmbeddedGenerator(load_model(tiny_model_dir), slots=2, context_length=128)
+    good = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+
+    def set_weights(fill: float | None) -> None:
+        with torch.no_grad():
+            for name, tensor in engine.model.state_dict().items():
+                tensor.copy_(good[name] if fill is None else torch.full_like(tensor, fill))
+        engine.decoder.refresh_weights()
+
+    def health(address: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"{address}/health", timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    try:
+        with serving(build_app(engine, str(tiny_model_dir))) as (base, _):
+            address = base.removeprefix("http://")
+            assert health(base) == (200, {"status": "ok"})
+            engine.call(lambda: set_weights(float("nan"))).result(timeout=60)
+            status, reply = post(address, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}})
+            assert status == 500 and "not finite" in reply["error"]["message"], reply
+            status, reply = health(base)
+            assert status == 503 and reply["status"] == "failing" and "not finite" in reply["error"], reply
+            engine.call(lambda: set_weights(None)).result(timeout=60)
+            assert generate(address)["meta_info"]["finish_reason"]["type"] == "length"
+            assert health(base) == (200, {"status": "ok"})
+    finally:
+        engine.stop()

@@ -45,6 +45,7 @@ from areal_hpc.rollout.decoder import SlotDecoder
 from areal_hpc.rollout.sampling import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, SlotSampler
 from areal_hpc.rollout.weights import weight_mismatches
 
+# The model's fault (temperatures are >= 1e-6, so finite logits stay finite once divided): /health says so.
 NOT_FINITE = "the model's logits are not finite (NaN or inf)"
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class EmbeddedGenerator:
         self.min_prefill_batch = min_prefill_batch or max(1, slots // 8)
         self.version = 0
         self.paused = False
+        self.failing: str | None = None  # the model's or engine's last fault, until a token is generated (/health)
         self.sampler = SlotSampler(slots, self.decoder.device, seed)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # row i of the KV cache holds self._running[i]
@@ -308,8 +310,9 @@ class EmbeddedGenerator:
                     self._step()
             except Exception as exc:
                 log.exception("engine step failed")
+                self.failing = f"{type(exc).__name__}: {exc}"
                 for request in self._running:
-                    request.error = f"{type(exc).__name__}: {exc}"
+                    request.error = self.failing
                 self._retire([(r, "abort", None) for r in self._running])
 
     def _load_weights(self, state: dict[str, torch.Tensor], version: int | None, complete: bool) -> None:
@@ -406,8 +409,11 @@ class EmbeddedGenerator:
         for request, token, logprob, error in zip(requests, tokens, logprobs, errors):
             if error is not None:
                 request.error = f"{error} (output token {len(request.output_ids)})"
+                if error == NOT_FINITE:
+                    self.failing = request.error
                 finished.append((request, "abort", None))
                 continue
+            self.failing = None
             request.output_ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(self.version)

@@ -196,6 +196,11 @@ def _sglang_response(
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the engine generates; 503 with the error since its last generation failed (weights gone
+    bad, a device fault), until a token is generated again: a probe then takes the server out of rotation."""
+    failing = request.app[ENGINE].failing
+    if failing is not None:
+        return web.json_response({"status": "failing", "error": failing}, status=503)
     return web.json_response({"status": "ok"})
 
 

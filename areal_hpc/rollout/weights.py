@@ -10,7 +10,8 @@ import torch
 
 def weight_mismatches(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor], complete: bool) -> list[str]:
     """What keeps ``new`` from loading into ``live`` (a model's state dict), first offender first:
-    unknown names, other shapes, non-floating dtypes, two values for one tied tensor and, when
+    unknown names, other shapes, non-floating dtypes, NaN or infinite values (a diverged training step:
+    served, it would fail every generation), two values for one tied tensor and, when
     ``complete``, tensors it lacks (a tied tensor may come under any of its names)."""
     problems = []
     for name, tensor in new.items():
@@ -26,6 +27,8 @@ def weight_mismatches(live: dict[str, torch.Tensor], new: dict[str, torch.Tensor
                 f"{name} has dtype {tensor.dtype}; weights must be floating point "
                 f"(the served model's is {live[name].dtype})"
             )
+        elif not (finite := torch.isfinite(tensor)).all():
+            problems.append(f"{name} holds {int((~finite).sum())} NaN or infinite values; weights must be finite")
     tied: dict[int, list[str]] = {}  # names of one storage (lm_head.weight and the embedding when tied)
     for name, tensor in live.items():
         tied.setdefault(tensor.data_ptr(), []).append(name)

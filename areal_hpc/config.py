@@ -1,12 +1,15 @@
 """Typed run configuration: one dataclass per component, merged by OmegaConf from YAML + overrides.
 
-``load_config("configs/quickstart.yaml", ["actor.lr=1e-4"])`` returns a validated ``RunConfig``.
+``load_config("configs/quickstart.yaml", ["actor.lr=1e-4"])`` returns a type-checked ``RunConfig``.
 An unknown key, a value of the wrong type or a value outside what a field allows is a ``UserError``
-naming the key, the value and what would be valid (the nearest key for a misspelling).
+naming the key, the value and what would be valid (the nearest key for a misspelling). Every section is
+a frozen dataclass: ``areal_hpc.resolve`` decides the ``auto`` values and checks the keys against each
+other, returning a new config, and nothing changes one in place.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import operator
 import re
@@ -36,14 +39,14 @@ def section(cls):
     return field(default_factory=cls)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExperimentConfig:
     name: str = spec("quickstart", "experiment name: the folder under cluster.fileroot")
     trial: str = spec("trial0", "trial name: the folder under the experiment")
     seed: int = spec(1, "seed for data order, initialisation and sampling", ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterConfig:
     fileroot: str = spec("runs", "root of all run outputs (a shared filesystem on a cluster)")
     device: str = spec("auto", "accelerator to use", choices=["auto", "cpu", "cuda", "npu"])
@@ -63,7 +66,7 @@ class ClusterConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = spec("", "local Hugging Face model folder; empty builds a fresh model from `preset`")
     preset: str = spec("tiny", "architecture used when `path` is empty", choices=["tiny", "small", "tiny-moe"])
@@ -82,25 +85,25 @@ class ModelConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizerConfig:
     path: str = spec("", "local tokenizer folder; empty means the model's folder")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ArithmeticConfig:
     min_digits: int = spec(1, "fewest digits per operand", ge=1)
     max_digits: int = spec(3, "most digits per operand", ge=1, le=18)
     ops: str = spec("+", "operators to draw from, e.g. '+-*'")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CountdownConfig:
     num_count: int = spec(3, "how many numbers are given", ge=2, le=6)
     max_number: int = spec(20, "largest given number", ge=2)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DatasetConfig:
     task: str = spec(
         "arithmetic",
@@ -137,7 +140,7 @@ class DatasetConfig:
     countdown: CountdownConfig = section(CountdownConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardConfig:
     fn: str = spec(
         "",
@@ -161,7 +164,7 @@ class RewardConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistillConfig:
     teacher_url: str = spec(
         "",
@@ -183,7 +186,7 @@ class DistillConfig:
     timeout_s: float = spec(300.0, "seconds the teacher may take to score one sequence", gt=0.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     type: str = spec("adamw", "optimizer", choices=["adamw"])
     weight_decay: float = spec(0.01, "decoupled weight decay", ge=0.0)
@@ -196,7 +199,7 @@ class OptimizerConfig:
     gradient_clipping: float = spec(1.0, "max global grad norm; 0 disables clipping", ge=0.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SFTConfig:
     lr: float = spec(2e-3, "peak learning rate of supervised fine-tuning", gt=0.0)
     total_train_steps: int = spec(300, "optimizer steps", ge=1)
@@ -212,7 +215,7 @@ class SFTConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreferenceConfig:
     path: str = spec(
         "",
@@ -249,14 +252,14 @@ class PreferenceConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class FailureBudgetConfig:
     max_consecutive: int = spec(32, "episodes failing in a row that stop the run; 0: never", ge=0)
     window: int = spec(200, "how many of the latest episodes the failure rate is measured over", ge=1)
     max_rate: float = spec(0.5, "failure rate over a full window above which the run stops; 1: never", gt=0.0, le=1.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     backend: str = spec("embedded", "rollout server backend", choices=["embedded", "sglang"])
     n_servers: int = spec(1, "rollout servers to start", ge=1)
@@ -300,7 +303,7 @@ class RolloutConfig:
     failure_budget: FailureBudgetConfig = section(FailureBudgetConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     dp: int = spec(0, "data-parallel size; 0 takes what the other sizes leave of the trainer processes", ge=0)
     tp: int = spec(1, "tensor-parallel size (attention heads and MLP width split over ranks)", ge=1)
@@ -341,7 +344,7 @@ class ParallelConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoRAConfig:
     rank: int = spec(
         0,
@@ -358,7 +361,7 @@ class LoRAConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActorConfig:
     lr: float = spec(1e-4, "peak learning rate of the RL actor", gt=0.0)
     adv_estimator: str = spec(
@@ -447,7 +450,7 @@ class ActorConfig:
     lora: LoRAConfig = section(LoRAConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RLConfig:
     total_train_steps: int = spec(100, "policy updates (each one batch of rollout.consumer_batch_size groups)", ge=1)
     eval_every_steps: int = spec(20, "steps between held-out evaluations; 0 evaluates only before and after", ge=0)
@@ -476,7 +479,7 @@ class RLConfig:
     proxy_tenant: str = spec("", "train only on this tenant's proxy records; empty: every tenant's")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationConfig:
     n_samples: int = spec(8, "samples per prompt (the GRPO group size)", ge=1)
     max_new_tokens: int = spec(16, "generated tokens at most", ge=1)
@@ -486,14 +489,14 @@ class GenerationConfig:
     greedy: bool = spec(False, "greedy decoding instead of sampling")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SaverConfig:
     freq_steps: int = spec(
         50, "steps between checkpoints (a preempted job also saves when signalled); 0 saves only the final model", ge=0
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmTrainerConfig:
     partition: str = spec("train", "partition of the trainer ranks (het component 0)")
     nodes: int = spec(1, "nodes of the trainer component; rl.trainer_processes are spread evenly over them", ge=1)
@@ -502,7 +505,7 @@ class SlurmTrainerConfig:
     mem: str = spec("", "memory per trainer node, e.g. 64G; empty: the partition's default")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmRolloutConfig:
     partition: str = spec("rollout", "partition of the rollout servers (het components 1..k)")
     servers_per_node: int = spec(1, "rollout servers per node; rollout.n_servers fixes the node count", ge=1)
@@ -511,7 +514,7 @@ class SlurmRolloutConfig:
     mem: str = spec("", "memory per rollout node, e.g. 64G; empty: the partition's default")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmConfig:
     account: str = spec("", "account charged (sbatch --account); empty: your default")
     qos: str = spec("", "quality of service (sbatch --qos); empty: the partition's default")
@@ -535,13 +538,13 @@ class SlurmConfig:
     rollout: SlurmRolloutConfig = section(SlurmRolloutConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StatsConfig:
     tensorboard: bool = spec(True, "write TensorBoard event files")
     plot: bool = spec(True, "write PNG curves at the end of a run")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProxyConfig:
     host: str = spec("127.0.0.1", "address the login-node proxy binds (0.0.0.0 to serve agents on other hosts)")
     port: int = spec(8080, "port the proxy listens on; 0 picks a free one", ge=0, le=65535)
@@ -574,7 +577,7 @@ class ProxyConfig:
     request_timeout_s: float = spec(600.0, "seconds one /generate call may take before it is retried elsewhere", gt=0.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     experiment: ExperimentConfig = section(ExperimentConfig)
     cluster: ClusterConfig = section(ClusterConfig)
@@ -718,7 +721,7 @@ def validate(cfg, prefix: str = "") -> None:
 
 def load_config(path: str | list[str] | None = None, overrides: list[str] = ()) -> RunConfig:
     """Merge defaults <- YAML file(s) (a site profile, then the experiment) <- ``key=value`` overrides
-    into a validated RunConfig."""
+    into a RunConfig, each key checked on its own (``resolve`` checks them against each other)."""
     layers = [OmegaConf.structured(RunConfig)]
     for file in [path] if isinstance(path, str) else path or []:
         layers.append(OmegaConf.create(_read_yaml(file)))
@@ -729,18 +732,7 @@ def load_config(path: str | list[str] | None = None, overrides: list[str] = ()) 
     except OmegaConfBaseException as exc:
         raise _type_error(exc) from None
     validate(cfg)
-    check_combinations(cfg)
     return cfg
-
-
-def check_combinations(cfg: RunConfig) -> None:
-    """Settings valid one by one that do not go together: one line each."""
-    policy_loss = cfg.actor.policy_loss
-    if builtins.load("policy_loss", policy_loss).trust_region and not cfg.actor.decoupled_loss:
-        raise UserError(
-            f"actor.policy_loss={policy_loss} bounds log(π_prox/π_behav), which actor.decoupled_loss=false "
-            "does not use; set actor.decoupled_loss=true, or a policy loss without a trust region"
-        )
 
 
 PATH_KEYS = ("cluster.fileroot", "model.path", "tokenizer.path", "dataset.path", "dataset.eval_path")
@@ -772,3 +764,9 @@ def save_resolved(cfg: RunConfig) -> Path:
     out = cfg.run_dir / "config.yaml"
     out.write_text(to_yaml(cfg))
     return out
+
+
+def run_config_show(args: argparse.Namespace) -> int:
+    """``areal-hpc config show``: the merged config (defaults <- YAML <- overrides) as YAML on stdout."""
+    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0

@@ -68,6 +68,7 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, packed_policy_outputs
 from areal_hpc.models.hf import load_model
 from areal_hpc.models.varlen import VARLEN_SDPA, packed_attention_inputs, padded_groups
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, SamplingParams
 from areal_hpc.sched.hardware import CATALOGUE
 from areal_hpc.train.build import build_actor
@@ -199,7 +200,7 @@ class Check:
         self.result["model"] = self.shape
 
     def config(self, *overrides: str):
-        return load_config(
+        loaded = load_config(
             "configs/quickstart.yaml",
             [
                 f"model.path={self.model_dir}",
@@ -211,6 +212,7 @@ class Check:
                 *self.overrides,
             ],
         )
+        return resolve(loaded, Host.probe()).cfg
 
     def training_batch(self, vocab: int) -> SequenceBatch:
         return mixed_length_batch(self.sizes.tokens_per_step, vocab, np.random.default_rng(0))

@@ -44,13 +44,15 @@ def _measure(model_dir: str, overrides: list[str], steps: int) -> dict:
 
     from areal_hpc.algo.temperature import run_temperature
     from areal_hpc.config import load_config
+    from areal_hpc.resolve import Host, resolve
     from areal_hpc.train.build import build_actor
     from areal_hpc.train.repro_dta import PeakResidentSet
     from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
-        cfg = load_config(CONFIG, [f"model.path={model_dir}", f"cluster.fileroot={tmp}", *overrides])
+        loaded = load_config(CONFIG, [f"model.path={model_dir}", f"cluster.fileroot={tmp}", *overrides])
+        cfg = resolve(loaded, Host.probe()).cfg
         actor, engines = build_actor(cfg, None)
         engine = engines["actor"]
         trajectories = quickstart_trajectories(cfg, engine.tokenizer, np.random.default_rng(0))
@@ -104,13 +106,14 @@ def _interleaved(model_dir: str, variants: dict[str, list[str]], steps: int) -> 
 
     from areal_hpc.algo.temperature import run_temperature
     from areal_hpc.config import load_config
+    from areal_hpc.resolve import Host, resolve
     from areal_hpc.train.build import build_actor
     from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
 
     torch.set_num_threads(1)
     trainers, times = {}, {name: [] for name in variants}
     for name, overrides in variants.items():
-        cfg = load_config(CONFIG, [f"model.path={model_dir}", *overrides])
+        cfg = resolve(load_config(CONFIG, [f"model.path={model_dir}", *overrides]), Host.probe()).cfg
         actor, engines = build_actor(cfg, None)
         trainers[name] = cfg, actor, quickstart_trajectories(cfg, engines["actor"].tokenizer, np.random.default_rng(0))
     for k in range(steps + 2):

@@ -68,10 +68,13 @@ def workload(vocab: int, seed: int = 0) -> list[Trajectory]:
 def rank_main(model: str, out: str, steps: int, overrides: list[str]) -> None:
     """One rank: ``steps`` timed PPO steps after a warm-up step; rank 0 writes the times."""
     from areal_hpc.config import load_config
+    from areal_hpc.resolve import Host, resolve
     from areal_hpc.train.build import build_actor, start_trainer
     from areal_hpc.train.trainer_ranks import TrainerRanks, follow
 
-    cfg = load_config(None, [f"model.path={model}", f"rl.total_train_steps={steps + 1}", *overrides])
+    world = f"rl.trainer_processes={os.environ['WORLD_SIZE']}"
+    cfg = load_config(None, [world, f"model.path={model}", f"rl.total_train_steps={steps + 1}", *overrides])
+    cfg = resolve(cfg, Host.probe()).cfg
     rank, mesh = start_trainer(cfg)
     actor, engines = build_actor(cfg, mesh)
     if rank == 0:

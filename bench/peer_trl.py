@@ -503,12 +503,13 @@ def run_trl(
     from areal_hpc.models.chat import example_prompt_ids
     from areal_hpc.models.hf import load_tokenizer
     from areal_hpc.parallel.device import resolve_device
+    from areal_hpc.resolve import Host, resolve
     from areal_hpc.train.task_setup import open_task
 
     fileroot = fresh(root / f"trl-seed{seed}")
     run_dir = (fileroot / RUN_FILE).parent
     run_dir.mkdir(parents=True)
-    cfg = load_config(CONFIG, base_overrides(model, seed, steps, extra))
+    cfg = resolve(load_config(CONFIG, base_overrides(model, seed, steps, extra)), Host.probe()).cfg
     tokenizer = load_tokenizer(model)
     task = open_task(cfg, tokenizer, model, lambda line: None)
     per_step, k = cfg.rollout.consumer_batch_size, cfg.gconfig.n_samples

@@ -60,6 +60,7 @@ from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.train.actor import loss_config
 from areal_hpc.train.build import build_actor
 from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
@@ -276,6 +277,7 @@ def run(args) -> dict:
         cfg = load_config(
             CONFIG, [f"model.path={args.model or models[first]}", f"model.preset={first}", f"cluster.fileroot={tmp}"]
         )
+        cfg = resolve(cfg, Host.probe()).cfg
         rows, batch = quickstart_steps(cfg, args.steps)
         load.append(os.getloadavg()[0])
         micro = []

@@ -44,6 +44,7 @@ from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.models.tiny import init_model
 from areal_hpc.parallel.mesh import close_distributed
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.train.build import build_actor, start_trainer
 from areal_hpc.train.trainer_ranks import TrainerRanks
 
@@ -98,7 +99,7 @@ def run(args) -> dict:
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="update_interference-") as tmp:
         model = init_model(Path(tmp) / "model", corpus_for_tokenizer(1), preset="tiny", seed=1)
-        cfg = load_config(CONFIG, [f"model.path={model}", f"cluster.fileroot={tmp}"])
+        cfg = resolve(load_config(CONFIG, [f"model.path={model}", f"cluster.fileroot={tmp}"]), Host.probe()).cfg
         _rank, mesh = start_trainer(cfg)
         try:
             actor, engines = build_actor(cfg, mesh)

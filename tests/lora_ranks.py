@@ -16,15 +16,14 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc.config import load_config
 from areal_hpc.train.build import build_actor, start_trainer
 from areal_hpc.train.trainer_ranks import TrainerRanks, follow
 
-from .trainer_processes import end_rank, synthetic_batch
+from .trainer_processes import end_rank, settled, synthetic_batch
 
 
 def main(model: str, out: str, mode: str, checkpoint: str, overrides: list[str]) -> None:
-    cfg = load_config(None, [f"model.path={model}", "rl.total_train_steps=2", *overrides])
+    cfg = settled([f"model.path={model}", "rl.total_train_steps=2", *overrides])
     rank, mesh = start_trainer(cfg)
     actor, engines = build_actor(cfg, mesh)
     if mode == "resume":

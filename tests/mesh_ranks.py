@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.layout import ParallelDims
 from areal_hpc.parallel.mesh import build_mesh, init_distributed
 
 SUB_MESHES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp")

@@ -26,9 +26,8 @@ from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 from areal_hpc.engines.torch import mixed_gradients
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
+from areal_hpc.layout import MixedLayout, ParallelDims
 from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
-from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.groups import MixedLayout
 from areal_hpc.parallel.mesh import build_group_meshes, init_distributed
 from tests.trainer_processes import end_rank
 

@@ -16,7 +16,7 @@ from areal_hpc.agents.calculator import MAX_EXPRESSION_CHARS, CalculatorWorkflow
 from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.builtins import POINTS
-from areal_hpc.config import DatasetConfig, load_config
+from areal_hpc.config import ArithmeticConfig, DatasetConfig, load_config
 from areal_hpc.data import calculator
 from areal_hpc.data.registry import build_task, corpus_for_tokenizer
 from areal_hpc.data.rewards import RewardPool
@@ -177,8 +177,9 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
 
     torch.manual_seed(0)
     tokenizer, model = load_tokenizer(tiny_model_dir), load_model(tiny_model_dir)
-    cfg = DatasetConfig(task="calculator", train_size=256, eval_size=1)
-    cfg.arithmetic.min_digits, cfg.arithmetic.max_digits, cfg.arithmetic.ops = 3, 4, "*"
+    cfg = DatasetConfig(
+        task="calculator", train_size=256, eval_size=1, arithmetic=ArithmeticConfig(min_digits=3, max_digits=4, ops="*")
+    )
     calls = [calculator.demonstration(ex, "call") for ex in build_task(cfg).train]
     engine = TorchTrainEngine(
         model,

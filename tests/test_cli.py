@@ -1,6 +1,11 @@
 """The areal-hpc command as users run it: help, config show, and exit code 2 with one line on bad input."""
 
+import subprocess
+import sys
+
 import pytest
+
+from areal_hpc.cli import COMMANDS, Command, load_handler
 
 from .conftest import REPO, run_cli
 
@@ -80,3 +85,25 @@ def test_missing_gsm8k_file_is_reported_before_anything_is_written(tmp_path):
     assert out.returncode == 2
     assert "absent.jsonl" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "sft_tiny" / "trial0" / "config.yaml").exists()
+
+
+def _rows(commands):
+    for command in commands:
+        yield from [command] if isinstance(command, Command) else _rows(command.commands)
+
+
+def test_every_row_names_a_handler_and_the_parser_loads_nothing_heavy():
+    """Handlers live beside their code and are imported only when their subcommand runs: each row's
+    'module:function' must name a function, and building the parser (``--help``) loads no torch, no
+    config (omegaconf) and no shards (h5py)."""
+    rows = list(_rows(COMMANDS))
+    assert len(rows) == len({row.run for row in rows}), "two rows run the same handler"
+    for row in rows:
+        assert callable(load_handler(row.run)), row.run
+    code = (
+        "import sys; from areal_hpc.cli import build_parser; build_parser()\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'omegaconf', 'h5py', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "[]\n"

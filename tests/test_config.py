@@ -42,13 +42,6 @@ def test_misspelt_override_names_the_closest_key(override, expected):
         load_config(None, [override])
 
 
-def test_m2po_with_ppo_own_loss_is_refused_in_one_line():
-    with pytest.raises(UserError, match="actor.policy_loss=m2po .* actor.decoupled_loss=false") as err:
-        load_config(None, ["actor.policy_loss=m2po", "actor.decoupled_loss=false"])
-    assert "\n" not in str(err.value)
-    assert not load_config(None, ["actor.decoupled_loss=false"]).actor.decoupled_loss  # alone, it loads
-
-
 def test_misspelt_yaml_key_names_file_and_closest_key(tmp_path):
     path = write(tmp_path, "gconfig:\n  max_new_token: 4\n")
     with pytest.raises(

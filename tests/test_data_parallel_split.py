@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from areal_hpc.config import load_config
 from areal_hpc.engines.sequence_batch import balanced_parts
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.groups import data_parallel_weights
+from areal_hpc.layout import data_parallel_weights
 
 
 @given(

@@ -13,7 +13,7 @@ from rich.console import Console
 from areal_hpc.config import load_config
 from areal_hpc.engines.factory import build_engine
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.tree_layout import resolve_tree_training
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.train.preference import run_preference
 
 from .conftest import run_cli
@@ -69,13 +69,13 @@ def test_a_users_engine_trains_sft_rl_and_dpo(tiny_model_dir, tmp_path):
     assert built(tmp_path) == {"sft ToyEngine", "policy ToyEngine", "reference ToyEngine"}
     pairs = write_pairs(tmp_path / "pairs.jsonl", ARITHMETIC_PAIRS)
     cfg = load_config("configs/quickstart.yaml", pair_run_args("dpo", tiny_model_dir, tmp_path, pairs, engine)[3:])
-    run_preference(cfg, "dpo", Console(quiet=True))
+    run_preference(resolve(cfg, Host.probe()).cfg, "dpo", Console(quiet=True))
     assert "dpo ToyEngine" in built(tmp_path)
 
 
 def test_a_subclass_of_the_torch_engine_inherits_its_capabilities(tmp_path):
     cfg = load_config(None, ["actor.tree_training=auto", toy_engine(tmp_path)])
-    assert resolve_tree_training(cfg).actor.tree_training == "dta"
+    assert resolve(cfg, Host("cpu")).cfg.actor.tree_training == "dta"
 
 
 @pytest.mark.parametrize("role", ["sft", "dpo", "rm"])

@@ -6,6 +6,7 @@ Each case runs a small launcher in its own process (the fork server makes its la
 which pytest's process should not become).
 """
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -15,16 +16,18 @@ import time
 
 import pytest
 
+from areal_hpc.launch.roles import FORK_SERVER_PRELOAD
 from areal_hpc.runtime.forkserver import ForkServer, ForkServerError
 
 LAUNCHER = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
+    from areal_hpc.launch.roles import FORK_SERVER_PRELOAD
     from areal_hpc.runtime.forkserver import ForkServer
     from areal_hpc.runtime.supervisor import SupervisedProcess
     out = Path(sys.argv[1])
     os.environ["IN_LAUNCHER"] = "1"
-    server = ForkServer({"ONLY_THE_SERVER": "1"}).start()
+    server = ForkServer({"ONLY_THE_SERVER": "1"}, FORK_SERVER_PRELOAD).start()
     child = SupervisedProcess("probe", [sys.executable, "-c", sys.argv[2], str(out), "second arg"], out / "probe.log",
                               {"OMP_NUM_THREADS": "2", "ONLY_THE_CHILD": "yes"}, cores=[0],
                               fork_server=server).start()
@@ -119,6 +122,11 @@ def test_a_forked_child_dies_with_its_launcher_even_on_sigkill(tmp_path):
     while alive(pid):
         assert time.monotonic() < deadline, f"the forked child outlived its launcher by 60 s (pid {pid})"
         time.sleep(0.1)
+
+
+def test_the_launcher_preloads_modules_that_exist():
+    """The launcher names them as strings (importing them would import torch in the launcher)."""
+    assert all(importlib.util.find_spec(module) for module in FORK_SERVER_PRELOAD)
 
 
 def test_only_module_and_code_commands_are_forked():

@@ -1,8 +1,9 @@
 """The folder tells the architecture (docs/architecture.md): no module imports a module that imports it
 back (directly or through others), and every import goes down the floors, never up or sideways:
 
-    errors, _kernels  <  fsio, extras, builtins  <  config  <  algo, data, models, sched, reward  <  runtime
-        <  parallel  <  engines, rollout  <  proxy  <  agents  <  train  <  launch  <  cli  <  __main__
+    errors, _kernels  <  fsio, extras, builtins  <  config, arguments  <  algo, data, models, reward, layout
+        <  runtime, resolve  <  parallel  <  sched  <  engines, rollout  <  proxy  <  agents  <  train  <  launch
+        <  cli  <  __main__
 
 A module imports its own package and packages on lower floors only; so ``launch`` is imported by the
 CLI alone, engines import nothing above them, and rollout and the proxy never import the trainer.
@@ -53,9 +54,9 @@ def test_no_module_imports_itself_back():
 FLOORS = [
     {"errors", "areal_hpc", "_kernels"},  # "areal_hpc": the package's own __init__; "_kernels": kernels/, no imports
     {"fsio", "extras", "builtins"},
-    {"config"},
-    {"algo", "data", "models", "reward"},
-    {"runtime"},
+    {"config", "arguments"},  # "arguments": the argparse arguments the subcommands share
+    {"algo", "data", "models", "reward", "layout"},  # "layout": the trainer ranks' layout arithmetic (no torch)
+    {"runtime", "resolve"},  # "resolve": the one place that settles a run (auto values, rules between keys)
     {"parallel"},
     {"sched"},
     {"engines", "rollout"},

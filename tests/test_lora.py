@@ -19,6 +19,7 @@ from areal_hpc.engines.torch.outputs import PolicyOutputs
 from areal_hpc.errors import UserError
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.train.checkpoint import load_checkpoint, save_checkpoint
 from areal_hpc.train.weight_push import DiskWeightSync, DistributedWeightSync
@@ -192,5 +193,5 @@ def test_bad_target_modules_are_one_line_with_exit_code_2_before_the_run_starts(
 )
 def test_what_lora_does_not_support_is_refused_in_one_line(overrides, words):
     with pytest.raises(UserError, match=re.escape(words)) as refused:
-        check_lora(load_config("configs/quickstart.yaml", ["actor.lora.rank=4", *overrides]))
+        check_lora(resolve(load_config("configs/quickstart.yaml", ["actor.lora.rank=4", *overrides]), Host("cpu")).cfg)
     assert "\n" not in str(refused.value)

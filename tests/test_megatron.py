@@ -23,8 +23,8 @@ from areal_hpc.engines.megatron.convert import ModelShape, hf_to_megatron, stage
 from areal_hpc.engines.megatron.engine import check_layout
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.errors import UserError
+from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import load_critic, load_model
-from areal_hpc.parallel.dims import ParallelDims
 from tests.native_ranks import reference_run, seeded_batch
 from tests.test_native_parallel import assert_same_step as assert_same_engine_step
 from tests.test_parallel_layouts import STEP, assert_same_step, single_process

@@ -22,8 +22,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from areal_hpc.engines.megatron.convert import ModelShape, hf_to_megatron, is_expert, stage_names, stage_to_hf
 from areal_hpc.engines.megatron.engine import check_layout
 from areal_hpc.errors import UserError
+from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import load_model
-from areal_hpc.parallel.dims import ParallelDims
 from tests.native_ranks import reference_run
 from tests.test_megatron import assert_checkpoint_round_trip, in_reference_order, run_ranks
 from tests.test_native_parallel import assert_same_step

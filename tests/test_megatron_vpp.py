@@ -19,7 +19,7 @@ from transformers import AutoConfig
 from areal_hpc.engines.megatron.convert import ModelShape
 from areal_hpc.engines.megatron.model import check_layout
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.layout import ParallelDims
 from tests import megatron_ranks, native_ranks
 from tests.native_ranks import reference_run
 from tests.test_megatron import in_reference_order

@@ -23,8 +23,8 @@ from areal_hpc.engines.megatron.convert import ModelShape
 from areal_hpc.engines.megatron.model import check_layout
 from areal_hpc.engines.sequence_batch import balanced_parts
 from areal_hpc.errors import UserError
+from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import load_tokenizer
-from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import build_mesh, init_distributed
 from tests import native_ranks
 from tests.trainer_processes import end_rank, run_ranks

@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.layout import ParallelDims
 from areal_hpc.sched.memory import (
     GB,
     Precision,

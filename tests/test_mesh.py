@@ -14,7 +14,7 @@ import pytest
 
 from areal_hpc.config import ParallelConfig
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.layout import ParallelDims
 from areal_hpc.runtime.name_resolve import free_port
 
 from .conftest import REPO

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from areal_hpc.engines.torch.parallelize import check_layout
 from areal_hpc.errors import UserError
+from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import fuse_expert_weights, load_model, load_tokenizer, save_model
-from areal_hpc.parallel.dims import ParallelDims
 from tests.native_ranks import reference_run, seeded_batch
 from tests.trainer_processes import run_ranks as run_trainer_ranks
 

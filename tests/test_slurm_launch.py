@@ -375,7 +375,7 @@ def test_a_plan_becomes_one_component_per_pool_and_every_task_knows_its_share(tm
     from areal_hpc.launch.hetjob import HetJobExecutor, JobSpec
     from areal_hpc.launch.slurm_task import task_groups
     from areal_hpc.launch.submit import components_from_plan
-    from areal_hpc.parallel.groups import MixedLayout
+    from areal_hpc.layout import MixedLayout
 
     plan = tmp_path / "plan.yaml"
     made = run_cli("plan", "--cluster", cluster, "--model", "r1-distill-qwen-1.5b", "--out", str(plan))
@@ -474,7 +474,7 @@ def test_training_groups_of_different_shapes_become_groups_sharing_batches_by_re
     mesh, replicas numbered group by group, a tp2 replica of a worth two of its devices."""
     from areal_hpc.config import load_config
     from areal_hpc.launch.submit import components_from_plan
-    from areal_hpc.parallel.groups import MixedLayout
+    from areal_hpc.layout import MixedLayout
 
     plan = {
         "pools": {

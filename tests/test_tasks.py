@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.config import DatasetConfig
+from areal_hpc.config import ArithmeticConfig, DatasetConfig
 from areal_hpc.data import arithmetic, countdown, gsm8k
 from areal_hpc.data.registry import build_task
 from areal_hpc.data.rewards import RewardRequest
@@ -49,8 +49,7 @@ def test_reference_targets_score_one(name):
 
 
 def test_arithmetic_respects_digits_and_operators():
-    cfg = small("arithmetic")
-    cfg.arithmetic.min_digits, cfg.arithmetic.max_digits, cfg.arithmetic.ops = 2, 2, "*"
+    cfg = small("arithmetic", arithmetic=ArithmeticConfig(min_digits=2, max_digits=2, ops="*"))
     for ex in build_task(cfg).train:
         a, b = ex.prompt.removeprefix("What is ").removesuffix("?").split("*")
         assert len(a) == len(b) == 2 and int(ex.answer) == int(a) * int(b)
@@ -58,8 +57,7 @@ def test_arithmetic_respects_digits_and_operators():
 
 @pytest.mark.parametrize("ops", ["", "+/", "^"])
 def test_arithmetic_rejects_unknown_operators(ops):
-    cfg = small("arithmetic")
-    cfg.arithmetic.ops = ops
+    cfg = small("arithmetic", arithmetic=ArithmeticConfig(ops=ops))
     with pytest.raises(UserError, match="dataset.arithmetic.ops"):
         build_task(cfg)
 

@@ -32,6 +32,7 @@ from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.proxy.openai_api import sampling_params
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.embedded_engine import RequestError, SamplingParams
 from areal_hpc.rollout.sampling import SlotSampler
@@ -57,7 +58,8 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
 
 
 def trainer_actor(model_dir, *overrides: str):
-    cfg = load_config(None, [f"model.path={model_dir}", "rl.total_train_steps=1", *overrides])
+    loaded = load_config(None, [f"model.path={model_dir}", "rl.total_train_steps=1", *overrides])
+    cfg = resolve(loaded, Host.probe()).cfg
     return build_actor(cfg, None)[0], cfg
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from areal_hpc.config import load_config
 from areal_hpc.launch.local import core_shares
-from areal_hpc.train.placement import ROLLOUT_SIDE_CORES, ROLLOUT_SIDE_NICE, rollout_side_env
+from areal_hpc.train.demo_tuning import ROLLOUT_SIDE_CORES, ROLLOUT_SIDE_NICE, rollout_side_env
 
 
 def test_rank_0_learns_the_run_cores_only_when_they_are_pinned():
@@ -30,7 +30,7 @@ def test_the_update_and_the_commits_stay_on_the_trainers_cores_and_the_rest_runs
     server, trainer = sorted(os.sched_getaffinity(0))[:2]
     script = (
         "import os, threading, multiprocessing as mp\n"
-        "from areal_hpc.train.placement import ThreadPlacement\n"
+        "from areal_hpc.train.demo_tuning import ThreadPlacement\n"
         f"with ThreadPlacement(training_elsewhere={training_elsewhere}) as p:\n"
         "    where = lambda: (sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, 0))\n"
         "    training = p.training.submit(where).result()\n"

@@ -17,8 +17,8 @@ from areal_hpc.config import OptimizerConfig
 from areal_hpc.engines.sequence_batch import balanced_parts
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs
+from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import load_model
-from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import build_mesh, init_distributed
 from tests.native_ranks import MAX_TOKENS_PER_MB, ppo_like_loss, seeded_batch
 from tests.trainer_processes import end_rank, run_ranks

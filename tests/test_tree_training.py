@@ -30,10 +30,9 @@ from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.engines.torch.tree import Segments, cache_keyword, check_tree_layout, is_chain
 from areal_hpc.errors import UserError
+from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import load_critic, load_model
-from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.groups import check_group_training
-from areal_hpc.parallel.tree_layout import resolve_tree_training
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.build import build_actor
 from tests.test_parallel_layouts import STEP, assert_same_step
@@ -367,13 +366,6 @@ def test_unsupported_layouts_are_one_user_error(dims, recompute, message):
         check_tree_layout("dta", mesh, recompute, PolicyOutputs())
 
 
-@pytest.mark.parametrize("override", ["actor.importance_level=sequence", "actor.engine=megatron"])
-def test_a_loss_or_engine_tree_training_cannot_sum_per_node_is_one_user_error(override, tiny_model_dir):
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "actor.tree_training=dta", override])
-    with pytest.raises(UserError, match="actor.tree_training=dta needs"):
-        build_actor(cfg, None)
-
-
 AUTO_OPTIONS = {
     "actor.engine": ("torch", "megatron"),
     "actor.importance_level": ("token", "sequence"),
@@ -385,16 +377,24 @@ AUTO_OPTIONS = {
 @pytest.mark.parametrize("choice", list(itertools.product(*AUTO_OPTIONS.values())))
 def test_auto_tree_training_is_dta_exactly_where_the_trainer_builds_dta(choice, tiny_model_dir):
     """Every combination of the options tree training depends on, in one process: ``auto`` resolves to dta
-    where ``build_actor`` builds the actor with dta, and to off where it refuses dta."""
+    where ``resolve`` and ``build_actor`` build the actor with dta, and to off where they refuse dta (a
+    combination refused whatever the tree training, such as LoRA on Megatron, is refused with auto too)."""
     overrides = [f"model.path={tiny_model_dir}", *(f"{key}={value}" for key, value in zip(AUTO_OPTIONS, choice))]
-    resolved = resolve_tree_training(load_config(None, [*overrides, "actor.tree_training=auto"])).actor.tree_training
+
+    def settled(tree_training: str):
+        return resolve(load_config(None, [*overrides, tree_training]), Host.probe()).cfg
+
     try:
-        build_actor(load_config(None, [*overrides, "actor.tree_training=dta"]), None)
+        resolved = settled("actor.tree_training=auto").actor.tree_training
+    except UserError:
+        resolved = "refused"
+    try:
+        build_actor(settled("actor.tree_training=dta"), None)
         built = True
     except UserError as exc:
-        assert "tree_training" in str(exc)
+        assert "tree_training" in str(exc) or resolved == "refused"
         built = False
-    assert resolved == ("dta" if built else "off")
+    assert (resolved == "dta") if built else (resolved in ("off", "refused"))
 
 
 @pytest.mark.parametrize(
@@ -413,21 +413,24 @@ def test_auto_tree_training_is_dta_exactly_where_the_trainer_builds_dta(choice, 
     ],
 )
 def test_auto_tree_training_on_two_ranks_is_dta_exactly_where_the_layout_checks_accept_dta(layout):
-    """Two trainer processes in each layout: dta where the engine's layout check and the training groups'
-    check accept it (an impossible layout trains no tree either way: off, its own error comes later)."""
-    cfg = load_config(None, ["rl.trainer_processes=2", *layout, "actor.tree_training=dta"])
+    """Two trainer processes in each layout: dta where ``resolve`` (the layout, the training groups' rule) and
+    the engine's layout check accept it, off where they refuse it (an impossible layout is refused either way)."""
+
+    def settle(tree_training: str):
+        return resolve(load_config(None, ["rl.trainer_processes=2", *layout, tree_training]), Host("cpu"))
+
     try:
         check_tree_layout(
-            "dta", SimpleNamespace(dims=ParallelDims.from_config(cfg.actor.parallel, 2)), "none", PolicyOutputs()
+            "dta", SimpleNamespace(dims=settle("actor.tree_training=dta").layout.groups[0]), "none", PolicyOutputs()
         )
-        check_group_training(cfg.actor)
         accepted = True
     except UserError:
         accepted = False
-    resolved = resolve_tree_training(
-        load_config(None, ["rl.trainer_processes=2", *layout, "actor.tree_training=auto"])
-    ).actor.tree_training
-    assert resolved == ("dta" if accepted else "off")
+    try:
+        resolved = settle("actor.tree_training=auto").cfg.actor.tree_training
+    except UserError:
+        resolved = "refused"
+    assert (resolved == "dta") if accepted else (resolved in ("off", "refused"))
     assert accepted == (layout in [(), ("actor.parallel.fsdp=true",), ("actor.parallel.allocation=megatron:d2p1t1",)])
 
 

@@ -26,9 +26,12 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from areal_hpc.config import load_config
+from areal_hpc.config import RunConfig, load_config
 from areal_hpc.data.trajectory import Reward, Segment, Trajectory
+from areal_hpc.launch.roles import FORK_SERVER_PRELOAD
 from areal_hpc.parallel.mesh import close_distributed
+from areal_hpc.resolve import Host, resolve
+from areal_hpc.runtime.bootstrap import Placement
 from areal_hpc.runtime.exit import exit_process
 from areal_hpc.runtime.forkserver import PR_SET_CHILD_SUBREAPER, ForkServer, _prctl
 from areal_hpc.runtime.name_resolve import free_port
@@ -51,8 +54,15 @@ def synthetic_batch(vocab: int, groups: int = 4, group_size: int = 4, seed: int 
     return batch
 
 
+def settled(overrides: list[str]) -> RunConfig:
+    """The run's config resolved on this node for the ranks started (WORLD_SIZE, or srun's tasks), as the
+    launchers pass ``rl.trainer_processes`` to every rank."""
+    world = f"rl.trainer_processes={Placement.detect().world}"
+    return resolve(load_config(None, [world, *overrides]), Host.probe()).cfg
+
+
 def main(model: str, out: str, overrides: list[str]) -> None:
-    cfg = load_config(None, [f"model.path={model}", "rl.total_train_steps=1", *overrides])
+    cfg = settled([f"model.path={model}", "rl.total_train_steps=1", *overrides])
     rank, mesh = start_trainer(cfg)
     actor, engines = build_actor(cfg, mesh)
     if rank == 0:
@@ -68,10 +78,10 @@ def main(model: str, out: str, overrides: list[str]) -> None:
         follow(actor, engines, mesh)
 
 
-# What the rank scripts import (the trainer, and Megatron's engine for its rank scripts), imported once by
-# one fork server for the session's ranks (as the launcher's, on CPU): a rank starts as a fork of it in
-# ~0.1 s instead of 4-7.5 s of imports.
-RANK_PRELOAD = ("areal_hpc.train.build", "areal_hpc.engines.megatron.engine")
+# What the rank scripts import (the launcher's roles' modules, the trainer's build, and Megatron's engine for
+# its rank scripts), imported once by one fork server for the session's ranks (as the launcher's, on CPU): a
+# rank starts as a fork of it in ~0.1 s instead of 4-7.5 s of imports.
+RANK_PRELOAD = (*FORK_SERVER_PRELOAD, "areal_hpc.train.build", "areal_hpc.engines.megatron.engine")
 _rank_forks: list[ForkServer] = []
 
 

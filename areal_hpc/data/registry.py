@@ -4,7 +4,7 @@ own ``make_task``, or your data with your reward) and the text the tiny tokenize
 from __future__ import annotations
 
 from areal_hpc import builtins
-from areal_hpc.config import DatasetConfig, RewardConfig
+from areal_hpc.config import ArithmeticConfig, DatasetConfig, RewardConfig
 from areal_hpc.data.rewards import RewardFunction
 from areal_hpc.data.tasks import Task
 from areal_hpc.data.user_data import read_rows, split_examples
@@ -50,8 +50,7 @@ def corpus_for_tokenizer(seed: int) -> list[str]:
     """Prompts and targets of every built-in task, so the tokenizer's merges fit the text it will see."""
     lines = []
     for task in builtins.POINTS["task"].builtins:
-        cfg = DatasetConfig(task=task, seed=seed, train_size=1000, eval_size=10)
-        cfg.arithmetic.ops = "+-*"
+        cfg = DatasetConfig(task=task, seed=seed, train_size=1000, eval_size=10, arithmetic=ArithmeticConfig(ops="+-*"))
         for ex in build_task(cfg).train:
             lines += [ex.prompt, ex.target]
     return lines

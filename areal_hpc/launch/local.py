@@ -14,7 +14,7 @@ are dealt out disjointly to servers and trainer ranks (``core_shares``: each pro
 so neither starves the other, and so are listed accelerators (CUDA_VISIBLE_DEVICES,
 ASCEND_RT_VISIBLE_DEVICES; ``device_shares``). Trainer rank 0 runs its update on its own cores and its
 rollout side (controller, client, rewards, shard commits) on the servers' or its own, whichever is free
-(``train/placement.py``).
+(``train/demo_tuning.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
 from areal_hpc.launch.preemption import StopForwarder
 from areal_hpc.launch.roles import (
+    FORK_SERVER_PRELOAD,
     config_args,
     forget_other_incarnations,
     incarnation_folder,
@@ -40,8 +41,7 @@ from areal_hpc.launch.roles import (
     server_command,
     trainer_command,
 )
-from areal_hpc.parallel.groups import MixedLayout, check_group_training
-from areal_hpc.parallel.tree_layout import resolve_tree_training
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.runtime.bootstrap import (
     INCARNATION,
     LAUNCHED_AT,
@@ -52,12 +52,12 @@ from areal_hpc.runtime.bootstrap import (
     cpu_threads,
     new_incarnation,
 )
-from areal_hpc.runtime.forkserver import ForkServer, cpu_only
+from areal_hpc.runtime.forkserver import ForkServer
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 from areal_hpc.runtime.supervisor import SupervisedProcess
-from areal_hpc.train.placement import rollout_side_env
-from areal_hpc.train.task_setup import check_task
+from areal_hpc.train.demo_tuning import rollout_side_env
+from areal_hpc.train.task_setup import check_inputs
 
 
 def should_resume(cfg: RunConfig, resume: str) -> bool:
@@ -79,18 +79,8 @@ def should_resume(cfg: RunConfig, resume: str) -> bool:
 
 
 def launch(config: str, overrides: list[str], resume: str = "never") -> int:
-    cfg = resolve_tree_training(load_config(config, overrides))
-    MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
-    check_group_training(cfg.actor)
-    check_task(cfg)  # your data, reward and workflow load
-    if cfg.distill.teacher_url:  # the teacher answers, with the student's tokenizer (this imports torch)
-        from areal_hpc.train.distill import check_teacher
-
-        check_teacher(cfg)
-    if cfg.actor.lora.rank:  # LoRA's layout and target modules (this imports torch: LoRA runs only)
-        from areal_hpc.engines.torch.lora import check_lora
-
-        check_lora(cfg)
+    cfg = resolve(load_config(config, overrides), Host.probe()).cfg  # every process runs on this node
+    check_inputs(cfg)  # your data, reward and workflow load; the teacher answers; LoRA's targets exist
     resume = should_resume(cfg, resume)
     run_dir = cfg.run_dir
     incarnation = f"{new_incarnation()}.{os.getpid()}"  # two launches inside one Slurm allocation differ too
@@ -117,7 +107,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             )
         )
 
-    fork_server = ForkServer(env).start() if forks_processes(cfg) else None
+    fork_server = ForkServer(env, FORK_SERVER_PRELOAD).start() if forks_processes(cfg) else None
 
     def start(name: str, command: list[str], log: Path | None, cores: CoreShare, extra_env: dict) -> SupervisedProcess:
         process = SupervisedProcess(
@@ -198,8 +188,9 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
 
 def forks_processes(cfg: RunConfig) -> bool:
     """Whether rollout servers and trainer ranks start as forks of one preloaded interpreter
-    (``cluster.fork_server``): only where no accelerator may be initialised before a fork."""
-    return cfg.cluster.fork_server and cpu_only(cfg.cluster.device)
+    (``cluster.fork_server``): only on the CPU (``cfg`` resolved), where no accelerator may be initialised
+    before a fork."""
+    return cfg.cluster.fork_server and cfg.cluster.device == "cpu"
 
 
 class RunMemory:

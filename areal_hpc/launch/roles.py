@@ -26,6 +26,15 @@ TRAINER = (
     "exit_process(main(sys.argv[1:]))"
 )
 MODEL_TIMEOUT_S = 3600.0  # how long a rollout server waits for trainer rank 0 to write the initial model
+# What these roles import, imported once by the local launcher's fork server on a CPU machine (each role then
+# starts as a fork of it, ``runtime.forkserver``): torch, the model family, the rollout server, the trainer, SFT.
+FORK_SERVER_PRELOAD = (
+    "torch",
+    "transformers.models.qwen2.modeling_qwen2",
+    "areal_hpc.rollout.server",
+    "areal_hpc.train.driver",
+    "areal_hpc.train.sft",
+)
 
 
 def areal_cli() -> list[str]:

@@ -43,6 +43,7 @@ from areal_hpc.launch.roles import (
     trainer_command,
     wait_for_model,
 )
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.runtime.bootstrap import (
     INCARNATION,
     INTERFACE,
@@ -106,7 +107,7 @@ class TaskFailed(RuntimeError):
 
 
 def run_task(config: str, overrides: list[str]) -> int:
-    cfg = load_config(config, overrides)
+    cfg = resolve(load_config(config, overrides), Host.probe()).cfg  # settled on this task's node
     placement = Placement.detect()
     task = task_role(placement, task_groups(cfg))
     role, index = task.role, task.index

@@ -37,10 +37,10 @@ from areal_hpc.fsio import atomic_write_text
 from areal_hpc.launch.hetjob import Component, HetJobExecutor, JobSpec
 from areal_hpc.launch.local import should_resume
 from areal_hpc.launch.slurm_task import run_task, task_groups
-from areal_hpc.parallel.dims import ParallelDims
-from areal_hpc.parallel.groups import MixedLayout, check_group_training
+from areal_hpc.layout import MixedLayout, ParallelDims
+from areal_hpc.resolve import resolve
 from areal_hpc.runtime.bootstrap import LAUNCHED_AT, RoleTasks
-from areal_hpc.train.task_setup import check_task
+from areal_hpc.train.task_setup import check_inputs
 
 
 @dataclass(frozen=True)
@@ -319,18 +319,9 @@ def prepare(
     else:
         components = components_from_config(cfg)
     cfg = load_config(files, [*overrides, *plan_overrides, *absolute_path_overrides(cfg)])  # tasks start elsewhere
-    MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)  # the meshes fit their ranks
-    check_group_training(cfg.actor)
+    cfg = resolve(cfg, None).cfg  # on the login node: what a node shows (cluster.device=auto) each task decides
     task_groups(cfg)  # the tasks' roles add up
-    check_task(cfg)  # your data, reward and workflow load
-    if cfg.distill.teacher_url:  # its settings (the job's nodes reach the teacher, maybe not this login node)
-        from areal_hpc.train.distill import check_teacher
-
-        check_teacher(cfg, reach=False)
-    if cfg.actor.lora.rank:  # LoRA's layout and target modules (this imports torch: LoRA runs only)
-        from areal_hpc.engines.torch.lora import check_lora
-
-        check_lora(cfg)
+    check_inputs(cfg, reach=False)  # the job's nodes reach the teacher, maybe not this login node
     check_components(components, read_partitions(), cfg.slurm.gres)
     should_resume(cfg, resume)
     run_dir = cfg.run_dir

@@ -1,9 +1,8 @@
 """One device abstraction for CUDA, Ascend NPU and CPU: components ask it where tensors live.
 
-``resolve_device("auto")`` picks cuda, then npu (when torch-npu is installed), then cpu.
+``resolve_device(kind)`` maps a resolved ``cluster.device`` (cpu, cuda or npu: ``areal_hpc.resolve`` decides
+``auto`` from what the node shows) to a torch.device, and says in one line when the node has none of it.
 """
-
-import importlib.util
 
 import torch
 
@@ -11,19 +10,10 @@ from areal_hpc.errors import UserError
 from areal_hpc.extras import require
 
 
-def _npu_available() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    require("torch_npu")  # registers the "npu" device with torch
-    return torch.npu.is_available()
-
-
-def resolve_device(kind: str = "auto") -> torch.device:
-    """Map ``cluster.device`` (auto, cpu, cuda, npu) to a torch.device that exists on this machine."""
+def resolve_device(kind: str) -> torch.device:
+    """Map a resolved ``cluster.device`` (cpu, cuda, npu) to a torch.device that exists on this machine."""
     if kind == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("npu" if _npu_available() else "cpu")
+        raise ValueError("cluster.device=auto reached the device undecided: resolve(cfg, Host.probe()) decides it")
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError("cluster.device=cuda but no CUDA device is visible; use cluster.device=cpu or auto")
     if kind == "npu":

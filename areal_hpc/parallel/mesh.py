@@ -1,7 +1,7 @@
 """The trainer ranks' device mesh: ``TrainMesh`` wraps the ``DeviceMesh`` that ``ParallelDims``
-(``dims.py``: sizes, Megatron's rank order) lays out, and hands engines the sub-meshes they ask for by
-name (engines receive the mesh, never raw groups). With training groups of different shapes
-(``groups.py``) each rank's ``TrainMesh`` is its own group's mesh, and knows the others.
+(``areal_hpc.layout``: sizes, Megatron's rank order) lays out, and hands engines the sub-meshes they ask for
+by name (engines receive the mesh, never raw groups). With training groups of different shapes
+(``layout.MixedLayout``) each rank's ``TrainMesh`` is its own group's mesh, and knows the others.
 
 Ranks learn their place from the environment ``srun``, ``mpirun``, ``torchrun`` or our local launcher
 sets (``bootstrap.Placement``) and meet at MASTER_ADDR:MASTER_PORT or through a name-resolve folder
@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.dims import MESH_DIMS, ParallelDims
-from areal_hpc.parallel.groups import MixedLayout
+from areal_hpc.layout import MESH_DIMS, MixedLayout, ParallelDims
 from areal_hpc.runtime.bootstrap import INTERFACE, RENDEZVOUS, Placement, assigned_devices
 from areal_hpc.runtime.rendezvous import RENDEZVOUS_TIMEOUT_S, rendezvous_store
 

@@ -1,9 +1,10 @@
 """A fork server for the local launcher's processes on a CPU machine (SFT warm-up, rollout servers,
-trainer ranks): one interpreter imports what they all import (torch, transformers, the server, the
-trainer), and each of them starts as a fork of it, so those pages are shared instead of copied per
-process. Importing them costs a process ~380-450 MB, most of the quickstart's memory; shared, they
-cost it once. The launcher closes the fork server once every process is started (what no child shares
-is then freed): the quickstart's RL run peaked at 0.86 GiB instead of 1.17 (``bench/run_memory.py``).
+trainer ranks): one interpreter imports what they all import, the modules the launcher names
+(``launch.roles.FORK_SERVER_PRELOAD``: torch, transformers, the server, the trainer), and each of them
+starts as a fork of it, so those pages are shared instead of copied per process. Importing them costs a
+process ~380-450 MB, most of the quickstart's memory; shared, they cost it once. The launcher closes the
+fork server once every process is started (what no child shares is then freed): the quickstart's RL run
+peaked at 0.86 GiB instead of 1.17 (``bench/run_memory.py``).
 
     launcher ── fork server (imports once, then waits for commands on its stdin)
        └─ adopted: rollout server 0, trainer rank 0, ...  (forked twice, so the launcher is their parent)
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import glob
 import importlib
 import json
 import os
@@ -37,30 +37,12 @@ from pathlib import Path
 
 from areal_hpc.runtime.exit import exit_process
 
-PRELOAD = (
-    "torch",
-    "transformers.models.qwen2.modeling_qwen2",
-    "areal_hpc.rollout.server",
-    "areal_hpc.train.driver",
-    "areal_hpc.train.sft",
-)
 PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
 ADOPTION_TIMEOUT_S = 10.0
 
 
 class ForkServerError(RuntimeError):
     """The fork server is gone or could not start a child."""
-
-
-def accelerators_present() -> bool:
-    """Whether this machine shows a GPU or an NPU device (without importing torch)."""
-    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/davinci[0-9]*"))
-
-
-def cpu_only(device: str) -> bool:
-    """Whether ``cluster.device`` keeps this machine's processes on the CPU: cpu, or auto where no
-    accelerator shows. Decided without initialising one (CUDA does not survive a fork after that)."""
-    return device == "cpu" or (device == "auto" and not accelerators_present())
 
 
 def _prctl(option: int, value) -> None:
@@ -71,7 +53,8 @@ class ForkServer:
     """The launcher's handle: ``start()`` the server, ``spawn()`` children through it, ``close()``."""
 
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
-        """``preload``: modules the server imports beyond ``PRELOAD`` (what its children will import)."""
+        """``preload``: the modules the server imports before its first fork (what its children will import;
+        the caller names them, since what they run is the caller's)."""
         self.env, self.preload = env, preload
         self.process: subprocess.Popen | None = None
 
@@ -150,7 +133,7 @@ class AdoptedProcess:
 def _serve(replies: int, preload: list[str]) -> int:
     """The fork server's loop: one JSON request per stdin line, the adopted child's pid (or an error)
     on ``replies``. In a child this returns the command's exit code instead of looping."""
-    for module in (*PRELOAD, *preload):
+    for module in preload:
         importlib.import_module(module)
     gc.collect()
     gc.freeze()  # the collector never writes to what was imported: those pages stay shared
@@ -202,9 +185,9 @@ def _run_adopted(request: dict) -> int:
         _redirect(log, 2)
     os.environ.clear()
     os.environ.update(request["env"])
-    import torch  # preloaded; not imported at the top, where the launcher (which imports this module) would
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch = sys.modules.get("torch")  # preloaded, it read its thread count in the server; else it reads ours
+    if torch is not None:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     return _run_command(request["command"])
 
 

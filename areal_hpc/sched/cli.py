@@ -164,7 +164,7 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
     catalogue (H100, ...) or of DEVICE GB; raises ``UserError`` (one line: what, how much, what would fit)
     for one that cannot fit, else says what each needs. ``logits_chunk_bytes``: the torch engine's chunk
     of float32 logits (the caller imports the engine; this module stays free of torch)."""
-    from areal_hpc.parallel.groups import MixedLayout
+    from areal_hpc.layout import MixedLayout
     from areal_hpc.sched.hardware import CATALOGUE
     from areal_hpc.sched.memory import (
         GB,

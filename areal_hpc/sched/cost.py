@@ -22,7 +22,7 @@ from functools import lru_cache
 from importlib.resources.abc import Traversable
 
 from areal_hpc.errors import UserError, closest
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.layout import ParallelDims
 from areal_hpc.sched.hardware import CATALOGUE, NodePool, read_yaml
 from areal_hpc.sched.memory import (
     GB,

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.layout import ParallelDims
 from areal_hpc.sched.model_spec import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

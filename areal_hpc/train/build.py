@@ -19,7 +19,6 @@ import torch
 from areal_hpc.agents.engine import EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import EpisodeGroups
 from areal_hpc.algo.filters import is_informative_group
-from areal_hpc.algo.tree_balance import check_cost
 from areal_hpc.builtins import uses_critic
 from areal_hpc.config import RunConfig
 from areal_hpc.data.prompts import PromptStream
@@ -29,14 +28,12 @@ from areal_hpc.data.shards.reader import TrajectoryFilter, TrajectoryStore
 from areal_hpc.data.shards.writer import PROXY_WRITER_PREFIX, TrajectoryShardWriter
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.base import TrainEngine
-from areal_hpc.engines.factory import build_engine, engine_class
-from areal_hpc.engines.torch.lora import check_engine as check_lora_engine
+from areal_hpc.engines.factory import build_engine
 from areal_hpc.errors import UserError
+from areal_hpc.layout import MixedLayout
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.parallel.device import check_precision, resolve_device
-from areal_hpc.parallel.groups import MixedLayout, check_group_training
 from areal_hpc.parallel.mesh import BACKENDS, TrainMesh, build_group_meshes, init_distributed
-from areal_hpc.parallel.tree_layout import resolve_tree_training
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode, FailureBudget, RolloutController
 from areal_hpc.rollout.staleness import StalenessGate
@@ -79,27 +76,11 @@ def build_engines(cfg: RunConfig, mesh, resume: bool) -> tuple[PPOActor, dict[st
 def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[str, TrainEngine]]:
     """The PPO actor and the engines a checkpoint holds (actor, and critic for PPO), on the trainer mesh,
     each built by ``engines.factory.build_engine``. The policy and the reference compute logprobs at the
-    sampler's temperature. ``mesh=None``: one process without a process group, on ``cluster.device``."""
+    sampler's temperature. ``cfg``: a resolved run's config (``resolve(cfg, host).cfg``: its rules hold, its
+    auto values decided). ``mesh=None``: one process without a process group, on ``cluster.device``."""
     if not cfg.model.path:
         raise UserError("the trainer needs model.path=DIR (the launcher sets it to the run's starting model)")
-    path, model, actor_cfg = cfg.model.path, cfg.model, resolve_tree_training(cfg).actor
-    if actor_cfg.importance_level == "sequence" and mesh is not None and mesh.dims.cp > 1:
-        raise UserError(
-            f"actor.importance_level=sequence (GSPO) takes each sequence's ratio over all its tokens, "
-            f"but actor.parallel.cp={mesh.dims.cp} deals them over several ranks; use cp=1 with GSPO"
-        )
-    trains_trees = engine_class(actor_cfg.engine).supports_tree_training
-    if actor_cfg.tree_training == "dta" and (not trains_trees or actor_cfg.importance_level != "token"):
-        raise UserError(
-            f"actor.tree_training=dta needs actor.engine=torch and actor.importance_level=token (a loss "
-            f"summed per token), got engine={actor_cfg.engine}, importance_level="
-            f"{actor_cfg.importance_level}; set actor.tree_training=off"
-        )
-    if actor_cfg.tree_training == "dta":
-        check_cost(actor_cfg.tree_cost)
-    check_group_training(actor_cfg)
-    if actor_cfg.lora.rank:
-        check_lora_engine(actor_cfg.engine)
+    path, model, actor_cfg = cfg.model.path, cfg.model, cfg.actor
     tokenizer = load_tokenizer(cfg.tokenizer.path or path)
     device = mesh.device if mesh is not None else resolve_device(cfg.cluster.device)
     check_precision(device, model_dtype=model.dtype, model_compute_dtype=model.compute_dtype)

@@ -26,23 +26,23 @@ import time
 from areal_hpc.config import RunConfig, load_config
 from areal_hpc.errors import UserError
 from areal_hpc.parallel.mesh import close_distributed
+from areal_hpc.resolve import Host, resolve
 from areal_hpc.rollout.client import RolloutError
 from areal_hpc.runtime.bootstrap import Placement
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED
 from areal_hpc.train.build import build_engines, start_trainer
 from areal_hpc.train.rl_run import RLRun
 from areal_hpc.train.stopping import STOP_SIGNALS, EarlyStopSignal, StopGuard, StopRequested
-from areal_hpc.train.trainer_process import TrainerProcess, trains_in_child
+from areal_hpc.train.trainer import Trainer
+from areal_hpc.train.trainer_process import TrainerProcess
 from areal_hpc.train.trainer_ranks import TrainerRanks, follow
 
 
-async def drive(
-    cfg: RunConfig, group: TrainerRanks | TrainerProcess, state: dict, early: EarlyStopSignal | None = None
-) -> None:
+async def drive(cfg: RunConfig, trainer: Trainer, state: dict, early: EarlyStopSignal | None = None) -> None:
     """Trainer rank 0's loop from ``state["step"]``: gate -> generate -> reward -> commit -> update ->
     push -> evaluate and checkpoint. A stop signal saves the last trained step (``StopRequested``)."""
     stop = StopGuard(early)
-    async with RLRun.open(cfg, group, state) as run:
+    async with RLRun.open(cfg, trainer, state) as run:
         for step in range(run.version, cfg.rl.total_train_steps):
             started = time.perf_counter()
             # The staleness gate admits episodes all along; servers generate them, the reward pool scores them.
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     multiprocessing.resource_tracker.ensure_running()
     early = EarlyStopSignal()
     try:
-        cfg = load_config(args.config, args.overrides)
-        if Placement.detect().rank == 0 and trains_in_child(cfg):
+        cfg = resolve(load_config(args.config, args.overrides), Host.probe()).cfg  # settled on this node
+        if Placement.detect().rank == 0 and cfg.rl.rank0_training == "child":
             with TrainerProcess.start(cfg, args.resume) as trainer:  # trainer rank 0 is its child
                 return lead(cfg, trainer, trainer.state, early)
         rank, mesh = start_trainer(cfg)
@@ -107,16 +107,16 @@ def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal)
     return lead(cfg, TrainerRanks(actor, engines, mesh, cfg), state, early)
 
 
-def lead(cfg: RunConfig, group: TrainerRanks | TrainerProcess, state: dict, early: EarlyStopSignal) -> int:
-    """Rank 0: drive the run through ``group`` (the training in this process, or in its child)."""
+def lead(cfg: RunConfig, trainer: Trainer, state: dict, early: EarlyStopSignal) -> int:
+    """Rank 0: drive the run through ``trainer`` (the training in this process, or in its child)."""
     stopped = False
     try:
-        asyncio.run(drive(cfg, group, state, early))
+        asyncio.run(drive(cfg, trainer, state, early))
     except StopRequested:
         stopped = True
     finally:  # the loop's handlers are gone: a warning now (one more from Slurm while the training
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # child ends, say) must not kill a finished run
-    group.stop()  # the other ranks exit too; only without an error: after one the launcher stops them
+    trainer.stop()  # the other ranks exit too; only without an error: after one the launcher stops them
     return SAVED_AND_STOPPED if stopped else 0
 
 

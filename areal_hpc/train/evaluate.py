@@ -3,7 +3,8 @@
 
 During RL the engine generates on the rollout servers (``RolloutClient.generate``); for a model in
 this process (SFT, ``areal-hpc eval``) on an ``EmbeddedGenerator`` running it, the decoder the embedded
-servers run, so a model scores the same in-process and behind a server.
+servers run, so a model scores the same in-process and behind a server. ``HeldOutTask`` is the run's task
+set up for that (SFT's evaluation, and DPO's with ``preference.eval_task``).
 """
 
 from __future__ import annotations
@@ -12,18 +13,22 @@ import asyncio
 import math
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from areal_hpc.agents.chat import optional_chat
 from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer, derive_seed
 from areal_hpc.agents.groups import run_episode
+from areal_hpc.agents.registry import build_workflow
 from areal_hpc.agents.rlvr import RLVRWorkflow
+from areal_hpc.config import RunConfig
 from areal_hpc.data.rewards import RewardPool
-from areal_hpc.data.tasks import Example
+from areal_hpc.data.tasks import Example, Task
 from areal_hpc.models.chat import example_prompt_ids
 from areal_hpc.rollout.client import Generation
 from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, SamplingParams
+from areal_hpc.train.task_setup import reward_pool
 
 EVAL_SLOTS = 64  # sequences an in-process evaluation decodes together
 EVAL_BATCH = 64  # generations per /generate request of an evaluation through the rollout servers
@@ -165,3 +170,29 @@ def evaluate_model(
         return asyncio.run(run())
     finally:
         engine.stop()
+
+
+class HeldOutTask:
+    """A model in this process on the held-out problems of the run's ``task``, greedy, in the run's workflow and
+    scored by the task's reward; ``close()`` ends the reward pool."""
+
+    def __init__(self, cfg: RunConfig, task: Task, tokenizer, model_dir: Path):
+        self.task, self.tokenizer = task, tokenizer
+        self.model_folder, self.discount = cfg.tokenizer.path or model_dir, cfg.rollout.turn_discount
+        self.workflow, self.sampling = build_workflow(cfg.rollout), Sampling.from_config(cfg.gconfig)
+        self.rewards = reward_pool(cfg, task)
+
+    def evaluate(self, model: torch.nn.Module) -> EvalResult:
+        return evaluate_model(
+            model,
+            self.tokenizer,
+            self.task.eval,
+            self.rewards,
+            self.sampling,
+            self.workflow,
+            self.model_folder,
+            discount=self.discount,
+        )
+
+    def close(self) -> None:
+        self.rewards.close()

@@ -19,7 +19,7 @@ are the starting model's, computed once before the first step (no second model i
 in the run folder. Held-out pairwise accuracy (and, with
 ``preference.eval_task``, the policy's accuracy on the configured task) before, during and after
 training; metrics in JSONL and TensorBoard, a PNG curve, the model saved in Hugging Face format.
-One process, like SFT.
+One process, in the loop SFT runs in too (``train.supervised``).
 """
 
 from __future__ import annotations
@@ -31,22 +31,27 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from areal_hpc.algo.advantages import sequence_ids
 from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.algo.preference import PairLossConfig, margin_gradients, pair_statistics, sequence_coefficients
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.engines.base import TrainEngine
-from areal_hpc.engines.factory import build_engine
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import detach_language_head, load_tokenizer
-from areal_hpc.parallel.device import check_precision, resolve_device
+from areal_hpc.models.hf import detach_language_head
+from areal_hpc.train.evaluate import HeldOutTask
 from areal_hpc.train.metrics import MetricsLogger
-from areal_hpc.train.plots import plot_curves
 from areal_hpc.train.preference_pairs import PreferencePair, load_pairs
-from areal_hpc.train.sft import index_stream
+from areal_hpc.train.supervised import (
+    SupervisedJob,
+    index_stream,
+    load_engine,
+    run_supervised,
+    save_model,
+    seeded_device,
+)
+from areal_hpc.train.task_setup import open_task
 
 OBJECTIVES = ("dpo", "rm")  # each the role (``engines.base.ROLES``) its engine is built for
 
@@ -214,16 +219,18 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
             f"config key 'model.path' is empty: {objective} starts from a trained model (e.g. the SFT "
             "checkpoint <run>/model)"
         )
-    torch.manual_seed(cfg.experiment.seed)  # the reward model's fresh head depends on the seed only
-    device = resolve_device(cfg.cluster.device)
-    check_precision(device, model_dtype=cfg.model.dtype, model_compute_dtype=cfg.model.compute_dtype)
+    seeded_device(cfg)
     model_dir = Path(cfg.model.path)
-    tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
-    engine = build_engine(objective, cfg, None, model_dir, tokenizer)  # the reward model's regulariser included
+    engine = load_engine(objective, cfg, model_dir)  # the reward model's regulariser included
+    tokenizer = engine.tokenizer
     model = engine.model  # the Hugging Face module: its context, the policy's evaluation, the head detached at the end
     context = getattr(model.config, "max_position_embeddings", 1 << 30)
     train, held_out = load_pairs(pcfg, cfg.experiment.seed, tokenizer, context, console.print)
-    task = _TaskEvaluation(cfg, tokenizer, model_dir, console) if objective == "dpo" and pcfg.eval_task else None
+    task = None  # the policy's held-out accuracy on the configured task (``dataset.*``), as SFT reports it
+    if objective == "dpo" and pcfg.eval_task:
+        task = HeldOutTask(
+            cfg, open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print), tokenizer, model_dir
+        )
     save_resolved(cfg)  # only once every input has been checked
     console.print(
         f"[bold]{objective.upper()}[/] on {len(train)} pairs ({len(held_out)} held out) from "
@@ -242,42 +249,36 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
     def run_eval(step: int) -> dict[str, float]:
         scalars = trainer.evaluate(held_out, pcfg.batch_size) if held_out else {}
         if task is not None:
-            scalars.update(task.evaluate(model))
+            scalars.update(task.evaluate(model).scalars())
         metrics.log(step, scalars)
         return scalars
 
+    def train_step() -> dict[str, float]:
+        indices = [next(order) for _ in range(pcfg.batch_size)]
+        return trainer.step([train[i] for i in indices], indices)
+
+    job = SupervisedJob(
+        name=objective,
+        title=objective.upper(),
+        steps=pcfg.total_train_steps,
+        eval_every=pcfg.eval_every_steps,
+        save_every=0,  # the final model only (a reward model's language head is detached before it is saved)
+        step=train_step,
+        evaluate=run_eval,
+        describe=lambda scalars: f"held out {_summary(scalars)}",
+        note=lambda stats, scalars: f"pair acc {stats['train/accuracy']:.3f}",
+    )
     try:
-        before = after = run_eval(0)
-        console.print(f"held out before {objective}: {_summary(before)}", soft_wrap=True)
-        columns = [
-            TextColumn(f"[bold]{objective}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("loss {task.fields[loss]:.3f}  pair acc {task.fields[acc]:.3f}"),
-        ]
-        with Progress(*columns, console=console) as progress:
-            bar = progress.add_task(objective, total=pcfg.total_train_steps, loss=float("nan"), acc=float("nan"))
-            for step in range(1, pcfg.total_train_steps + 1):
-                indices = [next(order) for _ in range(pcfg.batch_size)]
-                stats = trainer.step([train[i] for i in indices], indices)
-                metrics.log(step, stats)
-                if step == pcfg.total_train_steps or (pcfg.eval_every_steps and step % pcfg.eval_every_steps == 0):
-                    after = run_eval(step)
-                    progress.console.print(f"step {step}: held out {_summary(after)}", soft_wrap=True)
-                progress.update(bar, advance=1, loss=stats["train/loss"], acc=stats["train/accuracy"])
+        before, after = run_supervised(job, engine, metrics, console, cfg.run_dir)
     finally:
         metrics.close()
         if task is not None:
             task.close()
-    out = cfg.run_dir / "model"
     detach_language_head(model)  # the reward model is the critic; its language head only regularised it
-    engine.save(out, optimizer=False)
-    if cfg.stats.plot:
-        curves = {"train loss": "train/loss", "held-out pair accuracy": "eval/pair_accuracy"}
-        if task is not None:
-            curves["held-out task accuracy"] = "eval/accuracy"
-        plot_curves(metrics.records, curves, cfg.run_dir / f"{objective}_curves.png", f"{objective.upper()}")
+    curves = {"train loss": "train/loss", "held-out pair accuracy": "eval/pair_accuracy"}
+    if task is not None:
+        curves["held-out task accuracy"] = "eval/accuracy"
+    out = save_model(engine, cfg, metrics, objective, curves, objective.upper())
     return PreferenceResult(before, after, out, time.time() - started)
 
 
@@ -286,35 +287,3 @@ def _summary(scalars: dict[str, float]) -> str:
     if "eval/accuracy" in scalars:
         parts.append(f"task accuracy {scalars['eval/accuracy']:.1%}")
     return "; ".join(parts) if "eval/pair_accuracy" in scalars else "no held-out pairs"
-
-
-class _TaskEvaluation:
-    """The policy's greedy held-out accuracy on the configured task (``dataset.*``), as SFT reports it."""
-
-    def __init__(self, cfg: RunConfig, tokenizer, model_dir: Path, console: Console):
-        from areal_hpc.agents.engine import Sampling
-        from areal_hpc.agents.registry import build_workflow
-        from areal_hpc.train.task_setup import open_task, reward_pool
-
-        self.cfg, self.tokenizer, self.model_dir = cfg, tokenizer, model_dir
-        self.task = open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print)
-        self.workflow, self.sampling = build_workflow(cfg.rollout), Sampling.from_config(cfg.gconfig)
-        self.rewards = reward_pool(cfg, self.task)
-
-    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        from areal_hpc.train.evaluate import evaluate_model
-
-        result = evaluate_model(
-            model,
-            self.tokenizer,
-            self.task.eval,
-            self.rewards,
-            self.sampling,
-            self.workflow,
-            self.cfg.tokenizer.path or self.model_dir,
-            discount=self.cfg.rollout.turn_discount,
-        )
-        return result.scalars()
-
-    def close(self) -> None:
-        self.rewards.close()

@@ -40,13 +40,13 @@ from areal_hpc.train.build import (
     take_proxy_records,
     wait_for_servers,
 )
+from areal_hpc.train.demo_tuning import ThreadPlacement
 from areal_hpc.train.distill import Teacher, open_teacher
 from areal_hpc.train.evaluate import evaluate
-from areal_hpc.train.placement import ThreadPlacement
 from areal_hpc.train.progress import RLProgress
 from areal_hpc.train.stopping import StopRequested
 from areal_hpc.train.task_setup import open_task, reward_pool
-from areal_hpc.train.trainer_ranks import TrainerRanks
+from areal_hpc.train.trainer import Trainer
 from areal_hpc.train.weight_push import admit_servers
 
 
@@ -56,7 +56,7 @@ class RLRun:
     def __init__(
         self,
         cfg: RunConfig,
-        group: TrainerRanks,
+        trainer: Trainer,
         state: dict,
         task,
         workflow,
@@ -70,11 +70,11 @@ class RLRun:
         placement: ThreadPlacement,
         teacher: Teacher | None,
     ):
-        self.cfg, self.group, self.task, self.workflow, self.progress = cfg, group, task, workflow, progress
+        self.cfg, self.trainer, self.task, self.workflow, self.progress = cfg, trainer, task, workflow, progress
         self.placement, self.teacher = placement, teacher
         self.settings, self.consumer, self.proxy_records, self.client = settings, consumer, proxy_records, client
         self.eval_settings = eval_settings
-        self.actor = group.engines["actor"]  # its saves and weight gatherings are collective over every rank
+        self.actor = trainer.engines["actor"]  # its saves and weight gatherings are collective over every rank
         self.version = state["step"]
         self.evaluated = state.get("evaluated", self.version)  # the last step evaluated
         self.prompts = PromptStream(task.train, cfg.experiment.seed, state.get("prompts_drawn", 0))
@@ -108,10 +108,10 @@ class RLRun:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: RunConfig, group: TrainerRanks, state: dict) -> AsyncIterator[RLRun]:
+    async def open(cls, cfg: RunConfig, trainer: Trainer, state: dict) -> AsyncIterator[RLRun]:
         # the update on this process's cores (or a child's there), this thread on the rollout side's
-        with ThreadPlacement(training_elsewhere=group.trains_elsewhere) as placement:
-            tokenizer, model_dir = group.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path
+        with ThreadPlacement(training_elsewhere=trainer.trains_elsewhere) as placement:
+            tokenizer, model_dir = trainer.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path
             task = open_task(cfg, tokenizer, model_dir)
             workflow = build_workflow(cfg.rollout)
             addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
@@ -135,7 +135,7 @@ class RLRun:
                     eval_settings = settings if eval_rewards is None else replace(settings, scorer=Scorer(eval_rewards))
                     run = cls(
                         cfg,
-                        group,
+                        trainer,
                         state,
                         task,
                         workflow,
@@ -209,7 +209,7 @@ class RLRun:
         if self.teacher is not None:
             teacher_logprobs, scored = await self.teacher.score(batch, run_temperature(self.cfg.gconfig))
         stats = await asyncio.get_running_loop().run_in_executor(
-            self.placement.training, self.group.update, batch, teacher_logprobs
+            self.placement.training, self.trainer.update, batch, teacher_logprobs
         )
         return {**stats, **scored}
 
@@ -270,7 +270,7 @@ class RLRun:
 
     def checkpoint(self, version: int) -> None:
         proxy_cursor = self.proxy_records.cursor.state_dict() if self.proxy_records is not None else None
-        self.group.save_checkpoint(
+        self.trainer.save_checkpoint(
             self.cfg.run_dir,
             version,
             {

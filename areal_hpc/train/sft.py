@@ -3,13 +3,13 @@
     areal-hpc sft --config configs/sft_tiny.yaml [key=value ...]
 
 SFT is a loss function (mean NLL of the completion tokens) on the engine the RL actor trains with
-(``actor.engine``, built by ``engines.factory.build_engine`` for the role "sft"): the same packed
-micro-batches (no padding), AdamW with warm-up + decay and gradient clipping. Held-out greedy evaluation
-before, during and after training runs the embedded rollout engine on the model (``train.evaluate``); it
-never touches the training RNG or data order, so evaluating changes nothing trained. ``sft.stop_at_accuracy``
-ends training at the first evaluation that reaches it: SFT's accuracy rises steeply at a point that varies
-with the seed, so a fixed step count lands anywhere from 10% to 35% (500 steps, 3 seeds) where a target
-lands within one evaluation's rise.
+(``actor.engine``, built by ``engines.factory.build_engine`` for the role "sft"): the same packed micro-batches
+(no padding), AdamW with warm-up + decay and gradient clipping, in the loop DPO and the reward model share
+(``train.supervised``). Held-out greedy evaluation before, during and after training runs the embedded rollout
+engine on the model (``train.evaluate.HeldOutTask``); it never touches the training RNG or data order, so
+evaluating changes nothing trained. ``sft.stop_at_accuracy`` ends training at the first evaluation that reaches
+it: SFT's accuracy rises steeply at a point that varies with the seed, so a fixed step count lands anywhere from
+10% to 35% (500 steps, 3 seeds) where a target lands within one evaluation's rise.
 HF-format checkpoints, metrics in JSONL and TensorBoard, a PNG curve. One process on CPU or one accelerator.
 Simplifications on purpose: no resume (SFT here is a minutes-long warm-up), no data parallelism.
 """
@@ -22,26 +22,27 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from areal_hpc.agents.engine import Sampling
-from areal_hpc.agents.registry import build_workflow
 from areal_hpc.algo.ppo import token_weights
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.data.tasks import Example
 from areal_hpc.engines.base import TrainEngine
-from areal_hpc.engines.factory import build_engine
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.errors import UserError
 from areal_hpc.models.chat import completion_ids, example_prompt_ids
-from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.models.tiny import count_parameters, init_model
-from areal_hpc.parallel.device import check_precision, resolve_device
-from areal_hpc.train.evaluate import EvalResult, evaluate_model
+from areal_hpc.train.evaluate import EvalResult, HeldOutTask
 from areal_hpc.train.metrics import MetricsLogger
-from areal_hpc.train.plots import plot_curves
-from areal_hpc.train.task_setup import open_task, reward_pool
+from areal_hpc.train.supervised import (
+    SupervisedJob,
+    index_stream,
+    load_engine,
+    run_supervised,
+    save_model,
+    seeded_device,
+)
+from areal_hpc.train.task_setup import open_task
 
 
 @dataclass
@@ -56,13 +57,6 @@ def sft_sequence(tokenizer, example: Example) -> tuple[list[int], list[int]]:
     """Prompt + completion ids and the loss mask (1 on completion tokens)."""
     prompt, completion = example_prompt_ids(tokenizer, example), completion_ids(tokenizer, example.target)
     return prompt + completion, [0] * len(prompt) + [1] * len(completion)
-
-
-def index_stream(n: int, seed: int):
-    """Endless shuffled passes over range(n), each pass a fresh seeded permutation."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        yield from torch.randperm(n, generator=generator).tolist()
 
 
 class LazySequences:
@@ -122,26 +116,18 @@ def prepare_model_dir(cfg: RunConfig) -> Path:
 def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     console = console or Console()
     started = time.time()
-    torch.manual_seed(cfg.experiment.seed)
-    device = resolve_device(cfg.cluster.device)
-    check_precision(device, model_dtype=cfg.model.dtype, model_compute_dtype=cfg.model.compute_dtype)
+    device = seeded_device(cfg)
     model_dir = prepare_model_dir(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
-    engine = build_engine("sft", cfg, None, model_dir, tokenizer)
-    model = engine.model  # the Hugging Face model held-out evaluation generates with
+    engine = load_engine("sft", cfg, model_dir)
+    tokenizer, model = engine.tokenizer, engine.model  # the Hugging Face model held-out evaluation generates with
     task = open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print)
-    if cfg.sft.stop_at_accuracy and not cfg.sft.eval_every_steps:
-        raise UserError(
-            f"config key 'sft.stop_at_accuracy' = {cfg.sft.stop_at_accuracy:g} needs evaluations to "
-            "check it: set sft.eval_every_steps (e.g. 25)"
-        )
     if not all(ex.target for ex in task.train):
         raise UserError(
             f"config key 'dataset.target_field': SFT trains on reference completions; "
             f"{task.train[0].uid} has none (name the column that holds them)"
         )
     train = LazySequences(tokenizer, task.train)
-    workflow = build_workflow(cfg.rollout)
+    held_out = HeldOutTask(cfg, task, tokenizer, model_dir)  # its workflow built, its reward loaded
     save_resolved(cfg)  # only once every input has been checked: a bad one leaves the folder as it was
     console.print(
         f"[bold]SFT[/] {task.name}: {len(task.train)} train / {len(task.eval)} eval problems, "
@@ -150,70 +136,40 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     )
 
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)
-    rewards = reward_pool(cfg, task)
     order = index_stream(len(train), cfg.experiment.seed)
 
     def run_eval(step: int) -> EvalResult:
-        result = evaluate_model(
-            model,
-            tokenizer,
-            task.eval,
-            rewards,
-            Sampling.from_config(cfg.gconfig),
-            workflow,
-            cfg.tokenizer.path or model_dir,
-            discount=cfg.rollout.turn_discount,
-        )
+        result = held_out.evaluate(model)
         metrics.log(step, result.scalars())
         return result
 
-    try:
-        before = after = run_eval(0)
-        console.print(f"eval accuracy before SFT: [bold]{before.summary()}[/]", soft_wrap=True)
-        columns = [
-            TextColumn("[bold]sft"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("loss {task.fields[loss]:.3f}  acc {task.fields[acc]}  {task.fields[tps]:.0f} tok/s"),
-        ]
-        with Progress(*columns, console=console) as progress:
-            bar = progress.add_task(
-                "sft", total=cfg.sft.total_train_steps, loss=float("nan"), acc=before.summary(), tps=0.0
-            )
-            for step in range(1, cfg.sft.total_train_steps + 1):
-                tick = time.time()
-                stats = sft_step(engine, [train[next(order)] for _ in range(cfg.sft.batch_size)])
-                stats["train/tokens_per_s"] = stats["train/tokens"] / (time.time() - tick)
-                metrics.log(step, stats)
-                last = step == cfg.sft.total_train_steps
-                evaluated = last or bool(cfg.sft.eval_every_steps and step % cfg.sft.eval_every_steps == 0)
-                if evaluated:
-                    after = run_eval(step)
-                    progress.console.print(f"step {step}: eval accuracy {after.summary()}", soft_wrap=True)
-                reached = evaluated and bool(cfg.sft.stop_at_accuracy) and after.accuracy >= cfg.sft.stop_at_accuracy
-                if cfg.saver.freq_steps and step % cfg.saver.freq_steps == 0 and not (last or reached):
-                    engine.save(cfg.run_dir / "checkpoints" / f"step{step}", optimizer=False)
-                progress.update(
-                    bar, advance=1, loss=stats["train/loss"], acc=after.summary(), tps=stats["train/tokens_per_s"]
-                )
-                if reached:
-                    progress.console.print(
-                        f"step {step}: reached sft.stop_at_accuracy {cfg.sft.stop_at_accuracy:.0%}: SFT stops here",
-                        soft_wrap=True,
-                    )
-                    break
-    finally:
-        rewards.close()
-        metrics.close()
+    def train_step() -> dict[str, float]:
+        tick = time.time()
+        stats = sft_step(engine, [train[next(order)] for _ in range(cfg.sft.batch_size)])
+        stats["train/tokens_per_s"] = stats["train/tokens"] / (time.time() - tick)
+        return stats
 
-    out = cfg.run_dir / "model"
-    engine.save(out, optimizer=False)
-    if cfg.stats.plot:
-        plot_curves(
-            metrics.records,
-            {"train loss": "train/loss", "eval accuracy": "eval/accuracy"},
-            cfg.run_dir / "sft_curves.png",
-            f"SFT on {task.name}",
-        )
+    def reached(result: EvalResult) -> str | None:
+        target = cfg.sft.stop_at_accuracy
+        return f"reached sft.stop_at_accuracy {target:.0%}" if target and result.accuracy >= target else None
+
+    job = SupervisedJob(
+        name="sft",
+        title="SFT",
+        steps=cfg.sft.total_train_steps,
+        eval_every=cfg.sft.eval_every_steps,
+        save_every=cfg.saver.freq_steps,
+        step=train_step,
+        evaluate=run_eval,
+        describe=lambda result: f"eval accuracy {result.summary()}",
+        note=lambda stats, result: f"acc {result.summary()}  {stats['train/tokens_per_s']:.0f} tok/s",
+        stop=reached,
+    )
+    try:
+        before, after = run_supervised(job, engine, metrics, console, cfg.run_dir)
+    finally:
+        held_out.close()
+        metrics.close()
+    curves = {"train loss": "train/loss", "eval accuracy": "eval/accuracy"}
+    out = save_model(engine, cfg, metrics, "sft", curves, f"SFT on {task.name}")
     return SFTResult(before, after, out, time.time() - started)

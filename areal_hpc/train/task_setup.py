@@ -71,6 +71,22 @@ def check_task(cfg: RunConfig) -> None:
     build_workflow(cfg.rollout)
 
 
+def check_inputs(cfg: RunConfig, reach: bool = True) -> None:
+    """What a resolved run reads besides its config, checked once before anything starts: the task (your
+    data, reward and workflow), the distillation teacher (with ``reach``, the server itself: a local launch;
+    a Slurm job's nodes may reach what the login node cannot), and LoRA's peft and target modules against the
+    starting model. The last two import torch, for the runs that use them only."""
+    check_task(cfg)
+    if cfg.distill.teacher_url:
+        from areal_hpc.train.distill import check_teacher
+
+        check_teacher(cfg, reach=reach)
+    if cfg.actor.lora.rank:
+        from areal_hpc.engines.torch.lora import check_lora
+
+        check_lora(cfg)
+
+
 def model_reward(cfg: RunConfig) -> RewardFunction:
     return RewardFunction(RewardModelScore(cfg.reward.model), "reward.model")
 

@@ -33,10 +33,13 @@ import signal
 import threading
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from areal_hpc.config import RunConfig
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.forkserver import cpu_only
+
+if TYPE_CHECKING:
+    from areal_hpc.data.trajectory import Trajectory
 
 JOIN_TIMEOUT_S = 30.0  # how long a closing parent waits for the child to end before killing it
 
@@ -45,20 +48,8 @@ class TrainerProcessError(RuntimeError):
     """The training process failed (the message holds its traceback) or ended unasked."""
 
 
-def trains_in_child(cfg: RunConfig) -> bool:
-    """``rl.rank0_training``: child, thread, or auto (child exactly when the weight sync is the disk's and
-    the training runs on the CPU)."""
-    choice, sync = cfg.rl.rank0_training, cfg.rl.weight_sync
-    if choice == "child" and sync != "disk":
-        raise UserError(
-            f"rl.rank0_training=child needs rl.weight_sync=disk (the servers read the folder the "
-            f"training process writes), got rl.weight_sync={sync}; use rl.rank0_training=auto or thread"
-        )
-    return choice == "child" or (choice == "auto" and sync == "disk" and cpu_only(cfg.cluster.device))
-
-
 class TrainerProcess:
-    """The parent's handle on the training child (see the module's docstring)."""
+    """The parent's handle on the training child (see the module's docstring): a ``trainer.Trainer``."""
 
     trains_elsewhere = True
 
@@ -98,10 +89,12 @@ class TrainerProcess:
         _close(self._connection, self._process)
         gc.unfreeze()  # what this process frees at its exit is freed as usual
 
-    def update(self, trajectories, teacher_logprobs=None) -> dict[str, float]:
+    def update(
+        self, trajectories: list[Trajectory], teacher_logprobs: list[list[float]] | None = None
+    ) -> dict[str, float]:
         return self.call("update", trajectories, teacher_logprobs)
 
-    def save_checkpoint(self, run_dir: Path, step: int, driver: dict) -> Path:
+    def save_checkpoint(self, run_dir: Path, step: int, driver: dict[str, Any]) -> Path:
         return self.call("checkpoint", run_dir, step, driver)
 
     def stop(self) -> None:

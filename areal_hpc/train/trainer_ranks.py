@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -21,7 +22,7 @@ from areal_hpc.algo.temperature import run_temperature
 from areal_hpc.config import RunConfig
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.engines.base import TrainEngine, WeightBucket, merge_stats
-from areal_hpc.parallel.groups import data_parallel_weights
+from areal_hpc.layout import data_parallel_weights
 from areal_hpc.parallel.mesh import TrainMesh
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.checkpoint import save_checkpoint
@@ -32,7 +33,8 @@ PER_STEP_KEYS = ("grad_norm", "lr")  # equal on every rank after the all-reduce:
 
 
 class TrainerRanks:
-    """Rank 0's handle on every trainer rank: ``update`` trains them all on a batch, ``stop`` releases them."""
+    """Rank 0's handle on every trainer rank (a ``trainer.Trainer``): ``update`` trains them all on a batch,
+    ``stop`` releases them."""
 
     trains_elsewhere = False  # rank 0 trains in this process (``trainer_process.TrainerProcess``: in a child)
 
@@ -78,7 +80,7 @@ class TrainerRanks:
         stats["train/trained_tokens"] = stats.get("actor/loss_tokens", 0.0)  # tokens with a loss: the outputs
         return stats
 
-    def save_checkpoint(self, run_dir: Path, step: int, driver: dict) -> Path:
+    def save_checkpoint(self, run_dir: Path, step: int, driver: dict[str, Any]) -> Path:
         """A checkpoint of every engine (each save collective over the ranks), this process's RNG streams
         (the training's) and the driver's JSON-able ``driver`` state."""
         return save_checkpoint(run_dir, step, self.engines, driver)

@@ -26,8 +26,8 @@ from areal_hpc.engines.base import OPTIMIZER_SHARDS, TRAINING_STATE, WeightBucke
 from areal_hpc.engines.megatron.convert import ModelShape, hf_to_megatron, is_expert, stage_to_hf
 from areal_hpc.engines.megatron.model import PipelineStage
 from areal_hpc.errors import UserError
+from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import read_checkpoint, save_model
-from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh
 
 

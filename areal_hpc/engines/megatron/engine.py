@@ -68,10 +68,11 @@ from areal_hpc.engines.megatron.schedule import Pass, from_last_stage, microbatc
 from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.extras import require
+from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import DTYPES
 from areal_hpc.parallel.device import resolve_device
-from areal_hpc.parallel.dims import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh, build_mesh, init_distributed
+from areal_hpc.resolve import Host
 
 
 class MegatronTrainEngine(TrainEngine):
@@ -112,8 +113,8 @@ class MegatronTrainEngine(TrainEngine):
     ):
         from transformers import AutoConfig
 
-        if mesh is None:  # one process: a group of one
-            device = resolve_device("auto")
+        if mesh is None:  # one process: a group of one, on this node's accelerator
+            device = resolve_device(Host.probe().accelerator)
             if not dist.is_initialized():
                 init_distributed(device)
             mesh = build_mesh(ParallelDims(), device)

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from areal_hpc.engines.megatron import shim as megatron_shim
 from areal_hpc.engines.megatron.convert import ModelShape, gpt_model_args, transformer_config
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.layout import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh
 
 DAY_MINUTES = 24 * 60

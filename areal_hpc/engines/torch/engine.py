@@ -152,8 +152,7 @@ class TorchTrainEngine(TrainEngine):
     ):
         check_tree_layout(tree_training, mesh, recompute, forward_fn)
         self.lora = lora if lora is not None and lora.rank > 0 else None
-        if self.lora is not None:
-            lora_adapters.check_layout(mesh.dims if mesh is not None else None, tree_training)
+        if self.lora is not None:  # on a layout resolve() accepted for LoRA
             lora_adapters.add_adapters(model, self.lora)
         self.tree_training, self.tree_min_saved_tokens = tree_training, tree_min_saved_tokens
         self.model, self.mesh, self.tokenizer = model, mesh, tokenizer

@@ -19,8 +19,8 @@ request then naming its ``lora_path``): a few megabytes a push instead of the wh
 used: merged weights work on every server and every sync, and the embedded engine has no adapters.
 
 Layouts: one process, or data-parallel replicas (replicate or FSDP2, ``actor.parallel.dp``/``fsdp``);
-``check_layout`` refuses the rest (tensor, pipeline, context and expert parallelism, tree training) in
-one line, ``check_engine`` an ``actor.engine`` whose class does not say ``supports_lora`` (Megatron's).
+``areal_hpc.resolve`` refuses the rest (tensor, pipeline, context and expert parallelism, tree training) in
+one line, and an ``actor.engine`` whose class does not say ``supports_lora`` (Megatron's).
 """
 
 from __future__ import annotations
@@ -31,44 +31,14 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc import builtins
 from areal_hpc.config import LoRAConfig, RunConfig
 from areal_hpc.engines.torch.parallelize import PackedForward, full_state, load_full_state
 from areal_hpc.errors import UserError
 from areal_hpc.extras import require
-from areal_hpc.parallel.dims import ParallelDims
 
 ADAPTER = "default"  # peft's name of the one adapter
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # where PeftModel keeps the Hugging Face model: the prefix of its saved names
-UNSUPPORTED = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
-
-
-def check_engine(engine: str) -> None:
-    """Raise ``UserError`` unless the ``actor.engine`` class trains LoRA adapters (``supports_lora``)."""
-    if not builtins.load("train_engine", engine).supports_lora:
-        raise UserError(
-            f"actor.lora.rank > 0 needs actor.engine=torch, got actor.engine={engine}; "
-            "set actor.engine=torch or actor.lora.rank=0"
-        )
-
-
-def check_layout(dims: ParallelDims | None, tree_training: str) -> None:
-    """Raise ``UserError`` for what LoRA is not built with: tree training, or any parallelism but data
-    parallelism."""
-    if tree_training == "dta":  # auto trains flat with LoRA
-        raise UserError(
-            f"actor.lora.rank > 0 does not train with actor.tree_training={tree_training}; "
-            "set actor.tree_training=off or actor.lora.rank=0"
-        )
-    for dim, kind in UNSUPPORTED.items():
-        size = getattr(dims, dim) if dims is not None else 1
-        if size > 1:
-            raise UserError(
-                f"actor.lora.rank > 0 trains on one process or data-parallel ranks only "
-                f"(actor.parallel.dp, fsdp), not actor.parallel.{dim}={size} ({kind} parallelism); "
-                f"set {dim}=1 or actor.lora.rank=0"
-            )
 
 
 def adaptable_layers(model: torch.nn.Module) -> list[str]:
@@ -99,14 +69,13 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
 
 
 def check_lora(cfg: RunConfig) -> None:
-    """The launcher's check, before anything starts: the layout, peft, and the target modules against the
-    starting model's architecture (built on the meta device: no weights are read)."""
+    """The launcher's check, before anything starts (after ``resolve``, which checks the layout): peft, and
+    the target modules against the starting model's architecture (built on the meta device: no weights are
+    read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from areal_hpc.models.tiny import PRESETS, preset_classes
 
-    check_engine(cfg.actor.engine)
-    check_layout(ParallelDims.from_config(cfg.actor.parallel, cfg.rl.trainer_processes), cfg.actor.tree_training)
     require("peft")  # installed: the extra `lora`
     with torch.device("meta"):
         if cfg.model.path:

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from areal_hpc.engines.torch.experts import shard_experts
 from areal_hpc.engines.torch.pipeline import check_stages, keep_stage
 from areal_hpc.errors import UserError
-from areal_hpc.parallel.dims import ParallelDims
+from areal_hpc.layout import ParallelDims
 from areal_hpc.parallel.mesh import TrainMesh
 
 TP_PLAN = {

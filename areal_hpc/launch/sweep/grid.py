@@ -59,16 +59,17 @@ def split_items(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]
 
 
 def grid(config: str | list[str], common: list[str], axes: list[tuple[str, list[str]]]):
-    """Every point of the grid, validated: ``[(SweepPoint, RunConfig)]``. Any bad point is a UserError
-    naming it, before anything is submitted."""
+    """Every point of the grid, resolved off the nodes (``resolve(cfg, None)``): ``[(SweepPoint, RunConfig)]``.
+    Any bad point is a UserError naming it, before anything is submitted."""
     from areal_hpc.config import load_config
+    from areal_hpc.resolve import resolve
 
     keys = [key for key, _ in axes]
     points = []
     for texts in itertools.product(*(values for _, values in axes)):
         overrides = [f"{key}={text}" for key, text in zip(keys, texts)]
         try:
-            cfg = load_config(config, [*common, *overrides])
+            cfg = resolve(load_config(config, [*common, *overrides]), None).cfg
         except UserError as exc:
             raise UserError(f"sweep point {','.join(overrides)}: {exc}") from None
         points.append((SweepPoint("", overrides, {key: _get(cfg, key) for key in keys}), cfg))

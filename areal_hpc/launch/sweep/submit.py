@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import re
 import shutil
@@ -39,8 +40,10 @@ def submit(config: str, items: list[str], name: str | None, parallel: int | None
     folder = fileroot / points[0][1].experiment.name / name
     if (folder / SWEEP_FILE).exists():
         raise UserError(f"{folder} already holds a sweep; choose another --name")
-    for point, cfg in points:
-        cfg.experiment.trial = f"{name}/{point.name}"
+    points = [
+        (point, dataclasses.replace(cfg, experiment=dataclasses.replace(cfg.experiment, trial=f"{name}/{point.name}")))
+        for point, cfg in points
+    ]
     executor = _executor(folder / "submitit", name, [cfg for _, cfg in points], parallel or len(points))
     if profile:
         folder.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ the same way. ``load_object`` imports a spec once per process and checks it is c
 ``UserError`` line naming the config key, the value and what would be valid; a file is loaded under a
 module name derived from its absolute path, so the same file gives the same objects however often it is
 named. The config's validation, the CLI's choices and the docs'
-reference tables (``docs/gen_reference.py``) read this table; ``tests/test_builtins.py`` fails when a
+reference tables (``docs/gen_reference.py``) read this table; ``tests/core/test_builtins.py`` fails when a
 built-in's name is compared or listed anywhere else in the package.
 
 The table holds strings only (no imports), so it sits on the bottom floors and loads nothing until a

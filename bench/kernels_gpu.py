@@ -1,6 +1,6 @@
 """The Triton kernels of kernels/ timed on one GPU (sized for under 3 minutes on an H100/H200) against their
 plain-torch references and torch's own way to do the same; ``--dry-run`` runs the same code on the CPU under
-Triton's interpreter at toy sizes in float32 (tests/test_kernels.py does).
+Triton's interpreter at toy sizes in float32 (tests/kernels/test_kernels.py does).
 
     PYTHONPATH=$PWD python3 bench/kernels_gpu.py [--dry-run] [--out DIR]
 

@@ -10,7 +10,7 @@
     .venv/bin/python docs/gen_reference.py           # write the pages
     .venv/bin/python docs/gen_reference.py --check   # write nothing; exit 1 naming each problem, one line each
 
-``--check`` (what ``make docs`` and ``tests/test_docs.py`` run) reports a reference page that differs from
+``--check`` (what ``make docs`` and ``tests/project/test_docs.py`` run) reports a reference page that differs from
 what the code generates now, a config key in README.md or a docs page (in a code span or code block,
 starting with a section name: ``actor.lr=1e-4``, ``rollout.max_head_offpolicyness``) that the schema does
 not have, and a link in README.md (which the site does not build) to a file that does not exist, or a

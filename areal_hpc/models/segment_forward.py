@@ -11,7 +11,7 @@ updates instead of 1,125), the rotary tables and their application are the model
 ``apply_rotary_pos_emb``), one boolean mask
 serves every layer, and there is no cache object or mask builder. It makes the quickstart's update alone
 ~3% faster than the model's own forward (one thread). Results match the model's forward within float
-rounding (``tests/test_segment_forward.py`` checks outputs and gradients against it in float64).
+rounding (``tests/models/test_segment_forward.py`` checks outputs and gradients against it in float64).
 
 ``supports_segment_forward`` says where it applies: a dense Qwen2/Qwen3 decoder whose projections
 are plain ``nn.Linear`` modules with plain tensors (no LoRA wrapper, no FSDP or tensor-parallel

@@ -15,7 +15,7 @@ removed it in PR #5914, April 2025; we require sglang>=0.5).
 We build the same prefixes and backend ourselves instead of calling torch's helper, which also
 registers the group in torch's process-wide registry: there a group that a dead peer left blocked
 could not be destroyed (its shutdown waits for the blocked work) and its name could not be used again.
-``tests/test_rollout_weights.py`` checks the result against ranks set up exactly as SGLang sets up its own.
+``tests/rollout/test_weights.py`` checks the result against ranks set up exactly as SGLang sets up its own.
 
 The trainer's rank 0 binds its store on port 0 (``host_store``) and invites the servers to the port
 the system chose: no ``free_port()`` race, and ``host`` is an address the servers' nodes can reach.

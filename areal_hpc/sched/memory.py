@@ -4,7 +4,7 @@ formulas for the planner (it skips layouts that cannot fit), ``areal-hpc plan`` 
 ``areal-hpc submit --check-memory`` (a layout that cannot fit is refused before anything is queued).
 
 The activations are those of a Hugging Face Qwen2/Llama block trained by the torch engine: checked against
-measured CPU runs in tests/test_memory_estimator.py (within 5%) and one H200 step of a 1.78B model at
+measured CPU runs in tests/sched/test_memory_estimator.py (within 5%) and one H200 step of a 1.78B model at
 8192-token micro-batches (60.5 GiB estimated, 57.2 measured; bench/results/gpu_check-2026-11-27.md). This
 project's Megatron engine (local layer spec, no Transformer Engine, full-vocabulary logits) kept more in
 that run: 78.2 GiB measured against 59.7 estimated, so for ``actor.engine=megatron`` the estimate is low

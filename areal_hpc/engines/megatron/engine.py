@@ -148,7 +148,7 @@ class MegatronTrainEngine(TrainEngine):
                 for root in self.roots
             ]
         # FSDP's shards, if any; the per-tensor loop: with the fused kernel inside Megatron's ZeRO-1 wrapper its
-        # sharded steps no longer matched the replicated ones bit for bit (tests/test_megatron_zero1.py)
+        # sharded steps no longer matched the replicated ones bit for bit (tests/engines/test_megatron_zero1.py)
         torch_optimizer = build_optimizer(self.model, optimizer, lr, fused=False) if optimizer else None
         if self.zero1:  # its shards of the parameters replace the torch optimizer's groups' parameters
             self.optimizer = with_distributed_optimizer(

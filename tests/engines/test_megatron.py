@@ -1,0 +1,263 @@
+"""The Megatron-core engine (``actor.engine=megatron``) against independent implementations, on real
+gloo ranks: its forward equals the Hugging Face model's ``packed_policy_outputs``; one step of a
+PPO-like loss (``tests.megatron_ranks``) and one whole PPO update through the trainer
+(``tests.trainer_processes``) equal the torch engine's in one process in every layout (weights, loss,
+gradient norm: summed over micro-batches and data-parallel ranks, not averaged); a checkpoint restores
+the step and loads into other layouts; the PPO critic's step and checkpoint equal the torch engine's;
+HF -> Megatron shards -> HF is exact for random shapes; layouts the engine does not build are one
+``UserError``.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from areal_hpc.engines.base import OPTIMIZER_SHARDS, TRAINING_STATE
+from areal_hpc.engines.megatron.convert import ModelShape, hf_to_megatron, stage_names, stage_to_hf
+from areal_hpc.engines.megatron.engine import check_layout
+from areal_hpc.engines.torch.outputs import packed_policy_outputs
+from areal_hpc.errors import UserError
+from areal_hpc.layout import ParallelDims
+from areal_hpc.models.hf import load_critic, load_model
+from tests.engines.test_parallel_layouts import STEP, assert_same_step, single_process
+from tests.engines.test_torch_parallel import assert_same_step as assert_same_engine_step
+from tests.native_ranks import reference_run, seeded_batch
+from tests.trainer_processes import run_ranks as run_trainer_ranks
+
+
+def run_ranks(world: int, model_dir, out, *options: str) -> dict:
+    """``world`` ranks of ``tests.megatron_ranks`` on loopback; what rank 0 wrote."""
+    return run_trainer_ranks(world, model_dir, out, *options, timeout=120, module="tests.megatron_ranks")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> dict:
+    return reference_run(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def critic_reference(tiny_model_dir) -> dict:
+    return reference_run(tiny_model_dir, critic=True)
+
+
+@pytest.fixture(scope="module")
+def reference_folder(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("single"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world, options",
+    [
+        (1, ()),
+        (2, ("tp=2",)),
+        (2, ("cp=2",)),
+        (2, ("tp=2", "sp=1")),
+        (2, ("cp=2", "temperatures=mixed")),
+        (2, ("tp=2", "sp=1", "temperatures=mixed")),
+    ],
+    ids=[
+        "one_process",
+        "tp2",
+        "cp2",
+        "tp2_sequence_parallel",
+        "cp2_mixed_temperatures",
+        "tp2_sequence_parallel_mixed_temperatures",
+    ],
+)
+def test_forward_equals_hf_packed_policy_outputs(world, options, tiny_model_dir, tmp_path):
+    """Per-sequence RoPE and attention over THD-packed rows, and the vocabulary-parallel log-softmax at
+    T = 0.7 (or at each sequence's own temperature, as records sampled at different ones carry them,
+    through context shards and sequence-parallel padding), against the Hugging Face model's own packed
+    forward."""
+    got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "temperature=0.7")
+    for rank in got["ranks"]:
+        batch = seeded_batch(mixed_temperatures="temperatures=mixed" in options).select(rank["indices"])
+        packed, _ = batch.packed()
+        with torch.no_grad():
+            expected = packed_policy_outputs(load_model(tiny_model_dir), packed, temperature=0.7)
+        assert [len(v) for v in rank["outputs"]["logprobs"]] == [len(s) for s in batch.sequences]
+        for name, values in expected.items():
+            torch.testing.assert_close(torch.cat(rank["outputs"][name]), values, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# layout name -> (processes, trainer overrides)
+LAYOUTS = {
+    "one_process": (1, ()),
+    "tp2": (2, ("actor.parallel.tp=2",)),
+    "pp2": (2, ("actor.parallel.pp=2",)),
+    "dp2_uneven_microbatches": (2, ("actor.max_tokens_per_mb=16",)),
+    "tp2xpp2": (4, ("actor.parallel.tp=2", "actor.parallel.pp=2")),
+    "cp2": (2, ("actor.parallel.cp=2",)),
+    "tp2xcp2_sequence_parallel": (
+        4,
+        ("actor.parallel.tp=2", "actor.parallel.cp=2", "actor.parallel.sequence_parallel=true"),
+    ),
+    "fsdp2": (2, ("actor.parallel.fsdp=true",)),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ppo_update_equals_the_torch_engine_in_one_process(layout, tiny_model_dir, reference_folder, tmp_path):
+    """The trainer's whole PPO update (proximal logprobs recomputed, two optimizer steps) on Megatron."""
+    processes, overrides = LAYOUTS[layout]
+    reference = single_process("torch", str(tiny_model_dir), reference_folder)
+    ours = run_trainer_ranks(processes, tiny_model_dir, tmp_path / "out.pt", "actor.engine=megatron", *STEP, *overrides)
+    assert_same_step(ours, reference)
+
+
+@pytest.mark.distributed
+def test_step_with_an_empty_share_and_checkpoint_round_trip(tiny_model_dir, reference, tmp_path):
+    """tp2 x dp2 with one replica training on nothing, gradient clipping active; the checkpoint
+    restores weights, Adam moments and the schedule, is a complete HF folder, and its weights load
+    into pp2."""
+    folder = tmp_path / "checkpoint"
+    got = run_ranks(4, tiny_model_dir, tmp_path / "saved.pt", "tp=2", "dp=2", "empty=1", f"save={folder}")
+    assert_same_engine_step(in_reference_order(got, reference), reference)
+    assert reference["stats"]["grad_norm"] > 0.5  # the clipping at 0.5 took part
+    assert_checkpoint_round_trip(got, folder, tiny_model_dir, tmp_path, 2, "pp=2")
+
+
+@pytest.mark.distributed
+def test_fsdp_step_with_an_empty_share_and_checkpoint_round_trip(tiny_model_dir, reference, tmp_path):
+    """Megatron's FSDP2 wrapper over tp2 x dp2, one replica training on nothing, clipping active: the
+    same step as one process; the checkpoint (optimizer moments as FSDP shards) restores the next step
+    exactly and its weights load into tp2."""
+    folder = tmp_path / "checkpoint"
+    got = run_ranks(4, tiny_model_dir, tmp_path / "saved.pt", "tp=2", "dp=2", "fsdp=1", "empty=1", f"save={folder}")
+    assert_same_engine_step(in_reference_order(got, reference), reference)
+    assert_checkpoint_round_trip(got, folder, tiny_model_dir, tmp_path, 2, "tp=2")
+
+
+def in_reference_order(got: dict, reference: dict) -> dict:
+    """``got`` with its weights (in Megatron's order: fused q/k/v first) in the reference's order, once
+    they are the same set."""
+    assert got["weights"].keys() == reference["weights"].keys()
+    return {**got, "weights": {name: got["weights"][name] for name in reference["weights"]}}
+
+
+def assert_checkpoint_round_trip(got: dict, folder, model_dir, tmp_path, world: int, *options: str) -> None:
+    """The checkpoint a ``save=folder`` run wrote restored its next step exactly, is a complete HF
+    folder of the step's weights, and those weights load into ``world`` ranks of layout ``options``
+    (without the optimizer state, which resumes only in the layout that saved it)."""
+    assert got["ranks"][0]["restored_step_diff"] == 0.0
+    plain = load_model(folder).state_dict()
+    for name, tensor in got["weights"].items():
+        assert torch.equal(plain[name], tensor), name
+    weights_only = tmp_path / "weights"
+    shutil.copytree(folder, weights_only, ignore=shutil.ignore_patterns(OPTIMIZER_SHARDS, TRAINING_STATE))
+    loaded = run_ranks(world, model_dir, tmp_path / "loaded.pt", *options, f"load={weights_only}")["weights"]
+    assert loaded.keys() == got["weights"].keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, plain[name]), name
+
+
+def random_model(qwen3: bool, heads: int, kv_heads: int, layers: int, tied: bool, seed: int):
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_class(
+        vocab_size=48,
+        hidden_size=8 * heads,
+        intermediate_size=24,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=8,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return model_class(config)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    qwen3=st.booleans(),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    ratio=st.sampled_from([1, 2, 3]),
+    layers=st.sampled_from([2, 4]),
+    tied=st.booleans(),
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2]),
+    seed=st.integers(0, 100),
+)
+def test_hf_to_megatron_shards_and_back_is_exact(qwen3, kv_heads, ratio, layers, tied, tp, pp, seed):
+    model = random_model(qwen3, kv_heads * ratio, kv_heads, layers, tied, seed)
+    shape = ModelShape.from_hf(model.config)
+    if kv_heads % tp:
+        with pytest.raises(UserError, match=f"tp={tp} must divide the model's num_key_value_heads"):
+            shape.check_layout(tp, pp)
+        return
+    shape.check_layout(tp, pp)
+    hf = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    back = []
+    for stage in range(pp):
+        shards = [hf_to_megatron(hf, shape, rank, tp, stage, pp) for rank in range(tp)]
+        assert all(list(s) == stage_names(shape, stage, pp) for s in shards)
+        back += stage_to_hf(((name, [s[name] for s in shards]) for name in shards[0]), shape, stage, pp)
+    assert sorted(name for name, _ in back) == sorted(hf)  # every tensor once (a tied one under both names)
+    back = dict(back)
+    assert back.keys() == hf.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_fused_qkv_interleaves_query_groups():
+    """Megatron's row order, spelt out for 4 heads in 2 groups on 2 TP ranks: rank r holds group r's
+    q heads, then its k head, then its v head."""
+    model = random_model(False, 4, 2, 2, True, 0)
+    shape = ModelShape.from_hf(model.config)
+    hf = model.state_dict()
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"].view(-1, 8, 32) for p in "qkv")
+    for rank in range(2):
+        fused = hf_to_megatron(hf, shape, rank, 2, 0, 1)["decoder.layers.0.self_attention.linear_qkv.weight"]
+        expected = torch.cat([q[2 * rank], q[2 * rank + 1], k[rank], v[rank]])
+        assert torch.equal(fused, expected)
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(tp=4), "tp=4 must divide the model's num_key_value_heads=2"),
+        (dict(pp=3), "pp=3 must divide the model's num_hidden_layers=4"),
+        (dict(dp=2, tp=2, fsdp=True, sequence_parallel=True), "not with pp=1 ep=1 sequence_parallel=true"),
+        (dict(dp=2, pp=2, fsdp=True), "fsdp=true with dp, tp and cp, not with pp=2"),
+    ],
+)
+def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
+    shape = ModelShape.from_hf(load_model(tiny_model_dir).config)
+    with pytest.raises(UserError, match=message) as error:
+        check_layout(ParallelDims(**sizes), shape)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world, options",
+    [(1, ()), (2, ("tp=2",)), (2, ("cp=2",)), (2, ("tp=2", "sp=1"))],
+    ids=["one_process", "tp2", "cp2", "tp2_sequence_parallel"],
+)
+def test_critic_step_equals_the_torch_engine_in_one_process(world, options, tiny_model_dir, critic_reference, tmp_path):
+    """The PPO critic (HF's token classifier: the body under a fresh one-output head) on Megatron."""
+    got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "critic=1")
+    assert_same_engine_step(in_reference_order(got, critic_reference), critic_reference)
+
+
+@pytest.mark.distributed
+def test_critic_checkpoint_on_the_last_pipeline_stage_restores_the_step(tiny_model_dir, critic_reference, tmp_path):
+    """pp2: the value head lives on the last stage; the saved folder is a token classifier transformers
+    loads, with the trained head and body, and a second engine loading it takes the same next step."""
+    folder = tmp_path / "critic"
+    got = run_ranks(2, tiny_model_dir, tmp_path / "out.pt", "pp=2", "critic=1", f"save={folder}")
+    assert_same_engine_step(in_reference_order(got, critic_reference), critic_reference)
+    assert got["ranks"][0]["restored_step_diff"] == 0.0
+    saved = load_critic(folder).state_dict()
+    assert saved.keys() == got["weights"].keys()
+    for name, tensor in got["weights"].items():
+        assert torch.equal(saved[name], tensor), name

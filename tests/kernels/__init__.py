@@ -1,0 +1,1 @@
+"""Tests of the Triton kernels in ``kernels/`` against their plain-torch references."""

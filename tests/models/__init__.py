@@ -1,0 +1,1 @@
+"""Tests of ``areal_hpc/models/`` (floor 3): the tiny model, the segment forward."""

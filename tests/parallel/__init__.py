@@ -1,0 +1,1 @@
+"""Tests of ``areal_hpc/parallel/`` (floor 5): the mesh, mixed layouts, the device."""

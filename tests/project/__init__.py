@@ -1,0 +1,1 @@
+"""Tests of the repository as a whole: the floors, the names, the docs, import names, the wheel."""

@@ -1,0 +1,1 @@
+"""Tests of ``areal_hpc/reward/`` (floor 3): built-in rewards and the sandbox."""

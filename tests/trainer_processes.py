@@ -33,7 +33,7 @@ from areal_hpc.parallel.mesh import close_distributed
 from areal_hpc.resolve import Host, resolve
 from areal_hpc.runtime.bootstrap import Placement
 from areal_hpc.runtime.exit import exit_process
-from areal_hpc.runtime.forkserver import PR_SET_CHILD_SUBREAPER, ForkServer, _prctl
+from areal_hpc.runtime.forkserver import PR_SET_CHILD_SUBREAPER, Forker, _prctl
 from areal_hpc.runtime.name_resolve import free_port
 from areal_hpc.train.build import build_actor, start_trainer
 from areal_hpc.train.trainer_ranks import TrainerRanks, follow
@@ -82,7 +82,7 @@ def main(model: str, out: str, overrides: list[str]) -> None:
 # its rank scripts), imported once by one fork server for the session's ranks (as the launcher's, on CPU): a
 # rank starts as a fork of it in ~0.1 s instead of 4-7.5 s of imports.
 RANK_PRELOAD = (*FORK_SERVER_PRELOAD, "areal_hpc.train.build", "areal_hpc.engines.megatron.engine")
-_rank_forks: list[ForkServer] = []
+_rank_forks: list[Forker] = []
 
 
 @contextlib.contextmanager
@@ -91,7 +91,7 @@ def adopting_ranks():
     launcher is), and only then: other tests' orphans still go to init, never to stay zombies here."""
     if not _rank_forks:
         with contextlib.chdir(REPO):  # the ranks' ``python -m tests...`` are found from here
-            _rank_forks.append(ForkServer({}, preload=RANK_PRELOAD).start())
+            _rank_forks.append(Forker({}, preload=RANK_PRELOAD).start())
         atexit.register(_rank_forks[0].close)
     else:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)

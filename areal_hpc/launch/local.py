@@ -52,7 +52,7 @@ from areal_hpc.runtime.bootstrap import (
     cpu_threads,
     new_incarnation,
 )
-from areal_hpc.runtime.forkserver import ForkServer
+from areal_hpc.runtime.forkserver import Forker
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
 from areal_hpc.runtime.supervisor import SupervisedProcess
@@ -107,7 +107,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             )
         )
 
-    fork_server = ForkServer(env, FORK_SERVER_PRELOAD).start() if forks_processes(cfg) else None
+    fork_server = Forker(env, FORK_SERVER_PRELOAD).start() if forks_processes(cfg) else None
 
     def start(name: str, command: list[str], log: Path | None, cores: CoreShare, extra_env: dict) -> SupervisedProcess:
         process = SupervisedProcess(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from areal_hpc.config import RunConfig
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.forkserver import ForkServer
+from areal_hpc.runtime.forkserver import Forker
 from areal_hpc.runtime.supervisor import SupervisedProcess
 
 # `-c`, not `-m areal_hpc.train.driver`: reward workers (spawned) would re-import a `-m` main module and its torch.
@@ -65,7 +65,7 @@ def initial_model(cfg: RunConfig) -> Path:
     return Path(cfg.model.path) if cfg.model.path else cfg.run_dir / "init_model"
 
 
-def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, fork_server: ForkServer | None = None) -> Path:
+def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, fork_server: Forker | None = None) -> Path:
     """Write the initial model if the run has none, then (fresh runs with ``rl.sft_warmup_steps``) run
     the SFT warm-up; returns the model the trainer starts from. With ``fork_server`` both stages are
     forks of it."""
@@ -128,7 +128,7 @@ def trainer_command(args: list[str], start_model: Path, resume: bool) -> list[st
     return [sys.executable, "-c", TRAINER, *args, f"model.path={start_model}", *(["--resume"] if resume else [])]
 
 
-def run_stage(name: str, command: list[str], env: dict, fork_server: ForkServer | None = None) -> None:
+def run_stage(name: str, command: list[str], env: dict, fork_server: Forker | None = None) -> None:
     """A preparation step (model init, SFT warm-up) with its output on this terminal; it dies with the
     launcher, and its failure ends the launch."""
     stage = SupervisedProcess(name, command, None, env, fork_server=fork_server).start()

@@ -41,7 +41,7 @@ PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
 ADOPTION_TIMEOUT_S = 10.0
 
 
-class ForkServerError(RuntimeError):
+class ForkerError(RuntimeError):
     """The fork server is gone or could not start a child."""
 
 
@@ -49,8 +49,9 @@ def _prctl(option: int, value) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(option, value)
 
 
-class ForkServer:
-    """The launcher's handle: ``start()`` the server, ``spawn()`` children through it, ``close()``."""
+class Forker:
+    """The launcher's handle on the fork server (a process, not a server of the run's requests: hence not
+    ``ForkServer``): ``start()`` it, ``spawn()`` children through it, ``close()``."""
 
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
         """``preload``: the modules the server imports before its first fork (what its children will import;
@@ -58,7 +59,7 @@ class ForkServer:
         self.env, self.preload = env, preload
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> ForkServer:
+    def start(self) -> Forker:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of our descendants (the adopted children) come to us
         replies_in, replies_out = os.pipe()
         self.process = subprocess.Popen(
@@ -78,7 +79,7 @@ class ForkServer:
     ) -> AdoptedProcess:
         """Start ``command`` (``python -m MODULE ...`` or ``python -c CODE ...``) as a fork of the server."""
         if len(command) < 3 or command[1] not in ("-m", "-c"):
-            raise ForkServerError(f"the fork server runs 'python -m' and 'python -c' commands, not {command!r}")
+            raise ForkerError(f"the fork server runs 'python -m' and 'python -c' commands, not {command!r}")
         request = {
             "name": name,
             "command": command,
@@ -92,9 +93,9 @@ class ForkServer:
             self.process.stdin.flush()
             reply = self._replies.readline()
         except (BrokenPipeError, OSError) as exc:
-            raise ForkServerError(f"the fork server is gone ({exc}); could not start {name}") from exc
+            raise ForkerError(f"the fork server is gone ({exc}); could not start {name}") from exc
         if not reply.strip().isdigit():
-            raise ForkServerError(f"the fork server could not start {name}: {reply.strip() or 'it exited'}")
+            raise ForkerError(f"the fork server could not start {name}: {reply.strip() or 'it exited'}")
         return AdoptedProcess(int(reply))
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from areal_hpc.errors import UserError
-from areal_hpc.runtime.forkserver import AdoptedProcess, ForkServer
+from areal_hpc.runtime.forkserver import AdoptedProcess, Forker
 
 LOG_TAIL_LINES = 20
 
@@ -54,7 +54,7 @@ class SupervisedProcess:
         log_path: Path | None,
         env: dict | None = None,
         cores: list[int] | None = None,
-        fork_server: ForkServer | None = None,
+        fork_server: Forker | None = None,
     ):
         self.name, self.command, self.log_path = name, command, log_path and Path(log_path)
         self.env, self.cores, self.fork_server = env, cores, fork_server

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE, ARCHITECTURE = ROOT / "areal_hpc", ROOT / "docs" / "architecture.md"
-MUST_WATCH = {"Engine", "Group"}
+MUST_WATCH = {"Engine", "Group", "Server"}
 
 
 def names_table(text: str) -> dict[str, set[str]]:

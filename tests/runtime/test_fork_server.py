@@ -17,17 +17,17 @@ import time
 import pytest
 
 from areal_hpc.launch.roles import FORK_SERVER_PRELOAD
-from areal_hpc.runtime.forkserver import ForkServer, ForkServerError
+from areal_hpc.runtime.forkserver import Forker, ForkerError
 
 LAUNCHER = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
     from areal_hpc.launch.roles import FORK_SERVER_PRELOAD
-    from areal_hpc.runtime.forkserver import ForkServer
+    from areal_hpc.runtime.forkserver import Forker
     from areal_hpc.runtime.supervisor import SupervisedProcess
     out = Path(sys.argv[1])
     os.environ["IN_LAUNCHER"] = "1"
-    server = ForkServer({"ONLY_THE_SERVER": "1"}, FORK_SERVER_PRELOAD).start()
+    server = Forker({"ONLY_THE_SERVER": "1"}, FORK_SERVER_PRELOAD).start()
     child = SupervisedProcess("probe", [sys.executable, "-c", sys.argv[2], str(out), "second arg"], out / "probe.log",
                               {"OMP_NUM_THREADS": "2", "ONLY_THE_CHILD": "yes"}, cores=[0],
                               fork_server=server).start()
@@ -130,5 +130,5 @@ def test_the_launcher_preloads_modules_that_exist():
 
 
 def test_only_module_and_code_commands_are_forked():
-    with pytest.raises(ForkServerError, match="runs 'python -m' and 'python -c' commands"):
-        ForkServer({}).spawn("a script", [sys.executable, "x.py"], {}, None, None)
+    with pytest.raises(ForkerError, match="runs 'python -m' and 'python -c' commands"):
+        Forker({}).spawn("a script", [sys.executable, "x.py"], {}, None, None)

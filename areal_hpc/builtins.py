@@ -155,6 +155,23 @@ def load(point: str, value: str) -> Any:
     return load_object(spec_of(point, value), POINTS[point].key)
 
 
+# What the built-in engines can do (their TrainEngine class attributes), so that resolving a run imports no
+# torch: every Slurm task, rank and server resolves at start-up. A user's engine is asked through its class;
+# tests/core/test_builtins.py holds this table to the built-in classes.
+ENGINE_CAPABILITIES = {
+    "torch": {"supports_tree_training": True, "supports_lora": True, "supports_training_groups": True},
+    "megatron": {"supports_tree_training": False, "supports_lora": False, "supports_training_groups": False},
+}
+
+
+def engine_supports(engine: str, capability: str) -> bool:
+    """Whether ``actor.engine`` has ``capability`` (e.g. ``supports_lora``): from the table for a built-in, from
+    its class for the user's own."""
+    if engine in ENGINE_CAPABILITIES:
+        return ENGINE_CAPABILITIES[engine][capability]
+    return bool(getattr(load("train_engine", engine), capability))
+
+
 def uses_critic(adv_estimator: str) -> bool:
     """Whether ``actor.adv_estimator`` is PPO's: GAE over a critic trained beside the policy."""
     return adv_estimator == "ppo"

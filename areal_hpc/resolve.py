@@ -127,11 +127,6 @@ def _layout(cfg: RunConfig) -> MixedLayout:
     return MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes)
 
 
-def _engine(cfg: RunConfig) -> Any:
-    """The class ``actor.engine`` names: its capabilities are class attributes (loaded only when asked)."""
-    return builtins.load("train_engine", cfg.actor.engine)
-
-
 def device_auto(cfg: RunConfig, host: Host | None) -> Decided:
     """``cluster.device=auto``: the accelerator the node shows (per node)."""
     return {"cluster.device": host.accelerator} if cfg.cluster.device == "auto" and host is not None else {}
@@ -178,7 +173,7 @@ def tree_training_auto(cfg: RunConfig, host: Host | None) -> Decided:
         and actor.importance_level == "token"
         and not actor.lora.rank
         and actor.recompute == "none"
-        and _engine(cfg).supports_tree_training
+        and builtins.engine_supports(actor.engine, "supports_tree_training")
     )
     return {"actor.tree_training": "dta" if fits else "off"}
 
@@ -188,7 +183,7 @@ def tree_training_dta(cfg: RunConfig, host: Host | None) -> Decided:
     actor = cfg.actor
     if actor.tree_training != "dta":
         return {}
-    if not _engine(cfg).supports_tree_training or actor.importance_level != "token":
+    if not builtins.engine_supports(actor.engine, "supports_tree_training") or actor.importance_level != "token":
         raise UserError(
             f"actor.tree_training=dta needs actor.engine=torch and actor.importance_level=token (a loss "
             f"summed per token), got engine={actor.engine}, importance_level="
@@ -207,7 +202,7 @@ def training_groups(cfg: RunConfig, host: Host | None) -> Decided:
         return {}
     loss = builtins.load("policy_loss", actor.policy_loss)
     unbuilt = [
-        ("actor.engine", actor.engine, not _engine(cfg).supports_training_groups, "torch"),
+        ("actor.engine", actor.engine, not builtins.engine_supports(actor.engine, "supports_training_groups"), "torch"),
         (
             "actor.adv_estimator",
             actor.adv_estimator,
@@ -230,7 +225,7 @@ def training_groups(cfg: RunConfig, host: Host | None) -> Decided:
 def lora_engine(cfg: RunConfig, host: Host | None) -> Decided:
     """LoRA needs an engine whose class says ``supports_lora``."""
     engine = cfg.actor.engine
-    if cfg.actor.lora.rank and not _engine(cfg).supports_lora:
+    if cfg.actor.lora.rank and not builtins.engine_supports(engine, "supports_lora"):
         raise UserError(
             f"actor.lora.rank > 0 needs actor.engine=torch, got actor.engine={engine}; "
             "set actor.engine=torch or actor.lora.rank=0"

@@ -203,3 +203,12 @@ def test_a_built_in_reward_named_by_its_short_name_reaches_workers_as_its_spec()
     assert task.reward.target == POINTS["reward"].builtins["exact_match"]  # a spec: worker processes import it
     example = task.eval[0]
     assert task.reward.load()("q", f"Answer: {example.answer}", [], [], answer=example.answer) == 1.0
+
+
+def test_the_built_in_engines_capabilities_are_their_classes():
+    """resolve() reads a built-in engine's capabilities from builtins' table (no torch import): the table must
+    say what the class says."""
+    for name, capabilities in builtins.ENGINE_CAPABILITIES.items():
+        engine = builtins.load("train_engine", name)
+        assert capabilities == {c: getattr(engine, c) for c in capabilities}, name
+    assert set(builtins.ENGINE_CAPABILITIES) == set(builtins.POINTS["train_engine"].builtins)

@@ -2,8 +2,11 @@
 
 One thread owns the model. Between decode steps it runs queued commands (pause, weight updates),
 admits waiting requests into free KV rows (one batched prefill) and retires finished ones, so
-requests join and leave the running batch at every step. Every output token is tagged with the weight
-version that produced it; a pause in abort mode returns in-flight requests at once with what they have.
+requests join and leave the running batch at every step. Waiting requests are admitted from their
+sources (a /generate call's prompts share one) in turn, and no source holds every row: a call of
+3,000 prompts leaves rows to a request that arrives after it, which starts at the next step. Every
+output token is tagged with the weight version that produced it; a pause in abort mode returns
+in-flight requests at once with what they have.
 
 Logprobs: each output token's logprob is ``log_softmax(logits / T)`` at the request's temperature T,
 of the whole tempered distribution, before top-p/top-k truncation (which only restricts what is drawn):
@@ -32,7 +35,7 @@ import logging
 import math
 import reprlib
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +145,10 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     error: str | None = None  # set when the engine fails this request
+    source: str = ""  # requests from one source (a /generate call's prompts) share rows fairly; "": the rid
+
+    def __post_init__(self) -> None:
+        self.source = self.source or self.rid
 
 
 class EmbeddedGenerator:
@@ -158,18 +165,22 @@ class EmbeddedGenerator:
         min_prefill_batch: int | None = None,
     ):
         """``min_prefill_batch``: while sequences are decoding, admit waiting ones only once this many
-        rows are free (default slots // 8), since on CPU a prefill costs as much as a decode step."""
+        rows are free (default slots // 8), since on CPU a prefill costs as much as a decode step. One
+        source holds at most ``slots - min_prefill_batch`` rows (all of them with one slot): the rest wait
+        for requests from other sources."""
         self.model = model.eval()
         self.context_length = context_length or model.config.max_position_embeddings
         self.decoder = SlotDecoder(model, slots, self.context_length)
         eos = eos_token_ids if eos_token_ids is not None else model.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.min_prefill_batch = min_prefill_batch or max(1, slots // 8)
+        self.rows_per_source = max(1, slots - self.min_prefill_batch)
+        self.forward_passes = 0  # prefills and decode steps run (a request's latency in passes, for tests)
         self.version = 0
         self.paused = False
         self.failing: str | None = None  # the model's or engine's last fault, until a token is generated (/health)
         self.sampler = SlotSampler(slots, self.decoder.device, seed)
-        self._waiting: deque[Request] = deque()
+        self._waiting: dict[str, deque[Request]] = {}  # by source, in turn order (next to admit first)
         self._running: list[Request] = []  # row i of the KV cache holds self._running[i]
         self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
@@ -202,12 +213,13 @@ class EmbeddedGenerator:
     def submit(self, request: Request) -> None:
         self.check(request.input_ids, request.params)
         with self._wake:
-            self._waiting.append(request)
+            self._waiting.setdefault(request.source, deque()).append(request)
             self._wake.notify()
 
-    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Result:
+    async def generate(self, rid: str, input_ids: list[int], params: SamplingParams, source: str = "") -> Result:
         """Submit one request and await its result from an event loop; a cancelled caller aborts it
-        (no decode steps spent on an answer nobody reads), a request the engine fails raises."""
+        (no decode steps spent on an answer nobody reads), a request the engine fails raises.
+        ``source``: the requests of one caller's batch share it (see ``_admissible``)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -215,7 +227,9 @@ class EmbeddedGenerator:
             if not done.done():
                 done.set_result(result)
 
-        self.submit(Request(rid, input_ids, params, lambda result: loop.call_soon_threadsafe(resolve, result)))
+        self.submit(
+            Request(rid, input_ids, params, lambda result: loop.call_soon_threadsafe(resolve, result), source=source)
+        )
         try:
             result = await done
         except asyncio.CancelledError:
@@ -281,7 +295,7 @@ class EmbeddedGenerator:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return sum(len(queue) for queue in self._waiting.values())
 
     def stop(self) -> None:
         with self._wake:
@@ -339,10 +353,10 @@ class EmbeddedGenerator:
         if self.paused:
             return
         with self._wake:
-            n = min(self.decoder.slots - len(self._running), len(self._waiting))
-            if n < min(self.min_prefill_batch, len(self._waiting)) and self._running:
+            sources, could_start = self._admissible(self.decoder.slots - len(self._running))
+            if len(sources) < min(self.min_prefill_batch, could_start) and self._running:
                 return  # a prefill costs a decode step: wait until it can serve several requests
-            batch = [self._waiting.popleft() for _ in range(n)]
+            batch = [self._take(source) for source in sources]
         for request in [r for r in batch if r.params.max_new_tokens == 0]:
             self._reply(request, "length")
         batch = [r for r in batch if r.params.max_new_tokens > 0]
@@ -350,6 +364,22 @@ class EmbeddedGenerator:
             first = len(self._running)
             self._running += batch
             self._advance(first, batch, self._prefill)
+
+    def _admissible(self, free: int) -> tuple[list[str], int]:
+        """The sources of the next requests to admit into ``free`` rows (``admission_order``), none beyond
+        ``rows_per_source`` rows; and how many waiting requests could start given rows enough (so a lone
+        request from a new source is not held back waiting for a prefill of several)."""
+        held = Counter(request.source for request in self._running)
+        room = {source: min(len(queue), self.rows_per_source - held[source]) for source, queue in self._waiting.items()}
+        return admission_order(room, free), sum(max(n, 0) for n in room.values())
+
+    def _take(self, source: str) -> Request:
+        """The next waiting request of ``source``; the source then waits behind the others."""
+        queue = self._waiting.pop(source)
+        request = queue.popleft()
+        if queue:
+            self._waiting[source] = queue
+        return request
 
     def _prefill(self, first: int, requests: list[Request]) -> torch.Tensor:
         """Set the rows' sampling parameters and prefill their prompts: a request whose parameters the
@@ -371,6 +401,7 @@ class EmbeddedGenerator:
         """One forward pass over ``requests`` (in rows ``first``..), then sample and record a token each.
         If the pass raises, the rows run one at a time and only those that fail alone are failed:
         one bad row, or a batch too large for memory, never fails the others."""
+        self.forward_passes += 1
         try:
             tokens, logprobs, finite = self.sampler.sample(forward(first, requests), first)
             errors = [None if ok else NOT_FINITE for ok in finite.tolist()]
@@ -430,8 +461,9 @@ class EmbeddedGenerator:
     def _abort(self, which: Callable[[Request], bool]) -> None:
         self._retire([(r, "abort", None) for r in self._running if which(r)])
         with self._wake:
-            aborted = [r for r in self._waiting if which(r)]
-            self._waiting = deque(r for r in self._waiting if not which(r))
+            aborted = [r for queue in self._waiting.values() for r in queue if which(r)]
+            kept = {source: deque(r for r in queue if not which(r)) for source, queue in self._waiting.items()}
+            self._waiting = {source: queue for source, queue in kept.items() if queue}
         for request in aborted:
             self._reply(request, "abort")
 
@@ -463,6 +495,21 @@ class EmbeddedGenerator:
                 request.error,
             )
         )
+
+
+def admission_order(room: dict[str, int], free: int) -> list[str]:
+    """Round robin over sources: one request from each source with room, in the dict's order, then
+    again, until ``free`` are picked or no source has room; a source is picked ``room[source]`` times at
+    most. The picks differ by one at most between sources that still had room."""
+    turns = deque(source for source, n in room.items() if n > 0)
+    left, picked = dict(room), []
+    while turns and len(picked) < free:
+        source = turns.popleft()
+        picked.append(source)
+        left[source] -= 1
+        if left[source]:
+            turns.append(source)
+    return picked
 
 
 def compacted(count: int, finished: set[int]) -> list[int]:

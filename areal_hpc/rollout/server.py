@@ -32,6 +32,9 @@ STATE = web.AppKey("state", dict)
 TOKEN = web.AppKey("token", str)
 DEFAULT_GROUP = "weight_update_group"  # SGLang's, for requests that name no update group
 OPEN_ROUTES = {"/health", "/health_generate"}  # liveness probes need no token and reveal nothing
+# Prompts one /generate call may carry: a larger batch is refused (400) rather than queued for minutes; the
+# engine admits a call's prompts beside other callers' (embedded_engine), so a call at the limit delays no one.
+MAX_PROMPTS_PER_CALL = 4096
 
 
 def error(status: int, message: str) -> web.Response:
@@ -101,7 +104,8 @@ async def generate(request: web.Request) -> web.Response:
     With return_logprob and ``logprob_start_len`` k >= 0 (default -1: output logprobs only), also
     ``input_token_logprobs``: one ``[logprob, token, null]`` per prompt position k.., the first logprob
     null, the others ``log_softmax(logits)`` of the prompt's own tokens (SGLang's scoring path; with
-    ``max_new_tokens`` 0 nothing is generated)."""
+    ``max_new_tokens`` 0 nothing is generated). A call carries at most ``MAX_PROMPTS_PER_CALL`` prompts,
+    admitted in turn with other calls' (one source each), so other callers keep their latency."""
     body = await read_json(request)
     unknown = sorted(set(body) - GENERATE_FIELDS)
     if "text" in body:
@@ -121,8 +125,10 @@ async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     for prompt, sampling in zip(prompts, params):  # all or nothing: refuse the batch before any prompt is queued
         engine.check(prompt, sampling)
+    source = uuid.uuid4().hex
     runs = [
-        asyncio.ensure_future(engine.generate(rid, ids, sampling)) for rid, ids, sampling in zip(rids, prompts, params)
+        asyncio.ensure_future(engine.generate(rid, ids, sampling, source))
+        for rid, ids, sampling in zip(rids, prompts, params)
     ]
     try:
         results = await asyncio.gather(*runs)
@@ -144,6 +150,11 @@ def _prompts(input_ids) -> tuple[list[list[int]], bool]:
         prompts, batched = input_ids, True
     else:
         prompts, batched = [input_ids], False
+    if len(prompts) > MAX_PROMPTS_PER_CALL:
+        raise RequestError(
+            f"input_ids holds {len(prompts)} prompts; one /generate call takes at most {MAX_PROMPTS_PER_CALL} "
+            "(send the rest in further calls)"
+        )
     for prompt in prompts:
         if not isinstance(prompt, list) or not all(type(t) is int and t >= 0 for t in prompt):
             raise RequestError("input_ids must be a list of non-negative integers (or a list of such lists)")
@@ -216,6 +227,7 @@ async def model_info(request: web.Request) -> web.Response:
             "paused": engine.paused,
             "running_requests": engine.running,
             "waiting_requests": engine.waiting,
+            "forward_passes": engine.forward_passes,
         }
     )
 

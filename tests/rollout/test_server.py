@@ -404,6 +404,27 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     )
 
 
+def test_a_short_request_is_served_while_a_3000_prompt_call_runs_and_the_call_is_refused_past_the_limit(server):
+    big = {"input_ids": [PROMPT] * 3000, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+    thread, out = in_background(post, server, "/generate", big)
+    try:
+        wait_for(lambda: model_info(server)["running_requests"] > 0, "the 3,000-prompt call to start")
+        reply = generate(server, max_new_tokens=8, ignore_eos=True)
+        assert len(reply["output_ids"]) == 8
+        assert thread.is_alive() and model_info(server)["waiting_requests"] > 0  # the call still runs
+    finally:
+        assert post(server, "/abort_request", {"abort_all": True})[0] == 200
+        thread.join(timeout=60)
+    status, replies = out["result"]
+    assert status == 200 and len(replies) == 3000
+    assert {r["meta_info"]["finish_reason"]["type"] for r in replies} <= {"abort", "length"}
+
+    status, error = post(server, "/generate", {"input_ids": [PROMPT] * 4097})
+    assert status == 400
+    assert "4097 prompts; one /generate call takes at most 4096" in error["error"]["message"]
+    assert len(generate(server)["output_ids"]) == 8  # and the server serves on
+
+
 def test_a_row_with_non_finite_logits_fails_alone(tiny_model_dir, tmp_path):
     """A token whose embedding is NaN poisons its own sequence only: that request is a 500, the requests
     decoding beside it and those later given its KV row are served as by the clean model."""

@@ -172,6 +172,28 @@ def engine_supports(engine: str, capability: str) -> bool:
     return bool(getattr(load("train_engine", engine), capability))
 
 
+# Model families (a checkpoint's config.json ``model_type``) and the paths of this project that take each;
+# the torch engine's own forward takes any transformers causal LM. A path refuses another family by name.
+FAMILY_PATHS = {
+    "qwen2": ("embedded decoder", "Megatron engine", "segment forward"),
+    "qwen3": ("embedded decoder", "Megatron engine", "segment forward"),
+    "qwen3_moe": ("embedded decoder", "Megatron engine"),
+    "llama": ("embedded decoder", "Megatron engine"),
+}
+
+
+def family_supports(model_type: str, path: str) -> bool:
+    """Whether ``path`` (e.g. "embedded decoder") takes models of family ``model_type``."""
+    return path in FAMILY_PATHS.get(model_type, ())
+
+
+def check_family(model_type: str, path: str, instead: str) -> None:
+    """One ``UserError`` line when ``path`` does not take ``model_type``; ``instead``: what would."""
+    if not family_supports(model_type, path):
+        takes = ", ".join(family for family, paths in FAMILY_PATHS.items() if path in paths)
+        raise UserError(f"the {path} takes {takes} models, not {model_type!r}: {instead}")
+
+
 def uses_critic(adv_estimator: str) -> bool:
     """Whether ``actor.adv_estimator`` is PPO's: GAE over a critic trained beside the policy."""
     return adv_estimator == "ppo"

@@ -70,6 +70,41 @@ def tiny_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A random model of Llama 3's structure (grouped-query attention, RoPE scaled as "llama3" with Llama
+    3.1's constants, an untied head as 8B has) with the tiny model's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from areal_hpc.models.hf import load_tokenizer, save_model
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,  # above the original context, as in Llama 3.1
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama") / "model"
+    save_model(LlamaForCausalLM(config), tokenizer, folder)
+    return folder
+
+
 def run_cli(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``areal-hpc`` as a user would: a separate process, its exit code and its output."""
     return subprocess.run(

@@ -27,14 +27,15 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb  # Qwen3's is the same
 
+from areal_hpc.builtins import family_supports
+
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
-DENSE_TYPES = ("qwen2", "qwen3")
 
 
 def supports_segment_forward(model: torch.nn.Module) -> bool:
     config = model.config
     if (
-        config.model_type not in DENSE_TYPES
+        not family_supports(config.model_type, "segment forward")
         or getattr(config, "use_sliding_window", False)
         or getattr(config, "attention_dropout", 0.0)
     ):

@@ -1,5 +1,5 @@
-"""Batched decoding over a slot KV cache for Qwen2/Qwen2.5/Qwen3 (and Qwen3-MoE) models loaded with
-transformers.
+"""Batched decoding over a slot KV cache for the families ``builtins.FAMILY_PATHS`` lists for it (Qwen2/2.5/3,
+Qwen3-MoE, Llama 3.x) loaded with transformers.
 
 The embedded engine needs what ``generate()`` cannot give: sequences of different lengths joining and
 leaving one running batch at every step. Each running sequence owns a row (slot) of a preallocated
@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from areal_hpc.errors import UserError
+from areal_hpc.builtins import check_family
 
-SUPPORTED = ("qwen2", "qwen3", "qwen3_moe")
 FIRST_CAPACITY = 64  # cache columns per row before the first growth
 
 
@@ -38,10 +37,7 @@ class SlotDecoder:
 
     def __init__(self, model: torch.nn.Module, slots: int, context_length: int):
         config = model.config
-        if config.model_type not in SUPPORTED:
-            raise UserError(
-                f"the embedded engine decodes {', '.join(SUPPORTED)} models; {config.model_type!r} needs backend=sglang"
-            )
+        check_family(config.model_type, "embedded decoder", "serve it with rollout.backend=sglang")
         self.model, self.slots, self.context_length = model, slots, context_length
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -10,16 +10,17 @@ HF -> Megatron shards -> HF is exact for random shapes; layouts the engine does 
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from areal_hpc.engines.base import OPTIMIZER_SHARDS, TRAINING_STATE
-from areal_hpc.engines.megatron.convert import ModelShape, hf_to_megatron, stage_names, stage_to_hf
+from areal_hpc.engines.megatron.convert import ModelShape, gpt_model_args, hf_to_megatron, stage_names, stage_to_hf
 from areal_hpc.engines.megatron.engine import check_layout
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.errors import UserError
@@ -76,12 +77,68 @@ def test_forward_equals_hf_packed_policy_outputs(world, options, tiny_model_dir,
     T = 0.7 (or at each sequence's own temperature, as records sampled at different ones carry them,
     through context shards and sequence-parallel padding), against the Hugging Face model's own packed
     forward."""
-    got = run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options, "temperature=0.7")
+    assert_forward_equals_hf(world, options, tiny_model_dir, tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",))], ids=["one_process", "tp2"])
+def test_a_llama_forward_equals_hf(world, options, tiny_llama_dir, tmp_path):
+    """Llama 3's structure: no q/k/v biases, RoPE scaled as "llama3", an untied head."""
+    assert_forward_equals_hf(world, options, tiny_llama_dir, tmp_path)
+
+
+def test_llama3_rope_scaling_builds_the_frequencies_hf_uses(tiny_llama_dir):
+    """The sequences above are too short for the scaled (low) frequencies to move a logprob past the
+    tolerance: the frequencies themselves are compared, as GPTModel builds them from the converted shape."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    model = load_model(tiny_llama_dir)
+    shape = ModelShape.from_hf(model.config)
+    args = gpt_model_args(shape)
+    rotary = RotaryEmbedding(
+        kv_channels=shape.head_dim,
+        rotary_percent=args["rotary_percent"],
+        rotary_base=args["rotary_base"],
+        rope_scaling=args["rope_scaling"],
+        rope_scaling_factor=args["rope_scaling_factor"],
+        use_cpu_initialization=True,
+    )
+    expected = model.model.rotary_emb.inv_freq
+    assert args["rope_scaling"] and not torch.allclose(expected, 1 / shape.rope_base ** (torch.arange(0, 16, 2) / 16))
+    torch.testing.assert_close(rotary.inv_freq, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "RoPE scaling 'yarn'"),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "'original_max_position_embeddings': 32.0",
+        ),
+    ],
+)
+def test_rope_scalings_megatron_does_not_build_are_one_user_error(rope, message):
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=64, rope_parameters={"rope_theta": 1e4, **rope}
+    )
+    with pytest.raises(UserError, match=re.escape(message)):
+        ModelShape.from_hf(config)
+
+
+def assert_forward_equals_hf(world: int, options: tuple, model_dir, tmp_path) -> None:
+    got = run_ranks(world, model_dir, tmp_path / "out.pt", *options, "temperature=0.7")
     for rank in got["ranks"]:
         batch = seeded_batch(mixed_temperatures="temperatures=mixed" in options).select(rank["indices"])
         packed, _ = batch.packed()
         with torch.no_grad():
-            expected = packed_policy_outputs(load_model(tiny_model_dir), packed, temperature=0.7)
+            expected = packed_policy_outputs(load_model(model_dir), packed, temperature=0.7)
         assert [len(v) for v in rank["outputs"]["logprobs"]] == [len(s) for s in batch.sequences]
         for name, values in expected.items():
             torch.testing.assert_close(torch.cat(rank["outputs"][name]), values, rtol=1e-5, atol=1e-5, msg=name)
@@ -159,8 +216,15 @@ def assert_checkpoint_round_trip(got: dict, folder, model_dir, tmp_path, world: 
         assert torch.equal(tensor, plain[name]), name
 
 
-def random_model(qwen3: bool, heads: int, kv_heads: int, layers: int, tied: bool, seed: int):
-    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (Qwen2Config, Qwen2ForCausalLM)
+FAMILIES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
+
+
+def random_model(family: str, heads: int, kv_heads: int, layers: int, tied: bool, seed: int):
+    config_class, model_class = FAMILIES[family]
     config = config_class(
         vocab_size=48,
         hidden_size=8 * heads,
@@ -178,7 +242,7 @@ def random_model(qwen3: bool, heads: int, kv_heads: int, layers: int, tied: bool
 
 @settings(max_examples=25, deadline=None)
 @given(
-    qwen3=st.booleans(),
+    family=st.sampled_from(list(FAMILIES)),
     kv_heads=st.sampled_from([1, 2, 4]),
     ratio=st.sampled_from([1, 2, 3]),
     layers=st.sampled_from([2, 4]),
@@ -187,8 +251,8 @@ def random_model(qwen3: bool, heads: int, kv_heads: int, layers: int, tied: bool
     pp=st.sampled_from([1, 2]),
     seed=st.integers(0, 100),
 )
-def test_hf_to_megatron_shards_and_back_is_exact(qwen3, kv_heads, ratio, layers, tied, tp, pp, seed):
-    model = random_model(qwen3, kv_heads * ratio, kv_heads, layers, tied, seed)
+def test_hf_to_megatron_shards_and_back_is_exact(family, kv_heads, ratio, layers, tied, tp, pp, seed):
+    model = random_model(family, kv_heads * ratio, kv_heads, layers, tied, seed)
     shape = ModelShape.from_hf(model.config)
     if kv_heads % tp:
         with pytest.raises(UserError, match=f"tp={tp} must divide the model's num_key_value_heads"):
@@ -211,7 +275,7 @@ def test_hf_to_megatron_shards_and_back_is_exact(qwen3, kv_heads, ratio, layers,
 def test_fused_qkv_interleaves_query_groups():
     """Megatron's row order, spelt out for 4 heads in 2 groups on 2 TP ranks: rank r holds group r's
     q heads, then its k head, then its v head."""
-    model = random_model(False, 4, 2, 2, True, 0)
+    model = random_model("qwen2", 4, 2, 2, True, 0)
     shape = ModelShape.from_hf(model.config)
     hf = model.state_dict()
     q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"].view(-1, 8, 32) for p in "qkv")

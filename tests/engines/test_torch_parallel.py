@@ -102,6 +102,14 @@ def test_one_step_equals_one_process(layout, tiny_model_dir, reference, tmp_path
     assert_same_step(run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options), reference)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "fsdp2_empty_share"])
+def test_a_llama_step_equals_one_process(layout, tiny_llama_dir, tmp_path):
+    """Llama 3's structure (its own attention and RoPE scaling, an untied head) through the same layouts."""
+    world, options = LAYOUTS[layout]
+    got = run_ranks(world, tiny_llama_dir, tmp_path / "out.pt", *options)
+    assert_same_step(got, reference_run(tiny_llama_dir))
+
+
 GROUPS = {  # training groups of different shapes (dp.tp.pp each), in one job
     "fsdp2_x_tp2_and_one": (5, ["groups=2.2.1/1.1.1", "fsdp=1"]),  # 2-D DTensor gradients against plain ones
     # the tied head (one stage's copy, the other group's one tensor); buckets smaller than the embedding

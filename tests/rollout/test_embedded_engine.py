@@ -10,12 +10,36 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
+from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_model
 from areal_hpc.rollout.decoder import FIRST_CAPACITY, SlotDecoder
 from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, Request, SamplingParams, compacted, row_moves
 from tests.rollout.test_server import PROMPT, teacher_forced_logprobs
+
+
+def test_a_family_the_decoder_does_not_take_is_refused_by_name():
+    config = Gemma3TextConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    with pytest.raises(UserError, match=r"the embedded decoder takes qwen2, .*llama models, not 'gemma3_text': serve"):
+        EmbeddedGenerator(Gemma3ForCausalLM(config), slots=2, context_length=64)
 
 
 def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(tiny_model_dir):
@@ -77,6 +101,33 @@ def small_qwen3(moe: bool = False) -> torch.nn.Module:
     return model_class(config).eval()
 
 
+def small_llama(tied: bool) -> torch.nn.Module:
+    """Llama 3's structure at a small size: grouped-query attention, RoPE scaled as "llama3" (its
+    frequencies rescaled beyond an original context of 32, so positions here cross the bands), a head
+    tied to the embedding (1B/3B) or not (8B)."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_parameters=rope,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
 def teacher_forced(model: torch.nn.Module, prompt: list[int], output_ids: list[int]) -> torch.Tensor:
     """log p(output token) at each position, from one forward of the whole sequence."""
     with torch.no_grad():
@@ -84,11 +135,16 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], output_ids: list[i
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(output_ids)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
-def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
-    """Qwen3 normalises queries and keys per head: the decoder's path for it, prompts of several lengths
-    prefilled together and decoding side by side; Qwen3-MoE's layers run their router and experts."""
-    model = small_qwen3(moe)
+@pytest.mark.parametrize(
+    "build",
+    [lambda: small_qwen3(False), lambda: small_qwen3(True), lambda: small_llama(True), lambda: small_llama(False)],
+    ids=["qwen3", "qwen3_moe", "llama3-tied", "llama3-untied"],
+)
+def test_each_familys_logprobs_equal_a_teacher_forced_pass(build):
+    """Qwen3 normalises queries and keys per head; Qwen3-MoE's layers run their router and experts; Llama 3
+    scales its rotary frequencies by band and may tie its head: the decoder's path for each, prompts of
+    several lengths prefilled together and decoding side by side past the original context of 32."""
+    model = build()
     engine = EmbeddedGenerator(model, slots=4, context_length=128, eos_token_ids=[])
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [3]]
     results, all_done = [], threading.Event()
@@ -99,7 +155,7 @@ def test_qwen3_logprobs_equal_a_teacher_forced_pass(moe):
             all_done.set()
 
     for i, prompt in enumerate(prompts):
-        engine.submit(Request(str(i), prompt, SamplingParams(max_new_tokens=6 + 3 * i), on_done))
+        engine.submit(Request(str(i), prompt, SamplingParams(max_new_tokens=6 + 14 * i), on_done))
     try:
         assert all_done.wait(timeout=60)
     finally:

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2/Qwen3/Qwen3-MoE <-> Megatron-core GPTModel: the model's ``TransformerConfig`` and
+"""Hugging Face Qwen2/Qwen3/Qwen3-MoE/Llama 3 <-> Megatron-core GPTModel: the model's ``TransformerConfig`` and
 GPTModel arguments from the HF config, and the state dict of one tensor-parallel rank, expert-parallel
 rank and pipeline stage from the HF tensors (and back, from the shards of every TP and EP rank).
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from areal_hpc.builtins import check_family
 from areal_hpc.errors import UserError
 from areal_hpc.models.hf import EXPERT_KEY, fuse_expert_weights
 
@@ -95,19 +96,19 @@ class ModelShape:
     expert_ffn: int = 0
     renormalise_top_k: bool = False  # HF's norm_topk_prob: the chosen experts' probabilities sum to 1
     value_head: bool = False  # a critic: HF's token classifier (``score``) in place of the LM head, untied
+    rope_scaling_factor: float = 0.0  # Llama 3's RoPE scaling ("llama3"); 0: none
 
     @classmethod
     def from_hf(cls, config) -> ModelShape:
-        if config.model_type not in ("qwen2", "qwen3", "qwen3_moe"):
-            raise UserError(
-                f"actor.engine=megatron converts Qwen2, Qwen3 and Qwen3-MoE models, not {config.model_type!r}"
-            )
+        check_family(config.model_type, "Megatron engine", "train it with actor.engine=torch")
         rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta, "rope_type": "default"}
-        if rope.get("rope_type", "default") != "default":
-            raise UserError(f"actor.engine=megatron does not build RoPE scaling ({rope['rope_type']!r})")
+        scaling = _rope_scaling_factor(rope)
         qwen3, moe = config.model_type in ("qwen3", "qwen3_moe"), config.model_type == "qwen3_moe"
+        llama = config.model_type == "llama"
         if qwen3 and config.attention_bias:
             raise UserError("actor.engine=megatron does not build Qwen3 with attention_bias=true")
+        if llama and config.mlp_bias:
+            raise UserError("actor.engine=megatron does not build Llama with mlp_bias=true")
         if moe and (config.decoder_sparse_step != 1 or config.mlp_only_layers):
             raise UserError(
                 "actor.engine=megatron builds Qwen3-MoE with experts in every layer, not "
@@ -135,8 +136,9 @@ class ModelShape:
             rope_base=float(rope["rope_theta"]),
             eps=config.rms_norm_eps,
             tied=bool(config.tie_word_embeddings),
-            qkv_bias=not qwen3,
+            qkv_bias=bool(config.attention_bias) if llama else not qwen3,
             qk_norm=qwen3,
+            rope_scaling_factor=scaling,
             **experts,
         )
 
@@ -164,6 +166,25 @@ class ModelShape:
 
     def layer_offset(self, stage: int, pp: int) -> int:
         return stage * self.layers // pp
+
+
+# Llama 3's RoPE scaling as Megatron builds it (rotary_pos_embedding.py's _apply_scaling): only the factor
+# is a parameter there, the rest are these constants, which Llama 3.1-3.3's configs carry.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_scaling_factor(rope: dict) -> float:
+    """The "llama3" scaling factor of HF's ``rope_parameters`` (0.0 without scaling); other scalings, or
+    llama3's with constants Megatron does not take, are refused in one line."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return 0.0
+    if kind != "llama3":
+        raise UserError(f"actor.engine=megatron does not build RoPE scaling {kind!r} (it builds 'llama3')")
+    given = {name: float(rope.get(name, -1)) for name in MEGATRON_LLAMA3_ROPE}
+    if given != MEGATRON_LLAMA3_ROPE:
+        raise UserError(f"actor.engine=megatron builds 'llama3' RoPE scaling with {MEGATRON_LLAMA3_ROPE}, not {given}")
+    return float(rope["factor"])
 
 
 def transformer_config(shape: ModelShape, tp: int, pp: int, ep: int = 1, dtype: torch.dtype = torch.float32, **runtime):
@@ -225,6 +246,8 @@ def gpt_model_args(shape: ModelShape) -> dict:
         position_embedding_type="rope",
         rotary_base=shape.rope_base,
         rotary_percent=1.0,
+        rope_scaling=bool(shape.rope_scaling_factor),
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         share_embeddings_and_output_weights=shape.tied,
         parallel_output=True,
     )

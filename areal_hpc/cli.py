@@ -175,7 +175,7 @@ COMMANDS = (
             ),
             Command(
                 "export",
-                "write the trajectories as JSON lines",
+                "write the trajectories as JSON lines or decoded text",
                 shards_cli.export_arguments,
                 "areal_hpc.data.cli:run_export",
             ),

@@ -130,7 +130,7 @@ class DatasetConfig:
     max_prompt_tokens: int = spec(
         0,
         "prompts longer than this many tokens are dropped and counted; 0: the "
-        "context length less gconfig.max_new_tokens",
+        "context length less generation.max_new_tokens",
         ge=0,
     )
     seed: int = spec(0, "seed of the task generator, of the train/eval split and of the row order of your data", ge=0)
@@ -257,6 +257,13 @@ class FailureBudgetConfig:
     max_consecutive: int = spec(32, "episodes failing in a row that stop the run; 0: never", ge=0)
     window: int = spec(200, "how many of the latest episodes the failure rate is measured over", ge=1)
     max_rate: float = spec(0.5, "failure rate over a full window above which the run stops; 1: never", gt=0.0, le=1.0)
+    exit_code_on_failures: int = spec(
+        3,
+        "exit status of a run or `eval` that finished with failed episodes or rewards (0: a success; 75 and up "
+        "are the launchers': 75 requeues a Slurm job, 128+N a signal)",
+        ge=0,
+        le=74,
+    )
 
 
 @dataclass(frozen=True)
@@ -401,7 +408,7 @@ class ActorConfig:
     sapo_tau_neg: float = spec(1.05, "sapo: gate temperature for negative advantages", gt=0.0)
     m2_threshold: float = spec(0.04, "m2po: bound on the mean squared log importance ratio of the kept tokens", gt=0.0)
     ppo_n_minibatches: int = spec(1, "PPO minibatches per training step", ge=1)
-    kl_ctl: float = spec(0.0, "KL penalty coefficient to the reference model (the starting weights)", ge=0.0)
+    kl_coef: float = spec(0.0, "KL penalty coefficient to the reference model (the starting weights)", ge=0.0)
     max_tokens_per_mb: int = spec(4096, "token budget of one packed micro-batch", ge=16)
     recompute: str = spec(
         "none",
@@ -592,7 +599,7 @@ class RunConfig:
     rollout: RolloutConfig = section(RolloutConfig)
     actor: ActorConfig = section(ActorConfig)
     rl: RLConfig = section(RLConfig)
-    gconfig: GenerationConfig = section(GenerationConfig)
+    generation: GenerationConfig = section(GenerationConfig)
     saver: SaverConfig = section(SaverConfig)
     stats: StatsConfig = section(StatsConfig)
     slurm: SlurmConfig = section(SlurmConfig)
@@ -619,6 +626,19 @@ LEAF_TYPES = {path: kind for path, kind, is_section in _walk(RunConfig) if not i
 SECTIONS = {path for path, _, is_section in _walk(RunConfig) if is_section}
 
 
+# AReaL's names for keys this project names otherwise. Accepted in YAML and on the command line and read as
+# the current key, so a config written for AReaL keeps working; docs/reference/config.md lists them.
+LEGACY_KEYS = {"gconfig": "generation", "actor.kl_ctl": "actor.kl_coef"}
+
+
+def current_name(path: str) -> str:
+    """The current name of a dotted key that may start with a legacy one: gconfig.top_p -> generation.top_p."""
+    for old, new in LEGACY_KEYS.items():
+        if path == old or path.startswith(old + "."):
+            return new + path[len(old) :]
+    return path
+
+
 def _unknown_key(key: str, where: str) -> UserError:
     return UserError(f"unknown config key '{key}' {where}{closest(key, [*LEAF_TYPES, *SECTIONS])}")
 
@@ -626,6 +646,18 @@ def _unknown_key(key: str, where: str) -> UserError:
 def _not_a_section_value(key: str, where: str) -> UserError:
     example = next(p for p in LEAF_TYPES if p.startswith(key + "."))
     return UserError(f"config key '{key}' {where} is a section, not a value; set its keys, e.g. {example}=...")
+
+
+def _with_current_names(tree: dict, where: str, prefix: str = "") -> dict:
+    """``tree`` with its legacy keys renamed (each alias renames a key within its own section)."""
+    renamed: dict = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        name = current_name(path).rpartition(".")[2]
+        if name in renamed or (name != key and name in tree):
+            raise UserError(f"config keys '{path}' and '{prefix}{name}' {where} name one key; keep '{prefix}{name}'")
+        renamed[name] = _with_current_names(value, where, f"{prefix}{name}.") if isinstance(value, dict) else value
+    return renamed
 
 
 def _check_keys(tree: dict, where: str, prefix: str = "") -> None:
@@ -667,20 +699,25 @@ def _read_yaml(path: str) -> dict:
         raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(tree, dict):
         raise UserError(f"config file {path} must hold a mapping of sections, got {type(tree).__name__}")
+    tree = _with_current_names(tree, f"in {path}")
     _check_keys(tree, f"in {path}")
     return tree
 
 
 def _parse_overrides(overrides: list[str]) -> list[str]:
+    """The overrides checked, each legacy key under its current name."""
+    parsed = []
     for item in overrides:
-        key, sep, _ = item.partition("=")
+        key, sep, value = item.partition("=")
         if not sep or not key:
             raise UserError(f"override '{item}' is not of the form key=value (e.g. actor.lr=1e-4)")
+        key = current_name(key)
         if key in SECTIONS:
             raise _not_a_section_value(key, "on the command line")
         if key not in LEAF_TYPES:
             raise _unknown_key(key, "on the command line")
-    return overrides
+        parsed.append(f"{key}={value}")
+    return parsed
 
 
 def _override_layer(overrides: list[str]):

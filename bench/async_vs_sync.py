@@ -249,8 +249,8 @@ def run(args) -> dict:
     import torch
 
     workload = WORKLOAD + [
-        f"gconfig.temperature={args.temperature}",
-        f"gconfig.max_new_tokens={args.max_new_tokens}",
+        f"generation.temperature={args.temperature}",
+        f"generation.max_new_tokens={args.max_new_tokens}",
         f"rollout.max_running_requests={args.slots}",
         f"rollout.max_concurrent_rollouts={args.in_flight}",
     ]

@@ -56,7 +56,7 @@ def _measure(model_dir: str, overrides: list[str], steps: int) -> dict:
         actor, engines = build_actor(cfg, None)
         engine = engines["actor"]
         trajectories = quickstart_trajectories(cfg, engine.tokenizer, np.random.default_rng(0))
-        max_new, temperature = cfg.gconfig.max_new_tokens, run_temperature(cfg.gconfig)
+        max_new, temperature = cfg.generation.max_new_tokens, run_temperature(cfg.generation)
 
         def step() -> None:
             batch = build_batch(trajectories, cfg.actor, max_new, temperature)  # as TrainerRanks does
@@ -119,8 +119,8 @@ def _interleaved(model_dir: str, variants: dict[str, list[str]], steps: int) -> 
     for k in range(steps + 2):
         for name, (cfg, actor, trajectories) in trainers.items():
             started = time.perf_counter()
-            max_new = cfg.gconfig.max_new_tokens
-            batch = build_batch(trajectories, cfg.actor, max_new, run_temperature(cfg.gconfig))
+            max_new = cfg.generation.max_new_tokens
+            batch = build_batch(trajectories, cfg.actor, max_new, run_temperature(cfg.generation))
             actor.update(split_minibatches(batch, trajectories, cfg.actor, max_new))
             if k >= 2:
                 times[name].append(time.perf_counter() - started)

@@ -366,7 +366,7 @@ def grpo_config(
     cfg, output_dir: Path, seed: int, steps: int, save_every: int, steps_per_generation: int, use_cpu: bool
 ) -> dict:
     """GRPOConfig's arguments for the run ``cfg`` describes (see the module docstring)."""
-    gen, actor, optimizer = cfg.gconfig, cfg.actor, cfg.optimizer
+    gen, actor, optimizer = cfg.generation, cfg.actor, cfg.optimizer
     return dict(
         output_dir=str(output_dir),
         seed=seed,
@@ -382,7 +382,7 @@ def grpo_config(
         temperature=gen.temperature,
         top_p=gen.top_p,
         top_k=max(0, gen.top_k),
-        beta=actor.kl_ctl,
+        beta=actor.kl_coef,
         epsilon=actor.eps_clip,
         epsilon_high=actor.eps_clip_high or actor.eps_clip,
         loss_type="dapo",
@@ -405,14 +405,14 @@ def grpo_config(
 
 def trl_cannot_follow(cfg) -> list[str]:
     """Settings that the mapping onto GRPOConfig and the child's reward do not carry (the quickstart sets none)."""
-    actor, gen, optimizer = cfg.actor, cfg.gconfig, cfg.optimizer
+    actor, gen, optimizer = cfg.actor, cfg.generation, cfg.optimizer
     checks = {
         "actor.adv_estimator": actor.adv_estimator == "grpo",
         "actor.aggregation": actor.aggregation == "token-mean",
         "actor.ppo_n_minibatches": actor.ppo_n_minibatches == 1,
         "actor.dynamic_sampling": not actor.dynamic_sampling,
         "actor.overlong_cache_tokens": actor.overlong_cache_tokens == 0,
-        "gconfig.greedy": not gen.greedy,
+        "generation.greedy": not gen.greedy,
         "rollout.workflow": cfg.rollout.workflow in ("", "rlvr"),
         "dataset.task": cfg.dataset.task == "arithmetic",
         "reward.fn": not cfg.reward.fn,
@@ -512,7 +512,7 @@ def run_trl(
     cfg = resolve(load_config(CONFIG, base_overrides(model, seed, steps, extra)), Host.probe()).cfg
     tokenizer = load_tokenizer(model)
     task = open_task(cfg, tokenizer, model, lambda line: None)
-    per_step, k = cfg.rollout.consumer_batch_size, cfg.gconfig.n_samples
+    per_step, k = cfg.rollout.consumer_batch_size, cfg.generation.n_samples
     # TRL draws whole generations of ``steps_per_generation`` steps: the last may reach past the steps it trains
     generated = math.ceil(steps / steps_per_generation) * steps_per_generation * per_step
     stream = PromptStream(task.train, cfg.experiment.seed)

@@ -118,7 +118,7 @@ def run(args) -> dict:
         "dpo": [],
     }
     for seed in args.seeds:
-        kl = [f"actor.kl_ctl={args.rm_kl}"]
+        kl = [f"actor.kl_coef={args.rm_kl}"]
         runs = {
             "rule": ("rule", []),
             "rule, same KL": ("rule-kl", kl),  # reward as reported: (run name, overrides)
@@ -204,7 +204,7 @@ def report(result: dict) -> str:
         f"**RL** ({result['rl_steps']} steps of the quickstart's asynchronous GRPO from the start model; "
         "accuracy is the task's rule on 500 held-out problems, final = mean of the last 3 evaluations)",
         "",
-        f"(against the reward model, and 'rule, same KL', with actor.kl_ctl={result['rm_kl']:g}: the KL penalty "
+        f"(against the reward model, and 'rule, same KL', with actor.kl_coef={result['rm_kl']:g}: the KL penalty "
         "to the start model)",
         "",
         "| reward | seeds | start | final (mean ± sd) | gain |",
@@ -264,7 +264,7 @@ def main() -> None:
         "--rm-kl",
         type=float,
         default=0.3,
-        help="actor.kl_ctl of the runs against the reward model "
+        help="actor.kl_coef of the runs against the reward model "
         "(without it the policy drifts to answers the reward model overrates)",
     )
     parser.add_argument("--dpo-steps", type=int, default=200)

@@ -39,8 +39,8 @@ SMALL_RUN = [
     "rl.sft_warmup_steps=0",
     "rollout.consumer_batch_size=4",
     "rollout.max_concurrent_rollouts=8",
-    "gconfig.n_samples=4",
-    "gconfig.max_new_tokens=6",
+    "generation.n_samples=4",
+    "generation.max_new_tokens=6",
     "rollout.max_running_requests=32",
     "stats.tensorboard=false",
 ]

@@ -80,7 +80,7 @@ def quickstart_trajectories(
     batch = []
     for g in range(cfg.rollout.consumer_batch_size):
         prompt = prompt_ids(tokenizer, next(prompts).prompt)
-        for _ in range(cfg.gconfig.n_samples):
+        for _ in range(cfg.generation.n_samples):
             n = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
             output = [*rng.choice(words, n - 1).tolist(), tokenizer.eos_token_id]
             segment = Segment(prompt, output, -rng.exponential(1.0, n), np.zeros(n))
@@ -159,8 +159,8 @@ def quickstart_steps(cfg: RunConfig, steps: int) -> list[dict]:
     """s/step of each trainer on the same batch, one step of each in turn (the first of each not counted)."""
     tokenizer = load_tokenizer(cfg.model.path)
     trajectories = quickstart_trajectories(cfg, tokenizer, np.random.default_rng(0))
-    max_new = cfg.gconfig.max_new_tokens
-    temperature = cfg.gconfig.temperature
+    max_new = cfg.generation.max_new_tokens
+    temperature = cfg.generation.temperature
     after = {
         dtype: build_actor(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype=dtype)), None)[0]
         for dtype in ("float32", "bfloat16")
@@ -178,7 +178,9 @@ def quickstart_steps(cfg: RunConfig, steps: int) -> list[dict]:
     for step in range(steps + 1):
         for name, update in variants.items():
             started = time.perf_counter()
-            batch = build_batch(trajectories, cfg.actor, max_new, run_temperature(cfg.gconfig))  # as TrainerRanks does
+            batch = build_batch(
+                trajectories, cfg.actor, max_new, run_temperature(cfg.generation)
+            )  # as TrainerRanks does
             stats = update(split_minibatches(batch, trajectories, cfg.actor, max_new))
             if step:
                 times[name].append({"step": time.perf_counter() - started, **stats})

@@ -112,7 +112,7 @@ def _emit_section(cls, path: str, level: int, out: list[str]) -> None:
 
 
 def config_page() -> str:
-    from areal_hpc.config import LEAF_TYPES, RunConfig
+    from areal_hpc.config import LEAF_TYPES, LEGACY_KEYS, RunConfig
 
     hints = typing.get_type_hints(RunConfig)
     sections = [(hints[f.name], f.name) for f in dataclasses.fields(RunConfig)]
@@ -137,6 +137,15 @@ def config_page() -> str:
     for _, name in sections:
         count = sum(1 for key in LEAF_TYPES if key.startswith(name + "."))
         out.append(f"| [`{name}`](#{_slug(name)}) | {count} |")
+    out += [
+        "",
+        "AReaL's names for keys that are named otherwise here are accepted in YAML and on the command line "
+        "and read as the current key:",
+        "",
+        "| AReaL's key | current key |",
+        "|---|---|",
+        *(f"| `{old}` | [`{new}`](#{_slug(new.partition('.')[0])}) |" for old, new in LEGACY_KEYS.items()),
+    ]
     for cls, name in sections:
         _emit_section(cls, name, 2, out)
     return "\n".join(out) + "\n"
@@ -251,7 +260,7 @@ def cli_page() -> str:
 
 
 def builtins_page() -> str:
-    from areal_hpc.builtins import FORMS, POINTS
+    from areal_hpc.builtins import FAMILY_PATHS, FORMS, POINTS
 
     out = [
         GENERATED_NOTE.format(source="areal_hpc/builtins.py"),
@@ -289,6 +298,23 @@ def builtins_page() -> str:
             f"| `{name}` | {_escape(meaning)} |" if name else f"| empty | {_escape(meaning)} |"
             for name, meaning in point.keywords.items()
         ]
+    paths = sorted({path for family_paths in FAMILY_PATHS.values() for path in family_paths})
+    out += [
+        "",
+        "## Model families",
+        "",
+        "A checkpoint's family is its config.json's `model_type`. The torch engine's own forward trains any "
+        "`transformers` causal LM. The embedded decoder and the Megatron engine take the families marked and "
+        "refuse another in one line naming it and what to use instead; tree training's segment forward runs "
+        "the model's own forward for a family not marked.",
+        "",
+        "| family | " + " | ".join(paths) + " |",
+        "|---|" + "---|" * len(paths),
+        *(
+            f"| `{family}` | " + " | ".join("yes" if path in taken else "no" for path in paths) + " |"
+            for family, taken in FAMILY_PATHS.items()
+        ),
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -338,7 +364,7 @@ def _code(text: str):
 def config_key_problems() -> list[str]:
     """A dotted name in code that starts with a section of the schema must be a key or section of it (unless
     the same code block shows `areal-hpc` refusing it as an unknown key)."""
-    from areal_hpc.config import LEAF_TYPES, SECTIONS, RunConfig
+    from areal_hpc.config import LEAF_TYPES, LEGACY_KEYS, SECTIONS, RunConfig
 
     top = sorted((f.name for f in dataclasses.fields(RunConfig)), key=len, reverse=True)
     key = re.compile(r"(?<![\w./$-])(?:" + "|".join(top) + r")(?:\.[A-Za-z_]\w*)+")
@@ -353,6 +379,7 @@ def config_key_problems() -> list[str]:
                     name.rsplit(".", 1)[-1] in FILE_SUFFIXES
                     or name in LEAF_TYPES
                     or name in SECTIONS
+                    or name in LEGACY_KEYS  # the config reference's table of AReaL's names
                     or name in shown_refused
                 ):
                     continue

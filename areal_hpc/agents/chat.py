@@ -4,6 +4,10 @@ episodes, over the run's rollout client. Each ``client()`` is an ``openai.AsyncO
 session; its records are the session's conversations (``Session.trajectories``), returned to the
 episode instead of written by a proxy.
 
+An episode's client (``EpisodeContext.openai_client``) samples as the episode does where a request
+does not say otherwise: ``max_tokens``, ``temperature`` and ``top_p`` default to the run's
+``generation`` settings, and an episode that decodes greedily (an evaluation) decodes every turn greedily.
+
 Nothing goes over a socket. A plain ``chat.completions.create`` or ``completions.create`` (what agents
 and the Agents SDK call) hands the routes the JSON body the SDK would have sent and builds the reply
 object as the SDK builds it, without the SDK's request machinery (its parameter transform and HTTP
@@ -30,6 +34,7 @@ from openai.resources.completions import AsyncCompletions
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from areal_hpc.algo.temperature import is_greedy
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
 from areal_hpc.proxy.app import (
@@ -115,6 +120,28 @@ class InProcessTransport(HTTPX.AsyncBaseTransport):
             return error.status, error.body(), None
 
 
+def with_sampling(params: dict, sampling) -> dict:
+    """The parameters of a ``create`` with an episode's ``sampling`` (``agents.engine.Sampling``) where
+    they give none (absent, None or the SDK's unset marker): ``max_tokens``, ``temperature``, ``top_p``.
+    When the episode decodes greedily, so does every request, whatever it asks."""
+    filled = dict(params)
+
+    def unset(name: str) -> bool:
+        return filled.get(name) is None or isinstance(filled[name], UNSET)
+
+    if unset("max_tokens") and unset("max_completion_tokens"):
+        filled["max_tokens"] = sampling.max_new_tokens
+    for name, value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+        if unset(name):
+            filled[name] = value
+    if is_greedy(sampling.temperature):
+        filled["temperature"] = 0.0
+        extra = filled.get("extra_body")
+        if isinstance(extra, dict) and "temperature" in extra:
+            filled["extra_body"] = {**extra, "temperature": 0.0}
+    return filled
+
+
 def json_body(params: dict) -> bytes:
     """The body the SDK sends for ``create(**params)``: unset parameters left out, ``extra_body`` merged
     over the rest, models dumped and iterables listed as its transform does them."""
@@ -143,6 +170,8 @@ class InProcessCreate:
 
     async def create(self, **params):
         client = self._client
+        if client.sampling is not None:
+            params = with_sampling(params, client.sampling)
         if (
             params.get("stream") is True
             or params.get("extra_query")
@@ -184,15 +213,21 @@ class RecordedChat(AsyncChat):
 
 class RecordingOpenAI(openai.AsyncOpenAI):
     """An ``openai.AsyncOpenAI`` whose turns are recorded in its session; ``set_reward`` binds a reward
-    to a turn (default: the latest), ``records()`` are the session's conversations. ``with_options``
-    (``copy``) gives a client of the same session."""
+    to a turn (default: the latest), ``records()`` are the session's conversations. ``sampling``: what
+    requests that give no sampling parameters get (``with_sampling``; None: the proxy's defaults).
+    ``with_options`` (``copy``) gives a client of the same session."""
 
-    def __init__(self, *, gateway: ChatGateway, session: Session, **options):
+    def __init__(self, *, gateway: ChatGateway, session: Session, sampling=None, **options):
         super().__init__(**options)
-        self.gateway, self.session = gateway, session
+        self.gateway, self.session, self.sampling = gateway, session, sampling
 
     def copy(self, **options) -> RecordingOpenAI:
-        extra = {**options.pop("_extra_kwargs", {}), "gateway": self.gateway, "session": self.session}
+        extra = {
+            **options.pop("_extra_kwargs", {}),
+            "gateway": self.gateway,
+            "session": self.session,
+            "sampling": self.sampling,
+        }
         return super().copy(**options, _extra_kwargs=extra)
 
     with_options = copy
@@ -246,7 +281,8 @@ class ChatGateway:
     async def __aexit__(self, *exc) -> None:
         await self.http.aclose()
 
-    def client(self, metadata: dict) -> RecordingOpenAI:
+    def client(self, metadata: dict, sampling=None) -> RecordingOpenAI:
+        """A client of a new session; ``sampling``: its requests' defaults (``with_sampling``)."""
         key = new_key("sk")
         session = Session(
             tenant=TENANT, tenant_key_hash=self.keys.tenant_key_hash, key_hash=hash_key(key), metadata=dict(metadata)
@@ -255,7 +291,13 @@ class ChatGateway:
         self.proxy.by_key[session.key_hash] = session
         self.proxy.last_seen[session.id] = time.monotonic()
         return RecordingOpenAI(
-            gateway=self, session=session, api_key=key, base_url=BASE_URL, http_client=self.http, max_retries=0
+            gateway=self,
+            session=session,
+            sampling=sampling,
+            api_key=key,
+            base_url=BASE_URL,
+            http_client=self.http,
+            max_retries=0,
         )
 
     def close_session(self, session: Session) -> list[Trajectory]:
@@ -274,7 +316,7 @@ class NoChat:
     def __init__(self, reason: str):
         self.reason = reason
 
-    def client(self, metadata: dict):
+    def client(self, metadata: dict, sampling=None):
         raise UserError(f"this run serves no OpenAI client to its workflow: {self.reason}")
 
 

@@ -6,7 +6,7 @@
   environment's tokens between them, exactly as the model saw them;
 - ``openai_client()``: an ``openai.AsyncOpenAI`` bound to the rollout servers through the proxy's chat
   code, recording every turn token for token (agents written for the ``openai`` SDK or the OpenAI
-  Agents SDK run unchanged);
+  Agents SDK run unchanged), sampling as the episode does where a request does not say;
 - ``reward(example, completion, ...)``: the run's reward function, in the reward pool with its timeout;
   a failure (exception, timeout, not a number) scores 0 and is counted, never silently.
 
@@ -42,8 +42,8 @@ class Sampling:
     top_k: int = -1
 
     @classmethod
-    def from_config(cls, gconfig) -> Sampling:
-        return cls(gconfig.max_new_tokens, run_temperature(gconfig), gconfig.top_p, gconfig.top_k)
+    def from_config(cls, generation) -> Sampling:
+        return cls(generation.max_new_tokens, run_temperature(generation), generation.top_p, generation.top_k)
 
     def params(self, stop_token_ids: list[int]) -> dict:
         return {
@@ -248,10 +248,12 @@ class EpisodeContext:
 
     def openai_client(self, **metadata):
         """An ``openai.AsyncOpenAI`` whose every turn is recorded (one session: its conversations become
-        records when the episode ends); ``metadata`` is stored with them."""
+        records when the episode ends); ``metadata`` is stored with them. A request that gives no
+        ``max_tokens``, ``temperature`` or ``top_p`` samples as the episode does (``sampling``), and an
+        episode that decodes greedily (an evaluation) decodes every turn greedily."""
         if self.settings.chat is None:
             raise UserError("this engine serves no OpenAI client: build its settings with an agents.chat.ChatGateway")
-        client = self.settings.chat.client(metadata)
+        client = self.settings.chat.client(metadata, self.sampling)
         self.recorders.append(client)
         return client
 

@@ -28,21 +28,15 @@ class AgentsSDKWorkflow:
         self.tools = [self.sdk.function_tool(calculate)]
 
     async def arun_episode(self, engine, example: Example):
-        client = engine.openai_client(example=example.uid)
-        sampling = engine.sampling
+        client = engine.openai_client(example=example.uid)  # samples as the run does (generation.*)
         agent = self.sdk.Agent(
             name="calculator",
             instructions=self.instructions,
             tools=self.tools,
             model=self.sdk.OpenAIChatCompletionsModel(model=engine.model_name, openai_client=client),
-            model_settings=self.sdk.ModelSettings(
-                temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens
-            ),
         )
         try:
-            result = await self.sdk.Runner.run(
-                agent, example.prompt or list(example.messages), max_turns=self.max_turns
-            )
+            result = await self.sdk.Runner.run(agent, example.chat_messages(), max_turns=self.max_turns)
             answer = str(result.final_output)
         except self.sdk.exceptions.MaxTurnsExceeded:
             answer = ""  # no answer within the turn budget: scored as such

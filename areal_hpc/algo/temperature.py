@@ -31,9 +31,9 @@ def requested_temperature(temperature: float) -> float:
     return temperature if is_servable(temperature) else 0.0
 
 
-def run_temperature(gconfig: GenerationConfig) -> float:
-    """The sampling temperature of a run's own rollouts: ``gconfig.temperature``, 0 when greedy."""
-    return 0.0 if gconfig.greedy else gconfig.temperature
+def run_temperature(generation: GenerationConfig) -> float:
+    """The sampling temperature of a run's own rollouts: ``generation.temperature``, 0 when greedy."""
+    return 0.0 if generation.greedy else generation.temperature
 
 
 def logprob_temperature(temperature: float) -> float:

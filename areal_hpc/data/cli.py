@@ -3,6 +3,7 @@ declares its arguments and the one that runs it; ``areal_hpc/cli.py`` lists them
 
     areal-hpc shards verify <fileroot>/<experiment>/<trial>/shards
     areal-hpc shards export PATH --tenant alice --eligible-only --output trajectories.jsonl
+    areal-hpc shards export <run>/shards --text | less      # decoded by the run's tokenizer
 
 They sit beside ``shards/`` rather than in it: that package imports h5py, and building the parser stays
 light. Data that cannot be read (damaged, truncated) is one line on stderr and exit code 1.
@@ -11,6 +12,7 @@ light. Data that cannot be read (damaged, truncated) is one line on stderr and e
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -97,7 +99,21 @@ def run_verify(args: argparse.Namespace) -> int:
 def export_arguments(export: argparse.ArgumentParser) -> None:
     """Declare ``shards export``'s arguments on its parser."""
     shard_path_arguments(export)
-    export.add_argument("--format", choices=["jsonl"], default="jsonl", help="output format (default: jsonl)")
+    export.add_argument(
+        "--format",
+        choices=["jsonl", "text"],
+        default="jsonl",
+        help="output format: jsonl (token ids, logprobs, versions, loss masks), or text: each record decoded by "
+        "the run's tokenizer, its context (the messages' roles, never trained) and model turns (trained "
+        "tokens, versions, reward) apart (default: jsonl)",
+    )
+    export.add_argument("--text", dest="format", action="store_const", const="text", help="--format text")
+    export.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="--format text: the model folder whose tokenizer decodes (default: the run's, from the "
+        "config.yaml of the run folder holding PATH)",
+    )
     export.add_argument("--output", metavar="FILE", help="write here instead of standard output")
     export.add_argument("--tenant", help="only this tenant's trajectories")
     export.add_argument("--eligible-only", action="store_true", help="only trajectories eligible for training")
@@ -109,21 +125,24 @@ def export_arguments(export: argparse.ArgumentParser) -> None:
 def run_export(args: argparse.Namespace) -> int:
     from areal_hpc.data.shards import ShardDamageError
     from areal_hpc.data.shards.reader import TrajectoryFilter
-    from areal_hpc.data.shards.report import export_jsonl, open_store, problems_line
+    from areal_hpc.data.shards.report import export_jsonl, export_text, open_store, problems_line, shard_tokenizer
 
     where = TrajectoryFilter(
         tenant=args.tenant, min_version=args.min_version, max_version=args.max_version, eligible_only=args.eligible_only
     )
+    export: Callable[..., int] = export_jsonl
+    if args.format == "text":  # the tokenizer first: a run without one writes nothing
+        export = functools.partial(export_text, tokenizer=shard_tokenizer(args.path, args.tokenizer))
     with open_store(args.path, _metadata_wait(args)) as store:
         if store.problems():  # an export that silently left records out would look complete
             raise ShardDamageError(problems_line(store))
         if args.output is None:
-            export_jsonl(store, sys.stdout, where)
+            export(store, sys.stdout, where)
             return 0
         staging = Path(f"{args.output}.partial")  # a failed export never leaves a half-written file
         try:
             with open(staging, "w") as out:
-                n = export_jsonl(store, out, where)
+                n = export(store, out, where)
             staging.replace(args.output)
         except OSError as exc:
             raise UserError(f"cannot write {args.output}: {exc.strerror}") from None

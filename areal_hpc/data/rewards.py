@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from areal_hpc.builtins import load_object
+from areal_hpc.errors import definition_site, described
 
 # Rewards look at the tail of a completion only: parsing cost stays bounded whatever the model writes.
 MAX_SCORED_CHARS = 4096
@@ -65,6 +66,11 @@ class RewardOutcome:
 
 class InvalidReward(ValueError):
     """A reward function returned something that is not a finite number (or a dict holding one)."""
+
+
+class RewardRaised(Exception):
+    """A reward function raised: its type, message and the user's file and line as one string (the
+    traceback does not survive the way back from a worker process)."""
 
 
 class RewardFunction:
@@ -147,7 +153,12 @@ def _is_finite_number(value) -> bool:
 
 
 def _call(reward_fn: RewardFunction, requests: list[RewardRequest]) -> list:
-    return reward_fn.raw(requests)
+    try:
+        return reward_fn.raw(requests)
+    except InvalidReward:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code failed: where, while its traceback is here
+        raise RewardRaised(described(exc)) from None
 
 
 def _ignore_stop_warning() -> None:
@@ -155,14 +166,14 @@ def _ignore_stop_warning() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
-def _load(reward_fn: RewardFunction) -> bool:
+def _load(reward_fn: RewardFunction) -> tuple[bool, str | None]:
     """A worker imports the reward's module when it starts (start-up, not scoring), and a reward object
     with a ``load`` method (a model's weights, an index) loads what it needs then. Whether it scores
-    in batches."""
+    in batches, and where the user's reward is defined ("file.py:12", None for a built-in)."""
     fn = reward_fn.load()
     if callable(getattr(fn, "load", None)):
         fn.load()
-    return reward_fn.batched
+    return reward_fn.batched, definition_site(fn)
 
 
 class RewardPool:
@@ -178,6 +189,7 @@ class RewardPool:
         self.reward_fn = reward_fn if isinstance(reward_fn, RewardFunction) else RewardFunction(reward_fn)
         self.workers, self.timeout_s = workers, timeout_s
         self._pool, self._batched = None, False
+        self._defined_at: str | None = None  # where the user's reward is defined: named when it returns a non-number
         self._loaded_here = False  # workers=0: the reward's module loaded in this process
         self._lock = threading.Lock()  # calls from several threads (rollouts, an evaluation) run one at a time
 
@@ -186,7 +198,8 @@ class RewardPool:
         self._pool = mp.get_context("spawn").Pool(self.workers, initializer=_ignore_stop_warning)
         started = self._pool.map_async(_load, [self.reward_fn] * self.workers, chunksize=1)
         try:
-            self._batched = all(started.get(STARTUP_TIMEOUT_S))
+            loaded = started.get(STARTUP_TIMEOUT_S)
+            self._batched, self._defined_at = all(batched for batched, _ in loaded), loaded[0][1]
         except Exception:  # noqa: BLE001 - e.g. an unimportable module: not raised here, each call records its own
             self._batched = False
         return self._pool
@@ -206,7 +219,7 @@ class RewardPool:
         """``workers=0``: each call in this thread, its failures recorded as the workers' are."""
         if not self._loaded_here:
             try:
-                self._batched = _load(self.reward_fn)
+                self._batched, self._defined_at = _load(self.reward_fn)
             except Exception:  # noqa: BLE001 - as in the workers: each call records its own error
                 self._batched = False
             self._loaded_here = True
@@ -227,7 +240,8 @@ class RewardPool:
         except InvalidReward as exc:
             return [self._invalid(exc)] * n
         except Exception as exc:  # noqa: BLE001 - any failure of user reward code is recorded
-            return [RewardOutcome(0.0, f"reward raised {type(exc).__name__}: {exc}", "exception")] * n
+            raised = str(exc) if isinstance(exc, RewardRaised) else described(exc)
+            return [RewardOutcome(0.0, f"reward raised {raised}", "exception")] * n
 
     def _score(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
         if not self.workers:
@@ -264,7 +278,8 @@ class RewardPool:
         return RewardOutcome(value, metrics=metrics)
 
     def _invalid(self, exc: InvalidReward) -> RewardOutcome:
-        return RewardOutcome(0.0, f"reward {self.reward_fn.name} {exc}", "invalid")
+        where = f" (defined at {self._defined_at})" if self._defined_at else ""
+        return RewardOutcome(0.0, f"reward {self.reward_fn.name}{where} {exc}", "invalid")
 
     def close(self):
         if self._pool is not None:

@@ -23,6 +23,10 @@ class Example:
     fields: dict = field(default_factory=dict)  # every other column, passed to the reward and the workflow
     messages: tuple = ()  # a chat prompt ([{"role", "content"}, ...]), rendered by the model's chat template
 
+    def chat_messages(self) -> list[dict]:
+        """The prompt as chat messages (a new list): ``messages``, else one user turn holding ``prompt``."""
+        return [dict(m) for m in self.messages] or [{"role": "user", "content": self.prompt}]
+
     def reward_fields(self) -> dict:
         """The keyword arguments a reward receives with the completion: ``answer`` and the other columns."""
         return {**self.fields, "answer": self.answer}

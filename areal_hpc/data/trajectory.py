@@ -27,7 +27,7 @@ class Segment:
     Concatenating ``input_ids + output_ids`` over all segments gives the full token sequence.
     ``loss_mask`` and ``output_versions`` have one entry per output token. ``temperature`` is the one
     the output was sampled at (0: greedy), recorded where it may differ from the run's (the proxy's
-    turns); None: the run's sampling temperature (``gconfig``), what the run's own rollouts use.
+    turns); None: the run's sampling temperature (``generation``), what the run's own rollouts use.
     """
 
     input_ids: np.ndarray

@@ -34,7 +34,7 @@ OPTIMIZER_SHARDS = "optimizer"  # a sharded engine's optimizer state: one torch.
 
 ROLES = {  # what an engine is built to train: role -> its name in an error line
     "policy": "the RL policy",
-    "reference": "the RL policy's frozen reference (actor.kl_ctl > 0)",
+    "reference": "the RL policy's frozen reference (actor.kl_coef > 0)",
     "critic": "the PPO critic",
     "sft": "the SFT policy",
     "dpo": "the DPO policy (it scores its own reference log-likelihoods before the first step)",
@@ -55,9 +55,9 @@ class RoleTraining:
 
 
 def sampler_temperature(cfg) -> float:
-    """The temperature of the rollout logprobs the trainer must match: ``gconfig.temperature``, or 1
+    """The temperature of the rollout logprobs the trainer must match: ``generation.temperature``, or 1
     for greedy rollouts (temperature 0, whose logprobs servers report untempered)."""
-    return logprob_temperature(run_temperature(cfg.gconfig))
+    return logprob_temperature(run_temperature(cfg.generation))
 
 
 def role_training(role: str, cfg) -> RoleTraining:
@@ -104,7 +104,7 @@ class TrainEngine(Protocol):
     cut it into packed micro-batches themselves. A policy engine's per-position output is
     "logprobs", log π_T(token t+1 | tokens ≤ t) at the sampler's temperature T (rollout logprobs are
     those of ``log_softmax(logits / T)``): the batch's ``temperatures`` per position where it carries
-    them (each record's own), else the engine's (``gconfig.temperature``); and "entropy", on target
+    them (each record's own), else the engine's (``generation.temperature``); and "entropy", on target
     positions only (0 elsewhere); a critic's is "values".
 
     An engine class subclasses it: ``build`` is how ``engines.factory.build_engine`` makes one, and the

@@ -54,28 +54,32 @@ from areal_hpc.runtime.bootstrap import (
 )
 from areal_hpc.runtime.forkserver import Forker
 from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS
-from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint
+from areal_hpc.runtime.run_state import SAVED_AND_STOPPED, latest_checkpoint, previous_run
 from areal_hpc.runtime.supervisor import SupervisedProcess
 from areal_hpc.train.demo_tuning import rollout_side_env
+from areal_hpc.train.failure_report import last_summary
 from areal_hpc.train.task_setup import check_inputs
 
 
 def should_resume(cfg: RunConfig, resume: str) -> bool:
     """Whether this launch continues the run in ``cfg.run_dir``: ``always`` (``--resume``) needs one,
-    ``never`` refuses to mix with one, ``auto`` (a requeued or restarted job) continues one if there is
-    one and starts otherwise. A fresh run never mixes with an old one's shards and checkpoints; a run
+    ``never`` refuses to replace one, ``auto`` (a requeued or restarted job) continues one if there is
+    one and starts otherwise. A fresh run never mixes with an old one's outputs (``previous_run``); a run
     killed before its first checkpoint resumes from step 0 and trains what it had stored."""
-    has_run = latest_checkpoint(cfg.run_dir) is not None or any((cfg.run_dir / "shards").glob("*.h5"))
-    if resume == "always" and not has_run:
+    found = previous_run(cfg.run_dir)
+    if resume == "always" and not found:
         raise UserError(
-            f"--resume: nothing to resume in {cfg.run_dir} (no checkpoint, no shards); "
+            f"--resume: nothing to resume in {cfg.run_dir} (no run has started there); "
             f"run without --resume to start, or with --resume=auto"
         )
-    if resume == "never" and has_run:
+    if resume == "never" and found:
+        saved = latest_checkpoint(cfg.run_dir)
+        since = f"from {saved.name}" if saved is not None else "from step 0, with the episodes it stored"
         raise UserError(
-            f"{cfg.run_dir} already holds a run; pass --resume to continue it, or choose another experiment.trial=NAME"
+            f"{cfg.run_dir} already holds a run ({', '.join(found)}); pass --resume to continue it ({since}), "
+            f"or choose another experiment.trial=NAME"
         )
-    return has_run
+    return bool(found)
 
 
 def launch(config: str, overrides: list[str], resume: str = "never") -> int:
@@ -173,6 +177,9 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
             stop_warning.set_target(trainers[0].process.pid)
             code = _supervise(started[: -cfg.rl.trainer_processes], trainers, stop_warning)
             print(f"peak memory of the run's processes: {memory.peak / 2**30:.2f} GiB (PSS, sampled every second)")
+            summary = last_summary(run_dir) if code == cfg.rollout.failure_budget.exit_code_on_failures else None
+            if code and summary:  # the run's last line stays its result
+                print(f"areal-hpc: {summary}", file=sys.stderr)
         finally:
             for proc in reversed(started):
                 proc.stop(grace_s=10)

@@ -67,8 +67,8 @@ def initial_model(cfg: RunConfig) -> Path:
 
 def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, fork_server: Forker | None = None) -> Path:
     """Write the initial model if the run has none, then (fresh runs with ``rl.sft_warmup_steps``) run
-    the SFT warm-up; returns the model the trainer starts from. With ``fork_server`` both stages are
-    forks of it."""
+    the SFT warm-up (again from its start, when an earlier launch was stopped before it saved its model);
+    returns the model the trainer starts from. With ``fork_server`` both stages are forks of it."""
     model = initial_model(cfg)
     if not cfg.model.path and not (model / "config.json").exists():
         run_stage(
@@ -88,6 +88,7 @@ def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, fork_server:
         )
     warm = start_model_path(cfg)
     if warm != model and not warm.exists():
+        shutil.rmtree(warm.parent, ignore_errors=True)  # this run's unfinished warm-up (the launch resumes the run)
         run_stage(
             "SFT warm-up",
             [

@@ -15,7 +15,10 @@ tasks see it, stop their process and exit 0. A task whose process fails writes t
 trainer rank 0's log and ``<run>/logs/failures.log`` and exits non-zero; ``srun --kill-on-bad-exit``
 then ends the job (FAILED in ``sacct``). SIGUSR2 before the time limit makes trainer rank 0 save and
 the job requeue (``preemption.py``); SIGTERM (``scontrol requeue``, ``scancel``) reaches every role,
-and the trainer saves before it exits. The next incarnation resumes (``--resume=auto``).
+and the trainer saves before it exits. The next incarnation resumes (``--resume=auto``). A run that
+completed with failed episodes or rewards is finished too (not requeued): its summary, already in
+``failures.log`` and trainer rank 0's log, becomes the job's comment, and the task exits with
+``rollout.failure_budget.exit_code_on_failures``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from areal_hpc.runtime.bootstrap import (
 )
 from areal_hpc.runtime.run_state import SAVED_AND_STOPPED
 from areal_hpc.runtime.supervisor import SupervisedProcess
+from areal_hpc.train.failure_report import last_summary
 
 POLL_S = 1.0
 COMMENT_CHARS = 200  # of a failure's first line, kept as the job's comment
@@ -203,10 +207,14 @@ def _supervise(proc: SupervisedProcess, cfg: RunConfig, marks: Path, stop_warnin
         return code
     if code is None or finished.exists() or terminated or (code == 0 and not owner):
         return 0 if not terminated else 128 + signal.SIGTERM
-    if code == 0:  # trainer rank 0 completed the run
+    completed_with_failures = owner and code == cfg.rollout.failure_budget.exit_code_on_failures
+    summary = last_summary(cfg.run_dir) if completed_with_failures else None
+    if code == 0 or summary:  # trainer rank 0 completed the run (with failed episodes: non-zero, not requeued)
         finished.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(finished, "0\n")
-        return 0
+        atomic_write_text(finished, f"{code}\n")
+        if summary:
+            _comment(summary)
+        return code
     reason = proc.failure(f"exited with code {code} on {os.environ.get('SLURMD_NODENAME', 'this node')}")
     _report(cfg.run_dir, marks.name, str(reason))
     raise TaskFailed(str(reason))
@@ -222,6 +230,11 @@ def _report(run_dir: Path, incarnation: str, reason: str) -> None:
         with open(path, "a") as out:
             out.write(line)
     print(f"areal-hpc: error: {reason}", file=sys.stderr, flush=True)
+    _comment(reason)
+
+
+def _comment(reason: str) -> None:
+    """The first line of ``reason`` as the job's comment (``sacct -o Comment``), under Slurm."""
     job = os.environ.get("SLURM_HET_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     if job:
         summary = reason.splitlines()[0][:COMMENT_CHARS]

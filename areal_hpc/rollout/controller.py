@@ -11,8 +11,10 @@ An episode fails when generating it fails (a server's 5xx, a request the server 
 than the context, connections that keep failing), when storing it fails (``on_accept``, e.g. a full
 disk), or when every one of its rewards failed (raised or timed out; an episode with some failed
 rewards is trained, those samples scoring 0). Failures are counted by kind in ``failures`` (a
-reward failure per reward call) and charged to a ``FailureBudget``: once it is spent, or once every
-server is gone, the controller stops submitting and ``prepare_batch`` raises a one-line error.
+reward failure per reward call; a reward that returned no finite number is ``reward_invalid``), which
+keeps the first message of each kind with the user's file and line, and charged to a ``FailureBudget``:
+once it is spent, or once every server is gone, the controller stops submitting and ``prepare_batch``
+raises a one-line error.
 Groups the ``accept`` filter rejects (DAPO's dynamic sampling) are counted in ``filtered``.
 """
 
@@ -29,12 +31,22 @@ import aiohttp
 
 from areal_hpc.data.tasks import Example
 from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.errors import described
 from areal_hpc.rollout.client import ConnectionFailedError, NoServerError, RolloutClient, RolloutError, ServerReplyError
 from areal_hpc.rollout.commits import CoalescedCommits
 from areal_hpc.rollout.staleness import ReadyQueue, StalenessGate
 
 # What can go wrong with an episode; metrics carry a count of each (rollout/failures/<kind>).
-FAILURE_KINDS = ("server_error", "rejected", "connection", "store", "reward_exception", "reward_timeout", "workflow")
+FAILURE_KINDS = (
+    "server_error",
+    "rejected",
+    "connection",
+    "store",
+    "reward_exception",
+    "reward_timeout",
+    "reward_invalid",
+    "workflow",
+)
 MAX_MESSAGE_CHARS = 400
 
 
@@ -55,14 +67,18 @@ class Episode:
 
 @dataclass
 class FailureLog:
-    """Failures by kind and the last few messages: bounded however long a run keeps failing."""
+    """Failures by kind, the first message of each kind and the last few: bounded however long a run keeps
+    failing."""
 
     counts: Counter = field(default_factory=Counter)
     recent: deque = field(default_factory=lambda: deque(maxlen=8))
+    first: dict[str, str] = field(default_factory=dict)  # kind -> its first message, in the order they came
 
     def add(self, kind: str, message: str, n: int = 1) -> None:
         self.counts[kind] += n
-        self.recent.append(f"{kind}: {' '.join(message.split())[:MAX_MESSAGE_CHARS]}")  # one line
+        line = " ".join(message.split())[:MAX_MESSAGE_CHARS]  # one line
+        self.first.setdefault(kind, line)
+        self.recent.append(f"{kind}: {line}")
 
     @property
     def total(self) -> int:
@@ -246,7 +262,7 @@ class RolloutController:
                     try:
                         await self._commits.store(episode)  # e.g. a shard commit (fsync), off the event loop
                     except Exception as exc:  # noqa: BLE001 - e.g. the shard commit hit a full disk
-                        self._fail("store", f"{example.uid}: {_describe(exc)}")
+                        self._fail("store", f"{example.uid}: {described(exc)}")
                         return
                 self._ready.put(version, episode)
                 accepted = True  # only once it is really queued: the gate must not count a lost one
@@ -257,7 +273,8 @@ class RolloutController:
             if isinstance(cause, NoServerError):
                 self._stop(cause)
             else:
-                self._fail(_kind(cause), f"{example.uid}: {_describe(cause)}")
+                kind, message = failure_of(cause)
+                self._fail(kind, f"{example.uid}: {message}")
         finally:
             self.gate.finish(accepted)
             self._changed.set()
@@ -301,13 +318,13 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-def _kind(exc: BaseException) -> str:
+def failure_of(exc: BaseException) -> tuple[str, str]:
+    """(kind, one-line message) of the exception an episode raised: a server's reply (its message), a
+    connection that kept failing, or the workflow's own error; each with the user's file and line where
+    the user's code is in its traceback (e.g. the workflow's line that asked for the generation)."""
+    exc = _leaf(exc)
     if isinstance(exc, ServerReplyError):
-        return "server_error" if exc.status >= 500 else "rejected"
+        return ("server_error" if exc.status >= 500 else "rejected"), described(exc, str(exc))
     if isinstance(exc, (ConnectionFailedError, aiohttp.ClientError, asyncio.TimeoutError)):
-        return "connection"
-    return "workflow"
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, ServerReplyError) else f"{type(exc).__name__}: {exc}"
+        return "connection", described(exc)
+    return "workflow", described(exc)

@@ -1,5 +1,6 @@
 """What launchers read of a run's state without loading torch or the trainer: the exit code of a trainer
-that saved and stopped, and the newest complete checkpoint (written by ``train.checkpoint``)."""
+that saved and stopped, the newest complete checkpoint (written by ``train.checkpoint``), and whether a run
+folder already holds a run (a run never replaces another: it resumes it, or is refused)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,26 @@ from areal_hpc.errors import UserError
 # Exit code of a trainer that was told to stop (SIGUSR2 before a time limit or preemption, SIGTERM)
 # and saved a checkpoint first: its launcher requeues the job, which resumes from that checkpoint.
 SAVED_AND_STOPPED = 75  # EX_TEMPFAIL: "try again later"
+
+
+# What any run (RL, SFT, DPO, RM) leaves in its folder once it has started; its launch helpers (the initial
+# model, name-resolve, logs) are not a run.
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "checkpoints", "shards", "model", "sft_warmup")
+
+
+def previous_run(run_dir: Path) -> list[str]:
+    """The outputs of an earlier run in ``run_dir`` (names from ``RUN_OUTPUTS``); [] when it holds none."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def refuse_previous_run(run_dir: Path) -> None:
+    """``UserError`` naming the folder when it already holds a run: checked before anything is written."""
+    found = previous_run(run_dir)
+    if found:
+        raise UserError(
+            f"{run_dir} already holds a run ({', '.join(found)}); choose another experiment.trial=NAME, "
+            f"or remove that folder to start over in it"
+        )
 
 
 def checkpoint_root(run_dir: Path) -> Path:

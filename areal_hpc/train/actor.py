@@ -30,7 +30,7 @@ def loss_config(cfg: ActorConfig) -> PPOLossConfig:
         kpop_threshold=cfg.kpop_threshold,
         importance_level=cfg.importance_level,
         decoupled=cfg.decoupled_loss,
-        kl_coef=cfg.kl_ctl,
+        kl_coef=cfg.kl_coef,
         policy_loss=cfg.policy_loss,
         sapo_tau_pos=cfg.sapo_tau_pos,
         sapo_tau_neg=cfg.sapo_tau_neg,

@@ -95,7 +95,7 @@ def build_actor(cfg: RunConfig, mesh: TrainMesh | None) -> tuple[PPOActor, dict[
         torch.manual_seed(cfg.experiment.seed)  # the value head's initialisation depends on the seed only
         engines["critic"] = engine("critic")
     # The frozen starting weights for the KL penalty; not checkpointed (they never change).
-    reference = engine("reference") if actor_cfg.kl_ctl > 0 else None
+    reference = engine("reference") if actor_cfg.kl_coef > 0 else None
     return PPOActor(
         engines["actor"],
         actor_cfg,
@@ -139,7 +139,7 @@ def engine_settings(
     return EpisodeSettings(
         client.generate,
         tokenizer,
-        Sampling.from_config(cfg.gconfig),
+        Sampling.from_config(cfg.generation),
         Scorer(rewards),
         chat,
         cfg.rollout.turn_discount,

@@ -52,8 +52,10 @@ def run_init_model(args: argparse.Namespace) -> int:
 def run_sft(args: argparse.Namespace) -> int:
     from areal_hpc.config import load_config
     from areal_hpc.resolve import Host, resolve
+    from areal_hpc.runtime.run_state import refuse_previous_run
 
     cfg = resolve(load_config(args.config, args.overrides), Host.probe()).cfg  # refused before torch is imported
+    refuse_previous_run(cfg.run_dir)
     from areal_hpc.train import sft
 
     result = sft.run_sft(cfg)
@@ -75,8 +77,10 @@ def run_rm(args: argparse.Namespace) -> int:
 def _preference(args: argparse.Namespace, objective: str) -> int:
     from areal_hpc.config import load_config
     from areal_hpc.resolve import Host, resolve
+    from areal_hpc.runtime.run_state import refuse_previous_run
 
     cfg = resolve(load_config(args.config, args.overrides), Host.probe()).cfg  # refused before torch is imported
+    refuse_previous_run(cfg.run_dir)
     from areal_hpc.train.preference import run_preference
 
     result = run_preference(cfg, objective)
@@ -147,7 +151,7 @@ def eval_arguments(ev: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="episodes per prompt: 1 is greedy; N > 1 samples at gconfig.temperature (pass@k)",
+        help="episodes per prompt: 1 is greedy; N > 1 samples at generation.temperature (pass@k)",
     )
     ev.add_argument("--out", metavar="FILE.jsonl", help="write every episode (prompt, completion, reward) here")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
@@ -176,7 +180,7 @@ def _model_episodes(cfg: Any, model: str, split: str, limit: int | None, samples
             tokenizer,
             examples,
             rewards,
-            Sampling.from_config(cfg.gconfig),
+            Sampling.from_config(cfg.generation),
             workflow,
             model,
             n_samples=samples,
@@ -188,8 +192,12 @@ def _model_episodes(cfg: Any, model: str, split: str, limit: int | None, samples
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    """The model's accuracy; with failed episodes or rewards, the first of each kind, a last line saying how many
+    (on stderr with ``--json``), and exit status ``rollout.failure_budget.exit_code_on_failures``."""
     from areal_hpc.config import load_config
     from areal_hpc.resolve import Host, resolve
+    from areal_hpc.rollout.controller import FAILURE_KINDS
+    from areal_hpc.train.failure_report import FailureReport
 
     overrides = list(args.overrides) + ([f"dataset.task={args.task}"] if args.task else [])
     cfg = resolve(load_config(args.config, overrides), Host.probe()).cfg
@@ -204,6 +212,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if out is not None:
         out.write_text("".join(json.dumps(row) + "\n" for row in result.episodes))
     passes = {f"pass@{k}": v for k, v in result.pass_at.items()}
+    stream = sys.stderr if args.json else sys.stdout  # with --json stdout holds the JSON object alone
+    report = FailureReport(lambda line: print(line, file=stream), None, "the last line")
+    report.show_new(result.failures)
     if args.json:
         print(
             json.dumps(
@@ -218,6 +229,8 @@ def run_eval(args: argparse.Namespace) -> int:
                     **passes,
                     "reward_failures": result.reward_failures,
                     "episode_failures": result.episode_failures,
+                    "failures": {kind: result.failures.counts[kind] for kind in FAILURE_KINDS},
+                    "first_failures": result.failures.first,
                 }
             )
         )
@@ -229,7 +242,7 @@ def run_eval(args: argparse.Namespace) -> int:
             f"{task.name} accuracy of {args.model}: {result.summary()}, mean reward {result.mean_reward:.3f}, "
             f"{shown}" + (f"; episodes written to {out}" if out else "")
         )
-    return 0
+    return report.finish(result.failures, cfg.rollout.failure_budget.exit_code_on_failures)
 
 
 def tree_cost_arguments(fit: argparse.ArgumentParser) -> None:

@@ -9,8 +9,10 @@ shards, recompute the proximal logprobs and take the decoupled-PPO steps on ever
 new weights, pause (interrupt) generation, push them to every server, and continue; with the disk sync
 the push runs beside the next step's update. eta = 0 is synchronous RL.
 Rollouts that keep failing (``rollout.failure_budget``), or every server gone, end the run with one
-line naming the cause and the last error, exit code 1. A stop signal from Slurm saves a checkpoint and
-exits with ``SAVED_AND_STOPPED`` (``stopping``). What the loop works with is ``rl_run.RLRun``.
+line naming the cause and the last error, exit code 1; a run that finished with failed episodes or
+rewards says so in its last line and exits with ``rollout.failure_budget.exit_code_on_failures``. A stop
+signal from Slurm saves a checkpoint and exits with ``SAVED_AND_STOPPED`` (``stopping``). What the loop
+works with is ``rl_run.RLRun``.
 Simplifications on purpose: single-turn RLVR workflow; evaluation runs through the rollout servers.
 """
 
@@ -38,9 +40,10 @@ from areal_hpc.train.trainer_process import TrainerProcess
 from areal_hpc.train.trainer_ranks import TrainerRanks, follow
 
 
-async def drive(cfg: RunConfig, trainer: Trainer, state: dict, early: EarlyStopSignal | None = None) -> None:
+async def drive(cfg: RunConfig, trainer: Trainer, state: dict, early: EarlyStopSignal | None = None) -> int:
     """Trainer rank 0's loop from ``state["step"]``: gate -> generate -> reward -> commit -> update ->
-    push -> evaluate and checkpoint. A stop signal saves the last trained step (``StopRequested``)."""
+    push -> evaluate and checkpoint. A stop signal saves the last trained step (``StopRequested``).
+    The run's exit status (``RLRun.finish``)."""
     stop = StopGuard(early)
     async with RLRun.open(cfg, trainer, state) as run:
         for step in range(run.version, cfg.rl.total_train_steps):
@@ -64,7 +67,7 @@ async def drive(cfg: RunConfig, trainer: Trainer, state: dict, early: EarlyStopS
                 stats |= await run.push_weights(step + 1)  # stage; interrupt generation, new weights, continue
             run.trained(step + 1, batch, stats, waited, started)
             await run.evaluate_and_save(step + 1)
-    run.finish()
+    return run.finish()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal) -> int:
-    """This rank's part of the run: rank 0 drives it, the others follow. 0, or ``SAVED_AND_STOPPED``."""
+    """This rank's part of the run: rank 0 drives it, the others follow. Its exit status (``lead``'s)."""
     actor, engines, state = build_engines(cfg, mesh, resume)
     if rank != 0:
         for signum in STOP_SIGNALS:  # rank 0 decides; the launcher stops this rank
@@ -108,16 +111,17 @@ def train(cfg: RunConfig, rank: int, mesh, resume: bool, early: EarlyStopSignal)
 
 
 def lead(cfg: RunConfig, trainer: Trainer, state: dict, early: EarlyStopSignal) -> int:
-    """Rank 0: drive the run through ``trainer`` (the training in this process, or in its child)."""
-    stopped = False
+    """Rank 0: drive the run through ``trainer`` (the training in this process, or in its child). Its exit
+    status: ``drive``'s, or ``SAVED_AND_STOPPED``."""
+    stopped, code = False, 0
     try:
-        asyncio.run(drive(cfg, trainer, state, early))
+        code = asyncio.run(drive(cfg, trainer, state, early))
     except StopRequested:
         stopped = True
     finally:  # the loop's handlers are gone: a warning now (one more from Slurm while the training
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # child ends, say) must not kill a finished run
     trainer.stop()  # the other ranks exit too; only without an error: after one the launcher stops them
-    return SAVED_AND_STOPPED if stopped else 0
+    return SAVED_AND_STOPPED if stopped else code
 
 
 if __name__ == "__main__":

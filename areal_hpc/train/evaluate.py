@@ -4,7 +4,8 @@
 During RL the engine generates on the rollout servers (``RolloutClient.generate``); for a model in
 this process (SFT, ``areal-hpc eval``) on an ``EmbeddedGenerator`` running it, the decoder the embedded
 servers run, so a model scores the same in-process and behind a server. ``HeldOutTask`` is the run's task
-set up for that (SFT's evaluation, and DPO's with ``preference.eval_task``).
+set up for that (SFT's evaluation, and DPO's with ``preference.eval_task``). Failed episodes and rewards
+score 0 and are counted by kind in ``EvalResult.failures``, as the rollout controller counts them.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ from areal_hpc.agents.rlvr import RLVRWorkflow
 from areal_hpc.config import RunConfig
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example, Task
-from areal_hpc.models.chat import example_prompt_ids
 from areal_hpc.rollout.client import Generation
+from areal_hpc.rollout.controller import FailureLog, failure_of
 from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, SamplingParams
 from areal_hpc.train.task_setup import reward_pool
 
 EVAL_SLOTS = 64  # sequences an in-process evaluation decodes together
 EVAL_BATCH = 64  # generations per /generate request of an evaluation through the rollout servers
-CHAT_HEADROOM = 4  # an in-process engine's context: this many times prompt + max_new_tokens (agents' turns)
 
 
 @dataclass
@@ -45,6 +45,7 @@ class EvalResult:
     pass_at: dict[int, float] = field(default_factory=dict)  # k -> pass@k (unbiased, over n samples a prompt)
     episodes: list[dict] = field(default_factory=list)  # one per episode: what `areal-hpc eval --out` writes
     episode_failures: int = 0  # episodes whose workflow raised (scored 0)
+    failures: FailureLog = field(default_factory=FailureLog)  # failed episodes and rewards by kind, the first of each
 
     @property
     def accuracy(self) -> float:
@@ -52,6 +53,13 @@ class EvalResult:
 
     def summary(self) -> str:
         return f"{self.accuracy:.1%} ({self.correct}/{self.n})"
+
+    def failed(self) -> str:
+        """What failed, to follow ``summary`` in a progress line: "" when nothing did."""
+        if not self.failures.total:
+            return ""
+        first = next(iter(self.failures.first.values()))
+        return f"; {self.failures.total} failed ({self.failures.summary()}), the first: {first}"
 
     def scalars(self) -> dict[str, float]:
         return {"eval/accuracy": self.accuracy, "eval/mean_reward": self.mean_reward}
@@ -86,12 +94,18 @@ async def evaluate(
         *(run_episode(workflow, engine, ex) for ex, row in zip(examples, engines) for engine in row),
         return_exceptions=True,
     )
-    episodes, failures = [], 0
+    episodes, failures = [], FailureLog()
     for i, (example, row) in enumerate(zip(examples, engines)):
         for j, engine in enumerate(row):
             outcome = outcomes[i * n_samples + j]
-            failures += isinstance(outcome, BaseException)
-            episodes.append(_episode_row(example, engine, outcome))
+            for reward in engine.outcomes:
+                if reward.error:
+                    failures.add(f"reward_{reward.error_kind}", f"{example.uid}: {reward.error}")
+            error = None
+            if isinstance(outcome, BaseException):
+                kind, error = failure_of(outcome)
+                failures.add(kind, f"{example.uid}: {error}")
+            episodes.append(_episode_row(example, engine, outcome, error))
     values = [e["reward"] for e in episodes]
     correct = [
         sum(e["reward"] == 1.0 for e in episodes[i * n_samples : (i + 1) * n_samples]) for i in range(len(examples))
@@ -105,19 +119,21 @@ async def evaluate(
         samples=[(e["prompt"], e["completion"], e["reward"]) for e in episodes[::n_samples][:samples_kept]],
         pass_at={k: sum(pass_at_k(n_samples, c, k) for c in correct) / max(1, len(examples)) for k in ks},
         episodes=episodes,
-        episode_failures=failures,
+        episode_failures=sum(isinstance(o, BaseException) for o in outcomes),
+        failures=failures,
     )
 
 
-def _episode_row(example: Example, engine: EpisodeContext, outcome) -> dict:
-    if isinstance(outcome, BaseException):
+def _episode_row(example: Example, engine: EpisodeContext, outcome, error: str | None) -> dict:
+    """``outcome``: the episode's records, or (with ``error``, why) the exception it raised."""
+    if error is not None:
         return {
             "example": example.uid,
             "prompt": example.prompt,
             "completion": "",
             "reward": 0.0,
             "turns": 0,
-            "error": f"{type(outcome).__name__}: {outcome}",
+            "error": error,
         }
     reward = outcome[0].reward or 0.0 if outcome else 0.0
     last = outcome[0].segments[-1].output_ids if outcome else []
@@ -147,11 +163,9 @@ def evaluate_model(
     """Evaluate a model in this process, decoded by an embedded engine on it (which puts the model in
     evaluation mode; a training step puts it back). ``model_folder``: where its tokenizer and chat
     template are, for workflows that chat."""
-    longest = max((len(example_prompt_ids(tokenizer, ex)) for ex in examples), default=1)
-    engine = EmbeddedGenerator(
+    engine = EmbeddedGenerator(  # the model's whole context, as a rollout server's: the KV cache grows on demand
         model,
         slots=min(EVAL_SLOTS, max(1, len(examples) * n_samples)),
-        context_length=min(model.config.max_position_embeddings, CHAT_HEADROOM * (longest + sampling.max_new_tokens)),
         eos_token_ids=[tokenizer.eos_token_id],
     )
 
@@ -179,7 +193,7 @@ class HeldOutTask:
     def __init__(self, cfg: RunConfig, task: Task, tokenizer, model_dir: Path):
         self.task, self.tokenizer = task, tokenizer
         self.model_folder, self.discount = cfg.tokenizer.path or model_dir, cfg.rollout.turn_discount
-        self.workflow, self.sampling = build_workflow(cfg.rollout), Sampling.from_config(cfg.gconfig)
+        self.workflow, self.sampling = build_workflow(cfg.rollout), Sampling.from_config(cfg.generation)
         self.rewards = reward_pool(cfg, task)
 
     def evaluate(self, model: torch.nn.Module) -> EvalResult:

@@ -16,7 +16,7 @@ answers (Yang et al. 2024, "Regularizing Hidden States Enables Learning Generali
 LLMs"): on the quickstart's unseen problems it is what lifts pairwise accuracy from 70-83% to 90-99%
 (bench/results/rm_recipe_grid-*.md). DPO's reference log-likelihoods
 are the starting model's, computed once before the first step (no second model in memory) and cached
-in the run folder. Held-out pairwise accuracy (and, with
+in the experiment's folder, for its other trials on the same model and pairs. Held-out pairwise accuracy (and, with
 ``preference.eval_task``, the policy's accuracy on the configured task) before, during and after
 training; metrics in JSONL and TensorBoard, a PNG curve, the model saved in Hugging Face format.
 One process, in the loop SFT runs in too (``train.supervised``).
@@ -25,6 +25,7 @@ One process, in the loop SFT runs in too (``train.supervised``).
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,23 +191,24 @@ class PreferenceTrainer:
 def reference_scores(
     engine: TrainEngine, splits: dict[str, list[PreferencePair]], folder: Path, model_dir: Path, batch_size: int, say
 ) -> dict[str, torch.Tensor]:
-    """{split: [n, 2] float64 (chosen, rejected) log-likelihoods} of the starting model, read from the run
-    folder's cache when it holds those of the same model and pairs."""
+    """{split: [n, 2] float64 (chosen, rejected) log-likelihoods} of the starting model, read from the cache
+    ``folder`` when it holds those of the same model and pairs (one file each, shared by concurrent runs)."""
     digest = hashlib.sha256(str(model_dir.resolve()).encode())
     for name in sorted(splits):
         for pair in splits[name]:
             digest.update(repr((name, pair.prompt_ids, pair.chosen_ids, pair.rejected_ids)).encode())
-    cache = folder / "reference_logprobs.pt"
+    cache = folder / f"{digest.hexdigest()}.pt"
     if cache.is_file():
-        saved = torch.load(cache, weights_only=True)
-        if saved.get("key") == digest.hexdigest():
-            say(f"reference log-likelihoods read from {cache}")
-            return saved["scores"]
+        say(f"reference log-likelihoods read from {cache}")
+        return torch.load(cache, weights_only=True)
     scorer, scores = PairScorer("dpo"), {}
     for name, pairs in splits.items():
         parts = [scorer.scores(engine, pair_batch(pairs[i : i + batch_size])) for i in range(0, len(pairs), batch_size)]
         scores[name] = torch.cat(parts).reshape(-1, 2) if parts else torch.zeros(0, 2, dtype=torch.float64)
-    torch.save({"key": digest.hexdigest(), "scores": scores}, cache)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = cache.with_suffix(f".{os.getpid()}.partial")  # whole or not at all, whichever trial writes it
+    torch.save(scores, written)
+    os.replace(written, cache)
     return scores
 
 
@@ -239,8 +241,9 @@ def run_preference(cfg: RunConfig, objective: str, console: Console | None = Non
     )
     reference = None
     if objective == "dpo":
+        cache = Path(cfg.cluster.fileroot) / cfg.experiment.name / "reference_logprobs"  # shared by the trials
         reference = reference_scores(
-            engine, {"train": train, "eval": held_out}, cfg.run_dir, model_dir, pcfg.batch_size, console.print
+            engine, {"train": train, "eval": held_out}, cache, model_dir, pcfg.batch_size, console.print
         )
     trainer = PreferenceTrainer(engine, objective, cfg, reference)
     metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.stats.tensorboard)

@@ -1,6 +1,7 @@
 """What an RL run shows and records: a live progress line (step, reward, eval accuracy, staleness,
 tokens/s, failed episodes), metrics in JSONL and TensorBoard (rollout failures by kind also while the
-trainer waits, whenever they change), the audit log of which trajectories each step trained
+trainer waits, whenever they change; the first of each kind also printed and in ``logs/failures.log``,
+``failure_report``), the audit log of which trajectories each step trained
 or dropped (``logs/batches.jsonl``; after a resume, a ``resumed_from`` line, and steps trained again
 after it supersede their lost attempts), and at the end a PNG of reward and eval accuracy.
 """
@@ -18,8 +19,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from areal_hpc.config import RunConfig, save_resolved
 from areal_hpc.data.trajectory import Trajectory
+from areal_hpc.rollout.controller import FailureLog
 from areal_hpc.runtime.bootstrap import LAUNCHED_AT, TRAINERS_AT
 from areal_hpc.train.evaluate import EvalResult
+from areal_hpc.train.failure_report import FailureReport, failures_log
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.plots import plot_curves
 
@@ -58,6 +61,11 @@ class RLProgress:
         )
         self._started, self._trained_tokens = time.perf_counter(), 0
         self._step, self._counts = start_step, None  # last step trained, rollout counts last logged
+        self.failures = FailureReport(
+            lambda line: self.console.print(line, soft_wrap=True, markup=False, highlight=False),
+            failures_log(cfg.run_dir),
+            "rollout/failures/{kind}",
+        )
 
     def __enter__(self) -> RLProgress:
         self._progress.start()
@@ -82,7 +90,8 @@ class RLProgress:
         ``time`` is its end): it ran beside the training steps whose time overlaps that span."""
         self.metrics.log(step, {**result.scalars(), "eval/seconds": seconds})
         self._progress.update(self._bar, acc=f"{result.accuracy:.1%}")
-        self.console.print(f"step {step}: eval accuracy {result.summary()}", soft_wrap=True)
+        line = f"step {step}: eval accuracy {result.summary()}{result.failed()}"
+        self.console.print(line, soft_wrap=True, markup=False)
 
     def pushed(self, step: int, stats: dict[str, float]) -> None:
         """The weight push of ``step``'s weights, logged when it ends (it may run beside the next step)."""
@@ -125,7 +134,9 @@ class RLProgress:
 
     def rollout_counts(self, controller) -> None:
         """Log the controller's counts (failures by kind, filtered, dropped) at the last trained step,
-        if they changed since they were last logged: a run that waits on failing rollouts says why."""
+        if they changed since they were last logged: a run that waits on failing rollouts says why. The first
+        failure of each kind is shown."""
+        self.failures.show_new(controller.failures)
         counts = controller.counters()
         if counts != self._counts:
             self._counts = counts
@@ -148,9 +159,10 @@ class RLProgress:
     def dropped(self, ids: list[str]) -> None:
         self._audit.write(json.dumps({"dropped": ids}) + "\n")
 
-    def finish(self) -> None:
+    def finish(self, failures: FailureLog) -> int:
         """The run's result in one line (held-out accuracy at the start and the mean of the last three
-        evaluations: one evaluation alone is noisy), and its curves."""
+        evaluations: one evaluation alone is noisy), and its curves; the last line says how many episodes
+        or rewards failed, if any did. The run's exit status (``FailureReport.finish``)."""
         gain = accuracy_gain(self.metrics.records)
         title = f"asynchronous RL on {self.cfg.dataset.task}"
         if gain is not None:
@@ -165,6 +177,7 @@ class RLProgress:
             panels = {"reward": "rollout/reward", "eval accuracy": "eval/accuracy", "policy entropy": "actor/entropy"}
             out = plot_curves(self.metrics.records, panels, self.cfg.run_dir / "rl_curves.png", title)
             self.console.print(f"curves: {out}")
+        return self.failures.finish(failures, self.cfg.rollout.failure_budget.exit_code_on_failures)
 
 
 def accuracy_gain(records: list[dict]) -> tuple[float, float] | None:

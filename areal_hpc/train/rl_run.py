@@ -82,7 +82,7 @@ class RLRun:
         groups = EpisodeGroups(
             workflow,
             lambda _client: settings,
-            cfg.gconfig.n_samples,
+            cfg.generation.n_samples,
             task.name,
             seed=cfg.experiment.seed,
             first_group=self.prompts.drawn,
@@ -115,7 +115,8 @@ class RLRun:
             task = open_task(cfg, tokenizer, model_dir)
             workflow = build_workflow(cfg.rollout)
             addresses, servers = await wait_for_servers(cfg, cfg.rollout.launch_timeout_s)
-            in_flight = cfg.rollout.max_concurrent_rollouts * cfg.gconfig.n_samples + len(task.eval)  # requests at most
+            # requests in flight at most
+            in_flight = cfg.rollout.max_concurrent_rollouts * cfg.generation.n_samples + len(task.eval)
             with (
                 reward_pool(cfg, task, training=True) as rewards,
                 reward_pool(cfg, task) if cfg.reward.model else contextlib.nullcontext() as eval_rewards,
@@ -207,7 +208,7 @@ class RLRun:
         (first scored by the teacher, when distilling)."""
         teacher_logprobs, scored = None, {}
         if self.teacher is not None:
-            teacher_logprobs, scored = await self.teacher.score(batch, run_temperature(self.cfg.gconfig))
+            teacher_logprobs, scored = await self.teacher.score(batch, run_temperature(self.cfg.generation))
         stats = await asyncio.get_running_loop().run_in_executor(
             self.placement.training, self.trainer.update, batch, teacher_logprobs
         )
@@ -282,10 +283,11 @@ class RLRun:
             },
         )
 
-    def finish(self) -> None:
-        """After the last step: the model for ``areal-hpc eval --model`` and the run's plots."""
+    def finish(self) -> int:
+        """After the last step: the model for ``areal-hpc eval --model``, the run's plots and its exit status
+        (non-zero when episodes or rewards failed, ``RLProgress.finish``)."""
         self.actor.save(self.cfg.run_dir / "model", optimizer=False)
-        self.progress.finish()
+        return self.progress.finish(self.controller.failures)
 
     def _evaluation_due(self, version: int) -> bool:
         every = self.cfg.rl.eval_every_steps

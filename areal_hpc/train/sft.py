@@ -161,7 +161,7 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
         save_every=cfg.saver.freq_steps,
         step=train_step,
         evaluate=run_eval,
-        describe=lambda result: f"eval accuracy {result.summary()}",
+        describe=lambda result: f"eval accuracy {result.summary()}{result.failed()}",
         note=lambda stats, result: f"acc {result.summary()}  {stats['train/tokens_per_s']:.0f} tok/s",
         stop=reached,
     )

@@ -20,7 +20,7 @@ from areal_hpc.train.reward_model import RewardModelScore, check_reward_model
 
 def prompt_token_limit(cfg: RunConfig, model_dir: str | Path) -> int:
     """``dataset.max_prompt_tokens``, else the context (``rollout.context_length`` or the model's) less
-    ``gconfig.max_new_tokens``."""
+    ``generation.max_new_tokens``."""
     if cfg.dataset.max_prompt_tokens:
         return cfg.dataset.max_prompt_tokens
     context = cfg.rollout.context_length
@@ -29,7 +29,7 @@ def prompt_token_limit(cfg: RunConfig, model_dir: str | Path) -> int:
             context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
         except (OSError, ValueError, KeyError):
             return 1 << 30  # a model folder that does not say: the servers refuse what does not fit
-    return max(1, context - cfg.gconfig.max_new_tokens)
+    return max(1, context - cfg.generation.max_new_tokens)
 
 
 def fit_prompts(examples: list[Example], tokenizer, limit: int) -> tuple[list[Example], int]:
@@ -57,7 +57,7 @@ def open_task(cfg: RunConfig, tokenizer, model_dir: str | Path, say=print) -> Ta
     if not task.train:
         raise UserError(
             f"no training prompt of {cfg.dataset.task} fits in {limit} tokens (set "
-            "dataset.max_prompt_tokens, rollout.context_length or gconfig.max_new_tokens)"
+            "dataset.max_prompt_tokens, rollout.context_length or generation.max_new_tokens)"
         )
     return task
 

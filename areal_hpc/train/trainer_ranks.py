@@ -54,12 +54,12 @@ class TrainerRanks:
         """Recompute logprobs and take the PPO steps of one batch on every rank; summed statistics.
         ``teacher_logprobs``: the distillation teacher's scores of the batch (``train.distill``)."""
         started = time.perf_counter()
-        actor_cfg, max_new = self.cfg.actor, self.cfg.gconfig.max_new_tokens
+        actor_cfg, max_new = self.cfg.actor, self.cfg.generation.max_new_tokens
         batch = build_batch(
             trajectories,
             actor_cfg,
             max_new,
-            run_temperature(self.cfg.gconfig),
+            run_temperature(self.cfg.generation),
             teacher_logprobs,
             self.cfg.distill.reward_weight,
         )

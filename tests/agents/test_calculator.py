@@ -233,7 +233,7 @@ def test_agent_calculator_config_trains_end_to_end(tmp_path):
         "dataset.train_size=2000",
         "saver.freq_steps=0",
         "rollout.consumer_batch_size=4",
-        "gconfig.n_samples=4",
+        "generation.n_samples=4",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "agent_calculator" / "trial0" / "metrics.jsonl").open()]

@@ -313,7 +313,7 @@ def test_a_users_project_trains_through_areal_hpc_train_without_touching_the_pac
         *SMALL_RUN,
         "rl.total_train_steps=3",
         "rl.eval_every_steps=0",
-        "gconfig.max_new_tokens=6",
+        "generation.max_new_tokens=6",
         "model.compute_dtype=float32",
         *overrides,
         cwd=tmp_path,
@@ -330,7 +330,7 @@ def test_a_users_project_trains_through_areal_hpc_train_without_touching_the_pac
     tokenizer = load_tokenizer(run / "init_model")
     assert records and all(len(r.segments) == 2 for r in records)
     assert all("ruler says" in tokenizer.decode(r.segments[1].input_ids) for r in records)  # the tool's words: masked
-    assert len({r.group_id for r in records}) == len(records) // 4  # gconfig.n_samples=4 episodes a group
+    assert len({r.group_id for r in records}) == len(records) // 4  # generation.n_samples=4 episodes a group
 
 
 @pytest.mark.parametrize(
@@ -467,7 +467,7 @@ def test_eval_runs_a_users_workflow_with_samples_pass_at_k_and_writes_every_epis
         "--out",
         str(out),
         "--json",
-        "gconfig.max_new_tokens=4",
+        "generation.max_new_tokens=4",
         *[f"{k}={v}" for k, v in project.items()],
         cwd=tmp_path,
         timeout=300,

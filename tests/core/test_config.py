@@ -2,7 +2,7 @@
 
 import pytest
 
-from areal_hpc.config import RunConfig, load_config, save_resolved
+from areal_hpc.config import RunConfig, load_config, save_resolved, to_yaml
 from areal_hpc.errors import UserError
 from tests.conftest import REPO
 
@@ -15,12 +15,28 @@ def write(tmp_path, text: str):
 
 def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
     path = write(tmp_path, "actor: {lr: 2.0e-4}\nsft: {batch_size: 8}\n")
-    cfg = load_config(path, ["actor.lr=1e-4", "gconfig.greedy=true"])
+    cfg = load_config(path, ["actor.lr=1e-4", "generation.greedy=true"])
     assert isinstance(cfg, RunConfig)
     assert cfg.actor.lr == 1e-4  # override beats YAML
     assert cfg.sft.batch_size == 8  # YAML beats default
-    assert cfg.gconfig.greedy is True
+    assert cfg.generation.greedy is True
     assert cfg.optimizer.beta1 == 0.9  # untouched default
+
+
+def test_areal_s_legacy_keys_are_read_as_the_current_ones_in_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, "gconfig: {top_p: 0.5, max_new_tokens: 12}\nactor: {kl_ctl: 0.2, lr: 2.0e-4}\n")
+    cfg = load_config(path, ["gconfig.top_k=7", "actor.kl_ctl=0.3"])
+    assert (cfg.generation.top_p, cfg.generation.max_new_tokens, cfg.generation.top_k) == (0.5, 12, 7)
+    assert cfg.actor.kl_coef == 0.3 and cfg.actor.lr == 2.0e-4
+    assert "gconfig" not in to_yaml(cfg) and "kl_ctl" not in to_yaml(cfg)  # the resolved config uses current names
+
+
+@pytest.mark.parametrize(
+    "text", ["gconfig: {top_p: 0.5}\ngeneration: {top_k: 3}\n", "actor: {kl_ctl: 0.1, kl_coef: 0.2}\n"]
+)
+def test_a_legacy_key_beside_its_current_name_is_refused_naming_both(tmp_path, text):
+    with pytest.raises(UserError, match=r"config keys '(gconfig|actor\.kl_ctl)' and '(generation|actor\.kl_coef)'"):
+        load_config(write(tmp_path, text))
 
 
 def test_run_dir_follows_fileroot_experiment_and_trial(tmp_path):
@@ -42,9 +58,9 @@ def test_misspelt_override_names_the_closest_key(override, expected):
 
 
 def test_misspelt_yaml_key_names_file_and_closest_key(tmp_path):
-    path = write(tmp_path, "gconfig:\n  max_new_token: 4\n")
+    path = write(tmp_path, "generation:\n  max_new_token: 4\n")
     with pytest.raises(
-        UserError, match=r"'gconfig.max_new_token' in .*exp.yaml, did you mean 'gconfig.max_new_tokens'"
+        UserError, match=r"'generation.max_new_token' in .*exp.yaml, did you mean 'generation.max_new_tokens'"
     ):
         load_config(path)
 
@@ -55,10 +71,11 @@ def test_misspelt_yaml_key_names_file_and_closest_key(tmp_path):
         ("sft.batch_size=many", ["sft.batch_size", "many", "int"]),
         ("dataset.task=chess", ["dataset.task", "chess", "arithmetic, countdown, gsm8k"]),
         ("sft.lr=0", ["sft.lr", "0", "> 0"]),
-        ("gconfig.top_p=1.5", ["gconfig.top_p", "1.5", "<= 1"]),
+        ("generation.top_p=1.5", ["generation.top_p", "1.5", "<= 1"]),
         ("dataset.arithmetic=3", ["dataset.arithmetic", "section", "dataset.arithmetic.min_digits"]),
         ("rollout.failure_budget.max_rate=1.5", ["rollout.failure_budget.max_rate", "1.5", "<= 1"]),
         ("rollout.failure_budget.window=0", ["rollout.failure_budget.window", "0", ">= 1"]),
+        ("rollout.failure_budget.exit_code_on_failures=75", ["exit_code_on_failures", "75", "<= 74"]),  # requeues
         ("rollout.failure_budget=8", ["rollout.failure_budget", "section", "rollout.failure_budget.max_consecutive"]),
         ("no_equals_sign", ["no_equals_sign", "key=value"]),
     ],

@@ -50,6 +50,26 @@ def test_failures_are_recorded_and_other_items_still_score(reward_fn, poison, er
     assert time.monotonic() - started < 30
 
 
+FLAKY_REWARD = """
+def flaky(prompt, completion, prompt_ids, completion_ids, **fields):
+    if completion == "boom":
+        raise ValueError("cannot score " + completion)
+    return float("nan") if completion == "nan" else 1.0
+"""
+
+
+def test_a_failed_reward_names_the_users_file_and_line(tmp_path):
+    """Where the user's reward raised (from the worker, where its traceback is), and where a reward that returned
+    no number is defined."""
+    (tmp_path / "my_reward.py").write_text(FLAKY_REWARD)
+    path = (tmp_path / "my_reward.py").resolve()
+    with RewardPool(RewardFunction(f"{path}:flaky"), workers=1, timeout_s=5.0) as pool:
+        raised, invalid, scored = pool.score([request("boom"), request("nan"), request("4")])
+    assert raised.error == f"reward raised ValueError: cannot score boom ({path}:4)"
+    assert invalid.error.startswith(f"reward {path}:flaky (defined at {path}:2) returned nan (float)")
+    assert (raised.error_kind, invalid.error_kind, scored.error) == ("exception", "invalid", None)
+
+
 def test_worker_start_up_is_not_charged_to_the_reward_timeout():
     with RewardPool(slow_start_reward.correct, workers=2, timeout_s=1.0) as pool:
         outcomes = pool.score([request("a"), request("b"), request("c")])

@@ -60,7 +60,7 @@ def test_a_users_engine_trains_sft_rl_and_dpo(tiny_model_dir, tmp_path):
         "rl.sft_warmup_steps=2",
         "rl.total_train_steps=1",
         "rl.eval_every_steps=0",
-        "actor.kl_ctl=0.1",
+        "actor.kl_coef=0.1",
         engine,
         timeout=300,
     )

@@ -4,14 +4,16 @@ The four failures seen in real runs, each against real parts: a server answering
 (a small aiohttp app on loopback), a full disk in the shard commit (a writer whose flush raises
 ENOSPC, wired by ``build_controller``), prompts longer than the context (a real embedded server
 with a short context), a reward raising (or hanging) on every input (real reward workers). Also:
-the budget itself (property test), counts by kind, DAPO-rejected groups, and the shard writer and
-consumer closed when the driver ends without the close hiding why it ended.
+the budget itself (property test), counts by kind with the first message of each (a workflow's with the
+user's file and line), DAPO-rejected groups, and the shard writer and consumer closed when the driver ends
+without the close hiding why it ended.
 """
 
 import asyncio
 import contextlib
 import errno
 import os
+from pathlib import Path
 
 import h5py
 import pytest
@@ -61,13 +63,14 @@ def test_budget_is_spent_exactly_when_a_limit_is_crossed(outcomes, max_consecuti
         assert budget.spent() is None  # both limits off: never spent
 
 
-def test_failure_log_keeps_counts_and_a_few_one_line_messages():
+def test_failure_log_keeps_counts_the_first_of_each_kind_and_a_few_one_line_messages():
     log = FailureLog()
     for i in range(10_000):
         log.add("server_error" if i % 3 else "store", f"e{i}: line one\nline two")
     assert log.total == 10_000 and log.counts["store"] == 3334 and log.counts["server_error"] == 6666
     assert len(log.recent) <= 8 and all("\n" not in m for m in log.recent)
     assert log.recent[-1] == "store: e9999: line one line two"
+    assert log.first == {"store": "e0: line one line two", "server_error": "e1: line one line two"}
     assert log.summary() == "server_error 6666, store 3334"
 
 
@@ -173,8 +176,8 @@ def test_a_full_disk_in_the_shard_commit_spends_the_budget(tiny_model_dir, tmp_p
         [
             f"cluster.fileroot={tmp_path}",
             "dataset.train_size=32",
-            "gconfig.n_samples=2",
-            "gconfig.max_new_tokens=4",
+            "generation.n_samples=2",
+            "generation.max_new_tokens=4",
             "rollout.consumer_batch_size=2",
             "rollout.failure_budget.max_consecutive=4",
         ],
@@ -273,13 +276,16 @@ def test_a_reward_failing_on_every_input_spends_the_budget(tiny_model_dir, tmp_p
 
 
 class ScriptedWorkflow:
-    """A workflow (user extension point) returning canned groups: ``failed(uid)`` rewards of each fail."""
+    """A workflow (user extension point) returning canned groups: ``failed(uid)`` rewards of each fail (as
+    ``kind``: "exception", "timeout" or "invalid"); the episode of each uid in ``raises_on`` raises."""
 
-    def __init__(self, failed):
-        self.failed = failed
+    def __init__(self, failed, kind: str = "exception", raises_on: tuple[str, ...] = ()):
+        self.failed, self.kind, self.raises_on = failed, kind, raises_on
 
     async def run(self, client, example):
         await asyncio.sleep(0)
+        if example.uid in self.raises_on:
+            raise KeyError("no answer field")  # RAISED HERE
         group = [
             Trajectory([Segment([1], [2], [-0.5], [0])], group_id=example.uid, rewards=[Reward(float(i % 2), step=0)])
             for i in range(4)
@@ -287,7 +293,7 @@ class ScriptedWorkflow:
         n_failed = self.failed(example.uid)
         for trajectory in group[:n_failed]:
             trajectory.rewards = [Reward(0.0, step=0)]
-            trajectory.metadata.update(reward_error=["reward raised KeyError: 'x'"], reward_error_kind=["exception"])
+            trajectory.metadata.update(reward_error=["reward raised KeyError: 'x'"], reward_error_kind=[self.kind])
         return group
 
 
@@ -310,6 +316,27 @@ def test_an_episode_with_some_failed_rewards_is_trained_and_its_failures_counted
     assert len(batch) == 2 and controller.budget.consecutive == 0
     assert controller.failures.counts["reward_exception"] >= 3 * 2 and controller.failures.total % 3 == 0
     assert controller.counters()["rollout/failures/reward_exception"] == controller.failures.counts["reward_exception"]
+
+
+def test_invalid_rewards_and_a_raising_workflow_are_counted_by_kind_and_the_first_names_the_users_line():
+    async def run():
+        async with RolloutClient(["127.0.0.1:9"]) as client:  # never contacted by this workflow
+            workflow = ScriptedWorkflow(lambda uid: 1, "invalid", raises_on=("e3",))
+            controller = RolloutController(client, workflow, StalenessGate(4, 0, 8), examples(8))
+            await controller.start()
+            await asyncio.wait_for(controller.prepare_batch(4), timeout=30)
+            await wait_until(lambda: controller.failures.counts["workflow"], 30, "e3's episode to fail")
+            await controller.stop()
+            return controller
+
+    controller = asyncio.run(run())
+    line = 1 + next(i for i, text in enumerate(Path(__file__).read_text().splitlines()) if "# RAISED HERE" in text)
+    where = f"{os.path.relpath(__file__)}:{line}"
+    assert controller.failures.first["workflow"] == f"e3: KeyError: 'no answer field' ({where})"
+    assert controller.failures.first["reward_invalid"].endswith(": reward raised KeyError: 'x'")
+    counters = controller.counters()
+    assert counters["rollout/failures/reward_invalid"] == controller.failures.counts["reward_invalid"] >= 4
+    assert counters["rollout/failures/workflow"] >= 1 and counters["rollout/failures/reward_exception"] == 0
 
 
 def test_dapo_rejected_groups_are_counted_not_failed():

@@ -3,8 +3,10 @@
 A short asynchronous run (two trainer ranks, distributed weight sync) whose weight updates interrupt
 generation, PPO with a critic and a KL penalty, a run killed with SIGKILL and resumed (no trajectory
 trained twice, none lost, no process left behind), the one-line errors of a run folder that is
-already taken or has nothing to resume, and a run whose rollouts all fail (prompts longer than the
-context): it stops with one line and exit code 1, its failures counted in the metrics meanwhile.
+already taken or has nothing to resume, a run whose rollouts all fail (prompts longer than the
+context): it stops with one line and exit code 1, its failures counted in the metrics meanwhile, and one
+whose reward and workflow fail only sometimes: it shows the first failure of each kind with the user's
+file and line, counts every kind, says so in its last line and exits 3; run again, it is refused.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from areal_hpc.data.shards.writer import TrajectoryShardWriter
 from areal_hpc.data.trajectory import Segment, Trajectory
 from areal_hpc.engines.optim import lr_multiplier
 from areal_hpc.fsio import read_json_lines
+from areal_hpc.rollout.controller import FAILURE_KINDS
 from areal_hpc.runtime.bootstrap import RUN_MARKER
 from tests.conftest import REPO, run_cli
+from tests.flaky_user_code import line_of, write_flaky_code
 from tests.run_audit import assert_each_trajectory_trained_once, read_audit, untrained_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -38,8 +42,8 @@ SMALL_RUN = [
     "rl.sft_warmup_steps=0",
     "rollout.consumer_batch_size=4",
     "rollout.max_concurrent_rollouts=8",
-    "gconfig.n_samples=4",
-    "gconfig.max_new_tokens=6",
+    "generation.n_samples=4",
+    "generation.max_new_tokens=6",
     "rollout.max_running_requests=32",
     "stats.tensorboard=false",
 ]
@@ -115,7 +119,7 @@ def test_async_run_with_two_trainer_ranks_and_distributed_weight_sync(tiny_model
             "rl.weight_sync=distributed",
             "rollout.max_head_offpolicyness=2",
             "rollout.max_running_requests=1",
-            "gconfig.max_new_tokens=32",
+            "generation.max_new_tokens=32",
         ),
         timeout=400,
     )
@@ -157,7 +161,7 @@ def test_disk_pushes_beside_the_next_update_keep_every_trained_token_within_eta(
             "rl.eval_every_steps=2",
             f"rollout.max_head_offpolicyness={eta}",
             "rollout.max_running_requests=1",
-            "gconfig.max_new_tokens=32",
+            "generation.max_new_tokens=32",
             "rl.total_train_steps=8",
         ),
         timeout=400,
@@ -190,7 +194,7 @@ def test_ppo_with_a_critic_and_a_kl_penalty_trains_both_models(tiny_model_dir, t
             "rl.total_train_steps=2",
             "rl.eval_every_steps=0",
             "actor.adv_estimator=ppo",
-            "actor.kl_ctl=0.1",
+            "actor.kl_coef=0.1",
             "actor.ppo_n_minibatches=2",
             "actor.eps_clip_high=0.28",
         ),
@@ -354,3 +358,56 @@ def test_a_run_whose_rollouts_all_fail_stops_with_one_line_and_its_failures_in_t
     events = EventAccumulator(str(run / "tensorboard")).Reload()
     assert max(e.value for e in events.Scalars("rollout/failures/rejected")) >= 32
     assert wait_for_no_processes(run) == []
+
+
+def test_a_run_whose_reward_and_workflow_fail_sometimes_says_where_and_exits_3_and_is_not_replaced(
+    tiny_model_dir, tmp_path
+):
+    """The reward raises on every 4th call and returns NaN on every 4th; the workflow gives up on every 5th
+    episode. The run trains its steps, and the first failure of each kind is printed once with the user's file
+    and line, and written to logs/failures.log (an evaluation's line says what failed in it); the metrics count
+    every kind; the last line says how many; the exit status is 3. The same command again is refused in one
+    line and changes nothing."""
+    reward, workflow = write_flaky_code(tmp_path)
+    args = train_args(
+        tiny_model_dir,
+        tmp_path,
+        "rl.total_train_steps=2",
+        "rl.eval_every_steps=0",
+        f"reward.fn={reward}:flaky",
+        f"rollout.workflow={workflow}:SometimesGivesUp",
+    )
+    result = run_cli(*args, timeout=300)
+    assert result.returncode == 3, result.stderr[-3000:]
+    firsts = [line for line in result.stdout.splitlines() if line.startswith("first ")]
+    where = {
+        "reward_exception": (
+            "reward raised ValueError: cannot score call ",
+            f"({reward}:{line_of(reward, 'raise')}); ",
+        ),
+        "reward_invalid": (f"reward {reward}:flaky (defined at {reward}:4) returned nan", ""),
+        "workflow": ("RuntimeError: my workflow gave up on ", f"({workflow}:{line_of(workflow, 'raise')}); "),
+    }
+    for kind, words in where.items():
+        [line] = [line for line in firsts if line.startswith(f"first {kind}: ")]
+        assert all(w in line for w in words) and line.endswith(f"later ones are counted in rollout/failures/{kind}")
+    [evaluated] = [line for line in result.stdout.splitlines() if line.startswith("step 0: eval accuracy ")]
+    assert " failed (" in evaluated and "the first: " in evaluated  # evaluations say what failed too
+    run = run_dir(tmp_path)
+    records = metrics(run)
+    assert [r["step"] for r in records if "rollout/reward" in r] == [1, 2]
+    counted = [r for r in records if "rollout/failures_total" in r][-1]
+    assert all(f"rollout/failures/{kind}" in counted for kind in FAILURE_KINDS)
+    assert all(counted[f"rollout/failures/{kind}"] >= 1 for kind in where)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("areal-hpc: finished with ") and last.endswith(
+        "exit 3 (rollout.failure_budget.exit_code_on_failures)"
+    )
+    logged = (run / "logs" / "failures.log").read_text()
+    assert all(line in logged for line in firsts) and last.removeprefix("areal-hpc: ") in logged
+
+    before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    again = run_cli(*args)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1
+    assert again.stderr.startswith(f"areal-hpc: error: {run} already holds a run (") and "--resume" in again.stderr
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before

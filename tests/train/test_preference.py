@@ -410,7 +410,7 @@ def test_dpo_caches_its_reference_and_reports_task_accuracy(tiny_model_dir, tmp_
     assert all(math.isfinite(r["train/loss"]) for r in records if "train/loss" in r)
     assert (run / "model" / "config.json").is_file() and (run / "dpo_curves.png").stat().st_size > 0
     assert "reference log-likelihoods read from" not in first.stdout
-    again = run_cli(*args)  # same model, same pairs: the cached reference
+    again = run_cli(*args, "experiment.trial=trial1")  # another trial, same model and pairs: the cached reference
     assert again.returncode == 0 and "reference log-likelihoods read from" in again.stdout
 
 
@@ -446,8 +446,8 @@ def test_a_trained_reward_model_scores_the_rl_rollouts(tiny_model_dir, tmp_path)
         "dataset.eval_size=8",
         "rl.sft_warmup_steps=0",
         "rollout.consumer_batch_size=2",
-        "gconfig.n_samples=2",
-        "gconfig.max_new_tokens=4",
+        "generation.n_samples=2",
+        "generation.max_new_tokens=4",
         "stats.tensorboard=false",
         timeout=400,
     )

@@ -19,6 +19,7 @@ from areal_hpc.data.registry import build_task
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import RolloutClient
+from areal_hpc.rollout.controller import FAILURE_KINDS
 from areal_hpc.train.evaluate import evaluate, evaluate_model
 from tests.conftest import embedded_server, run_cli
 
@@ -67,14 +68,14 @@ def test_sft_raises_eval_accuracy_and_writes_every_output(tmp_path):
             tokenizer,
             task.eval,
             rewards,
-            Sampling.from_config(cfg.gconfig),
+            Sampling.from_config(cfg.generation),
         )
         with embedded_server(run_dir / "model", tmp_path) as (_, address):
 
             async def served():
                 async with RolloutClient([address]) as client:
                     settings = EpisodeSettings(
-                        client.generate, tokenizer, Sampling.from_config(cfg.gconfig), Scorer(rewards)
+                        client.generate, tokenizer, Sampling.from_config(cfg.generation), Scorer(rewards)
                     )
                     return await evaluate(settings, RLVRWorkflow(), task.eval)
 
@@ -88,6 +89,7 @@ def test_sft_raises_eval_accuracy_and_writes_every_output(tmp_path):
     out = run_cli("eval", "--model", str(run_dir / "model"), "--config", "configs/sft_tiny.yaml", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["accuracy"] == pytest.approx(accuracy[700])
+    assert json.loads(out.stdout)["failures"] == dict.fromkeys(FAILURE_KINDS, 0)  # every kind, none failed
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def server(peaked_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "gconfig, sampling, other_temperature",
+    "generation, sampling, other_temperature",
     [
         ({"temperature": 0.7}, {"temperature": 0.7}, 1.0),
         ({"temperature": 1.3, "top_p": 0.8, "top_k": 20}, {"temperature": 1.3, "top_p": 0.8, "top_k": 20}, 1.0),
@@ -78,7 +78,7 @@ def server(peaked_model_dir, tmp_path_factory):
     ],
 )
 def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(
-    peaked_model_dir, server, gconfig, sampling, other_temperature
+    peaked_model_dir, server, generation, sampling, other_temperature
 ):
     tokenizer = load_tokenizer(peaked_model_dir)
     sampling = {"max_new_tokens": 24, "ignore_eos": True, **sampling}
@@ -94,12 +94,12 @@ def test_trainer_logprobs_equal_the_servers_at_the_sampling_temperature(
     )
     served = torch.tensor([lp for g in generations for lp in g.logprobs])
 
-    def trainer_logprobs(**gconfig_of_trainer) -> torch.Tensor:
-        actor, _ = trainer_actor(peaked_model_dir, *(f"gconfig.{k}={v}" for k, v in gconfig_of_trainer.items()))
+    def trainer_logprobs(**trainer_generation) -> torch.Tensor:
+        actor, _ = trainer_actor(peaked_model_dir, *(f"generation.{k}={v}" for k, v in trainer_generation.items()))
         out = actor.actor.forward(batch)["logprobs"]  # position t: the logprob of token t + 1
         return torch.cat([lp[len(g.input_ids) - 1 : -1] for lp, g in zip(out, generations)])
 
-    torch.testing.assert_close(trainer_logprobs(**gconfig), served, atol=1e-4, rtol=0)
+    torch.testing.assert_close(trainer_logprobs(**generation), served, atol=1e-4, rtol=0)
     # the check has teeth: logprobs at another temperature (T = 1 is what the trainer used to compute) are far off
     assert (trainer_logprobs(temperature=other_temperature) - served).abs().max() > 0.05
 
@@ -138,13 +138,13 @@ def test_one_ppo_step_at_temperature_equals_the_float64_reference(peaked_model_d
     temperature = 1.3
     actor, cfg = trainer_actor(
         peaked_model_dir,
-        f"gconfig.temperature={temperature}",
+        f"generation.temperature={temperature}",
         "optimizer.gradient_clipping=0",
         "actor.max_tokens_per_mb=64",
     )  # several micro-batches
     trajectories = synthetic_batch(len(load_tokenizer(peaked_model_dir)))
-    batch = build_batch(trajectories, cfg.actor, cfg.gconfig.max_new_tokens, run_temperature(cfg.gconfig))
-    minibatches = split_minibatches(batch, trajectories, cfg.actor, cfg.gconfig.max_new_tokens)
+    batch = build_batch(trajectories, cfg.actor, cfg.generation.max_new_tokens, run_temperature(cfg.generation))
+    minibatches = split_minibatches(batch, trajectories, cfg.actor, cfg.generation.max_new_tokens)
     stats = actor.update(minibatches)
 
     want_loss, want_grads = reference_ppo_step(
@@ -198,8 +198,8 @@ def test_proxy_turns_are_trained_at_the_temperature_they_were_sampled_at(peaked_
         for segment, logprobs in zip(record.segments, served[session_id], strict=True):
             assert segment.output_logprobs.tolist() == pytest.approx(logprobs, abs=1e-6)
 
-    actor, run = trainer_actor(peaked_model_dir, "gconfig.temperature=1.0")
-    batch = build_batch(records, run.actor, run.gconfig.max_new_tokens, run_temperature(run.gconfig))
+    actor, run = trainer_actor(peaked_model_dir, "generation.temperature=1.0")
+    batch = build_batch(records, run.actor, run.generation.max_new_tokens, run_temperature(run.generation))
     targets = [torch.tensor(mask[1:] + [0], dtype=torch.bool) for mask in batch.loss_masks]  # position t: token t+1
     behaviour = torch.cat([b[t] for b, t in zip(batch.fields["behav_logprobs"], targets)])
 
@@ -211,7 +211,7 @@ def test_proxy_turns_are_trained_at_the_temperature_they_were_sampled_at(peaked_
     at_run_temperature = SequenceBatch(batch.sequences, batch.loss_masks, batch.fields)
     assert (trainer_logprobs(at_run_temperature) - behaviour).abs().max() > 0.05
 
-    stats = actor.update(split_minibatches(batch, records, run.actor, run.gconfig.max_new_tokens))
+    stats = actor.update(split_minibatches(batch, records, run.actor, run.generation.max_new_tokens))
     want_loss, want_grads = reference_ppo_step(
         peaked_model_dir, records, 1.0, run.actor.eps_clip, run.actor.behav_imp_weight_cap
     )
@@ -250,11 +250,13 @@ def test_logprobs_are_at_the_sampling_temperature_and_at_1_for_greedy(temperatur
 
 @given(st.floats(0.01, 4), st.booleans())
 def test_a_run_samples_at_its_temperature_or_greedily_and_trains_at_the_logprob_temperature(temperature, greedy):
-    gconfig = GenerationConfig(temperature=temperature, greedy=greedy)
-    assert run_temperature(gconfig) == Sampling.from_config(gconfig).temperature == (0.0 if greedy else temperature)
-    cfg = load_config(None, [f"gconfig.temperature={temperature}", f"gconfig.greedy={str(greedy).lower()}"])
+    generation = GenerationConfig(temperature=temperature, greedy=greedy)
+    assert (
+        run_temperature(generation) == Sampling.from_config(generation).temperature == (0.0 if greedy else temperature)
+    )
+    cfg = load_config(None, [f"generation.temperature={temperature}", f"generation.greedy={str(greedy).lower()}"])
     assert (
         sampler_temperature(cfg)
-        == logprob_temperature(run_temperature(cfg.gconfig))
+        == logprob_temperature(run_temperature(cfg.generation))
         == (1.0 if greedy else temperature)
     )

@@ -16,7 +16,7 @@ The episode's reward is the run's reward of the answering turn's text (``""`` wh
 answered), on its last turn: with ``reward.fn: areal_hpc.agents.search.reward:exact_match_f1`` that is
 exact match, with the token F1 beside it as a metric. ``max_context_tokens`` (0: no limit) ends an
 episode before a turn that could overflow the rollout servers' context (prompt, turns and replies
-together, plus ``gconfig.max_new_tokens``): set it to the context length for long episodes.
+together, plus ``generation.max_new_tokens``): set it to the context length for long episodes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What ``areal-hpc shards inspect|verify|export`` print: a store summary, a damage check, JSONL.
+"""What ``areal-hpc shards inspect|verify|export`` print: a store summary, a damage check, JSONL, or the
+records as text decoded by the run's tokenizer (each turn with its role and what of it is trained).
 
 ``verify`` reads one shard at a time (its memory is that of the largest shard, whatever the folder
 holds) and tells damage to committed data (exit 1) from what a crash leaves by design: a live shard
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import TextIO
 
 import numpy as np
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -184,6 +187,71 @@ def export_jsonl(store: TrajectoryStore, out: TextIO, where: TrajectoryFilter) -
         out.write(json.dumps(trajectory_to_json(traj)) + "\n")
         n += 1
     return n
+
+
+def export_text(store: TrajectoryStore, out: TextIO, where: TrajectoryFilter, tokenizer) -> int:
+    n = 0
+    for traj in store.trajectories(where):
+        out.write(trajectory_text(traj, tokenizer) + "\n")
+        n += 1
+    return n
+
+
+ROLE = re.compile(r"<\|im_start\|>(\w+)\n.*?<\|im_end\|>", re.S)  # a whole ChatML message (Qwen's templates)
+
+
+def trajectory_text(traj: Trajectory, tokenizer) -> str:
+    """A record as text: a header, then its segments in order, each decoded with its special tokens (the
+    chat template's role markers): the environment's tokens as context (never trained) with the roles of
+    the messages they hold, the model's as a turn with its trained share, versions and reward; output
+    tokens a loss mask leaves out are shown in ``[not trained: ...]``."""
+    trained = sum(int(s.loss_mask.sum()) for s in traj.segments)
+    rewards = {r.step: r.value for r in traj.rewards}
+    lines = [
+        f"=== trajectory {traj.id}  task {traj.task or '-'}  group {traj.group_id or '-'}  reward {traj.reward}  "
+        f"{len(traj.segments)} turns, {traj.n_tokens} tokens, {trained} of {traj.n_output_tokens} output tokens trained"
+    ]
+    for turn, segment in enumerate(traj.segments, 1):
+        if len(segment.input_ids):
+            context = tokenizer.decode(segment.input_ids.tolist(), skip_special_tokens=False)
+            roles = "".join(f" {role}" for role in ROLE.findall(context))
+            lines += [f"--- context{roles}: {len(segment.input_ids)} tokens, not trained", context]
+        versions = sorted({int(v) for v in segment.output_versions})
+        made = "-".join(str(v) for v in dict.fromkeys(versions[:1] + versions[-1:])) or "-"
+        lines += [
+            f"--- model turn {turn}: {len(segment.output_ids)} tokens, {int(segment.loss_mask.sum())} trained, "
+            f"policy version {made}, reward {rewards.get(turn - 1, '-')}",
+            _masked_text(segment.output_ids.tolist(), segment.loss_mask.tolist(), tokenizer),
+        ]
+    return "\n".join(lines)
+
+
+def _masked_text(ids: list[int], mask: list[int], tokenizer) -> str:
+    """``ids`` decoded, each run of untrained tokens (mask 0) wrapped in ``[not trained: ...]``."""
+    parts = []
+    for trained, pairs in itertools.groupby(zip(ids, mask), key=lambda pair: pair[1]):
+        decoded = tokenizer.decode([token for token, _ in pairs], skip_special_tokens=False)
+        parts.append(decoded if trained else f"[not trained: {decoded}]")
+    return "".join(parts)
+
+
+def shard_tokenizer(path: str | Path, folder: str | Path | None = None):
+    """The tokenizer in ``folder``, else that of the run that wrote the shards at ``path`` (a shard or a
+    shards folder): the one its resolved config (``<run>/config.yaml``) names (``tokenizer.path``, else
+    ``model.path``), else the run's own ``init_model``."""
+    from transformers import AutoTokenizer
+
+    if folder is None:
+        start = Path(path).resolve()
+        run = next((f for f in [start, *start.parents][:3] if (f / "config.yaml").is_file()), None)
+        if run is None:
+            raise UserError(f"{path} is in no run folder (with a config.yaml): give --tokenizer DIR, a model folder")
+        config = yaml.safe_load((run / "config.yaml").read_text()) or {}
+        named = (config.get("tokenizer") or {}).get("path") or (config.get("model") or {}).get("path")
+        folder = named or run / "init_model"
+    if not (Path(folder) / "tokenizer_config.json").is_file():
+        raise UserError(f"{folder} holds no tokenizer (no tokenizer_config.json): give --tokenizer DIR, a model folder")
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def trajectory_to_json(traj: Trajectory) -> dict:

@@ -1,7 +1,7 @@
 """The per-position forwards of a packed batch that every trainer shares: the policy's logprob of
 the next token at the sampler's temperature (with the policy's entropy there), and a critic's value.
 The temperature is the batch's per position where it carries them (each record's own: a proxy
-turn's, ``algo.temperature``), else the engine's (``gconfig``'s).
+turn's, ``algo.temperature``), else the engine's (``generation``'s).
 
 Rollout servers (the embedded engine and SGLang) report the logprob of each sampled token under
 ``log_softmax(logits / T)``, T the request's temperature, before any top-p / top-k truncation. The

@@ -295,7 +295,8 @@ class EmbeddedGenerator:
 
     @property
     def waiting(self) -> int:
-        return sum(len(queue) for queue in self._waiting.values())
+        with self._wake:  # the engine thread changes the queues' dict
+            return sum(len(queue) for queue in self._waiting.values())
 
     def stop(self) -> None:
         with self._wake:

@@ -4,6 +4,7 @@ code (a reward, a workflow) failed: the file and line to show with its message."
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 import site
@@ -22,24 +23,21 @@ def closest(word: str, candidates) -> str:
     return f", did you mean '{match[0]}'?" if match else ""
 
 
-# Code that is not the user's: this package, the standard library, installed packages.
-_NOT_USERS = tuple(
-    sorted(
-        {
-            os.path.realpath(p) + os.sep
-            for p in [
-                str(Path(__file__).parent),
-                *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
-                *site.getsitepackages(),
-                site.getusersitepackages(),
-            ]
-        }
-    )
-)
+@functools.cache
+def _not_users() -> tuple[str, ...]:
+    """Folders of code that is not the user's: this package, the standard library, installed packages
+    (computed on the first failure, not when every process imports this module)."""
+    folders = [
+        str(Path(__file__).parent),
+        *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+        *site.getsitepackages(),
+        site.getusersitepackages(),
+    ]
+    return tuple(sorted({os.path.realpath(p) + os.sep for p in folders}))
 
 
 def _users(filename: str) -> bool:
-    return not filename.startswith("<") and not os.path.realpath(filename).startswith(_NOT_USERS)
+    return not filename.startswith("<") and not os.path.realpath(filename).startswith(_not_users())
 
 
 def _shown(filename: str) -> str:

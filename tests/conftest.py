@@ -70,38 +70,45 @@ def tiny_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """A random model of Llama 3's structure (grouped-query attention, RoPE scaled as "llama3" with Llama
-    3.1's constants, an untied head as 8B has) with the tiny model's tokenizer."""
+def small_llama(vocab_size: int, max_positions: int, original_context: int, tied: bool):
+    """A random model of Llama 3's structure at a small size: grouped-query attention, RoPE scaled as
+    "llama3" beyond ``original_context`` (Llama 3.1's 8192, or a short one so short sequences cross its
+    bands), a head tied to the embedding (1B/3B) or not (8B)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from areal_hpc.models.hf import load_tokenizer, save_model
-
-    tokenizer = load_tokenizer(tiny_model_dir)
     rope = {
         "rope_type": "llama3",
         "rope_theta": 500000.0,
         "factor": 8.0,
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
+        "original_max_position_embeddings": original_context,
     }
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=16384,  # above the original context, as in Llama 3.1
+        max_position_embeddings=max_positions,
         rope_parameters=rope,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """``small_llama`` with Llama 3.1's RoPE constants (a context above the original 8192) and an untied head,
+    with the tiny model's tokenizer."""
+    from areal_hpc.models.hf import load_tokenizer, save_model
+
+    tokenizer = load_tokenizer(tiny_model_dir)
     folder = tmp_path_factory.mktemp("llama") / "model"
-    save_model(LlamaForCausalLM(config), tokenizer, folder)
+    save_model(small_llama(len(tokenizer), 16384, 8192, tied=False), tokenizer, folder)
     return folder
 
 

@@ -351,7 +351,7 @@ class EmbeddedGenerator:
 
     def _admit(self) -> None:
         """Move waiting requests into free rows, prefilled together in one forward pass."""
-        if self.paused:
+        if self.paused or not self._waiting:
             return
         with self._wake:
             sources, could_start = self._admissible(self.decoder.slots - len(self._running))

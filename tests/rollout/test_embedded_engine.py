@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -25,6 +23,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_model
 from areal_hpc.rollout.decoder import FIRST_CAPACITY, SlotDecoder
 from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, Request, SamplingParams, compacted, row_moves
+from tests.conftest import small_llama
 from tests.rollout.test_server import PROMPT, teacher_forced_logprobs
 
 
@@ -101,33 +100,6 @@ def small_qwen3(moe: bool = False) -> torch.nn.Module:
     return model_class(config).eval()
 
 
-def small_llama(tied: bool) -> torch.nn.Module:
-    """Llama 3's structure at a small size: grouped-query attention, RoPE scaled as "llama3" (its
-    frequencies rescaled beyond an original context of 32, so positions here cross the bands), a head
-    tied to the embedding (1B/3B) or not (8B)."""
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-    }
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_parameters=rope,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
-
-
 def teacher_forced(model: torch.nn.Module, prompt: list[int], output_ids: list[int]) -> torch.Tensor:
     """log p(output token) at each position, from one forward of the whole sequence."""
     with torch.no_grad():
@@ -137,7 +109,12 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], output_ids: list[i
 
 @pytest.mark.parametrize(
     "build",
-    [lambda: small_qwen3(False), lambda: small_qwen3(True), lambda: small_llama(True), lambda: small_llama(False)],
+    [
+        lambda: small_qwen3(False),
+        lambda: small_qwen3(True),
+        lambda: small_llama(97, 128, 32, tied=True),
+        lambda: small_llama(97, 128, 32, tied=False),
+    ],
     ids=["qwen3", "qwen3_moe", "llama3-tied", "llama3-untied"],
 )
 def test_each_familys_logprobs_equal_a_teacher_forced_pass(build):

@@ -1,11 +1,12 @@
 """One accelerator check of the trainer and the rollout engine, sized to run in under 8 minutes on one H100/H200
 with nothing downloaded there; ``--dry-run`` runs the same code paths on the CPU at toy sizes (CI does).
 
-    python3 bench/gpu_check.py [--dry-run] [--out DIR] [--only SECTION ...] [--save]
+    python3 bench/gpu_check.py [--dry-run] [--out DIR] [--model NAME] [--only SECTION ...] [--save]
 
 Sections, each timed on its own and recorded as it finishes (a section that fails records its error and
-the others still run), on a Qwen2.5-1.5B-shaped model (R1-Distill-Qwen-1.5B's config.json from the
-planner's catalog: 28 layers, hidden 1536, GQA 12/2 heads, vocabulary 151,936) with random weights:
+the others still run), on a model of the planner's catalog (``--model``; by default R1-Distill-Qwen-1.5B's
+config.json: a Qwen2.5-1.5B, 28 layers, hidden 1536, GQA 12/2 heads, vocabulary 151,936) with random
+weights:
 
 - ``torch_engine`` / ``megatron_engine``: PPO steps (``PPOActor``'s loss through the engine's
   ``train_step``: forward, loss, backward, clip, Adam) on packed micro-batches of sequences of 20-400
@@ -28,9 +29,13 @@ planner's catalog: 28 layers, hidden 1536, GQA 12/2 heads, vocabulary 151,936) w
   in one process (bucket by bucket, as ``/update_weights_from_distributed`` loads them) and through a
   Hugging Face folder on disk (``rl.weight_sync=disk``). The NCCL push needs a second device (NCCL
   refuses two ranks on one GPU): on one GPU it is not measured.
+- ``families``: each other family of the catalog (Qwen3, Llama 3, Gemma 3: one model each, real shapes,
+  random weights) through both engines' PPO steps, and the embedded engine's greedy tokens against
+  ``generate()``'s in float32.
 
-The JSON (``gpu_check.json``) and the table (``gpu_check.md``) go to ``--out``; ``--save`` also records
-them in bench/results/ under the device's name.
+The JSON (``gpu_check.json``) and the table (``gpu_check.md``) go to ``--out``, and so does every file the
+check writes while it runs (models, run folders: removed at the end); nothing lands in the working
+directory. ``--save`` also records them in bench/results/ under the device's name.
 """
 
 from __future__ import annotations
@@ -70,18 +75,25 @@ from areal_hpc.models.hf import load_model
 from areal_hpc.models.varlen import VARLEN_SDPA, packed_attention_inputs, padded_groups
 from areal_hpc.resolve import Host, resolve
 from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, SamplingParams
+from areal_hpc.sched.catalog import MODELS, model_names
 from areal_hpc.sched.hardware import CATALOGUE
 from areal_hpc.train.build import build_actor
 
-SHAPE = Path(__file__).parent.parent / "areal_hpc/sched/catalog/models/r1-distill-qwen-1.5b/config.json"
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = "r1-distill-qwen-1.5b"
+# One model of each other family the catalog holds, for the ``families`` section.
+FAMILY_MODELS = {"qwen3": "qwen3-1.7b", "llama": "llama-3.2-1b", "gemma3_text": "gemma-3-1b"}
 TOY = dict(
     hidden_size=64,
     intermediate_size=160,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+    head_dim=16,
     vocab_size=512,
 )
+# Gemma 3 on a dry run: one sliding layer (window 8, shorter than the dry run's sequences), one global one.
+TOY_FAMILY = {"gemma3_text": dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16)}
 LOGPROB_TOLERANCE = {"bfloat16": (0.05, 1.0), "float32": (2e-3, 5e-2)}  # (mean, max) |Δ logprob| in nats
 
 
@@ -119,38 +131,51 @@ def device_peak_tflops(device: torch.device) -> tuple[str, float | None]:
     return name, catalogue_peak_tflops(name)
 
 
-def make_model(folder: Path, device: torch.device, dry_run: bool) -> dict:
-    """A Qwen2.5-1.5B-shaped model (a toy one on a dry run) with random weights, saved in bf16 to ``folder``
-    with the tiny tokenizer (the engines save it with the weights; no token is ever decoded to text)."""
+def make_model(name: str, folder: Path, device: torch.device, dry_run: bool) -> dict:
+    """Catalogued model ``name`` (a toy of its family on a dry run) with random weights, saved in bf16 to
+    ``folder`` with the tiny tokenizer (the engines save it with the weights; no token is ever decoded to text)."""
     from areal_hpc.models.tokenizer import build_tokenizer
 
-    shape = {k: v for k, v in json.loads(SHAPE.read_text()).items() if k not in ("architectures", "torch_dtype")}
+    shape = json.loads((MODELS / name / "config.json").read_text())
+    family = shape.pop("model_type")
+    shape = {k: v for k, v in shape.items() if k not in ("architectures", "torch_dtype")}
     if dry_run:
-        shape.update(TOY)
-    config = transformers.Qwen2Config(**{**shape, "max_position_embeddings": 4096, "tie_word_embeddings": False})
+        shape.update(TOY, **TOY_FAMILY.get(family, {}))
+    config = transformers.AutoConfig.for_model(family, **{**shape, "max_position_embeddings": 4096})
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     build_tokenizer(["0 1 2 3 4 5 6 7 8 9 + = ?"]).save_pretrained(folder)
     embedding = model.get_input_embeddings().weight.numel()
     return {
+        "name": name,
+        "family": family,
         "parameters": sum(p.numel() for p in model.parameters()),
         "matmul_parameters": sum(p.numel() for p in model.parameters())
-        - embedding
+        - (0 if config.tie_word_embeddings else embedding)  # a tied table is the LM head's matmul too
         - sum(p.numel() for n, p in model.named_parameters() if "norm" in n),
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
+        "attention_width": config.num_attention_heads
+        * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        "sliding_layers": sum(kind == "sliding_attention" for kind in getattr(config, "layer_types", None) or []),
+        "sliding_window": getattr(config, "sliding_window", None) or 0,
         "vocab": config.vocab_size,
     }
 
 
 def model_flops(batch: SequenceBatch, shape: dict) -> float:
-    """Training FLOPs of one pass over ``batch`` (see the module docstring)."""
+    """Training FLOPs of one pass over ``batch`` (see the module docstring); a sliding-window layer's
+    attention covers at most its window of keys per query."""
     lengths = [len(s) for s in batch.sequences]
-    return 6.0 * shape["matmul_parameters"] * sum(lengths) + 6.0 * shape["layers"] * shape["hidden"] * sum(
-        n * n for n in lengths
-    )
+    window, sliding = shape["sliding_window"], shape["sliding_layers"]
+
+    def attended(n: int, layer_window: int) -> float:  # twice the (query, key) pairs a causal layer scores
+        return n * n if not layer_window or n <= layer_window else 2 * n * layer_window - layer_window**2
+
+    attention = sum((shape["layers"] - sliding) * attended(n, 0) + sliding * attended(n, window) for n in lengths)
+    return 6.0 * shape["matmul_parameters"] * sum(lengths) + 6.0 * shape["attention_width"] * attention
 
 
 def synchronize(device: torch.device) -> None:
@@ -175,8 +200,9 @@ class Check:
         self.dry_run, self.out, self.overrides = args.dry_run, Path(args.out), list(args.set or [])
         self.sizes = DRY if args.dry_run else FULL
         self.device = torch.device("cpu") if args.dry_run else torch.device("cuda")
-        self.tmp = Path(tempfile.mkdtemp(prefix="gpu_check-"))
-        self.model_dir = self.tmp / "model"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix="scratch-", dir=self.out))
+        self.models: dict[str, tuple[Path, dict]] = {}
         self.device_name, self.peak_tflops = device_peak_tflops(self.device)
         self.result = {
             "benchmark": "gpu_check",
@@ -196,12 +222,19 @@ class Check:
             "overrides": self.overrides,
             "sections": {},
         }
-        self.shape = make_model(self.model_dir, self.device, self.dry_run)
+        self.use_model(args.model)
         self.result["model"] = self.shape
+
+    def use_model(self, name: str) -> None:
+        """Make catalogued model ``name`` the one the sections use (built on first use)."""
+        if name not in self.models:
+            folder = self.tmp / name
+            self.models[name] = folder, make_model(name, folder, self.device, self.dry_run)
+        self.model_dir, self.shape = self.models[name]
 
     def config(self, *overrides: str):
         loaded = load_config(
-            "configs/quickstart.yaml",
+            str(ROOT / "configs/quickstart.yaml"),
             [
                 f"model.path={self.model_dir}",
                 f"cluster.fileroot={self.tmp}",
@@ -451,6 +484,64 @@ def weight_push(check: Check) -> dict:
     }
 
 
+def greedy_agreement(check: Check) -> dict:
+    """The embedded engine's greedy tokens against ``generate()``'s, both in float32 on the device: the
+    share of sequences whose tokens are all equal (random weights leave near-ties only by chance)."""
+    model = load_model(check.model_dir, "float32", device=check.device)
+    s, rng = check.sizes, np.random.default_rng(4)
+    prompts = [rng.integers(0, check.shape["vocab"], s.prompt_tokens).tolist() for _ in range(4)]
+    engine = EmbeddedGenerator(model, slots=4, context_length=s.prompt_tokens + s.new_tokens, eos_token_ids=[])
+    params = SamplingParams(max_new_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def ours() -> list[list[int]]:
+        results = await asyncio.gather(*(engine.generate(f"g{i}", p, params) for i, p in enumerate(prompts)))
+        return [list(r.output_ids) for r in results]
+
+    try:
+        tokens = asyncio.run(ours())
+    finally:
+        engine.stop()
+    ids = torch.tensor(prompts, device=check.device)
+    theirs = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=s.new_tokens,
+        min_new_tokens=s.new_tokens,
+        pad_token_id=0,
+    )[:, ids.shape[1] :].tolist()
+    return {"sequences": len(prompts), "equal": sum(a == b for a, b in zip(tokens, theirs, strict=True))}
+
+
+def attempt(work) -> dict:
+    """``work()``'s record, or its error and traceback: one failure does not stop the check."""
+    try:
+        return work()
+    except Exception as failure:  # noqa: BLE001 - recorded; the rest still runs
+        return {"error": f"{type(failure).__name__}: {failure}", "traceback": traceback.format_exc(limit=6)}
+
+
+def families(check: Check) -> dict:
+    """Each other family's catalogued model: both engines' PPO steps and greedy decoding against ``generate()``."""
+    primary, rows = check.shape["name"], {}
+    try:
+        for family, name in FAMILY_MODELS.items():
+            if name == primary:
+                continue
+            check.use_model(name)
+            rows[family] = {
+                "model": name,
+                "parameters": check.shape["parameters"],
+                "torch_engine": attempt(lambda: ppo_steps(check, "torch")),
+                "megatron_engine": attempt(lambda: ppo_steps(check, "megatron")),
+                "greedy": attempt(lambda: greedy_agreement(check)),
+            }
+            gc.collect()
+    finally:
+        check.use_model(primary)
+    return {"rows": rows}
+
+
 SECTIONS = {
     "torch_engine": torch_engine,
     "megatron_engine": megatron_engine,
@@ -458,6 +549,7 @@ SECTIONS = {
     "decode": decode,
     "attention": attention,
     "weight_push": weight_push,
+    "families": families,
 }
 
 
@@ -467,10 +559,7 @@ def run(args) -> dict:
         for name in args.only or SECTIONS:
             started = time.perf_counter()
             print(f"[gpu_check] {name} ...", flush=True)
-            try:
-                section = SECTIONS[name](check)
-            except Exception as failure:  # noqa: BLE001 - recorded; the other sections still run
-                section = {"error": f"{type(failure).__name__}: {failure}", "traceback": traceback.format_exc(limit=6)}
+            section = attempt(lambda: SECTIONS[name](check))  # noqa: B023 - called within this iteration
             section["seconds"] = time.perf_counter() - started
             check.record(name, section)
             print(
@@ -496,7 +585,7 @@ def report(r: dict) -> str:
         f"# GPU check{' (dry run, CPU, toy sizes)' if r['dry_run'] else ''}: {r['device']} ({r['date']})",
         "",
         machine_and_versions(r) + (f" Overrides: {' '.join(r['overrides'])}." if r.get("overrides") else ""),
-        f"Model: Qwen2-shaped, {m['parameters'] / 1e6:,.1f}M parameters ({m['layers']} layers, hidden "
+        f"Model: {m['name']} ({m['family']}), {m['parameters'] / 1e6:,.1f}M parameters ({m['layers']} layers, hidden "
         f"{m['hidden']}, vocabulary {m['vocab']}), random weights. Peak dense bf16: "
         f"{_fmt(r['peak_bf16_tflops'])} TFLOP/s.",
         "",
@@ -560,8 +649,35 @@ def report(r: dict) -> str:
                 f"{w['disk_load_s']:.2f} s. NCCL: {w['nccl']}."
             ]
         )
+    if "families" in s:
+        lines += ["", "## Every family: PPO steps and greedy decoding", ""]
+        lines += (
+            [f"Error: {s['families']['error']}"]
+            if "error" in s["families"]
+            else [
+                "| family | model | parameters | torch engine | Megatron engine | greedy = generate() |",
+                "|---|---|---|---|---|---|",
+            ]
+            + [
+                f"| {family} | {row['model']} | {row['parameters'] / 1e6:,.1f}M | {_family_cell(row['torch_engine'])} | "
+                f"{_family_cell(row['megatron_engine'])} | "
+                + (
+                    f"error: {row['greedy']['error']}"
+                    if "error" in row["greedy"]
+                    else f"{row['greedy']['equal']}/{row['greedy']['sequences']}"
+                )
+                + " |"
+                for family, row in s["families"]["rows"].items()
+            ]
+        )
     lines += ["", "Seconds per section: " + ", ".join(f"{k} {v['seconds']:.1f}" for k, v in s.items()) + "."]
     return "\n".join(lines)
+
+
+def _family_cell(e: dict) -> str:
+    if "error" in e:
+        return f"error: {e['error']}"
+    return f"{e['tokens_per_s']:.0f} tokens/s, MFU {_fmt(e['mfu'], '.1%')}, {_fmt(e['peak_memory_gib'], '.1f')} GiB"
 
 
 def _engine_row(name: str, e: dict) -> str:
@@ -578,7 +694,12 @@ def _engine_row(name: str, e: dict) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: the same code paths, for CI")
-    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for the JSON and table")
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu_check-"), help="folder for every output"
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, choices=model_names(), help=f"the catalogued model (default {DEFAULT_MODEL})"
+    )
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run these sections only")
     parser.add_argument(
         "--set",
@@ -590,6 +711,7 @@ if __name__ == "__main__":
     arguments = parser.parse_args()
     result = run(arguments)
     print(report(result))
+    print(f"[gpu_check] written to {arguments.out}", flush=True)
     if arguments.save:
         save("gpu_check" + ("-dry-run" if arguments.dry_run else ""), result, report(result))
     sys.exit(1 if any("error" in section for section in result["sections"].values()) else 0)

@@ -220,7 +220,7 @@ class CostModel:
         n = tp * pp
         context = w.prompt_len + w.gen_mean / 2
         # Each of the pp micro-batches reads its stage's weights, so PP does not cut weight reads.
-        read = m.weight_bytes / tp + running * context * m.kv_bytes_per_token / kv_shards(m, tp, pp)
+        read = m.weight_bytes / tp + running * m.kv_bytes(context) / kv_shards(m, tp, pp)
         device = e.overall * e.factor(f"{dev.name}.decode")
         memory_s = read / (dev.hbm_gbs * GB * e.decode_hbm * device)
         compute_s = 2 * m.params * running / n / (dev.tflops * 1e12 * e.decode_mfu * device)

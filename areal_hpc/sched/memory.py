@@ -136,23 +136,24 @@ def layer_activation_bytes(model: ModelSpec, tokens: float, layout: TrainLayout)
     """Bytes one decoder layer keeps for its backward pass over ``tokens`` tokens of one rank.
 
     Per token, h hidden, q = heads x head dim, kv = kv heads x head dim, i the MLP width, split over tp
-    but for the residual stream. In the parameter dtype: both norms' input and normalised value (4h; HF
-    computes RMSNorm in float32) and the rotary and attention tensors (rotated q and k, the grouped
-    q/k/v the kernel reads, its output before and after the head merge: 4q + 3kv, in the dtype of the
-    rotary tables). In the compute dtype: v (kv), the o projection's input (q), the SwiGLU's gate, up,
-    activation and product (4i), and the matmuls' inputs from the norms: one cast per matmul under
+    but for the residual stream. In the parameter dtype: each norm's input and normalised value (2h a
+    norm; Gemma 3 has four; HF computes RMSNorm in float32) and the rotary and attention tensors (rotated
+    q and k, the grouped q/k/v the kernel reads, its output before and after the head merge: 4q + 3kv,
+    in the dtype of the rotary tables). In the compute dtype: v (kv), the o projection's input (q), the
+    SwiGLU's gate, up, activation and product (4i), and the matmuls' inputs from the norms: one cast per matmul under
     autocast (q, k, v, gate, up: 5h), else the two norms' outputs (2h). Selective recomputation drops
     the attention part; full recomputation keeps only the layer's input.
     """
     m, p, tp = model, layout.precision, layout.dims.tp
-    head_dim = m.hidden // m.heads
-    q, kv = m.heads * head_dim / tp, m.kv_heads / min(tp, m.kv_heads) * head_dim  # tp beyond the kv heads copies them
+    # tp beyond the kv heads copies them
+    q, kv = m.heads * m.head_width / tp, m.kv_heads / min(tp, m.kv_heads) * m.head_width
     wide, narrow = DTYPE_BYTES[p.param_dtype], DTYPE_BYTES[p.compute_dtype]
     if layout.recompute == "full":
         return tokens * m.hidden * wide
     attention = 0.0 if layout.recompute == "selective" else (4 * q + 3 * kv) * wide
     norm_outputs = 5 * m.hidden if p.autocast else 2 * m.hidden
-    per_token = 4 * m.hidden * wide + attention + (kv + q + 4 * m.intermediate / tp + norm_outputs) * narrow
+    norms = 2 * m.norms_per_layer * m.hidden
+    per_token = norms * wide + attention + (kv + q + 4 * m.intermediate / tp + norm_outputs) * narrow
     return tokens * per_token
 
 
@@ -202,9 +203,9 @@ def kv_shards(model: ModelSpec, tp: int, pp: int) -> int:
 
 def kv_bytes_per_slot(model: ModelSpec, tp: int, pp: int, context: int, dtype: str = "bfloat16") -> float:
     """One sequence slot's KV cache on one device: context x layers x kv heads x head dim x 2 (K and V) x
-    the dtype's bytes (``ModelSpec.kv_bytes_per_token`` counts bfloat16)."""
+    the dtype's bytes (``ModelSpec.kv_bytes`` counts bfloat16)."""
     scale = DTYPE_BYTES[dtype] / DTYPE_BYTES["bfloat16"]
-    return context * model.kv_bytes_per_token * scale / kv_shards(model, tp, pp)
+    return model.kv_bytes(context) * scale / kv_shards(model, tp, pp)
 
 
 def rollout_estimate(

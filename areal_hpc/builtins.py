@@ -175,16 +175,46 @@ def engine_supports(engine: str, capability: str) -> bool:
 # Model families (a checkpoint's config.json ``model_type``) and the paths of this project that take each;
 # the torch engine's own forward takes any transformers causal LM. A path refuses another family by name.
 FAMILY_PATHS = {
-    "qwen2": ("embedded decoder", "Megatron engine", "segment forward"),
-    "qwen3": ("embedded decoder", "Megatron engine", "segment forward"),
-    "qwen3_moe": ("embedded decoder", "Megatron engine"),
-    "llama": ("embedded decoder", "Megatron engine"),
+    "qwen2": ("embedded decoder", "Megatron engine", "segment forward", "tree training"),
+    "qwen3": ("embedded decoder", "Megatron engine", "segment forward", "tree training"),
+    "qwen3_moe": ("embedded decoder", "Megatron engine", "tree training"),
+    "llama": ("embedded decoder", "Megatron engine", "tree training"),
+    "gemma3_text": ("embedded decoder", "Megatron engine"),
+}
+
+# The models ``model.preset`` and ``areal-hpc init-model --preset`` build, and the family of each; their shapes
+# are ``models.tiny.PRESETS`` and ``models.replicas.REPLICAS`` (tests/models/test_tiny.py holds them to this).
+MODEL_PRESETS = {
+    "tiny": "qwen2",
+    "small": "qwen2",
+    "tiny-moe": "qwen3_moe",
+    "qwen3-replica": "qwen3",
+    "llama3-replica": "llama",
+    "gemma3-replica": "gemma3_text",
 }
 
 
 def family_supports(model_type: str, path: str) -> bool:
     """Whether ``path`` (e.g. "embedded decoder") takes models of family ``model_type``."""
     return path in FAMILY_PATHS.get(model_type, ())
+
+
+def tree_training_obstacle(model_config: dict[str, Any]) -> str | None:
+    """Why a model with this config.json cannot take tree training (its family, or sliding-window layers:
+    a prefix's cached keys would be cut at the window), or None when it can."""
+    family = model_config.get("model_type", "qwen2")
+    if not family_supports(family, "tree training"):
+        return f"the model's family {family!r}"
+    if model_config.get("use_sliding_window") or "sliding_attention" in (model_config.get("layer_types") or ()):
+        return "the model's sliding-window layers"
+    return None
+
+
+def check_tree_training(model_config: dict[str, Any]) -> None:
+    """One ``UserError`` line where ``actor.tree_training=dta`` cannot take this model."""
+    obstacle = tree_training_obstacle(model_config)
+    if obstacle:
+        raise UserError(f"actor.tree_training=dta cannot train {obstacle} as a tree; set actor.tree_training=off")
 
 
 def check_family(model_type: str, path: str, instead: str) -> None:

@@ -1,8 +1,8 @@
 """The ``areal-hpc`` command: one subcommand per job a user runs, all listed in the ``COMMANDS`` table.
 
 Each row names a subcommand, its help line, the function that declares its arguments and the one that runs
-it; both live beside the code they drive: ``train/cli.py`` (init-model, sft, dpo, rm, pairs, eval, tree-cost,
-repro dta), ``launch/cli.py`` (train, submit, slurm-task), ``rollout/cli.py`` (serve), ``proxy/cli.py``,
+it; both live beside the code they drive: ``train/cli.py`` (init-model, sft, dpo, rm, pairs, eval, export,
+tree-cost, repro dta), ``launch/cli.py`` (train, submit, slurm-task), ``rollout/cli.py`` (serve), ``proxy/cli.py``,
 ``data/cli.py`` (shards), the planner's ``sched/cli.py``, the sweep's ``launch/sweep/cli.py`` and
 ``config.py`` (config show). A row names its handler as ``'module:function'``, imported only when that
 subcommand runs; the modules that declare arguments import nothing heavy, so ``--help`` is instant.
@@ -130,6 +130,12 @@ COMMANDS = (
         "a model on a task's held-out split through its workflow: accuracy, mean reward, pass@k",
         train_cli.eval_arguments,
         "areal_hpc.train.cli:run_eval",
+    ),
+    Command(
+        "export",
+        "a run's model (or a checkpoint's) as a Hugging Face folder: safetensors shards, config, tokenizer",
+        train_cli.export_arguments,
+        "areal_hpc.train.cli:run_export",
     ),
     Command(
         "tree-cost",

@@ -69,7 +69,7 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = spec("", "local Hugging Face model folder; empty builds a fresh model from `preset`")
-    preset: str = spec("tiny", "architecture used when `path` is empty", choices=["tiny", "small", "tiny-moe"])
+    preset: str = spec("tiny", "architecture used when `path` is empty", choices=list(builtins.MODEL_PRESETS))
     dtype: str = spec("float32", "parameter dtype", choices=["float32", "bfloat16", "float16"])
     attn_impl: str = spec("sdpa", "attention implementation", choices=["sdpa", "eager", "flash_attention_2"])
     compute_dtype: str = spec(

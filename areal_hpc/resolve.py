@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,8 +175,22 @@ def tree_training_auto(cfg: RunConfig, host: Host | None) -> Decided:
         and not actor.lora.rank
         and actor.recompute == "none"
         and builtins.engine_supports(actor.engine, "supports_tree_training")
+        and builtins.tree_training_obstacle(model_config(cfg)) is None
     )
     return {"actor.tree_training": "dta" if fits else "off"}
+
+
+def model_config(cfg: RunConfig) -> dict[str, Any]:
+    """The run's model's config.json (``model.path``), or its preset's family; empty where it cannot be read
+    yet (the model is checked where it is loaded)."""
+    if not cfg.model.path:
+        return {"model_type": builtins.MODEL_PRESETS.get(cfg.model.preset, "qwen2")}
+    try:
+        with open(os.path.join(cfg.model.path, "config.json")) as file:
+            loaded = json.load(file)
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def tree_training_dta(cfg: RunConfig, host: Host | None) -> Decided:
@@ -189,6 +204,7 @@ def tree_training_dta(cfg: RunConfig, host: Host | None) -> Decided:
             f"summed per token), got engine={actor.engine}, importance_level="
             f"{actor.importance_level}; set actor.tree_training=off"
         )
+    builtins.check_tree_training(model_config(cfg))
     check_cost(actor.tree_cost)
     return {}
 

@@ -260,7 +260,7 @@ def cli_page() -> str:
 
 
 def builtins_page() -> str:
-    from areal_hpc.builtins import FAMILY_PATHS, FORMS, POINTS
+    from areal_hpc.builtins import FAMILY_PATHS, FORMS, MODEL_PRESETS, POINTS
 
     out = [
         GENERATED_NOTE.format(source="areal_hpc/builtins.py"),
@@ -306,7 +306,8 @@ def builtins_page() -> str:
         "A checkpoint's family is its config.json's `model_type`. The torch engine's own forward trains any "
         "`transformers` causal LM. The embedded decoder and the Megatron engine take the families marked and "
         "refuse another in one line naming it and what to use instead; tree training's segment forward runs "
-        "the model's own forward for a family not marked.",
+        "the model's own forward for a family not marked; tree training (`actor.tree_training=dta`) refuses a "
+        "family not marked, and a model with sliding-window layers, in one line (`auto` settles to off).",
         "",
         "| family | " + " | ".join(paths) + " |",
         "|---|" + "---|" * len(paths),
@@ -314,6 +315,15 @@ def builtins_page() -> str:
             f"| `{family}` | " + " | ".join("yes" if path in taken else "no" for path in paths) + " |"
             for family, taken in FAMILY_PATHS.items()
         ),
+        "",
+        "## Model presets",
+        "",
+        "What `model.preset` and `areal-hpc init-model --preset` build (shapes: `areal_hpc/models/tiny.py`; the "
+        "replicas of released models: `areal_hpc/models/replicas.py`).",
+        "",
+        "| preset | family |",
+        "|---|---|",
+        *(f"| `{preset}` | `{family}` |" for preset, family in MODEL_PRESETS.items()),
     ]
     return "\n".join(out) + "\n"
 

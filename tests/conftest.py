@@ -28,11 +28,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
+def preset_dir(tmp_path_factory):
+    """``preset_dir(name)``: the folder ``areal-hpc init-model --preset name`` writes (seed 0), built once a session."""
     from areal_hpc.data.registry import corpus_for_tokenizer
     from areal_hpc.models.tiny import init_model
 
-    return init_model(tmp_path_factory.mktemp("tiny") / "model", corpus_for_tokenizer(0), preset="tiny", seed=0)
+    @functools.cache
+    def build(preset: str) -> Path:
+        return init_model(tmp_path_factory.mktemp(preset) / "model", corpus_for_tokenizer(0), preset=preset, seed=0)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(preset_dir) -> Path:
+    return preset_dir("tiny")
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +110,37 @@ def small_llama(vocab_size: int, max_positions: int, original_context: int, tied
     return LlamaForCausalLM(config).eval()
 
 
+def small_gemma3(vocab_size: int, window: int = 6, softcap: float | None = 1.5, kv_heads: int = 1):
+    """A random model of Gemma 3's structure at a small size: two sliding-window layers of ``window`` tokens
+    (RoPE base 1e4) then a global one (1e6), ``kv_heads`` key/value heads (gemma-3-1b's one; 4b's ratio of
+    two), queries scaled by a query_pre_attn_scalar other than the head dimension, final logits softcapped at
+    ``softcap`` (low enough to change them), and (1 + weight) norms drawn away from 1."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=window,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=128,
+        final_logit_softcapping=softcap,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.3)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """``small_llama`` with Llama 3.1's RoPE constants (a context above the original 8192) and an untied head,
@@ -109,6 +150,17 @@ def tiny_llama_dir(tiny_model_dir, tmp_path_factory) -> Path:
     tokenizer = load_tokenizer(tiny_model_dir)
     folder = tmp_path_factory.mktemp("llama") / "model"
     save_model(small_llama(len(tokenizer), 16384, 8192, tied=False), tokenizer, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """``small_gemma3`` with two key/value heads (tensor parallelism splits them), with the tiny model's tokenizer."""
+    from areal_hpc.models.hf import load_tokenizer, save_model
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    folder = tmp_path_factory.mktemp("gemma3") / "model"
+    save_model(small_gemma3(len(tokenizer), kv_heads=2), tokenizer, folder)
     return folder
 
 

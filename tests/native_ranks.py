@@ -4,12 +4,15 @@ same in one process), and rank 0 writes what every rank saw to OUT.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p OMP_NUM_THREADS=1 \
         python -m tests.native_ranks MODEL OUT dp=2 tp=2 pp=2 fsdp=1 [sp=1] [critic=1] [empty=1] [save=DIR] [load=DIR]
+            [read=1] [logits_chunk=BYTES]
         python -m tests.native_ranks MODEL OUT groups=1.2.1/2.1.1 [fsdp=1] [bucket=N] ...   # training groups
                                                                            # (dp.tp.pp each)
 
 critic=1 trains a value model (the critic's token classifier) instead of the policy; empty=1 gives the whole
-batch to dp rank 0 (the other replicas train on nothing); save=DIR saves after the step and checks that a
-second engine loading DIR takes the same next step; load=DIR only loads DIR and reports the weights.
+batch to dp rank 0 (the other replicas train on nothing); logits_chunk=BYTES: the log-softmax's chunk
+(``algo.logprobs.LOGITS_CHUNK_BYTES``); save=DIR saves after the step and checks that a
+second engine loading DIR takes the same next step; load=DIR only loads DIR and reports the weights;
+read=1 only builds the engine from MODEL and reports the weights and what each rank read of MODEL's files.
 """
 
 from __future__ import annotations
@@ -21,17 +24,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from areal_hpc.algo import logprobs
 from areal_hpc.config import OptimizerConfig
 from areal_hpc.engines.sequence_batch import SequenceBatch, balanced_parts
 from areal_hpc.engines.torch import mixed_gradients
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.layout import MixedLayout, ParallelDims
-from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
+from areal_hpc.models.hf import load_critic, load_model, load_tokenizer, model_skeleton
+from areal_hpc.models.hub_checkpoint import HubCheckpoint
 from areal_hpc.parallel.mesh import build_group_meshes, init_distributed
 from tests.trainer_processes import end_rank
 
 MAX_TOKENS_PER_MB = 40  # several micro-batches per share
+# The log-softmax a few positions at a time: 2 rows a chunk of the tiny model's 672 columns, 5 of the 336 a rank
+# holds at tp2 (most micro-batches' positions are not multiples); the max and sums over tp per chunk.
+LOGITS_IN_CHUNKS = f"logits_chunk={4 * 336 * 5}"
 
 
 def seeded_batch(seed: int = 0, n: int = 9, mixed_temperatures: bool = False) -> SequenceBatch:
@@ -69,12 +77,12 @@ def value_loss(outputs, packed, fields):
 
 def engine_on(model_dir, mesh=None, critic: bool = False) -> TorchTrainEngine:
     """Adam's eps is raised so that its first step is near-linear in the gradient (with the default,
-    m/√v ≈ ±1 on elements whose gradient is ~0 turns rounding noise into lr-sized differences)."""
+    m/√v ≈ ±1 on elements whose gradient is ~0 turns rounding noise into lr-sized differences). One process
+    (the reference) loads the model with transformers; a mesh's ranks read their parts of the folder into a
+    model built on the meta device, as ``TorchTrainEngine.build`` does."""
     torch.manual_seed(0)  # the critic's fresh value head
-    model, forward_fn = (load_critic(model_dir), ValueOutputs()) if critic else (load_model(model_dir), PolicyOutputs())
-    return TorchTrainEngine(
-        model,
-        forward_fn,
+    forward_fn = ValueOutputs() if critic else PolicyOutputs()
+    options = dict(
         mesh=mesh,
         lr=1e-3,
         total_steps=4,
@@ -82,6 +90,11 @@ def engine_on(model_dir, mesh=None, critic: bool = False) -> TorchTrainEngine:
         max_tokens_per_mb=MAX_TOKENS_PER_MB,
         tokenizer=load_tokenizer(model_dir),
     )
+    if mesh is None:
+        return TorchTrainEngine((load_critic if critic else load_model)(model_dir), forward_fn, **options)
+    checkpoint = HubCheckpoint(model_dir)
+    skeleton = model_skeleton(checkpoint, critic=critic)
+    return TorchTrainEngine.on_checkpoint(skeleton, checkpoint, forward_fn, mesh.device, **options)
 
 
 def shares(batch: SequenceBatch, dp: int, empty: bool) -> list[list[int]]:
@@ -130,6 +143,11 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
     critic = options.get("critic") == "1"
     if "bucket" in options:  # the gradient sum across groups in buckets of this many elements
         mixed_gradients.BUCKET_ELEMENTS = int(options["bucket"])
+    if "logits_chunk" in options:  # bytes of float32 logits per chunk of the log-softmax: several per micro-batch
+        logprobs.LOGITS_CHUNK_BYTES = int(options["logits_chunk"])
+    if "read" in options:
+        report(rank, out, built_from_folder(model_dir, mesh))
+        return
     engine = engine_on(model_dir, mesh, critic)
     if "load" in options:
         engine.load(Path(options["load"]))
@@ -159,6 +177,21 @@ def main(model_dir: str, out: str, args: list[str]) -> None:
             result["restored_step_diff"] = max(
                 ((trained[k] - loaded[k]).abs().max().item() for k in trained), default=None
             )
+    report(rank, out, result)
+
+
+def built_from_folder(model_dir: str, mesh) -> dict:
+    """The policy as ``TorchTrainEngine.build`` makes it from the folder, and no more: its weights, and what
+    this rank read of the folder (bytes) against the elements it holds."""
+    checkpoint = HubCheckpoint(model_dir)
+    skeleton = model_skeleton(checkpoint)
+    engine = TorchTrainEngine.on_checkpoint(skeleton, checkpoint, PolicyOutputs(), mesh.device, mesh=mesh)
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in engine.root.parameters())
+    return {"weights": weights_of(engine), "read": checkpoint.bytes_read, "held_elements": held}
+
+
+def report(rank: int, out: str, result: dict) -> None:
+    """Rank 0 writes what every rank saw (and its own weights) to ``out``."""
     every = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object({k: v for k, v in result.items() if k != "weights"}, every, dst=0)
     if rank == 0:

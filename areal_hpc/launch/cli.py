@@ -72,7 +72,7 @@ def run_submit(args: argparse.Namespace) -> int:
 
     submission = prepare(args.config, args.overrides, args.profile, args.plan, args.resume)
     if args.check_memory:
-        from areal_hpc.engines.torch.outputs import LOGITS_CHUNK_BYTES
+        from areal_hpc.algo.logprobs import LOGITS_CHUNK_BYTES
         from areal_hpc.sched.cli import check_run_memory
 
         print(check_run_memory(submission.cfg, args.check_memory, LOGITS_CHUNK_BYTES), file=sys.stderr)

@@ -1,4 +1,6 @@
-"""Load Hugging Face causal LMs (the tiny model, Qwen2/2.5/3 checkpoints) from local folders only."""
+"""Load Hugging Face causal LMs (the tiny model, Qwen2/2.5/3, Llama 3 checkpoints) from local folders only:
+whole (``load_model``, ``load_critic``), or as a ``model_skeleton`` on the meta device whose weights each
+training rank then reads in part (``models.hub_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from areal_hpc.errors import UserError
+from areal_hpc.errors import UserError, closest
+from areal_hpc.models.hub_checkpoint import CheckpointError, HubCheckpoint
 
 # Nothing is ever fetched from a model hub at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,11 +33,25 @@ EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.
 
 
 def _check_model_dir(path: str | Path) -> Path:
+    """``path`` as a folder whose config.json names a model type transformers builds (else one line)."""
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     folder = Path(path)
-    if not (folder / "config.json").is_file():
+    config = folder / "config.json"
+    if not config.is_file():
         raise UserError(
             f"model folder {path} has no config.json (expected a local Hugging Face model folder; "
             "make one with: areal-hpc init-model --out DIR)"
+        )
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except ValueError as exc:
+        raise UserError(f"{config}: not JSON ({exc})") from None
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise UserError(
+            f"{config}: model_type {model_type!r} is not a model transformers {__version__} builds"
+            f"{closest(str(model_type), CONFIG_MAPPING_NAMES)}"
         )
     return folder
 
@@ -55,50 +72,95 @@ def load_critic(
     """A value model for PPO: the causal LM's body with a fresh one-output head per position (no dropout:
     values must be deterministic)."""
     folder = _check_model_dir(path)
-    config = AutoConfig.from_pretrained(folder, num_labels=1, local_files_only=True)
-    config.classifier_dropout = 0.0  # set on the object: transformers drops it as a from_pretrained keyword
     model = AutoModelForTokenClassification.from_pretrained(
-        folder, config=config, dtype=DTYPES[dtype], attn_implementation=attn_impl, local_files_only=True
+        folder, config=_critic_config(folder), dtype=DTYPES[dtype], attn_implementation=attn_impl, local_files_only=True
     )
     return model.to(device)
+
+
+def _critic_config(folder: Path):
+    config = AutoConfig.from_pretrained(folder, num_labels=1, local_files_only=True)
+    config.classifier_dropout = 0.0  # set on the object: transformers drops it as a from_pretrained keyword
+    return config
+
+
+def model_skeleton(
+    checkpoint: HubCheckpoint, dtype: str = "float32", attn_impl: str = "sdpa", *, critic: bool = False
+) -> PreTrainedModel:
+    """The model ``load_model`` (``critic``: ``load_critic``) would load from ``checkpoint``'s folder, built on
+    the meta device: no weight is read or allocated; its non-persistent buffers (rotary frequencies) and a
+    critic's fresh head (when the folder has none: the same draws as ``load_critic``'s) are real. Raises
+    ``CheckpointError`` when the folder lacks a tensor the model needs or stores one in another shape."""
+    folder = _check_model_dir(checkpoint.folder)
+    config = _critic_config(folder) if critic else AutoConfig.from_pretrained(folder, local_files_only=True)
+    kind = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = kind.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_impl)
+    for module in model.modules():  # transformers computes non-persistent buffers in _init_weights
+        meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        if meta:
+            model._init_weights(module)
+    if critic and "score.weight" not in checkpoint:
+        fresh = fresh_value_head(config)
+        model.score.weight = torch.nn.Parameter(fresh["score.weight"].to(DTYPES[dtype]))
+        model.score.bias = torch.nn.Parameter(fresh["score.bias"].to(DTYPES[dtype]))
+    checkpoint.check(
+        {stored_name(model, checkpoint, name): t.shape for name, t in model.state_dict().items() if t.is_meta}
+    )
+    return model
+
+
+def fresh_value_head(hf_config) -> dict[str, torch.Tensor]:
+    """HF's ``score`` weights as ``load_critic`` initialises them when the folder has none (the same
+    draws from the default generator: the critic's initialisation depends on the seed only)."""
+    with torch.device("meta"):
+        skeleton = AutoModelForTokenClassification.from_config(hf_config)
+    head = torch.nn.Linear(hf_config.hidden_size, 1, device="meta").to_empty(device="cpu")  # no draws
+    skeleton._init_weights(head)
+    return {"score.weight": head.weight.detach(), "score.bias": head.bias.detach()}
 
 
 LANGUAGE_HEAD = "language_head"
 
 
+def stored_name(model: torch.nn.Module, checkpoint: HubCheckpoint, name: str) -> str:
+    """The checkpoint's name of ``model``'s state-dict entry ``name``: the reward model's language head is
+    the causal LM's head, and a head tied to the embeddings that the folder stores once is the embedding."""
+    if name == f"{LANGUAGE_HEAD}.weight":
+        name = "lm_head.weight"
+    if name == "lm_head.weight" and name not in checkpoint and getattr(model.config, "tie_word_embeddings", False):
+        return f"{model.base_model_prefix}.embed_tokens.weight"
+    return name
+
+
 def attach_language_head(critic: PreTrainedModel, path: str | Path) -> None:
     """Give a critic (``load_critic``) of the causal LM in ``path`` that LM's output layer, as the submodule
     ``language_head``: tied to the input embeddings when the checkpoint ties them, else a trainable copy of
-    its ``lm_head``. A reward model's language-model regulariser reads it; ``detach_language_head`` takes it
-    off again before the critic is saved."""
+    its ``lm_head`` (left on the meta device, to be read with the rest, on a ``model_skeleton``). A reward
+    model's language-model regulariser reads it; ``detach_language_head`` takes it off again before the
+    critic is saved."""
     config = critic.config
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")  # weight set below
     embeddings = critic.get_input_embeddings().weight
     if getattr(config, "tie_word_embeddings", False):
         head.weight = embeddings
     else:
-        head.weight = torch.nn.Parameter(_read_tensor(_check_model_dir(path), "lm_head.weight").to(embeddings))
+        checkpoint = HubCheckpoint(_check_model_dir(path))
+        if "lm_head.weight" not in checkpoint:
+            raise CheckpointError(
+                f"{checkpoint.folder}: the checkpoint has no tensor 'lm_head.weight' (its config does not tie the "
+                "output layer to the embeddings)"
+            )
+        weight = head.weight if embeddings.is_meta else checkpoint.read("lm_head.weight")
+        head.weight = torch.nn.Parameter(weight.to(embeddings))
     critic.add_module(LANGUAGE_HEAD, head)
 
 
 def detach_language_head(model: torch.nn.Module) -> None:
     if hasattr(model, LANGUAGE_HEAD):
         delattr(model, LANGUAGE_HEAD)
-
-
-def _read_tensor(folder: Path, name: str) -> torch.Tensor:
-    """One tensor of a safetensors checkpoint (one file or indexed shards), without reading the others."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    file = json.loads(index.read_text())["weight_map"].get(name) if index.exists() else "model.safetensors"
-    if file is not None and (folder / file).exists():
-        with safe_open(folder / file, framework="pt") as tensors:
-            if name in tensors.keys():  # noqa: SIM118 (a safetensors file handle has no __contains__)
-                return tensors.get_tensor(name)
-    raise CheckpointError(
-        f"{folder}: the checkpoint has no tensor {name!r} (its config does not tie the output layer to the embeddings)"
-    )
 
 
 def load_tokenizer(path: str | Path):
@@ -153,31 +215,12 @@ def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return fused
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be read (the server answers 400 with this message)."""
-
-
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face safetensors checkpoint (one file or an indexed set of shards),
     under the names a loaded model holds them (``fuse_expert_weights``): nothing is filled in, so a
     missing tensor is seen (``from_pretrained`` would initialise it at random)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    if not index.exists() and not (folder / "model.safetensors").exists():
-        raise CheckpointError(
-            f"{folder} has no model.safetensors or model.safetensors.index.json "
-            "(the embedded engine loads safetensors checkpoints)"
-        )
+    checkpoint = HubCheckpoint(path)
     try:
-        files = (
-            sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if index.exists()
-            else ["model.safetensors"]
-        )
-        stored = {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
-        return fuse_expert_weights(stored)
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
-        raise CheckpointError(f"could not read the checkpoint in {folder}: {type(exc).__name__}: {exc}") from exc
+        return fuse_expert_weights(dict(checkpoint.tensors()))
+    except ValueError as exc:
+        raise CheckpointError(f"could not read the checkpoint in {checkpoint.folder}: {exc}") from exc

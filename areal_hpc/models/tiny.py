@@ -1,18 +1,24 @@
-"""Tiny causal LMs built offline (Qwen2, and a Qwen3-MoE), for CPU runs, CI and the demo.
+"""Small causal LMs built offline for CPU runs, CI and the demo: tiny Qwen2s, a Qwen3-MoE, and scaled-down
+replicas of released models (``models.replicas``).
 
 ``areal-hpc init-model --out DIR --preset tiny`` writes config.json, model.safetensors and the
 tokenizer files; ``AutoModelForCausalLM.from_pretrained(DIR)`` loads them with HF_HUB_OFFLINE=1.
+``builtins.MODEL_PRESETS`` names every preset and its family.
 """
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-from areal_hpc.models.tokenizer import IM_END, PAD, build_tokenizer
+from areal_hpc.builtins import MODEL_PRESETS
+from areal_hpc.models.chat_families import DEFAULT_FAMILY
+from areal_hpc.models.replicas import REPLICA_TEMPLATES, REPLICAS
+from areal_hpc.models.tokenizer import build_tokenizer
 
 # hidden, layers, heads, kv heads, MLP width; "tiny" learns 1-3 digit addition in minutes on 2 cores.
 # "tiny-moe" is a Qwen3-MoE of the same shape whose MLPs are 8 experts (2 per token) of a quarter the
@@ -37,35 +43,36 @@ PRESETS = {
         norm_topk_prob=True,
     ),
 }
+TINY_FIELDS = dict(tie_word_embeddings=True, rope_theta=10000.0)  # what PRESETS' models share
 
 
-def preset_classes(preset: str) -> tuple[type, type]:
-    """(config class, model class) of a preset's architecture."""
-    if "num_experts" in PRESETS[preset]:
-        return Qwen3MoeConfig, Qwen3MoeForCausalLM
-    return Qwen2Config, Qwen2ForCausalLM
+def preset_config(preset: str, **fields) -> PretrainedConfig:
+    """The ``transformers`` config of ``preset`` (its family's class and its shape), with ``fields`` added
+    (vocabulary, special tokens, context)."""
+    shape = REPLICAS[preset] if preset in REPLICAS else {**PRESETS[preset], **TINY_FIELDS}
+    return AutoConfig.for_model(MODEL_PRESETS[preset], **copy.deepcopy(shape), **fields)
 
 
-def init_model(out: str | Path, corpus: list[str], preset: str = "tiny", seed: int = 0) -> Path:
-    """Write a freshly initialised model and its tokenizer (trained on ``corpus``) to ``out`` in Hugging
+def init_model(
+    out: str | Path, corpus: list[str], preset: str = "tiny", seed: int = 0, template: str | None = None
+) -> Path:
+    """Write a freshly initialised model and its tokenizer (trained on ``corpus``, with the chat template and
+    special tokens of ``template``: by default the replica's original's, else ChatML) to ``out`` in Hugging
     Face format. The folder appears whole (written aside, then renamed): processes on other nodes wait
     for it."""
     out = Path(out)
-    tokenizer = build_tokenizer(corpus)
-    config_class, model_class = preset_classes(preset)
-    config = config_class(
+    tokenizer = build_tokenizer(corpus, family=template or REPLICA_TEMPLATES.get(preset, DEFAULT_FAMILY))
+    config = preset_config(
+        preset,
         vocab_size=len(tokenizer),
         max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
-        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         use_cache=True,
-        **PRESETS[preset],
     )
     torch.manual_seed(seed)
-    model = model_class(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

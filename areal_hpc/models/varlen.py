@@ -6,7 +6,9 @@ are. Here each sequence attends only to itself: sequences of similar length are 
 right-padded [n, L] block and run through causal ``scaled_dot_product_attention`` (right padding
 never reaches a real query under a causal mask, so no mask is needed), and the outputs scattered
 back into the packed row. Linear layers, norms and the LM head never see padding. A group's padded
-attention costs at most ``PAD_TOLERANCE`` times its sequences' own Σ L².
+attention costs at most ``PAD_TOLERANCE`` times its sequences' own Σ L². A sliding-window layer (Gemma 3's,
+Qwen's with ``use_sliding_window``; the model passes its ``sliding_window``) attends to the last
+``sliding_window`` positions only, as Hugging Face's masks make it: within a group under a boolean mask.
 
 On CUDA with bf16/fp16 compute, torch's own flash-attention varlen kernel (``torch.nn.attention.varlen``)
 takes the packed row as it is, no padding at all; with flash-attn installed, Hugging Face's
@@ -86,10 +88,11 @@ def varlen_sdpa(
     scaling: float | None = None,
     dropout: float = 0.0,
     padded_groups: list[PaddedBlock],
+    sliding_window: int | None = None,
     **_,
 ) -> tuple[torch.Tensor, None]:
     """Hugging Face attention-interface function: q [1, H, T, D], k/v [1, H_kv, T, D] of a packed row
-    -> [1, T, H, D], each sequence attending causally to itself only."""
+    -> [1, T, H, D], each sequence attending causally to itself only (to its last ``sliding_window`` tokens)."""
     heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
     out = query.new_zeros(heads, total, dim)
     gqa = key.shape[1] != heads
@@ -99,10 +102,14 @@ def varlen_sdpa(
             block = x.new_zeros(x.shape[1], group.n * group.length, dim)
             block = block.index_copy(1, group.slots, x[0].index_select(1, group.tokens))
             blocks.append(block.view(x.shape[1], group.n, group.length, dim).transpose(0, 1))
+        offsets = torch.arange(group.length, device=query.device)
+        windowed = sliding_window is not None and group.length > sliding_window
+        mask = attends(offsets, offsets, sliding_window) if windowed else None  # None: causal, no mask
         with torch.autocast(query.device.type, enabled=False):
             attended = F.scaled_dot_product_attention(
                 *(b.to(attention_precision(query)) for b in blocks),
-                is_causal=True,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scaling,
                 dropout_p=dropout if module.training else 0.0,
                 enable_gqa=gqa,
@@ -113,6 +120,14 @@ def varlen_sdpa(
 
 
 AttentionInterface.register(VARLEN_SDPA, varlen_sdpa)
+
+
+def attends(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[q, k] whether each query attends to each key of its sequence: causally, and under a sliding window to
+    keys fewer than ``sliding_window`` positions back (Hugging Face's ``sliding_window_overlay``)."""
+    distance = query_positions[:, None] - key_positions[None, :]
+    allowed = distance >= 0
+    return allowed & (distance < sliding_window) if sliding_window else allowed
 
 
 def attention_precision(query: torch.Tensor) -> torch.dtype:
@@ -158,13 +173,17 @@ def varlen_flash(
     scaling: float | None = None,
     cu_seqlens: torch.Tensor,
     max_length: int,
+    sliding_window: int | None = None,
     **_,
 ) -> tuple[torch.Tensor, None]:
     """Hugging Face attention-interface function on torch's varlen flash kernel: q [1, H, T, D], k/v
-    [1, H_kv, T, D] of a packed row -> [1, T, H, D], each sequence attending causally to itself only.
-    Takes bf16/fp16 inputs and no dropout (``packed_attention_inputs`` chooses it only then)."""
+    [1, H_kv, T, D] of a packed row -> [1, T, H, D], each sequence attending causally to itself only (to its
+    last ``sliding_window`` tokens: the kernel's window counts the keys before the query). Takes bf16/fp16
+    inputs and no dropout, and a sliding window where the kernel has one (``packed_attention_inputs`` chooses
+    it only then)."""
     varlen_attn, options = _torch_varlen_attn()
-    causal = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
+    left = sliding_window - 1 if sliding_window else -1
+    causal = {"window_size": (left, 0)} if "window_size" in options else {"is_causal": True}
     autocast = torch.is_autocast_enabled(query.device.type)  # rotary embeddings leave q, k in float32 there
     dtype = torch.get_autocast_dtype(query.device.type) if autocast else query.dtype
     q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))  # [T, heads, D]
@@ -183,7 +202,7 @@ def packed_attention_inputs(model: torch.nn.Module, cu_seqlens: torch.Tensor) ->
     """The attention implementation for a packed row of ``model`` and the keyword arguments it takes:
     flash-attn's varlen kernels on CUDA when installed (they read the restarting position ids); else
     torch's varlen flash kernel on CUDA for bf16/fp16 compute (autocast or half weights) without
-    dropout; else per-sequence sdpa."""
+    dropout (and, for a model with sliding windows, a kernel that takes one); else per-sequence sdpa."""
     weight = next(model.parameters())
     device, dtype = weight.device, weight.dtype
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
@@ -192,7 +211,11 @@ def packed_attention_inputs(model: torch.nn.Module, cu_seqlens: torch.Tensor) ->
         torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) != torch.float32
     )
     no_dropout = not model.training or getattr(model.config, "attention_dropout", 0.0) == 0.0
-    if device.type == "cuda" and half and no_dropout and _torch_varlen_attn() is not None:
+    kernel = _torch_varlen_attn()
+    windows = kernel is not None and (
+        "window_size" in kernel[1] or getattr(model.config, "sliding_window", None) is None
+    )
+    if device.type == "cuda" and half and no_dropout and windows:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         return VARLEN_FLASH, {"cu_seqlens": cu_seqlens.to(torch.int32), "max_length": int(lengths.max())}
     return VARLEN_SDPA, {"padded_groups": padded_groups(cu_seqlens)}

@@ -9,7 +9,7 @@ Megatron's rotary embedding for packed sequences takes equal chunks. Everything 
 token: embeddings, MLPs, norms and the LM head run on a rank's own tokens only. Attention is
 ``context_sdpa``: a rank's queries attend to the whole sequence's keys and values, all-gathered over
 the cp group (differentiable: the backward sums every rank's gradient for the rank's own keys and
-values), under a causal mask by position within the sequence.
+values), under a causal mask by position within the sequence (and a sliding-window layer's window).
 
 What is exact and what is not built:
 - Token-level losses are sums over tokens, so the cp ranks' local losses sum to the whole one and
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from areal_hpc.algo.packing import PackedBatch
+from areal_hpc.models.varlen import attends
 
 CONTEXT_SDPA = "context_sdpa"
 
@@ -190,10 +191,12 @@ def context_sdpa(
     scaling: float | None = None,
     dropout: float = 0.0,
     context_split: ContextSplit,
+    sliding_window: int | None = None,
     **_,
 ) -> tuple[torch.Tensor, None]:
     """Hugging Face attention-interface function: this rank's q [1, H, t, D] against the whole
-    micro-batch's k/v (gathered) -> [1, t, H, D], each sequence attending causally to itself only."""
+    micro-batch's k/v (gathered) -> [1, t, H, D], each sequence attending causally to itself only (to its
+    last ``sliding_window`` tokens)."""
     keys, values = _GatherTokens.apply(key, context_split), _GatherTokens.apply(value, context_split)
     local = context_split.local.to(query.device)
     gqa = key.shape[1] != query.shape[1]
@@ -202,7 +205,7 @@ def context_sdpa(
         q = query[0, :, first:last]
         k, v = keys[0, :, start : start + length], values[0, :, start : start + length]
         q_positions = local[first:last] - start
-        allowed = q_positions[:, None] >= torch.arange(length, device=query.device)[None, :]
+        allowed = attends(q_positions, torch.arange(length, device=query.device), sliding_window)
         with torch.autocast(query.device.type, enabled=False):
             attended = F.scaled_dot_product_attention(
                 q.float(),

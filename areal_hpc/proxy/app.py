@@ -123,14 +123,15 @@ async def chat_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIterator
     """``/v1/chat/completions``: one turn of ``session``, kept only if the block that sends the reply
     returns (the same for the completion route below)."""
     check_model(proxy, body)
-    messages, tools = api.chat_of(body)
+    chat = api.chat_of(body)
     stream, want_logprobs = api.flag(body, "stream"), api.flag(body, "logprobs")
-    async with proxy.turn(session, params_of(proxy, body), chat=(messages, tools)) as turn:
+    async with proxy.turn(session, params_of(proxy, body), chat=chat) as turn:
         usage = api.usage(len(turn.prompt_ids), len(turn.output_ids))
         name = proxy.settings.model_name
         if stream:
-            calls = turn.reply.get("tool_calls")
-            pieces = proxy.tokenizer.pieces(turn.output_ids) if not calls else [turn.reply["content"] or ""]
+            calls, reasoning = turn.reply.get("tool_calls"), turn.reply.get("reasoning_content")
+            parsed = calls or reasoning is not None  # the text the client gets is not the tokens' as they are
+            pieces = [turn.reply["content"] or ""] if parsed else proxy.tokenizer.pieces(turn.output_ids)
             yield Reply(
                 events=api.chat_chunks(
                     turn.interaction_id,
@@ -139,6 +140,7 @@ async def chat_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIterator
                     turn.finish_reason,
                     usage if api.include_usage(body) else None,
                     calls,
+                    reasoning,
                 )
             )
             return

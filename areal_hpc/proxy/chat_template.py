@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from areal_hpc.errors import UserError
+from areal_hpc.models.chat_families import family_of_template, with_object_arguments
 
 
 class TemplateRenderError(ValueError):
@@ -64,6 +65,7 @@ class ChatTokenizer:
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         self.template = env.from_string(source)
+        self.family = family_of_template(source)  # how its replies are read: tool calls, reasoning
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
         eos = self.special["eos_token"]
         self.eos_token_ids = (
@@ -76,13 +78,24 @@ class ChatTokenizer:
         self._plain = Tokenizer.from_str(self.tokenizer.to_str())  # special tokens read as text
         self._plain.encode_special_tokens = True
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's template makes of ``messages`` (and ``tools``, for templates that use them)."""
+    def render(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        template_args: dict | None = None,
+    ) -> str:
+        """The prompt text the model's template makes of ``messages`` (and ``tools``, for templates that use
+        them; ``template_args``: its other variables, e.g. Qwen3's ``enable_thinking``); tool calls'
+        arguments as objects for the families whose templates want them."""
+        if self.family.object_arguments:
+            messages = with_object_arguments(messages)
         try:
             return self.template.render(
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
+                **(template_args or {}),
                 **{k: v for k, v in self.special.items() if v is not None},
             )
         except TemplateRenderError:
@@ -90,7 +103,9 @@ class ChatTokenizer:
         except (TemplateError, TypeError, KeyError, AttributeError) as exc:
             raise TemplateRenderError(f"the chat template cannot render these messages: {exc}") from None
 
-    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    def render_prompt(
+        self, messages: list[dict], tools: list[dict] | None = None, template_args: dict | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The prompt of ``messages`` (with the generation prompt) and the spans of the special-token
         strings in it that the messages or tools hold, not the template: ``encode`` reads those as text.
 
@@ -98,10 +113,10 @@ class ChatTokenizer:
         as many ``x``: the template writes the same text around them, so the special tokens left are
         the template's own, at the same places. A template that writes the copy to another length (it
         branches on the text) is refused: the proxy could not tell its special tokens from typed ones."""
-        text = self.render(messages, tools)
+        text = self.render(messages, tools, template_args=template_args)
         if self._special is None or not self._types_special((messages, tools)):
             return text, []
-        neutral = self.render(self._neutral(messages), self._neutral(tools))
+        neutral = self.render(self._neutral(messages), self._neutral(tools), template_args=template_args)
         template = {m.span() for m in self._special.finditer(neutral)}
         found = {m.span(): m.group() for m in self._special.finditer(text)}
         if len(neutral) != len(text) or not template <= set(found):
@@ -130,16 +145,16 @@ class ChatTokenizer:
             return [self._neutral(v) for v in value]
         return value
 
-    def reply_rendering(self, messages: list[dict], tools: list[dict] | None, reply: dict) -> tuple[str, str]:
+    def reply_rendering(
+        self, messages: list[dict], tools: list[dict] | None, reply: dict, template_args: dict | None = None
+    ) -> tuple[str, str]:
         """How the template writes ``reply`` once it is history: (the conversation through the reply, the
         text it closes the reply with, e.g. ``<|im_end|>\n``). ("", "") when the template does not write
         the reply after the prompt it made (it rewrites earlier history)."""
         sentinel = f"\x00{id(reply)}\x00"
         try:
-            through = self.render(messages + [reply], tools, add_generation_prompt=False)
-            marked = self.render(
-                messages + [{"role": "assistant", "content": sentinel}], tools, add_generation_prompt=False
-            )
+            through = self.render(messages + [reply], tools, False, template_args)
+            marked = self.render(messages + [{"role": "assistant", "content": sentinel}], tools, False, template_args)
         except TemplateRenderError:
             return "", ""
         closing = marked.partition(sentinel)[2]

@@ -164,12 +164,12 @@ class Proxy:
         params: dict,
         *,
         prompt: str | list[int] | None = None,
-        chat: tuple[list[dict], list[dict] | None] | None = None,
+        chat: tuple[list[dict], list[dict] | None, dict] | None = None,
     ):
         """Generate one reply for ``session`` to a prompt (text or token ids) or a chat (messages, tools
-        or None) and yield the turn, kept in the session; the block sends the reply. A block that raises
-        (the client left before its reply was sent) takes the turn back out: no record holds a reply
-        nobody saw.
+        or None, the template's arguments) and yield the turn, kept in the session; the block sends the
+        reply. A block that raises (the client left before its reply was sent) takes the turn back out: no
+        record holds a reply nobody saw.
 
         Quota: the request is counted, and its token bucket must hold ``max_tokens`` and a token, before
         any work; the prompt and ``max_tokens`` are reserved once it is tokenised, and what the turn did
@@ -182,7 +182,7 @@ class Proxy:
         self.last_seen[session.id] = time.monotonic()
         reserved = used = 0
         try:
-            ids, parent, tools = await self._prompt_ids(session, prompt, chat)
+            ids, parent = await self._prompt_ids(session, prompt, chat)
             self._metered(session.tenant, quota, len(ids) + params["max_new_tokens"], self.meter.reserve)
             reserved = len(ids) + params["max_new_tokens"]
             out = await self._generate(session, ids, params)
@@ -200,7 +200,7 @@ class Proxy:
                 text,
             )
             if chat is not None:
-                keep_reply(turn, self.tokenizer, chat[0], tools)
+                keep_reply(turn, self.tokenizer, *chat)
             session.turns.append(turn)  # now: a next request the client sends on seeing the reply extends it
             try:
                 yield turn
@@ -211,17 +211,17 @@ class Proxy:
             self.meter.refund(session.tenant, quota, reserved - used)
             self.active[session.id] -= 1
 
-    async def _prompt_ids(self, session: Session, prompt, chat) -> tuple[list[int], Turn | None, list | None]:
-        """(the prompt's token ids, the turn it extends, the tools offered): a text prompt extending an
-        earlier turn is that turn's exact ids and the tokens of the new text only (sessions.py)."""
+    async def _prompt_ids(self, session: Session, prompt, chat) -> tuple[list[int], Turn | None]:
+        """(the prompt's token ids, the turn it extends): a text prompt extending an earlier turn is that
+        turn's exact ids and the tokens of the new text only (sessions.py)."""
         if isinstance(prompt, list):
-            return prompt, session.parent_by_ids(prompt), None
-        typed, tools = [], None
+            return prompt, session.parent_by_ids(prompt)
+        typed = []
         if chat is not None:
-            messages, tools = chat
+            messages, tools, template_args = chat
             size = sum(len(m["content"]) for m in messages)
             try:
-                prompt, typed = await self._sized(size, self.tokenizer.render_prompt, messages, tools)
+                prompt, typed = await self._sized(size, self.tokenizer.render_prompt, messages, tools, template_args)
             except TemplateRenderError as exc:
                 raise APIError(400, str(exc), param="messages", code="template_error") from None
         parent, bridge, start = session.extension(prompt) or (None, "", 0)
@@ -230,7 +230,7 @@ class Proxy:
         new_ids = await self._sized(
             len(new_text), self.tokenizer.encode, new_text, [(a + shift, b + shift) for a, b in typed if a >= start]
         )
-        return (parent.full_ids if parent is not None else []) + new_ids, parent, tools
+        return (parent.full_ids if parent is not None else []) + new_ids, parent
 
     async def _sized(self, size: int, function, *args):
         """``function(*args)``: here when ``size`` (characters or tokens) is small, else on a thread (the

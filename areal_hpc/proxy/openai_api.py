@@ -12,6 +12,7 @@ import secrets
 import time
 
 from areal_hpc.algo.temperature import requested_temperature
+from areal_hpc.models.chat_families import DEFAULT_FAMILY, FAMILIES, ChatFamily
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -189,15 +190,38 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_SHAPE = '{"type": "function", "function": {"name": ..., "description"?: ..., "parameters"?: {...}}}'
 
 
-def chat_of(body: dict) -> tuple[list[dict], list[dict] | None]:
-    """A chat request's messages and the tools the model is offered (None for none, and with tool_choice
-    'none'), every field of the request checked (``sampling_params`` checks the sampling ones)."""
+def chat_of(body: dict) -> tuple[list[dict], list[dict] | None, dict]:
+    """A chat request's messages, the tools the model is offered (None for none, and with tool_choice
+    'none') and its chat template's arguments, every field of the request checked (``sampling_params``
+    checks the sampling ones)."""
     messages, tools = messages_of(body), tools_of(body)
     choice = tool_choice_of(body, tools)
     flag(body, "parallel_tool_calls")
     number(body, "top_logprobs", 0, 0, 20, integer=True)
     check_common(body)
-    return messages, None if choice == "none" else tools
+    return messages, None if choice == "none" else tools, template_args_of(body)
+
+
+TEMPLATE_INPUTS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"}
+
+
+def template_args_of(body: dict) -> dict:
+    """``chat_template_kwargs`` (vLLM's and SGLang's field): variables the chat template reads, such as
+    Qwen3's ``enable_thinking``; never the inputs the proxy gives it."""
+    args = body.get("chat_template_kwargs")
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        raise bad(
+            "chat_template_kwargs",
+            args,
+            'an object of template variables, e.g. {"enable_thinking": false}',
+            "invalid_type",
+        )
+    if TEMPLATE_INPUTS & set(args):
+        given = ", ".join(sorted(TEMPLATE_INPUTS & set(args)))
+        raise bad("chat_template_kwargs", args, f"an object without {given} (the request's own fields give those)")
+    return args
 
 
 def tools_of(body: dict) -> list[dict] | None:
@@ -298,31 +322,25 @@ def flag(body: dict, name: str) -> bool:
     return value
 
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def reply_message(text: str, tools_offered: bool) -> dict:
-    """The assistant message of a reply: with tools offered, the ``<tool_call>{"name", "arguments"}</tool_call>``
-    blocks of Qwen/Hermes-style templates become ``tool_calls`` (a block that is not such JSON stays text)."""
-    calls, kept = [], text
-    if tools_offered:
-        for block in TOOL_CALL.finditer(text):
-            try:
-                call = json.loads(block.group(1))
-            except ValueError:
-                continue
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                calls.append(
-                    {
-                        "id": f"call_{secrets.token_hex(12)}",
-                        "type": "function",
-                        "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))},
-                    }
-                )
-                kept = kept.replace(block.group(0), "", 1)
-    if not calls:
-        return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": kept.strip() or None, "tool_calls": calls}
+def reply_message(text: str, tools_offered: bool, family: ChatFamily = FAMILIES[DEFAULT_FAMILY]) -> dict:
+    """The assistant message of a reply written in ``family``'s format: its reasoning apart as
+    ``reasoning_content`` (Qwen3's ``<think>``), and, with tools offered, its calls as ``tool_calls``
+    (``<tool_call>`` JSON blocks for ChatML and Qwen; a call the format does not parse stays text)."""
+    reasoning, text = family.reasoning(text)
+    kept, calls = family.parse_calls(text) if tools_offered else (text, [])
+    message: dict = {"role": "assistant", "content": (kept.strip() or None) if calls else text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{secrets.token_hex(12)}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+            }
+            for call in calls
+        ]
+    return message
 
 
 def finish_reason(server_reason: str) -> str:
@@ -393,10 +411,11 @@ def chat_chunks(
     finish: str,
     usage_: dict | None,
     tool_calls: list[dict] | None = None,
+    reasoning: str | None = None,
 ):
-    """The events of a streamed chat reply: the role, one chunk per piece of text (or, for a reply that
-    calls tools, its text then the calls), the finish reason, then (when the client asked for it with
-    stream_options.include_usage) the usage."""
+    """The events of a streamed chat reply: the role, the reasoning (when the reply has it), one chunk per
+    piece of text (or, for a reply that calls tools, its text then the calls), the finish reason, then (when
+    the client asked for it with stream_options.include_usage) the usage."""
     created = int(time.time())
 
     def chunk(delta: dict, reason: str | None = None, **extra) -> bytes:
@@ -411,6 +430,8 @@ def chat_chunks(
         return sse(event)
 
     yield chunk({"role": "assistant", "content": ""})
+    if reasoning is not None:
+        yield chunk({"reasoning_content": reasoning})
     for piece in pieces:
         if piece:
             yield chunk({"content": piece})

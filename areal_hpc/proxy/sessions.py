@@ -151,12 +151,19 @@ class Session:
         ]
 
 
-def keep_reply(turn: Turn, tokenizer: ChatTokenizer, messages: list[dict], tools: list[dict] | None) -> None:
-    """A chat turn's reply message (tool calls parsed when tools were offered), and how the template
-    writes it once the agent sends it back (content as the proxy reads messages: None is "")."""
-    turn.reply = reply_message(tokenizer.decode(turn.output_ids), bool(tools))
+def keep_reply(
+    turn: Turn,
+    tokenizer: ChatTokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    template_args: dict | None = None,
+) -> None:
+    """A chat turn's reply message (in the template's family's format: tool calls parsed when tools were
+    offered, reasoning apart), and how the template writes it once the agent sends it back (content as the
+    proxy reads messages: None is "")."""
+    turn.reply = reply_message(tokenizer.decode(turn.output_ids), bool(tools), tokenizer.family)
     turn.rendered, closing = tokenizer.reply_rendering(
-        messages, tools, {**turn.reply, "content": turn.reply["content"] or ""}
+        messages, tools, {**turn.reply, "content": turn.reply["content"] or ""}, template_args
     )
     eos = tokenizer.eos_token_ids[:1]
     eos_text = tokenizer.decode(eos, skip_special_tokens=False) if eos and turn.output_ids[-1:] == eos else ""

@@ -1,5 +1,5 @@
 """Batched decoding over a slot KV cache for the families ``builtins.FAMILY_PATHS`` lists for it (Qwen2/2.5/3,
-Qwen3-MoE, Llama 3.x) loaded with transformers.
+Qwen3-MoE, Llama 3.x, Gemma 3) loaded with transformers.
 
 The embedded engine needs what ``generate()`` cannot give: sequences of different lengths joining and
 leaving one running batch at every step. Each running sequence owns a row (slot) of a preallocated
@@ -12,6 +12,12 @@ through oneDNN with weights prepacked at each update (MKL, which ``F.linear`` us
 half as fast on AMD CPUs), the attention is a grouped-query ``baddbmm`` over cache views (no
 key/value expansion), norms are fused and rotary tables are precomputed. A Mixture-of-Experts layer's
 MLP is the model's own module (router and expert loop).
+
+Attention kinds (Gemma 3's ``layer_types``, Qwen's ``use_sliding_window``): each kind has its own rotary
+table (Gemma 3: RoPE base 1e4 local, 1e6 global) and a sliding-window layer's mask hides keys more than
+``sliding_window - 1`` positions back; the cache keeps them all. Gemma 3 also scales the embeddings by
+sqrt(hidden) in the weights' dtype, normalises each block's output as well as its input, scales its RMSNorms
+by (1 + weight), and may softcap the final logits, as its HF forward does.
 """
 
 from __future__ import annotations
@@ -23,8 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from areal_hpc.builtins import check_family
+from areal_hpc.errors import UserError
 
 FIRST_CAPACITY = 64  # cache columns per row before the first growth
+OFFSET_NORMS = {"gemma3_text"}  # families whose RMSNorms scale by (1 + weight)
+REFUSED_SETTINGS = {  # config settings the decoder does not apply: why, and what to do
+    "attn_logit_softcapping": "transformers' forward, which the trainer runs, ignores it too: set it to null",
+    "use_bidirectional_attention": "it generates left to right: use a causal checkpoint",
+}
 
 
 class SlotDecoder:
@@ -38,6 +50,9 @@ class SlotDecoder:
     def __init__(self, model: torch.nn.Module, slots: int, context_length: int):
         config = model.config
         check_family(config.model_type, "embedded decoder", "serve it with rollout.backend=sglang")
+        for name, why in REFUSED_SETTINGS.items():
+            if getattr(config, name, None):
+                raise UserError(f"the embedded decoder does not apply {name}={getattr(config, name)!r}: {why}")
         self.model, self.slots, self.context_length = model, slots, context_length
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -51,17 +66,29 @@ class SlotDecoder:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.lengths = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.last = torch.zeros(slots, dtype=torch.long, device=self.device)
-        with torch.no_grad():  # cos/sin of every position, as the model's rotary embedding computes them
-            cos, sin = model.model.rotary_emb(param, torch.arange(context_length, device=self.device)[None])
-        half = self.head_dim // 2  # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
-        self._cos, self._sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        self._rotary = {kind: self._rotary_table(kind) for kind in {_kind(layer) for layer in model.model.layers}}
+        self._softcap = getattr(config, "final_logit_softcapping", None)
         self.refresh_weights()
+
+    @torch.no_grad()
+    def _rotary_table(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [context, D] of every position for layers of attention ``kind``, as the model's rotary
+        embedding computes them (Gemma 3's has a base per kind)."""
+        rotary, param = self.model.model.rotary_emb, next(self.model.parameters())
+        positions = torch.arange(self.context_length, device=self.device)[None]
+        cos, sin = rotary(param, positions, kind) if hasattr(rotary, "layer_types") else rotary(param, positions)
+        half = self.head_dim // 2  # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
+        return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
     @torch.no_grad()
     def refresh_weights(self) -> None:
         """Gather (and on CPU prepack) each layer's weights, q|k|v and gate|up fused: one larger matmul
         each instead of several small ones. Call after every weight update."""
         body = self.model.model
+        offset = 1.0 if self.model.config.model_type in OFFSET_NORMS else 0.0
+
+        def norm(module):
+            return _Norm(module, offset)
 
         def linear(modules):
             bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
@@ -70,23 +97,29 @@ class SlotDecoder:
         self._layers = []
         for layer in body.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: each block's output normalised too
             self._layers.append(
                 _Layer(
-                    _Norm(layer.input_layernorm),
+                    _kind(layer),
+                    getattr(attn, "sliding_window", None),
+                    norm(layer.input_layernorm),
                     linear([attn.q_proj, attn.k_proj, attn.v_proj]),
                     linear([attn.o_proj]),
                     attn.scaling,
-                    _Norm(attn.q_norm) if hasattr(attn, "q_norm") else None,  # Qwen3 normalises q and k per head
-                    _Norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
-                    _Norm(layer.post_attention_layernorm),
+                    norm(attn.q_norm) if hasattr(attn, "q_norm") else None,  # Qwen3, Gemma 3: q and k per head
+                    norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
+                    norm(layer.post_attention_layernorm) if sandwich else None,
+                    norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+                    norm(layer.post_feedforward_layernorm) if sandwich else None,
                     _DenseMLP(linear([mlp.gate_proj, mlp.up_proj]), linear([mlp.down_proj]), mlp.act_fn)
                     if hasattr(mlp, "gate_proj")
                     else mlp,
                 )
             )
-        self._embedding, self._norm, self._head = (
+        self._embedding, self._embed_scale, self._norm, self._head = (
             body.embed_tokens.weight,
-            _Norm(body.norm),
+            getattr(body.embed_tokens, "embed_scale", None),  # Gemma: sqrt(hidden), applied in the weights' dtype
+            norm(body.norm),
             linear([self.model.lm_head]),
         )
 
@@ -146,15 +179,16 @@ class SlotDecoder:
         values written to the cache first."""
         batch, length = tokens.shape
         hidden = F.embedding(tokens, self._embedding)
-        cos, sin = self._cos[positions][:, :, None], self._sin[positions][:, :, None]  # [B, T, 1, D]
+        if self._embed_scale is not None:
+            hidden = hidden * self._embed_scale.to(hidden.dtype)
+        rotary = {  # [B, T, 1, D] per attention kind
+            kind: (cos[positions][:, :, None], sin[positions][:, :, None]) for kind, (cos, sin) in self._rotary.items()
+        }
         span = int(positions.max()) + 1  # cache columns any row attends to
         self._reserve(span)
-        # A row attends to its cache up to its own position (later columns may hold a previous tenant):
-        # an additive mask, shared by every layer, laid out like the scores [B * kv heads, group * T, span].
-        allowed = torch.arange(span, device=self.device) <= positions[:, :, None]
-        bias = torch.zeros(allowed.shape, dtype=hidden.dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
-        group = self.heads // self.kv_heads
-        bias = bias[:, None, None].expand(batch, self.kv_heads, group, length, span).reshape(-1, group * length, span)
+        masks = {
+            window: self._mask(positions, span, window, hidden.dtype) for window in {x.window for x in self._layers}
+        }
         # Where each new key/value goes in the cache viewed as [slots * kv heads * context, head dim].
         row_heads = torch.arange(first_row, first_row + batch, device=self.device)[
             :, None, None
@@ -166,14 +200,30 @@ class SlotDecoder:
             qk, v = qkv[..., :qk_width].view(batch, length, -1, self.head_dim), qkv[..., qk_width:]
             if layer.q_norm is not None:
                 qk = torch.cat([layer.q_norm(qk[:, :, : self.heads]), layer.k_norm(qk[:, :, self.heads :])], dim=2)
-            qk = _rotate(qk, cos, sin)  # queries and keys in one pass
+            qk = _rotate(qk, *rotary[layer.kind])  # queries and keys in one pass
             q, k = qk[:, :, : self.heads], qk[:, :, self.heads :]
             keys.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
             values.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
-            out = self._attention(layer, q, keys[rows, :, :span], values[rows, :, :span], bias)
-            hidden += layer.o_proj(out)
-            hidden += layer.mlp(layer.post_norm(hidden))
+            out = layer.o_proj(
+                self._attention(layer, q, keys[rows, :, :span], values[rows, :, :span], masks[layer.window])
+            )
+            hidden += out if layer.attn_out_norm is None else layer.attn_out_norm(out)
+            out = layer.mlp(layer.mlp_norm(hidden))
+            hidden += out if layer.mlp_out_norm is None else layer.mlp_out_norm(out)
         return hidden
+
+    def _mask(self, positions: torch.Tensor, span: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """A row attends to its cache up to its own position (later columns may hold a previous tenant), and
+        under a sliding ``window`` to its last ``window`` positions only: an additive mask shared by the layers
+        of that window, laid out like the scores [B * kv heads, group * T, span]."""
+        batch, length = positions.shape
+        columns = torch.arange(span, device=self.device)
+        allowed = columns <= positions[:, :, None]
+        if window is not None:
+            allowed &= columns > positions[:, :, None] - window
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, -torch.inf)
+        group = self.heads // self.kv_heads
+        return bias[:, None, None].expand(batch, self.kv_heads, group, length, span).reshape(-1, group * length, span)
 
     def _reserve(self, columns: int) -> None:
         """Grow every row's cache to at least ``columns`` (doubling, at most the context length)."""
@@ -202,15 +252,21 @@ class SlotDecoder:
         return out.permute(0, 3, 1, 2, 4).reshape(batch, length, self.heads * self.head_dim)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head, only where logits are needed (not at every prompt position)."""
-        return self._head(self._norm(hidden)).float()
+        """Final norm and LM head (and the final softcap), only where logits are needed (not at every prompt
+        position)."""
+        logits = self._head(self._norm(hidden))
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits.float()
 
 
 class _Norm:
-    """A model's RMSNorm as torch's fused op (computed in float32 like HF's): one op instead of seven."""
+    """A model's RMSNorm as torch's fused op (computed in float32 like HF's): one op instead of seven.
+    ``offset``: 1 where the norm scales by (1 + weight) (Gemma's)."""
 
-    def __init__(self, norm: torch.nn.Module):
-        self.weight, self.eps = norm.weight, norm.variance_epsilon
+    def __init__(self, norm: torch.nn.Module, offset: float = 0.0):
+        self.weight = norm.weight.float() + offset if offset else norm.weight
+        self.eps = getattr(norm, "variance_epsilon", None) or norm.eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
@@ -237,19 +293,23 @@ class _Linear:
 class _Layer:
     """One decoder layer's weights, read from its modules once per weight update."""
 
+    kind: str  # its attention kind: which rotary table
+    window: int | None  # a sliding window's length, or None
     input_norm: _Norm
     qkv: _Linear
     o_proj: _Linear
     scaling: float
     q_norm: _Norm | None
     k_norm: _Norm | None
-    post_norm: _Norm
-    mlp: Callable[[torch.Tensor], torch.Tensor]  # a dense SwiGLU, or the model's Mixture-of-Experts block
+    attn_out_norm: _Norm | None  # Gemma's norms of the attention's and the MLP's outputs
+    mlp_norm: _Norm
+    mlp_out_norm: _Norm | None
+    mlp: Callable[[torch.Tensor], torch.Tensor]  # a dense gated MLP, or the model's Mixture-of-Experts block
 
 
 @dataclass(frozen=True)
 class _DenseMLP:
-    """SwiGLU with gate and up fused into one matmul."""
+    """A gated MLP (SwiGLU; Gemma's GELU) with gate and up fused into one matmul."""
 
     gate_up: _Linear
     down: _Linear
@@ -258,6 +318,11 @@ class _DenseMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
+
+
+def _kind(layer: torch.nn.Module) -> str:
+    """A decoder layer's attention kind (``config.layer_types``), "full_attention" where a model has one kind."""
+    return getattr(layer.self_attn, "layer_type", None) or "full_attention"
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

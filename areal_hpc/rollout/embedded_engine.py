@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from areal_hpc.algo.logprobs import token_logprobs
 from areal_hpc.algo.temperature import MIN_TEMPERATURE, is_servable
 from areal_hpc.models.hf import CheckpointError, read_checkpoint
 from areal_hpc.rollout.decoder import SlotDecoder
@@ -344,9 +345,14 @@ class EmbeddedGenerator:
 
     @torch.no_grad()
     def _score(self, input_ids: list[int], start: int) -> list[float | None]:
-        logits = self.model(input_ids=torch.tensor([input_ids], device=self.decoder.device)).logits[0]
-        targets = torch.tensor(input_ids[start + 1 :], device=logits.device)
-        picked = torch.log_softmax(logits[start:-1].float(), dim=-1).gather(1, targets[:, None])[:, 0]
+        """The LM head only at the scored positions, its log-softmax a chunk of them at a time
+        (``algo.logprobs``): a long prompt's [tokens x vocabulary] logits never exist at once."""
+        ids = torch.tensor([input_ids], device=self.decoder.device)
+        hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, start:-1]
+        head, softcap = self.model.get_output_embeddings(), getattr(self.model.config, "final_logit_softcapping", None)
+        picked, _ = token_logprobs(
+            hidden, ids[0, start + 1 :], weight=head.weight, bias=head.bias, softcap=softcap, entropy=False
+        )
         return [None, *picked.tolist()]
 
     def _admit(self) -> None:

@@ -47,3 +47,27 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             f"{pointer} names {folder.name}, which is missing or incomplete; remove {pointer} to start over"
         )
     return folder
+
+
+def model_to_export(path: Path) -> Path:
+    """The model folder ``areal-hpc export`` writes out for ``path``: a model folder itself (an engine's save:
+    config.json, or LoRA adapters), a checkpoint's actor, or for a run folder its newest model: the finished
+    run's ``model/`` or its latest checkpoint's (an RL checkpoint's ``actor/``, an SFT checkpoint itself)."""
+    if not path.exists():
+        raise UserError(f"{path} does not exist (expected a run folder, a checkpoint or a model folder)")
+    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+        return path
+    if (path / "actor").is_dir():
+        return path / "actor"
+    steps = sorted(checkpoint_root(path).glob("step*[0-9]"))  # ``.partial`` ones were cut short
+    candidates = [folder for folder in [path / "model", *steps, *(s / "actor" for s in steps)] if _saved(folder)]
+    if not candidates:
+        raise UserError(
+            f"{path} holds no model: not a model folder (config.json), a checkpoint (actor/) or a run folder "
+            "(model/ or checkpoints/)"
+        )
+    return max(candidates, key=lambda folder: max(f.stat().st_mtime for f in folder.iterdir()))
+
+
+def _saved(folder: Path) -> bool:
+    return (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()

@@ -162,8 +162,8 @@ def memory_text(rows: list[dict]) -> str:
 def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
     """``submit --check-memory DEVICE``: a trainer rank and a rollout server of ``cfg`` on a device of the
     catalogue (H100, ...) or of DEVICE GB; raises ``UserError`` (one line: what, how much, what would fit)
-    for one that cannot fit, else says what each needs. ``logits_chunk_bytes``: the torch engine's chunk
-    of float32 logits (the caller imports the engine; this module stays free of torch)."""
+    for one that cannot fit, else says what each needs. ``logits_chunk_bytes``: the log-softmax's chunk
+    of float32 logits (``algo.logprobs``: the caller imports it; this module stays free of torch)."""
     from areal_hpc.layout import MixedLayout
     from areal_hpc.sched.hardware import CATALOGUE
     from areal_hpc.sched.memory import (

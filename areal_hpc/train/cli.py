@@ -1,9 +1,10 @@
-"""``areal-hpc init-model | sft | dpo | rm | pairs | eval | tree-cost | repro dta``: the training package's
+"""``areal-hpc init-model | sft | dpo | rm | pairs | eval | export | tree-cost | repro dta``: the training package's
 subcommands, each as the function that declares its arguments and the one that runs it; ``areal_hpc/cli.py``
 lists them in its table.
 
     areal-hpc init-model --out runs/tiny            areal-hpc sft --config configs/sft_tiny.yaml
     areal-hpc eval --model runs/tiny --task countdown --limit 50
+    areal-hpc export runs/quickstart/trial0 --out hf/quickstart --dtype bfloat16
     areal-hpc pairs --model DIR --config configs/preference_arithmetic.yaml --out pairs.jsonl
     areal-hpc dpo --config configs/preference_arithmetic.yaml preference.path=pairs.jsonl
 
@@ -21,6 +22,7 @@ from typing import Any
 from areal_hpc import builtins
 from areal_hpc.arguments import extension, optional_config_arguments
 from areal_hpc.errors import UserError
+from areal_hpc.models.chat_families import FAMILIES
 
 
 def init_model_arguments(init: argparse.ArgumentParser) -> None:
@@ -29,8 +31,14 @@ def init_model_arguments(init: argparse.ArgumentParser) -> None:
     init.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "small", "tiny-moe"],
-        help="model size and kind (default: tiny; tiny-moe: a Qwen3-MoE with 8 experts)",
+        choices=list(builtins.MODEL_PRESETS),
+        help="model size and kind (default: tiny; tiny-moe: a Qwen3-MoE with 8 experts; *-replica: a released "
+        "model's structure at a small size)",
+    )
+    init.add_argument(
+        "--template",
+        choices=list(FAMILIES),
+        help="the tokenizer's chat template and special tokens (default: the replica's original's, else chatml)",
     )
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
 
@@ -40,11 +48,55 @@ def run_init_model(args: argparse.Namespace) -> int:
     from areal_hpc.models.hf import load_model
     from areal_hpc.models.tiny import count_parameters, init_model
 
-    out = init_model(args.out, corpus_for_tokenizer(args.seed), preset=args.preset, seed=args.seed)
+    out = init_model(
+        args.out, corpus_for_tokenizer(args.seed), preset=args.preset, seed=args.seed, template=args.template
+    )
     model = load_model(out)
     print(
         f"wrote {args.preset} {type(model).__name__} ({count_parameters(model) / 1e6:.2f}M parameters) "
         f"and tokenizer to {out}"
+    )
+    return 0
+
+
+def export_arguments(export: argparse.ArgumentParser) -> None:
+    """Declare ``export``'s arguments on its parser."""
+    export.add_argument(
+        "path",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a run folder (its newest model: model/ or the latest checkpoint), a checkpoint, or a saved model folder",
+    )
+    export.add_argument("--out", required=True, metavar="DIR", help="new (or empty) folder for the Hugging Face model")
+    export.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights' dtype (default: bfloat16)"
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="2GB",
+        metavar="SIZE",
+        help="largest safetensors shard, e.g. 2GB, 500MB, 5GiB (default: 2GB); one file when the model fits",
+    )
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from areal_hpc.models.export import export_model, refuse_non_empty
+    from areal_hpc.runtime.run_state import model_to_export
+
+    try:
+        limit = convert_file_size_to_int(args.max_shard_size)
+    except ValueError:
+        limit = 0
+    if limit <= 0:
+        raise UserError(f"--max-shard-size {args.max_shard_size!r} is not a size; use e.g. 2GB, 500MB or 5GiB")
+    out = Path(args.out)
+    refuse_non_empty(out)
+    source = model_to_export(Path(args.path))
+    exported = export_model(source, out, args.dtype, limit)
+    print(
+        f"exported {source} to {out}: {exported.tensors} tensors in {args.dtype}, {exported.bytes / 1e6:.1f} MB "
+        f"in {exported.shards} shard{'s' if exported.shards > 1 else ''}"
     )
     return 0
 

@@ -1,6 +1,6 @@
 """bench/gpu_check.py's dry run: every section of the GPU check runs on the CPU at toy sizes, as CI can,
-and its figures are consistent (the engine decodes exactly the tokens asked for, the logprobs agree
-with the float32 reference within the stated tolerance)."""
+for every family, and its figures are consistent (the engine decodes exactly the tokens asked for, the
+logprobs agree with the float32 reference within the stated tolerance); it writes nothing outside ``--out``."""
 
 from __future__ import annotations
 
@@ -15,21 +15,25 @@ import pytest
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_check import DRY, SECTIONS, catalogue_peak_tflops  # noqa: E402
+from gpu_check import DRY, FAMILY_MODELS, SECTIONS, catalogue_peak_tflops  # noqa: E402
 
 
 @pytest.mark.slow
-def test_dry_run_runs_every_section(tmp_path):
+def test_dry_run_runs_every_section_for_every_family_and_writes_only_under_out(tmp_path):
+    elsewhere, out = tmp_path / "working_directory", tmp_path / "out"
+    elsewhere.mkdir()
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
-        cwd=ROOT,
+        [sys.executable, ROOT / "bench/gpu_check.py", "--dry-run", "--out", out],
+        cwd=elsewhere,
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(elsewhere.iterdir()) == []
+    assert sorted(path.name for path in out.iterdir()) == ["gpu_check.json", "gpu_check.md"]
+    result = json.loads((out / "gpu_check.json").read_text())
     sections = result["sections"]
     assert set(sections) == set(SECTIONS)
     assert not [name for name, section in sections.items() if "error" in section]
@@ -44,7 +48,12 @@ def test_dry_run_runs_every_section(tmp_path):
     attention = sections["attention"]["rows"]
     assert all(row["max_abs_vs_float32"] < 0.05 for row in attention.values())
     assert sections["weight_push"]["bytes"] > 0
-    assert "# GPU check (dry run" in (tmp_path / "gpu_check.md").read_text()
+    families = sections["families"]["rows"]
+    assert set(families) == set(FAMILY_MODELS)
+    for row in families.values():
+        assert row["torch_engine"]["tokens"] == row["megatron_engine"]["tokens"] == DRY.tokens_per_step, row
+        assert row["greedy"]["equal"] == row["greedy"]["sequences"], row
+    assert "# GPU check (dry run" in (out / "gpu_check.md").read_text()
 
 
 def test_device_names_find_their_catalogue_peak():

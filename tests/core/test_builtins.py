@@ -215,15 +215,15 @@ def test_the_built_in_engines_capabilities_are_their_classes():
 
 
 def test_a_model_family_a_path_does_not_take_is_refused_by_name():
-    from transformers import Gemma3TextConfig
+    from transformers import MistralConfig
 
     from areal_hpc.engines.megatron.convert import ModelShape
 
-    config = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
     with pytest.raises(UserError) as refused:
         ModelShape.from_hf(config)
     assert str(refused.value) == (
-        "the Megatron engine takes qwen2, qwen3, qwen3_moe, llama models, not 'gemma3_text': "
+        "the Megatron engine takes qwen2, qwen3, qwen3_moe, llama, gemma3_text models, not 'mistral': "
         "train it with actor.engine=torch"
     )
     assert builtins.family_supports("llama", "embedded decoder") and not builtins.family_supports("gemma3", "x")

@@ -17,7 +17,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from areal_hpc.engines.base import OPTIMIZER_SHARDS, TRAINING_STATE
 from areal_hpc.engines.megatron.convert import ModelShape, gpt_model_args, hf_to_megatron, stage_names, stage_to_hf
@@ -25,10 +34,11 @@ from areal_hpc.engines.megatron.engine import check_layout
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.errors import UserError
 from areal_hpc.layout import ParallelDims
-from areal_hpc.models.hf import load_critic, load_model
+from areal_hpc.models.hf import load_critic, load_model, load_tokenizer, save_model
 from tests.engines.test_parallel_layouts import STEP, assert_same_step, single_process
 from tests.engines.test_torch_parallel import assert_same_step as assert_same_engine_step
-from tests.native_ranks import reference_run, seeded_batch
+from tests.models.test_export import assert_exports_as_trained
+from tests.native_ranks import LOGITS_IN_CHUNKS, reference_run, seeded_batch
 from tests.trainer_processes import run_ranks as run_trainer_ranks
 
 
@@ -60,31 +70,129 @@ def reference_folder(tmp_path_factory) -> str:
         (2, ("tp=2",)),
         (2, ("cp=2",)),
         (2, ("tp=2", "sp=1")),
-        (2, ("cp=2", "temperatures=mixed")),
-        (2, ("tp=2", "sp=1", "temperatures=mixed")),
+        (2, ("cp=2", "temperatures=mixed", LOGITS_IN_CHUNKS)),
+        (2, ("tp=2", "sp=1", "temperatures=mixed", LOGITS_IN_CHUNKS)),
     ],
     ids=[
         "one_process",
         "tp2",
         "cp2",
         "tp2_sequence_parallel",
-        "cp2_mixed_temperatures",
-        "tp2_sequence_parallel_mixed_temperatures",
+        "cp2_mixed_temperatures_logits_in_chunks",
+        "tp2_sequence_parallel_mixed_temperatures_logits_in_chunks",
     ],
 )
 def test_forward_equals_hf_packed_policy_outputs(world, options, tiny_model_dir, tmp_path):
     """Per-sequence RoPE and attention over THD-packed rows, and the vocabulary-parallel log-softmax at
     T = 0.7 (or at each sequence's own temperature, as records sampled at different ones carry them,
-    through context shards and sequence-parallel padding), against the Hugging Face model's own packed
-    forward."""
+    through context shards and sequence-parallel padding; there a few positions at a time), against the
+    Hugging Face model's own packed forward."""
     assert_forward_equals_hf(world, options, tiny_model_dir, tmp_path)
 
 
+# Gemma 3's structure at the tests' scale: a sliding-window layer of 6 tokens (shorter than most sequences of
+# ``seeded_batch``) at RoPE base 1e4, then a global layer at 1e6 scaled "linear" x8 (Gemma 3 4B-27B's),
+# queries scaled by a query_pre_attn_scalar other than the head dimension, heads wider in all than the hidden
+# size (as Gemma 3 1B's), which is no square (sqrt(hidden) scales the embeddings)
+GEMMA3 = dict(
+    hidden_size=24,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=6,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    },
+)
+
+
+def family_dir(family: str, tiny_model_dir, folder, **config):
+    """``random_model`` of ``family`` (4 heads in 2 groups, two layers, a tied head) with the tiny model's
+    tokenizer, saved in ``folder``."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    save_model(random_model(family, 4, 2, 2, True, 0, vocab=len(tokenizer), **config), tokenizer, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tiny_model_dir, tmp_path_factory):
+    return family_dir("qwen3", tiny_model_dir, tmp_path_factory.mktemp("qwen3") / "model")
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tiny_model_dir, tmp_path_factory):
+    return family_dir("gemma3", tiny_model_dir, tmp_path_factory.mktemp("gemma3") / "model", **GEMMA3)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``run_ranks(world, model_dir, *options)``, each run once in this module (one process's is others' reference)."""
+    done = {}
+
+    def run(world: int, model_dir, *options: str) -> dict:
+        key = (world, str(model_dir), options)
+        if key not in done:
+            done[key] = run_ranks(world, model_dir, tmp_path_factory.mktemp("run") / "out.pt", *options)
+        return done[key]
+
+    return run
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, options", [(1, ()), (2, ("tp=2",))], ids=["one_process", "tp2"])
-def test_a_llama_forward_equals_hf(world, options, tiny_llama_dir, tmp_path):
-    """Llama 3's structure: no q/k/v biases, RoPE scaled as "llama3", an untied head."""
-    assert_forward_equals_hf(world, options, tiny_llama_dir, tmp_path)
+@pytest.mark.parametrize(
+    "model, world, options",
+    [
+        ("tiny_llama_dir", 1, ()),
+        ("tiny_llama_dir", 2, ("tp=2",)),
+        ("qwen3_dir", 1, ()),
+        ("gemma3_dir", 1, ()),
+        ("gemma3_dir", 4, ("tp=2", "sp=1", "cp=2")),
+        ("gemma3_dir", 2, ("pp=2",)),
+    ],
+    ids=[
+        "llama_one_process",
+        "llama_tp2",
+        "qwen3_one_process",
+        "gemma3_one_process",
+        "gemma3_tp2xcp2_sequence_parallel",
+        "gemma3_pp2",
+    ],
+)
+def test_family_forward_equals_hf_one_sequence_at_a_time(model, world, options, request, runs):
+    """Llama 3 (no q/k/v biases, RoPE scaled as "llama3", an untied head), Qwen3 (q/k RMSNorm) and Gemma 3 (see
+    ``GEMMA3``; (1 + w) RMSNorms before and after attention and the MLP, embeddings times sqrt(hidden), gated
+    tanh-GELU): Megatron's logprobs and entropies equal those of the Hugging Face model run on each sequence
+    alone. The rollout push names every tensor as the Hugging Face model does, and Gemma 3's step is one
+    process's in other layouts too (sandwich norms after the TP reduce-scatter, their gradients summed over the
+    TP ranks; windows over context shards; windows and their RoPE base by global layer number on the second
+    pipeline stage)."""
+    model_dir = request.getfixturevalue(model)
+    got = runs(world, model_dir, *options, "temperature=0.7")
+    assert_outputs_equal_hf(got, options, model_dir, reference=hf_outputs_one_sequence_at_a_time)
+    assert got["weights"].keys() == load_model(model_dir).state_dict().keys()
+    if model == "gemma3_dir" and world > 1:
+        one = runs(1, model_dir, "temperature=0.7")
+        (rank,) = one["ranks"]
+        outputs = {
+            name: [values[rank["indices"].index(i)] for i in range(len(values))]
+            for name, values in rank["outputs"].items()
+        }
+        assert_same_engine_step(got, {"outputs": outputs, "stats": rank["stats"], "weights": one["weights"]})
+
+
+def hf_outputs_one_sequence_at_a_time(model, batch, temperature: float) -> dict[str, torch.Tensor]:
+    """{"logprobs", "entropy"} at the batch's target positions (0 elsewhere) from ``model``'s plain forward of
+    each sequence alone."""
+    packed, _ = batch.packed()
+    logits = torch.cat([model(torch.tensor([s])).logits[0] for s in batch.sequences]).float() / temperature
+    logprobs = logits.log_softmax(-1)
+    targets, tokens = packed.target_tokens()
+    chosen, entropy = logprobs[targets, tokens], -(logprobs.exp() * logprobs).sum(-1)[targets]
+    return {
+        name: torch.zeros(len(logits)).index_put((targets,), v)
+        for name, v in (("logprobs", chosen), ("entropy", entropy))
+    }
 
 
 def test_llama3_rope_scaling_builds_the_frequencies_hf_uses(tiny_llama_dir):
@@ -134,11 +242,19 @@ def test_rope_scalings_megatron_does_not_build_are_one_user_error(rope, message)
 
 def assert_forward_equals_hf(world: int, options: tuple, model_dir, tmp_path) -> None:
     got = run_ranks(world, model_dir, tmp_path / "out.pt", *options, "temperature=0.7")
+    assert_outputs_equal_hf(got, options, model_dir)
+
+
+def assert_outputs_equal_hf(got: dict, options: tuple, model_dir, reference=None) -> None:
+    """The outputs at T = 0.7 that ranks of layout ``options`` returned (``got``) are those of the HF model's
+    packed forward (or of ``reference(model, batch, temperature)``)."""
     for rank in got["ranks"]:
         batch = seeded_batch(mixed_temperatures="temperatures=mixed" in options).select(rank["indices"])
-        packed, _ = batch.packed()
         with torch.no_grad():
-            expected = packed_policy_outputs(load_model(model_dir), packed, temperature=0.7)
+            if reference is None:
+                expected = packed_policy_outputs(load_model(model_dir), batch.packed()[0], temperature=0.7)
+            else:
+                expected = reference(load_model(model_dir), batch, 0.7)
         assert [len(v) for v in rank["outputs"]["logprobs"]] == [len(s) for s in batch.sequences]
         for name, values in expected.items():
             torch.testing.assert_close(torch.cat(rank["outputs"][name]), values, rtol=1e-5, atol=1e-5, msg=name)
@@ -172,14 +288,17 @@ def test_ppo_update_equals_the_torch_engine_in_one_process(layout, tiny_model_di
 
 @pytest.mark.distributed
 def test_step_with_an_empty_share_and_checkpoint_round_trip(tiny_model_dir, reference, tmp_path):
-    """tp2 x dp2 with one replica training on nothing, gradient clipping active; the checkpoint
-    restores weights, Adam moments and the schedule, is a complete HF folder, and its weights load
-    into pp2."""
+    """tp2 x dp2 with one replica training on nothing, gradient clipping active, the log-softmax's
+    gradient a few positions at a time; the checkpoint restores weights, Adam moments and the schedule, is a
+    complete HF folder, and its weights load into pp2."""
     folder = tmp_path / "checkpoint"
-    got = run_ranks(4, tiny_model_dir, tmp_path / "saved.pt", "tp=2", "dp=2", "empty=1", f"save={folder}")
+    got = run_ranks(
+        4, tiny_model_dir, tmp_path / "saved.pt", "tp=2", "dp=2", "empty=1", LOGITS_IN_CHUNKS, f"save={folder}"
+    )
     assert_same_engine_step(in_reference_order(got, reference), reference)
     assert reference["stats"]["grad_norm"] > 0.5  # the clipping at 0.5 took part
     assert_checkpoint_round_trip(got, folder, tiny_model_dir, tmp_path, 2, "pp=2")
+    assert_exports_as_trained(folder, got["weights"], tmp_path)  # `areal-hpc export` of it: plain transformers
 
 
 @pytest.mark.distributed
@@ -220,24 +339,31 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 
 
-def random_model(family: str, heads: int, kv_heads: int, layers: int, tied: bool, seed: int):
+def random_model(family: str, heads: int, kv_heads: int, layers: int, tied: bool, seed: int, vocab=48, **config):
+    """A random model of ``family`` (``config``: more or other config fields) whose norm weights are drawn away
+    from their initial 1 (Gemma's: 0), where a norm left out, applied as w rather than 1 + w, or converted under
+    another's name would not show."""
     config_class, model_class = FAMILIES[family]
+    shape = dict(hidden_size=8 * heads, intermediate_size=24, head_dim=8, max_position_embeddings=64)
     config = config_class(
-        vocab_size=48,
-        hidden_size=8 * heads,
-        intermediate_size=24,
+        vocab_size=vocab,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=8,
         tie_word_embeddings=tied,
-        max_position_embeddings=64,
+        **shape | config,
     )
     torch.manual_seed(seed)
-    return model_class(config)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.5 * torch.randn_like(parameter))
+    return model
 
 
 @settings(max_examples=25, deadline=None)
@@ -298,6 +424,35 @@ def test_layouts_not_built_are_one_user_error(sizes, message, tiny_model_dir):
     shape = ModelShape.from_hf(load_model(tiny_model_dir).config)
     with pytest.raises(UserError, match=message) as error:
         check_layout(ParallelDims(**sizes), shape)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "refused, message",
+    [
+        (dict(final_logit_softcapping=30.0), "Gemma 3 with final_logit_softcapping=None, not 30.0"),
+        (dict(attn_logit_softcapping=50.0), "Gemma 3 with attn_logit_softcapping=None, not 50.0"),
+        (dict(use_bidirectional_attention=True), "Gemma 3 with use_bidirectional_attention=False, not True"),
+        (dict(hidden_activation="gelu"), "Gemma 3 with hidden_activation=gelu_pytorch_tanh, not 'gelu'"),
+        (
+            dict(
+                rope_parameters={
+                    **GEMMA3["rope_parameters"],
+                    "sliding_attention": GEMMA3["rope_parameters"]["full_attention"],
+                }
+            ),
+            "Gemma 3's sliding-window layers without RoPE scaling, not 'linear'",
+        ),
+        ("critic", "cannot build a PPO critic of a Gemma 3 model"),
+    ],
+)
+def test_what_megatron_does_not_build_of_gemma3_is_one_user_error(refused, message):
+    changes = refused if isinstance(refused, dict) else {}
+    config = Gemma3TextConfig(num_attention_heads=4, num_hidden_layers=2, **GEMMA3 | changes)
+    with pytest.raises(UserError, match=re.escape(message)) as error:
+        shape = ModelShape.from_hf(config)
+        if refused == "critic":
+            shape.critic()
     assert "\n" not in str(error.value)
 
 

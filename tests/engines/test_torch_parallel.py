@@ -13,7 +13,9 @@ from areal_hpc.engines.torch.parallelize import check_layout
 from areal_hpc.errors import UserError
 from areal_hpc.layout import ParallelDims
 from areal_hpc.models.hf import fuse_expert_weights, load_model, load_tokenizer, save_model
-from tests.native_ranks import reference_run, seeded_batch
+from areal_hpc.models.tiny import preset_config
+from tests.models.test_export import assert_exports_as_trained
+from tests.native_ranks import LOGITS_IN_CHUNKS, reference_run, seeded_batch
 from tests.trainer_processes import run_ranks as run_trainer_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -84,7 +86,7 @@ def assert_same_step(got: dict, reference: dict) -> None:
 
 LAYOUTS = {  # name: (processes, options)
     "dp2": (2, ["dp=2"]),
-    "fsdp2_empty_share": (2, ["dp=2", "fsdp=1", "empty=1"]),
+    "fsdp2_empty_share_logits_in_chunks": (2, ["dp=2", "fsdp=1", "empty=1", LOGITS_IN_CHUNKS]),
     "tp2": (2, ["tp=2"]),
     "tp2_dp2": (4, ["tp=2", "dp=2"]),
     "pp2": (2, ["pp=2"]),
@@ -102,12 +104,27 @@ def test_one_step_equals_one_process(layout, tiny_model_dir, reference, tmp_path
     assert_same_step(run_ranks(world, tiny_model_dir, tmp_path / "out.pt", *options), reference)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "fsdp2_empty_share"])
-def test_a_llama_step_equals_one_process(layout, tiny_llama_dir, tmp_path):
-    """Llama 3's structure (its own attention and RoPE scaling, an untied head) through the same layouts."""
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        ("llama", "tp2"),
+        ("llama", "pp2"),
+        ("llama", "fsdp2_empty_share_logits_in_chunks"),
+        ("qwen3-replica", "tp2"),
+        ("gemma3", "tp2"),
+        ("gemma3-replica", "cp2_fsdp2_empty_share"),
+    ],
+)
+def test_another_familys_step_equals_one_process(family, layout, request, preset_dir, tmp_path):
+    """Llama 3's structure (its own attention and RoPE scaling, an untied head), Qwen3's (q/k norms per head,
+    whose gradients tp ranks sum over their heads) and Gemma 3's (sliding-window layers shorter than the
+    batch's longer sequences: 16 tokens in the replica; 6 in ``small_gemma3``, with softcapped logits and two
+    key/value heads for tp) through the same layouts."""
+    fixtures = {"llama": "tiny_llama_dir", "gemma3": "tiny_gemma3_dir"}
+    model_dir = request.getfixturevalue(fixtures[family]) if family in fixtures else preset_dir(family)
     world, options = LAYOUTS[layout]
-    got = run_ranks(world, tiny_llama_dir, tmp_path / "out.pt", *options)
-    assert_same_step(got, reference_run(tiny_llama_dir))
+    got = run_ranks(world, model_dir, tmp_path / "out.pt", *options)
+    assert_same_step(got, reference_run(model_dir))
 
 
 GROUPS = {  # training groups of different shapes (dp.tp.pp each), in one job
@@ -162,6 +179,7 @@ def test_tp2_fsdp2_checkpoint_restores_the_step_and_loads_into_other_layouts(tin
         assert list(loaded) == list(reference["weights"])
         for name, tensor in loaded.items():
             assert torch.equal(tensor, plain[name]), (options, name)
+    assert_exports_as_trained(folder, got["weights"], tmp_path)  # `areal-hpc export` of it: plain transformers
 
 
 def test_pp2_checkpoint_restores_the_step(tiny_model_dir, reference, tmp_path):
@@ -176,6 +194,16 @@ def test_pp2_checkpoint_restores_the_step(tiny_model_dir, reference, tmp_path):
     loaded = run_ranks(2, tiny_model_dir, tmp_path / "loaded.pt", "pp=2", f"load={tiny_model_dir}")["weights"]
     initial = load_model(tiny_model_dir).state_dict()
     assert all(torch.equal(loaded[name], initial[name]) for name in initial)
+    assert_exports_as_trained(folder, got["weights"], tmp_path)
+
+
+def test_gemma3_is_not_cut_into_pipeline_stages():
+    """A stage's decoder would pick each layer's RoPE table by its index within the stage, not in the model."""
+    config = preset_config("gemma3-replica")
+    with pytest.raises(
+        UserError, match=r"does not cut a model that mixes attention layer types .*; use actor.parallel.pp=1"
+    ):
+        check_layout(ParallelDims(pp=2), config)
 
 
 @pytest.mark.parametrize(

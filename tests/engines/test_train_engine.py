@@ -19,7 +19,8 @@ from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.train.evaluate import evaluate_model
-from areal_hpc.train.sft import sft_step
+from areal_hpc.train.sft import sft_batch, sft_step
+from tests.conftest import small_gemma3
 
 
 def is_target(prompt, completion: str, prompt_ids, completion_ids, answer: str, **fields) -> float:
@@ -28,14 +29,18 @@ def is_target(prompt, completion: str, prompt_ids, completion_ids, answer: str, 
 
 
 def engine_on(model_dir, clip: float = 0.0, max_tokens_per_mb: int = 4096) -> TorchTrainEngine:
+    return engine_of(load_model(model_dir), clip, max_tokens_per_mb, load_tokenizer(model_dir))
+
+
+def engine_of(model, clip: float = 0.0, max_tokens_per_mb: int = 4096, tokenizer=None) -> TorchTrainEngine:
     return TorchTrainEngine(
-        load_model(model_dir),
+        model,
         packed_policy_outputs,
         lr=1e-3,
         total_steps=10,
         optimizer=OptimizerConfig(gradient_clipping=clip),
         max_tokens_per_mb=max_tokens_per_mb,
-        tokenizer=load_tokenizer(model_dir),
+        tokenizer=tokenizer,
     )
 
 
@@ -51,17 +56,24 @@ def sft_pairs(n: int = 6, seed: int = 0) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
-def test_sft_step_is_the_mean_completion_token_nll_of_the_whole_batch(tiny_model_dir):
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_sft_step_is_the_mean_completion_token_nll_of_the_whole_batch(family, tiny_model_dir):
+    """Packed micro-batches of several sequences against a float64 forward of each sequence alone: the
+    logprobs, the loss and the gradients. Gemma 3 (``small_gemma3``): sliding-window layers of 4 tokens in
+    sequences of up to 22, each kind with its RoPE base, and softcapped logits."""
+    build = (lambda: load_model(tiny_model_dir)) if family == "qwen2" else (lambda: small_gemma3(640, window=4))
     pairs = sft_pairs()
-    engine = engine_on(tiny_model_dir, max_tokens_per_mb=24)  # several micro-batches
+    engine = engine_of(build(), max_tokens_per_mb=24)  # several micro-batches
+    logprobs_of = engine.forward(sft_batch(pairs))["logprobs"]
     stats = sft_step(engine, pairs)
 
-    reference = load_model(tiny_model_dir).double()  # token by token, one sequence at a time
+    reference = build().double()  # one sequence at a time
     nll, count = torch.zeros((), dtype=torch.float64), 0
-    for tokens, mask in pairs:
+    for (tokens, mask), got in zip(pairs, logprobs_of):
         logprobs = torch.log_softmax(reference(input_ids=torch.tensor([tokens])).logits[0], dim=-1)
         for t in range(1, len(tokens)):
             if mask[t]:
+                assert got[t - 1].item() == pytest.approx(logprobs[t - 1, tokens[t]].item(), abs=1e-5)
                 nll, count = nll - logprobs[t - 1, tokens[t]], count + 1
     (nll / count).backward()
 

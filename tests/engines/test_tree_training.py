@@ -476,3 +476,21 @@ def test_tree_training_over_two_replicas_takes_the_flat_step_of_one_process(
 @functools.cache
 def flat_single_process(model_dir: str, estimator: str, folder: str) -> dict:
     return run_ranks(1, model_dir, f"{folder}/flat-{estimator}.pt", *STEP, *ESTIMATORS[estimator])
+
+
+@pytest.mark.parametrize(("folder", "trains_trees"), [("tiny_llama_dir", True), ("tiny_gemma3_dir", False)])
+def test_tree_training_takes_a_model_by_its_family(folder, trains_trees, request):
+    """Llama's tree step is the flat step; Gemma 3's sliding-window layers would cut a prefix's cached keys
+    at the window, so ``auto`` settles to off and dta is one line, at resolve and in the engine."""
+    folder = request.getfixturevalue(folder)
+    auto = resolve(load_config(None, [f"model.path={folder}", "actor.tree_training=auto"]), Host.probe())
+    assert auto.cfg.actor.tree_training == ("dta" if trains_trees else "off")
+    if trains_trees:
+        prompt = [5 + 7 * i for i in range(9)]
+        sequences = [prompt + [11 + 13 * i + j for j in range(3 + i)] for i in range(3)]
+        assert_tree_step_exact(load_model(folder), ppo_batch(sequences, 0, False), 24, 0)
+        return
+    with pytest.raises(UserError, match="sliding-window|gemma3_text.*actor.tree_training=off"):
+        resolve(load_config(None, [f"model.path={folder}", "actor.tree_training=dta"]), Host.probe())
+    with pytest.raises(UserError, match="gemma3_text.*actor.tree_training=off"):
+        engine(load_model(folder), "dta")

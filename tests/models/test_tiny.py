@@ -5,14 +5,18 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
 
+from areal_hpc.builtins import MODEL_PRESETS
 from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.models.chat import completion_ids, prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
-from areal_hpc.models.tiny import count_parameters
+from areal_hpc.models.replicas import REPLICAS
+from areal_hpc.models.tiny import PRESETS, count_parameters
 from areal_hpc.models.tokenizer import build_tokenizer
 
 
@@ -77,3 +81,34 @@ def test_encode_decode_round_trip_preserves_any_text(tiny_model_dir, text):
 @functools.lru_cache
 def _cached_tokenizer(path: str):
     return load_tokenizer(path)
+
+
+def test_every_preset_name_has_one_shape():
+    assert list(MODEL_PRESETS) == [*PRESETS, *REPLICAS]
+
+
+@pytest.mark.parametrize("preset", list(MODEL_PRESETS))
+def test_each_preset_is_a_model_of_its_family_that_transformers_loads(preset, preset_dir):
+    """``init-model --preset``'s folder: plain transformers builds the preset's family from it, with the
+    tokenizer's vocabulary and the head tied to the embeddings, and generates from it; a replica keeps what
+    sets its original apart (Qwen3-1.7B: q/k norms, heads x head dim = hidden; Llama-3.2-1B: "llama3" RoPE
+    scaling, 4 query heads per key/value head; gemma-3-1b: five sliding-window layers to one global, each kind
+    its RoPE base, one key/value head)."""
+    folder = preset_dir(preset)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), load_tokenizer(folder)
+    config = model.config
+    assert config.model_type == MODEL_PRESETS[preset] and config.vocab_size == len(tokenizer)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    prompt = torch.tensor([prompt_ids(tokenizer, "What is 2+2?")])
+    assert model.generate(prompt, max_new_tokens=3, do_sample=False).shape == (1, prompt.shape[1] + 3)
+    if preset == "qwen3-replica":
+        assert hasattr(model.model.layers[0].self_attn, "q_norm")
+        assert config.num_attention_heads * config.head_dim == config.hidden_size
+    if preset == "llama3-replica":
+        assert config.rope_parameters["rope_type"] == "llama3"
+        assert config.num_attention_heads == 4 * config.num_key_value_heads
+    if preset == "gemma3-replica":
+        assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+        assert config.sliding_window < config.max_position_embeddings and config.num_key_value_heads == 1
+        thetas = {kind: config.rope_parameters[kind]["rope_theta"] for kind in ("sliding_attention", "full_attention")}
+        assert thetas == {"sliding_attention": 1e4, "full_attention": 1e6}

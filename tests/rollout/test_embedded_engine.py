@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -23,22 +23,32 @@ from areal_hpc.errors import UserError
 from areal_hpc.models.hf import load_model
 from areal_hpc.rollout.decoder import FIRST_CAPACITY, SlotDecoder
 from areal_hpc.rollout.embedded_engine import EmbeddedGenerator, Request, SamplingParams, compacted, row_moves
-from tests.conftest import small_llama
+from tests.conftest import small_gemma3, small_llama
 from tests.rollout.test_server import PROMPT, teacher_forced_logprobs
 
 
 def test_a_family_the_decoder_does_not_take_is_refused_by_name():
-    config = Gemma3TextConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    config = MistralConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4
     )
-    with pytest.raises(UserError, match=r"the embedded decoder takes qwen2, .*llama models, not 'gemma3_text': serve"):
-        EmbeddedGenerator(Gemma3ForCausalLM(config), slots=2, context_length=64)
+    with pytest.raises(
+        UserError, match=r"the embedded decoder takes qwen2, .*gemma3_text models, not 'mistral': serve"
+    ):
+        EmbeddedGenerator(MistralForCausalLM(config), slots=2, context_length=64)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("attn_logit_softcapping", "attn_logit_softcapping=50.0: transformers' forward, which the trainer runs,"),
+        ("use_bidirectional_attention", "use_bidirectional_attention=True: it generates left to right"),
+    ],
+)
+def test_a_gemma3_setting_the_decoder_does_not_apply_is_refused_by_name(setting, message):
+    model = small_gemma3(97)
+    setattr(model.config, setting, 50.0 if setting == "attn_logit_softcapping" else True)
+    with pytest.raises(UserError, match=f"^the embedded decoder does not apply {message}"):
+        EmbeddedGenerator(model, slots=2, context_length=64)
 
 
 def test_a_forward_pass_that_raises_because_of_one_row_fails_that_request_only(tiny_model_dir):
@@ -114,13 +124,16 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], output_ids: list[i
         lambda: small_qwen3(True),
         lambda: small_llama(97, 128, 32, tied=True),
         lambda: small_llama(97, 128, 32, tied=False),
+        lambda: small_gemma3(97),
     ],
-    ids=["qwen3", "qwen3_moe", "llama3-tied", "llama3-untied"],
+    ids=["qwen3", "qwen3_moe", "llama3-tied", "llama3-untied", "gemma3"],
 )
 def test_each_familys_logprobs_equal_a_teacher_forced_pass(build):
     """Qwen3 normalises queries and keys per head; Qwen3-MoE's layers run their router and experts; Llama 3
-    scales its rotary frequencies by band and may tie its head: the decoder's path for each, prompts of
-    several lengths prefilled together and decoding side by side past the original context of 32."""
+    scales its rotary frequencies by band and may tie its head; Gemma 3 mixes sliding-window layers (6 tokens
+    here) with a global one, each kind with its own RoPE base: the decoder's path for each, prompts of several
+    lengths prefilled together (one longer than the window) and decoding side by side past the original context
+    of 32. The first request is greedy: its tokens are the teacher-forced pass's argmax, its logprobs at T = 1."""
     model = build()
     engine = EmbeddedGenerator(model, slots=4, context_length=128, eos_token_ids=[])
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [3]]
@@ -132,14 +145,21 @@ def test_each_familys_logprobs_equal_a_teacher_forced_pass(build):
             all_done.set()
 
     for i, prompt in enumerate(prompts):
-        engine.submit(Request(str(i), prompt, SamplingParams(max_new_tokens=6 + 14 * i), on_done))
+        engine.submit(
+            Request(str(i), prompt, SamplingParams(max_new_tokens=6 + 14 * i, temperature=float(i > 0)), on_done)
+        )
     try:
         assert all_done.wait(timeout=60)
     finally:
         engine.stop()
     for result in results:
-        expected = teacher_forced(model, prompts[int(result.rid)], result.output_ids)
+        prompt = prompts[int(result.rid)]
+        expected = teacher_forced(model, prompt, result.output_ids)
         assert result.error is None and torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4)
+        if result.rid == "0":
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1 : -1]
+            assert result.output_ids == logits.argmax(-1).tolist()
 
 
 @settings(max_examples=12, deadline=None)

@@ -7,6 +7,9 @@ at each ``cu_seqlens`` boundary), and each sequence attends causally to itself o
 per-sequence SDPA the Hugging Face trainer path runs (``models.varlen``; GQA without repeating k/v).
 Under context parallelism a rank holds its zig-zag chunks of every (padded) sequence and attends over
 keys and values gathered from the cp ranks (``parallel.context.context_sdpa``, as the torch engine).
+A sliding-window layer (Megatron's ``window_size`` and ``window_attn_skip_freq``: Gemma 3's) attends
+within each sequence to its last ``sliding_window`` positions only, the query's own included, as Hugging
+Face's ``sliding_window`` does (Megatron's window counts the keys before the query's own).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.models.varlen import PaddedBlock, padded_groups, varlen_sdpa
@@ -67,6 +71,8 @@ class PackedCoreAttention(MegatronModule):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self.sliding_window = config.window_size[0] + 1 if windowed else None
 
     def forward(
         self,
@@ -83,13 +89,14 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError("PackedCoreAttention takes packed (THD) sequences and no attention bias")
         q, k, v = (x.permute(1, 0, 2)[None] for x in (query, key, value))  # [1, heads, t, d]
         split = packed_seq_params.context_split
+        scale, dropout, window = self.softmax_scale, self.dropout, self.sliding_window
         if split is not None:
             out, _ = context_sdpa(
-                self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout, context_split=split
+                self, q, k, v, None, scaling=scale, dropout=dropout, sliding_window=window, context_split=split
             )
         else:
             groups = packed_seq_params.groups or padded_groups(packed_seq_params.cu_seqlens_q.long())
             out, _ = varlen_sdpa(
-                self, q, k, v, None, scaling=self.softmax_scale, dropout=self.dropout, padded_groups=groups
+                self, q, k, v, None, scaling=scale, dropout=dropout, sliding_window=window, padded_groups=groups
             )
         return out[0].reshape(out.shape[1], -1)

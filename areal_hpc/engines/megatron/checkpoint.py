@@ -1,6 +1,7 @@
 """Checkpoints of the Megatron model in Hugging Face folders: this rank's shards loaded from a folder
-(any layout saved it), the whole model gathered stage by stage onto global rank 0 in buckets (for the
-rollout push and the saved folder), and the optimizer state saved and resumed per rank.
+(any layout saved it; the rank reads its own stage's tensors only), the whole model gathered stage by stage
+onto global rank 0 in buckets (for the rollout push and the saved folder), and the optimizer state saved and
+resumed per rank.
 
 - A critic's head the folder lacks takes the same draws as ``models.hf.load_critic``'s, so both
   engines start from one critic.
@@ -27,20 +28,27 @@ from areal_hpc.engines.megatron.convert import ModelShape, hf_to_megatron, is_ex
 from areal_hpc.engines.megatron.model import PipelineStage
 from areal_hpc.errors import UserError
 from areal_hpc.layout import ParallelDims
-from areal_hpc.models.hf import read_checkpoint, save_model
+from areal_hpc.models.hf import fresh_value_head, save_model
+from areal_hpc.models.hub_checkpoint import HubCheckpoint
 from areal_hpc.parallel.mesh import TrainMesh
 
 
-def fresh_value_head(hf_config) -> dict[str, torch.Tensor]:
-    """HF's ``score`` weights as ``load_critic`` initialises them when the folder has none (the same
-    draws from the default generator: the critic's initialisation depends on the seed only)."""
-    from transformers import AutoModelForTokenClassification
+class StoredTensors(dict):
+    """A Hugging Face folder's tensors as the dict ``hf_to_megatron`` reads, each read from its file when the
+    converter asks for it (``models.hub_checkpoint``): a rank reads the whole tensors of its own stage, never
+    the others'. The last one read is kept, as the converter cuts every expert of a layer from one fused tensor."""
 
-    with torch.device("meta"):
-        skeleton = AutoModelForTokenClassification.from_config(hf_config)
-    head = torch.nn.Linear(hf_config.hidden_size, 1, device="meta").to_empty(device="cpu")  # no draws
-    skeleton._init_weights(head)
-    return {"score.weight": head.weight.detach(), "score.bias": head.bias.detach()}
+    def __init__(self, checkpoint: HubCheckpoint, extra: dict[str, torch.Tensor]):
+        super().__init__(extra)
+        self.checkpoint, self.last = checkpoint, ("", torch.empty(0))
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if self.last[0] != name:
+            self.last = (name, self.checkpoint.read(name))
+        return self.last[1]
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or (isinstance(name, str) and name in self.checkpoint)
 
 
 def state_names(model) -> list[str]:
@@ -54,9 +62,9 @@ def load_hf_weights(
 ) -> None:
     """This rank's shards of the Hugging Face weights in ``folder`` into each chunk of pipeline stage
     ``stage`` (the layers of its virtual stage); a critic's head the folder lacks is drawn afresh."""
-    hf_state = read_checkpoint(folder)
-    if critic and "score.weight" not in hf_state:  # a critic starting from the policy's folder
-        hf_state.update(fresh_value_head(hf_config))
+    checkpoint = HubCheckpoint(folder)
+    fresh = critic and "score.weight" not in checkpoint  # a critic starting from the policy's folder
+    hf_state = StoredTensors(checkpoint, fresh_value_head(hf_config) if fresh else {})
     dims, coords = mesh.dims, mesh.coords
     for model, virtual in zip(stage.chunks, stage.virtual_stages(), strict=True):
         try:

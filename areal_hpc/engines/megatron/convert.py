@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2/Qwen3/Qwen3-MoE/Llama 3 <-> Megatron-core GPTModel: the model's ``TransformerConfig`` and
+"""Hugging Face Qwen2/Qwen3/Qwen3-MoE/Llama 3/Gemma 3 <-> Megatron-core GPTModel: the model's ``TransformerConfig`` and
 GPTModel arguments from the HF config, and the state dict of one tensor-parallel rank, expert-parallel
 rank and pipeline stage from the HF tensors (and back, from the shards of every TP and EP rank).
 
@@ -18,10 +18,14 @@ Megatron's layout (megatron/core/transformer/attention.py, mlp.py, tensor_parall
   (``SequentialMLP``), each a SwiGLU MLP split over TP like the dense one. HF holds a layer's experts
   fused (``experts.gate_up_proj`` [E, 2I, H], expert e's [gate; up]; ``experts.down_proj`` [E, H, I]);
   the conversion goes through the per-expert names checkpoints store (``models.hf.EXPERT_KEY``).
+- Gemma 3's norms after attention and after the MLP are ``post_layernorm`` inside ``linear_proj`` and
+  ``linear_fc2`` (``engines.megatron.gemma``); its pre-MLP norm is HF's ``pre_feedforward_layernorm``.
+  Gemma's RMSNorm weights w (applied as 1 + w) are Megatron's zero-centred gammas as they are.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -55,6 +59,12 @@ LAYER_RULES = {
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), ROW),
     "mlp.router.weight": (("mlp.gate.weight",), REPLICATED),
 }
+# Gemma 3's sandwich norms: Megatron name within a layer -> (HF names, how TP splits it), over LAYER_RULES
+SANDWICH_NORM_RULES = {
+    "pre_mlp_layernorm.weight": (("pre_feedforward_layernorm.weight",), REPLICATED),
+    "self_attention.linear_proj.post_layernorm.weight": (("post_attention_layernorm.weight",), REPLICATED),
+    "mlp.linear_fc2.post_layernorm.weight": (("post_feedforward_layernorm.weight",), REPLICATED),
+}
 DENSE_MLP, ROUTER = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"), "mlp.router.weight"
 # Megatron name within an expert -> (HF names within "model.layers.N.mlp.experts.E.", how TP splits it)
 EXPERT_RULES = {
@@ -76,7 +86,8 @@ VALUE_HEAD = {OUTPUT: (("score.weight",), REPLICATED), "output_layer.bias": (("s
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the conversion needs of a Hugging Face Qwen2/Qwen3/Qwen3-MoE config (``experts`` = 0: dense)."""
+    """What the conversion needs of a Hugging Face Qwen2/Qwen3/Qwen3-MoE/Llama 3/Gemma 3 config (``experts`` = 0:
+    dense)."""
 
     layers: int
     hidden: int
@@ -97,16 +108,24 @@ class ModelShape:
     renormalise_top_k: bool = False  # HF's norm_topk_prob: the chosen experts' probabilities sum to 1
     value_head: bool = False  # a critic: HF's token classifier (``score``) in place of the LM head, untied
     rope_scaling_factor: float = 0.0  # Llama 3's RoPE scaling ("llama3"); 0: none
+    rope_interpolation: float = 0.0  # "linear" RoPE scaling: positions divided by this factor; 0: none
+    # Gemma 3: (1 + w) RMSNorms, norms after attention and after the MLP too, embeddings times sqrt(hidden),
+    # gated GELU (tanh); its attention scale; its sliding-window layers (``sliding_layers``, one per layer),
+    # whose queries see the last ``sliding_window`` positions (their own included), at RoPE base ``local_rope_base``
+    gemma: bool = False
+    softmax_scale: float = 0.0  # 0: 1 / sqrt(head_dim)
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
+    local_rope_base: float = 0.0
 
     @classmethod
     def from_hf(cls, config) -> ModelShape:
         check_family(config.model_type, "Megatron engine", "train it with actor.engine=torch")
-        rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta, "rope_type": "default"}
-        scaling = _rope_scaling_factor(rope)
         qwen3, moe = config.model_type in ("qwen3", "qwen3_moe"), config.model_type == "qwen3_moe"
-        llama = config.model_type == "llama"
-        if qwen3 and config.attention_bias:
-            raise UserError("actor.engine=megatron does not build Qwen3 with attention_bias=true")
+        llama, gemma = config.model_type == "llama", config.model_type == "gemma3_text"
+        rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta, "rope_type": "default"}
+        if (qwen3 or gemma) and config.attention_bias:
+            raise UserError(f"actor.engine=megatron does not build {config.model_type} with attention_bias=true")
         if llama and config.mlp_bias:
             raise UserError("actor.engine=megatron does not build Llama with mlp_bias=true")
         if moe and (config.decoder_sparse_step != 1 or config.mlp_only_layers):
@@ -124,6 +143,8 @@ class ModelShape:
             if moe
             else {}
         )
+        if gemma:  # the global layers' RoPE (the sliding layers' base is ``local_rope_base``)
+            rope = rope["full_attention"]
         return cls(
             layers=config.num_hidden_layers,
             hidden=config.hidden_size,
@@ -136,14 +157,19 @@ class ModelShape:
             rope_base=float(rope["rope_theta"]),
             eps=config.rms_norm_eps,
             tied=bool(config.tie_word_embeddings),
-            qkv_bias=bool(config.attention_bias) if llama else not qwen3,
-            qk_norm=qwen3,
-            rope_scaling_factor=scaling,
-            **experts,
+            qkv_bias=bool(config.attention_bias) if llama else not (qwen3 or gemma),
+            qk_norm=qwen3 or gemma,
+            **_rope_scaling(rope),
+            **(_gemma3_fields(config) if gemma else experts),
         )
 
     def critic(self) -> ModelShape:
         """The shape of this model's PPO critic (its body under a value head)."""
+        if self.gemma:  # the critic's folder is HF's token classifier
+            raise UserError(
+                "actor.engine=megatron cannot build a PPO critic of a Gemma 3 model: transformers has no Gemma 3 "
+                "token classifier; use a critic-free actor.adv_estimator such as grpo"
+            )
         return replace(self, tied=False, value_head=True)
 
     def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
@@ -167,29 +193,77 @@ class ModelShape:
     def layer_offset(self, stage: int, pp: int) -> int:
         return stage * self.layers // pp
 
+    def layer_rules(self) -> dict:
+        """Megatron name within a layer -> (HF names within "model.layers.N.", how TP splits it)."""
+        return LAYER_RULES | SANDWICH_NORM_RULES if self.gemma else LAYER_RULES
+
 
 # Llama 3's RoPE scaling as Megatron builds it (rotary_pos_embedding.py's _apply_scaling): only the factor
 # is a parameter there, the rest are these constants, which Llama 3.1-3.3's configs carry.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _rope_scaling_factor(rope: dict) -> float:
-    """The "llama3" scaling factor of HF's ``rope_parameters`` (0.0 without scaling); other scalings, or
-    llama3's with constants Megatron does not take, are refused in one line."""
+def _rope_scaling(rope: dict) -> dict:
+    """The ``ModelShape`` RoPE-scaling field of HF's ``rope_parameters``: the "llama3" factor, or the "linear"
+    one (Megatron's ``seq_len_interpolation_factor``); other scalings, or llama3's with constants Megatron
+    does not take, are refused in one line."""
     kind = rope.get("rope_type", "default")
     if kind == "default":
-        return 0.0
+        return {}
+    if kind == "linear":
+        return {"rope_interpolation": float(rope["factor"])}
     if kind != "llama3":
-        raise UserError(f"actor.engine=megatron does not build RoPE scaling {kind!r} (it builds 'llama3')")
+        raise UserError(f"actor.engine=megatron does not build RoPE scaling {kind!r} (it builds 'llama3' and 'linear')")
     given = {name: float(rope.get(name, -1)) for name in MEGATRON_LLAMA3_ROPE}
     if given != MEGATRON_LLAMA3_ROPE:
         raise UserError(f"actor.engine=megatron builds 'llama3' RoPE scaling with {MEGATRON_LLAMA3_ROPE}, not {given}")
-    return float(rope["factor"])
+    return {"rope_scaling_factor": float(rope["factor"])}
+
+
+# Gemma 3 settings the engine builds as they are by default; any other value is refused by name
+GEMMA3_FIXED = {
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+}
+
+
+def _gemma3_fields(config) -> dict:
+    """``ModelShape``'s Gemma 3 fields of a ``Gemma3TextConfig``: its sliding layers ("sliding_attention" in
+    ``layer_types``) take their RoPE base from ``rope_parameters["sliding_attention"]``, the full ones
+    theirs (possibly "linear"-scaled) from ``["full_attention"]``."""
+    for key, value in GEMMA3_FIXED.items():
+        if getattr(config, key) != value:
+            raise UserError(
+                f"actor.engine=megatron builds Gemma 3 with {key}={value}, not {getattr(config, key)!r}; "
+                "train it with actor.engine=torch"
+            )
+    local = config.rope_parameters["sliding_attention"]
+    if local.get("rope_type", "default") != "default":
+        raise UserError(
+            "actor.engine=megatron builds Gemma 3's sliding-window layers without RoPE scaling, "
+            f"not {local['rope_type']!r}"
+        )
+    sliding = tuple(kind == "sliding_attention" for kind in config.layer_types)
+    window = (config.sliding_window or 0) if any(sliding) else 0
+    return dict(
+        gemma=True,
+        softmax_scale=config.query_pre_attn_scalar**-0.5,
+        sliding_window=window,
+        sliding_layers=sliding if window else (),
+        local_rope_base=float(local["rope_theta"]),
+    )
+
+
+GELU_TANH = functools.partial(F.gelu, approximate="tanh")  # HF's "gelu_pytorch_tanh"
 
 
 def transformer_config(shape: ModelShape, tp: int, pp: int, ep: int = 1, dtype: torch.dtype = torch.float32, **runtime):
     """Megatron's ``TransformerConfig`` of the model (RMSNorm, SwiGLU, no linear biases but q/k/v's for
-    Qwen2, q/k RMSNorm for Qwen3, no dropout); ``runtime`` adds the engine's own settings.
+    Qwen2, q/k RMSNorm for Qwen3, no dropout; Gemma 3's (1 + w) RMSNorms, gated GELU, attention scale and
+    sliding windows: Megatron's ``window_size`` (left, right) counts the keys before the query's own);
+    ``runtime`` adds the engine's own settings.
 
     Qwen3-MoE's router is softmax -> top-k -> (norm_topk_prob) renormalise. Megatron's softmax router
     either takes the softmax over the top-k logits, which is the renormalised top-k of the full softmax,
@@ -222,8 +296,12 @@ def transformer_config(shape: ModelShape, tp: int, pp: int, ep: int = 1, dtype: 
         kv_channels=shape.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=shape.eps,
+        layernorm_zero_centered_gamma=shape.gemma,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=GELU_TANH if shape.gemma else F.silu,
+        softmax_scale=shape.softmax_scale or None,
+        window_size=(shape.sliding_window - 1, 0) if shape.sliding_window else None,
+        window_attn_skip_freq=[int(s) for s in shape.sliding_layers] if shape.sliding_window else None,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
@@ -248,6 +326,7 @@ def gpt_model_args(shape: ModelShape) -> dict:
         rotary_percent=1.0,
         rope_scaling=bool(shape.rope_scaling_factor),
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+        seq_len_interpolation_factor=shape.rope_interpolation or None,
         share_embeddings_and_output_weights=shape.tied,
         parallel_output=True,
     )
@@ -258,7 +337,7 @@ def stage_names(shape: ModelShape, stage: int, pp: int, ep: int = 1) -> list[str
     rank's experts, numbered from 0)."""
     per_layer = [
         name
-        for name in LAYER_RULES
+        for name in shape.layer_rules()
         if (shape.qkv_bias or not name.endswith("linear_qkv.bias"))
         and (shape.qk_norm or ("k_layernorm" not in name and "q_layernorm" not in name))
         and name not in ((ROUTER,) if not shape.experts else DENSE_MLP)
@@ -302,7 +381,7 @@ def hf_names(name: str, shape: ModelShape) -> tuple[tuple[str, ...], str]:
     if expert:
         names, kind = EXPERT_RULES[expert[2]]
         return tuple(f"model.layers.{match[1]}.mlp.experts.{expert[1]}.{n}" for n in names), kind
-    names, kind = LAYER_RULES[match[2]]
+    names, kind = shape.layer_rules()[match[2]]
     return tuple(f"model.layers.{match[1]}.{n}" for n in names), kind
 
 

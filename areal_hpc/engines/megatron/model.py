@@ -5,7 +5,8 @@ distributed optimizer (ZeRO-1), and the gradient norm over the model's shards.
 
 - On CPU the layer spec's core attention is ``PackedCoreAttention`` (Transformer Engine's on CUDA when
   it imports) and its norms are ``engines.megatron.norm.MarkedRMSNorm`` (marked for the TP sum of
-  their gradients under sequence parallelism, as Megatron's fused norms are).
+  their gradients under sequence parallelism, as Megatron's fused norms are). Gemma 3's layers take
+  ``engines.megatron.gemma``'s pieces (norms after attention and MLP, sliding layers' RoPE, scaled embeddings).
 - Losses already carry the whole minibatch's normaliser, so gradients are summed over micro-batches
   and data-parallel ranks: ``calculate_per_token_loss`` stops Megatron dividing by the micro-batch
   count and DDP by the dp size. DDP reduces gradients over dp x cp; expert gradients over the
@@ -181,6 +182,7 @@ def build_stage(
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from areal_hpc.engines.megatron.attention import PackedCoreAttention
+    from areal_hpc.engines.megatron.gemma import gemma3_layer, scale_embeddings
     from areal_hpc.engines.megatron.norm import MarkedRMSNorm
 
     # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
@@ -204,7 +206,11 @@ def build_stage(
     )
     experts = dict(num_experts=shape.experts or None, moe_grouped_gemm=False)  # one MLP per expert
     if device.type == "cuda" and has_transformer_engine():
+        from megatron.core.extensions.transformer_engine import TENorm
+
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm, **experts)
+        if shape.gemma:
+            gemma3_layer(spec, shape, TENorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm", **experts)
         layer, attention = spec.submodules, spec.submodules.self_attention.submodules
@@ -212,6 +218,8 @@ def build_stage(
         layer.input_layernorm = layer.pre_mlp_layernorm = MarkedRMSNorm
         if shape.qk_norm:
             attention.q_layernorm = attention.k_layernorm = MarkedRMSNorm
+        if shape.gemma:
+            gemma3_layer(spec, shape, MarkedRMSNorm)
         spec = TransformerBlockSubmodules(
             layer_specs=[spec] * (shape.layers // (dims.pp * dims.vpp)), layer_norm=MarkedRMSNorm
         )
@@ -229,6 +237,8 @@ def build_stage(
         )
         if critic and last:
             model.output_layer = ValueHead(shape.hidden, 1, sequence_parallel=dims.sequence_parallel)
+        if shape.gemma and model.pre_process:
+            scale_embeddings(model, shape.hidden)
         chunks.append(model.to(device))
     return PipelineStage(
         chunks,

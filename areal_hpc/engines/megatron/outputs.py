@@ -1,6 +1,10 @@
 """Per-position outputs of the last pipeline stage's packed micro-batch: the policy's "logprobs" and
-"entropy" from the vocabulary-parallel logits (a logsumexp over the TP ranks), or the critic's "values"
-from its ``ValueHead``.
+"entropy" from the vocabulary-parallel logits (``algo.logprobs``: a chunk of positions at a time, the max
+and the sums over the TP ranks per chunk), or the critic's "values" from its ``ValueHead``.
+
+Every position's row goes through the log-softmax, its target's or a stand-in's, and positions without a
+target are zeroed after: the logits of all positions exist anyway (the model's output layer computes them),
+and whole rows are views of them, where picking the targets' rows would copy them all.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from areal_hpc.algo.logprobs import VocabularyShard, token_logprobs
 from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.engines.base import Outputs
 
@@ -16,24 +21,10 @@ def vocab_parallel_outputs(
     logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor, group
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p_T(token), entropy of p_T) per row of this TP rank's vocabulary slice ``logits`` [N, V/tp],
-    T the row's of ``temperatures`` [N, 1]: the logsumexp and the target's logit are all-reduced over
-    ``group`` (backward: identity)."""
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce
-
-    logits = logits.float() / temperatures
-    peak = logits.detach().amax(-1)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - peak[:, None]
-    normaliser = reduce(shifted.exp().sum(-1), group).log()
+    T the row's of ``temperatures`` [N, 1], over the whole vocabulary of ``group``'s ranks."""
     width = logits.shape[-1]
-    local = tokens - dist.get_rank(group) * width
-    inside = (local >= 0) & (local < width)
-    picked = shifted.gather(-1, local.clamp(0, width - 1)[:, None])[:, 0] * inside
-    logprobs = reduce(picked, group) - normaliser
-    with torch.no_grad():  # logged, not trained
-        expected = reduce((shifted - normaliser[:, None]).exp().mul(shifted).sum(-1), group)
-        entropy = normaliser - expected
-    return logprobs, entropy
+    shard = VocabularyShard(dist.get_rank(group) * width, group) if dist.get_world_size(group) > 1 else None
+    return token_logprobs(logits, tokens, temperatures, shard=shard)
 
 
 def per_position_outputs(
@@ -44,11 +35,10 @@ def per_position_outputs(
     if critic:
         return {"values": logits[0, :, 0].float()}
     targets, tokens = packed.target_tokens()
-    logprobs, entropy = vocab_parallel_outputs(
-        logits[0, targets], tokens, packed.target_temperatures(targets, temperature), tp_group
+    positions = torch.arange(logits.shape[1], device=logits.device)
+    tokens = tokens.new_zeros(len(positions)).index_put((targets,), tokens)  # token 0 where none is trained
+    logprobs, entropy = vocab_parallel_outputs(  # a view (logits[0]'s gradient would be a new [1, T, V/tp] tensor)
+        logits.flatten(0, 1), tokens, packed.target_temperatures(positions, temperature), tp_group
     )
-    total = packed.input_ids.shape[1]
-    return {
-        "logprobs": logprobs.new_zeros(total).index_put((targets,), logprobs),
-        "entropy": entropy.new_zeros(total).index_put((targets,), entropy),
-    }
+    trained = packed.target_mask
+    return {"logprobs": logprobs.where(trained, 0.0), "entropy": entropy.where(trained, 0.0)}

@@ -10,6 +10,10 @@ matrix multiplies in bf16. Either way the weight push, checkpoints and ``load`` 
 (``model.dtype``): ``rollout_weights`` hands out full tensors in that dtype, labelled with it, and each
 rollout server casts them to its own (the embedded engine's ``copy_``, SGLang's loader).
 
+Loading (``build``): the model is built on the meta device (``models.hf.model_skeleton``) and, once parallelised,
+each rank reads only its own slices of the checkpoint's safetensors files (``rank_weights``); ``load`` reads a
+saved folder the same way.
+
 Activation recomputation (``actor.recompute``): ``engines.torch.recompute``, in every layout.
 
 LoRA (``lora``, ``actor.lora``): ``engines.torch.lora`` injects the adapters before anything else and
@@ -60,23 +64,17 @@ from areal_hpc.engines.torch.parallelize import (
     PackedForward,
     clip_grad_norm,
     full_state,
-    load_full_state,
     parallelize,
+    reduce_head_norm_gradients,
     sharded_mixed_precision,
 )
 from areal_hpc.engines.torch.pipeline import Pipeline
+from areal_hpc.engines.torch.rank_weights import read_rank_weights
 from areal_hpc.engines.torch.recompute import recompute_activations
 from areal_hpc.engines.torch.tree import check_tree_layout, flat_subtree_tokens, tree_train_pass
 from areal_hpc.errors import UserError
-from areal_hpc.models.hf import (
-    DTYPES,
-    CheckpointError,
-    attach_language_head,
-    load_critic,
-    load_model,
-    read_checkpoint,
-    save_model,
-)
+from areal_hpc.models.hf import DTYPES, attach_language_head, model_skeleton, save_model
+from areal_hpc.models.hub_checkpoint import CheckpointError, HubCheckpoint
 from areal_hpc.parallel.context import context_passes
 from areal_hpc.parallel.device import resolve_device
 from areal_hpc.parallel.mesh import TrainMesh
@@ -106,12 +104,13 @@ class TorchTrainEngine(TrainEngine):
     @classmethod
     def build(cls, role: str, cfg, mesh: TrainMesh | None, path: Path, tokenizer) -> TorchTrainEngine:
         """Every role of ``engines.base.ROLES``: the Hugging Face causal LM (a policy's) or token classifier
-        (a critic's, the reward model's: ``models.hf.load_critic``) from ``path``; the RL roles with
-        ``actor.tree_training``, the RL policy with ``actor.lora``; the reward model with its language head
-        for ``preference.nll_weight`` > 0."""
+        (a critic's, the reward model's: ``models.hf.load_critic``) from ``path``, built on the meta device
+        and read in part by each rank (``on_checkpoint``); the RL roles with ``actor.tree_training``, the RL
+        policy with ``actor.lora``; the reward model with its language head for ``preference.nll_weight`` > 0."""
         training, actor, model_cfg = role_training(role, cfg), cfg.actor, cfg.model
         device = mesh.device if mesh is not None else resolve_device(cfg.cluster.device)
-        model = (load_critic if training.critic else load_model)(path, model_cfg.dtype, model_cfg.attn_impl, device)
+        checkpoint = HubCheckpoint(path)
+        model = model_skeleton(checkpoint, model_cfg.dtype, model_cfg.attn_impl, critic=training.critic)
         model.requires_grad_(training.lr is not None)
         outputs = ValueOutputs() if training.critic else PolicyOutputs(training.temperature)
         if role == "rm" and cfg.preference.nll_weight > 0:
@@ -124,14 +123,30 @@ class TorchTrainEngine(TrainEngine):
                 ) from None
             outputs = RegularisedRewardOutputs()
         tree = actor.tree_training if role in RL_ROLES else "off"
-        return cls(
+        return cls.on_checkpoint(
             model,
+            checkpoint,
             outputs,
+            device,
             **engine_options(training, cfg, mesh, tokenizer),
             tree_training=tree,
             tree_min_saved_tokens=actor.tree_min_saved_tokens,
             lora=actor.lora if role == "policy" else None,
         )
+
+    @classmethod
+    def on_checkpoint(
+        cls, model: torch.nn.Module, checkpoint: HubCheckpoint, forward_fn: ForwardFn, device: torch.device, **options
+    ) -> TorchTrainEngine:
+        """The engine (``options``: the constructor's) on ``model``, built on the meta device
+        (``models.hf.model_skeleton``), with ``checkpoint``'s weights: each rank of the mesh reads its part
+        once the model is parallelised. One process, and LoRA (peft moves the adapters it draws to the base
+        weights' device), read the whole model first, on ``device``."""
+        lora = options.get("lora")
+        if options.get("mesh") is None or (lora is not None and lora.rank > 0):
+            read_rank_weights(model, model, checkpoint, device=device, prefix="")
+            return cls(model, forward_fn, **options)
+        return cls(model, forward_fn, checkpoint=checkpoint, **options)
 
     def __init__(
         self,
@@ -149,14 +164,16 @@ class TorchTrainEngine(TrainEngine):
         tree_training: str = "off",
         tree_min_saved_tokens: int = 0,
         lora: LoRAConfig | None = None,
+        checkpoint: HubCheckpoint | None = None,
     ):
-        check_tree_layout(tree_training, mesh, recompute, forward_fn)
+        """``checkpoint``: where a ``model`` on the meta device takes its weights from (``on_checkpoint``)."""
+        check_tree_layout(tree_training, mesh, recompute, forward_fn, model.config.to_dict())
         self.lora = lora if lora is not None and lora.rank > 0 else None
         if self.lora is not None:  # on a layout resolve() accepted for LoRA
             lora_adapters.add_adapters(model, self.lora)
         self.tree_training, self.tree_min_saved_tokens = tree_training, tree_min_saved_tokens
         self.model, self.mesh, self.tokenizer = model, mesh, tokenizer
-        self.device = next(model.parameters()).device
+        self.device = mesh.device if mesh is not None else next(model.parameters()).device
         weights_dtype, compute = next(model.parameters()).dtype, DTYPES[compute_dtype]
         sharded = mesh is not None and sharded_mixed_precision(mesh.dims, compute)
         self.autocast_dtype = weights_dtype if sharded else compute  # FSDP casts the parameters itself
@@ -166,7 +183,9 @@ class TorchTrainEngine(TrainEngine):
         self.rank = dist.get_rank() if mesh is not None else 0
         recompute_activations(model, recompute)
         self.root = (
-            parallelize(model, forward_fn, mesh, compute) if mesh is not None else PackedForward(model, forward_fn)
+            parallelize(model, forward_fn, mesh, compute, checkpoint)
+            if mesh is not None
+            else PackedForward(model, forward_fn)
         )
         activations = compute if sharded else weights_dtype
         self.pipeline = Pipeline(model, mesh, activations) if mesh is not None and mesh.dims.pp > 1 else None
@@ -242,6 +261,7 @@ class TorchTrainEngine(TrainEngine):
         parts = gradients(batch, loss_fn)
         if self.root.expert_params:
             reduce_expert_gradients(self.root.expert_params, self.mesh)
+        reduce_head_norm_gradients(self.model, self.mesh)
         stats = merge_over_context(merge_stats(parts), self.mesh)
         if self.pipeline is not None:
             stats = self.pipeline.from_last_stage(stats)
@@ -397,11 +417,8 @@ class TorchTrainEngine(TrainEngine):
             set_optimizer_state_dict(self.root, self.optimizer, sharded, options=FLAT)
 
     def _load_weights(self, folder: Path) -> list[str]:
-        """Load a Hugging Face folder's weights; the names it lacks."""
-        state = {name: tensor.to(self.device) for name, tensor in read_checkpoint(folder).items()}
-        if getattr(self.model.config, "tie_word_embeddings", False):  # a folder may store the tied head once
-            state.setdefault("lm_head.weight", state.get(f"{self.model.base_model_prefix}.embed_tokens.weight"))
-        return load_full_state(self.root, {name: tensor for name, tensor in state.items() if tensor is not None})
+        """Load a Hugging Face folder's weights, each rank its part; the names it lacks."""
+        return read_rank_weights(self.root, self.model, HubCheckpoint(folder))
 
     def _optimizer_state(self) -> dict:
         """This rank's optimizer state, flattened (every entry keyed by its parameter's name, so ranks

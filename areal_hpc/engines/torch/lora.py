@@ -74,15 +74,12 @@ def check_lora(cfg: RunConfig) -> None:
     read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from areal_hpc.models.tiny import PRESETS, preset_classes
+    from areal_hpc.models.tiny import preset_config
 
     require("peft")  # installed: the extra `lora`
     with torch.device("meta"):
-        if cfg.model.path:
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
-        else:
-            config_class, model_class = preset_classes(cfg.model.preset)
-            model = model_class(config_class(**PRESETS[cfg.model.preset]))
+        config = AutoConfig.from_pretrained(cfg.model.path) if cfg.model.path else preset_config(cfg.model.preset)
+        model = AutoModelForCausalLM.from_config(config)
     check_targets(model, list(cfg.actor.lora.target_modules))
 
 

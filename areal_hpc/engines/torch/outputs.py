@@ -11,24 +11,21 @@ top-p < 1 or top-k > 0 a token is drawn from the truncated, renormalised distrib
 probability of it is p_T / (kept mass) ≥ p_T; both sides still use the untruncated p_T (as AReaL
 does), which treats the truncated sampler as the full tempered policy.
 
-Only target positions reach the LM head, and the log-softmax is a logsumexp over chunks of at most
-``LOGITS_CHUNK_BYTES`` of float32 logits, each recomputed in the backward pass rather than kept:
-for a 152k vocabulary and 4,096 targets the full logits would take 2.5 GB (and their log-softmax as
-much again); a chunk takes 128 MiB.
+Only target positions reach the LM head, a chunk of rows at a time, each recomputed in the backward
+pass rather than kept (``algo.logprobs``, which every path shares): for a 152k vocabulary and 4,096
+targets the full logits would take 2.5 GB (and their log-softmax as much again); a chunk takes 128 MiB.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from areal_hpc.algo.logprobs import token_logprobs
 from areal_hpc.algo.packing import PackedBatch
 from areal_hpc.models.segment_forward import padded_rows
 from areal_hpc.models.varlen import packed_attention, packed_attention_inputs
 from areal_hpc.parallel.context import CONTEXT_SDPA, ContextShard
-
-LOGITS_CHUNK_BYTES = 128 * 2**20
 
 
 def decoder_hidden(model: torch.nn.Module, batch: PackedBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,46 +43,33 @@ def decoder_hidden(model: torch.nn.Module, batch: PackedBatch, hidden: torch.Ten
         ).last_hidden_state[0]
 
 
-def _chunk_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    tokens: torch.Tensor,
-    temperatures: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p_T(token), entropy of p_T) for each row of ``hidden``, T its row of ``temperatures`` [N, 1],
-    in float32. The product runs on the rows padded to ``padded_rows`` (shapes that repeat)."""
-    rows = len(hidden)
-    logits = F.linear(F.pad(hidden, (0, 0, 0, padded_rows(rows) - rows)), weight, bias)[:rows].float() / temperatures
-    normaliser = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, tokens[:, None])[:, 0] - normaliser
-    with torch.no_grad():  # logged, not trained
-        entropy = normaliser - (logits.softmax(-1) * logits).sum(-1)
-    return logprobs, entropy
-
-
 def target_logprobs(
     hidden: torch.Tensor,
     head: torch.nn.Linear,
     tokens: torch.Tensor,
     temperatures: torch.Tensor | float = 1.0,
-    chunk_bytes: int = LOGITS_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of ``tokens`` [N] under softmax(head(hidden) / T) for ``hidden`` [N, H], and the entropies,
-    a chunk of rows at a time (recomputed in the backward pass when gradients are on). T: one for all
-    rows, or each row's (``temperatures`` [N, 1])."""
-    rows = max(1, chunk_bytes // (4 * head.weight.shape[0]))
-    temperatures = torch.as_tensor(temperatures, dtype=torch.float32, device=hidden.device).expand(len(hidden), 1)
-    parts = []
-    for h, t, temperature in zip(hidden.split(rows), tokens.split(rows), temperatures.split(rows)):
-        if torch.is_grad_enabled() and len(hidden) > rows:
-            parts.append(checkpoint(_chunk_logprobs, h, head.weight, head.bias, t, temperature, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(h, head.weight, head.bias, t, temperature))
-    if not parts:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    a chunk of rows at a time (``algo.logprobs.token_logprobs``). T: one for all rows, or each row's
+    (``temperatures`` [N, 1]). ``softcap``: the logits are ``softcap * tanh(logits / softcap)`` first (Gemma's
+    ``final_logit_softcapping``). The rows are padded to ``padded_rows`` first: the chunks' products then
+    have shapes that repeat from step to step."""
+    n = len(hidden)
+    extra = padded_rows(n) - n
+    if torch.is_tensor(temperatures) and temperatures.numel() > 1:
+        temperatures = F.pad(temperatures, (0, 0, 0, extra), value=1.0)
+    logprobs, entropy = token_logprobs(
+        F.pad(hidden, (0, 0, 0, extra)),
+        F.pad(tokens, (0, extra)),
+        temperatures,
+        weight=head.weight,
+        bias=head.bias,
+        softcap=softcap,
+        chunk_bytes=chunk_bytes,
+    )
+    return logprobs[:n], entropy[:n]
 
 
 class StageOutputs:
@@ -110,17 +94,27 @@ class PolicyOutputs(StageOutputs):
         self.temperature = temperature
 
     def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
-        return next_token_outputs(model.get_output_embeddings(), hidden, batch, self.temperature)
+        return next_token_outputs(model.get_output_embeddings(), hidden, batch, self.temperature, final_softcap(model))
+
+
+def final_softcap(model: torch.nn.Module) -> float | None:
+    """The softcap a model applies to its output logits (Gemma's ``final_logit_softcapping``), or None."""
+    return getattr(model.config, "final_logit_softcapping", None)
 
 
 def next_token_outputs(
-    output_layer: torch.nn.Linear, hidden: torch.Tensor, batch: PackedBatch, temperature: float = 1.0
+    output_layer: torch.nn.Linear,
+    hidden: torch.Tensor,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    softcap: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """{"logprobs", "entropy"}: [T] log p_T(token t+1 | tokens <= t) within each sequence, p_T =
-    softmax(output_layer(hidden) / T), and the entropy of p_T there; 0 where nothing is predicted."""
+    softmax(output_layer(hidden) / T) (its logits softcapped where ``softcap``), and the entropy of p_T there;
+    0 where nothing is predicted."""
     targets, tokens = batch.target_tokens()
     logprobs, entropy = target_logprobs(
-        hidden[targets], output_layer, tokens, batch.target_temperatures(targets, temperature)
+        hidden[targets], output_layer, tokens, batch.target_temperatures(targets, temperature), softcap=softcap
     )
     total = batch.input_ids.shape[1]
     return {
@@ -142,7 +136,8 @@ class RegularisedRewardOutputs(ValueOutputs):
     (``models.hf.attach_language_head``), the logprobs of the next tokens at temperature 1."""
 
     def head(self, model: torch.nn.Module, hidden: torch.Tensor, batch: PackedBatch) -> dict[str, torch.Tensor]:
-        return super().head(model, hidden, batch) | next_token_outputs(model.language_head, hidden, batch)
+        language = next_token_outputs(model.language_head, hidden, batch, softcap=final_softcap(model))
+        return super().head(model, hidden, batch) | language
 
 
 def packed_policy_outputs(

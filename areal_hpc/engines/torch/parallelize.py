@@ -6,7 +6,8 @@ What it does on purpose, and what it does not:
 - TP splits q/k/v/gate/up by output columns and o/down by input rows (``parallelize_module``); the
   attention reads its local head count from the q/k/v shapes (transformers 5 views them as ``-1``
   heads), so nothing in the model changes. Embeddings, norms and the LM head stay replicated (the
-  log-softmax then needs no vocabulary-parallel logsumexp); no sequence parallelism.
+  log-softmax then needs no vocabulary-parallel logsumexp); no sequence parallelism. Per-head q/k norms
+  (Qwen3's, Gemma 3's) see a rank's own heads only: ``reduce_head_norm_gradients`` sums their gradients.
 - With ``model.compute_dtype=bfloat16``, FSDP2 computes in it by its ``MixedPrecisionPolicy``
   (``sharded_mixed_precision``): float32 sharded parameters (the optimizer's masters), bf16 all-gathered
   ones for the forward and backward, gradients reduced and kept in float32. Replicate, TP alone and
@@ -21,6 +22,8 @@ What it does on purpose, and what it does not:
 - Expert parallelism splits a Mixture-of-Experts model's experts over ``mesh["ep"]``
   (``engines.torch.experts``); they stay out of the data-parallel wrapping.
 - Virtual pipeline stages are not built: ``check_layout`` names them.
+- A model built on the meta device (``TorchTrainEngine.build``'s) is parallelised there; each rank then reads its
+  own slices of the checkpoint (``rank_weights``), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from areal_hpc.engines.torch.experts import shard_experts
 from areal_hpc.engines.torch.pipeline import check_stages, keep_stage
+from areal_hpc.engines.torch.rank_weights import read_rank_weights
 from areal_hpc.errors import UserError
 from areal_hpc.layout import ParallelDims
+from areal_hpc.models.hub_checkpoint import HubCheckpoint
 from areal_hpc.parallel.mesh import TrainMesh
 
 TP_PLAN = {
@@ -109,14 +114,21 @@ def sharded_mixed_precision(dims: ParallelDims, compute_dtype: torch.dtype) -> b
 
 
 def parallelize(
-    model: torch.nn.Module, forward_fn: Callable, mesh: TrainMesh, compute_dtype: torch.dtype = torch.float32
+    model: torch.nn.Module,
+    forward_fn: Callable,
+    mesh: TrainMesh,
+    compute_dtype: torch.dtype = torch.float32,
+    checkpoint: HubCheckpoint | None = None,
 ) -> PackedForward:
     """The model's packed forward, parallelised in place over ``mesh`` (collective: every rank calls it).
-    Every rank starts from global rank 0's weights (a freshly initialised head differs between ranks).
-    FSDP2 casts the all-gathered parameters to ``compute_dtype`` where ``sharded_mixed_precision``."""
+    Every rank starts from global rank 0's weights (a freshly initialised head differs between ranks); a
+    model built on the meta device is parallelised there, then each rank reads its part of ``checkpoint``
+    (``rank_weights``). FSDP2 casts the all-gathered parameters to ``compute_dtype`` where
+    ``sharded_mixed_precision``."""
     check_layout(mesh.dims, model.config)
     for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, src=0)
+        if not tensor.is_meta:
+            dist.broadcast(tensor.data, src=0)
     stage, stages = mesh.coords["pp"], mesh.dims.pp
     if stages > 1:
         if not hasattr(forward_fn, "head"):
@@ -142,6 +154,8 @@ def parallelize(
             wrap(unit, mesh=replicas, ignored_params=set(root.expert_params), **options)
             unit.set_gradient_divide_factor(1.0)  # sum: the loss weights already normalise the whole minibatch
             unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
+    if checkpoint is not None:
+        read_rank_weights(root, model, checkpoint, device=mesh.device)
     return root
 
 
@@ -175,6 +189,18 @@ def load_full_state(
         else:
             tensor.copy_(state[name])
     return missing
+
+
+def reduce_head_norm_gradients(model: torch.nn.Module, mesh: TrainMesh | None) -> None:
+    """Sum the gradients of the per-head q/k norms (Qwen3's, Gemma 3's) over the tp ranks: each applied the
+    replicated weight to its own heads only, so each holds a partial sum."""
+    if mesh is None or mesh.dims.tp == 1:
+        return
+    for layer in model.base_model.layers:
+        for norm in (getattr(layer.self_attn, name, None) for name in ("q_norm", "k_norm")):
+            grad = None if norm is None else norm.weight.grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=mesh.group("tp"))
 
 
 def clip_grad_norm(

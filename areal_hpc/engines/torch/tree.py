@@ -39,12 +39,14 @@ from __future__ import annotations
 import inspect
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from areal_hpc.algo.packing import PackedBatch, pack
 from areal_hpc.algo.prefix_tree import PrefixTree
+from areal_hpc.builtins import check_tree_training
 from areal_hpc.engines.base import LossFn
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.errors import UserError
@@ -56,12 +58,15 @@ TREE_TRAINING = ("off", "dta")
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def check_tree_layout(tree_training: str, mesh: TrainMesh | None, recompute: str, forward_fn) -> None:
-    """Raise ``UserError`` where ``tree_training`` cannot run on this engine's layout."""
+def check_tree_layout(
+    tree_training: str, mesh: TrainMesh | None, recompute: str, forward_fn, model_config: dict[str, Any] | None = None
+) -> None:
+    """Raise ``UserError`` where ``tree_training`` cannot run on this engine's layout or model (its config.json)."""
     if tree_training not in TREE_TRAINING:
         raise UserError(f"actor.tree_training={tree_training!r}; valid: {', '.join(TREE_TRAINING)}")
     if tree_training == "off":
         return
+    check_tree_training(model_config or {})
     if mesh is not None and (mesh.dims.world_size != mesh.dims.dp or mesh.dims.ep > 1):
         raise UserError(
             f"actor.tree_training=dta runs over data-parallel replicas only (dp, with or without "

@@ -141,15 +141,21 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_zero1_takes_the_replicated_optimizers_steps(runs, dtype):
     """Reduce-scatter, sharded Adam and all-gather against all-reduce and replicated Adam over dp2: the same
-    sums and elementwise updates. Measured over 3 steps: losses identical, gradient norms within 1.1e-7
-    (Megatron's norm sums the squares in another order), weights within 6e-8 in float32 and identical
-    in bf16; each rank holds exactly half of the Adam moments."""
+    sums and elementwise updates. Measured over 3 steps: the first step's loss identical and gradient norms
+    within 1.1e-7 (Megatron's norm sums the squares in another order), so the float32 weights after a step
+    within 6e-8 and later losses within 1e-7 relative (the float32 check is the tight one). In bf16 a master
+    weight that close to a rounding boundary flips its bf16 copy by one unit in the last place, and Adam,
+    which steps by up to lr whatever a gradient's size, turns the changed gradients into weights up to
+    2.4e-4 apart after 3 steps at lr 1e-3 (measured), losses and norms up to 1e-4 relative. Each rank holds
+    exactly half of the Adam moments."""
     got = runs["train", 2]
-    for want, have in zip(got["steps"][False, dtype], got["steps"][True, dtype], strict=True):
-        assert have["loss"] == want["loss"]
-        assert have["grad_norm"] == pytest.approx(want["grad_norm"], abs=1e-6)
+    later = {"float32": 1e-6, "bfloat16": 1e-3}[dtype]  # relative, after the first step
+    for step, (want, have) in enumerate(zip(got["steps"][False, dtype], got["steps"][True, dtype], strict=True)):
+        assert have["loss"] == (want["loss"] if step == 0 else pytest.approx(want["loss"], rel=later))
+        assert have["grad_norm"] == pytest.approx(want["grad_norm"], rel=later if step else 0, abs=1e-6)
+    apart = {"float32": 1e-5, "bfloat16": 5e-4}[dtype]
     for name, tensor in got["weights"][False, dtype].items():
-        torch.testing.assert_close(got["weights"][True, dtype][name], tensor, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["weights"][True, dtype][name], tensor, rtol=0, atol=apart, msg=name)
     sharded, replicated = ([ranks[key] for ranks in got["adam_elements"]] for key in ((True, dtype), (False, dtype)))
     assert replicated[0] == replicated[1] == sum(sharded) and max(sharded) < replicated[0]
 

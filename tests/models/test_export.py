@@ -15,10 +15,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_hpc.cli import main
+from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import PolicyOutputs
 from areal_hpc.models.hf import load_tokenizer, model_skeleton
 from areal_hpc.models.hub_checkpoint import INDEX, HubCheckpoint
+from areal_hpc.models.replicas import REPLICA_TEMPLATES
+from areal_hpc.models.tiny import init_model
 from areal_hpc.runtime.run_state import model_to_export
 from tests.native_ranks import seeded_batch
 
@@ -51,6 +54,21 @@ def test_export_writes_hub_shards_in_the_dtype_asked_and_leaves_training_state_o
     assert exported.dtype == torch.bfloat16
     assert all(torch.equal(t, trained.state_dict()[k]) for k, t in exported.state_dict().items())
     assert load_tokenizer(out)("12+34=46").input_ids == load_tokenizer(tiny_model_dir)("12+34=46").input_ids
+
+
+@pytest.mark.parametrize("preset", list(REPLICA_TEMPLATES))
+def test_each_replica_saved_by_the_engine_exports_with_its_template_and_logits(preset, tmp_path):
+    """Qwen3, Llama 3 and Gemma 3 replicas: what the torch engine saves exports to a folder plain transformers
+    loads with the engine's weights and log-probabilities, and the family's chat template."""
+    source = init_model(tmp_path / "model", corpus_for_tokenizer(0), preset=preset)
+    checkpoint = HubCheckpoint(source)
+    engine = TorchTrainEngine.on_checkpoint(
+        model_skeleton(checkpoint), checkpoint, PolicyOutputs(), torch.device("cpu"), tokenizer=load_tokenizer(source)
+    )
+    engine.save(tmp_path / "saved", optimizer=False)
+    weights = {name: tensor for bucket in engine.rollout_weights(1 << 30) for name, tensor in bucket}
+    assert_exports_as_trained(tmp_path / "saved", weights, tmp_path)
+    assert load_tokenizer(tmp_path / "exported").chat_template == load_tokenizer(source).chat_template
 
 
 def test_a_run_folder_exports_its_newest_model(tiny_model_dir, tmp_path):

@@ -25,7 +25,7 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record
+from recording import machine, run_and_record, versions
 
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = {  # name: ParallelDims' fields, over 4 ranks
@@ -122,9 +122,6 @@ def launch(model: Path, out: Path, layout: str, route: str, world: int = 4) -> l
 
 
 def run(args) -> dict:
-    import safetensors
-    import torch
-    import transformers
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,12 +134,7 @@ def run(args) -> dict:
     return {
         "date": date.today().isoformat(),
         "machine": machine(),
-        "versions": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__,
-        },
+        "versions": versions("torch", "transformers", "safetensors"),
         "model_mib_bf16": size,
         "rows": rows,
     }

@@ -66,6 +66,13 @@ def cpu_model() -> str:
     )
 
 
+def versions(*packages: str) -> dict[str, str]:
+    """A record's ``versions``: Python's and each installed package's (by its distribution name)."""
+    from importlib.metadata import version
+
+    return {"python": platform.python_version(), **{package: version(package) for package in packages}}
+
+
 def machine_and_versions(result: dict) -> str:
     """A result table's line naming what it ran on: ``Machine: ... Versions: torch 2.x, ...``."""
     return (

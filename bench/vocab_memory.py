@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lora import in_child
-from recording import machine, machine_and_versions, run_and_record
+from recording import machine, machine_and_versions, run_and_record, versions
 
 from areal_hpc.algo import logprobs
 
@@ -189,7 +189,6 @@ def _cpu_seconds(path: str, vocab: int, hidden_size: int, tokens: int, repeats: 
 
 
 def run(args) -> dict:
-    import torch
 
     os.environ["OMP_NUM_THREADS"] = "1"
     # the children's allocator: blocks of 128 KiB and more straight from the kernel and back on free, so the
@@ -218,11 +217,7 @@ def run(args) -> dict:
         "benchmark": "vocab_memory",
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
-        "versions": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-        },
+        "versions": versions("torch", "transformers"),
         "vocab": args.vocab,
         "hidden": args.hidden,
         "tokens": args.tokens,

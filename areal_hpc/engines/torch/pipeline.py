@@ -11,7 +11,9 @@ micro-batches in flight per stage); sends and receives that cross are posted tog
 waits on a peer that waits on it.
 
 - Layers keep their global indices (``StageLayers``), so parameter names are the full model's and
-  checkpoints, weight pushes and optimizer state need no renaming.
+  checkpoints, weight pushes and optimizer state need no renaming; the decoder's forward numbers them so too,
+  so a model that mixes attention kinds (Gemma 3's sliding-window and global layers, each with its own RoPE
+  base) gives each layer its own kind's window and RoPE table on any stage.
 - Tied embeddings (the tiny models'): the last stage keeps its own copy of the embedding as the head;
   their gradients are summed over the first and last stage after the backward (Megatron's embedding
   group), so both copies take the same step, and the gradient norm counts the pair once.
@@ -32,26 +34,34 @@ from areal_hpc.parallel.mesh import TrainMesh
 HEADS = ("lm_head", "score")  # a causal LM's and a token classifier's (the critic's) output layer
 
 
+def held_by_another_stage(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The place of a decoder layer that another stage holds: the hidden state passes unchanged."""
+    return hidden_states
+
+
 class StageLayers(torch.nn.ModuleDict):
-    """A stage's decoder layers under their global indices: iterates and slices like the
-    ``ModuleList`` it replaces (the decoder's forward slices its layers)."""
+    """A stage's decoder layers under their global indices. Iterating gives the stage's layers; a slice (the
+    decoder's forward takes ``layers[:num_hidden_layers]``) is of the whole model's ``count`` layers, those of
+    other stages passing the hidden state through, so the forward's ``enumerate`` numbers each layer as the
+    whole model does and ``config.layer_types[i]`` gives it its own kind's mask and RoPE table."""
+
+    def __init__(self, layers: dict[int, torch.nn.Module], count: int):
+        super().__init__({str(i): layer for i, layer in layers.items()})
+        self.count = count
 
     def __iter__(self):
         return iter(self.values())
 
     def __getitem__(self, key):
-        return list(self.values())[key] if isinstance(key, slice) else super().__getitem__(key)
+        if not isinstance(key, slice):
+            return super().__getitem__(key)
+        return [self._modules.get(str(i), held_by_another_stage) for i in range(self.count)[key]]
 
 
 def check_stages(config, pp: int) -> None:
     """Raise ``UserError`` for a model that cannot be cut into ``pp`` stages."""
     if config.num_hidden_layers % pp:
         raise UserError(f"actor.parallel.pp={pp} must divide the model's num_hidden_layers={config.num_hidden_layers}")
-    if len(set(getattr(config, "layer_types", None) or ["full_attention"])) > 1:
-        raise UserError(
-            "actor.engine=torch does not cut a model that mixes attention layer types (sliding "
-            f"windows: {sorted(set(config.layer_types))}) into pipeline stages; use actor.parallel.pp=1"
-        )
 
 
 def keep_stage(model: torch.nn.Module, stage: int, pp: int) -> None:
@@ -60,7 +70,7 @@ def keep_stage(model: torch.nn.Module, stage: int, pp: int) -> None:
     decoder = model.base_model
     count = len(decoder.layers)
     first, last = stage * count // pp, (stage + 1) * count // pp
-    decoder.layers = StageLayers({str(i): decoder.layers[i] for i in range(first, last)})
+    decoder.layers = StageLayers({i: decoder.layers[i] for i in range(first, last)}, count)
     if stage > 0:
         decoder.embed_tokens = None  # a tied head keeps the parameter
     if stage < pp - 1:

@@ -66,6 +66,18 @@ class Workload:
         return sequences, masks
 
 
+@dataclass(frozen=True)
+class RecordedWorkload:
+    """A batch as a run trained it (read back from its shards): sequences and loss masks as they are."""
+
+    token_sequences: tuple[tuple[int, ...], ...]
+    loss_masks: tuple[tuple[int, ...], ...]
+    seed: int = 0
+
+    def sequences(self) -> tuple[list[list[int]], list[list[int]]]:
+        return [list(s) for s in self.token_sequences], [list(m) for m in self.loss_masks]
+
+
 def grpo(samples: int, prompt: int, reply: float, groups: int = 2, spread: float = 0.5, seed: int = 0) -> Workload:
     return Workload("grpo", groups, samples, prompt, reply, spread=spread, seed=seed)
 
@@ -82,13 +94,13 @@ def multi_turn(
     return Workload("multi-turn", groups, episodes, prompt, reply, environment, turns, seed=seed)
 
 
-def compression(workload: Workload) -> float:
+def compression(workload: Workload | RecordedWorkload) -> float:
     from areal_hpc.algo.prefix_tree import build_prefix_tree
 
     return build_prefix_tree(workload.sequences()[0]).compression
 
 
-def training_batch(workload: Workload):
+def training_batch(workload: Workload | RecordedWorkload):
     """The workload as a PPO minibatch: behaviour logprobs and advantages at random, token-mean weights."""
     import torch
 
@@ -142,7 +154,7 @@ class PeakResidentSet:
         self.peak = max(self.peak, self.now())
 
 
-def _measure(mode: str, workload: Workload, preset: str, steps: int, max_tokens: int) -> dict:
+def _measure(mode: str, workload: Workload | RecordedWorkload, preset: str, steps: int, max_tokens: int) -> dict:
     """In a fresh process: seconds per optimizer step (median) and peak memory over the start."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -230,7 +242,9 @@ MEASURE_PRELOAD = (
 )
 
 
-def measure(mode: str, workload: Workload, preset: str = "small", steps: int = 3, max_tokens: int = 4096) -> dict:
+def measure(
+    mode: str, workload: Workload | RecordedWorkload, preset: str = "small", steps: int = 3, max_tokens: int = 4096
+) -> dict:
     """``_measure`` in a child process (its own allocator and peak), one torch thread. The children fork
     from one server that has imported what they use (``MEASURE_PRELOAD``): each starts in a fraction
     of a second instead of ~3 s, as fresh for what is measured as a spawned interpreter."""

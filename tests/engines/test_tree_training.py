@@ -9,6 +9,7 @@ loss on GRPO groups sharing a prompt, and for a critic's value loss; and over tw
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import inspect
@@ -20,10 +21,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer
+from areal_hpc.agents.groups import run_episode
+from areal_hpc.agents.search.corpus import build_world
+from areal_hpc.agents.search.workflow import SearchAgentWorkflow
 from areal_hpc.algo.packing import pack
 from areal_hpc.algo.ppo import decoupled_ppo_loss, token_weights, value_loss
 from areal_hpc.algo.prefix_tree import build_prefix_tree
 from areal_hpc.config import ActorConfig, OptimizerConfig, load_config
+from areal_hpc.data.rewards import RewardPool
+from areal_hpc.data.trajectory import Reward, Trajectory
 from areal_hpc.engines.sequence_batch import SequenceBatch
 from areal_hpc.engines.torch import tree as tree_module
 from areal_hpc.engines.torch.engine import TorchTrainEngine
@@ -31,10 +38,14 @@ from areal_hpc.engines.torch.outputs import PolicyOutputs, ValueOutputs
 from areal_hpc.engines.torch.tree import Segments, cache_keyword, check_tree_layout, is_chain
 from areal_hpc.errors import UserError
 from areal_hpc.layout import ParallelDims
-from areal_hpc.models.hf import load_critic, load_model
+from areal_hpc.models.hf import load_critic, load_model, load_tokenizer
 from areal_hpc.resolve import Host, resolve
 from areal_hpc.train.actor import PPOActor
 from areal_hpc.train.build import build_actor
+from areal_hpc.train.trajectory_batch import build_batch, split_minibatches
+from tests.agents.test_search import REWARD_FN as SEARCH_REWARD
+from tests.agents.test_search import example_of
+from tests.agents.test_workflows import InProcessModel
 from tests.algo.test_prefix_tree import shared_prefix_batches
 from tests.engines.test_parallel_layouts import STEP, assert_same_step
 from tests.trainer_processes import run_ranks
@@ -273,6 +284,49 @@ def test_ppo_actor_update_on_grpo_groups_equals_flat(
     assert (
         tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences, min_saved_tokens, shared_within).n_tokens
     )
+    assert_same_gradients(tree.model, flat.model)
+
+
+def search_agent_group(model_dir, episodes: int = 4, turns: int = 6) -> list[Trajectory]:
+    """A GRPO group of the search agent's real episodes: the tiny model decoded by the embedded engine,
+    ``turns`` turns each (it never answers), the environment's replies between its turns; rewards drawn
+    at random (an untrained model earns none), so the group's advantages are not all 0."""
+    question = next(q for q in build_world(0).questions if q.hops == 3)
+    model = InProcessModel(model_dir)
+    workflow = SearchAgentWorkflow(max_turns=turns, top_k=2, max_context_tokens=1024)
+
+    async def group(pool):
+        settings = EpisodeSettings(model.generate, load_tokenizer(model_dir), Sampling(max_new_tokens=6), Scorer(pool))
+        runs = [run_episode(workflow, EpisodeContext(settings), example_of(question)) for _ in range(episodes)]
+        return [record for records in await asyncio.gather(*runs) for record in records]
+
+    try:
+        with RewardPool(SEARCH_REWARD) as pool:
+            records = asyncio.run(group(pool))
+    finally:
+        model.engine.stop()
+    generator = torch.Generator().manual_seed(0)
+    for record in records:
+        record.group_id, record.rewards = "q0", [Reward(float(torch.rand(1, generator=generator)), step=0)]
+    return records
+
+
+def test_an_agent_groups_episodes_train_as_one_tree_exactly_as_flat(policy, tiny_model_dir):
+    """Multi-turn episodes as the trainer takes them (``build_batch``: each episode one sequence, its
+    turns back to back, the environment's tokens out of the loss) share their prompt as one prefix tree;
+    the PPO update on it equals the flat engine's."""
+    records = search_agent_group(tiny_model_dir)
+    assert all(len(r.segments) == 6 for r in records)
+    cfg = ActorConfig()
+    (batch,) = split_minibatches(build_batch(records, cfg, 6, 1.0), records, cfg, 6)
+    assert all(0 in mask[mask.index(1) :] for mask in batch.loss_masks)  # holes: the environment's tokens
+    assert build_prefix_tree(batch.sequences).compression > 1.15  # 4 episodes share the prompt
+    tree, flat = engine(policy, "dta", max_tokens=1024), engine(policy, "off", max_tokens=1024)
+    tree_stats = PPOActor(tree, cfg).update([batch])
+    flat_stats = PPOActor(flat, cfg).update([batch])
+    assert tree_stats["actor/loss"] == pytest.approx(flat_stats["actor/loss"], rel=RTOL, abs=1e-6)  # a sum near 0
+    assert tree_stats["actor/loss_tokens"] == flat_stats["actor/loss_tokens"] > 0
+    assert tree_stats["actor/tree_tokens"] == build_prefix_tree(batch.sequences).n_tokens
     assert_same_gradients(tree.model, flat.model)
 
 

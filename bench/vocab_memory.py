@@ -7,11 +7,11 @@ Paths (N tokens, vocabulary V, hidden H, float32, one thread, T = 0.7 where a te
 - ``torch engine``: the policy's logprobs and entropies through the LM head (``engines.torch.outputs.
   target_logprobs``), forward and backward to the hidden states and the head; unchunked: ``log_softmax(head(hidden)
   / T)``, its targets' entries and the entropy from it.
-- ``Megatron tp1``: ``engines.megatron.outputs.vocab_parallel_outputs`` on the [N, V] logits Megatron's output
-  layer gives (a gloo group of one rank), forward and backward to the logits; unchunked: the same log-softmax on
-  the logits (the engine took the whole [N, V] slice in float32 before). The logits' own gradient, [N, V] like
-  them, is what Megatron's output layer takes back, so it exists either way; ``(no grad)``: the forward pass
-  alone, as the reference and proximal logprobs run.
+- ``Megatron tp1``: the policy's output layer, ``engines.megatron.outputs.LogprobHead`` (the output layer's weight
+  turned into logprobs a chunk of tokens at a time; a gloo group of one rank), on [N, 1, H] hidden states, forward
+  and backward to the hidden states and the weight; unchunked: the output layer's [N, V] logits (``F.linear``, as
+  Megatron's ``ColumnParallelLinear`` computes them) and the whole log-softmax on them; ``(no grad)``: the forward
+  pass alone, as the reference and proximal logprobs run.
 - ``SFT cross entropy``: ``train.sft.sft_loss`` on the torch engine's logprobs at T = 1, forward and backward;
   unchunked: ``F.cross_entropy(head(hidden), targets)`` (weighted alike), what a plain SFT step computes.
 - ``server prompt scoring``: ``EmbeddedGenerator.score`` of one N-token prompt (distillation's teacher scores)
@@ -105,27 +105,31 @@ def _workload(path: str, vocab: int, hidden_size: int, tokens: int):
     if path.startswith("Megatron"):
         import torch.distributed as dist
 
-        from areal_hpc.engines.megatron.outputs import vocab_parallel_outputs
+        from areal_hpc.engines.megatron.outputs import LogprobHead, PassTargets
 
         folder = tempfile.mkdtemp(prefix="bench-vocab-")
         dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
         train = "no grad" not in path
-        logits = torch.randn(tokens, vocab, generator=generator).mul_(3).requires_grad_(train)
-        temperatures = torch.full((tokens, 1), TEMPERATURE)
+        head = LogprobHead(torch.nn.Linear(hidden_size, vocab, bias=False).weight, dist.group.WORLD)
+        head.requires_grad_(train)
+        hidden = torch.randn(tokens, 1, hidden_size, generator=generator, requires_grad=train)
+        goal = PassTargets(targets, torch.full((tokens, 1), TEMPERATURE))
 
-        def on_logits(logprobs_of):
+        def on_hidden(logprobs_of):
             def step():
                 with torch.set_grad_enabled(train):
-                    logprobs, _ = logprobs_of()
+                    logprobs = logprobs_of()
                     if train:
                         (weights * logprobs).sum().backward()
-                logits.grad = None
+                head.weight.grad = hidden.grad = None
 
             return step
 
         return {
-            "chunked": on_logits(lambda: vocab_parallel_outputs(logits, targets, temperatures, dist.group.WORLD)),
-            "unchunked": on_logits(lambda: _whole_log_softmax(logits, targets, TEMPERATURE)),
+            "chunked": on_hidden(lambda: head(hidden, runtime_gather_output=goal)[0][:, 0, 0]),
+            "unchunked": on_hidden(
+                lambda: _whole_log_softmax(F.linear(hidden[:, 0], head.weight), targets, TEMPERATURE)[0]
+            ),
         }, dist.destroy_process_group
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -256,13 +260,6 @@ def report(result: dict) -> str:
         memory = chunked["peak_over_start_bytes"] / whole["peak_over_start_bytes"]
         speed = chunked["cpu_s_per_token"] / whole["cpu_s_per_token"]
         lines.append(f"- {path}: peak memory **{memory:.3f}x** (1/{1 / memory:.1f}), time per token **{speed:.2f}x**")
-        if path == "Megatron tp1":  # both hold the logits' gradient, which Megatron's output layer takes back
-            gradient = 4 * result["tokens"] * result["vocab"]
-            beyond = [max(0, r["peak_over_start_bytes"] - gradient) / mib for r in (chunked, whole)]
-            lines.append(
-                f"  (both hold the logits' [N, V] gradient, {gradient / mib:,.0f} MiB, which Megatron's output layer "
-                f"takes back; beyond it: {beyond[0]:,.0f} MiB chunked, {beyond[1]:,.0f} MiB unchunked)"
-            )
     return "\n".join(lines)
 
 

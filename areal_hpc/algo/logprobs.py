@@ -1,6 +1,6 @@
 """Log-probabilities of target tokens, and the entropy of the distribution they are drawn from, without the
 [tokens x vocabulary] float32 logits in memory at once: the one implementation every path shares (the torch
-engine's LM head, the Megatron engine's vocabulary-parallel logits, the rollout server's prompt scoring).
+engine's LM head, the Megatron engine's vocabulary-parallel output layer, the rollout server's prompt scoring).
 
 Rows (hidden states under an LM head, or logits already computed) go a chunk of at most ``LOGITS_CHUNK_BYTES``
 of float32 logits at a time. The forward pass keeps each row's log-normaliser and nothing of the chunk. The
@@ -144,8 +144,8 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_weight = _accumulate(grad_weight, weight, gradient.T, chunk.to(logits.dtype))
             if wants_bias:
                 grad_bias = gradient.sum(0).to(bias.dtype) if grad_bias is None else grad_bias.add_(gradient.sum(0))
-        if wants_weight and grad_weight is None:
-            grad_weight = torch.zeros_like(weight)
+        if wants_weight:
+            grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
         if wants_bias and grad_bias is None:
             grad_bias = torch.zeros_like(bias)
         return None, grad_rows, None, None, grad_weight, grad_bias
@@ -169,9 +169,11 @@ def _head(
 
 
 def _accumulate(total: torch.Tensor | None, like: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``total`` + a @ b in ``like``'s dtype: in place where the product's dtype is that one."""
+    """``total`` + a @ b in ``like``'s dtype, or float32 where that is narrower (bf16 weights: the chunks' sum
+    rounded once, at the end, as one product over all the rows is): in place where the product's dtype is that
+    one."""
     if total is None:
-        return (a @ b).to(like.dtype)
+        return (a @ b).to(torch.promote_types(like.dtype, torch.float32))
     return total.addmm_(a, b) if a.dtype == total.dtype else total.add_(a @ b)
 
 

@@ -15,6 +15,8 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import (
@@ -28,9 +30,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from areal_hpc.algo import logprobs
 from areal_hpc.engines.base import OPTIMIZER_SHARDS, TRAINING_STATE
 from areal_hpc.engines.megatron.convert import ModelShape, gpt_model_args, hf_to_megatron, stage_names, stage_to_hf
 from areal_hpc.engines.megatron.engine import check_layout
+from areal_hpc.engines.megatron.outputs import LogprobHead, PassTargets
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
 from areal_hpc.errors import UserError
 from areal_hpc.layout import ParallelDims
@@ -144,16 +148,18 @@ def runs(tmp_path_factory):
     "model, world, options",
     [
         ("tiny_llama_dir", 1, ()),
-        ("tiny_llama_dir", 2, ("tp=2",)),
+        ("tiny_llama_dir", 4, ("tp=2", "pp=2")),
         ("qwen3_dir", 1, ()),
+        ("qwen3_dir", 4, ("tp=2", "pp=2")),
         ("gemma3_dir", 1, ()),
         ("gemma3_dir", 4, ("tp=2", "sp=1", "cp=2")),
         ("gemma3_dir", 2, ("pp=2",)),
     ],
     ids=[
         "llama_one_process",
-        "llama_tp2",
+        "llama_tp2xpp2",
         "qwen3_one_process",
+        "qwen3_tp2xpp2",
         "gemma3_one_process",
         "gemma3_tp2xcp2_sequence_parallel",
         "gemma3_pp2",
@@ -163,15 +169,16 @@ def test_family_forward_equals_hf_one_sequence_at_a_time(model, world, options, 
     """Llama 3 (no q/k/v biases, RoPE scaled as "llama3", an untied head), Qwen3 (q/k RMSNorm) and Gemma 3 (see
     ``GEMMA3``; (1 + w) RMSNorms before and after attention and the MLP, embeddings times sqrt(hidden), gated
     tanh-GELU): Megatron's logprobs and entropies equal those of the Hugging Face model run on each sequence
-    alone. The rollout push names every tensor as the Hugging Face model does, and Gemma 3's step is one
-    process's in other layouts too (sandwich norms after the TP reduce-scatter, their gradients summed over the
-    TP ranks; windows over context shards; windows and their RoPE base by global layer number on the second
-    pipeline stage)."""
+    alone, in one process and over tensor- and pipeline-parallel ranks. The rollout push names every tensor as
+    the Hugging Face model does, and every layout's step is one process's: the vocabulary-parallel output layer
+    over TP ranks on the last stage (Qwen3's tied to the first stage's embedding, Llama's not), and Gemma 3's
+    sandwich norms after the TP reduce-scatter (their gradients summed over the TP ranks), windows over context
+    shards, windows and their RoPE base by global layer number on the second pipeline stage."""
     model_dir = request.getfixturevalue(model)
     got = runs(world, model_dir, *options, "temperature=0.7")
     assert_outputs_equal_hf(got, options, model_dir, reference=hf_outputs_one_sequence_at_a_time)
     assert got["weights"].keys() == load_model(model_dir).state_dict().keys()
-    if model == "gemma3_dir" and world > 1:
+    if world > 1:
         one = runs(1, model_dir, "temperature=0.7")
         (rank,) = one["ranks"]
         outputs = {
@@ -193,6 +200,50 @@ def hf_outputs_one_sequence_at_a_time(model, batch, temperature: float) -> dict[
         name: torch.zeros(len(logits)).index_put((targets,), v)
         for name, v in (("logprobs", chosen), ("entropy", entropy))
     }
+
+
+@pytest.fixture
+def group_of_one():
+    """The default process group, of this process alone (made here and destroyed after where there is none)."""
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_logprob_head_takes_the_unfused_output_layers_gradients(dtype, group_of_one, monkeypatch):
+    """The policy's output layer (the hidden states' logprobs 7 positions at a time, their logits recomputed in
+    the backward pass) against the path it replaces: the output layer's whole [T, V] logits in the parameters'
+    dtype, their float32 (or wider) log-softmax at each position's temperature, and autograd's gradients of the
+    hidden states and the weight. In float64 to rounding; in bf16 (Megatron's mixed precision: the products in
+    bf16, the log-softmax in float32) to a unit in bf16's last place of the largest entries."""
+    monkeypatch.setattr(logprobs, "LOGITS_CHUNK_BYTES", 4 * 300 * 7)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(30, 1, 16, generator=generator, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(300, 16, generator=generator, dtype=torch.float64).to(dtype))
+    targets = PassTargets(
+        torch.randint(0, 300, (30,), generator=generator), 0.5 + torch.rand(30, 1, generator=generator)
+    )
+    upstream = torch.randn(30, generator=generator, dtype=torch.float64)
+    fused, _ = LogprobHead(weight, group_of_one)(hidden, runtime_gather_output=targets)
+    wide = torch.promote_types(dtype, torch.float32)
+    whole = torch.log_softmax(F.linear(hidden[:, 0], weight).to(wide) / targets.temperatures, -1)
+    unfused = whole.gather(-1, targets.tokens[:, None])[:, 0]
+    torch.testing.assert_close(fused[:, 0, 0], unfused.detach())
+    torch.testing.assert_close(fused[:, 0, 1], -(whole.exp() * whole).sum(-1).detach())
+    for got, want in zip(
+        torch.autograd.grad((fused[:, 0, 0] * upstream).sum(), (hidden, weight)),
+        torch.autograd.grad((unfused * upstream).sum(), (hidden, weight)),
+    ):
+        assert got.dtype == dtype
+        bf16_ulp = {} if dtype == torch.float64 else dict(rtol=0, atol=2**-7 * want.abs().max().item())
+        torch.testing.assert_close(got, want, **bf16_ulp)
 
 
 def test_llama3_rope_scaling_builds_the_frequencies_hf_uses(tiny_llama_dir):

@@ -63,7 +63,7 @@ from areal_hpc.engines.megatron.model import (
     with_fp32_master_weights,
     wrap_data_parallel,
 )
-from areal_hpc.engines.megatron.outputs import per_position_outputs
+from areal_hpc.engines.megatron.outputs import PassTargets, per_position_outputs
 from areal_hpc.engines.megatron.schedule import Pass, from_last_stage, microbatches, run_schedule
 from areal_hpc.engines.optim import build_optimizer, build_scheduler
 from areal_hpc.engines.sequence_batch import SequenceBatch
@@ -133,7 +133,7 @@ class MegatronTrainEngine(TrainEngine):
             self.stage = build_stage(
                 self.shape, mesh.dims, self.device, critic=self.critic, dtype=DTYPES[compute_dtype], recompute=recompute
             )
-        self.config, self.tp_group, self.pp_group = self.stage.config, self.stage.tp_group, self.stage.pp_group
+        self.config, self.pp_group = self.stage.config, self.stage.pp_group
         self.model = torch.nn.ModuleList(self.stage.chunks)  # every chunk's parameters
         self._load_hf(Path(path))
         self.trainable = optimizer is not None
@@ -163,10 +163,11 @@ class MegatronTrainEngine(TrainEngine):
     def _load_hf(self, folder: Path) -> None:
         load_hf_weights(self.stage, folder, self.hf_config, self.shape, self.mesh, critic=self.critic)
 
-    def _outputs(self, logits: torch.Tensor, packed: PackedBatch) -> Outputs:
-        return per_position_outputs(
-            logits, packed, critic=self.critic, temperature=self.temperature, tp_group=self.tp_group
-        )
+    def _head_input(self, packed: PackedBatch) -> PassTargets | None:
+        return None if self.critic else PassTargets.of(packed, self.temperature)
+
+    def _outputs(self, output: torch.Tensor, packed: PackedBatch) -> Outputs:
+        return per_position_outputs(output, packed, critic=self.critic)
 
     def _passes(self, batch: SequenceBatch) -> list[Pass]:
         return microbatches(batch, self.mesh, self.max_tokens_per_mb, sharded=self.sharded)
@@ -190,7 +191,7 @@ class MegatronTrainEngine(TrainEngine):
                     per_sequence[i] = part
             return torch.zeros(())
 
-        run_schedule(self.roots, passes, self._outputs, keep, forward_only=True)
+        run_schedule(self.roots, passes, self._head_input, self._outputs, keep, forward_only=True)
         return from_last_stage(out, self.mesh, self.pp_group)
 
     def train_step(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -205,7 +206,7 @@ class MegatronTrainEngine(TrainEngine):
             parts.append({"loss": value.item(), "microbatches": 1.0, **mb_stats})
             return value
 
-        run_schedule(self.roots, self._passes(batch), self._outputs, loss, forward_only=False)
+        run_schedule(self.roots, self._passes(batch), self._head_input, self._outputs, loss, forward_only=False)
         stats = from_last_stage(merge_over_context(merge_stats(parts), self.mesh), self.mesh, self.pp_group)
         stats["grad_norm"], stats["lr"] = self._optimizer_step(), self.scheduler.get_last_lr()[0]
         self.scheduler.step()

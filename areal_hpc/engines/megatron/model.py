@@ -14,12 +14,15 @@ distributed optimizer (ZeRO-1), and the gradient norm over the model's shards.
 - With ``fsdp`` (dp, tp and cp; not with pp, ep or sequence parallelism yet) Megatron's
   ``TorchFullyShardedDataParallel`` shards every layer and the root over the dp x cp ranks (FSDP2,
   gradient divide factor 1).
-- bf16 mixed precision is Megatron's: bf16 parameters and compute (``Float16Module``, fp32 logits out),
+- bf16 mixed precision is Megatron's: bf16 parameters and compute (``Float16Module``; the output layer's
+  logits in bf16, their log-softmax in fp32),
   gradients accumulated and reduced in DDP's fp32 ``main_grad`` buffer, and
   ``Float16OptimizerWithFloat16Params`` around ``engines.optim``'s AdamW, which steps fp32 master
   copies (its state fp32 too) and copies them back into the bf16 parameters. Not with FSDP yet.
-- The PPO critic is HF's token classifier with one label: the same body, its ``score`` head in the
-  last stage's output-layer slot (``ValueHead``, replicated over TP).
+- The policy's last stage turns hidden states into logprobs in its output-layer slot (``outputs.LogprobHead``,
+  the same vocabulary-parallel weight): a chunk of positions at a time, so its [tokens, V/tp] logits never
+  exist whole. The PPO critic is HF's token classifier with one label: the same body, its ``score`` head in
+  that slot (``ValueHead``, replicated over TP).
 - The gradient norm counts each parameter once (TP duplicates and the last stage's tied-embedding
   copy excluded) over the model-parallel ranks, and each expert once over the expert-parallel ranks,
   as ``clip_grad_norm_`` does for one process.
@@ -184,6 +187,7 @@ def build_stage(
     from areal_hpc.engines.megatron.attention import PackedCoreAttention
     from areal_hpc.engines.megatron.gemma import gemma3_layer, scale_embeddings
     from areal_hpc.engines.megatron.norm import MarkedRMSNorm
+    from areal_hpc.engines.megatron.outputs import LogprobHead
 
     # perform_initialization: on CPU it is what marks the TP-split parameters (tensor_model_parallel),
     # which the gradient norm reads; the loaded weights then replace the random ones.
@@ -237,6 +241,9 @@ def build_stage(
         )
         if critic and last:
             model.output_layer = ValueHead(shape.hidden, 1, sequence_parallel=dims.sequence_parallel)
+        elif last:  # the same weight, turned into logprobs a chunk of positions at a time
+            layer = model.output_layer
+            model.output_layer = LogprobHead(layer.weight, layer.tp_group, sequence_parallel=layer.sequence_parallel)
         if shape.gemma and model.pre_process:
             scale_embeddings(model, shape.hidden)
         chunks.append(model.to(device))

@@ -72,23 +72,34 @@ def microbatches(batch: SequenceBatch, mesh: TrainMesh, max_tokens_per_mb: int, 
 def run_schedule(
     roots: list,
     passes: list[Pass],
+    head_input_of: Callable[[PackedBatch], object],
     outputs_of: Callable[[torch.Tensor, PackedBatch], Outputs],
     on_outputs: Callable[[list[int], Outputs, PackedBatch, dict[str, torch.Tensor]], torch.Tensor],
     *,
     forward_only: bool,
 ) -> None:
     """Megatron's schedule of the (wrapped) model chunks ``roots`` over ``passes`` (interleaved 1F1B with
-    several chunks: each reads every pass, for its positions and sequence boundaries); the last stage
-    turns each pass's logits into ``outputs_of(logits, packed)`` and calls ``on_outputs(indices, outputs,
-    packed, fields)`` for each pass with sequences, which returns the micro-batch's loss."""
+    several chunks: each reads every pass, for its positions and sequence boundaries); the last stage's
+    output layer takes ``head_input_of(packed)`` (as GPTModel's ``runtime_gather_output``, which it hands on
+    untouched; made only there), the stage turns each pass's output into ``outputs_of(output, packed)`` and calls
+    ``on_outputs(indices, outputs, packed, fields)`` for each pass with sequences, which returns the
+    micro-batch's loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_attr_wrapped_model
 
     from areal_hpc.engines.megatron.attention import PackedSequences
 
     def step(iterator, model):
         indices, packed, fields = next(iterator)
         sequences = PackedSequences.of(packed)
-        logits = model(packed.input_ids, packed.position_ids, None, packed_seq_params=sequences)
+        last = get_attr_wrapped_model(model, "post_process")
+        stage_output = model(
+            packed.input_ids,
+            packed.position_ids,
+            None,
+            packed_seq_params=sequences,
+            runtime_gather_output=head_input_of(packed) if last else None,
+        )
 
         def loss(output):
             outputs = outputs_of(output, packed)
@@ -96,7 +107,7 @@ def run_schedule(
                 return sum(values.sum() for values in outputs.values()) * 0.0, torch.tensor(1), {}
             return on_outputs(indices, outputs, packed, fields), torch.tensor(1), {}
 
-        return logits, loss
+        return stage_output, loss
 
     if not passes:
         return

@@ -21,7 +21,8 @@ class Example:
     target: str = ""  # one correct completion, the SFT label ("" when the data has none)
     answer: str = ""  # what the reward checks
     fields: dict = field(default_factory=dict)  # every other column, passed to the reward and the workflow
-    messages: tuple = ()  # a chat prompt ([{"role", "content"}, ...]), rendered by the model's chat template
+    messages: tuple = ()  # a chat prompt: OpenAI chat messages ([{"role", "content"}, ...]), for the chat template
+    tools: tuple = ()  # the OpenAI function tools offered with the prompt, as a client passes ``tools=``
 
     def chat_messages(self) -> list[dict]:
         """The prompt as chat messages (a new list): ``messages``, else one user turn holding ``prompt``."""

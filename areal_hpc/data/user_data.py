@@ -3,14 +3,18 @@
 a field mapping (``dataset.prompt_field``, ``answer_field``, ``target_field``); every other column
 travels with the example to the reward and the workflow.
 
-A prompt is text (rendered as one user turn) or chat messages (``[{"role", "content"}, ...]``,
-rendered by the model's chat template). Held-out data comes from ``eval_path``, else the
-``eval_split`` of a saved ``DatasetDict``, else ``eval_size`` rows held out of ``path`` by ``seed``.
+A prompt is text (rendered as one user turn) or OpenAI chat messages (``[{"role", "content"}, ...]``; an
+assistant's may hold ``tool_calls``, ``reasoning_content`` and an SFT ``weight``), rendered by the model's chat
+template. A ``tools`` column holds the OpenAI function tools offered with the prompt (a list, or that list as
+JSON text). Parquet and Arrow give a row's objects the keys of every row's, as nulls: null values are dropped
+(JSON text is read as written). Held-out data comes from ``eval_path``, else the ``eval_split`` of a saved
+``DatasetDict``, else ``eval_size`` rows held out of ``path`` by ``seed``.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import random
 from pathlib import Path
@@ -20,6 +24,13 @@ from areal_hpc.errors import UserError
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 FORMS = "a JSONL, Parquet or Arrow file, a glob or a folder of them, or a datasets.save_to_disk folder"
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "weight")
+MESSAGES = "a list of {'role', 'content'} messages"
+TOOL_CALLS = "[{'type': 'function', 'function': {'name': ..., 'arguments': JSON text}}, ...]"
+TOOLS = (
+    "a list of OpenAI function tools [{'type': 'function', 'function': {'name': ..., 'description': ..., "
+    "'parameters': {...}}}, ...], or that list as JSON text"
+)
 
 
 def _datasets():
@@ -89,7 +100,7 @@ def examples_from_rows(rows: list[dict], cfg, source: str) -> list[Example]:
             raise UserError(
                 f"config key '{what}': {source} has no column {shown!r}; its columns are {', '.join(columns)}"
             )
-    mapped = {prompt_key, cfg.answer_field, target_key}
+    mapped = {prompt_key, cfg.answer_field, target_key, "tools"}
     return [
         _example(row, f"{source}/{i}", prompt_key, cfg.answer_field, target_key, mapped) for i, row in enumerate(rows)
     ]
@@ -97,14 +108,14 @@ def examples_from_rows(rows: list[dict], cfg, source: str) -> list[Example]:
 
 def _example(row: dict, uid: str, prompt_key: str, answer_key: str, target_key: str, mapped: set) -> Example:
     prompt = row[prompt_key]
-    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        text, messages = "", tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+    if isinstance(prompt, list):
+        text, messages = "", chat_messages(prompt, f"{uid}: column {prompt_key!r}")
     elif isinstance(prompt, str):
         text, messages = prompt, ()
     else:
         raise UserError(
             f"{uid}: column {prompt_key!r} is {type(prompt).__name__} {str(prompt)[:80]!r}; a prompt is "
-            "text or a list of {'role', 'content'} messages"
+            f"text or {MESSAGES}"
         )
     fields = {k: v for k, v in row.items() if k not in mapped}
     answer = row[answer_key] if answer_key else ""
@@ -116,7 +127,73 @@ def _example(row: dict, uid: str, prompt_key: str, answer_key: str, target_key: 
         answer="" if answer is None else answer,
         fields=fields,
         messages=messages,
+        tools=tool_list(row.get("tools"), uid),
     )
+
+
+def without_nulls(value):
+    """``value`` with the null values of its objects dropped, at every depth."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
+def chat_messages(value: list, where: str) -> tuple[dict, ...]:
+    """OpenAI chat messages, their keys among ``MESSAGE_KEYS`` (others dropped), content text ("" for none);
+    ``where`` names the column in errors."""
+    messages = []
+    for i, message in enumerate(without_nulls(value)):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise UserError(f"{where}: message {i} is {str(message)[:80]!r}; give {MESSAGES}")
+        message = {k: v for k, v in message.items() if k in MESSAGE_KEYS}
+        message["content"] = message.get("content", "")
+        if not isinstance(message["content"], str):
+            raise UserError(f"{where}: message {i}'s content is {str(message['content'])[:80]!r}; give text")
+        assistant = message["role"] == "assistant"
+        if "tool_calls" in message and not (assistant and _valid_tool_calls(message["tool_calls"])):
+            raise UserError(
+                f"{where}: message {i}'s tool_calls = {str(message['tool_calls'])[:80]!r}; an assistant "
+                f"message's tool calls are {TOOL_CALLS}"
+            )
+        if "weight" in message and not (assistant and message["weight"] in (0, 1)):
+            raise UserError(
+                f"{where}: message {i} ({message['role']}) has weight {message['weight']!r}; an assistant message "
+                "may have weight 0 (context, not trained) or 1 (trained, the default)"
+            )
+        messages.append(message)
+    return tuple(messages)
+
+
+def _valid_tool_calls(calls) -> bool:
+    return (
+        isinstance(calls, list)
+        and bool(calls)
+        and all(
+            isinstance(c, dict)
+            and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", "{}"), (str, dict))
+            for c in calls
+        )
+    )
+
+
+def tool_list(value, uid: str) -> tuple[dict, ...]:
+    """The tools of a row's ``tools`` column (none when it has none)."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise UserError(f"{uid}: column 'tools' is not JSON ({exc}); give {TOOLS}") from None
+    else:
+        value = without_nulls(value)
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise UserError(f"{uid}: column 'tools' is {type(value).__name__} {str(value)[:80]!r}; give {TOOLS}")
+    return tuple(value)
 
 
 def split_examples(cfg, name: str, rows_of) -> tuple[list[Example], list[Example]]:

@@ -212,7 +212,8 @@ def check_run_memory(cfg, device: str, logits_chunk_bytes: int) -> str:
             recompute=cfg.actor.recompute,
             shard_optimizer=dims.distributed_optimizer,
             vocab_parallel=megatron,
-            logit_tokens=None if megatron else max(1, logits_chunk_bytes // (4 * model.vocab)),
+            # both engines hold one chunk of float32 logits: Megatron's over its vocabulary slice (V/tp)
+            logit_tokens=max(1, logits_chunk_bytes // (4 * math.ceil(model.vocab / (dims.tp if megatron else 1)))),
         )
         for dims in MixedLayout.from_config(cfg.actor.parallel, cfg.rl.trainer_processes).groups
     ]

@@ -6,9 +6,10 @@ formulas for the planner (it skips layouts that cannot fit), ``areal-hpc plan`` 
 The activations are those of a Hugging Face Qwen2/Llama block trained by the torch engine: checked against
 measured CPU runs in tests/sched/test_memory_estimator.py (within 5%) and one H200 step of a 1.78B model at
 8192-token micro-batches (60.5 GiB estimated, 57.2 measured; bench/results/gpu_check-2026-11-27.md). This
-project's Megatron engine (local layer spec, no Transformer Engine, full-vocabulary logits) kept more in
-that run: 78.2 GiB measured against 59.7 estimated, so for ``actor.engine=megatron`` the estimate is low
-by about a quarter. Dense models only: expert parallelism (``ep``) changes nothing here.
+project's Megatron engine (local layer spec, no Transformer Engine) kept more in that run: 78.2 GiB
+measured against 59.7 estimated, so for ``actor.engine=megatron`` the estimate is low by about a quarter
+(measured while its output layer still made the whole [tokens, V/tp] logits; it now makes them a chunk at
+a time, as the torch engine does). Dense models only: expert parallelism (``ep``) changes nothing here.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ engine on the model (``train.evaluate.HeldOutTask``); it never touches the train
 evaluating changes nothing trained. ``sft.stop_at_accuracy`` ends training at the first evaluation that reaches
 it: SFT's accuracy rises steeply at a point that varies with the seed, so a fixed step count lands anywhere from
 10% to 35% (500 steps, 3 seeds) where a target lands within one evaluation's rise.
+A tool agent's demonstration (``tools`` with its messages, or the model's turns as assistant messages instead of a
+target) is rendered by the proxy's renderer, as the agent's requests are at rollout time (``train.demonstrations``).
 HF-format checkpoints, metrics in JSONL and TensorBoard, a PNG curve. One process on CPU or one accelerator.
 Simplifications on purpose: no resume (SFT here is a minutes-long warm-up), no data parallelism.
 """
@@ -29,9 +31,10 @@ from areal_hpc.data.registry import corpus_for_tokenizer
 from areal_hpc.data.tasks import Example
 from areal_hpc.engines.base import TrainEngine
 from areal_hpc.engines.sequence_batch import SequenceBatch
-from areal_hpc.errors import UserError
 from areal_hpc.models.chat import completion_ids, example_prompt_ids
 from areal_hpc.models.tiny import count_parameters, init_model
+from areal_hpc.proxy.chat_template import ChatTokenizer
+from areal_hpc.train.demonstrations import chat_sequences, check_demonstrations, is_agent_demo
 from areal_hpc.train.evaluate import EvalResult, HeldOutTask
 from areal_hpc.train.metrics import MetricsLogger
 from areal_hpc.train.supervised import (
@@ -53,25 +56,31 @@ class SFTResult:
     seconds: float
 
 
-def sft_sequence(tokenizer, example: Example) -> tuple[list[int], list[int]]:
-    """Prompt + completion ids and the loss mask (1 on completion tokens)."""
+def sft_sequences(tokenizer, example: Example, chat: ChatTokenizer | None = None) -> list[tuple[list[int], list[int]]]:
+    """An example's token ids and loss mask (1 on the model's tokens): its prompt through the tokenizer's chat
+    template and its target; a tool agent's demonstration (with ``tools``, or without a target) by
+    ``chat_sequences`` on ``chat`` (default: the proxy's renderer of the tokenizer's folder), one sequence per
+    record the proxy would make of it."""
+    if is_agent_demo(example):
+        return chat_sequences(chat or ChatTokenizer(tokenizer.name_or_path), example)
     prompt, completion = example_prompt_ids(tokenizer, example), completion_ids(tokenizer, example.target)
-    return prompt + completion, [0] * len(prompt) + [1] * len(completion)
+    return [(prompt + completion, [0] * len(prompt) + [1] * len(completion))]
 
 
 class LazySequences:
-    """The training examples as (tokens, completion mask), each tokenised the first time a batch draws
-    it: SFT starts at once on a large dataset instead of tokenising all of it first."""
+    """The training examples' sequences (tokens, loss mask), each example tokenised the first time a batch
+    draws it: SFT starts at once on a large dataset instead of tokenising all of it first. ``chat``: the
+    proxy's renderer of the tokenizer's folder, for tool agents' demonstrations."""
 
-    def __init__(self, tokenizer, examples: list):
-        self.tokenizer, self.examples, self.tokenised = tokenizer, examples, {}
+    def __init__(self, tokenizer, examples: list, chat: ChatTokenizer | None = None):
+        self.tokenizer, self.examples, self.chat, self.tokenised = tokenizer, examples, chat, {}
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
+    def __getitem__(self, index: int) -> list[tuple[list[int], list[int]]]:
         if index not in self.tokenised:
-            self.tokenised[index] = sft_sequence(self.tokenizer, self.examples[index])
+            self.tokenised[index] = sft_sequences(self.tokenizer, self.examples[index], self.chat)
         return self.tokenised[index]
 
 
@@ -120,13 +129,10 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
     model_dir = prepare_model_dir(cfg)
     engine = load_engine("sft", cfg, model_dir)
     tokenizer, model = engine.tokenizer, engine.model  # the Hugging Face model held-out evaluation generates with
-    task = open_task(cfg, tokenizer, cfg.tokenizer.path or model_dir, console.print)
-    if not all(ex.target for ex in task.train):
-        raise UserError(
-            f"config key 'dataset.target_field': SFT trains on reference completions; "
-            f"{task.train[0].uid} has none (name the column that holds them)"
-        )
-    train = LazySequences(tokenizer, task.train)
+    folder = cfg.tokenizer.path or model_dir
+    task = open_task(cfg, tokenizer, folder, console.print)
+    chat = check_demonstrations(task.train, folder)  # the proxy's renderer, for tool agents' demonstrations
+    train = LazySequences(tokenizer, task.train, chat)
     held_out = HeldOutTask(cfg, task, tokenizer, model_dir)  # its workflow built, its reward loaded
     save_resolved(cfg)  # only once every input has been checked: a bad one leaves the folder as it was
     console.print(
@@ -145,7 +151,7 @@ def run_sft(cfg: RunConfig, console: Console | None = None) -> SFTResult:
 
     def train_step() -> dict[str, float]:
         tick = time.time()
-        stats = sft_step(engine, [train[next(order)] for _ in range(cfg.sft.batch_size)])
+        stats = sft_step(engine, [pair for _ in range(cfg.sft.batch_size) for pair in train[next(order)]])
         stats["train/tokens_per_s"] = stats["train/tokens"] / (time.time() - tick)
         return stats
 

@@ -172,7 +172,7 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
     from areal_hpc.engines.torch.engine import TorchTrainEngine
     from areal_hpc.engines.torch.outputs import packed_policy_outputs
     from areal_hpc.models.hf import load_model, save_model
-    from areal_hpc.train.sft import sft_sequence, sft_step
+    from areal_hpc.train.sft import sft_sequences, sft_step
 
     torch.manual_seed(0)
     tokenizer, model = load_tokenizer(tiny_model_dir), load_model(tiny_model_dir)
@@ -189,7 +189,7 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
         tokenizer=tokenizer,
     )
     for step in range(40):
-        sft_step(engine, [sft_sequence(tokenizer, ex) for ex in calls[(step * 32) % 256 :][:32]])
+        sft_step(engine, [pair for ex in calls[(step * 32) % 256 :][:32] for pair in sft_sequences(tokenizer, ex)])
     return save_model(model, tokenizer, tmp_path_factory.mktemp("tool_model") / "model")
 
 

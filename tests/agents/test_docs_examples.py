@@ -3,7 +3,7 @@ docs/tutorials/task-and-reward.md, docs/rewards.md): each code block whose first
 there in a project folder with a small dataset, its YAML configs load and open their task through the
 product, the rewards score real completions, the workflows run real episodes of the tiny model behind a
 real rollout server (one for the module) whose records are checked token by token, evaluation decodes them
-greedily, the warm-up demonstrations are token for token the contexts the agent builds, and every name the
+greedily, the warm-up demonstrations are token for token the records the agent makes, and every name the
 page gives for what a workflow receives exists with the parameters it shows."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import ast
 import asyncio
 import contextlib
 import inspect
-import json
 import re
 import subprocess
 import sys
@@ -35,11 +34,14 @@ from areal_hpc.models.chat import prompt_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import Generation, RolloutClient
 from areal_hpc.train.build import engine_settings
+from areal_hpc.train.demonstrations import check_demonstrations, model_turns
 from areal_hpc.train.evaluate import evaluate_model
-from areal_hpc.train.sft import sft_sequence
+from areal_hpc.train.sft import sft_sequences
 from areal_hpc.train.task_setup import open_task, reward_pool
+from areal_hpc.train.trajectory_batch import trajectory_sequence
 from tests.conftest import REPO, embedded_server
-from tests.workflow_helpers import ScriptedModel
+from tests.models.test_chat import Says
+from tests.train.test_demonstrations import trained_turns
 
 PAGES = ["docs/tutorials/agents.md", "docs/tutorials/task-and-reward.md", "docs/rewards.md"]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
@@ -143,9 +145,10 @@ def test_every_yaml_block_loads_and_opens_its_task(project, demos, tiny_model_di
         cfg = config(project, name, f"model.path={tiny_model_dir}")
         task = open_task(cfg, tokenizer, tiny_model_dir, say=lambda line: None)
         assert task.train and task.eval and build_workflow(cfg.rollout) is not None
-        assert all(ex.target for ex in task.train)  # each of them can warm up with SFT
+        assert all(ex.target or model_turns(ex) for ex in task.train)  # each of them can warm up with SFT
     demos = open_task(config(project, "my_agent_sft.yaml", f"model.path={tiny_model_dir}"), tokenizer, tiny_model_dir)
-    assert len(demos.train) == 2 * 24 and all(ex.messages for ex in demos.train + demos.eval)
+    assert len(demos.train) == 24 and all(ex.messages for ex in demos.train + demos.eval)
+    assert all(len(model_turns(ex)) == 2 and ex.tools for ex in demos.train)
 
 
 def _request(tokenizer, completion: str, answer: str) -> RewardRequest:
@@ -301,28 +304,29 @@ def test_a_chat_client_samples_as_its_episode_and_greedily_in_an_evaluation(tiny
     assert [s.temperature for r in greedy for s in r.segments] == [0.0, 0.0]
 
 
-def test_the_warm_up_demos_are_the_contexts_the_agent_builds(project, demos, tiny_model_dir, tokenizer, rewards):
-    """A model that says the demos' targets drives MyAgent through its tool call and answer: each demo's
-    SFT sequence is token for token the record up to and including that turn, its loss on the turn alone."""
-    rows = [json.loads(line) for line in (demos / "train.jsonl").read_text().splitlines()][:2]
-    model = ScriptedModel(tokenizer, [d["target"] for d in rows])
+def test_the_warm_up_demos_are_the_records_the_agent_makes(project, demos, preset_dir, rewards):
+    """A model that says a demo's model turns drives MyAgent through its tool call and answer: the demo's SFT
+    sequence, rendered as ``areal-hpc sft`` renders it (with its tools, on the config's Qwen3-template model),
+    is token for token, mask for mask, the episode's one record (the agent sends the call back with its
+    reasoning, so Qwen3's template writes it as the model did)."""
+    folder = preset_dir("qwen3-replica")
+    tokenizer = load_tokenizer(folder)
+    cfg = config(project, "my_agent_sft.yaml", f"model.path={folder}")
+    task = open_task(cfg, tokenizer, folder)
+    demo = task.train[0]
+    sequences = sft_sequences(tokenizer, demo, check_demonstrations(task.train, folder))
+    model = Says([turn for ids, mask in sequences for _, turn in trained_turns(ids, mask)])
     workflow = load_object(str(project / "workflows/my_agent.py:MyAgent"), "rollout.workflow")()
 
     async def run():
-        async with ChatGateway(model, tiny_model_dir) as chat:
+        async with ChatGateway(model, folder) as chat:
             settings = EpisodeSettings(model, tokenizer, Sampling(64), Scorer(rewards), chat)
-            example = Example("q", rows[0]["messages"][0]["content"], answer=rows[0]["answer"])
+            example = Example("q", demo.messages[0]["content"], answer=demo.answer)
             return await run_episode(workflow, EpisodeContext(settings), example)
 
     [record] = asyncio.run(run())
     assert len(record.segments) == 2 and record.reward == 1.0  # called add, read its result, answered right
-    so_far: list[int] = []
-    for segment, demo in zip(record.segments, rows, strict=True):
-        so_far += segment.input_ids.tolist()
-        ids, mask = sft_sequence(tokenizer, Example("d", "", target=demo["target"], messages=tuple(demo["messages"])))
-        assert ids == so_far + segment.output_ids.tolist()
-        assert mask == [0] * len(so_far) + [1] * len(segment.output_ids)
-        so_far += segment.output_ids.tolist()
+    assert sequences == [trajectory_sequence(record, 1.0)[:2]]
 
 
 OWNERS = {

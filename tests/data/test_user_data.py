@@ -1,6 +1,7 @@
 """Your data, read offline in every form ``dataset.path`` takes (JSONL, Parquet, Arrow, a folder, a glob,
 ``save_to_disk`` folders), mapped to examples the same way whatever the form; chat prompts rendered by
-the model's template; bad paths and missing columns are one line naming what there is."""
+the model's template; OpenAI messages with tool calls and a ``tools`` column read alike from JSONL and Parquet;
+bad paths, missing columns, tools and messages are one line naming what there is."""
 
 import json
 
@@ -156,3 +157,79 @@ def test_every_shipped_config_builds_its_workflow_and_task(config, tmp_path):
             f"dataset.eval_path={tmp_path / 'search' / 'test.jsonl'}",
         ]
     check_task(load_config(config, ["dataset.train_size=50", *overrides]))
+
+
+ADD = {
+    "type": "function",
+    "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}},
+}
+TIMES = {"type": "function", "function": {"name": "times", "description": "a*b", "parameters": {"type": "object"}}}
+CALLED = [
+    {"role": "user", "content": "2+3?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}],
+    },
+    {"role": "tool", "tool_call_id": "c", "content": "5"},
+    {"role": "assistant", "content": "5", "reasoning_content": "Read it.", "weight": 0},
+]
+
+
+def test_tool_demonstrations_read_alike_from_jsonl_parquet_and_json_text(tmp_path):
+    """OpenAI messages and tools, their keys differing between rows: Parquet fills each row's objects with the
+    other rows' keys as nulls, which are dropped; tools given as JSON text are read as written."""
+    rows = [
+        {"messages": CALLED, "tools": [ADD], "answer": "5"},
+        {"messages": CALLED[:1], "tools": [TIMES, ADD], "answer": "6"},
+        {"messages": [{"role": "user", "content": "Hi"}], "tools": None, "answer": "7"},
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{**r, "tools": json.dumps(r["tools"]) if r["tools"] else ""} for r in rows]),
+        tmp_path / "text.parquet",
+    )
+    expected = [
+        ([{**CALLED[0]}, {**CALLED[1], "content": ""}, CALLED[2], CALLED[3]], [ADD]),
+        ([CALLED[0]], [TIMES, ADD]),
+        ([{"role": "user", "content": "Hi"}], []),
+    ]
+    for name in ("rows.jsonl", "rows.parquet", "text.parquet"):
+        cfg = DatasetConfig(task="custom", path=str(tmp_path / name), eval_path=str(tmp_path / name))
+        task = build_task(cfg, REWARD)
+        assert [(list(e.messages), list(e.tools)) for e in task.eval] == expected, name
+        assert all("tools" not in e.fields for e in task.eval)
+
+
+@pytest.mark.parametrize(
+    "row, words",
+    [
+        ({"tools": {"type": "function"}}, "column 'tools' is dict .*; give a list of OpenAI function tools"),
+        ({"tools": "[{"}, "column 'tools' is not JSON .*; give a list of OpenAI function tools"),
+        ({"tools": [ADD, "add"]}, "column 'tools' is list .*; give a list of OpenAI function tools"),
+        ({"messages": [{"content": "2+3?"}]}, "column 'messages': message 0 is .*; give a list of {'role', 'content'}"),
+        (
+            {"messages": [CALLED[0], {"role": "assistant", "tool_calls": [{"name": "add"}]}]},
+            "message 1's tool_calls = .*; an assistant message's tool calls are ",
+        ),
+        ({"messages": [{**CALLED[0], "weight": 0}]}, r"message 0 \(user\) has weight 0; an assistant message may"),
+        ({"messages": [CALLED[0], {"role": "assistant", "content": "5", "weight": 0.5}]}, "has weight 0.5; an assist"),
+    ],
+    ids=[
+        "tools-object",
+        "tools-bad-json",
+        "tools-not-objects",
+        "no-role",
+        "bad-tool-calls",
+        "user-weight",
+        "weight-half",
+    ],
+)
+def test_bad_tools_and_messages_are_one_line_naming_the_row(tmp_path, row, words):
+    row = {"messages": CALLED[:1], "answer": "5", **row}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    cfg = DatasetConfig(task="custom", path=str(tmp_path / "rows.jsonl"), eval_path=str(tmp_path / "rows.jsonl"))
+    with pytest.raises(UserError, match=f"^rows.jsonl/0: .*{words}") as error:
+        build_task(cfg, REWARD)
+    assert "\n" not in str(error.value)

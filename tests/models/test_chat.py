@@ -17,7 +17,7 @@ from areal_hpc.errors import UserError
 from areal_hpc.models.chat import chat_prompt_ids, next_turn_ids
 from areal_hpc.models.hf import load_tokenizer
 from areal_hpc.rollout.client import Generation
-from areal_hpc.train.sft import sft_sequence
+from areal_hpc.train.sft import sft_sequences
 from areal_hpc.train.trajectory_batch import trajectory_sequence
 from tests.models.test_chat_families import ARCHITECTURES, CALL, GEMMA3_HUB_TEMPLATE, MODEL_TURN, tokenizer_of
 
@@ -90,7 +90,7 @@ def test_the_loss_mask_is_exactly_the_model_turns_of_the_rendered_conversation(f
 
     # an SFT example of the conversation's last turn: trained on that turn alone
     answer = text[spans[-1][0] : spans[-1][1] - len(tokenizer.eos_token)]
-    ids, sft_mask = sft_sequence(tokenizer, Example("q", "", target=answer, messages=tuple(chat[:4])))
+    [(ids, sft_mask)] = sft_sequences(tokenizer, Example("q", "", target=answer, messages=tuple(chat[:4])))
     assert ids == expected["input_ids"]
     assert sft_mask == [
         int(spans[-1][0] <= start and stop <= spans[-1][1]) for start, stop in expected["offset_mapping"]

@@ -1,6 +1,7 @@
 """The calculator agent (``rollout.workflow=agents_sdk``: the OpenAI Agents SDK and its calculator tool) on a
 Qwen3-template model that writes its own ``<think>`` and ``<tool_call>``: a small Qwen3 taught two calculator
-conversations by SFT (``train.sft.sft_step``), decoded greedily by the embedded rollout server. Behind the
+conversations by SFT (``train.sft``: the demonstrations in OpenAI's form, rendered with the SDK's tools as
+``areal-hpc sft`` renders them), decoded greedily by the embedded rollout server. Behind the
 login-node proxy on loopback, through the real ``openai`` client, the proxy returns the model's reasoning and
 call as ``reasoning_content`` and ``tool_calls``, the SDK runs the tool and sends its result back as a ``tool``
 message, the model answers from it, and the stored record is the one conversation, training exactly the
@@ -27,20 +28,21 @@ from areal_hpc.data.shards import TrajectoryStore
 from areal_hpc.data.tasks import Example
 from areal_hpc.engines.torch.engine import TorchTrainEngine
 from areal_hpc.engines.torch.outputs import packed_policy_outputs
-from areal_hpc.models.chat import completion_ids
 from areal_hpc.models.hf import load_model, save_model
 from areal_hpc.models.tokenizer import build_tokenizer
+from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.embedded_engine import EmbeddedGenerator
 from areal_hpc.rollout.server import build_app
-from areal_hpc.train.sft import sft_step
+from areal_hpc.train.sft import sft_sequences, sft_step
 from areal_hpc.train.trajectory_batch import trajectory_sequence
 from tests import rewards_for_tests
 from tests.proxy_helpers import call, proxy_config, running_proxy, serving, start_session, write_keys
+from tests.train.test_demonstrations import trained_turns
 
 QUESTIONS = [(12, "*", 34), (56, "+", 78)]
 REASONING = "Use the calculator."
-SFT_STEPS = 80  # every taught token is the greedy choice from about step 50 (lr 1e-2)
+SFT_STEPS = 100  # every taught token is the greedy choice from about step 70 (lr 1e-2; 55 at the earliest)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,37 +61,50 @@ def sdk_tools() -> list[dict]:
     return [Converter.tool_to_openai(tool) for tool in AgentsSDKWorkflow().tools]
 
 
-def demonstrations(a: int, op: str, b: int) -> list[tuple[list[dict], str]]:
-    """(the messages the agent sends, the reply the model should write) for each model turn of one question:
-    think, call the calculator; think about its result, answer. The agent sends the call back with its
-    reasoning (``sdk_agent.replay_reasoning``), which Qwen3's template writes where the model wrote it."""
+def demonstration(a: int, op: str, b: int) -> Example:
+    """One question's SFT demonstration in OpenAI's form, with the tools the SDK sends: the agent's messages and
+    the model's two turns (think, call the calculator; think about its result, answer). The agent sends the call
+    back with its reasoning (``sdk_agent.replay_reasoning``), which Qwen3's template writes where the model
+    wrote it."""
     arguments = json.dumps({"a": a, "op": op, "b": b})
     result = calculate(float(a), op, float(b))  # the SDK hands the tool floats: "408.0"
-    asked = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": f"What is {a}{op}{b}?"}]
     tool_call = {"id": "call", "type": "function", "function": {"name": "calculate", "arguments": arguments}}
-    called = [
-        *asked,
-        {"role": "assistant", "reasoning_content": REASONING, "tool_calls": [tool_call]},
+    messages = (
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": f"What is {a}{op}{b}?"},
+        {"role": "assistant", "content": "", "reasoning_content": REASONING, "tool_calls": [tool_call]},
         {"role": "tool", "tool_call_id": "call", "content": result},
-    ]
-    written_call = f'<tool_call>\n{{"name": "calculate", "arguments": {arguments}}}\n</tool_call>'
+        {"role": "assistant", "content": str(int(float(result))), "reasoning_content": f"The tool says {result}."},
+    )
+    return Example(f"demos.jsonl/{a}{op}{b}", "", messages=messages, tools=tuple(sdk_tools()))
+
+
+def written_turns(a: int, op: str, b: int) -> list[str]:
+    """The model's two turns as Qwen3 writes them, spelled out."""
+    result = calculate(float(a), op, float(b))
+    call = f'<tool_call>\n{{"name": "calculate", "arguments": {json.dumps({"a": a, "op": op, "b": b})}}}\n</tool_call>'
     return [
-        (asked, f"<think>\n{REASONING}\n</think>\n\n{written_call}"),
-        (called, f"<think>\nThe tool says {result}.\n</think>\n\n{int(float(result))}"),
+        f"<think>\n{REASONING}\n</think>\n\n{call}<|im_end|>",
+        f"<think>\nThe tool says {result}.\n</think>\n\n{int(float(result))}<|im_end|>",
     ]
-
-
-def prompt_text(tokenizer, messages: list[dict], tools: list[dict]) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
 @pytest.fixture(scope="module")
 def qwen3_calculator(tmp_path_factory):
     """A Qwen3 (two layers, a tokenizer of Qwen3's family trained on the conversations) taught the
-    demonstrations by SFT: (its folder, its tokenizer, each question's (prompt ids, reply ids) per turn)."""
-    rows, tools = [row for question in QUESTIONS for row in demonstrations(*question)], sdk_tools()
+    demonstrations by SFT as ``areal-hpc sft`` renders them: (its folder, its tokenizer, each question's
+    (context ids, turn ids) per model turn)."""
+    demos = [demonstration(*question) for question in QUESTIONS]
     draft = build_tokenizer(["What is"], family="qwen3")  # renders the template's text to train the real one on
-    tokenizer = build_tokenizer([prompt_text(draft, m, tools) + reply for m, reply in rows], family="qwen3")
+    tokenizer = build_tokenizer(
+        [draft.apply_chat_template(list(d.messages), tools=list(d.tools), tokenize=False) for d in demos],
+        family="qwen3",
+    )
+    folder = tmp_path_factory.mktemp("qwen3_calculator") / "model"
+    tokenizer.save_pretrained(folder)
+    sequences = [pair for demo in demos for pair in sft_sequences(tokenizer, demo, ChatTokenizer(folder))]
+    for question, (ids, mask) in zip(QUESTIONS, sequences, strict=True):  # one record each: reasoning replayed
+        assert [tokenizer.decode(turn) for _, turn in trained_turns(ids, mask)] == written_turns(*question)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -105,13 +120,6 @@ def qwen3_calculator(tmp_path_factory):
     )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
-    turns = [
-        (
-            tokenizer(prompt_text(tokenizer, m, tools), add_special_tokens=False)["input_ids"],
-            completion_ids(tokenizer, reply),
-        )
-        for m, reply in rows
-    ]
     engine = TorchTrainEngine(
         model,
         packed_policy_outputs,
@@ -120,15 +128,15 @@ def qwen3_calculator(tmp_path_factory):
         total_steps=SFT_STEPS,
         tokenizer=tokenizer,
     )
-    pairs = [(prompt + reply, [0] * len(prompt) + [1] * len(reply)) for prompt, reply in turns]
     for _ in range(SFT_STEPS):
-        sft_step(engine, pairs)
+        sft_step(engine, sequences)
     with torch.no_grad():
-        for prompt, reply in turns:
-            greedy = model.eval()(input_ids=torch.tensor([prompt + reply])).logits[0, len(prompt) - 1 : -1].argmax(-1)
-            assert greedy.tolist() == reply, f"SFT did not teach {tokenizer.decode(reply)!r} in {SFT_STEPS} steps"
-    folder = save_model(model, tokenizer, tmp_path_factory.mktemp("qwen3_calculator") / "model")
-    return folder, tokenizer, {question: turns[2 * n : 2 * n + 2] for n, question in enumerate(QUESTIONS)}
+        for ids, mask in sequences:
+            greedy = model.eval()(input_ids=torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+            taught = [(said, token) for said, token, trained in zip(greedy, ids[1:], mask[1:]) if trained]
+            assert all(said == token for said, token in taught), f"SFT did not teach {demos} in {SFT_STEPS} steps"
+    save_model(model, tokenizer, folder)
+    return folder, tokenizer, {question: trained_turns(*sequence) for question, sequence in zip(QUESTIONS, sequences)}
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ POINTS: dict[str, ExtensionPoint] = {
             "python_tool": "areal_hpc.agents.python_tool:PythonToolWorkflow",
             "search": "areal_hpc.agents.search.workflow:SearchAgentWorkflow",
             "agents_sdk": "areal_hpc.agents.sdk_agent:AgentsSDKWorkflow",
+            "agent_program": "areal_hpc.agents.agent_program:AgentProgramWorkflow",
         },
         default="rlvr",
         keywords={"": "rlvr (configs saved before rlvr was the default)"},

@@ -282,6 +282,13 @@ class RolloutConfig:
     )
     max_running_requests: int = spec(64, "embedded engine: sequences decoded together (KV slots)", ge=1)
     context_length: int = spec(0, "embedded engine: tokens per sequence; 0 takes the model's maximum", ge=0)
+    prefix_cache_mb: float = spec(
+        1024.0,
+        "embedded engine: memory (MiB) of keys and values kept across requests, so a prompt that starts with "
+        "a sequence already run (an earlier turn, a group's prompt) prefills only the rest; least recently "
+        "used evicted first, cleared at every weight update; 0 disables it",
+        ge=0.0,
+    )
     launch_timeout_s: float = spec(300.0, "seconds a server may take to answer /health", gt=0.0)
     request_timeout_s: float = spec(600.0, "seconds one /generate call may take before it is retried", gt=0.0)
     tp_size: int = spec(1, "sglang: tensor-parallel size per server", ge=1)
@@ -714,19 +721,26 @@ def _parse_overrides(overrides: list[str]) -> list[str]:
         key = current_name(key)
         if key in SECTIONS:
             raise _not_a_section_value(key, "on the command line")
-        if key not in LEAF_TYPES:
+        if key not in LEAF_TYPES and not in_mapping(key):
             raise _unknown_key(key, "on the command line")
         parsed.append(f"{key}={value}")
     return parsed
 
 
+def in_mapping(key: str) -> bool:
+    """Whether ``key`` names an entry of a mapping-valued key (``rollout.workflow_args.max_turns``)."""
+    parts = key.split(".")
+    return any(LEAF_TYPES.get(".".join(parts[:n])) is dict for n in range(1, len(parts)))
+
+
 def _override_layer(overrides: list[str]):
     """``key=value`` items as a config layer. Values of text fields stay exactly as typed: parsed as
-    YAML, a trial named ``04718e80`` or ``1e3`` would become a float and then the text ``4.718e+83``."""
+    YAML, a trial named ``04718e80`` or ``1e3`` would become a float and then the text ``4.718e+83``.
+    (A mapping's entries are parsed as YAML, as they would be in the file.)"""
     pairs = [item.partition("=")[::2] for item in overrides]
-    layer = OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs if LEAF_TYPES[k] is not str])
+    layer = OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs if LEAF_TYPES.get(k) is not str])
     for key, value in pairs:
-        if LEAF_TYPES[key] is str:
+        if LEAF_TYPES.get(key) is str:
             OmegaConf.update(layer, key, value, force_add=True)
     return layer
 

@@ -7,6 +7,7 @@ import difflib
 import functools
 import inspect
 import os
+import re
 import site
 import sysconfig
 import traceback
@@ -53,6 +54,21 @@ def user_location(exc: BaseException) -> str | None:
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         if _users(frame.filename):
             return f"{_shown(frame.filename)}:{frame.lineno}"
+    return None
+
+
+PYTHON_FRAME = re.compile(r'^ *File "(.+)", line (\d+)', re.M)
+
+
+def traceback_location(text: str) -> str | None:
+    """ "file.py:12": the deepest frame in the user's code of the last Python traceback in ``text`` (e.g. what
+    a program wrote to stderr), or None when there is none."""
+    start = text.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return None
+    for filename, line in reversed(PYTHON_FRAME.findall(text[start:])):
+        if _users(filename):
+            return f"{_shown(filename)}:{line}"
     return None
 
 

@@ -1,15 +1,18 @@
-"""What the agent workflow layer costs: the same multi-turn episodes issued straight to the rollout client
-and through the workflow layer (token level and chat level), and single-turn episodes of the same
-generated tokens.
+"""What the agent workflow layer costs, and what multi-turn costs against single-turn with and without the
+rollout server's prefix cache: the same multi-turn episodes issued straight to the rollout client and
+through the workflow layer (token level and chat level), and single-turn episodes of the same generated
+tokens; then a long episode's prefill tokens with and without the cache.
 
     .venv/bin/python bench/agent_workflow_overhead.py [--turns 4] [--max-new-tokens 16] [--groups 16]
-        [--n-samples 4] [--repeats 5] [--out results.md]
+        [--n-samples 4] [--repeats 5] [--caches on,off] [--long-turns 20] [--out results.md]
 
-One embedded rollout server (``areal-hpc serve``, the tiny model, its own process on core 0, one torch
-thread); the episodes run in this process on core 1 (their reward worker too). Each round runs every
-variant once (``--groups`` x ``--n-samples`` episodes in flight at once), variants interleaved over
-``--repeats`` rounds after one warm-up round; medians. Variants, each episode ``--turns`` turns of
-``--max-new-tokens`` tokens at temperature 1 with a fixed environment message between turns:
+One embedded rollout server per ``--caches`` setting (``areal-hpc serve``, the tiny model, its own process
+on core 0, one torch thread; "on" with ``rollout.prefix_cache_mb``'s default, "off" with 0, the baseline);
+the episodes run in this process on core 1 (their reward worker too). Each round runs every variant once
+on each server (``--groups`` x ``--n-samples`` episodes in flight at once), servers and variants
+interleaved over ``--repeats`` rounds after one warm-up round; medians. Variants, each episode
+``--turns`` turns of ``--max-new-tokens`` tokens at temperature 1 with a fixed environment message
+(``--message``) between turns:
 
 - A  direct: ``RolloutClient.generate`` in a plain loop (output ids + ``next_turn_ids`` of the
      message appended), no workflow layer, no reward; its records are made in the conversion step;
@@ -27,12 +30,19 @@ variant once (``--groups`` x ``--n-samples`` episodes in flight at once), varian
 variant's records (for A and D0 the ``Trajectory`` objects are made there too), the least of three builds.
 CPU seconds of this process, the reward worker and the server (from /proc) are taken per run: where
 other processes share the cores, client CPU per turn is the steadier measure of what the layer costs.
+Multi-turn's cost against single-turn's on the same generated tokens is D0's generated tokens/s over A's
+(and D's over B's), the median of the rounds' ratios, per server; the server's CPU per generated token
+gives the same ratio as the load of other processes leaves it. The long episodes (``--long-episodes`` of
+``--long-turns`` turns of ``--long-new-tokens`` tokens, on the plain client loop) count the prompt tokens
+each server prefilled and took from its cache (``/get_model_info``). The last line printed is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import platform
 import statistics
@@ -49,6 +59,8 @@ sys.path.insert(0, str(REPO))
 SERVER_CORES, CLIENT_CORES = {0}, {1}
 FEEDBACK = "That is not correct. Try again and give only the final answer."
 VARIANTS = ["A", "B", "B0", "C", "D", "D0"]
+CACHES = {"on": [], "off": ["rollout.prefix_cache_mb=0"]}  # server overrides of each --caches setting
+MULTI_SINGLE = [("A", "D0"), ("B", "D")]  # (multi-turn, single-turn on the same generated tokens)
 NAMES = {
     "A": "A direct client loop (k turns)",
     "B": "B token workflow + reward/turn",
@@ -59,7 +71,7 @@ NAMES = {
 }
 
 
-def start_server(model: Path, fileroot: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, fileroot: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
     """``areal-hpc serve`` (embedded) on core 0, once it has registered in name-resolve."""
     from areal_hpc.runtime.name_resolve import ROLLOUT_SERVERS, NameResolve
 
@@ -78,6 +90,7 @@ def start_server(model: Path, fileroot: Path) -> tuple[subprocess.Popen, str]:
             "port=0",
             f"cluster.fileroot={fileroot}",
             f"experiment.trial={trial}",
+            *overrides,
         ],
         cwd=REPO,
         stdout=log,
@@ -96,8 +109,8 @@ def start_server(model: Path, fileroot: Path) -> tuple[subprocess.Popen, str]:
 class TokenTurns:
     """``MultiTurnMathWorkflow`` without its early stop: exactly ``turns`` turns, each scored."""
 
-    def __init__(self, turns: int, score: bool = True):
-        self.turns, self.score = turns, score
+    def __init__(self, turns: int, message: str, score: bool = True):
+        self.turns, self.message, self.score = turns, message, score
 
     async def arun_episode(self, engine, example):
         episode = engine.episode(example)
@@ -112,15 +125,15 @@ class TokenTurns:
                 )
                 episode.reward(value)
             if turn < self.turns - 1:
-                episode.observe_message(FEEDBACK)
+                episode.observe_message(self.message)
         return [episode.trajectory()]
 
 
 class ChatTurns:
     """The same turns as an ``openai`` agent: messages in, text out, the reward set on each turn."""
 
-    def __init__(self, turns: int, max_tokens: int, temperature: float):
-        self.turns, self.max_tokens, self.temperature = turns, max_tokens, temperature
+    def __init__(self, turns: int, message: str, max_tokens: int, temperature: float):
+        self.turns, self.message, self.max_tokens, self.temperature = turns, message, max_tokens, temperature
 
     async def arun_episode(self, engine, example):
         client = engine.openai_client()
@@ -133,11 +146,13 @@ class ChatTurns:
             client.set_reward(await engine.reward(example, content))
             messages.append({"role": "assistant", "content": content})
             if turn < self.turns - 1:
-                messages.append({"role": "user", "content": FEEDBACK})
+                messages.append({"role": "user", "content": self.message})
         return None
 
 
-async def direct_episode(client, tokenizer, prompt_ids: list[int], turns: int, params: dict) -> list[tuple]:
+async def direct_episode(
+    client, tokenizer, prompt_ids: list[int], turns: int, message: str, params: dict
+) -> list[tuple]:
     """A: the turns on the client alone; (input ids, generation) per turn."""
     from areal_hpc.models.chat import next_turn_ids
 
@@ -148,7 +163,7 @@ async def direct_episode(client, tokenizer, prompt_ids: list[int], turns: int, p
         context += generation.output_ids
         pending = []
         if turn < turns - 1:
-            pending = next_turn_ids(tokenizer, "user", FEEDBACK, generation.output_ids)
+            pending = next_turn_ids(tokenizer, "user", message, generation.output_ids)
             context += pending
     return out
 
@@ -162,12 +177,19 @@ def direct_records(episodes: list[tuple[str, list[tuple]]]):
     ]
 
 
+async def server_counts(ctx: dict) -> dict:
+    """The server's forward passes and prompt tokens prefilled and cached so far."""
+    info = await ctx["client"].model_info(ctx["address"])
+    return {k: info[k] for k in ("forward_passes", "prompt_tokens_prefilled", "prompt_tokens_cached")}
+
+
 async def one_run(variant: str, ctx: dict) -> dict:
     """One variant over every group at once: wall time, records (or what makes them), token counts."""
     from areal_hpc.agents.groups import EpisodeGroups
 
     args, client, examples = ctx["args"], ctx["client"], ctx["examples"]
     params = ctx["sampling"].params([ctx["tokenizer"].eos_token_id])
+    counts_before = await server_counts(ctx)
     cpu_before = time.process_time(), cpu_seconds(ctx["server_pid"]), reward_cpu(ctx["pool"])
     started = time.perf_counter()
     if variant in ("A", "D0"):
@@ -180,7 +202,10 @@ async def one_run(variant: str, ctx: dict) -> dict:
             return [
                 (example.uid, turns_)
                 for turns_ in await asyncio.gather(
-                    *(direct_episode(client, ctx["tokenizer"], prompt, turns, params) for _ in range(args.n_samples))
+                    *(
+                        direct_episode(client, ctx["tokenizer"], prompt, turns, args.message, params)
+                        for _ in range(args.n_samples)
+                    )
                 )
             ]
 
@@ -190,9 +215,9 @@ async def one_run(variant: str, ctx: dict) -> dict:
         records = direct_records(raw)
     else:
         workflow = {
-            "B": TokenTurns(args.turns),
-            "B0": TokenTurns(args.turns, score=False),
-            "C": ChatTurns(args.turns, args.max_new_tokens, args.temperature),
+            "B": TokenTurns(args.turns, args.message),
+            "B0": TokenTurns(args.turns, args.message, score=False),
+            "C": ChatTurns(args.turns, args.message, args.max_new_tokens, args.temperature),
             "D": ctx["rlvr"],
         }[variant]
         settings = ctx["settings_D"] if variant == "D" else ctx["settings"]
@@ -206,6 +231,7 @@ async def one_run(variant: str, ctx: dict) -> dict:
         reward_cpu(ctx["pool"]) - cpu_before[2],
     )
     records_s = time.perf_counter() - converted  # A, D0: their Trajectory objects are made here
+    counts_after = await server_counts(ctx)
     batch_s = []
     for _ in range(3):  # the least of three builds of the batch from the same records (this box is noisy)
         again = time.perf_counter()
@@ -224,6 +250,7 @@ async def one_run(variant: str, ctx: dict) -> dict:
         "client_cpu_s": cpu[0],
         "server_cpu_s": cpu[1],
         "reward_cpu_s": cpu[2],
+        **{k: counts_after[k] - counts_before[k] for k in counts_before},
     }
 
 
@@ -249,7 +276,8 @@ def build(records, ctx):
     return build_batch(records, ActorConfig(), ctx["args"].turns * ctx["args"].max_new_tokens, ctx["args"].temperature)
 
 
-async def measure(args, server: str, server_pid: int, model: Path) -> dict:
+async def measure(args, servers: dict[str, tuple[str, int]], model: Path) -> tuple[dict, dict]:
+    """Every variant's runs on each server (``{setting: {variant: [run, ...]}}``), and each server's long episodes."""
     from dataclasses import replace
 
     from areal_hpc.agents.chat import ChatGateway
@@ -266,39 +294,71 @@ async def measure(args, server: str, server_pid: int, model: Path) -> dict:
     examples = task.train[: args.groups]
     tokenizer = load_tokenizer(model)
     sampling = Sampling(args.max_new_tokens, temperature=args.temperature)
-    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    runs: dict[str, dict[str, list[dict]]] = {setting: {v: [] for v in args.variants} for setting in servers}
     with RewardPool(task.reward) as pool:
-        async with (
-            RolloutClient([server], max_requests=4 * args.groups * args.n_samples) as client,
-            ChatGateway(client.generate, model, default_max_tokens=args.max_new_tokens) as chat,
-        ):
-            settings = EpisodeSettings(client.generate, tokenizer, sampling, Scorer(pool), chat)
-            ctx = {
-                "args": args,
-                "client": client,
-                "examples": examples,
-                "tokenizer": tokenizer,
-                "sampling": sampling,
-                "prompt_ids": {ex.uid: example_prompt_ids(tokenizer, ex) for ex in examples},
-                "settings": settings,
-                "rlvr": RLVRWorkflow(),
-                "server_pid": server_pid,
-                "pool": pool,
-                "settings_D": replace(
-                    settings, sampling=replace(sampling, max_new_tokens=args.turns * args.max_new_tokens)
-                ),
-            }
-            for variant in args.variants:  # warm-up: connections, reward worker, template caches
-                await one_run(variant, ctx)
-            for _ in range(args.repeats):
+        async with contextlib.AsyncExitStack() as stack:
+            contexts = {}
+            for setting, (address, pid) in servers.items():
+                client = await stack.enter_async_context(
+                    RolloutClient([address], max_requests=4 * args.groups * args.n_samples)
+                )
+                chat = await stack.enter_async_context(
+                    ChatGateway(client.generate, model, default_max_tokens=args.max_new_tokens)
+                )
+                settings = EpisodeSettings(client.generate, tokenizer, sampling, Scorer(pool), chat)
+                contexts[setting] = {
+                    "args": args,
+                    "client": client,
+                    "address": address,
+                    "examples": examples,
+                    "tokenizer": tokenizer,
+                    "sampling": sampling,
+                    "prompt_ids": {ex.uid: example_prompt_ids(tokenizer, ex) for ex in examples},
+                    "settings": settings,
+                    "rlvr": RLVRWorkflow(),
+                    "server_pid": pid,
+                    "pool": pool,
+                    "settings_D": replace(
+                        settings, sampling=replace(sampling, max_new_tokens=args.turns * args.max_new_tokens)
+                    ),
+                }
+            for ctx in contexts.values():  # warm-up: connections, reward worker, template caches
                 for variant in args.variants:
-                    runs[variant].append(await one_run(variant, ctx))
-                    print(
-                        variant,
-                        {k: round(v, 4) if isinstance(v, float) else v for k, v in runs[variant][-1].items()},
-                        flush=True,
-                    )
-    return runs
+                    await one_run(variant, ctx)
+            for _ in range(args.repeats):
+                for setting, ctx in contexts.items():
+                    for variant in args.variants:
+                        runs[setting][variant].append(await one_run(variant, ctx))
+                        shown = {
+                            k: round(v, 4) if isinstance(v, float) else v for k, v in runs[setting][variant][-1].items()
+                        }
+                        print(setting, variant, shown, flush=True)
+            long = {setting: await long_episodes(ctx) for setting, ctx in contexts.items()}
+    return runs, long
+
+
+async def long_episodes(ctx: dict) -> dict:
+    """``--long-episodes`` episodes of ``--long-turns`` turns at once on the plain client loop: the prompt
+    tokens the server prefilled and took from its cache for them, per episode, and the wall time."""
+    args = ctx["args"]
+    params = {**ctx["sampling"].params([ctx["tokenizer"].eos_token_id]), "max_new_tokens": args.long_new_tokens}
+    prompts = [ctx["prompt_ids"][ex.uid] for ex in ctx["examples"][: args.long_episodes]]
+    before, started = await server_counts(ctx), time.perf_counter()
+    episodes = await asyncio.gather(
+        *(direct_episode(ctx["client"], ctx["tokenizer"], p, args.long_turns, args.message, params) for p in prompts)
+    )
+    wall, after = time.perf_counter() - started, await server_counts(ctx)
+    n = len(prompts)
+    return {
+        "episodes": n,
+        "turns": args.long_turns,
+        "wall_s": wall,
+        "prefilled_per_episode": (after["prompt_tokens_prefilled"] - before["prompt_tokens_prefilled"]) / n,
+        "cached_per_episode": (after["prompt_tokens_cached"] - before["prompt_tokens_cached"]) / n,
+        "generated_per_episode": sum(len(g.output_ids) for e in episodes for _, g in e) / n,
+        "context_per_episode": sum(len(ids) for e in episodes for ids, _ in e) / n
+        + sum(len(g.output_ids) for e in episodes for _, g in e) / n,
+    }
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -322,6 +382,10 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             "server_cpu_ms_per_turn": med(1e3 * r["server_cpu_s"] / r["turns"] for r in rs),
             "client_core_busy": med(r["client_cpu_s"] / r["wall_s"] for r in rs),
             "server_core_busy": med(r["server_cpu_s"] / r["wall_s"] for r in rs),
+            "server_cpu_ms_per_generated": med(1e3 * r["server_cpu_s"] / r["generated"] for r in rs),
+            "forward_passes": med(r["forward_passes"] for r in rs),
+            "prompt_tokens_prefilled": med(r["prompt_tokens_prefilled"] for r in rs),
+            "prompt_tokens_cached": med(r["prompt_tokens_cached"] for r in rs),
             "ratio_runs": [],
         }
     if "A" in runs:  # per-round ratios against A (the same round: the machine's load then)
@@ -332,6 +396,27 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def multi_vs_single(runs: dict[str, list[dict]], summary: dict) -> dict:
+    """Multi-turn's cost against single-turn's on the same generated tokens, for each pair run: the median of
+    the rounds' generated tokens/s ratios (single over multi; min-max), and the ratio of the server's median
+    CPU per generated token (multi over single)."""
+    out = {}
+    for multi, single in MULTI_SINGLE:
+        if multi in runs and single in runs:
+            rounds = [
+                (s["generated"] / s["wall_s"]) / (m["generated"] / m["wall_s"])
+                for m, s in zip(runs[multi], runs[single])
+            ]
+            out[f"{multi}/{single}"] = {
+                "wall": statistics.median(rounds),
+                "min": min(rounds),
+                "max": max(rounds),
+                "server_cpu": summary[multi]["server_cpu_ms_per_generated"]
+                / summary[single]["server_cpu_ms_per_generated"],
+            }
+    return out
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -339,7 +424,46 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def report(args, summary: dict, meta: dict) -> str:
+def report(args, summaries: dict, costs: dict, long: dict, meta: dict) -> str:
+    lines = []
+    for setting, summary in summaries.items():
+        lines += ["", f"### Prefix cache {setting}", "", *variant_tables(summary)]
+    lines += [
+        "",
+        "Multi-turn cost against single-turn on the same generated tokens (single's generated tok/s over multi's, "
+        "median of rounds, min-max; and the server's CPU per generated token, multi over single):",
+        "",
+    ]
+    for setting, pairs in costs.items():
+        for pair, c in pairs.items():
+            lines.append(
+                f"- cache {setting}, {pair}: **{c['wall']:.2f}x** ({c['min']:.2f}-{c['max']:.2f}); "
+                f"server CPU {c['server_cpu']:.2f}x"
+            )
+    lines += [
+        "",
+        f"{args.long_episodes} episodes of {args.long_turns} turns ({args.long_new_tokens} new tokens a turn) at once:",
+        "",
+        "| prefix cache | prompt tokens prefilled / episode | taken from the cache / episode | final context / episode "
+        "| generated / episode | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for setting, e in long.items():
+        lines.append(
+            f"| {setting} | {e['prefilled_per_episode']:.0f} | {e['cached_per_episode']:.0f} | "
+            f"{e['context_per_episode']:.0f} | {e['generated_per_episode']:.0f} | {e['wall_s']:.2f} |"
+        )
+    lines.append("")
+    lines.append(
+        f"settings: turns k={args.turns}, M={args.max_new_tokens} new tokens/turn, {args.groups} groups x "
+        f"{args.n_samples} samples = {args.groups * args.n_samples} episodes in flight, temperature "
+        f"{args.temperature}, message {args.message!r}, {args.repeats} interleaved rounds after 1 warm-up; {meta}"
+    )
+    return "\n".join(lines)
+
+
+def variant_tables(summary: dict) -> list[str]:
+    """One server's tables: throughput and tokens, then CPU and the server's work, per variant."""
     a = summary.get("A")
     lines = [
         "| variant | episodes/s | generated tok/s | trained tok/s (rollout + batch) | record->batch tok/s "
@@ -357,13 +481,14 @@ def report(args, summary: dict, meta: dict) -> str:
     lines += [
         "",
         "| variant | client CPU ms/turn | reward worker CPU ms/turn | server CPU ms/turn | client CPU / wall "
-        "| server CPU / wall |",
-        "|---|---|---|---|---|---|",
+        "| server CPU / wall | server forward passes | prompt tokens prefilled / cached |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for variant, s in summary.items():
         lines.append(
             f"| {variant} | {s['client_cpu_ms_per_turn']:.2f} | {s['reward_cpu_ms_per_turn']:.2f} | "
-            f"{s['server_cpu_ms_per_turn']:.2f} | {s['client_core_busy']:.2f} | {s['server_core_busy']:.2f} |"
+            f"{s['server_cpu_ms_per_turn']:.2f} | {s['client_core_busy']:.2f} | {s['server_core_busy']:.2f} | "
+            f"{s['forward_passes']:.0f} | {s['prompt_tokens_prefilled']:.0f} / {s['prompt_tokens_cached']:.0f} |"
         )
     if a:
         lines.append("")
@@ -384,13 +509,7 @@ def report(args, summary: dict, meta: dict) -> str:
                     f"{s['client_cpu_ms_per_turn'] + s['reward_cpu_ms_per_turn']:.2f} ms/turn vs A's "
                     f"{a['client_cpu_ms_per_turn']:.2f}"
                 )
-    lines.append("")
-    lines.append(
-        f"settings: turns k={args.turns}, M={args.max_new_tokens} new tokens/turn, {args.groups} groups x "
-        f"{args.n_samples} samples = {args.groups * args.n_samples} episodes in flight, temperature "
-        f"{args.temperature}, {args.repeats} interleaved rounds after 1 warm-up; {meta}"
-    )
-    return "\n".join(lines)
+    return lines
 
 
 def main():
@@ -402,10 +521,15 @@ def main():
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--message", default=FEEDBACK, help="the environment's message between turns")
+    parser.add_argument("--caches", default=",".join(CACHES), help="servers to run on: prefix cache on, off")
+    parser.add_argument("--long-turns", type=int, default=20, help="turns of each long episode")
+    parser.add_argument("--long-new-tokens", type=int, default=8, help="new tokens a turn in the long episodes")
+    parser.add_argument("--long-episodes", type=int, default=4)
     parser.add_argument("--model", type=Path, help="a model folder (default: build the tiny model)")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
-    args.variants = args.variants.split(",")
+    args.variants, args.caches = args.variants.split(","), args.caches.split(",")
     os.environ["HF_HUB_OFFLINE"] = "1"
     import openai
     import torch
@@ -419,17 +543,22 @@ def main():
             from areal_hpc.models.tiny import init_model
 
             model = init_model(scratch / "tiny", corpus_for_tokenizer(0), preset="tiny", seed=0)
-        server, address = start_server(model, scratch)
+        processes, servers = [], {}
         try:
+            for setting in args.caches:
+                process, address = start_server(model, scratch, CACHES[setting])
+                processes.append(process)
+                servers[setting] = address, process.pid
             os.sched_setaffinity(0, CLIENT_CORES)  # before the reward worker is spawned: it inherits core 1
             load_before = os.getloadavg()
             started = time.perf_counter()
-            runs = asyncio.run(measure(args, address, server.pid, model))
+            runs, long = asyncio.run(measure(args, servers, model))
             elapsed = time.perf_counter() - started
             load_after = os.getloadavg()
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            for process in processes:
+                process.terminate()
+                process.wait(timeout=60)
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()}: {os.cpu_count()} cores ({cpu_model()}), {platform.platform()}",
@@ -438,10 +567,22 @@ def main():
         f"{'/'.join(f'{x:.2f}' for x in load_after)} after",
         "measured_s": round(elapsed, 1),
     }
-    text = report(args, summarise(runs), meta)
+    summaries = {setting: summarise(rs) for setting, rs in runs.items()}
+    costs = {setting: multi_vs_single(runs[setting], summaries[setting]) for setting in runs}
+    text = report(args, summaries, costs, long, meta)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    result = {
+        "benchmark": "agent_workflow_overhead",
+        "multi_vs_single": {s: {pair: round(c["wall"], 3) for pair, c in pairs.items()} for s, pairs in costs.items()},
+        "long_episode_prefilled": {s: round(e["prefilled_per_episode"]) for s, e in long.items()},
+    }
+    if "on" in long and "off" in long:
+        result["long_episode_prefill_saved"] = round(
+            1 - long["on"]["prefilled_per_episode"] / long["off"]["prefilled_per_episode"], 3
+        )
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

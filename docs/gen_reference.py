@@ -123,7 +123,8 @@ def config_page() -> str:
         "",
         "Every key of a run's config: its type (with the values or range it must have), its default and what "
         "it does, section by section. A YAML file sets them by section (`actor:` then `lr: 1.0e-4`), the "
-        "command line as `key=value` (`actor.lr=1e-4`); later layers override earlier ones: defaults, then "
+        "command line as `key=value` (`actor.lr=1e-4`; an entry of a mapping such as `rollout.workflow_args` "
+        "as `rollout.workflow_args.max_turns=8`); later layers override earlier ones: defaults, then "
         "a site profile (`submit --profile`), then the experiment YAML (`--config`), then the overrides. "
         "`areal-hpc config show --config FILE [key=value ...]` prints the result. A key that is not here, "
         "or a value outside what its type allows, is refused before anything starts, in one line naming "
@@ -374,7 +375,7 @@ def _code(text: str):
 def config_key_problems() -> list[str]:
     """A dotted name in code that starts with a section of the schema must be a key or section of it (unless
     the same code block shows `areal-hpc` refusing it as an unknown key)."""
-    from areal_hpc.config import LEAF_TYPES, LEGACY_KEYS, SECTIONS, RunConfig
+    from areal_hpc.config import LEAF_TYPES, LEGACY_KEYS, SECTIONS, RunConfig, in_mapping
 
     top = sorted((f.name for f in dataclasses.fields(RunConfig)), key=len, reverse=True)
     key = re.compile(r"(?<![\w./$-])(?:" + "|".join(top) + r")(?:\.[A-Za-z_]\w*)+")
@@ -389,6 +390,7 @@ def config_key_problems() -> list[str]:
                     name.rsplit(".", 1)[-1] in FILE_SUFFIXES
                     or name in LEAF_TYPES
                     or name in SECTIONS
+                    or in_mapping(name)  # an entry of a mapping-valued key: rollout.workflow_args.max_turns
                     or name in LEGACY_KEYS  # the config reference's table of AReaL's names
                     or name in shown_refused
                 ):

@@ -2,15 +2,17 @@
 rendering, tool-call parsing, turns linked token for token), answered inside the process that runs the
 episodes, over the run's rollout client. Each ``client()`` is an ``openai.AsyncOpenAI`` with its own
 session; its records are the session's conversations (``Session.trajectories``), returned to the
-episode instead of written by a proxy.
+episode instead of written by a proxy. ``base_url()`` serves the same routes (and ``/rl/set_reward``) over
+HTTP on loopback, for agent programs in a process of their own: a client's ``api_key`` is its session's key
+there too.
 
-An episode's client (``EpisodeContext.openai_client``) samples as the episode does where a request
-does not say otherwise: ``max_tokens``, ``temperature`` and ``top_p`` default to the run's
-``generation`` settings, and an episode that decodes greedily (an evaluation) decodes every turn greedily.
+An episode's session (``EpisodeContext.openai_client``) samples as the episode does where a request
+does not say otherwise, whichever way it comes: ``max_tokens``, ``temperature`` and ``top_p`` default to the
+run's ``generation`` settings, and an episode that decodes greedily (an evaluation) decodes every turn greedily.
 
-Nothing goes over a socket. A plain ``chat.completions.create`` or ``completions.create`` (what agents
-and the Agents SDK call) hands the routes the JSON body the SDK would have sent and builds the reply
-object as the SDK builds it, without the SDK's request machinery (its parameter transform and HTTP
+In the process, nothing goes over a socket. A plain ``chat.completions.create`` or ``completions.create``
+(what agents and the Agents SDK call) hands the routes the JSON body the SDK would have sent and builds the
+reply object as the SDK builds it, without the SDK's request machinery (its parameter transform and HTTP
 client were 80% of a turn's client CPU: bench/results/agent_workflow_overhead.md). Anything else
 (streams, ``with_raw_response``, ``extra_query``, other routes) takes the SDK's own path through an
 in-process HTTP transport to the same routes.
@@ -18,6 +20,7 @@ in-process HTTP transport to the same routes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import importlib
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import openai
 import pydantic
+from aiohttp import web
 from openai.resources.chat import AsyncChat
 from openai.resources.chat.completions import AsyncCompletions as AsyncChatCompletions
 from openai.resources.completions import AsyncCompletions
@@ -38,17 +42,21 @@ from areal_hpc.algo.temperature import is_greedy
 from areal_hpc.data.trajectory import Trajectory
 from areal_hpc.errors import UserError
 from areal_hpc.proxy.app import (
+    PROXY,
     SSE_HEADERS,
     TURN_ROUTES,
     as_api_error,
+    errors_as_openai,
     parse_json,
     session_of,
+    set_reward,
 )
 from areal_hpc.proxy.chat_template import ChatTokenizer
 from areal_hpc.proxy.gateway import Proxy, ProxySettings
 from areal_hpc.proxy.openai_api import APIError
 from areal_hpc.proxy.sessions import Session
 from areal_hpc.proxy.tenants import Quota, hash_key, new_key
+from areal_hpc.runtime.name_resolve import bind
 
 TENANT = "default"
 UNLIMITED = Quota(0, 0)
@@ -57,6 +65,7 @@ BASE_URL = "http://episode-chat/v1"  # resolved by no one: the transport answers
 HTTPX = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.partition(".")[0])
 UNSET = tuple(getattr(openai, name) for name in ("NotGiven", "Omit") if hasattr(openai, name))  # the SDK drops these
 RAW_RESPONSE_HEADER = "X-Stainless-Raw-Response"  # set by with_raw_response / with_streaming_response
+LOOPBACK_MAX_REQUEST_BYTES = 1 << 28  # an agent program's whole conversation, however long it grew
 
 
 class EpisodeKeys:
@@ -91,10 +100,12 @@ class ClientRouter:
 class InProcessTransport(HTTPX.AsyncBaseTransport):
     """The ``openai`` client's HTTP library answered by the proxy's turn routes in this process, as the
     proxy answers them (the session key checked first, errors in OpenAI's JSON shape); a request
-    cancelled before its reply takes its turn back out."""
+    cancelled before its reply takes its turn back out. A session with sampling defaults (``sampling``:
+    session id -> ``agents.engine.Sampling``) has them filled into every request (``with_sampling``)."""
 
     def __init__(self, proxy: Proxy):
         self.proxy = proxy
+        self.sampling: dict[str, object] = {}
 
     async def handle_async_request(self, request):
         status, content, headers = await self.respond(request.method, request.url.path, request.headers, request.aread)
@@ -111,6 +122,8 @@ class InProcessTransport(HTTPX.AsyncBaseTransport):
                 raise APIError(404, f"Not Found: {method} {path} (an episode's client has {' and '.join(TURN_ROUTES)})")
             session = session_of(self.proxy, headers)
             body = parse_json(await read_body())
+            if session.id in self.sampling:
+                body = with_sampling(body, self.sampling[session.id])
             async with route(self.proxy, session, body) as reply:
                 return 200, (reply.body if reply.body is not None else b"".join(reply.events)), None
         except APIError as exc:
@@ -121,8 +134,8 @@ class InProcessTransport(HTTPX.AsyncBaseTransport):
 
 
 def with_sampling(params: dict, sampling) -> dict:
-    """The parameters of a ``create`` with an episode's ``sampling`` (``agents.engine.Sampling``) where
-    they give none (absent, None or the SDK's unset marker): ``max_tokens``, ``temperature``, ``top_p``.
+    """A request's parameters with an episode's ``sampling`` (``agents.engine.Sampling``) where they give
+    none (absent, None or the SDK's unset marker): ``max_tokens``, ``temperature``, ``top_p``.
     When the episode decodes greedily, so does every request, whatever it asks."""
     filled = dict(params)
 
@@ -170,8 +183,6 @@ class InProcessCreate:
 
     async def create(self, **params):
         client = self._client
-        if client.sampling is not None:
-            params = with_sampling(params, client.sampling)
         if (
             params.get("stream") is True
             or params.get("extra_query")
@@ -213,21 +224,15 @@ class RecordedChat(AsyncChat):
 
 class RecordingOpenAI(openai.AsyncOpenAI):
     """An ``openai.AsyncOpenAI`` whose turns are recorded in its session; ``set_reward`` binds a reward
-    to a turn (default: the latest), ``records()`` are the session's conversations. ``sampling``: what
-    requests that give no sampling parameters get (``with_sampling``; None: the proxy's defaults).
-    ``with_options`` (``copy``) gives a client of the same session."""
+    to a turn (default: the latest), ``records()`` are the session's conversations. ``with_options``
+    (``copy``) gives a client of the same session."""
 
-    def __init__(self, *, gateway: ChatGateway, session: Session, sampling=None, **options):
+    def __init__(self, *, gateway: ChatGateway, session: Session, **options):
         super().__init__(**options)
-        self.gateway, self.session, self.sampling = gateway, session, sampling
+        self.gateway, self.session = gateway, session
 
     def copy(self, **options) -> RecordingOpenAI:
-        extra = {
-            **options.pop("_extra_kwargs", {}),
-            "gateway": self.gateway,
-            "session": self.session,
-            "sampling": self.sampling,
-        }
+        extra = {**options.pop("_extra_kwargs", {}), "gateway": self.gateway, "session": self.session}
         return super().copy(**options, _extra_kwargs=extra)
 
     with_options = copy
@@ -272,6 +277,8 @@ class ChatGateway:
         self.model_name, self.discount = settings.model_name, discount
         self.transport = InProcessTransport(self.proxy)
         self.http = None
+        self.loopback: tuple[web.AppRunner, str] | None = None  # the HTTP server and its base URL, once asked for
+        self._starting = asyncio.Lock()
 
     async def __aenter__(self) -> ChatGateway:
         # one HTTP client for every episode's openai client
@@ -280,9 +287,40 @@ class ChatGateway:
 
     async def __aexit__(self, *exc) -> None:
         await self.http.aclose()
+        if self.loopback is not None:
+            await self.loopback[0].cleanup()
+
+    async def base_url(self) -> str:
+        """The routes over HTTP on loopback (``http://127.0.0.1:PORT/v1``), and the proxy's ``/rl/set_reward``
+        beside them, started on the first call and stopped with the gateway: where an agent program in its own
+        process sends a client's requests, with that client's ``api_key``."""
+        async with self._starting:
+            if self.loopback is None:
+                self.loopback = await self._serve()
+        return self.loopback[1]
+
+    async def _serve(self) -> tuple[web.AppRunner, str]:
+        async def answer(request: web.Request) -> web.Response:
+            status, content, headers = await self.transport.respond(
+                request.method, request.path, request.headers, request.read
+            )
+            if isinstance(content, bytes):
+                return web.Response(status=status, body=content, headers=SSE_HEADERS)
+            return web.json_response(content, status=status, headers=headers)
+
+        app = web.Application(middlewares=[errors_as_openai], client_max_size=LOOPBACK_MAX_REQUEST_BYTES)
+        app[PROXY] = self.proxy
+        app.router.add_post("/rl/set_reward", set_reward)  # the proxy's own: a program may reward its turns itself
+        app.router.add_route("*", "/{path:.*}", answer)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        sock = bind("127.0.0.1", 0)
+        await web.SockSite(runner, sock).start()
+        return runner, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
 
     def client(self, metadata: dict, sampling=None) -> RecordingOpenAI:
-        """A client of a new session; ``sampling``: its requests' defaults (``with_sampling``)."""
+        """A client of a new session; ``sampling``: its requests' defaults (``with_sampling``), whether they
+        come from this client or, over ``base_url()``, from another process with its ``api_key``."""
         key = new_key("sk")
         session = Session(
             tenant=TENANT, tenant_key_hash=self.keys.tenant_key_hash, key_hash=hash_key(key), metadata=dict(metadata)
@@ -290,10 +328,11 @@ class ChatGateway:
         self.proxy.sessions[session.id] = session
         self.proxy.by_key[session.key_hash] = session
         self.proxy.last_seen[session.id] = time.monotonic()
+        if sampling is not None:
+            self.transport.sampling[session.id] = sampling
         return RecordingOpenAI(
             gateway=self,
             session=session,
-            sampling=sampling,
             api_key=key,
             base_url=BASE_URL,
             http_client=self.http,
@@ -304,6 +343,7 @@ class ChatGateway:
         """The session's records (one per conversation); it takes no more turns."""
         session.ended_at = time.monotonic()
         self.proxy.forget(session)
+        self.transport.sampling.pop(session.id, None)
         return session.trajectories(self.discount) if session.turns else []
 
 
@@ -318,6 +358,9 @@ class NoChat:
 
     def client(self, metadata: dict, sampling=None):
         raise UserError(f"this run serves no OpenAI client to its workflow: {self.reason}")
+
+    async def base_url(self) -> str:
+        raise UserError(f"this run serves no OpenAI API to its workflow: {self.reason}")
 
 
 @contextlib.asynccontextmanager

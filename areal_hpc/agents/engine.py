@@ -7,6 +7,8 @@
 - ``openai_client()``: an ``openai.AsyncOpenAI`` bound to the rollout servers through the proxy's chat
   code, recording every turn token for token (agents written for the ``openai`` SDK or the OpenAI
   Agents SDK run unchanged), sampling as the episode does where a request does not say;
+  ``openai_base_url()``: the same routes over HTTP on loopback, for an agent in a process of its own
+  (with a client's ``api_key``, its requests are that client's turns);
 - ``reward(example, completion, ...)``: the run's reward function, in the reward pool with its timeout;
   a failure (exception, timeout, not a number) scores 0 and is counted, never silently.
 
@@ -256,6 +258,14 @@ class EpisodeContext:
         client = self.settings.chat.client(metadata, self.sampling)
         self.recorders.append(client)
         return client
+
+    async def openai_base_url(self) -> str:
+        """Where an agent program in another process (on this node) sends its OpenAI API requests:
+        ``http://127.0.0.1:PORT/v1``; with the ``api_key`` of a client from ``openai_client()`` they are that
+        client's turns, recorded and sampled as its own."""
+        if self.settings.chat is None:
+            raise UserError("this engine serves no OpenAI API: build its settings with an agents.chat.ChatGateway")
+        return await self.settings.chat.base_url()
 
     async def reward(
         self,

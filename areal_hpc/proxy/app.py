@@ -126,7 +126,7 @@ async def chat_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIterator
     chat = api.chat_of(body)
     stream, want_logprobs = api.flag(body, "stream"), api.flag(body, "logprobs")
     async with proxy.turn(session, params_of(proxy, body), chat=chat) as turn:
-        usage = api.usage(len(turn.prompt_ids), len(turn.output_ids))
+        usage = api.usage(len(turn.prompt_ids), len(turn.output_ids), turn.cached_tokens)
         name = proxy.settings.model_name
         if stream:
             calls, reasoning = turn.reply.get("tool_calls"), turn.reply.get("reasoning_content")
@@ -177,7 +177,7 @@ async def completion_turn(proxy: Proxy, session: Session, body: dict) -> AsyncIt
                 name,
                 proxy.tokenizer.decode(turn.output_ids),
                 turn.finish_reason,
-                api.usage(len(turn.prompt_ids), len(turn.output_ids)),
+                api.usage(len(turn.prompt_ids), len(turn.output_ids), turn.cached_tokens),
                 turn.logprobs if want_logprobs else None,
                 proxy.tokenizer.token_texts(turn.output_ids),
             )

@@ -198,6 +198,7 @@ class Proxy:
                 params["temperature"],
                 parent,
                 text,
+                cached_tokens=out.cached_tokens,
             )
             if chat is not None:
                 keep_reply(turn, self.tokenizer, *chat)

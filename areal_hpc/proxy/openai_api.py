@@ -348,9 +348,11 @@ def finish_reason(server_reason: str) -> str:
     return "length" if server_reason in ("length", "abort") else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens the rollout server's prefix cache held."""
     return {
         "prompt_tokens": prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }

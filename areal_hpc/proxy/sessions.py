@@ -36,6 +36,7 @@ class Turn:
     reply: dict | None = None  # a chat turn's assistant message, as the client got it
     rendered: str = ""  # the template's writing of the conversation through ``reply``, closing included
     bridge: str = ""  # the closing text the model did not generate itself (after its end-of-turn token: "\n")
+    cached_tokens: int = 0  # prompt tokens the rollout server's prefix cache held
 
     @property
     def full_ids(self) -> list[int]:

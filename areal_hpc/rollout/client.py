@@ -3,12 +3,15 @@
 ``generate`` is AReaL's interruptible generation: when a weight update pauses the servers, the
 request comes back with finish reason ``abort`` and its partial output; it is re-submitted with
 that output appended to the prompt and ``max_new_tokens`` lowered, to the same server (request-id
-affinity), so tokens made before the update keep their old version tag. New requests go to the
-server with the fewest outstanding requests; ``generate_batch`` sends several (a GRPO group's samples)
-as one request in SGLang's batch form and resumes each from its own output. When a request fails (its
-connection, or a 5xx), the server's ``/health`` decides: a server that is not healthy is dropped and
-its requests resume on the others from their last returned output (nothing is lost); a live one is
-asked again, a few times.
+affinity), so tokens made before the update keep their old version tag. A new request whose prompt
+continues a sequence a server ran (at least half of the prompt: a conversation's earlier turns, a group's
+prompt) goes to that server, whose prefix cache holds it (session affinity, by token ids, for callers that
+name no server), unless it has ``AFFINITY_SLACK`` more requests outstanding than the least loaded; others
+go to the server with the fewest outstanding requests. ``generate_batch`` sends
+several (a GRPO group's samples) as one request in SGLang's batch form and resumes each from its own
+output. When a request fails (its connection, or a 5xx), the server's ``/health`` decides: a server that
+is not healthy is dropped and its requests resume on the others from their last returned output (nothing
+is lost); a live one is asked again, a few times.
 
 Servers can join while the client runs (``add_server``: one that registered late, or restarted): the
 caller first gives it the current weights, then admits it with their version.
@@ -33,10 +36,15 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from areal_hpc.errors import UserError
+from areal_hpc.rollout.prefix_cache import PrefixTree
 
 HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
 RETRY_DELAY_S = 0.5
 CONNECTION_RETRIES = 3  # failed attempts in a row on a server that still answers /health, then the request fails
+ROUTED_TOKENS = 1 << 20  # tokens of recent sequences remembered with the server that ran them
+# requests a server may have in flight beyond the least loaded one and still get the sequences it holds
+# (sglang-router's balance_abs_threshold): past that, balance wins over the cache
+AFFINITY_SLACK = 32
 
 
 class RolloutError(RuntimeError):
@@ -70,6 +78,7 @@ class Generation:
     finish_reason: str = ""
     interruptions: int = 0  # times a pause (weight update) or a dead server cut it short
     server: str = ""
+    cached_tokens: int = 0  # prompt tokens the server had in its prefix cache (its first reply's count)
 
 
 def token_version(reported, known: int) -> int:
@@ -110,6 +119,7 @@ class RolloutClient:
         self._loaded: dict[str, int] = {}  # versions pushed while paused: in effect from the resume on
         self._paused = False
         self._affinity: dict[str, str] = {}
+        self._ran: PrefixTree[str] = PrefixTree(ROUTED_TOKENS, lambda server, _: (server, server))  # where, by ids
         self._probes: dict[str, asyncio.Task] = {}  # one /health probe per server at a time
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self._max_requests = max_requests
@@ -159,7 +169,7 @@ class RolloutClient:
         failed_attempts = 0
         try:
             while pending:
-                server = self._pick(key)
+                server = self._pick(key, prompts[0])
                 bodies = [
                     {
                         "input_ids": outs[i].input_ids + outs[i].output_ids,
@@ -195,6 +205,9 @@ class RolloutClient:
                 replies = replies if len(bodies) > 1 else [replies]
                 for i, reply in zip(pending, replies):
                     self._take_reply(outs[i], reply, server)
+                    if len(self.alive) > 1:  # where its sequence is cached, for the turns that continue it
+                        self._ran.insert(outs[i].input_ids + outs[i].output_ids, lambda *_: server)  # noqa: B023 - called here
+                self._ran.evict()
                 pending = [
                     i for i in pending if outs[i].finish_reason == "abort" and len(outs[i].output_ids) < budgets[i]
                 ]
@@ -207,6 +220,8 @@ class RolloutClient:
     def _take_reply(self, out: Generation, reply: dict, server: str) -> None:
         """Append one /generate answer (part of a generation, or all of it) to ``out``."""
         meta = reply["meta_info"]
+        if not out.finish_reason:  # the first reply: its cached tokens are of the prompt as given
+            out.cached_tokens = meta.get("cached_tokens") or 0
         out.output_ids += reply["output_ids"]
         out.logprobs += [entry[0] for entry in meta["output_token_logprobs"]]
         out.versions += meta.get("output_token_versions") or [
@@ -285,14 +300,25 @@ class RolloutClient:
         except (TimeoutError, aiohttp.ClientError):
             return False
 
-    def _pick(self, rid: str) -> str:
+    def _pick(self, rid: str, prompt: list[int]) -> str:
         server = self._affinity.get(rid)
         if server not in self.alive:
             if not self.alive:
                 raise self._no_server()
-            server = min(self.alive, key=lambda s: self.outstanding[s])
+            least = min(self.alive, key=lambda s: self.outstanding[s])
+            holder = self._holder(prompt)
+            server = (
+                holder if holder and self.outstanding[holder] <= self.outstanding[least] + AFFINITY_SLACK else least
+            )
             self._affinity[rid] = server
         return server
+
+    def _holder(self, prompt: list[int]) -> str | None:
+        """The live server that ran the longest sequence ``prompt`` continues, if it covers half the prompt."""
+        if len(self.alive) < 2:
+            return None
+        matched, node = self._ran.match(prompt)
+        return node.payload if 2 * matched >= len(prompt) and node.payload in self.alive else None
 
     def _no_server(self) -> NoServerError:
         if not self._dropped_because:

@@ -8,7 +8,8 @@ as many as the staleness gate allows; the trainer takes batches of finished epis
     await controller.pause(); ...update weights...; controller.set_version(v + 1); await controller.resume()
 
 An episode fails when generating it fails (a server's 5xx, a request the server refuses, e.g. longer
-than the context, connections that keep failing), when storing it fails (``on_accept``, e.g. a full
+than the context, connections that keep failing), when its workflow raises (``workflow``; an agent
+program it ran that failed: ``agent_program``), when storing it fails (``on_accept``, e.g. a full
 disk), or when every one of its rewards failed (raised or timed out; an episode with some failed
 rewards is trained, those samples scoring 0). Failures are counted by kind in ``failures`` (a
 reward failure per reward call; a reward that returned no finite number is ``reward_invalid``), which
@@ -46,12 +47,22 @@ FAILURE_KINDS = (
     "reward_timeout",
     "reward_invalid",
     "workflow",
+    "agent_program",
 )
 MAX_MESSAGE_CHARS = 400
 
 
 class RolloutFailure(RolloutError):
     """The failure budget is spent: rollouts keep failing."""
+
+
+class EpisodeFailure(Exception):
+    """A failure a workflow names itself: ``kind`` (one of FAILURE_KINDS, e.g. ``agent_program``: the agent
+    program it ran exited non-zero), its message the line to report."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -319,10 +330,13 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def failure_of(exc: BaseException) -> tuple[str, str]:
-    """(kind, one-line message) of the exception an episode raised: a server's reply (its message), a
-    connection that kept failing, or the workflow's own error; each with the user's file and line where
-    the user's code is in its traceback (e.g. the workflow's line that asked for the generation)."""
+    """(kind, one-line message) of the exception an episode raised: a failure the workflow named (its
+    message), a server's reply (its message), a connection that kept failing, or the workflow's own error;
+    each with the user's file and line where the user's code is in its traceback (e.g. the workflow's line
+    that asked for the generation)."""
     exc = _leaf(exc)
+    if isinstance(exc, EpisodeFailure):
+        return exc.kind, str(exc)
     if isinstance(exc, ServerReplyError):
         return ("server_error" if exc.status >= 500 else "rejected"), described(exc, str(exc))
     if isinstance(exc, (ConnectionFailedError, aiohttp.ClientError, asyncio.TimeoutError)):

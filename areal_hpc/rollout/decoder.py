@@ -124,27 +124,58 @@ class SlotDecoder:
         )
 
     @torch.no_grad()
-    def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(
+        self, first_row: int, prompts: list[list[int]], prefixes: list[list[tuple[int, torch.Tensor]]] | None = None
+    ) -> torch.Tensor:
         """Run prompts into rows first_row.. (right-padded, one forward); logits at each prompt's end.
 
-        Padding writes keys past a prompt's end; they are overwritten before anything attends to them,
-        since decoding writes a position before reading it. A prompt that comes several times (a GRPO
-        group's samples) runs once: its keys and values are copied into the rows of its repeats.
+        ``prefixes[i]``: the keys and values (``read``'s blocks, with their start columns, from column 0 on)
+        of a first part of prompt i, written into its row; only the rest of the prompt runs. Padding writes
+        keys past a prompt's end (at most one column past the longest); they are overwritten before anything
+        attends to them, since decoding writes a position before reading it. A prompt that comes several
+        times (a GRPO group's samples) runs once: its keys and values are copied into the rows of its repeats.
         """
-        first_seen = {}
+        prefixes = prefixes or [[] for _ in prompts]
+        first_seen: dict[tuple[int, ...], int] = {}
         which = [first_seen.setdefault(tuple(p), len(first_seen)) for p in prompts]  # its distinct prompt
         distinct = [list(p) for p in first_seen]
-        width = max(len(p) for p in distinct)
-        tokens = torch.tensor([p + [0] * (width - len(p)) for p in distinct], device=self.device)
-        positions = torch.arange(width, device=self.device).expand(len(distinct), width)
+        starts = [0] * len(distinct)
+        firsts: dict[int, int] = {}  # distinct prompt -> its first request
+        for i, d in enumerate(which):
+            firsts.setdefault(d, i)
+        for d, i in firsts.items():  # distinct prompt d runs in row first_row + d: its prefix goes there
+            for start, block in prefixes[i]:
+                self.write(first_row + d, start, block)
+                starts[d] = start + block.shape[2]
+        width = max(len(p) - s for p, s in zip(distinct, starts))
+        padded = [p[s:] + [0] * (width - len(p) + s) for p, s in zip(distinct, starts)]
+        tokens = torch.tensor(padded, device=self.device)
+        offsets, ends = (torch.tensor(x, device=self.device) for x in (starts, [len(p) for p in distinct]))
+        positions = (offsets[:, None] + torch.arange(width, device=self.device)).clamp(max=int(ends.max()))
         hidden = self._forward(tokens, positions, first_row)  # into rows first_row.. (all being filled)
         if len(distinct) < len(prompts):
-            sources = torch.tensor(which, device=self.device) + first_row
+            sources, columns = torch.tensor(which, device=self.device) + first_row, int(ends.max())
             for cache in (*self.keys, *self.values):
-                cache[first_row : first_row + len(prompts), :, :width] = cache[sources, :, :width]
-        ends = torch.tensor([len(p) for p in distinct], device=self.device)
+                cache[first_row : first_row + len(prompts), :, :columns] = cache[sources, :, :columns]
         self.lengths[first_row : first_row + len(prompts)] = ends[which]
-        return self._logits(hidden[torch.arange(len(distinct)), ends - 1])[which]
+        return self._logits(hidden[torch.arange(len(distinct)), ends - offsets - 1])[which]
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """A copy of the keys and values of row ``row``'s positions start..end-1, every layer's:
+        [2 x layers, kv heads, end - start, head dim] (``write`` puts it back, in any row)."""
+        return torch.stack([cache[row, :, start:end] for cache in (*self.keys, *self.values)])
+
+    def write(self, row: int, start: int, block: torch.Tensor) -> None:
+        """Put a block of keys and values (``read``'s form) into row ``row`` from column ``start``."""
+        end = start + block.shape[2]
+        self._reserve(end)
+        for cache, part in zip((*self.keys, *self.values), block):
+            cache[row, :, start:end] = part
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Memory the keys and values of one position take, every layer's."""
+        return 2 * len(self.keys) * self.kv_heads * self.head_dim * self.keys[0].element_size()
 
     @torch.no_grad()
     def decode(self, first_row: int, n: int) -> torch.Tensor:

@@ -8,6 +8,14 @@ sources (a /generate call's prompts share one) in turn, and no source holds ever
 output token is tagged with the weight version that produced it; a pause in abort mode returns
 in-flight requests at once with what they have.
 
+Prefix cache (``prefix_cache.PrefixTree``, as SGLang's radix cache): the keys and values of every request
+that leaves its row without an error (finished, or aborted with its partial output) are kept, up to
+``prefix_cache_mb``; a request is admitted with the longest cached prefix of its prompt copied into its row
+(all but the prompt's last token at most: its logits are needed) and prefills only the rest, and reports
+how many tokens it took from the cache (``Result.cached_tokens``). The prefixes of running requests are
+pinned (never evicted); every weight update clears the cache, and a request that was running across one
+adds nothing to it (its keys mix two versions).
+
 Logprobs: each output token's logprob is ``log_softmax(logits / T)`` at the request's temperature T,
 of the whole tempered distribution, before top-p/top-k truncation (which only restricts what is drawn):
 the behaviour policy decoupled PPO needs, which the trainer recomputes at the same T. At T = 1 they
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import functools
 import logging
 import math
 import reprlib
@@ -46,6 +55,7 @@ from areal_hpc.algo.logprobs import token_logprobs
 from areal_hpc.algo.temperature import MIN_TEMPERATURE, is_servable
 from areal_hpc.models.hf import CheckpointError, read_checkpoint
 from areal_hpc.rollout.decoder import SlotDecoder
+from areal_hpc.rollout.prefix_cache import Node, PrefixTree
 from areal_hpc.rollout.sampling import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, SlotSampler
 from areal_hpc.rollout.weights import weight_mismatches
 
@@ -134,6 +144,7 @@ class Result:
     prompt_tokens: int
     weight_version: int
     error: str | None = None  # the engine failed this request (the server answers 500 with it)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
 
 
 @dataclass
@@ -147,6 +158,9 @@ class Request:
     versions: list[int] = field(default_factory=list)
     error: str | None = None  # set when the engine fails this request
     source: str = ""  # requests from one source (a /generate call's prompts) share rows fairly; "": the rid
+    cached: int = 0  # prompt tokens found in the prefix cache at admission
+    prefix: Node | None = None  # where they end in the cache (pinned while the request runs)
+    epoch: int = 0  # the cache's epoch then: a later one (weights changed) takes nothing from this request
 
     def __post_init__(self) -> None:
         self.source = self.source or self.rid
@@ -164,11 +178,13 @@ class EmbeddedGenerator:
         seed: int = 0,
         eos_token_ids: list[int] | None = None,
         min_prefill_batch: int | None = None,
+        prefix_cache_mb: float = 0.0,
     ):
         """``min_prefill_batch``: while sequences are decoding, admit waiting ones only once this many
         rows are free (default slots // 8), since on CPU a prefill costs as much as a decode step. One
         source holds at most ``slots - min_prefill_batch`` rows (all of them with one slot): the rest wait
-        for requests from other sources."""
+        for requests from other sources. ``prefix_cache_mb``: memory of the prefix cache (0: none; a server takes
+        ``rollout.prefix_cache_mb``)."""
         self.model = model.eval()
         self.context_length = context_length or model.config.max_position_embeddings
         self.decoder = SlotDecoder(model, slots, self.context_length)
@@ -177,6 +193,9 @@ class EmbeddedGenerator:
         self.min_prefill_batch = min_prefill_batch or max(1, slots // 8)
         self.rows_per_source = max(1, slots - self.min_prefill_batch)
         self.forward_passes = 0  # prefills and decode steps run (a request's latency in passes, for tests)
+        self.prompt_tokens = {"prefilled": 0, "cached": 0}  # of admitted requests, since the start
+        budget = int(prefix_cache_mb * 2**20) // self.decoder.bytes_per_token
+        self.prefix_cache = PrefixTree(budget, _split_block) if budget > 0 else None
         self.version = 0
         self.paused = False
         self.failing: str | None = None  # the model's or engine's last fault, until a token is generated (/health)
@@ -274,6 +293,10 @@ class EmbeddedGenerator:
         """Abort one request (or all when ``rid`` is None); it returns with finish reason ``abort``."""
         return self.call(lambda: self._abort(lambda r: rid is None or r.rid == rid))
 
+    def flush_cache(self) -> concurrent.futures.Future:
+        """Empty the prefix cache (SGLang's /flush_cache)."""
+        return self.call(self._flush)
+
     def update_weights(
         self, state: dict[str, torch.Tensor], version: int | None, *, complete: bool
     ) -> concurrent.futures.Future:
@@ -342,6 +365,13 @@ class EmbeddedGenerator:
                 live[name].copy_(tensor)  # casts to the live dtype and device
         self.decoder.refresh_weights()
         self.version = self.version + 1 if version is None else version
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            for request in self._running:  # prefilled already: their prefixes' memory can go
+                request.prefix = None
 
     @torch.no_grad()
     def _score(self, input_ids: list[int], start: int) -> list[float | None]:
@@ -367,6 +397,8 @@ class EmbeddedGenerator:
         for request in [r for r in batch if r.params.max_new_tokens == 0]:
             self._reply(request, "length")
         batch = [r for r in batch if r.params.max_new_tokens > 0]
+        for request in batch:
+            self._match_prefix(request)
         if batch:
             first = len(self._running)
             self._running += batch
@@ -379,6 +411,31 @@ class EmbeddedGenerator:
         held = Counter(request.source for request in self._running)
         room = {source: min(len(queue), self.rows_per_source - held[source]) for source, queue in self._waiting.items()}
         return admission_order(room, free), sum(max(n, 0) for n in room.values())
+
+    def _match_prefix(self, request: Request) -> None:
+        """Find the request's longest cached prefix (all of its prompt but the last token at most) and pin it."""
+        if self.prefix_cache is not None:
+            request.cached, request.prefix = self.prefix_cache.match(request.input_ids[:-1])
+            request.epoch = self.prefix_cache.epoch
+            self.prefix_cache.pin(request.prefix)
+        self.prompt_tokens["cached"] += request.cached
+        self.prompt_tokens["prefilled"] += len(request.input_ids) - request.cached
+
+    def _cache_prefixes(self, finished: list[tuple[Request, str, int | None]], row_of: dict[int, int]) -> None:
+        """Keep the keys and values of requests leaving their rows (those that did not fail, from this
+        cache epoch), unpin their prefixes, then evict down to the budget."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        for request, _, _ in finished:
+            row = row_of[id(request)]
+            if request.error is None and request.epoch == cache.epoch:
+                held = int(self.decoder.lengths[row]) - 1  # the last sampled token is not in the cache yet
+                sequence = (request.input_ids + request.output_ids)[:held]
+                cache.insert(sequence, functools.partial(self.decoder.read, row))
+            if request.prefix is not None:
+                cache.unpin(request.prefix)
+        cache.evict()
 
     def _take(self, source: str) -> Request:
         """The next waiting request of ``source``; the source then waits behind the others."""
@@ -396,7 +453,9 @@ class EmbeddedGenerator:
             self.sampler.set(
                 row, params.temperature, params.top_k, params.top_p, params.sampling_seed, len(request.input_ids)
             )
-        return self.decoder.prefill(first, [r.input_ids for r in requests])
+        cache = self.prefix_cache
+        prefixes = [cache.segments(r.prefix) if r.cached else [] for r in requests] if cache else None
+        return self.decoder.prefill(first, [r.input_ids for r in requests], prefixes)
 
     def _step(self) -> None:
         """Feed every running request its last token (the decoder keeps them): one more token each."""
@@ -478,6 +537,7 @@ class EmbeddedGenerator:
         """Answer finished running requests and keep the rest in rows 0..n-1 (``compacted``), their rows
         moved in one copy per cache tensor."""
         row_of = {id(r): row for row, r in enumerate(self._running)}
+        self._cache_prefixes(finished, row_of)
         for request, _, _ in finished:
             if request.error is not None:
                 self.decoder.clear(row_of[id(request)])  # a NaN left there would reach later tenants
@@ -500,8 +560,15 @@ class EmbeddedGenerator:
                 len(request.input_ids),
                 self.version,
                 request.error,
+                request.cached,
             )
         )
+
+
+def _split_block(block: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block of keys and values (``SlotDecoder.read``) cut after its first k positions, each part its
+    own copy (so dropping one frees its memory)."""
+    return block[:, :, :k].clone(), block[:, :, k:].clone()
 
 
 def admission_order(room: dict[str, int], free: int) -> list[str]:

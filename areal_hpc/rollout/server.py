@@ -96,7 +96,8 @@ async def errors_as_json(request: web.Request, handler):
 async def generate(request: web.Request) -> web.Response:
     """SGLang's /generate on token ids: ``input_ids`` (one prompt or a list), ``sampling_params`` (for a
     list of prompts: one object for all, or a list of one per prompt), ``return_logprob``, ``rid``. Each
-    answer has ``output_ids``, ``meta_info.finish_reason``, ``weight_version`` and
+    answer has ``output_ids``, ``meta_info.finish_reason``, ``cached_tokens`` (prompt tokens the prefix cache
+    held), ``weight_version`` and
     ``output_token_versions`` (the weight version of each token) and, with
     return_logprob, ``output_token_logprobs`` as ``[logprob, token, null]``: the token's logprob under
     ``log_softmax(logits / temperature)``, the whole tempered distribution before top-p/top-k
@@ -194,7 +195,7 @@ def _sglang_response(
         "finish_reason": finish,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": len(result.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": result.cached_tokens,
         "weight_version": str(result.weight_version),
         "output_token_versions": result.versions,
     }
@@ -228,6 +229,8 @@ async def model_info(request: web.Request) -> web.Response:
             "running_requests": engine.running,
             "waiting_requests": engine.waiting,
             "forward_passes": engine.forward_passes,
+            "prompt_tokens_prefilled": engine.prompt_tokens["prefilled"],
+            "prompt_tokens_cached": engine.prompt_tokens["cached"],
         }
     )
 
@@ -271,7 +274,9 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    return web.json_response({"success": True})  # slots are reset per request: no prefix cache to drop
+    """Empty the prefix cache (weight updates do it themselves)."""
+    await asyncio.wrap_future(request.app[ENGINE].flush_cache())
+    return web.json_response({"success": True})
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -444,6 +449,7 @@ def serve_embedded(cfg) -> None:
         slots=cfg.rollout.max_running_requests,
         context_length=cfg.rollout.context_length or None,
         seed=cfg.experiment.seed,
+        prefix_cache_mb=cfg.rollout.prefix_cache_mb,
     )
     address = advertised_address(cfg.rollout.host, sock.getsockname()[1], cfg.cluster.interface)
     print(

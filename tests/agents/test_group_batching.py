@@ -34,8 +34,12 @@ def test_a_batch_generates_what_its_requests_generate_one_by_one(tiny_model_dir,
                 await client.post(server, "/generate", {"input_ids": PROMPTS, "sampling_params": samplings[:2]})
             return batched, alone
 
-    # one slot: a row's logits do not depend on what else is decoded with it
-    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=1") as (_, server):
+    # one slot: a row's logits do not depend on what else is decoded with it; no prefix cache: nor on which
+    # request computed its prompt's keys
+    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=1", "rollout.prefix_cache_mb=0") as (
+        _,
+        server,
+    ):
         batched, alone = asyncio.run(run(server))
     for b, a in zip(batched, alone):
         assert (b.input_ids, b.output_ids, b.logprobs, b.versions) == (
@@ -225,10 +229,13 @@ def test_an_evaluation_batches_its_examples_and_a_prompt_the_server_refuses_fail
                 result = await evaluate(settings, RLVRWorkflow(), examples)
             return result, counted.sizes
 
-    with embedded_server(tiny_model_dir, tmp_path, "rollout.max_running_requests=1", "rollout.context_length=48") as (
-        _,
-        server,
-    ):
+    with embedded_server(
+        tiny_model_dir,
+        tmp_path,
+        "rollout.max_running_requests=1",
+        "rollout.context_length=48",
+        "rollout.prefix_cache_mb=0",
+    ) as (_, server):
         (batched, sizes), (alone, _) = asyncio.run(run(server, True)), asyncio.run(run(server, False))
     assert sizes == [EVAL_BATCH, 6] + [1] * 6  # the second batch, refused, asked again one by one
     assert batched.episode_failures == alone.episode_failures == 1

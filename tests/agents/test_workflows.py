@@ -27,6 +27,7 @@ from tests import rewards_for_tests
 from tests.conftest import REPO, run_cli
 from tests.system.test_async_rl import SMALL_RUN, metrics
 from tests.user_project import write_project
+from tests.workflow_helpers import memorise
 
 
 class InProcessModel:
@@ -505,34 +506,6 @@ def test_a_model_without_a_chat_template_serves_no_client_and_says_why(tiny_mode
 
 
 TOOL_CALL = '<tool_call>{"name":"calculate","arguments":{"a":2,"op":"+","b":3}}</tool_call>'
-
-
-def memorise(model, tokenizer, pairs: list[tuple[list[int], str]], max_steps: int = 600) -> None:
-    """Teach the tiny model to say each completion after its prompt, greedily (a stand-in for a
-    tool-calling model); one thread: the steps are small."""
-    import torch
-
-    batch = [
-        (prompt, tokenizer(text + tokenizer.eos_token, add_special_tokens=False)["input_ids"]) for prompt, text in pairs
-    ]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _step in range(max_steps):
-            optimizer.zero_grad()
-            said = []
-            for prompt, completion in batch:
-                logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
-                torch.nn.functional.cross_entropy(logits, torch.tensor(completion)).backward()
-                said.append(logits.argmax(-1).tolist() == completion)
-            if all(said):
-                return
-            optimizer.step()
-        raise AssertionError(f"the model did not learn to say {[text for _, text in pairs]} in {max_steps} steps")
-    finally:
-        torch.set_num_threads(threads)
-        model.eval()
 
 
 @pytest.mark.slow

@@ -14,13 +14,14 @@ def write(tmp_path, text: str):
 
 
 def test_defaults_yaml_and_overrides_merge_in_order(tmp_path):
-    path = write(tmp_path, "actor: {lr: 2.0e-4}\nsft: {batch_size: 8}\n")
-    cfg = load_config(path, ["actor.lr=1e-4", "generation.greedy=true"])
+    path = write(tmp_path, "actor: {lr: 2.0e-4}\nsft: {batch_size: 8}\nrollout: {workflow_args: {a: x, b: 2}}\n")
+    cfg = load_config(path, ["actor.lr=1e-4", "generation.greedy=true", "rollout.workflow_args.b=3"])
     assert isinstance(cfg, RunConfig)
     assert cfg.actor.lr == 1e-4  # override beats YAML
     assert cfg.sft.batch_size == 8  # YAML beats default
     assert cfg.generation.greedy is True
     assert cfg.optimizer.beta1 == 0.9  # untouched default
+    assert cfg.rollout.workflow_args == {"a": "x", "b": 3}  # a mapping's entry, set on its own
 
 
 def test_areal_s_legacy_keys_are_read_as_the_current_ones_in_yaml_and_overrides(tmp_path):

@@ -7,7 +7,9 @@ and the sample (``agents.engine.derive_seed``), the embedded engine draws from a
 the token's position (``rollout.sampling``), batches are ordered by when their episodes started, not
 by when they finished, and the trainer runs on one thread (the local launcher's split of 2 cores).
 One KV slot (``rollout.max_running_requests=1``): a row's logits otherwise depend on the batch it was
-decoded in, in the last bits (matrix-multiply blocking), as SGLang documents for its own kernels.
+decoded in, in the last bits (matrix-multiply blocking), as SGLang documents for its own kernels. No
+prefix cache (``rollout.prefix_cache_mb=0``): a prompt's cached keys were computed by whichever request
+ran them first, an evaluation's among them, which moves its logprobs in the last bits the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SYNC_RUN = [
     "generation.max_new_tokens=6",
     "rollout.max_head_offpolicyness=0",
     "rollout.max_running_requests=1",
+    "rollout.prefix_cache_mb=0",
     "rl.total_train_steps=4",
     "saver.freq_steps=0",
     "stats.tensorboard=false",

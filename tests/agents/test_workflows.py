@@ -364,46 +364,6 @@ def test_bad_user_code_or_data_is_one_line_and_exit_2(tmp_path, override, words)
     assert all(w in line for w in words), line
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_a_users_project_trains_through_areal_hpc_submit_on_the_dev_cluster(tiny_model_dir, tmp_path):
-    """Submitted from the project's folder with relative paths: the job runs them from elsewhere."""
-    from tests.slurm_jobs import cancel, submitted_job, wait_for_end
-
-    project = write_project(tmp_path / "project")
-    relative = {
-        **project,
-        "dataset.path": "project/sticks.parquet",
-        "reward.fn": "project/my_reward.py:reward",
-        "rollout.workflow": "project/my_agent.py:AskTwice",
-    }
-    result = run_cli(
-        "submit",
-        "--profile",
-        str(REPO / "slurm" / "profiles" / "dev.yaml"),
-        "--config",
-        str(REPO / "configs" / "quickstart.yaml"),
-        f"model.path={tiny_model_dir}",
-        f"cluster.fileroot={tmp_path / 'runs'}",
-        *SMALL_RUN,
-        "rl.total_train_steps=2",
-        "rl.eval_every_steps=0",
-        *[f"{k}={v}" for k, v in relative.items()],
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    job = submitted_job(result.stdout)
-    try:
-        ended = wait_for_end(job, 300, components=2)
-    finally:
-        cancel(job)
-    assert {state for state, _, _ in ended.values()} == {"COMPLETED"}, ended
-    run = tmp_path / "runs" / "quickstart" / "trial0"
-    assert [r["step"] for r in metrics(run) if "rollout/turns" in r] == [1, 2]
-    assert all(r["rollout/turns"] == 2.0 for r in metrics(run) if "rollout/turns" in r)
-
-
 @given(n=st.integers(1, 8), data=st.data())
 def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_correct_one(n, data):
     """Against every k-subset of n samples, enumerated."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from areal_hpc.config import RunConfig, load_config, save_resolved, to_yaml
+from areal_hpc.config import RunConfig, absolute_path_overrides, load_config, save_resolved, to_yaml
 from areal_hpc.errors import UserError
 from tests.conftest import REPO
 
@@ -139,3 +139,27 @@ def test_the_failure_budget_is_built_from_its_config_section():
     )
     assert FailureBudget.from_config(cfg.rollout.failure_budget) == FailureBudget(0, 50, 0.25)
     assert FailureBudget.from_config(load_config().rollout.failure_budget) == FailureBudget()  # same defaults
+
+
+def test_a_submitted_projects_relative_paths_and_file_specs_become_absolute(tmp_path, monkeypatch):
+    """What ``areal-hpc submit`` writes into the job's config (a job starts on other nodes, in another
+    folder): relative data paths and ``file.py:name`` specs resolved from the submitting folder; module
+    specs and built-in names kept. tests/agents/test_agent_program.py submits such a project for real."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        None,
+        [
+            "dataset.path=project/sticks.parquet",
+            "reward.fn=project/my_reward.py:reward",
+            "rollout.workflow=project/my_agent.py:AskTwice",
+            "actor.engine=torch",
+        ],
+    )
+    assert sorted(absolute_path_overrides(cfg)) == sorted(
+        [
+            f"cluster.fileroot={tmp_path / 'runs'}",  # the default, relative too
+            f"dataset.path={tmp_path / 'project' / 'sticks.parquet'}",
+            f"reward.fn={tmp_path / 'project' / 'my_reward.py'}:reward",
+            f"rollout.workflow={tmp_path / 'project' / 'my_agent.py'}:AskTwice",
+        ]
+    )

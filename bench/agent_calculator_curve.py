@@ -9,7 +9,9 @@ step, mean and range over the seeds, the SFT warm-up's accuracy (RL step 0) mark
 cluster.fileroot=ROOT/seedS`` for each seed, one at a time, and records its wall time (``wall.json``);
 without it the script reads runs already there. It reads each run's ``metrics.jsonl`` (``eval/accuracy``
 every ``rl.eval_every_steps``, ``reward/tool_used`` and ``rollout/turns`` every step). "End" is the mean
-of the last 3 evaluations.
+of the last 3 evaluations. "Operands copied": of the held-out questions, the share whose call, forced to
+start with ``<calc>`` and decoded greedily, holds the question's expression exactly (after the warm-up and
+at the end): the copying skill apart from the habit of calling.
 """
 
 from __future__ import annotations
@@ -61,6 +63,31 @@ def run_seed(root: Path, seed: int, overrides: list[str]) -> None:
     )
 
 
+def operand_copying(model_dir: Path, questions: int = 200) -> float:
+    """Share of the first ``questions`` held-out questions whose forced call copies the expression exactly."""
+    import torch
+
+    from areal_hpc.agents.calculator import tool_call
+    from areal_hpc.config import load_config
+    from areal_hpc.data.calculator import CALL_OPEN, expression_of
+    from areal_hpc.data.registry import build_task
+    from areal_hpc.models.chat import prompt_ids
+    from areal_hpc.models.hf import load_model, load_tokenizer
+
+    task = build_task(load_config(str(REPO / CONFIG), []).dataset)
+    model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
+    right = 0
+    for example in task.eval[:questions]:
+        ids = prompt_ids(tokenizer, example.prompt) + tokenizer.encode(CALL_OPEN, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_token_id
+            )
+        text = CALL_OPEN + tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+        right += tool_call(text) == expression_of(example.prompt)
+    return right / questions
+
+
 def read_seed(root: Path, seed: int) -> dict:
     folder = run_dir(root, seed)
     rl = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -78,6 +105,8 @@ def read_seed(root: Path, seed: int) -> dict:
         "rl_s": rl[-1]["time"] - rl[0]["time"],
         "wall_s": wall,
         "tool_used": [(r["step"], r.get("reward/tool_used", float("nan"))) for r in steps],
+        "copied_after_sft": operand_copying(folder / "sft_warmup" / "model"),
+        "copied_at_end": operand_copying(folder / "model"),
         "turns": [(r["step"], r["rollout/turns"]) for r in steps],
     }
 
@@ -94,14 +123,15 @@ def report(rows: list[dict]) -> str:
         )
     lines += [
         "",
-        "| seed | SFT start (step 0) | end (mean of last 3 evals) | gain | SFT s | RL s | job wall s |",
-        "|---|---|---|---|---|---|---|",
+        "| seed | SFT start (step 0) | end (mean of last 3 evals) | gain | operands copied after SFT / at the end | "
+        "SFT s | RL s | job wall s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         wall = f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-"
         lines.append(
             f"| {r['seed']} | {r['start']:.1%} | {r['end']:.1%} | {r['end'] - r['start']:+.1%} | "
-            f"{r['sft_s']:.0f} | {r['rl_s']:.0f} | {wall} |"
+            f"{r['copied_after_sft']:.1%} / {r['copied_at_end']:.1%} | {r['sft_s']:.0f} | {r['rl_s']:.0f} | {wall} |"
         )
     start, end = np.mean([r["start"] for r in rows]), np.mean([r["end"] for r in rows])
     lines += ["", f"mean over {len(rows)} seeds: {start:.1%} -> {end:.1%} ({end - start:+.1%})"]
@@ -128,7 +158,7 @@ def plot(rows: list[dict], path: Path) -> None:
         xlabel="RL step",
         ylabel="held-out success (%)",
         ylim=(0, 100),
-        title="3-4 digit products with a calculator tool (greedy)",
+        title="4-digit products with a calculator tool (greedy)",
     )
     ax.legend(loc="center right")
     for r in rows:

@@ -4,8 +4,8 @@ replies with a ``tool`` message ``<result>1789184</result>`` and the model answe
 Reward 1.0 when the answer's last number is the product.
 
 Operands have ``dataset.arithmetic.min_digits`` to ``max_digits`` digits, operators from
-``dataset.arithmetic.ops`` (``configs/agent_calculator.yaml``: 3-4 digit multiplication, which the tiny
-model cannot do in its head). The held-out set is plain questions. The training set doubles as the
+``dataset.arithmetic.ops`` (``configs/agent_calculator.yaml``: 4-digit multiplication, which the tiny
+model cannot do in its head; operands of one width, so that copying them into a call is one fixed distance). The held-out set is plain questions. The training set doubles as the
 SFT warm-up's demonstrations, so it mixes three kinds of ``target`` (``DEMO_SHARES``):
 
 - ``call``: the question, and the tool call as the target;
@@ -38,6 +38,9 @@ TOOL_ROLE = "tool"  # the role of the environment's reply (the chat template ren
 # agent_calculator.md): call/read/direct 0.2/0.3/0.5: seeds 1/2/3: 24%/32%/15%, 42%/6%/60%;
 # 0.1/0.5/0.4: seed 2: 30%, 93%, but seed 1: 35%, 0% (never learnt to copy, RL stayed at 0%);
 # 0.15/0.55/0.3 and 0.3/0.4/0.3: seed 2: 93% and 95% tool calls (no room left for RL).
+# All with 3-4 digit operands. With exactly 4 digits the same warm-up copies the operands of a call (forced
+# to start with <calc>) right on 200/200 (seeds 1, 3) and 188/200 (seed 2) held-out questions, against
+# 130/200 with 3-4 digits (seed 1): the variable width, not the shares, was what left copying to chance.
 DEMO_SHARES = {"call": 0.2, "read": 0.3, "direct": 0.5}
 
 

@@ -121,6 +121,7 @@ def test_one_step_equals_one_process(layout, tiny_model_dir, reference, tmp_path
         ("qwen3-replica", "dp2"),
         ("qwen3-replica", "tp2"),
         ("qwen3-replica", "pp2"),
+        ("qwen3-replica", "fsdp2_empty_share_logits_in_chunks"),
         ("gemma3", "dp2"),
         ("gemma3", "tp2"),
         ("gemma3-replica", "cp2_fsdp2_empty_share"),

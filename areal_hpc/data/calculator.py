@@ -5,7 +5,8 @@ Reward 1.0 when the answer's last number is the product.
 
 Operands have ``dataset.arithmetic.min_digits`` to ``max_digits`` digits, operators from
 ``dataset.arithmetic.ops`` (``configs/agent_calculator.yaml``: 4-digit multiplication, which the tiny
-model cannot do in its head; operands of one width, so that copying them into a call is one fixed distance). The held-out set is plain questions. The training set doubles as the
+model cannot do in its head; operands of one width, so that copying them into a call is one fixed
+distance). The held-out set is plain questions. The training set doubles as the
 SFT warm-up's demonstrations, so it mixes three kinds of ``target`` (``DEMO_SHARES``):
 
 - ``call``: the question, and the tool call as the target;

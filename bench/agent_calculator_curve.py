@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -63,21 +64,27 @@ def run_seed(root: Path, seed: int, overrides: list[str]) -> None:
     )
 
 
+@functools.cache
+def held_out(questions: int) -> tuple:
+    """The config's first ``questions`` held-out examples (the task is built once for every model read)."""
+    from areal_hpc.config import load_config
+    from areal_hpc.data.registry import build_task
+
+    return tuple(build_task(load_config(str(REPO / CONFIG), []).dataset).eval[:questions])
+
+
 def operand_copying(model_dir: Path, questions: int = 200) -> float:
     """Share of the first ``questions`` held-out questions whose forced call copies the expression exactly."""
     import torch
 
     from areal_hpc.agents.calculator import tool_call
-    from areal_hpc.config import load_config
     from areal_hpc.data.calculator import CALL_OPEN, expression_of
-    from areal_hpc.data.registry import build_task
     from areal_hpc.models.chat import prompt_ids
     from areal_hpc.models.hf import load_model, load_tokenizer
 
-    task = build_task(load_config(str(REPO / CONFIG), []).dataset)
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
     right = 0
-    for example in task.eval[:questions]:
+    for example in held_out(questions):
         ids = prompt_ids(tokenizer, example.prompt) + tokenizer.encode(CALL_OPEN, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(

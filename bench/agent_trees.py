@@ -88,8 +88,6 @@ def layouts(batch: list[Trajectory]) -> dict:
 
 
 def run(args) -> dict:
-    import torch
-
     args.root.mkdir(parents=True, exist_ok=True)
     data = args.root / "search_data"
     if not (data / "train.jsonl").exists():
@@ -119,7 +117,7 @@ def run(args) -> dict:
         "benchmark": "agent_trees",
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
-        "versions": versions("torch", "transformers") | {"torch": torch.__version__},
+        "versions": versions("torch", "transformers"),
         "steps": args.steps,
         "agents": agents,
     }

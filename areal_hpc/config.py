@@ -289,6 +289,13 @@ class RolloutConfig:
         "used evicted first, cleared at every weight update; 0 disables it",
         ge=0.0,
     )
+    gather_ms: float = spec(
+        5.0,
+        "embedded engine: once requests finish, admission waits while their agents' next turns keep arriving "
+        "within this many ms of each other (until as many wait as finished; 10 times this at most), so they "
+        "join in one prefill; 0 admits each at once",
+        ge=0.0,
+    )
     launch_timeout_s: float = spec(300.0, "seconds a server may take to answer /health", gt=0.0)
     request_timeout_s: float = spec(600.0, "seconds one /generate call may take before it is retried", gt=0.0)
     tp_size: int = spec(1, "sglang: tensor-parallel size per server", ge=1)
@@ -469,6 +476,11 @@ class RLConfig:
     total_train_steps: int = spec(100, "policy updates (each one batch of rollout.consumer_batch_size groups)", ge=1)
     eval_every_steps: int = spec(20, "steps between held-out evaluations; 0 evaluates only before and after", ge=0)
     sft_warmup_steps: int = spec(0, "SFT steps (with the sft section's settings) before RL starts", ge=0)
+    sft_warmup_path: str = spec(
+        "",
+        "the SFT warm-up's demonstrations, in the forms of dataset.path, when they are not the RL prompts; "
+        "empty: dataset.path",
+    )
     weight_sync: str = spec("disk", "how new weights reach the rollout servers", choices=["disk", "distributed"])
     rank0_training: str = spec(
         "auto",

@@ -52,6 +52,7 @@ def agent_commands(root: Path) -> dict[str, list[str]]:
             *common,
             f"dataset.path={data / 'train.jsonl'}",
             f"dataset.eval_path={data / 'test.jsonl'}",
+            f"rl.sft_warmup_path={data / 'demos.jsonl'}",
         ],
     }
 
@@ -93,7 +94,7 @@ def run(args) -> dict:
     if not (data / "train.jsonl").exists():
         once(
             args.root / "search_data.done",
-            [sys.executable, "-m", "areal_hpc.agents.search.corpus", str(data)],
+            [sys.executable, "-m", "areal_hpc.agents.search.dataset", str(data)],
             args.root / "search_data.log",
         )
     agents = []

@@ -4,10 +4,12 @@ through the workflow layer (token level and chat level), and single-turn episode
 tokens; then a long episode's prefill tokens with and without the cache.
 
     .venv/bin/python bench/agent_workflow_overhead.py [--turns 4] [--max-new-tokens 16] [--groups 16]
-        [--n-samples 4] [--repeats 5] [--caches on,off] [--long-turns 20] [--out results.md]
+        [--n-samples 4] [--repeats 5] [--servers on,off] [--long-turns 20] [--out results.md]
 
-One embedded rollout server per ``--caches`` setting (``areal-hpc serve``, the tiny model, its own process
-on core 0, one torch thread; "on" with ``rollout.prefix_cache_mb``'s default, "off" with 0, the baseline);
+One embedded rollout server per ``--servers`` setting (``areal-hpc serve``, the tiny model, its own process
+on core 0, one torch thread; "on" with ``rollout.prefix_cache_mb``'s default, "off" with 0, the baseline;
+"on-ungathered" and "off-ungathered" the same with ``rollout.gather_ms=0``: each turn admitted as it
+arrives, not gathered with the other turns returning from one batch);
 the episodes run in this process on core 1 (their reward worker too). Each round runs every variant once
 on each server (``--groups`` x ``--n-samples`` episodes in flight at once), servers and variants
 interleaved over ``--repeats`` rounds after one warm-up round; medians. Variants, each episode
@@ -24,17 +26,26 @@ interleaved over ``--repeats`` rounds after one warm-up round; medians. Variants
      in-process ``ChatGateway``), a reward every turn;
 - D  single turn: ``RLVRWorkflow`` through the same layer, ``turns x max-new-tokens`` new tokens per
      episode (what a single-turn workflow pays for the same generated tokens); D0 the same generate
-     straight on the client.
+     straight on the client;
+- E  single turn on the same tokens: D0 with the environment's tokens of a multi-turn episode in its
+     prompt (the prompt, then ``turns - 1`` messages as ``next_turn_ids`` writes them after an answer),
+     ``turns x max-new-tokens`` new tokens: it prefills what A's episode prefills and generates what A's
+     generates, in one turn. Each episode's first message token is drawn from the vocabulary without
+     replacement over the run (cycling after as many episodes as the vocabulary has tokens), so its
+     environment tokens are its own, as a multi-turn episode's are (they follow its own answers): neither
+     the prefix cache nor the prefill's running a group's shared prompt once hands them over.
 
 "trained tokens" are the loss-masked (generated) tokens; record->batch is ``build_batch`` of the
-variant's records (for A and D0 the ``Trajectory`` objects are made there too), the least of three builds.
-CPU seconds of this process, the reward worker and the server (from /proc) are taken per run: where
-other processes share the cores, client CPU per turn is the steadier measure of what the layer costs.
-Multi-turn's cost against single-turn's on the same generated tokens is D0's generated tokens/s over A's
-(and D's over B's), the median of the rounds' ratios, per server; the server's CPU per generated token
-gives the same ratio as the load of other processes leaves it. The long episodes (``--long-episodes`` of
-``--long-turns`` turns of ``--long-new-tokens`` tokens, on the plain client loop) count the prompt tokens
-each server prefilled and took from its cache (``/get_model_info``). The last line printed is JSON.
+variant's records (for A, D0 and E the ``Trajectory`` objects are made there too), the least of three
+builds. CPU seconds of this process, the reward worker and the server (from /proc) are taken per run:
+where other processes share the cores, client CPU per turn is the steadier measure of what the layer
+costs. Multi-turn's cost against single-turn's is E's generated tokens/s over A's (the same tokens:
+prompt, environment tokens and generated tokens) and, with no environment tokens in the single turn (the
+same generated tokens only), D0's over A's and D's over B's: the median of the rounds' ratios, per
+server; and the server's CPU per generated token, multi over single, the steadier number where other
+processes share the cores. The long episodes (``--long-episodes`` of ``--long-turns`` turns of
+``--long-new-tokens`` tokens, on the plain client loop) count the prompt tokens each server prefilled and
+took from its cache (``/get_model_info``). The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -42,9 +53,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -58,9 +71,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 SERVER_CORES, CLIENT_CORES = {0}, {1}
 FEEDBACK = "That is not correct. Try again and give only the final answer."
-VARIANTS = ["A", "B", "B0", "C", "D", "D0"]
-CACHES = {"on": [], "off": ["rollout.prefix_cache_mb=0"]}  # server overrides of each --caches setting
-MULTI_SINGLE = [("A", "D0"), ("B", "D")]  # (multi-turn, single-turn on the same generated tokens)
+VARIANTS = ["A", "B", "B0", "C", "D", "D0", "E"]
+SERVERS = {  # --servers setting: the server's overrides, its title
+    "on": ([], "prefix cache on, returning turns gathered"),
+    "off": (["rollout.prefix_cache_mb=0"], "prefix cache off, returning turns gathered"),
+    "on-ungathered": (["rollout.gather_ms=0"], "prefix cache on, turns admitted as they arrive (gather_ms=0)"),
+    "off-ungathered": (
+        ["rollout.prefix_cache_mb=0", "rollout.gather_ms=0"],
+        "prefix cache off, turns admitted as they arrive (gather_ms=0)",
+    ),
+}
+# (multi-turn, single-turn): E on the same tokens, D0 and D on the same generated tokens (no environment tokens)
+MULTI_SINGLE = [("A", "E"), ("A", "D0"), ("B", "D")]
 NAMES = {
     "A": "A direct client loop (k turns)",
     "B": "B token workflow + reward/turn",
@@ -68,6 +90,7 @@ NAMES = {
     "C": "C chat workflow (openai) + reward/turn",
     "D": "D single-turn workflow (k*M tokens)",
     "D0": "D0 single generate on the client",
+    "E": "E single generate, prompt + the environment's tokens",
 }
 
 
@@ -168,6 +191,16 @@ async def direct_episode(
     return out
 
 
+def environment_tokens(ctx: dict) -> list[int]:
+    """E's environment tokens for one episode: the ``turns - 1`` messages a multi-turn episode receives (after
+    answers cut at the token limit, as most are), the first token replaced by the run's next fresh token."""
+    from areal_hpc.models.chat import next_turn_ids
+
+    args = ctx["args"]
+    message = next_turn_ids(ctx["tokenizer"], "user", args.message, [-1]) * (args.turns - 1)
+    return [next(ctx["fresh_tokens"]), *message[1:]] if message else []
+
+
 def direct_records(episodes: list[tuple[str, list[tuple]]]):
     from areal_hpc.data.trajectory import Segment, Trajectory
 
@@ -192,20 +225,18 @@ async def one_run(variant: str, ctx: dict) -> dict:
     counts_before = await server_counts(ctx)
     cpu_before = time.process_time(), cpu_seconds(ctx["server_pid"]), reward_cpu(ctx["pool"])
     started = time.perf_counter()
-    if variant in ("A", "D0"):
+    if variant in ("A", "D0", "E"):
         turns = args.turns if variant == "A" else 1
-        if variant == "D0":
+        if variant != "A":
             params = {**params, "max_new_tokens": args.turns * args.max_new_tokens}
 
         async def group(example):
             prompt = ctx["prompt_ids"][example.uid]
+            prompts = [prompt + environment_tokens(ctx) if variant == "E" else prompt for _ in range(args.n_samples)]
             return [
                 (example.uid, turns_)
                 for turns_ in await asyncio.gather(
-                    *(
-                        direct_episode(client, ctx["tokenizer"], prompt, turns, args.message, params)
-                        for _ in range(args.n_samples)
-                    )
+                    *(direct_episode(client, ctx["tokenizer"], p, turns, args.message, params) for p in prompts)
                 )
             ]
 
@@ -316,6 +347,9 @@ async def measure(args, servers: dict[str, tuple[str, int]], model: Path) -> tup
                     "prompt_ids": {ex.uid: example_prompt_ids(tokenizer, ex) for ex in examples},
                     "settings": settings,
                     "rlvr": RLVRWorkflow(),
+                    "fresh_tokens": itertools.cycle(
+                        random.Random(setting).sample(range(len(tokenizer)), len(tokenizer))
+                    ),
                     "server_pid": pid,
                     "pool": pool,
                     "settings_D": replace(
@@ -427,24 +461,26 @@ def cpu_model() -> str:
 def report(args, summaries: dict, costs: dict, long: dict, meta: dict) -> str:
     lines = []
     for setting, summary in summaries.items():
-        lines += ["", f"### Prefix cache {setting}", "", *variant_tables(summary)]
+        lines += ["", f"### Server {setting}: {SERVERS[setting][1]}", "", *variant_tables(summary)]
     lines += [
         "",
-        "Multi-turn cost against single-turn on the same generated tokens (single's generated tok/s over multi's, "
-        "median of rounds, min-max; and the server's CPU per generated token, multi over single):",
+        "Multi-turn cost against single-turn (single's generated tok/s over multi's, median of rounds, min-max; and "
+        "the server's CPU per generated token, multi over single). A/E: on the same tokens (E's prompt holds the "
+        "environment tokens A's episodes receive); A/D0 and B/D: on the same generated tokens only (the single "
+        "turn has no environment tokens to prefill):",
         "",
     ]
     for setting, pairs in costs.items():
         for pair, c in pairs.items():
             lines.append(
-                f"- cache {setting}, {pair}: **{c['wall']:.2f}x** ({c['min']:.2f}-{c['max']:.2f}); "
+                f"- server {setting}, {pair}: **{c['wall']:.2f}x** ({c['min']:.2f}-{c['max']:.2f}); "
                 f"server CPU {c['server_cpu']:.2f}x"
             )
     lines += [
         "",
         f"{args.long_episodes} episodes of {args.long_turns} turns ({args.long_new_tokens} new tokens a turn) at once:",
         "",
-        "| prefix cache | prompt tokens prefilled / episode | taken from the cache / episode | final context / episode "
+        "| server | prompt tokens prefilled / episode | taken from the cache / episode | final context / episode "
         "| generated / episode | wall s |",
         "|---|---|---|---|---|---|",
     ]
@@ -522,14 +558,19 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--message", default=FEEDBACK, help="the environment's message between turns")
-    parser.add_argument("--caches", default=",".join(CACHES), help="servers to run on: prefix cache on, off")
+    parser.add_argument(
+        "--servers", default="on,off", help=f"servers to run on, of {', '.join(SERVERS)} (prefix cache; gathering)"
+    )
     parser.add_argument("--long-turns", type=int, default=20, help="turns of each long episode")
     parser.add_argument("--long-new-tokens", type=int, default=8, help="new tokens a turn in the long episodes")
     parser.add_argument("--long-episodes", type=int, default=4)
     parser.add_argument("--model", type=Path, help="a model folder (default: build the tiny model)")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
-    args.variants, args.caches = args.variants.split(","), args.caches.split(",")
+    args.variants, args.servers = args.variants.split(","), args.servers.split(",")
+    unknown = sorted(set(args.servers) - set(SERVERS)) + sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown --servers or --variants {unknown}; servers: {list(SERVERS)}, variants: {VARIANTS}")
     os.environ["HF_HUB_OFFLINE"] = "1"
     import openai
     import torch
@@ -545,8 +586,8 @@ def main():
             model = init_model(scratch / "tiny", corpus_for_tokenizer(0), preset="tiny", seed=0)
         processes, servers = [], {}
         try:
-            for setting in args.caches:
-                process, address = start_server(model, scratch, CACHES[setting])
+            for setting in args.servers:
+                process, address = start_server(model, scratch, SERVERS[setting][0])
                 processes.append(process)
                 servers[setting] = address, process.pid
             os.sched_setaffinity(0, CLIENT_CORES)  # before the reward worker is spawned: it inherits core 1

@@ -19,7 +19,6 @@ import re
 
 from areal_hpc.data.calculator import CALL_CLOSE, CALL_OPEN, TOOL_ROLE, error_text, result_text
 from areal_hpc.data.tasks import Example
-from areal_hpc.models.chat import prompt_ids
 
 MAX_EXPRESSION_CHARS = 64  # longer calls are refused before parsing (deep nesting cannot reach ast)
 MAX_LITERAL_DIGITS = 18
@@ -94,13 +93,8 @@ class CalculatorWorkflow:
             raise ValueError(f"max_turns = {max_turns}; it must be >= 1")
         self.max_turns = max_turns
 
-    def start_ids(self, engine, example: Example) -> list[int]:
-        """The question as a user turn; ``messages`` only when the example has no ``prompt`` (the
-        task's ``read`` demonstrations carry a whole conversation for SFT, not for episodes)."""
-        return prompt_ids(engine.tokenizer, example.prompt) if example.prompt else engine.prompt_ids(example)
-
     async def arun_episode(self, engine, example: Example):
-        episode = engine.episode(prompt_ids=self.start_ids(engine, example))
+        episode = engine.episode(prompt_ids=engine.opening_ids(example))
         for turn in range(self.max_turns):
             generation = await episode.generate()
             text = engine.decode(generation.output_ids)

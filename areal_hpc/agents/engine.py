@@ -31,7 +31,7 @@ from areal_hpc.algo.temperature import run_temperature
 from areal_hpc.data.rewards import RewardOutcome, RewardPool, RewardRequest
 from areal_hpc.data.tasks import Example
 from areal_hpc.errors import UserError
-from areal_hpc.models.chat import example_prompt_ids
+from areal_hpc.models.chat import chat_prompt_ids, example_prompt_ids
 
 
 @dataclass
@@ -239,6 +239,11 @@ class EpisodeContext:
 
     def prompt_ids(self, example: Example) -> list[int]:
         return list(self.settings.rendered_prompt(example)[0])
+
+    def opening_ids(self, example: Example) -> list[int]:
+        """The rendered start of a tool agent's episode (``Example.opening_messages``): the question, never a
+        demonstration's later turns."""
+        return chat_prompt_ids(self.tokenizer, example.opening_messages())
 
     def episode(self, example: Example | None = None, prompt_ids: list[int] | None = None) -> TokenEpisode:
         """A token-level record starting from the example's rendered prompt (or ``prompt_ids``)."""

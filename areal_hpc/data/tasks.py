@@ -28,6 +28,15 @@ class Example:
         """The prompt as chat messages (a new list): ``messages``, else one user turn holding ``prompt``."""
         return [dict(m) for m in self.messages] or [{"role": "user", "content": self.prompt}]
 
+    def opening_messages(self) -> list[dict]:
+        """Where an episode of this example starts: one user turn holding ``prompt``, else ``messages`` through
+        the first user message (a multi-turn demonstration's later turns are what SFT trains, not an episode's
+        start)."""
+        if self.prompt or not self.messages:
+            return [{"role": "user", "content": self.prompt}]
+        first_user = next((i for i, m in enumerate(self.messages) if m["role"] == "user"), len(self.messages) - 1)
+        return [dict(m) for m in self.messages[: first_user + 1]]
+
     def reward_fields(self) -> dict:
         """The keyword arguments a reward receives with the completion: ``answer`` and the other columns."""
         return {**self.fields, "answer": self.answer}

@@ -98,6 +98,7 @@ def prepare_start_model(cfg: RunConfig, args: list[str], env: dict, fork_server:
                 f"model.path={model}",
                 f"sft.total_train_steps={cfg.rl.sft_warmup_steps}",
                 f"experiment.trial={cfg.experiment.trial}/sft_warmup",
+                *([f"dataset.path={cfg.rl.sft_warmup_path}"] if cfg.rl.sft_warmup_path else []),
             ],
             env,
             fork_server,

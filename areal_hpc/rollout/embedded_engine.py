@@ -8,6 +8,14 @@ sources (a /generate call's prompts share one) in turn, and no source holds ever
 output token is tagged with the weight version that produced it; a pause in abort mode returns
 in-flight requests at once with what they have.
 
+Gathering returning turns: an agent sends its next turn as soon as it gets an answer, so the episodes of
+a batch that finished together come back staggered (their client handles one reply at a time), and
+admitted as they arrive they would join in several prefills, the late ones decoding in short batches
+after the rest are done. So once requests finish, admission waits while fewer requests wait than have
+just finished (and rows are free), as long as they keep arriving within ``gather_s`` of each other (and
+at most ``MAX_GATHERS`` windows in all): the next turns join in one prefill. Requests arriving at an
+engine that finished nothing in the last window are admitted as before.
+
 Prefix cache (``prefix_cache.PrefixTree``, as SGLang's radix cache): the keys and values of every request
 that leaves its row without an error (finished, or aborted with its partial output) are kept, up to
 ``prefix_cache_mb``; a request is admitted with the longest cached prefix of its prompt copied into its row
@@ -44,6 +52,7 @@ import logging
 import math
 import reprlib
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +71,7 @@ from areal_hpc.rollout.weights import weight_mismatches
 # The model's fault (temperatures are >= 1e-6, so finite logits stay finite once divided): /health says so.
 NOT_FINITE = "the model's logits are not finite (NaN or inf)"
 log = logging.getLogger(__name__)
+MAX_GATHERS = 10  # admission waits for returning turns at most this many gather windows past the first departure
 
 
 class RequestError(ValueError):
@@ -179,12 +189,14 @@ class EmbeddedGenerator:
         eos_token_ids: list[int] | None = None,
         min_prefill_batch: int | None = None,
         prefix_cache_mb: float = 0.0,
+        gather_s: float = 0.005,
     ):
         """``min_prefill_batch``: while sequences are decoding, admit waiting ones only once this many
         rows are free (default slots // 8), since on CPU a prefill costs as much as a decode step. One
         source holds at most ``slots - min_prefill_batch`` rows (all of them with one slot): the rest wait
         for requests from other sources. ``prefix_cache_mb``: memory of the prefix cache (0: none; a server takes
-        ``rollout.prefix_cache_mb``)."""
+        ``rollout.prefix_cache_mb``). ``gather_s``: the longest gap between arrivals while admission waits
+        for the turns of requests that just finished (module docstring; 0: never waits)."""
         self.model = model.eval()
         self.context_length = context_length or model.config.max_position_embeddings
         self.decoder = SlotDecoder(model, slots, self.context_length)
@@ -204,6 +216,10 @@ class EmbeddedGenerator:
         self._running: list[Request] = []  # row i of the KV cache holds self._running[i]
         self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
+        self.gather_s = gather_s
+        self._returning = 0  # requests finished in the open gather window, less those admitted since
+        self._gather_end = 0.0  # when the window closes (time.monotonic): gather_s past the last departure or arrival
+        self._gather_limit = 0.0  # ... at the latest (MAX_GATHERS windows past its opening)
         self._stopped = False
         _release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
@@ -234,6 +250,9 @@ class EmbeddedGenerator:
         self.check(request.input_ids, request.params)
         with self._wake:
             self._waiting.setdefault(request.source, deque()).append(request)
+            now = time.monotonic()
+            if self._returning and now < self._gather_end:  # an arrival keeps the window open
+                self._gather_end = min(now + self.gather_s, self._gather_limit)
             self._wake.notify()
 
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams, source: str = "") -> Result:
@@ -332,9 +351,8 @@ class EmbeddedGenerator:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(
-                    lambda: self._stopped or self._commands or self._running or (self._waiting and not self.paused)
-                )
+                while (sleep := self._idle()) != 0:
+                    self._wake.wait(sleep)
                 if self._stopped:
                     return
                 commands, self._commands = list(self._commands), deque()
@@ -385,15 +403,38 @@ class EmbeddedGenerator:
         )
         return [None, *picked.tolist()]
 
+    def _idle(self) -> float | None:
+        """How long the engine thread may sleep now (under ``_wake``): 0 not at all, None until woken."""
+        if self._stopped or self._commands or self._running:
+            return 0
+        if not self._waiting or self.paused:
+            return None
+        return self._gathering()
+
+    def _gathering(self) -> float:
+        """Seconds admission still waits for the turns of requests that just finished (under ``_wake``):
+        0 once as many wait as finished (or as rows are free), or the window has closed."""
+        if not self._returning:
+            return 0
+        left = self._gather_end - time.monotonic()
+        if left <= 0:
+            self._returning = 0
+            return 0
+        free = self.decoder.slots - len(self._running)
+        return 0 if self._admissible(free)[1] >= min(self._returning, free) else left
+
     def _admit(self) -> None:
         """Move waiting requests into free rows, prefilled together in one forward pass."""
         if self.paused or not self._waiting:
             return
         with self._wake:
+            if self._gathering():
+                return  # the turns of requests that just finished are still arriving: one prefill for them all
             sources, could_start = self._admissible(self.decoder.slots - len(self._running))
             if len(sources) < min(self.min_prefill_batch, could_start) and self._running:
                 return  # a prefill costs a decode step: wait until it can serve several requests
             batch = [self._take(source) for source in sources]
+            self._returning = max(0, self._returning - len(batch))
         for request in [r for r in batch if r.params.max_new_tokens == 0]:
             self._reply(request, "length")
         batch = [r for r in batch if r.params.max_new_tokens > 0]
@@ -537,6 +578,14 @@ class EmbeddedGenerator:
         """Answer finished running requests and keep the rest in rows 0..n-1 (``compacted``), their rows
         moved in one copy per cache tensor."""
         row_of = {id(r): row for row, r in enumerate(self._running)}
+        done = sum(request.error is None and reason != "abort" for request, reason, _ in finished)
+        if done and self.gather_s > 0:  # their agents' next turns may follow: gather them (``_gathering``)
+            with self._wake:
+                now = time.monotonic()
+                if not self._returning or now >= self._gather_end:
+                    self._returning, self._gather_limit = 0, now + MAX_GATHERS * self.gather_s
+                self._returning += done
+                self._gather_end = min(now + self.gather_s, self._gather_limit)
         self._cache_prefixes(finished, row_of)
         for request, _, _ in finished:
             if request.error is not None:

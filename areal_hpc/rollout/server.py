@@ -450,6 +450,7 @@ def serve_embedded(cfg) -> None:
         context_length=cfg.rollout.context_length or None,
         seed=cfg.experiment.seed,
         prefix_cache_mb=cfg.rollout.prefix_cache_mb,
+        gather_s=cfg.rollout.gather_ms / 1e3,
     )
     address = advertised_address(cfg.rollout.host, sock.getsockname()[1], cfg.cluster.interface)
     print(

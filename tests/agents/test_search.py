@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.registry import build_workflow
-from areal_hpc.agents.search.corpus import build_world, prompt_of, rows, write_dataset
+from areal_hpc.agents.search.corpus import build_world, prompt_of
+from areal_hpc.agents.search.dataset import DEMO_WORLDS, demonstrations, replace_world, rows, write_dataset
 from areal_hpc.agents.search.index import PAGE_CHARS, SNIPPET_CHARS, clip, get_index
 from areal_hpc.agents.search.reward import exact_match_f1, extract_answer, normalize_answer, token_f1
 from areal_hpc.agents.search.workflow import NO_TOOL_CALL, SearchAgentWorkflow, echo, parse_action
@@ -29,11 +30,13 @@ from areal_hpc.config import DatasetConfig, RewardConfig, RolloutConfig
 from areal_hpc.data.registry import build_task
 from areal_hpc.data.rewards import RewardPool, RewardRequest
 from areal_hpc.data.tasks import Example
+from areal_hpc.data.user_data import examples_from_rows
 from areal_hpc.errors import UserError
 from areal_hpc.fsio import read_json_lines
 from areal_hpc.models.chat import next_turn_ids
 from areal_hpc.models.hf import load_model, load_tokenizer
 from areal_hpc.rollout.client import Generation, RolloutClient
+from areal_hpc.train.sft import sft_sequences
 from tests.conftest import embedded_server, run_cli
 
 REWARD_FN = "areal_hpc.agents.search.reward:exact_match_f1"
@@ -121,8 +124,9 @@ def test_every_answer_is_reached_by_searching_and_opening_the_pages_of_its_hops(
 
 
 def test_the_written_files_are_a_custom_task_scored_by_exact_match(tmp_path):
-    train_path, test_path = write_dataset(tmp_path / "data")
+    train_path, test_path, demos_path = write_dataset(tmp_path / "data")
     assert [r["question"] for r in read_json_lines(train_path)] == [r["question"] for r in rows(0)[0]]
+    assert read_json_lines(demos_path) == demonstrations(SearchAgentWorkflow())
     task = build_task(
         DatasetConfig(task="custom", path=str(train_path), eval_path=str(test_path)), RewardConfig(fn=REWARD_FN)
     )
@@ -356,6 +360,40 @@ def test_a_scripted_agent_follows_the_hops_through_hostile_turns_to_the_answer(t
     }
 
 
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_every_demonstration_is_token_for_token_an_episode_the_workflow_runs_and_scores_1(tokenizer, pool, top_k):
+    """The SFT warm-up's rows, rendered as SFT renders them (the chat template, the proxy's renderer for the
+    multi-turn ones), equal the episode the workflow records on the row's world when a model says the
+    demonstration's turns: the same tokens, the same trained tokens (a ``read`` row's first turn is context
+    only), reward 1."""
+    workflow = SearchAgentWorkflow(top_k=top_k, max_turns=4)
+    demos = demonstrations(workflow)
+    examples = examples_from_rows(demos, DatasetConfig(task="custom"), "demos")
+    assert {r["demo"] for r in demos} == {"search", "read", "direct"}
+    assert {r["world"] for r in demos} == set(range(1, 1 + DEMO_WORLDS)) and len(demos) == 330 * DEMO_WORLDS
+    for row, example in list(zip(demos, examples))[:40]:
+        [(ids, mask)] = sft_sequences(tokenizer, example)
+        turns = [m["content"] for m in example.messages if m["role"] == "assistant"] or [example.target]
+        assert example.prompt == "" and example.opening_messages() == [
+            {"role": "user", "content": prompt_of(row["question"])}
+        ]
+        record, _, _ = scripted_episode(tokenizer, pool, turns, example, replace_world(workflow, row["world"]))
+        sequence = [t for s in record.segments for t in [*s.input_ids.tolist(), *s.output_ids.tolist()]]
+        trained = [m for s in record.segments for m in [0] * len(s.input_ids) + [1] * len(s.output_ids)]
+        if row["demo"] == "read":
+            first = len(record.segments[0].input_ids)
+            trained[first : first + len(record.segments[0].output_ids)] = [0] * len(record.segments[0].output_ids)
+        assert (sequence, trained) == (ids, mask), row["demo"]
+        assert len(turns) == (1 if row["demo"] == "direct" else row["hops"] + 1) and record.rewards[-1].value == 1.0
+
+
+def test_no_fact_of_the_trained_world_is_in_the_demonstrations():
+    """The demonstrations' worlds share no page title (no name) with the world RL trains and evaluates on."""
+    names = {p.title for p in build_world(0).pages}
+    for world in range(1, 1 + DEMO_WORLDS):
+        assert not names & {p.title for p in build_world(world).pages}
+
+
 def test_an_episode_that_never_answers_or_runs_out_of_context_is_scored_0(tokenizer, pool):
     question = build_world(0).questions[5]
     record, engine, _ = scripted_episode(
@@ -423,7 +461,7 @@ def test_the_tiny_model_runs_12_turns_on_a_real_server_and_its_record_is_exact(
 
 @pytest.mark.slow
 def test_a_short_training_run_of_the_search_agent_runs_more_than_10_turns_an_episode(tiny_model_dir, tmp_path):
-    train_path, test_path = write_dataset(tmp_path / "data")
+    train_path, test_path, _ = write_dataset(tmp_path / "data")
     result = run_cli(
         "train",
         "--config",
@@ -439,6 +477,8 @@ def test_a_short_training_run_of_the_search_agent_runs_more_than_10_turns_an_epi
         "rollout.consumer_batch_size=2",
         "rollout.max_concurrent_rollouts=2",
         "generation.max_new_tokens=4",
+        "rl.sft_warmup_steps=0",
+        "rollout.workflow_args.max_turns=12",
         "stats.tensorboard=false",
         "stats.plot=false",
         timeout=300,

@@ -145,17 +145,18 @@ def test_an_episodes_reward_is_its_first_turns_discounted_return(rewards, discou
 @pytest.mark.parametrize("config", sorted(str(p) for p in (REPO / "configs").glob("*.yaml")))
 def test_every_shipped_config_builds_its_workflow_and_task(config, tmp_path):
     """What `areal-hpc train --config` checks before anything starts: data, reward and workflow load."""
-    from areal_hpc.agents.search.corpus import write_dataset
+    from areal_hpc.agents.search import dataset
     from areal_hpc.config import load_config
     from areal_hpc.train.task_setup import check_task
 
     overrides = []
     if "agent_search" in config:  # its data is written by a command first (the config's header says so)
-        write_dataset(tmp_path / "search")
         overrides = [
             f"dataset.path={tmp_path / 'search' / 'train.jsonl'}",
             f"dataset.eval_path={tmp_path / 'search' / 'test.jsonl'}",
+            f"rl.sft_warmup_path={tmp_path / 'search' / 'demos.jsonl'}",
         ]
+        assert dataset.main(["--config", config, *overrides]) == 0
     check_task(load_config(config, ["dataset.train_size=50", *overrides]))
 
 

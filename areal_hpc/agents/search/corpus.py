@@ -12,21 +12,15 @@ Questions follow 2 or 3 hops through the pages::
     In which country is Kelvoro Systems headquartered?          company -> city -> country
     In which country was Velmora Quist born?                    person -> city -> country
 
-``corpus(seed)`` and ``questions(seed)`` are cached per process; ``write_dataset(folder)`` writes
-``train.jsonl`` and ``test.jsonl`` (columns ``prompt``, ``answer``, ``question``, ``hops``, ``path``:
-the ids of the pages the hops go through, the last one holding the answer), read by
-``dataset.task=custom dataset.path=FOLDER/train.jsonl dataset.eval_path=FOLDER/test.jsonl``.
-``python -m areal_hpc.agents.search.corpus FOLDER`` does the same from a shell.
+``corpus(seed)`` and ``questions(seed)`` are cached per process; ``dataset`` writes them as the files a
+run reads.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 N_COUNTRIES, CITIES_PER_COUNTRY, N_PEOPLE, N_COMPANIES = 10, 4, 150, 60
 
@@ -161,7 +155,7 @@ def _join(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def build_world(seed: int = 0) -> World:
     """The pages and questions of ``seed`` (the same on every machine and Python version: one
     ``random.Random`` drawn in a fixed order)."""
@@ -260,40 +254,3 @@ def questions(seed: int = 0) -> tuple[Question, ...]:
 
 def prompt_of(question: str) -> str:
     return f"{INSTRUCTIONS}\nQuestion: {question}"
-
-
-def rows(seed: int = 0, test_fraction: float = 0.2) -> tuple[list[dict], list[dict]]:
-    """(train rows, test rows): every question once, split by a seeded shuffle."""
-    order = list(questions(seed))
-    random.Random(f"areal-hpc-search-split-{seed}").shuffle(order)
-    table = [
-        {
-            "prompt": prompt_of(q.question),
-            "answer": q.answer,
-            "question": q.question,
-            "hops": q.hops,
-            "path": list(q.path),
-        }
-        for q in order
-    ]
-    n_test = max(1, round(len(table) * test_fraction))
-    return table[n_test:], table[:n_test]
-
-
-def write_dataset(folder: str | Path, seed: int = 0, test_fraction: float = 0.2) -> tuple[Path, Path]:
-    """Write ``train.jsonl`` and ``test.jsonl`` into ``folder`` (created); returns their paths."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = folder / "train.jsonl", folder / "test.jsonl"
-    for path, table in zip(paths, rows(seed, test_fraction)):
-        staging = path.with_name(path.name + ".partial")
-        staging.write_text("".join(json.dumps(row) + "\n" for row in table))
-        staging.replace(path)  # readers never see half a file
-    return paths
-
-
-if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python -m areal_hpc.agents.search.corpus FOLDER [SEED]")
-    train, test = write_dataset(sys.argv[1], int(sys.argv[2]) if len(sys.argv) == 3 else 0)
-    print(f"wrote {train} and {test}")

@@ -70,7 +70,7 @@ def normalise_id(page_id: str) -> str:
     return page_id.strip().strip("\"'[]()").strip().lower() if isinstance(page_id, str) else ""
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def get_index(seed: int = 0) -> SearchIndex:
     """The index of the corpus of ``seed``, built on first use (a few tens of milliseconds)."""
     return SearchIndex(corpus(seed))

@@ -92,7 +92,7 @@ class SearchAgentWorkflow:
         return f"<information>\n[{normalise_id(argument)}] {text}\n</information>"
 
     async def arun_episode(self, engine, example: Example):
-        episode = engine.episode(example)
+        episode = engine.episode(prompt_ids=engine.opening_ids(example))
         counts = dict.fromkeys(TOOLS, 0) | {"invalid": 0}
         answered, ended_by_context = None, False
         while True:

@@ -106,10 +106,11 @@ def test_the_world_of_a_seed_is_always_the_same_and_made_in_well_under_a_second(
     assert not {r["question"] for r in train} & {r["question"] for r in test}
 
 
-def test_every_answer_is_reached_by_searching_and_opening_the_pages_of_its_hops():
+@pytest.mark.parametrize("named", [True, False])
+def test_every_answer_is_reached_by_searching_and_opening_the_pages_of_its_hops(named):
     """Search the entity the question names: its page is the top hit; open it: it names the next
     entity; ... the last page's title is the answer, and no other page has that title."""
-    world, index = build_world(0), get_index(0)
+    world, index = build_world(0, named), get_index(0, named)
     titles = [p.title for p in world.pages]
     for q in world.questions:
         name = world.by_id[q.path[0]].title
@@ -360,13 +361,15 @@ def test_a_scripted_agent_follows_the_hops_through_hostile_turns_to_the_answer(t
     }
 
 
-@pytest.mark.parametrize("top_k", [1, 3])
-def test_every_demonstration_is_token_for_token_an_episode_the_workflow_runs_and_scores_1(tokenizer, pool, top_k):
+@pytest.mark.parametrize(("top_k", "named"), [(1, False), (3, True)])
+def test_every_demonstration_is_token_for_token_an_episode_the_workflow_runs_and_scores_1(
+    tokenizer, pool, top_k, named
+):
     """The SFT warm-up's rows, rendered as SFT renders them (the chat template, the proxy's renderer for the
     multi-turn ones), equal the episode the workflow records on the row's world when a model says the
     demonstration's turns: the same tokens, the same trained tokens (a ``read`` row's first turn is context
     only), reward 1."""
-    workflow = SearchAgentWorkflow(top_k=top_k, max_turns=4)
+    workflow = SearchAgentWorkflow(top_k=top_k, max_turns=4, named=named)
     demos = demonstrations(workflow)
     examples = examples_from_rows(demos, DatasetConfig(task="custom"), "demos")
     assert {r["demo"] for r in demos} == {"search", "read", "direct"}
@@ -387,11 +390,27 @@ def test_every_demonstration_is_token_for_token_an_episode_the_workflow_runs_and
         assert len(turns) == (1 if row["demo"] == "direct" else row["hops"] + 1) and record.rewards[-1].value == 1.0
 
 
+def test_the_world_called_by_page_ids_is_the_named_world_with_each_name_replaced_by_its_page_id():
+    named, by_id = build_world(3), build_world(3, named=False)
+    longest_first = sorted(named.pages, key=lambda p: -len(p.title))
+    for page, twin in zip(named.pages, by_id.pages, strict=True):
+        text = page.text
+        for other in longest_first:
+            text = text.replace(other.title, other.id)
+        assert (twin.id, twin.title, twin.text) == (page.id, page.id, text)
+    for q, twin in zip(named.questions, by_id.questions, strict=True):
+        assert (twin.path, twin.hops, twin.answer) == (q.path, q.hops, q.path[-1])
+
+
 def test_no_fact_of_the_trained_world_is_in_the_demonstrations():
-    """The demonstrations' worlds share no page title (no name) with the world RL trains and evaluates on."""
+    """The demonstrations' worlds share no name with the world RL trains and evaluates on; called by page ids
+    they share the names (the ids), and a question's answer is the same only by chance."""
     names = {p.title for p in build_world(0).pages}
+    facts = {(q.question, q.answer) for q in build_world(0, named=False).questions}
     for world in range(1, 1 + DEMO_WORLDS):
         assert not names & {p.title for p in build_world(world).pages}
+        shared = facts & {(q.question, q.answer) for q in build_world(world, named=False).questions}
+        assert len(shared) / len(facts) < 0.1
 
 
 def test_an_episode_that_never_answers_or_runs_out_of_context_is_scored_0(tokenizer, pool):

@@ -156,19 +156,26 @@ def _join(names: list[str]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def build_world(seed: int = 0) -> World:
+def build_world(seed: int = 0, named: bool = True) -> World:
     """The pages and questions of ``seed`` (the same on every machine and Python version: one
-    ``random.Random`` drawn in a fixed order)."""
+    ``random.Random`` drawn in a fixed order). ``named=False``: the same world with every entity called by
+    its page id (``person-070`` was born in ``city-32``), names of a fixed form that a tiny model can copy
+    from a question or a search result by position, as it copies a number."""
     rng = random.Random(f"areal-hpc-search-{seed}")
     names = _Names(rng)
+
+    def called(page_id: str, name: str) -> str:  # the name is drawn either way: both worlds hold the same facts
+        return name if named else page_id
+
     pages: list[Page] = []
     questions: list[Question] = []
 
-    countries = [(f"country-{i:02d}", names.word()) for i in range(N_COUNTRIES)]
+    countries = [(f"country-{i:02d}", called(f"country-{i:02d}", names.word())) for i in range(N_COUNTRIES)]
     cities = []  # (id, name, country index)
     for c in range(N_COUNTRIES):
         for _ in range(CITIES_PER_COUNTRY):
-            cities.append((f"city-{len(cities):02d}", names.word(), c))
+            cid = f"city-{len(cities):02d}"
+            cities.append((cid, called(cid, names.word()), c))
     for c, (cid, country) in enumerate(countries):
         own = [name for _, name, country_of in cities if country_of == c]
         pages.append(
@@ -192,7 +199,7 @@ def build_world(seed: int = 0) -> World:
 
     people = []  # (id, name, city index)
     for i in range(N_PEOPLE):
-        name, city = f"{names.word()} {names.word()}", rng.randrange(len(cities))
+        name, city = called(f"person-{i:03d}", f"{names.word()} {names.word()}"), rng.randrange(len(cities))
         people.append((f"person-{i:03d}", name, city))
         profession = rng.choice(_PROFESSIONS)
         pages.append(
@@ -206,8 +213,8 @@ def build_world(seed: int = 0) -> World:
 
     for i in range(N_COMPANIES):
         industry, suffix = rng.choice(_INDUSTRIES)
-        name, founder, hq = f"{names.word()} {suffix}", rng.randrange(N_PEOPLE), rng.randrange(len(cities))
         pid = f"company-{i:02d}"
+        name, founder, hq = called(pid, f"{names.word()} {suffix}"), rng.randrange(N_PEOPLE), rng.randrange(len(cities))
         pages.append(
             Page(
                 pid,
@@ -244,12 +251,12 @@ def build_world(seed: int = 0) -> World:
     return World(tuple(pages), tuple(questions))
 
 
-def corpus(seed: int = 0) -> tuple[Page, ...]:
-    return build_world(seed).pages
+def corpus(seed: int = 0, named: bool = True) -> tuple[Page, ...]:
+    return build_world(seed, named).pages
 
 
-def questions(seed: int = 0) -> tuple[Question, ...]:
-    return build_world(seed).questions
+def questions(seed: int = 0, named: bool = True) -> tuple[Question, ...]:
+    return build_world(seed, named).questions
 
 
 def prompt_of(question: str) -> str:

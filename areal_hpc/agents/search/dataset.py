@@ -59,7 +59,7 @@ def search_conversation(q: Question, environment: SearchAgentWorkflow) -> list[d
     """The episode that answers ``q`` (a question of ``environment``'s world) by searching: one search per page
     of its path but the last (the title the question or the previous result names), each followed by the
     environment's reply, then the answer."""
-    pages = build_world(environment.corpus_seed).by_id
+    pages = build_world(environment.corpus_seed, environment.named).by_id
     messages = [{"role": "user", "content": prompt_of(q.question)}]
     for page_id in q.path[:-1]:
         call = ("search", pages[page_id].title)
@@ -84,9 +84,10 @@ def demonstration(q: Question, kind: str, environment: SearchAgentWorkflow) -> d
     return {"prompt": messages, "target": "", **row}
 
 
-def rows(seed: int = 0, test_fraction: float = 0.2) -> tuple[list[dict], list[dict]]:
-    """(train rows, test rows) of the world of ``seed``: every question once, split by a seeded shuffle."""
-    order = list(questions(seed))
+def rows(seed: int = 0, test_fraction: float = 0.2, named: bool = True) -> tuple[list[dict], list[dict]]:
+    """(train rows, test rows) of the world of ``seed`` (``named``: ``corpus.build_world``): every question once,
+    split by a seeded shuffle."""
+    order = list(questions(seed, named))
     random.Random(f"areal-hpc-search-split-{seed}").shuffle(order)
     table = [question_row(q) for q in order]
     n_test = max(1, round(len(table) * test_fraction))
@@ -102,7 +103,7 @@ def demonstrations(environment: SearchAgentWorkflow, shares: dict[str, float] = 
     table = []
     for world in range(first, first + DEMO_WORLDS):
         on_world = replace_world(environment, world)
-        table += [demonstration(q, rng.choices(kinds, weights)[0], on_world) for q in questions(world)]
+        table += [demonstration(q, rng.choices(kinds, weights)[0], on_world) for q in questions(world, on_world.named)]
     rng.shuffle(table)
     return table
 
@@ -116,7 +117,7 @@ def replace_world(environment: SearchAgentWorkflow, world: int) -> SearchAgentWo
 
 def write_rows(paths: tuple[Path, Path, Path], environment: SearchAgentWorkflow, test_fraction: float = 0.2) -> None:
     """Write the train, test and demonstration rows of ``environment``'s world into ``paths`` (folders created)."""
-    train, test = rows(environment.corpus_seed, test_fraction)
+    train, test = rows(environment.corpus_seed, test_fraction, environment.named)
     for path, table in zip(paths, (train, test, demonstrations(environment))):
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_name(path.name + ".partial")

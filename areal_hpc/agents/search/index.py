@@ -1,8 +1,9 @@
 """A BM25 index (``bm25s``) of the search agent's corpus, built in memory once per process and seed.
 
-``search(query, k)`` -> ``[(page id, title, snippet), ...]`` (best first; pages the query shares no
-word with are left out, so a query of unknown words finds nothing); ``open_page(page_id)`` -> the
-page's title and text, at most ``max_chars`` (``KeyError`` for an id that is not in the corpus).
+``search(query, k)`` -> ``[(page id, title, snippet), ...]`` (best first, the page whose title is the query
+before all; pages the query shares no word with are left out, so a query of unknown words finds nothing);
+``open_page(page_id)`` -> the page's title and text, at most ``max_chars`` (``KeyError`` for an id that is not
+in the corpus).
 Any text is a valid query: it is cut to ``MAX_QUERY_CHARS`` and tokenised by bm25s's word pattern.
 """
 
@@ -33,6 +34,7 @@ class SearchIndex:
 
         self.pages = tuple(pages)
         self.by_id = {page.id: page for page in self.pages}
+        self.by_title = {page.title.lower(): i for i, page in enumerate(self.pages)}
         self._tokenizer = Tokenizer(stopwords="en")
         ids = self._tokenizer.tokenize(
             [f"{p.title}\n{p.text}" for p in self.pages], update_vocab=True, return_as="ids", show_progress=False
@@ -53,11 +55,11 @@ class SearchIndex:
             if not any(tokens[0]):  # only words the corpus does not have (id 0: the empty token)
                 return []
             docs, scores = self._bm25.retrieve(tokens, k=k, show_progress=False, n_threads=1)
-        return [
-            (self.pages[d].id, self.pages[d].title, clip(self.pages[d].text, snippet_chars))
-            for d, score in zip(docs[0].tolist(), scores[0].tolist())
-            if score > 0
-        ]
+        found = [d for d, score in zip(docs[0].tolist(), scores[0].tolist()) if score > 0]
+        titled = self.by_title.get(" ".join(query[:MAX_QUERY_CHARS].split()).lower())
+        if titled is not None:  # a page whose title is the query comes first, as a search engine's exact match
+            found = [titled, *(d for d in found if d != titled)][:k]
+        return [(self.pages[d].id, self.pages[d].title, clip(self.pages[d].text, snippet_chars)) for d in found]
 
     def open_page(self, page_id: str, max_chars: int = PAGE_CHARS) -> str:
         """The page's title and text (at most ``max_chars``); ``KeyError`` when no page has ``page_id``."""
@@ -71,9 +73,10 @@ def normalise_id(page_id: str) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def get_index(seed: int = 0) -> SearchIndex:
-    """The index of the corpus of ``seed``, built on first use (a few tens of milliseconds)."""
-    return SearchIndex(corpus(seed))
+def get_index(seed: int = 0, named: bool = True) -> SearchIndex:
+    """The index of the corpus of ``seed`` (``named``: ``corpus.build_world``), built on first use (a few tens
+    of milliseconds)."""
+    return SearchIndex(corpus(seed, named))
 
 
 def search(query: str, k: int = 3, seed: int = 0) -> list[tuple[str, str, str]]:

@@ -57,6 +57,7 @@ class SearchAgentWorkflow:
         page_chars: int = PAGE_CHARS,
         max_context_tokens: int = 0,
         observation_role: str = "user",
+        named: bool = True,
     ):
         for name, value, least in (
             ("max_turns", max_turns, 1),
@@ -70,13 +71,16 @@ class SearchAgentWorkflow:
         self.max_turns, self.top_k, self.corpus_seed = max_turns, top_k, corpus_seed
         self.snippet_chars, self.page_chars = snippet_chars, page_chars
         self.max_context_tokens, self.observation_role = max_context_tokens, observation_role
+        if not isinstance(named, bool):
+            raise UserError(f"search workflow: named = {named!r}; it must be true (made-up names) or false (page ids)")
+        self.named = named
 
     def respond(self, action: tuple[str, str] | None) -> str:
         """The environment's message for a turn's tool call (not an answer)."""
         if action is None:
             return NO_TOOL_CALL
         tool, argument = action
-        index = get_index(self.corpus_seed)
+        index = get_index(self.corpus_seed, self.named)
         if tool == "search":
             if not argument:
                 return "empty query; write words to search for: <search>...</search>"

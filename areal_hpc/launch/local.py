@@ -168,7 +168,7 @@ def launch(config: str, overrides: list[str], resume: str = "never") -> int:
                         "WORLD_SIZE": str(cfg.rl.trainer_processes),
                         **trainer_devices[rank],
                         **(rollout_side if rank == 0 else {}),
-                        **allocator_env(trainer=True),
+                        **allocator_env(tree_trainer=cfg.actor.tree_training == "dta"),
                     },
                 )
             if fork_server is not None:  # every process is started: its pages no child shares are freed

@@ -140,7 +140,7 @@ def run_task(config: str, overrides: list[str]) -> int:
             "RANK": str(index),
             "WORLD_SIZE": str(cfg.rl.trainer_processes),
             "LOCAL_RANK": str(placement.local_rank),
-            **allocator_env(trainer=True),
+            **allocator_env(tree_trainer=cfg.actor.tree_training == "dta"),
         }
     )
     if index > 0:

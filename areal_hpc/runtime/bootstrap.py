@@ -183,18 +183,21 @@ def cpu_threads(environ: Mapping[str, str] = os.environ) -> int | None:
 # Host-memory settings of every process a launcher starts, unless the user's environment sets them. glibc
 # gives each thread that allocates its own 64 MB heap (a rollout server held 6 of them, 255 MB), and
 # oneDNN keeps up to 1024 primitives (~0.3 MB each), one per matmul shape, whose rows varied from step
-# to step: together 1.1 of the quickstart's 2.1 GiB. A trainer keeps 256: tree training pads its rows
-# to multiples of 64 (``models.segment_forward.ROWS_MULTIPLE``), so a bf16 update's ~100 shapes recur,
-# and holding 16 rebuilds most of them every step (~1 ms each: 256 shortens the quickstart's tree pass by
-# about a fifth for ~0.1 GiB more peak PSS, bench/results/rl_step-primitives-rollout-side-*.md).
+# to step: together 1.1 of the quickstart's 2.1 GiB. A tree-training trainer keeps 256: tree training pads
+# its rows to multiples of 64 (``models.segment_forward.ROWS_MULTIPLE``), so a bf16 update's ~100 shapes
+# recur, and holding 16 rebuilds most of them every step (~1 ms each: 256 shortens the quickstart's tree
+# pass by about a fifth for ~0.1 GiB more peak PSS, bench/results/rl_step-primitives-rollout-side-*.md).
+# Packed micro-batches (``actor.tree_training=off``) have as many rows as the batch has tokens, new every
+# step: 256 then held primitives that never recur (the calculator agent's trainer: +0.25 GiB PSS,
+# bench/results/run_memory-calculator-2026-12-06.md), so that trainer keeps 16.
 ALLOCATOR_DEFAULTS = {"MALLOC_ARENA_MAX": "2", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
 TRAINER_ALLOCATOR_DEFAULTS = {**ALLOCATOR_DEFAULTS, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}
 
 
-def allocator_env(environ: Mapping[str, str] = os.environ, trainer: bool = False) -> dict[str, str]:
-    """``ALLOCATOR_DEFAULTS`` (a ``trainer``'s: ``TRAINER_ALLOCATOR_DEFAULTS``) the user's environment does
-    not already set."""
-    defaults = TRAINER_ALLOCATOR_DEFAULTS if trainer else ALLOCATOR_DEFAULTS
+def allocator_env(environ: Mapping[str, str] = os.environ, tree_trainer: bool = False) -> dict[str, str]:
+    """``ALLOCATOR_DEFAULTS`` (a ``tree_trainer``'s, a trainer rank with ``actor.tree_training=dta``:
+    ``TRAINER_ALLOCATOR_DEFAULTS``) the user's environment does not already set."""
+    defaults = TRAINER_ALLOCATOR_DEFAULTS if tree_trainer else ALLOCATOR_DEFAULTS
     return {name: value for name, value in defaults.items() if name not in environ}
 
 

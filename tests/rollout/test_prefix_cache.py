@@ -9,6 +9,8 @@ a prefill of another width), whose matmuls may round in another order. Greedy an
 """
 
 import asyncio
+import gc
+import weakref
 from concurrent.futures import Future
 
 import openai
@@ -124,6 +126,33 @@ def test_the_tree_holds_matches_and_evicts_as_the_naive_model(budget, ops):
             naive, pinned = NaiveCache(budget), []
         assert held_prefixes(tree) == set(naive.used) and tree.size == len(naive.used)
         assert all(prefix in naive.used for _, prefix in pinned if prefix)
+
+
+class Payload:
+    """The tokens of a node's run, in an object a weak reference can watch."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+
+def test_a_cleared_trees_payloads_are_freed_at_once_but_those_of_a_held_node():
+    """With the cyclic garbage collector off, clearing frees every payload nothing else refers to (a
+    server's keys and values must not wait for a collection), while a node a caller still holds keeps
+    the payloads of its path, which ``segments`` reads."""
+    tree = PrefixTree(100, lambda payload, k: (Payload(payload.tokens[:k]), Payload(payload.tokens[k:])))
+    for tokens in ([1, 2, 3, 4], [1, 2, 5], [6, 7]):
+        tree.insert(tokens, lambda start, end, tokens=tokens: Payload(tokens[start:end]))
+    _, held = tree.match([1, 2, 3])
+    watched = {tuple(node.payload.tokens): weakref.ref(node.payload) for node in tree._nodes()}
+    gc.disable()
+    try:
+        tree.clear()
+        alive = sorted(tokens for tokens, ref in watched.items() if ref() is not None)
+    finally:
+        gc.enable()
+    assert alive == [(1, 2), (3,)]
+    assert [payload.tokens for _, payload in tree.segments(held)] == [[1, 2], [3]]
+    assert tree.match([1, 2, 3]) == (0, tree._root)
 
 
 # -- the engine with and without the cache ----------------------------------------------------------------

@@ -316,15 +316,17 @@ def test_task_groups_that_do_not_match_the_run_are_one_line(groups, message):
         task_groups(cfg)
 
 
-def test_a_trainer_keeps_more_onednn_primitives_and_the_users_environment_wins():
-    """A trainer's update reuses its ~100 padded matmul shapes (256 kept); a rollout server keeps 16; what
-    the user's environment sets is left alone."""
+def test_a_tree_trainer_keeps_more_onednn_primitives_and_the_users_environment_wins():
+    """A tree-training trainer's update reuses its ~100 padded matmul shapes (256 kept); a rollout server
+    and a trainer of packed micro-batches (rows new every step) keep 16; what the user's environment sets
+    is left alone."""
     assert allocator_env({})["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
-    assert allocator_env({}, trainer=True) == {
+    assert allocator_env({}, tree_trainer=False) == allocator_env({})
+    assert allocator_env({}, tree_trainer=True) == {
         "MALLOC_ARENA_MAX": "2",
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
         "LRU_CACHE_CAPACITY": "16",
     }
     assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in allocator_env(
-        {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8"}, trainer=True
+        {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8"}, tree_trainer=True
     )

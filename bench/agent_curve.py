@@ -74,30 +74,37 @@ def run_dir(agent: Agent, root: Path, seed: int) -> Path:
 
 
 def run_seed(agent: Agent, root: Path, seed: int, overrides: list[str]) -> None:
+    """Run one seed, sampling the PSS summed over the run's processes every half second (its peak is
+    recorded with the wall time in ``wall.json``)."""
+    from run_processes import process_tree, pss_mib
+
     folder = root / f"seed{seed}"
     folder.mkdir(parents=True, exist_ok=True)
     overrides = [*agent.data_overrides(root), *overrides]
-    started = time.time()
+    started, load_before, peak = time.time(), os.getloadavg(), 0.0
+    command = [
+        sys.executable,
+        "-m",
+        "areal_hpc",
+        "train",
+        "--config",
+        agent.config,
+        f"cluster.fileroot={folder}",
+        f"experiment.seed={seed}",
+        *overrides,
+    ]
     with (folder / "train.log").open("w") as log:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "areal_hpc",
-                "train",
-                "--config",
-                agent.config,
-                f"cluster.fileroot={folder}",
-                f"experiment.seed={seed}",
-                *overrides,
-            ],
-            cwd=REPO,
-            check=True,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        run = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        while run.poll() is None:
+            peak = max(peak, sum(pss_mib(pid) for pid in process_tree(run.pid)))
+            time.sleep(0.5)
+    if run.returncode:
+        raise SystemExit(f"seed {seed} failed (exit {run.returncode}): see {folder / 'train.log'}")
     (folder / "wall.json").write_text(
-        json.dumps({"wall_s": time.time() - started, "started": started, "load_before": os.getloadavg()}) + "\n"
+        json.dumps(
+            {"wall_s": time.time() - started, "started": started, "load_before": load_before, "peak_pss_mib": peak}
+        )
+        + "\n"
     )
 
 
@@ -184,7 +191,7 @@ def read_seed(agent: Agent, root: Path, seed: int) -> dict:
     evals = {r["step"]: r["eval/accuracy"] for r in rl if "eval/accuracy" in r}
     steps = [r for r in rl if "rollout/turns" in r]
     wall_file = root / f"seed{seed}" / "wall.json"
-    wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.exists() else None
+    timing = json.loads(wall_file.read_text()) if wall_file.exists() else {}
     return {
         "seed": seed,
         "evals": evals,
@@ -192,7 +199,8 @@ def read_seed(agent: Agent, root: Path, seed: int) -> dict:
         "end": float(np.mean(list(evals.values())[-3:])),
         "sft_s": sft[-1]["time"] - sft[0]["time"],
         "rl_s": rl[-1]["time"] - rl[0]["time"],
-        "wall_s": wall,
+        "wall_s": timing.get("wall_s"),
+        "peak_pss_mib": timing.get("peak_pss_mib"),
         "tool_used": [(r["step"], r.get(agent.tool_metric, float("nan"))) for r in steps],
         "skill": [agent.skill(folder / "config.yaml", folder / m) for m in ("sft_warmup/model", "model")]
         if agent.skill
@@ -214,15 +222,16 @@ def report(agent: Agent, rows: list[dict]) -> str:
     lines += [
         "",
         f"| seed | SFT start (step 0) | end (mean of last 3 evals) | gain | {agent.skill_label or 'skill'} after SFT / "
-        "at the end | SFT s | RL s | job wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "at the end | SFT s | RL s | job wall s | peak PSS of the run's processes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         wall = f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-"
+        peak = f"{r['peak_pss_mib']:.0f} MiB" if r["peak_pss_mib"] is not None else "-"
         skill = " / ".join(f"{share:.1%}" for share in r["skill"]) if r["skill"] else "-"
         lines.append(
             f"| {r['seed']} | {r['start']:.1%} | {r['end']:.1%} | {r['end'] - r['start']:+.1%} | "
-            f"{skill} | {r['sft_s']:.0f} | {r['rl_s']:.0f} | {wall} |"
+            f"{skill} | {r['sft_s']:.0f} | {r['rl_s']:.0f} | {wall} | {peak} |"
         )
     start, end = np.mean([r["start"] for r in rows]), np.mean([r["end"] for r in rows])
     lines += ["", f"mean over {len(rows)} seeds: {start:.1%} -> {end:.1%} ({end - start:+.1%})"]

@@ -290,10 +290,11 @@ class RolloutConfig:
         ge=0.0,
     )
     gather_ms: float = spec(
-        5.0,
+        0.0,
         "embedded engine: once requests finish, admission waits while their agents' next turns keep arriving "
         "within this many ms of each other (until as many wait as finished; 10 times this at most), so they "
-        "join in one prefill; 0 admits each at once",
+        "join in one prefill (5 saved a few forward passes a round of multi-turn episodes, within noise: "
+        "bench/results/agent_workflow_overhead.md); 0 admits each at once",
         ge=0.0,
     )
     launch_timeout_s: float = spec(300.0, "seconds a server may take to answer /health", gt=0.0)

@@ -8,8 +8,8 @@ tokens; then a long episode's prefill tokens with and without the cache.
 
 One embedded rollout server per ``--servers`` setting (``areal-hpc serve``, the tiny model, its own process
 on core 0, one torch thread; "on" with ``rollout.prefix_cache_mb``'s default, "off" with 0, the baseline;
-"on-ungathered" and "off-ungathered" the same with ``rollout.gather_ms=0``: each turn admitted as it
-arrives, not gathered with the other turns returning from one batch);
+"on-gathered" and "off-gathered" the same with ``rollout.gather_ms=5``: the turns returning from one batch
+gathered into one prefill instead of admitted as they arrive);
 the episodes run in this process on core 1 (their reward worker too). Each round runs every variant once
 on each server (``--groups`` x ``--n-samples`` episodes in flight at once), servers and variants
 interleaved over ``--repeats`` rounds after one warm-up round; medians. Variants, each episode
@@ -73,12 +73,12 @@ SERVER_CORES, CLIENT_CORES = {0}, {1}
 FEEDBACK = "That is not correct. Try again and give only the final answer."
 VARIANTS = ["A", "B", "B0", "C", "D", "D0", "E"]
 SERVERS = {  # --servers setting: the server's overrides, its title
-    "on": ([], "prefix cache on, returning turns gathered"),
-    "off": (["rollout.prefix_cache_mb=0"], "prefix cache off, returning turns gathered"),
-    "on-ungathered": (["rollout.gather_ms=0"], "prefix cache on, turns admitted as they arrive (gather_ms=0)"),
-    "off-ungathered": (
-        ["rollout.prefix_cache_mb=0", "rollout.gather_ms=0"],
-        "prefix cache off, turns admitted as they arrive (gather_ms=0)",
+    "on": ([], "prefix cache on, turns admitted as they arrive"),
+    "off": (["rollout.prefix_cache_mb=0"], "prefix cache off, turns admitted as they arrive"),
+    "on-gathered": (["rollout.gather_ms=5"], "prefix cache on, returning turns gathered (gather_ms=5)"),
+    "off-gathered": (
+        ["rollout.prefix_cache_mb=0", "rollout.gather_ms=5"],
+        "prefix cache off, returning turns gathered (gather_ms=5)",
     ),
 }
 # (multi-turn, single-turn): E on the same tokens, D0 and D on the same generated tokens (no environment tokens)

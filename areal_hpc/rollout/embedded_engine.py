@@ -8,13 +8,14 @@ sources (a /generate call's prompts share one) in turn, and no source holds ever
 output token is tagged with the weight version that produced it; a pause in abort mode returns
 in-flight requests at once with what they have.
 
-Gathering returning turns: an agent sends its next turn as soon as it gets an answer, so the episodes of
-a batch that finished together come back staggered (their client handles one reply at a time), and
-admitted as they arrive they would join in several prefills, the late ones decoding in short batches
-after the rest are done. So once requests finish, admission waits while fewer requests wait than have
-just finished (and rows are free), as long as they keep arriving within ``gather_s`` of each other (and
-at most ``MAX_GATHERS`` windows in all): the next turns join in one prefill. Requests arriving at an
-engine that finished nothing in the last window are admitted as before.
+Gathering returning turns (``gather_s`` > 0, ``rollout.gather_ms``; off by default: on the tiny model it
+saved a few forward passes a round, within the machine's noise): an agent sends its next turn as soon as it
+gets an answer, so the episodes of a batch that finished together come back staggered (their client handles
+one reply at a time), and admitted as they arrive they would join in several prefills, the late ones
+decoding in short batches after the rest are done. So once requests finish, admission waits while fewer
+requests wait than have just finished (and rows are free), as long as they keep arriving within ``gather_s``
+of each other (and at most ``MAX_GATHERS`` windows in all): the next turns join in one prefill. Requests
+arriving at an engine that finished nothing in the last window are admitted as before.
 
 Prefix cache (``prefix_cache.PrefixTree``, as SGLang's radix cache): the keys and values of every request
 that leaves its row without an error (finished, or aborted with its partial output) are kept, up to
@@ -189,7 +190,7 @@ class EmbeddedGenerator:
         eos_token_ids: list[int] | None = None,
         min_prefill_batch: int | None = None,
         prefix_cache_mb: float = 0.0,
-        gather_s: float = 0.005,
+        gather_s: float = 0.0,
     ):
         """``min_prefill_batch``: while sequences are decoding, admit waiting ones only once this many
         rows are free (default slots // 8), since on CPU a prefill costs as much as a decode step. One

@@ -21,12 +21,13 @@ from hypothesis import strategies as st
 from areal_hpc.agents.engine import EpisodeContext, EpisodeSettings, Sampling, Scorer
 from areal_hpc.agents.groups import run_episode
 from areal_hpc.agents.registry import build_workflow
+from areal_hpc.agents.search import dataset
 from areal_hpc.agents.search.corpus import build_world, prompt_of
 from areal_hpc.agents.search.dataset import DEMO_WORLDS, demonstrations, replace_world, rows, write_dataset
 from areal_hpc.agents.search.index import PAGE_CHARS, SNIPPET_CHARS, clip, get_index
 from areal_hpc.agents.search.reward import exact_match_f1, extract_answer, normalize_answer, token_f1
 from areal_hpc.agents.search.workflow import NO_TOOL_CALL, SearchAgentWorkflow, echo, parse_action
-from areal_hpc.config import DatasetConfig, RewardConfig, RolloutConfig
+from areal_hpc.config import DatasetConfig, RewardConfig, RolloutConfig, load_config
 from areal_hpc.data.registry import build_task
 from areal_hpc.data.rewards import RewardPool, RewardRequest
 from areal_hpc.data.tasks import Example
@@ -480,15 +481,21 @@ def test_the_tiny_model_runs_12_turns_on_a_real_server_and_its_record_is_exact(
 
 @pytest.mark.slow
 def test_a_short_training_run_of_the_search_agent_runs_more_than_10_turns_an_episode(tiny_model_dir, tmp_path):
-    train_path, test_path, _ = write_dataset(tmp_path / "data")
+    """The config's data is written by its command; the warm-up trains on the demonstrations
+    (rl.sft_warmup_path), not the RL questions; then RL runs episodes of more than 10 turns (the warm-up is 2
+    steps: the model still never answers)."""
+    data = tmp_path / "data"
+    demos_path = data / "demos.jsonl"
+    paths = [f"dataset.path={data / 'train.jsonl'}", f"dataset.eval_path={data / 'test.jsonl'}"]
+    paths.append(f"rl.sft_warmup_path={demos_path}")
+    assert dataset.main(["--config", "configs/agent_search.yaml", *paths]) == 0
     result = run_cli(
         "train",
         "--config",
         "configs/agent_search.yaml",
         f"model.path={tiny_model_dir}",
         f"cluster.fileroot={tmp_path}",
-        f"dataset.path={train_path}",
-        f"dataset.eval_path={test_path}",
+        *paths,
         "rl.total_train_steps=2",
         "rl.eval_every_steps=0",
         "dataset.eval_size=1",
@@ -496,7 +503,8 @@ def test_a_short_training_run_of_the_search_agent_runs_more_than_10_turns_an_epi
         "rollout.consumer_batch_size=2",
         "rollout.max_concurrent_rollouts=2",
         "generation.max_new_tokens=4",
-        "rl.sft_warmup_steps=0",
+        "rl.sft_warmup_steps=2",
+        "sft.batch_size=2",
         "rollout.workflow_args.max_turns=12",
         "stats.tensorboard=false",
         "stats.plot=false",
@@ -508,3 +516,5 @@ def test_a_short_training_run_of_the_search_agent_runs_more_than_10_turns_an_epi
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["rollout/turns"] > 10 and r["rollout/failures_total"] == 0 and "reward/f1" in r for r in steps)
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
+    warm_up = load_config(str(tmp_path / "agent_search" / "trial0" / "sft_warmup" / "config.yaml"), [])
+    assert warm_up.dataset.path == str(demos_path) and "SFT custom: 1320 train /" in result.stdout

@@ -32,6 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from recording import train_command
+from run_processes import process_tree, pss_mib
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -76,23 +80,16 @@ def run_dir(agent: Agent, root: Path, seed: int) -> Path:
 def run_seed(agent: Agent, root: Path, seed: int, overrides: list[str]) -> None:
     """Run one seed, sampling the PSS summed over the run's processes every half second (its peak is
     recorded with the wall time in ``wall.json``)."""
-    from run_processes import process_tree, pss_mib
-
     folder = root / f"seed{seed}"
     folder.mkdir(parents=True, exist_ok=True)
     overrides = [*agent.data_overrides(root), *overrides]
     started, load_before, peak = time.time(), os.getloadavg(), 0.0
-    command = [
-        sys.executable,
-        "-m",
-        "areal_hpc",
-        "train",
-        "--config",
+    command = train_command(
         agent.config,
         f"cluster.fileroot={folder}",
         f"experiment.seed={seed}",
         *overrides,
-    ]
+    )
     with (folder / "train.log").open("w") as log:
         run = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         while run.poll() is None:
@@ -159,10 +156,13 @@ def forced_search(config: Path, model_dir: Path, questions: int = 66) -> float:
     model, tokenizer = load_model(model_dir).eval(), load_tokenizer(model_dir)
     forced = tokenizer.encode("<search>", add_special_tokens=False)
 
-    def greedy(first_turn: list[bool]):
+    def greedy():
+        """A generate that decodes greedily in process, its first call's output starting with ``<search>``."""
+        first = True
+
         async def generate(input_ids, params):
-            prefix = forced if first_turn.pop() else []
-            first_turn.append(False)
+            nonlocal first
+            prefix, first = (forced if first else []), False
             with torch.no_grad():
                 out = model.generate(
                     torch.tensor([list(input_ids) + prefix]),
@@ -178,7 +178,7 @@ def forced_search(config: Path, model_dir: Path, questions: int = 66) -> float:
     workflow, right = build_workflow(cfg.rollout), 0.0
     with RewardPool(cfg.reward.fn) as pool:
         for example in examples[:questions]:
-            settings = EpisodeSettings(greedy([True]), tokenizer, Sampling(cfg.generation.max_new_tokens), Scorer(pool))
+            settings = EpisodeSettings(greedy(), tokenizer, Sampling(cfg.generation.max_new_tokens), Scorer(pool))
             [record] = asyncio.run(run_episode(workflow, EpisodeContext(settings), example))
             right += record.reward
     return right / min(questions, len(examples))

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record
+from recording import machine, run_and_record, train_command
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/quickstart.yaml"
@@ -188,19 +188,14 @@ def run_setting(root: Path, model: Path, name: str, overrides: list[str], steps:
     load_at_start = wait_until_quiet()
     (busy, ours), started = cpu_seconds(), time.monotonic()
     launch = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_hpc",
-            "train",
-            "--config",
+        train_command(
             CONFIG,
             f"cluster.fileroot={fileroot}",
             f"model.path={model}",
             "rl.sft_warmup_steps=0",
             f"rl.total_train_steps={steps}",
             *overrides,
-        ],
+        ),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

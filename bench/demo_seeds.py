@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record
+from recording import machine, run_and_record, train_command
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/quickstart.yaml"
@@ -38,17 +38,12 @@ TARGETS = {"sft_range": (0.35, 0.60), "sft_spread": 0.05, "gain": 0.20, "wall_s"
 def run_seed(root: Path, seed: int, overrides: list[str]) -> dict:
     started = time.time()
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_hpc",
-            "train",
-            "--config",
+        train_command(
             CONFIG,
             f"cluster.fileroot={root}",
             f"experiment.seed={seed}",
             *overrides,
-        ],
+        ),
         cwd=REPO,
         check=True,
         stdout=subprocess.PIPE,

@@ -100,7 +100,7 @@ import itertools
 
 from async_vs_sync import cpu_seconds
 from peer_trl_child import answer_reward
-from recording import machine, machine_and_versions, record_name, save
+from recording import machine, machine_and_versions, record_name, save, train_command
 from run_processes import process_tree, pss_mib
 
 from areal_hpc.config import load_config
@@ -313,12 +313,7 @@ def run_ours(
     """Ours' run; (its row, the model folders of the checkpoints of the ``wanted`` steps)."""
     fileroot = fresh(root / f"ours-seed{seed}")
     run_dir, kept = (fileroot / RUN_FILE).parent, fileroot / "kept"
-    command = [
-        sys.executable,
-        "-m",
-        "areal_hpc",
-        "train",
-        "--config",
+    command = train_command(
         CONFIG,
         *base_overrides(model, seed, steps, extra),
         "rl.eval_every_steps=0",
@@ -326,7 +321,7 @@ def run_ours(
         f"cluster.fileroot={fileroot}",
         "stats.tensorboard=false",
         "stats.plot=false",
-    ]
+    )
     tracked, samples = run_tracked(
         console,
         f"ours, seed {seed}",

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import REPO, machine, run_and_record
+from recording import REPO, machine, run_and_record, train_command
 from rl_step import export
 
 IMPORTS = ("import torch", "import torch, areal_hpc.train.driver", "import torch, areal_hpc.rollout.server")
@@ -58,17 +58,12 @@ def run_seconds(package_root: Path, model: Path, fileroot: Path) -> float:
     shutil.rmtree(fileroot, ignore_errors=True)
     started = time.time()
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_hpc",
-            "train",
-            "--config",
+        train_command(
             str(REPO / "configs/quickstart.yaml"),
             f"model.path={model}",
             f"cluster.fileroot={fileroot}",
             *SMALL_RUN,
-        ],
+        ),
         cwd=package_root,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(package_root), "HF_HUB_OFFLINE": "1"},
         check=True,

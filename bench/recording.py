@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -104,6 +105,11 @@ def run_and_record(name: str, args, run, report, plot=None) -> None:
         stem = save(name, result, text)
         if plot is not None:
             plot(result, stem.with_suffix(".png"))
+
+
+def train_command(config: str, *overrides: str) -> list[str]:
+    """``areal-hpc train --config CONFIG key=value ...`` as this Python runs it."""
+    return [sys.executable, "-m", "areal_hpc", "train", "--config", config, *overrides]
 
 
 def once(done: Path, command: list[str], log: Path) -> float:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from async_vs_sync import cpu_seconds
-from recording import machine, machine_and_versions, run_and_record
+from recording import machine, machine_and_versions, run_and_record, train_command
 from run_processes import role
 
 from areal_hpc.config import load_config
@@ -117,12 +117,7 @@ def last_step(metrics: Path) -> int:
 def run_once(tree: Path, overrides: list[str], model: Path, fileroot: Path, steps: int, skip: int) -> dict:
     """One ``areal-hpc train`` of ``tree``: medians of the step's parts, CPU per step by role, other load."""
     shutil.rmtree(fileroot, ignore_errors=True)
-    command = [
-        sys.executable,
-        "-m",
-        "areal_hpc",
-        "train",
-        "--config",
+    command = train_command(
         CONFIG,
         f"model.path={model}",
         "rl.sft_warmup_steps=0",
@@ -133,7 +128,7 @@ def run_once(tree: Path, overrides: list[str], model: Path, fileroot: Path, step
         "stats.tensorboard=false",
         f"cluster.fileroot={fileroot}",
         *overrides,
-    ]
+    )
     metrics = fileroot / "quickstart" / "trial0" / "metrics.jsonl"
     process = subprocess.Popen(
         command,

@@ -29,7 +29,7 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recording import machine, run_and_record
+from recording import machine, run_and_record, train_command
 from run_processes import process_tree, pss_mib, role
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,19 +61,14 @@ def sample_roles(root: int, done: threading.Event, samples: list) -> None:
 
 def run_variant(name: str, args, fileroot: Path) -> dict:
     overrides, env = VARIANTS[name]
-    command = [
-        sys.executable,
-        "-m",
-        "areal_hpc",
-        "train",
-        "--config",
+    command = train_command(
         "configs/quickstart.yaml",
         f"model.path={args.start_model}",
         "rl.sft_warmup_steps=0",
         f"rl.total_train_steps={args.steps}",
         f"cluster.fileroot={fileroot}",
         *overrides,
-    ]
+    )
     samples, done = [], threading.Event()
     with open(fileroot.with_suffix(".log"), "w") as log:
         process = subprocess.Popen(

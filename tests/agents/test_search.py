@@ -125,6 +125,16 @@ def test_every_answer_is_reached_by_searching_and_opening_the_pages_of_its_hops(
         assert name == q.answer and titles.count(q.answer) == 1
 
 
+def test_the_data_command_refuses_a_config_that_names_no_search_files_in_one_line(capsys, tmp_path):
+    assert dataset.main(["--config", "configs/quickstart.yaml", f"cluster.fileroot={tmp_path}"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: configs/quickstart.yaml: writing the search agent's data needs rollout.workflow: ")
+    assert error.count("\n") == 1 and not any(tmp_path.iterdir())
+    with pytest.raises(SystemExit) as usage:
+        dataset.main([])
+    assert usage.value.code == 2 and "give FOLDER, or --config CONFIG" in capsys.readouterr().err
+
+
 def test_the_written_files_are_a_custom_task_scored_by_exact_match(tmp_path):
     train_path, test_path, demos_path = write_dataset(tmp_path / "data")
     assert [r["question"] for r in read_json_lines(train_path)] == [r["question"] for r in rows(0)[0]]

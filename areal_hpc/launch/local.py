@@ -3,7 +3,8 @@
     areal-hpc train --config configs/quickstart.yaml [--resume[=auto]] [key=value ...]
 
 1. the starting model: ``model.path``, or a fresh ``model.preset`` written into the run folder;
-2. on a fresh run with ``rl.sft_warmup_steps``: SFT warm-up (``areal-hpc sft``) into ``<run>/sft_warmup``;
+2. on a fresh run with ``rl.sft_warmup_steps``: SFT warm-up (``areal-hpc sft``) into ``<run>/sft_warmup``
+   (on the CPU a fork of the fork server, which is closed while it runs: ``roles.run_stage``);
 3. ``rollout.n_servers`` rollout servers (``areal-hpc serve``) and ``rl.trainer_processes`` trainer ranks
    (torch.distributed, rank 0 drives and prints progress), started together: the servers load while the
    trainers set up (not during the warm-up, whose peak they would add to).

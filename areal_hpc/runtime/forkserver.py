@@ -4,7 +4,8 @@ trainer ranks): one interpreter imports what they all import, the modules the la
 starts as a fork of it, so those pages are shared instead of copied per process. Importing them costs a
 process ~380-450 MB, most of the quickstart's memory; shared, they cost it once. The launcher closes the
 fork server once every process is started (what no child shares is then freed): the quickstart's RL run
-peaked at 0.86 GiB instead of 1.17 (``bench/run_memory.py``).
+peaked at 0.86 GiB instead of 1.17 (``bench/run_memory.py``). It also closes it while the SFT warm-up, its
+only child for minutes, runs, and starts another after it (``launch.roles.run_stage``).
 
     launcher ── fork server (imports once, then waits for commands on its stdin)
        └─ adopted: rollout server 0, trainer rank 0, ...  (forked twice, so the launcher is their parent)
@@ -51,7 +52,7 @@ def _prctl(option: int, value) -> None:
 
 class Forker:
     """The launcher's handle on the fork server (a process, not a server of the run's requests: hence not
-    ``ForkServer``): ``start()`` it, ``spawn()`` children through it, ``close()``."""
+    ``ForkServer``): ``start()`` it, ``spawn()`` children through it, ``close()`` it (then it may start again)."""
 
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
         """``preload``: the modules the server imports before its first fork (what its children will import;

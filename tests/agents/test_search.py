@@ -43,7 +43,7 @@ from tests.conftest import embedded_server, run_cli
 REWARD_FN = "areal_hpc.agents.search.reward:exact_match_f1"
 # sha256 of the seed-0 world (pages and questions): the same on every machine; a change to the generator
 # changes every data set written with it (update this then, on purpose)
-WORLD_SHA256 = "2b5f456eba0a9ca59f869bdf98f9d47909a44aad0d7c102e3f8e9a07d3b7e352"
+WORLD_SHA256 = "6e6a89597f6d48cf87e865d905ab29293f31444b557b0200d0252f4ca26f3d7d"
 
 
 def world_digest(world) -> str:
@@ -101,27 +101,29 @@ def test_the_world_of_a_seed_is_always_the_same_and_made_in_well_under_a_second(
     )
     assert not set(name_words) & (set(STOPWORDS_EN) | template_words)
     hops = [q.hops for q in world.questions]
-    assert len(world.questions) == 330 and set(hops) == {2, 3} and hops.count(3) == 60
+    assert len(world.questions) == 460 and {h: hops.count(h) for h in set(hops)} == {1: 190, 2: 210, 3: 60}
+    assert all(q.question.endswith(f"{world.by_id[q.path[0]].title}?") for q in world.questions)
     train, test = rows(0)
-    assert (len(train), len(test)) == (264, 66) and rows(0) == (train, test)
+    assert (len(train), len(test)) == (368, 92) and rows(0) == (train, test)
     assert not {r["question"] for r in train} & {r["question"] for r in test}
 
 
 @pytest.mark.parametrize("named", [True, False])
 def test_every_answer_is_reached_by_searching_and_opening_the_pages_of_its_hops(named):
-    """Search the entity the question names: its page is the top hit; open it: it names the next
-    entity; ... the last page's title is the answer, and no other page has that title."""
+    """Search the entity the question names: its page is the top hit, and the result's snippet ends with the
+    next entity (the name to search next is the last one read); open it: it names the next entity; ... the
+    last page's title is the answer, and no other page has that title."""
     world, index = build_world(0, named), get_index(0, named)
     titles = [p.title for p in world.pages]
     for q in world.questions:
         name = world.by_id[q.path[0]].title
-        assert name in q.question
+        assert q.question.endswith(f"{name}?")
         for here, there in zip(q.path, q.path[1:] + (None,)):
             hits = index.search(name, k=3)
             assert hits[0][0] == here, (q.question, name, hits)
             if there is not None:
                 name = world.by_id[there].title
-                assert name in index.open_page(here)
+                assert name in index.open_page(here) and hits[0][2].endswith(f" {name}."), hits[0]
         assert name == q.answer and titles.count(q.answer) == 1
 
 
@@ -142,9 +144,9 @@ def test_the_written_files_are_a_custom_task_scored_by_exact_match(tmp_path):
     task = build_task(
         DatasetConfig(task="custom", path=str(train_path), eval_path=str(test_path)), RewardConfig(fn=REWARD_FN)
     )
-    assert (len(task.train), len(task.eval)) == (264, 66)
+    assert (len(task.train), len(task.eval)) == (368, 92)
     example = task.eval[0]
-    assert example.prompt.startswith("Answer the question with tools") and example.fields["hops"] in (2, 3)
+    assert example.prompt.startswith("Answer the question with tools") and example.fields["hops"] in (1, 2, 3)
     assert example.fields["path"][-1].startswith(("city-", "country-"))
     request = RewardRequest(
         example.prompt, f"<answer> {example.answer.upper()}. </answer>", [], [], example.reward_fields()
@@ -384,7 +386,7 @@ def test_every_demonstration_is_token_for_token_an_episode_the_workflow_runs_and
     demos = demonstrations(workflow)
     examples = examples_from_rows(demos, DatasetConfig(task="custom"), "demos")
     assert {r["demo"] for r in demos} == {"search", "read", "direct"}
-    assert {r["world"] for r in demos} == set(range(1, 1 + DEMO_WORLDS)) and len(demos) == 330 * DEMO_WORLDS
+    assert {r["world"] for r in demos} == set(range(1, 1 + DEMO_WORLDS)) and len(demos) == 460 * DEMO_WORLDS
     for row, example in list(zip(demos, examples))[:40]:
         [(ids, mask)] = sft_sequences(tokenizer, example)
         turns = [m["content"] for m in example.messages if m["role"] == "assistant"] or [example.target]

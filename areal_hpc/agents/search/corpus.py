@@ -1,16 +1,23 @@
 """The search agent's local corpus and its multi-hop questions, generated in code from a seed.
 
 A fictional world: countries, cities (each in one country), people (each born in one city) and
-companies (each founded by one person, headquartered in one city), one short page each, with an id
+companies (each founded by one person), one short page each, with an id
 (``city-07``) and a title (the entity's name). Every name is a made-up word used once in the whole
 world, so a question's answer is unambiguous and searching a name finds its page.
 
-Questions follow 2 or 3 hops through the pages::
+Questions take 1 to 3 lookups, each the search for a name the question or the last result gives::
 
-    In which country was the founder of Kelvoro Systems born?   company -> person -> city -> country
-    In which city was the founder of Kelvoro Systems born?      company -> person -> city
-    In which country is Kelvoro Systems headquartered?          company -> city -> country
-    In which country was Velmora Quist born?                    person -> city -> country
+    Birth country of the founder of Kelvoro Systems?   company -> person -> city -> country
+    Birth city of the founder of Kelvoro Systems?      company -> person -> city
+    Birth country of Velmora Quist?                    person -> city -> country
+    Birth city of Velmora Quist?                       person -> city
+    Country of Stelan?                                 city -> country
+
+Each question ends with the name it starts from, and each page ends with the name its hop leads to (a
+company's founder, a person's birthplace, a city's country): the name to search for next is always the
+last one read. That is what lets a tiny model learn the loop: with page ids for names
+(``named=False``) every copy is then of a fixed form at a fixed distance, as the calculator copies
+its operands.
 
 ``corpus(seed)`` and ``questions(seed)`` are cached per process; ``dataset`` writes them as the files a
 run reads.
@@ -122,7 +129,7 @@ _RESERVED = set(
             *(w for pair in _INDUSTRIES for w in pair),
             *_SETTINGS,
             "country part continent capital other cities million inhabitants city lies "
-            "has about born was company founded headquarters are which founder headquartered "
+            "has about born birth was company founded headquarters are which founder with "
             "question there their these those where while about after before other",
         ]
     )
@@ -172,9 +179,10 @@ def build_world(seed: int = 0, named: bool = True) -> World:
 
     countries = [(f"country-{i:02d}", called(f"country-{i:02d}", names.word())) for i in range(N_COUNTRIES)]
     cities = []  # (id, name, country index)
-    for c in range(N_COUNTRIES):
+    city_numbers = rng.sample(range(N_COUNTRIES * CITIES_PER_COUNTRY), N_COUNTRIES * CITIES_PER_COUNTRY)
+    for c in range(N_COUNTRIES):  # numbered at random: which country city-07 is in differs between worlds
         for _ in range(CITIES_PER_COUNTRY):
-            cid = f"city-{len(cities):02d}"
+            cid = f"city-{city_numbers[len(cities)]:02d}"
             cities.append((cid, called(cid, names.word()), c))
     for c, (cid, country) in enumerate(countries):
         own = [name for _, name, country_of in cities if country_of == c]
@@ -188,14 +196,7 @@ def build_world(seed: int = 0, named: bool = True) -> World:
             )
         )
     for cid, city, c in cities:
-        pages.append(
-            Page(
-                cid,
-                city,
-                f"{city} is a city in {countries[c][1]}. {city} lies {rng.choice(_SETTINGS)} and "
-                f"has about {rng.randint(20, 900) * 1000} inhabitants.",
-            )
-        )
+        pages.append(Page(cid, city, f"{city} is a city {rng.choice(_SETTINGS)} in {countries[c][1]}."))
 
     people = []  # (id, name, city index)
     for i in range(N_PEOPLE):
@@ -206,48 +207,29 @@ def build_world(seed: int = 0, named: bool = True) -> World:
             Page(
                 people[-1][0],
                 name,
-                f"{name} (born {rng.randint(1900, 1990)}) is {_a(profession)} "
-                f"{profession}. {name} was born in {cities[city][1]}.",
+                f"{name} is {_a(profession)} {profession} born in {cities[city][1]}.",
             )
         )
 
     for i in range(N_COMPANIES):
         industry, suffix = rng.choice(_INDUSTRIES)
         pid = f"company-{i:02d}"
-        name, founder, hq = called(pid, f"{names.word()} {suffix}"), rng.randrange(N_PEOPLE), rng.randrange(len(cities))
-        pages.append(
-            Page(
-                pid,
-                name,
-                f"{name} is {_a(industry)} {industry} company founded in {rng.randint(1920, 2020)} by "
-                f"{people[founder][1]}. Its headquarters are in {cities[hq][1]}.",
-            )
-        )
+        name, founder = called(pid, f"{names.word()} {suffix}"), rng.randrange(N_PEOPLE)
+        pages.append(Page(pid, name, f"{name} is {_a(industry)} {industry} company founded by {people[founder][1]}."))
         fid, _, born = people[founder]
+        city, country = cities[born], countries[cities[born][2]]
         questions += [
-            Question(
-                f"In which country was the founder of {name} born?",
-                countries[cities[born][2]][1],
-                3,
-                (pid, fid, cities[born][0], countries[cities[born][2]][0]),
-            ),
-            Question(f"In which city was the founder of {name} born?", cities[born][1], 2, (pid, fid, cities[born][0])),
-            Question(
-                f"In which country is {name} headquartered?",
-                countries[cities[hq][2]][1],
-                2,
-                (pid, cities[hq][0], countries[cities[hq][2]][0]),
-            ),
+            Question(f"Birth country of the founder of {name}?", country[1], 3, (pid, fid, city[0], country[0])),
+            Question(f"Birth city of the founder of {name}?", city[1], 2, (pid, fid, city[0])),
         ]
     for pid, name, born in people:
-        questions.append(
-            Question(
-                f"In which country was {name} born?",
-                countries[cities[born][2]][1],
-                2,
-                (pid, cities[born][0], countries[cities[born][2]][0]),
-            )
-        )
+        city, country = cities[born], countries[cities[born][2]]
+        questions += [
+            Question(f"Birth country of {name}?", country[1], 2, (pid, city[0], country[0])),
+            Question(f"Birth city of {name}?", city[1], 1, (pid, city[0])),
+        ]
+    for cid, city, c in cities:
+        questions.append(Question(f"Country of {city}?", countries[c][1], 1, (cid, countries[c][0])))
     return World(tuple(pages), tuple(questions))
 
 

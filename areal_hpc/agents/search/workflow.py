@@ -2,7 +2,7 @@
 next message, for up to ``max_turns`` turns.
 
 - ``<search>words</search>``: the ``top_k`` best pages of the local corpus (BM25), as
-  ``[page id] title: snippet`` lines;
+  ``[page id] title: snippet`` lines (``[page id] snippet`` where the title is the id);
 - ``<open>page id</open>``: the page's text (at most ``page_chars``);
 - ``<answer>text</answer>``: ends the episode.
 
@@ -87,7 +87,10 @@ class SearchAgentWorkflow:
             results = index.search(argument[:MAX_QUERY_CHARS], self.top_k, self.snippet_chars)
             if not results:
                 return f"no results for: {echo(argument)}"
-            lines = [f"[{page_id}] {title}: {snippet}" for page_id, title, snippet in results]
+            lines = [
+                f"[{page_id}] {snippet}" if title == page_id else f"[{page_id}] {title}: {snippet}"
+                for page_id, title, snippet in results
+            ]
             return "<information>\n" + "\n".join(lines) + "\n</information>"
         try:
             text = index.open_page(argument, self.page_chars)

@@ -146,7 +146,7 @@ def test_the_written_files_are_a_custom_task_scored_by_exact_match(tmp_path):
     )
     assert (len(task.train), len(task.eval)) == (368, 92)
     example = task.eval[0]
-    assert example.prompt.startswith("Answer the question with tools") and example.fields["hops"] in (1, 2, 3)
+    assert example.prompt == prompt_of(example.fields["question"]) and example.fields["hops"] in (1, 2, 3)
     assert example.fields["path"][-1].startswith(("city-", "country-"))
     request = RewardRequest(
         example.prompt, f"<answer> {example.answer.upper()}. </answer>", [], [], example.reward_fields()
@@ -529,4 +529,4 @@ def test_a_short_training_run_of_the_search_agent_runs_more_than_10_turns_an_epi
     assert all(r["rollout/turns"] > 10 and r["rollout/failures_total"] == 0 and "reward/f1" in r for r in steps)
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
     warm_up = load_config(str(tmp_path / "agent_search" / "trial0" / "sft_warmup" / "config.yaml"), [])
-    assert warm_up.dataset.path == str(demos_path) and "SFT custom: 1320 train /" in result.stdout
+    assert warm_up.dataset.path == str(demos_path) and "SFT custom: 1840 train /" in result.stdout

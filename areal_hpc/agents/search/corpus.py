@@ -31,10 +31,7 @@ from dataclasses import dataclass
 
 N_COUNTRIES, CITIES_PER_COUNTRY, N_PEOPLE, N_COMPANIES = 10, 4, 150, 60
 
-INSTRUCTIONS = (
-    "Answer the question with tools, one per turn: <search>words</search>, <open>page id</open>, "
-    "then <answer>answer</answer>."
-)
+INSTRUCTIONS = "One tool call a turn: <search>words</search>, <open>page id</open> or <answer>answer</answer>."
 
 _ONSETS = [
     "b",

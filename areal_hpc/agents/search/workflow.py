@@ -2,7 +2,7 @@
 next message, for up to ``max_turns`` turns.
 
 - ``<search>words</search>``: the ``top_k`` best pages of the local corpus (BM25), as
-  ``[page id] title: snippet`` lines (``[page id] snippet`` where the title is the id);
+  ``[page id] title: snippet`` lines (the snippet alone where the title is the id, which starts it);
 - ``<open>page id</open>``: the page's text (at most ``page_chars``);
 - ``<answer>text</answer>``: ends the episode.
 
@@ -88,7 +88,7 @@ class SearchAgentWorkflow:
             if not results:
                 return f"no results for: {echo(argument)}"
             lines = [
-                f"[{page_id}] {snippet}" if title == page_id else f"[{page_id}] {title}: {snippet}"
+                snippet if title == page_id else f"[{page_id}] {title}: {snippet}"
                 for page_id, title, snippet in results
             ]
             return "<information>\n" + "\n".join(lines) + "\n</information>"

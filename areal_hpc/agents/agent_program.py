@@ -39,7 +39,7 @@ KIND = "agent_program"
 KEY = "rollout.workflow_args"
 LAST_WORDS_CHARS = 300  # of a failed program's stderr, in its failure line
 # Slurm signals every process of a job at once (a requeue, scancel): a program ended by SIGTERM gives the run
-# this long to stop and cancel its episode (the stop's doing, not a failure) before it counts as failed.
+# this long to see the signal (its episode's failure is then the stop's doing, not counted) before it fails.
 STOP_GRACE_S = 2.0
 
 

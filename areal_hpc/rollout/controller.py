@@ -15,7 +15,9 @@ rewards is trained, those samples scoring 0). Failures are counted by kind in ``
 reward failure per reward call; a reward that returned no finite number is ``reward_invalid``), which
 keeps the first message of each kind with the user's file and line, and charged to a ``FailureBudget``:
 once it is spent, or once every server is gone, the controller stops submitting and ``prepare_batch``
-raises a one-line error.
+raises a one-line error. Once the run is stopping (``stopping`` is set: Slurm signalled every process of
+the job at once, the servers, reward workers and agent programs too) an episode's failure is the stop's
+doing: neither counted nor charged, and an episode with a failed reward is not trained.
 Groups the ``accept`` filter rejects (DAPO's dynamic sampling) are counted in ``filtered``.
 """
 
@@ -144,13 +146,16 @@ class RolloutController:
         on_drop: Callable[[Episode], None] | None = None,
         budget: FailureBudget | None = None,
         accept_executor: concurrent.futures.Executor | None = None,
+        stopping: asyncio.Event | None = None,
     ):
         """``on_accept`` stores accepted episodes, those that finished while the previous call ran in
-        one call (``CoalescedCommits``), on ``accept_executor`` (None: asyncio's default threads)."""
+        one call (``CoalescedCommits``), on ``accept_executor`` (None: asyncio's default threads);
+        ``stopping``: set once the run received a stop signal."""
         self.client, self.workflow, self.gate = client, workflow, gate
         self.accept, self.on_drop = accept, on_drop
         self._commits = None if on_accept is None else CoalescedCommits(on_accept, accept_executor)
         self.budget = budget or FailureBudget()
+        self.stopping = stopping or asyncio.Event()
         # A list is cycled; an iterator (e.g. an endless, resumable prompt stream) is used as it is.
         self._examples = examples if isinstance(examples, Iterator) else itertools.cycle(examples)
         self._ready = ReadyQueue()
@@ -261,7 +266,10 @@ class RolloutController:
         accepted = False
         try:
             trajectories = await self.workflow.run(self.client, example)
-            failed_rewards = self._log_reward_failures(example, trajectories)
+            failed = reward_failures(trajectories)
+            if failed and self.stopping.is_set():
+                return  # reward workers are signalled too: the stop's doing, neither counted nor trained
+            failed_rewards = self._log_reward_failures(example, failed)
             if failed_rewards and len(failed_rewards) == sum(len(t.rewards) for t in trajectories):
                 self._charge(f"{example.uid}: every reward failed, the last: {failed_rewards[-1]}")
                 return  # nothing to learn from: not trained
@@ -283,20 +291,15 @@ class RolloutController:
             cause = _leaf(exc)  # a workflow's TaskGroup wraps its samples' errors in an ExceptionGroup
             if isinstance(cause, NoServerError):
                 self._stop(cause)
-            else:
+            elif not self.stopping.is_set():
                 kind, message = failure_of(cause)
                 self._fail(kind, f"{example.uid}: {message}")
         finally:
             self.gate.finish(accepted)
             self._changed.set()
 
-    def _log_reward_failures(self, example: Example, trajectories: list[Trajectory]) -> list[str]:
-        """Count each failed reward of the episode (the workflow records them in the metadata)."""
-        failed = [
-            (kind, error)
-            for t in trajectories
-            for kind, error in zip(t.metadata.get("reward_error_kind", ()), t.metadata.get("reward_error", ()))
-        ]
+    def _log_reward_failures(self, example: Example, failed: list[tuple[str, str]]) -> list[str]:
+        """Count each failed reward of the episode, (kind, error); their errors."""
         for kind, error in failed:
             self.failures.add(f"reward_{kind}", f"{example.uid}: {error}")
         return [error for _, error in failed]
@@ -321,6 +324,15 @@ class RolloutController:
         if not self._fatal.done():
             self._fatal.set_exception(error)
             self._changed.set()  # the submit loop sees it and ends
+
+
+def reward_failures(trajectories: list[Trajectory]) -> list[tuple[str, str]]:
+    """(kind, error) of each failed reward of an episode (the workflow records them in the metadata)."""
+    return [
+        (kind, error)
+        for t in trajectories
+        for kind, error in zip(t.metadata.get("reward_error_kind", ()), t.metadata.get("reward_error", ()))
+    ]
 
 
 def _leaf(exc: BaseException) -> BaseException:

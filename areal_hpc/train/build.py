@@ -156,6 +156,7 @@ def build_controller(
     version: int,
     on_drop,
     commit_executor: concurrent.futures.Executor | None = None,
+    stopping: asyncio.Event | None = None,
 ) -> RolloutController:
     """The run's rollout controller; accepted groups are committed to the shards on ``commit_executor`` (those
     that finished during the previous commit together)."""
@@ -187,6 +188,7 @@ def build_controller(
         on_drop=on_drop,
         budget=FailureBudget.from_config(cfg.rollout.failure_budget),
         accept_executor=commit_executor,
+        stopping=stopping,
     )
 
 

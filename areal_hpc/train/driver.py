@@ -45,7 +45,7 @@ async def drive(cfg: RunConfig, trainer: Trainer, state: dict, early: EarlyStopS
     push -> evaluate and checkpoint. A stop signal saves the last trained step (``StopRequested``).
     The run's exit status (``RLRun.finish``)."""
     stop = StopGuard(early)
-    async with RLRun.open(cfg, trainer, state) as run:
+    async with RLRun.open(cfg, trainer, state, stop.event) as run:
         for step in range(run.version, cfg.rl.total_train_steps):
             started = time.perf_counter()
             # The staleness gate admits episodes all along; servers generate them, the reward pool scores them.

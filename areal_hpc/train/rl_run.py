@@ -69,6 +69,7 @@ class RLRun:
         client: RolloutClient,
         placement: ThreadPlacement,
         teacher: Teacher | None,
+        stopping: asyncio.Event,
     ):
         self.cfg, self.trainer, self.task, self.workflow, self.progress = cfg, trainer, task, workflow, progress
         self.placement, self.teacher = placement, teacher
@@ -97,6 +98,7 @@ class RLRun:
             self.version,
             on_drop=self._drop,
             commit_executor=placement.shard_commits,
+            stopping=stopping,
         )
         self.controller.restore(recovered_episodes(consumer, self.version))
         self.controller.dropped = state.get("dropped", 0)
@@ -108,7 +110,8 @@ class RLRun:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: RunConfig, trainer: Trainer, state: dict) -> AsyncIterator[RLRun]:
+    async def open(cls, cfg: RunConfig, trainer: Trainer, state: dict, stopping: asyncio.Event) -> AsyncIterator[RLRun]:
+        """``stopping``: set once a stop signal arrived (an episode failing after it is the stop's doing)."""
         # the update on this process's cores (or a child's there), this thread on the rollout side's
         with ThreadPlacement(training_elsewhere=trainer.trains_elsewhere) as placement:
             tokenizer, model_dir = trainer.engines["actor"].tokenizer, cfg.tokenizer.path or cfg.model.path
@@ -149,6 +152,7 @@ class RLRun:
                         client,
                         placement,
                         teacher,
+                        stopping,
                     )
                     await run._start(servers)
                     try:

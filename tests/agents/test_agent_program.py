@@ -166,34 +166,64 @@ PROGRAMS = {
 }
 
 
+@contextlib.asynccontextmanager
+async def program_controller(model_dir, command: str, stopping: asyncio.Event | None = None):
+    """A started controller whose episodes run ``command`` (timeout 0.5 s) on ``QUESTION``; one failure
+    spends its budget."""
+    tokenizer = load_tokenizer(model_dir)
+    async with RolloutClient(["127.0.0.1:9"]) as client:  # never contacted: the program asks nothing
+        with RewardPool(rewards_for_tests.exact_answer, workers=0) as pool:
+            async with ChatGateway(client.generate, model_dir) as chat:
+                settings = EpisodeSettings(client.generate, tokenizer, Sampling(4), Scorer(pool), chat)
+                groups = EpisodeGroups(workflow(command=command, timeout_s=0.5), lambda _: settings, 1, "sums")
+                controller = RolloutController(
+                    client,
+                    groups,
+                    StalenessGate(1, 0, 1),
+                    [QUESTION],
+                    budget=FailureBudget(max_consecutive=1),
+                    stopping=stopping,
+                )
+                await controller.start()
+                try:
+                    yield controller
+                finally:
+                    await controller.stop()
+
+
 @pytest.mark.parametrize("program", list(PROGRAMS))
 def test_a_failing_program_is_counted_as_agent_program_with_one_line(tiny_model_dir, tmp_path, program):
     code, words = PROGRAMS[program]
     path = tmp_path / "agent.py"
     path.write_text(code)
-    tokenizer = load_tokenizer(tiny_model_dir)
 
     async def run():
-        async with RolloutClient(["127.0.0.1:9"]) as client:  # never contacted: the program asks nothing
-            with RewardPool(rewards_for_tests.exact_answer, workers=0) as pool:
-                async with ChatGateway(client.generate, tiny_model_dir) as chat:
-                    settings = EpisodeSettings(client.generate, tokenizer, Sampling(4), Scorer(pool), chat)
-                    groups = EpisodeGroups(
-                        workflow(command=f"python {path}", timeout_s=0.5), lambda _: settings, 1, "sums"
-                    )
-                    controller = RolloutController(
-                        client, groups, StalenessGate(1, 0, 1), [QUESTION], budget=FailureBudget(max_consecutive=1)
-                    )
-                    await controller.start()
-                    with pytest.raises(RolloutFailure) as failed:
-                        await asyncio.wait_for(controller.prepare_batch(1), 60)
-                    await controller.stop()
-                    return failed.value, controller.failures
+        async with program_controller(tiny_model_dir, f"python {path}") as controller:
+            with pytest.raises(RolloutFailure) as failed:
+                await asyncio.wait_for(controller.prepare_batch(1), 60)
+            return failed.value, controller.failures
 
     error, failures = asyncio.run(run())
     line = f"q: python {path} {words.format(path)}"
     assert failures.counts == {"agent_program": 1} and failures.first["agent_program"] == line
     assert "1 episodes in a row failed (agent_program 1)" in str(error) and str(error).endswith(line)
+
+
+def test_programs_a_stop_signal_ended_are_not_failures(tiny_model_dir, tmp_path):
+    """Slurm signals the job's processes at once: a program killed by SIGTERM while the run's own stop signal
+    is on its way (seen up to a second later, while the trainer is busy) is the stop's doing, neither counted
+    nor charged; so is every failure after the signal. Episodes go on being tried until the run stops."""
+    (tmp_path / "agent.py").write_text(PROGRAMS["killed"][0])
+
+    async def run():
+        stopping = asyncio.Event()
+        async with program_controller(tiny_model_dir, f"python {tmp_path / 'agent.py'}", stopping) as controller:
+            asyncio.get_running_loop().call_later(1.0, stopping.set)
+            while controller.started < 3 and controller.submitting:  # two ended by the signal, the third running
+                await asyncio.sleep(0.05)
+            return controller.failures.total, controller.budget.spent(), controller.submitting
+
+    assert asyncio.run(run()) == (0, None, True)
 
 
 def test_a_cancelled_episode_ends_its_program_and_what_the_program_started(tiny_model_dir, tmp_path):
@@ -356,7 +386,8 @@ def test_an_agent_program_trains_in_one_slurm_job_and_a_requeue_loses_no_episode
     recovered = {i for i in untrained_at(run, resumed) if records[i].created < requeued}
     after = [i for step in range(resumed + 1, total + 1) for i in audit.effective[step]]
     assert 1 <= resumed < total and set(after[: len(recovered)]) <= recovered  # oldest first
-    assert not (run / "logs" / "failures.log").exists()
+    failures = run / "logs" / "failures.log"
+    assert not failures.exists(), failures.read_text()
     tokenizer = load_tokenizer(tool_calling_model)
     trained = [records[i] for i in audit.trained]
     assert trained and all(len(r.segments) == 2 and r.reward == 1.0 for r in trained)

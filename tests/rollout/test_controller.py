@@ -15,7 +15,7 @@ from areal_hpc.agents.engine import Sampling
 from areal_hpc.agents.multi_turn_math import MultiTurnMathWorkflow
 from areal_hpc.data.rewards import RewardPool
 from areal_hpc.data.tasks import Example
-from areal_hpc.data.trajectory import Segment, Trajectory
+from areal_hpc.data.trajectory import Reward, Segment, Trajectory
 from areal_hpc.models.hf import load_model, load_tokenizer, save_model
 from areal_hpc.rollout.client import RolloutClient
 from areal_hpc.rollout.controller import Episode, RolloutController
@@ -251,3 +251,47 @@ def test_a_failing_on_accept_does_not_leak_a_gate_place():
     shown = r"store: (\w+): OSError: disk full \(tests/rollout/test_controller\.py:\d+\)"
     assert sorted(re.fullmatch(shown, message).group(1) for message in failures.recent) == sorted(lost)
     assert not lost & {t.group_id for e in batch for t in e.trajectories}
+
+
+class OneRewardTimesOut:
+    """A workflow whose episodes score two samples, the second's reward timed out (as it does when Slurm's
+    signal ends the reward worker scoring it)."""
+
+    async def run(self, client, example):
+        await asyncio.sleep(0)
+        failed = {"reward_error_kind": ["timeout"], "reward_error": ["reward timed out after 5s"]}
+        return [
+            Trajectory([Segment([1], [2], [-0.5], [0])], group_id=example.uid, rewards=[Reward(1.0)]),
+            Trajectory([Segment([1], [3], [-0.5], [0])], group_id=example.uid, rewards=[Reward(0.0)], metadata=failed),
+        ]
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_after_the_stop_signal_an_episode_with_a_failed_reward_is_neither_counted_nor_trained(stopping):
+    """Before the run's stop signal, the episode trains (the failed sample scoring 0) and its failure is
+    counted; after it, the failure is the stop's doing: the episode is dropped, nothing counted."""
+    stored = []
+
+    async def run():
+        async with RolloutClient(["127.0.0.1:9"]) as client:  # never contacted by this workflow
+            signal_seen = asyncio.Event()
+            if stopping:
+                signal_seen.set()
+            controller = RolloutController(
+                client,
+                OneRewardTimesOut(),
+                StalenessGate(1, 8, 1),
+                examples(4),
+                on_accept=stored.extend,
+                stopping=signal_seen,
+            )
+            await controller.start()
+            await wait_until(lambda: controller.started >= 3, 30, "three episodes started")
+            await controller.stop()
+            return controller.failures
+
+    failures = asyncio.run(run())
+    if stopping:
+        assert stored == [] and failures.total == 0
+    else:
+        assert stored and failures.counts["reward_timeout"] == len(stored)

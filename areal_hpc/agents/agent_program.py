@@ -34,13 +34,11 @@ from pathlib import Path
 from areal_hpc.data.tasks import Example
 from areal_hpc.errors import UserError, traceback_location
 from areal_hpc.rollout.controller import EpisodeFailure
+from areal_hpc.runtime.run_state import STOP_GRACE_S
 
 KIND = "agent_program"
 KEY = "rollout.workflow_args"
 LAST_WORDS_CHARS = 300  # of a failed program's stderr, in its failure line
-# Slurm signals every process of a job at once (a requeue, scancel): a program ended by SIGTERM gives the run
-# this long to see the signal (its episode's failure is then the stop's doing, not counted) before it fails.
-STOP_GRACE_S = 2.0
 
 
 class AgentProgramWorkflow:
@@ -104,8 +102,8 @@ class AgentProgramWorkflow:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
-        if process.returncode == -signal.SIGTERM:
-            await asyncio.sleep(STOP_GRACE_S)
+        if process.returncode == -signal.SIGTERM:  # Slurm's, maybe: the run sees its own signal meanwhile, and
+            await asyncio.sleep(STOP_GRACE_S)  # the controller does not count a failure after it
         if process.returncode:
             raise EpisodeFailure(KIND, f"{self.command} {exit_status(process.returncode)}{last_words(err)}")
         try:

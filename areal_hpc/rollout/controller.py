@@ -269,9 +269,9 @@ class RolloutController:
             failed = reward_failures(trajectories)
             if failed and self.stopping.is_set():
                 return  # reward workers are signalled too: the stop's doing, neither counted nor trained
-            failed_rewards = self._log_reward_failures(example, failed)
-            if failed_rewards and len(failed_rewards) == sum(len(t.rewards) for t in trajectories):
-                self._charge(f"{example.uid}: every reward failed, the last: {failed_rewards[-1]}")
+            self._log_reward_failures(example, failed)
+            if failed and len(failed) == sum(len(t.rewards) for t in trajectories):
+                self._charge(f"{example.uid}: every reward failed, the last: {failed[-1][1]}")
                 return  # nothing to learn from: not trained
             if not self.accept(trajectories):
                 self.filtered += 1
@@ -298,11 +298,10 @@ class RolloutController:
             self.gate.finish(accepted)
             self._changed.set()
 
-    def _log_reward_failures(self, example: Example, failed: list[tuple[str, str]]) -> list[str]:
-        """Count each failed reward of the episode, (kind, error); their errors."""
+    def _log_reward_failures(self, example: Example, failed: list[tuple[str, str]]) -> None:
+        """Count each failed reward of the episode, (kind, error)."""
         for kind, error in failed:
             self.failures.add(f"reward_{kind}", f"{example.uid}: {error}")
-        return [error for _, error in failed]
 
     def _fail(self, kind: str, message: str) -> None:
         self.failures.add(kind, message)

@@ -11,6 +11,9 @@ from areal_hpc.errors import UserError
 # Exit code of a trainer that was told to stop (SIGUSR2 before a time limit or preemption, SIGTERM)
 # and saved a checkpoint first: its launcher requeues the job, which resumes from that checkpoint.
 SAVED_AND_STOPPED = 75  # EX_TEMPFAIL: "try again later"
+# Slurm signals every process of a job at once (a requeue, scancel): servers, reward workers and agent programs
+# may fail before the trainer has seen its signal. An error waits this long for the stop that may have caused it.
+STOP_GRACE_S = 2.0
 
 
 # What any run (RL, SFT, DPO, RM) leaves in its folder once it has started; its launch helpers (the initial

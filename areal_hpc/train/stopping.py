@@ -15,8 +15,9 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+from areal_hpc.runtime.run_state import STOP_GRACE_S
+
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-STOP_GRACE_S = 2.0  # how long an error waits for the stop signal that may have caused it
 T = TypeVar("T")
 
 
